@@ -1,0 +1,36 @@
+"""SeaBiscuit: run models too big for one device across the machines you have.
+
+The pipeline, one stage a module: ``trace`` -> ``decompose`` -> cost ->
+placement -> lower -> runtime.
+
+>>> import seabiscuit_dask as sb                               # doctest: +SKIP
+>>> g = sb.decompose(sb.trace(model, x), budget="16MiB")       # doctest: +SKIP
+>>> y = sb.run_local(g, x, weights=model)                       # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from . import config  # noqa: E402  (loads seabiscuit.yaml defaults into dask.config)
+from .decompose import decompose  # noqa: E402
+from .errors import (  # noqa: E402
+    BadCheckpoint,
+    BadInput,
+    BudgetTooSmall,
+    ClusterTooSmall,
+    InvalidGraph,
+    SeaBiscuitError,
+    UnsupportedModel,
+    WorkerLost,
+)
+from .ir import Op, OpCost, OpGraph, ParamSource, ParamSpec, TensorSpec, verify  # noqa: E402
+from .runtime import run_local  # noqa: E402
+from .trace import bind_checkpoint, empty_weights, trace  # noqa: E402
+
+__all__ = [
+    "BadCheckpoint", "BadInput", "BudgetTooSmall", "ClusterTooSmall", "InvalidGraph", "Op",
+    "OpCost", "OpGraph", "ParamSource", "ParamSpec", "SeaBiscuitError", "TensorSpec",
+    "UnsupportedModel", "WorkerLost", "bind_checkpoint", "config", "decompose",
+    "empty_weights", "run_local", "trace", "verify",
+]

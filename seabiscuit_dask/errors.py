@@ -1,0 +1,39 @@
+"""One error hierarchy: every failure a user can cause is a ``SeaBiscuitError``.
+
+Each message names the object at fault and the numbers involved, so that a
+user can act on it without reading a traceback.
+"""
+
+from __future__ import annotations
+
+
+class SeaBiscuitError(Exception):
+    """Base class of every error SeaBiscuit raises on purpose."""
+
+
+class UnsupportedModel(SeaBiscuitError):
+    """The object is not a model SeaBiscuit can trace, or its export failed."""
+
+
+class BadInput(SeaBiscuitError):
+    """Inputs do not match what the graph was traced for."""
+
+
+class BudgetTooSmall(SeaBiscuitError):
+    """Some op cannot be split to fit the per-op memory budget."""
+
+
+class BadCheckpoint(SeaBiscuitError):
+    """A checkpoint file is unreadable, truncated, or does not match the model."""
+
+
+class InvalidGraph(SeaBiscuitError):
+    """An OpGraph breaks one of its invariants (see ``verify``)."""
+
+
+class ClusterTooSmall(SeaBiscuitError):
+    """The cluster cannot hold the model."""
+
+
+class WorkerLost(SeaBiscuitError):
+    """A worker was lost and its work could not be recovered."""

@@ -1,0 +1,424 @@
+"""The operator-graph IR: small, frozen, framework-neutral data.
+
+Nothing here imports torch or dask. Ops refer to tensors and parameters by
+name; a graph saves to JSON and loads back equal.
+
+JSON schema (``OpGraph.to_json``, ``schema`` = 1)::
+
+    {
+      "schema": 1,
+      "inputs":  ["input_ids", ...],            # graph input tensor names, in call order
+      "outputs": ["logits", ...],               # graph output tensor names (flattened)
+      "meta":    {...},                         # free-form: name, in_spec/out_spec, budget, ...
+      "tensors": {"<name>": {"shape": [1, 8, 32], "dtype": "float32"}, ...},
+      "params":  {"<name>": {"shape": [64, 32], "dtype": "float32",
+                             "source": {"kind": "model" | "safetensors" | "inline",
+                                        "key": "<state-dict key>",
+                                        "slices": [[0, 64], [0, 32]] | null,
+                                        "file": "<path>" | null,
+                                        "data": [..flat values..] | null}}, ...},
+      "ops": [{"name": "model.layers.0.mlp.up_proj.linear_4.c1",
+               "kind": "linear", "target": "aten.linear.default",
+               "inputs": [...tensor names...], "outputs": [...], "params": [...],
+               "attrs": {"args": [...], "kwargs": {...}, ...},
+               "scope": "model.layers.0.mlp.up_proj.c1", "flops": 65536}, ...]
+    }
+
+Ops are listed in topological order. In ``attrs["args"]`` a tensor operand is
+``{"t": name}``, a parameter ``{"p": name}``; dtypes, devices, layouts and memory
+formats are ``{"dtype": "float32"}``-style objects and non-finite floats are
+``{"float": "inf"}``. ``slices`` are ``[start, stop)`` ranges into the stored
+tensor named by ``key`` (``null``: the whole tensor), so a weight tile loads
+only its own bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
+from types import MappingProxyType
+from typing import Any
+
+from .errors import InvalidGraph
+
+SCHEMA_VERSION = 1
+
+DTYPE_BYTES = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
+    "complex64": 8, "complex128": 16,
+    "float8_e4m3fn": 1, "float8_e5m2": 1,
+}
+
+
+def freeze(value: Any) -> Any:
+    """Recursively turn dicts into read-only mappings and lists into tuples."""
+    if isinstance(value, Mapping):
+        return MappingProxyType({k: freeze(v) for k, v in value.items()})
+    if isinstance(value, (list, tuple)):
+        return tuple(freeze(v) for v in value)
+    return value
+
+
+def thaw(value: Any) -> Any:
+    """Inverse of ``freeze`` for JSON output: mappings -> dicts, tuples -> lists."""
+    if isinstance(value, Mapping):
+        return {k: thaw(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [thaw(v) for v in value]
+    return value
+
+
+def fmt_bytes(n: float) -> str:
+    """Human-readable byte count (binary units)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Shape and dtype of one tensor."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * DTYPE_BYTES.get(self.dtype, 4)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"shape": list(self.shape), "dtype": self.dtype}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> TensorSpec:
+        return cls(tuple(int(s) for s in d["shape"]), str(d["dtype"]))
+
+
+@dataclass(frozen=True)
+class ParamSource:
+    """Where a parameter's bytes live.
+
+    ``kind`` is ``"model"`` (a tensor of the model in memory, by state-dict key),
+    ``"safetensors"`` (``key`` inside ``file``) or ``"inline"`` (small constants
+    stored in ``data``, flattened). ``slices`` select a tile of the stored tensor.
+    """
+
+    kind: str
+    key: str
+    slices: tuple[tuple[int, int], ...] | None = None
+    file: str | None = None
+    data: tuple[Any, ...] | None = None
+
+    def sliced(self, dim: int, start: int, stop: int, full_shape: tuple[int, ...]) -> ParamSource:
+        """The source of ``self[..., start:stop, ...]`` along ``dim`` of the current view."""
+        base = self.slices or tuple((0, s) for s in full_shape)
+        lo, _ = base[dim]
+        new = list(base)
+        new[dim] = (lo + start, lo + stop)
+        return ParamSource(self.kind, self.key, tuple(new), self.file, self.data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "key": self.key,
+            "slices": [list(s) for s in self.slices] if self.slices is not None else None,
+            "file": self.file,
+            "data": list(self.data) if self.data is not None else None,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> ParamSource:
+        slices = d.get("slices")
+        data = d.get("data")
+        return cls(
+            kind=str(d["kind"]),
+            key=str(d["key"]),
+            slices=tuple((int(a), int(b)) for a, b in slices) if slices is not None else None,
+            file=d.get("file"),
+            data=tuple(data) if data is not None else None,
+        )
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """A weight (or weight tile): its shape, dtype and where its bytes live."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    source: ParamSource
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPE_BYTES.get(self.dtype, 4)
+
+    @property
+    def is_tile(self) -> bool:
+        return self.source.slices is not None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"shape": list(self.shape), "dtype": self.dtype, "source": self.source.to_dict()}
+
+    @classmethod
+    def from_dict(cls, name: str, d: Mapping[str, Any]) -> ParamSpec:
+        return cls(name, tuple(int(s) for s in d["shape"]), str(d["dtype"]),
+                   ParamSource.from_dict(d["source"]))
+
+
+@dataclass(frozen=True)
+class Op:
+    """One operation: ``outputs = target(*args)``, with operands named in ``attrs``."""
+
+    name: str
+    kind: str
+    target: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    params: tuple[str, ...] = ()
+    attrs: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    scope: str = ""
+    flops: int = 0
+
+    def __post_init__(self) -> None:
+        # NOTE: attrs are frozen on construction so that an Op is immutable all the way down.
+        object.__setattr__(self, "attrs", freeze(self.attrs))
+        object.__setattr__(self, "inputs", tuple(self.inputs))
+        object.__setattr__(self, "outputs", tuple(self.outputs))
+        object.__setattr__(self, "params", tuple(self.params))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name, "kind": self.kind, "target": self.target,
+            "inputs": list(self.inputs), "outputs": list(self.outputs),
+            "params": list(self.params), "attrs": thaw(self.attrs),
+            "scope": self.scope, "flops": self.flops,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Op:
+        return cls(
+            name=d["name"], kind=d["kind"], target=d["target"],
+            inputs=tuple(d["inputs"]), outputs=tuple(d["outputs"]),
+            params=tuple(d.get("params", ())), attrs=d.get("attrs", {}),
+            scope=d.get("scope", ""), flops=int(d.get("flops", 0)),
+        )
+
+
+@dataclass(frozen=True)
+class OpCost:
+    """Sizes of one op: what it computes and what it must hold in memory."""
+
+    flops: int
+    param_bytes: int
+    input_bytes: int
+    output_bytes: int
+
+    @property
+    def working_set_bytes(self) -> int:
+        return self.param_bytes + self.input_bytes + self.output_bytes
+
+
+@dataclass(frozen=True)
+class OpGraph:
+    """A frozen operator graph. Passes return new graphs; nothing edits one in place."""
+
+    ops: tuple[Op, ...]
+    tensors: Mapping[str, TensorSpec]
+    params: Mapping[str, ParamSpec]
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    meta: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ops", tuple(self.ops))
+        object.__setattr__(self, "tensors", MappingProxyType(dict(self.tensors)))
+        object.__setattr__(self, "params", MappingProxyType(dict(self.params)))
+        object.__setattr__(self, "inputs", tuple(self.inputs))
+        object.__setattr__(self, "outputs", tuple(self.outputs))
+        object.__setattr__(self, "meta", freeze(self.meta))
+
+    def __repr__(self) -> str:
+        name = self.meta.get("name", "graph")
+        return (f"<OpGraph {name}: {len(self.ops)} ops, {len(self.params)} params "
+                f"({fmt_bytes(self.param_bytes)}), inputs={list(self.inputs)}>")
+
+    # --- derived views -------------------------------------------------------------
+    @cached_property
+    def op_by_name(self) -> Mapping[str, Op]:
+        return MappingProxyType({op.name: op for op in self.ops})
+
+    @cached_property
+    def producer(self) -> Mapping[str, str]:
+        """tensor name -> name of the op producing it."""
+        return MappingProxyType({t: op.name for op in self.ops for t in op.outputs})
+
+    @cached_property
+    def consumers(self) -> Mapping[str, tuple[str, ...]]:
+        """tensor name -> names of the ops reading it."""
+        out: dict[str, list[str]] = {}
+        for op in self.ops:
+            for t in dict.fromkeys(op.inputs):
+                out.setdefault(t, []).append(op.name)
+        return MappingProxyType({k: tuple(v) for k, v in out.items()})
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(p.nbytes for p in self.params.values())
+
+    def with_meta(self, **updates: Any) -> OpGraph:
+        meta = {**thaw(self.meta), **updates}
+        return OpGraph(self.ops, self.tensors, self.params, self.inputs, self.outputs, meta)
+
+    def cost(self, op: Op) -> OpCost:
+        """Flops and bytes of ``op``: params + distinct inputs + outputs."""
+        return OpCost(
+            flops=op.flops,
+            param_bytes=sum(self.params[p].nbytes for p in dict.fromkeys(op.params)),
+            input_bytes=sum(self.tensors[t].nbytes for t in dict.fromkeys(op.inputs)),
+            output_bytes=sum(self.tensors[t].nbytes for t in op.outputs),
+        )
+
+    def working_set(self, op: Op) -> int:
+        return self.cost(op).working_set_bytes
+
+    # --- presentation --------------------------------------------------------------
+    def summary(self, budget: int | None = None) -> str:
+        """A table: ops by kind, total params, largest op, count over budget."""
+        budget = budget if budget is not None else self.meta.get("budget_bytes")
+        by_kind: Counter[str] = Counter()
+        flops_by_kind: Counter[str] = Counter()
+        ws_by_kind: dict[str, int] = {}
+        largest: tuple[int, str] = (0, "-")
+        over = 0
+        for op in self.ops:
+            ws = self.working_set(op)
+            by_kind[op.kind] += 1
+            flops_by_kind[op.kind] += op.flops
+            ws_by_kind[op.kind] = max(ws_by_kind.get(op.kind, 0), ws)
+            largest = max(largest, (ws, op.name))
+            if budget is not None and ws > budget:
+                over += 1
+        lines = [f"{'kind':<12} {'ops':>7} {'GFLOP':>10} {'max working set':>16}"]
+        for kind, n in by_kind.most_common():
+            lines.append(f"{kind:<12} {n:>7} {flops_by_kind[kind] / 1e9:>10.3f} "
+                         f"{fmt_bytes(ws_by_kind[kind]):>16}")
+        lines.append(f"{'total':<12} {len(self.ops):>7} "
+                     f"{sum(flops_by_kind.values()) / 1e9:>10.3f}")
+        tiles = sum(1 for p in self.params.values() if p.is_tile)
+        lines.append(f"params: {len(self.params)} ({tiles} tiles), {fmt_bytes(self.param_bytes)}")
+        lines.append(f"largest op: {largest[1]} ({fmt_bytes(largest[0])})")
+        if budget is not None:
+            lines.append(f"over budget ({fmt_bytes(budget)}): {over}")
+        return "\n".join(lines)
+
+    # --- serialisation -------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA_VERSION,
+            "inputs": list(self.inputs),
+            "outputs": list(self.outputs),
+            "meta": thaw(self.meta),
+            "tensors": {k: v.to_dict() for k, v in self.tensors.items()},
+            "params": {k: v.to_dict() for k, v in self.params.items()},
+            "ops": [op.to_dict() for op in self.ops],
+        }
+
+    def to_json(self, indent: int | None = None) -> str:
+        return json.dumps(self.to_dict(), indent=indent, allow_nan=False)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> OpGraph:
+        if d.get("schema") != SCHEMA_VERSION:
+            raise InvalidGraph(f"OpGraph schema {d.get('schema')!r} is not supported "
+                               f"(this version reads schema {SCHEMA_VERSION})")
+        return cls(
+            ops=tuple(Op.from_dict(o) for o in d["ops"]),
+            tensors={k: TensorSpec.from_dict(v) for k, v in d["tensors"].items()},
+            params={k: ParamSpec.from_dict(k, v) for k, v in d["params"].items()},
+            inputs=tuple(d["inputs"]),
+            outputs=tuple(d["outputs"]),
+            meta=d.get("meta", {}),
+        )
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> OpGraph:
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise InvalidGraph(f"not an OpGraph JSON document: {e}") from e
+        return cls.from_dict(d)
+
+
+def _refs(value: Any, tag: str) -> Iterable[str]:
+    if isinstance(value, Mapping):
+        if tag in value and len(value) == 1:
+            yield value[tag]
+        else:
+            for v in value.values():
+                yield from _refs(v, tag)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _refs(v, tag)
+
+
+def verify(graph: OpGraph, budget: int | None = None) -> OpGraph:
+    """Check the graph's invariants; raise ``InvalidGraph`` naming the first broken one.
+
+    Topological order, every input produced exactly once before it is read,
+    operand references in ``attrs`` consistent with ``inputs``/``params``, tile
+    shapes consistent with their slices, and (when ``budget`` is given) every
+    op's working set within it. Returns the graph, so it chains.
+    """
+    available = set(graph.inputs)
+    for name in graph.inputs:
+        if name not in graph.tensors:
+            raise InvalidGraph(f"graph input {name!r} has no TensorSpec")
+    names: set[str] = set()
+    for i, op in enumerate(graph.ops):
+        if op.name in names:
+            raise InvalidGraph(f"op name {op.name!r} is used twice (op #{i})")
+        names.add(op.name)
+        for t in op.inputs:
+            if t not in available:
+                raise InvalidGraph(f"op {op.name!r} (#{i}) reads {t!r} before anything produces it")
+        for p in op.params:
+            if p not in graph.params:
+                raise InvalidGraph(f"op {op.name!r} reads unknown param {p!r}")
+        if "args" in op.attrs:
+            ts = set(_refs((op.attrs["args"], op.attrs.get("kwargs", {})), "t"))
+            ps = set(_refs((op.attrs["args"], op.attrs.get("kwargs", {})), "p"))
+            if ts != set(op.inputs) or ps != set(op.params):
+                raise InvalidGraph(f"op {op.name!r}: operands in args {sorted(ts | ps)} differ "
+                                   f"from declared inputs/params {sorted(op.inputs + op.params)}")
+        for t in op.outputs:
+            if t in available:
+                raise InvalidGraph(f"tensor {t!r} is produced twice (again by {op.name!r})")
+            if t not in graph.tensors:
+                raise InvalidGraph(f"op {op.name!r} output {t!r} has no TensorSpec")
+            available.add(t)
+        if budget is not None:
+            ws = graph.working_set(op)
+            if ws > budget:
+                raise InvalidGraph(f"op {op.name!r} needs {fmt_bytes(ws)} ({ws} bytes), "
+                                   f"budget is {fmt_bytes(budget)} ({budget} bytes)")
+    for t in graph.outputs:
+        if t not in available and t not in graph.params:
+            raise InvalidGraph(f"graph output {t!r} is never produced")
+    for p in graph.params.values():
+        if p.source.slices is not None:
+            extent = tuple(b - a for a, b in p.source.slices)
+            if extent != p.shape:
+                raise InvalidGraph(f"param {p.name!r} has shape {p.shape} but its slices "
+                                   f"{p.source.slices} select {extent}")
+    return graph

@@ -1,0 +1,137 @@
+"""What SeaBiscuit knows about operation targets, without importing torch.
+
+``kind_of(target)`` gives the canonical kind that decomposition and cost
+understand; ``row_split_forbidden_dims`` says along which output dims an op
+may be cut into independent strips (``None``: it may not).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+LINEAR = {"aten.linear.default", "aten.addmm.default"}
+MATMUL = {"aten.mm.default", "aten.matmul.default", "aten.bmm.default"}
+CONV = {"aten.conv1d.default", "aten.conv2d.default", "aten.conv3d.default"}
+EMBEDDING = {"aten.embedding.default", "sb.embedding_rows"}
+ATTENTION = {"aten.scaled_dot_product_attention.default"}
+
+ELEMENTWISE = {
+    f"aten.{n}"
+    for n in (
+        "add.Tensor", "add.Scalar", "sub.Tensor", "sub.Scalar", "rsub.Scalar", "mul.Tensor",
+        "mul.Scalar", "div.Tensor", "div.Scalar", "div.Tensor_mode", "pow.Tensor_Scalar",
+        "pow.Tensor_Tensor", "neg.default", "exp.default", "log.default", "sqrt.default",
+        "rsqrt.default", "tanh.default", "sigmoid.default", "relu.default", "relu_.default",
+        "gelu.default", "silu.default", "silu_.default", "hardtanh.default", "abs.default",
+        "cos.default", "sin.default", "erf.default", "clamp.default", "clamp_min.default",
+        "where.self", "masked_fill.Scalar", "masked_fill.Tensor", "dropout.default",
+        "to.dtype", "to.dtype_layout", "to.device", "_to_copy.default", "type_as.default",
+        "eq.Tensor", "eq.Scalar", "ne.Scalar", "ne.Tensor", "ge.Scalar", "le.Tensor",
+        "lt.Scalar", "gt.Scalar", "__and__.Tensor", "__or__.Tensor", "logical_not.default",
+        "bitwise_not.default", "hardswish.default", "hardsigmoid.default", "leaky_relu.default",
+        "elu.default", "minimum.default", "maximum.default", "reciprocal.default",
+        "contiguous.default", "clone.default", "alias.default", "detach.default",
+    )
+}
+NORM = {
+    "aten.layer_norm.default", "aten.batch_norm.default", "aten.group_norm.default",
+    "aten.rms_norm.default", "aten.softmax.int", "aten._softmax.default",
+    "aten.log_softmax.int", "aten._log_softmax.default",
+    "aten._native_batch_norm_legit_no_training.default",
+}
+REDUCTION = {"aten.mean.dim", "aten.sum.dim_IntList", "aten.amax.default", "aten.cumsum.default",
+             "aten.max.dim", "aten.argmax.default", "aten.diff.default"}
+POOL = {
+    "aten.max_pool1d.default", "aten.max_pool2d.default", "aten.max_pool3d.default",
+    "aten.avg_pool1d.default", "aten.avg_pool2d.default", "aten.avg_pool3d.default",
+    "aten.adaptive_avg_pool1d.default", "aten.adaptive_avg_pool2d.default",
+    "aten.adaptive_avg_pool3d.default", "aten.adaptive_max_pool2d.default",
+}
+VIEW = {
+    f"aten.{n}"
+    for n in (
+        "view.default", "reshape.default", "_unsafe_view.default", "transpose.int",
+        "permute.default", "unsqueeze.default", "squeeze.dim", "squeeze.default",
+        "expand.default", "slice.Tensor", "select.int", "flatten.using_ints",
+        "split.Tensor", "split_with_sizes.default", "chunk.default", "unbind.int",
+        "t.default", "narrow.default", "unflatten.int", "repeat.default",
+    )
+}
+CONCAT = {"aten.cat.default", "aten.stack.default"}
+CREATION = {
+    f"aten.{n}"
+    for n in ("arange.default", "arange.start", "arange.start_step", "full.default",
+              "zeros.default", "ones.default", "new_ones.default", "new_zeros.default",
+              "full_like.default", "zeros_like.default", "ones_like.default", "scalar_tensor.default")
+}
+INDEX = {"aten.index.Tensor", "aten.gather.default", "aten.index_select.default"}
+
+_KINDS: list[tuple[set[str], str]] = [
+    (LINEAR, "linear"), (MATMUL, "matmul"), (CONV, "conv"), (EMBEDDING, "embedding"),
+    (ATTENTION, "attention"), (ELEMENTWISE, "elementwise"), (NORM, "norm"),
+    (REDUCTION, "reduction"), (POOL, "pool"), (VIEW, "view"), (CONCAT, "concat"),
+    (CREATION, "creation"), (INDEX, "index"),
+]
+
+# Ops that check metadata and produce nothing; tracing drops them.
+ASSERTS = {
+    "aten._assert_tensor_metadata.default", "aten._assert_async.msg",
+    "aten._assert_scalar.default", "aten.sym_constrain_range_for_size.default",
+    "aten._functional_assert_async.msg",
+}
+
+
+def kind_of(target: str) -> str:
+    """Canonical kind of a target; ``opaque`` when decomposition knows nothing of it."""
+    for targets, kind in _KINDS:
+        if target in targets:
+            return kind
+    return "opaque"
+
+
+def _norm_dims(dims: Sequence[int] | int, rank: int) -> set[int]:
+    if isinstance(dims, int):
+        dims = [dims]
+    return {d % rank for d in dims} if rank else set()
+
+
+def row_split_forbidden_dims(target: str, args: Sequence[Any], out_rank: int) -> set[int] | None:
+    """Output dims along which ``target`` may NOT be cut into strips.
+
+    ``None`` means the op cannot be strip-split at all. Strip splitting slices the
+    activation inputs that broadcast (right-aligned) along the chosen dim, runs the
+    op on each strip and concatenates the strips: exact for these ops.
+    """
+    if target in ELEMENTWISE:
+        return set()
+    if target in {"aten.softmax.int", "aten._softmax.default", "aten.log_softmax.int",
+                  "aten._log_softmax.default", "aten.cumsum.default"}:
+        return _norm_dims(args[1], out_rank)
+    if target in {"aten.layer_norm.default", "aten.rms_norm.default"}:
+        n = len(args[1])
+        return set(range(out_rank - n, out_rank))
+    if target in {"aten.batch_norm.default", "aten._native_batch_norm_legit_no_training.default",
+                  "aten.group_norm.default"}:
+        # NOTE: per-channel params are not right-aligned, so never cut the channel dim.
+        return {1} | ({*range(2, out_rank)} if target == "aten.group_norm.default" else set())
+    if target in POOL:
+        return set(range(2, out_rank))
+    if target in {"aten.mean.dim", "aten.sum.dim_IntList", "aten.amax.default"}:
+        keep = len(args) > 2 and bool(args[2])
+        return _norm_dims(args[1], out_rank) if keep else None
+    return None
+
+
+def operand(args: Sequence[Any], i: int, default: Any = None) -> Any:
+    """Positional argument ``i`` of a normalised argument list, or ``default``."""
+    return args[i] if i < len(args) else default
+
+
+def ref_name(value: Any) -> tuple[str, str] | None:
+    """``("t", name)`` / ``("p", name)`` when ``value`` is an operand reference."""
+    if isinstance(value, Mapping) and len(value) == 1:
+        (tag, name), = value.items()
+        if tag in ("t", "p"):
+            return tag, name
+    return None

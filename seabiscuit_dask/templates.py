@@ -1,0 +1,143 @@
+"""Templates: a traced (and decomposed) architecture, reused across parameter sets.
+
+Tracing and decomposition depend only on a model's architecture and the shapes
+of its inputs, not on its weights. Both are cached under a key built from the
+architecture (module tree, parameter shapes and dtypes, config, the source of
+every module class) and the input shapes: in memory for this process, and as
+JSON files under ``seabiscuit.cache.directory`` for the next one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import os
+import tempfile
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from functools import cache
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from . import __version__, config
+from .ir import SCHEMA_VERSION, OpGraph
+
+MEMORY_ENTRIES = 32
+_memory: OrderedDict[str, OpGraph] = OrderedDict()
+stats = {"memory_hits": 0, "disk_hits": 0, "misses": 0}
+
+
+@cache
+def _class_source_hash(cls: type) -> str:
+    try:
+        src = inspect.getsource(cls)
+    except (OSError, TypeError):
+        src = f"{cls.__module__}.{cls.__qualname__}"
+    return hashlib.sha256(src.encode()).hexdigest()[:16]
+
+
+def architecture_key(model: torch.nn.Module, args: tuple[Any, ...],
+                     kwargs: Mapping[str, Any]) -> str:
+    """A key that changes whenever tracing could produce a different graph."""
+    h = hashlib.sha256()
+
+    def put(*parts: Any) -> None:
+        for p in parts:
+            h.update(str(p).encode())
+            h.update(b"\0")
+
+    put(__version__, SCHEMA_VERSION, torch.__version__, type(model).__module__,
+        type(model).__qualname__, repr(model))
+    for cls in sorted({type(m) for m in model.modules()}, key=lambda c: c.__qualname__):
+        put(cls.__qualname__, _class_source_hash(cls))
+    for name, p in model.named_parameters(remove_duplicate=False):
+        put(name, tuple(p.shape), p.dtype, p.is_meta)
+    for name, b in model.named_buffers(remove_duplicate=False):
+        put(name, tuple(b.shape), b.dtype, b.is_meta)
+    cfg = getattr(model, "config", None)
+    if cfg is not None and hasattr(cfg, "to_json_string"):
+        put(cfg.to_json_string())
+    for leaf in pytree.tree_leaves((args, dict(kwargs))):
+        put(("T", tuple(leaf.shape), leaf.dtype) if isinstance(leaf, torch.Tensor) else repr(leaf))
+    return h.hexdigest()[:32]
+
+
+def _enabled() -> bool:
+    return bool(config.get("cache.enabled", True))
+
+
+def _path(key: str) -> str:
+    return os.path.join(config.cache_dir(), "templates", f"{key}.json")
+
+
+def lookup(key: str) -> OpGraph | None:
+    if not _enabled():
+        return None
+    if key in _memory:
+        _memory.move_to_end(key)
+        stats["memory_hits"] += 1
+        return _memory[key]
+    try:
+        with open(_path(key)) as f:
+            graph = OpGraph.from_json(f.read())
+    except (OSError, ValueError, KeyError):
+        # NOTE: a missing, stale or damaged cache file only costs a fresh trace.
+        return None
+    stats["disk_hits"] += 1
+    _remember(key, graph)
+    return graph
+
+
+def _remember(key: str, graph: OpGraph) -> None:
+    _memory[key] = graph
+    _memory.move_to_end(key)
+    while len(_memory) > MEMORY_ENTRIES:
+        _memory.popitem(last=False)
+
+
+def store(key: str, graph: OpGraph) -> None:
+    if not _enabled():
+        return
+    _remember(key, graph)
+    path = _path(key)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            f.write(graph.to_json())
+        os.replace(tmp, path)
+    except OSError:
+        pass  # NOTE: a read-only cache folder disables the disk cache, nothing else.
+
+
+def clear_memory() -> None:
+    _memory.clear()
+
+
+def cached_trace(model: torch.nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any],
+                 trace_fn: Callable[[], OpGraph]) -> OpGraph:
+    key = "t-" + architecture_key(model, args, kwargs)
+    graph = lookup(key)
+    if graph is None:
+        stats["misses"] += 1
+        graph = trace_fn().with_meta(template_key=key)
+        store(key, graph)
+    return graph
+
+
+def cached_decompose(graph: OpGraph, budget: int, allow_oversize: bool,
+                     fn: Callable[[OpGraph, int, bool], OpGraph]) -> OpGraph:
+    base = graph.meta.get("template_key")
+    if base is None:
+        return fn(graph, budget, allow_oversize)
+    parts = (base, budget, allow_oversize, graph.meta.get("budget_bytes"),
+             graph.meta.get("checkpoint"))
+    key = "d-" + hashlib.sha256(repr(parts).encode()).hexdigest()[:32]
+    result = lookup(key)
+    if result is None:
+        stats["misses"] += 1
+        result = fn(graph, budget, allow_oversize).with_meta(template_key=key)
+        store(key, result)
+    return result

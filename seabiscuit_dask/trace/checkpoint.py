@@ -1,0 +1,73 @@
+"""Binding a graph's parameters to a safetensors checkpoint, with full validation."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from typing import Any
+
+from ..errors import BadCheckpoint
+from ..ir import OpGraph, ParamSource, ParamSpec
+from ..weights import StoredTensor, read_safetensors_header, safetensors_files
+
+
+def _candidates(key: str, aliases: Iterable[str]) -> list[str]:
+    keys = [key, *aliases]
+    extra = []
+    for k in keys:
+        if "." in k:
+            extra.append(k.split(".", 1)[1])      # checkpoint saved without the head's prefix
+    return keys + extra
+
+
+def bind_checkpoint(graph: OpGraph, path: str | os.PathLike[str]) -> OpGraph:
+    """Return a graph whose parameters load from the safetensors checkpoint at ``path``.
+
+    Works before or after ``decompose``: tiles keep their slices. Every param must
+    be found (by key, a tied alias, or without its top-level prefix) with a stored
+    shape that holds its slices; otherwise ``BadCheckpoint`` lists what is missing
+    and which shapes differ.
+    """
+    stored: dict[str, StoredTensor] = {}
+    for f in safetensors_files(path):
+        stored.update(read_safetensors_header(f))
+    aliases: dict[str, Any] = dict(graph.meta.get("aliases", {}))
+    full_shapes: dict[str, tuple[int, ...]] = dict(
+        (k, tuple(v)) for k, v in graph.meta.get("param_shapes", {}).items())
+    missing: list[str] = []
+    mismatched: list[str] = []
+    params: dict[str, ParamSpec] = {}
+    for name, p in graph.params.items():
+        src = p.source
+        if src.kind == "inline":
+            params[name] = p
+            continue
+        hit = next((stored[k] for k in _candidates(src.key, aliases.get(src.key, ()))
+                    if k in stored), None)
+        if hit is None:
+            missing.append(src.key)
+            continue
+        expected = full_shapes.get(src.key, p.shape if src.slices is None else None)
+        if expected is not None and hit.shape != tuple(expected):
+            mismatched.append(f"{src.key}: checkpoint {hit.shape}, model {tuple(expected)}")
+            continue
+        if src.slices is not None and (len(src.slices) != len(hit.shape) or any(
+                b > s for (_, b), s in zip(src.slices, hit.shape))):
+            mismatched.append(f"{src.key}: tile {list(src.slices)} outside stored {hit.shape}")
+            continue
+        params[name] = ParamSpec(name, p.shape, p.dtype,
+                                 ParamSource("safetensors", hit.key, src.slices, hit.file))
+    if missing or mismatched:
+        parts = []
+        if missing:
+            uniq = sorted(set(missing))
+            parts.append(f"{len(uniq)} key(s) missing: {', '.join(uniq[:5])}"
+                         + (" ..." if len(uniq) > 5 else ""))
+        if mismatched:
+            uniq = sorted(set(mismatched))
+            parts.append(f"{len(uniq)} shape mismatch(es): {'; '.join(uniq[:5])}"
+                         + (" ..." if len(uniq) > 5 else ""))
+        raise BadCheckpoint(f"checkpoint {os.fspath(path)} does not match "
+                            f"{graph.meta.get('name', 'the model')}: " + "; ".join(parts))
+    return OpGraph(graph.ops, graph.tensors, params, graph.inputs, graph.outputs,
+                   {**dict(graph.meta), "checkpoint": os.fspath(path)})

@@ -1,0 +1,79 @@
+"""Building models without their weights: large tensors on ``meta``, small ones real.
+
+``empty_weights()`` sends every large factory allocation (the parameters) to the
+meta device while small tensors (rotary frequencies, position ids, norm weights)
+stay real, so non-persistent buffers that checkpoints do not carry keep their
+true values. A 40 GB model builds in well under a gigabyte.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from ..errors import UnsupportedModel
+
+_FACTORIES = {torch.empty, torch.zeros, torch.ones, torch.full, torch.rand, torch.randn,
+              torch.empty_strided}
+
+
+class _EmptyWeightsMode(TorchFunctionMode):
+    def __init__(self, threshold_bytes: int) -> None:
+        super().__init__()
+        self.threshold = threshold_bytes
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = dict(kwargs or {})
+        if func in _FACTORIES and kwargs.get("device") is None:
+            size = args[0] if args and isinstance(args[0], (tuple, list, torch.Size)) else \
+                [a for a in args if isinstance(a, int)]
+            dtype = kwargs.get("dtype") or torch.get_default_dtype()
+            if math.prod(size) * dtype.itemsize >= self.threshold:
+                kwargs["device"] = "meta"
+        return func(*args, **kwargs)
+
+
+@contextmanager
+def empty_weights(threshold_bytes: int = 1 << 20) -> Iterator[None]:
+    """Context manager: allocations of at least ``threshold_bytes`` go to ``meta``.
+
+    Examples
+    --------
+    >>> with empty_weights():                                    # doctest: +SKIP
+    ...     model = LlamaForCausalLM(big_config)   # no RAM for the weights
+    """
+    with _EmptyWeightsMode(threshold_bytes):
+        yield
+
+
+def load_hf_skeleton(folder: str | os.PathLike[str]) -> torch.nn.Module:
+    """The model of a Hugging Face folder (``config.json``), built without its weights."""
+    path = Path(folder)
+    cfg_file = path / "config.json"
+    if not cfg_file.exists():
+        raise UnsupportedModel(f"{path}: not a model folder (no config.json); pass an "
+                               "nn.Module, or a folder saved by save_pretrained")
+    try:
+        import transformers
+    except ImportError as e:  # pragma: no cover - transformers is a dependency
+        raise UnsupportedModel("loading a model folder needs the transformers package") from e
+    try:
+        archs = json.loads(cfg_file.read_text()).get("architectures") or []
+        config = transformers.AutoConfig.from_pretrained(str(path))
+    except Exception as e:  # noqa: BLE001
+        raise UnsupportedModel(f"{cfg_file}: cannot be read as a transformers config: {e}") from e
+    cls = getattr(transformers, archs[0], None) if archs else None
+    if cls is None:
+        raise UnsupportedModel(f"{cfg_file}: architecture {archs[:1] or 'missing'} is not a "
+                               "transformers model class")
+    with empty_weights():
+        model = cls(config)
+    return model.eval()

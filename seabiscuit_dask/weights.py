@@ -1,0 +1,176 @@
+"""Loading parameters and parameter tiles, from memory or from safetensors slices.
+
+A tile is read with ``safe_open(...).get_slice(key)[a:b, c:d]``: only its own
+bytes come off the disk, never the whole weight. Every read is recorded in
+``WeightStore.reads`` so callers (and tests) can see what was loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import BadCheckpoint
+from .ir import DTYPE_BYTES, ParamSpec
+
+SAFETENSORS_DTYPES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
+    "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+}
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """What a safetensors header says about one tensor."""
+
+    file: str
+    key: str
+    shape: tuple[int, ...]
+    dtype: str
+
+
+def read_safetensors_header(path: str | os.PathLike[str]) -> dict[str, StoredTensor]:
+    """Parse and check a safetensors header without reading any tensor data.
+
+    Raises ``BadCheckpoint`` for a file that is missing, truncated, or whose header
+    is not valid safetensors, naming the file and the sizes involved.
+    """
+    path = str(path)
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise BadCheckpoint(f"{path}: {size} bytes is too short for a safetensors header")
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8:
+                raise BadCheckpoint(f"{path}: header says {n} bytes of metadata but the file "
+                                    f"has only {size - 8} after the length field (truncated?)")
+            header = json.loads(f.read(n))
+    except OSError as e:
+        raise BadCheckpoint(f"{path}: cannot be read: {e}") from e
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BadCheckpoint(f"{path}: safetensors header is not valid JSON ({e})") from e
+    if not isinstance(header, dict):
+        raise BadCheckpoint(f"{path}: safetensors header is not a JSON object")
+    data_bytes = size - 8 - n
+    out: dict[str, StoredTensor] = {}
+    for key, info in header.items():
+        if key == "__metadata__":
+            continue
+        try:
+            dtype = SAFETENSORS_DTYPES[info["dtype"]]
+            shape = tuple(int(s) for s in info["shape"])
+            start, stop = (int(x) for x in info["data_offsets"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise BadCheckpoint(f"{path}: header entry for {key!r} is malformed: {info!r}") from e
+        need = DTYPE_BYTES[dtype]
+        for s in shape:
+            need *= s
+        if stop - start != need:
+            raise BadCheckpoint(f"{path}: tensor {key!r} {shape} {dtype} needs {need} bytes "
+                                f"but its offsets cover {stop - start}")
+        if stop > data_bytes:
+            raise BadCheckpoint(f"{path}: tensor {key!r} ends at byte {stop} of the data section "
+                                f"but the file holds only {data_bytes} data bytes (truncated)")
+        out[key] = StoredTensor(path, key, shape, dtype)
+    return out
+
+
+def safetensors_files(path: str | os.PathLike[str]) -> list[Path]:
+    """The safetensors files of a checkpoint: one file, or a folder (sharded or not)."""
+    p = Path(path)
+    if p.is_file():
+        return [p]
+    if p.is_dir():
+        index = p / "model.safetensors.index.json"
+        if index.exists():
+            try:
+                shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            except (json.JSONDecodeError, KeyError) as e:
+                raise BadCheckpoint(f"{index}: not a safetensors index ({e})") from e
+            return [p / s for s in shards]
+        files = sorted(p.glob("*.safetensors"))
+        if files:
+            return files
+    raise BadCheckpoint(f"{path}: no safetensors checkpoint there (a .safetensors file, or a "
+                        "folder holding model.safetensors or model.safetensors.index.json)")
+
+
+@dataclass
+class WeightStore:
+    """Loads ``ParamSpec`` values: from tensors in memory, inline data or safetensors.
+
+    ``tensors`` maps state-dict keys to tensors (a model's parameters and buffers,
+    or a state dict). Params whose source is ``safetensors`` are read from their
+    file unless ``tensors`` holds the key.
+    """
+
+    tensors: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    reads: list[tuple[str, tuple[tuple[int, int], ...] | None]] = field(default_factory=list)
+    _handles: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_weights(cls, weights: Any, device: torch.device | str = "cpu") -> WeightStore:
+        """``weights``: an ``nn.Module``, a state dict, or None (use the params' sources)."""
+        dev = torch.device(device)
+        if weights is None:
+            return cls(device=dev)
+        if isinstance(weights, torch.nn.Module):
+            named = dict(weights.named_parameters(remove_duplicate=False))
+            named.update(weights.named_buffers(remove_duplicate=False))
+            return cls(named, dev)
+        if isinstance(weights, Mapping):
+            return cls(dict(weights), dev)
+        raise BadCheckpoint(f"weights must be an nn.Module, a state dict or None, "
+                            f"got {type(weights).__name__}")
+
+    def _open(self, file: str) -> Any:
+        from safetensors import safe_open
+
+        if file not in self._handles:
+            read_safetensors_header(file)
+            try:
+                self._handles[file] = safe_open(file, framework="pt")
+            except Exception as e:  # noqa: BLE001 - any failure means an unusable file
+                raise BadCheckpoint(f"{file}: cannot be opened as safetensors: {e}") from e
+        return self._handles[file]
+
+    def load(self, spec: ParamSpec) -> torch.Tensor:
+        src = spec.source
+        index = tuple(slice(a, b) for a, b in src.slices) if src.slices is not None else ()
+        dtype = getattr(torch, spec.dtype)
+        if src.key in self.tensors:
+            t = self.tensors[src.key]
+            if t.is_meta:
+                raise BadCheckpoint(f"param {src.key!r} is on the meta device: pass real weights "
+                                    "or bind a checkpoint (sb.bind_checkpoint)")
+            value = t[index] if index else t
+        elif src.kind == "inline" and src.data is not None:
+            value = torch.tensor(src.data, dtype=dtype).reshape(spec.shape if not index else -1)
+            if index:  # pragma: no cover - inline constants are never tiled
+                raise BadCheckpoint(f"inline param {spec.name!r} cannot be sliced")
+        elif src.kind == "safetensors" and src.file:
+            sl = self._open(src.file).get_slice(src.key)
+            try:
+                value = sl[index] if index else sl[:]
+            except Exception as e:  # noqa: BLE001
+                raise BadCheckpoint(f"{src.file}: reading {src.key!r}{list(src.slices or [])} "
+                                    f"failed: {e}") from e
+        else:
+            raise BadCheckpoint(f"no weights for param {spec.name!r} (key {src.key!r}): pass the "
+                                "model or a state dict, or bind a checkpoint")
+        self.reads.append((src.key, src.slices))
+        if tuple(value.shape) != spec.shape:
+            raise BadCheckpoint(f"param {spec.name!r} (key {src.key!r}) has shape "
+                                f"{tuple(value.shape)}, the graph expects {spec.shape}")
+        return value.to(device=self.device, dtype=dtype)
