@@ -26,11 +26,11 @@ from .errors import (  # noqa: E402
 )
 from .ir import Op, OpCost, OpGraph, ParamSource, ParamSpec, TensorSpec, verify  # noqa: E402
 from .runtime import run_local  # noqa: E402
-from .trace import bind_checkpoint, empty_weights, trace  # noqa: E402
+from .trace import bind_checkpoint, build_empty, empty_weights, trace  # noqa: E402
 
 __all__ = [
     "BadCheckpoint", "BadInput", "BudgetTooSmall", "ClusterTooSmall", "InvalidGraph", "Op",
     "OpCost", "OpGraph", "ParamSource", "ParamSpec", "SeaBiscuitError", "TensorSpec",
-    "UnsupportedModel", "WorkerLost", "bind_checkpoint", "config", "decompose",
+    "UnsupportedModel", "WorkerLost", "bind_checkpoint", "build_empty", "config", "decompose",
     "empty_weights", "run_local", "trace", "verify",
 ]

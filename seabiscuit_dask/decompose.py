@@ -308,7 +308,8 @@ class _Decomposer:
 
         def with_args(**changes: Any) -> list[Any]:
             new = list(args) + [None] * (7 - len(args))
-            defaults = {3: 1, 4: 0, 5: 1, 6: 1}
+            nd = len(sx) - 2
+            defaults = {3: [1] * nd, 4: [0] * nd, 5: [1] * nd, 6: 1}
             for i, d in defaults.items():
                 if new[i] is None:
                     new[i] = d

@@ -8,7 +8,7 @@ from typing import Any
 
 from ..errors import UnsupportedModel
 from .checkpoint import bind_checkpoint
-from .skeleton import empty_weights, load_hf_skeleton
+from .skeleton import build_empty, empty_weights, load_hf_skeleton
 
 
 def trace(model_or_path: Any, example_inputs: Any, kwargs: Mapping[str, Any] | None = None, *,
@@ -54,4 +54,4 @@ def trace(model_or_path: Any, example_inputs: Any, kwargs: Mapping[str, Any] | N
     return graph
 
 
-__all__ = ["bind_checkpoint", "empty_weights", "load_hf_skeleton", "trace"]
+__all__ = ["bind_checkpoint", "build_empty", "empty_weights", "load_hf_skeleton", "trace"]

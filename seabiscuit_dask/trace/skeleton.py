@@ -1,9 +1,10 @@
-"""Building models without their weights: large tensors on ``meta``, small ones real.
+"""Building models without their weights.
 
-``empty_weights()`` sends every large factory allocation (the parameters) to the
-meta device while small tensors (rotary frequencies, position ids, norm weights)
-stay real, so non-persistent buffers that checkpoints do not carry keep their
-true values. A 40 GB model builds in well under a gigabyte.
+``build_empty(fn)`` runs a model constructor with every large allocation on the
+``meta`` device, keeps the true values of the small non-persistent buffers that
+checkpoints do not carry (rotary frequencies, position ids) in
+``model.sb_buffers``, and returns the model entirely on ``meta``. A 40 GB model
+builds in well under a gigabyte.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -74,6 +75,23 @@ def load_hf_skeleton(folder: str | os.PathLike[str]) -> torch.nn.Module:
     if cls is None:
         raise UnsupportedModel(f"{cfg_file}: architecture {archs[:1] or 'missing'} is not a "
                                "transformers model class")
+    return build_empty(lambda: cls(config)).eval()
+
+
+def build_empty(build: Callable[[], torch.nn.Module]) -> torch.nn.Module:
+    """Build a model with all its tensors on ``meta``, keeping small buffers' values.
+
+    The values of non-persistent buffers created while building (which no
+    checkpoint holds) are kept in ``model.sb_buffers`` for the tracer.
+    """
     with empty_weights():
-        model = cls(config)
-    return model.eval()
+        model = build()
+    kept: dict[str, torch.Tensor] = {}
+    for prefix, module in model.named_modules():
+        for name in getattr(module, "_non_persistent_buffers_set", ()):
+            b = module._buffers.get(name)
+            if b is not None and not b.is_meta:
+                kept[f"{prefix}.{name}" if prefix else name] = b.detach().clone()
+    model = model.to("meta")
+    model.sb_buffers = kept
+    return model

@@ -105,6 +105,7 @@ class _Converter:
         sig = self.ep.graph_signature
         state = dict(self.ep.state_dict)
         buffers = dict(self.model.named_buffers(remove_duplicate=False))
+        buffers.update(getattr(self.model, "sb_buffers", {}))
         nodes = {n.name: n for n in self.ep.graph.nodes if n.op == "placeholder"}
         for spec in sig.input_specs:
             node = nodes[spec.arg.name]

@@ -1,0 +1,80 @@
+"""``seabiscuit`` command line: plan a model and print its decomposition."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from . import config
+from .errors import SeaBiscuitError
+
+
+def _plan(args: argparse.Namespace) -> int:
+    import torch
+
+    from .decompose import decompose, largest_working_set
+    from .ir import fmt_bytes, verify
+    from .models import MODELS, demo_model
+    from .trace import trace
+
+    budget = config.to_bytes(args.budget)
+    t0 = time.perf_counter()
+    if Path(args.model).exists():
+        from .trace.skeleton import load_hf_skeleton
+
+        model = load_hf_skeleton(args.model)
+        x = (torch.randint(0, 100, (1, args.seq or 16)),)
+        print(f"model folder {args.model}", flush=True)
+        graph = trace(args.model, x)
+    else:
+        if args.model not in MODELS:
+            raise SeaBiscuitError(f"--model {args.model!r} is neither a model folder nor one of "
+                                  f"{', '.join(MODELS)}")
+        dtype = torch.bfloat16 if args.model == "llama-20b" else None
+        print(f"building {args.model} ({MODELS[args.model].description}) without weights ...",
+              flush=True)
+        model, x = demo_model(args.model, materialize=False, dtype=dtype)
+        if args.seq:
+            x = (torch.zeros((1, args.seq), dtype=torch.long),)
+        print(f"tracing at input shape {tuple(x[0].shape)} ...", flush=True)
+        graph = trace(model, x)
+    t1 = time.perf_counter()
+    print(f"decomposing at a budget of {fmt_bytes(budget)} per op ...", flush=True)
+    micro = decompose(graph, budget)
+    t2 = time.perf_counter()
+    verify(micro, budget=budget)
+    name, ws = largest_working_set(micro)
+    print()
+    print(micro.summary())
+    print()
+    print(f"traced ops: {len(graph.ops)}  micro-ops: {len(micro.ops)}  "
+          f"largest working set: {fmt_bytes(ws)} ({name})")
+    print(f"trace {t1 - t0:.2f} s  decompose {t2 - t1:.2f} s")
+    if args.json:
+        Path(args.json).write_text(micro.to_json())
+        print(f"wrote {args.json}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="seabiscuit", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("plan", help="trace and decompose a model, print the micro-op summary")
+    p.add_argument("--model", default="gpt2-medium",
+                   help="built-in model name or a Hugging Face model folder (default gpt2-medium)")
+    p.add_argument("--budget", default=config.get("budget"), help="per-op memory budget")
+    p.add_argument("--seq", type=int, default=None, help="sequence length of the example input")
+    p.add_argument("--json", default=None, help="write the decomposed OpGraph to this file")
+    p.set_defaults(func=_plan)
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except SeaBiscuitError as e:
+        print(f"seabiscuit: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""Built-in models for demos, tests and benchmarks, built from configs.
+
+Nothing is downloaded: architectures come from ``transformers`` configs with
+seeded random weights, or without weights (``materialize=False``) for planning.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .errors import SeaBiscuitError
+from .trace.skeleton import build_empty
+
+
+@dataclass(frozen=True)
+class DemoModel:
+    """A named architecture and the example inputs it is traced with."""
+
+    name: str
+    description: str
+    build: Callable[[], torch.nn.Module]
+    seq_len: int
+    vocab: int
+
+    def example_inputs(self, batch: int = 1, seed: int = 0) -> tuple[torch.Tensor, ...]:
+        g = torch.Generator().manual_seed(seed)
+        return (torch.randint(0, self.vocab, (batch, self.seq_len), generator=g),)
+
+
+def _gpt2(**kw: Any) -> Callable[[], torch.nn.Module]:
+    def build() -> torch.nn.Module:
+        import transformers as tf
+
+        return tf.GPT2LMHeadModel(tf.GPT2Config(**kw))
+    return build
+
+
+def _llama(**kw: Any) -> Callable[[], torch.nn.Module]:
+    def build() -> torch.nn.Module:
+        import transformers as tf
+
+        return tf.LlamaForCausalLM(tf.LlamaConfig(**kw))
+    return build
+
+
+MODELS: dict[str, DemoModel] = {
+    m.name: m for m in [
+        DemoModel("gpt2-medium", "GPT-2 medium shape: 24 layers, d=1024, 355M params",
+                  _gpt2(n_layer=24, n_embd=1024, n_head=16, vocab_size=50257, n_positions=1024),
+                  32, 50257),
+        DemoModel("llama-20b", "Llama-style 20.6B params (41 GB in bf16): 64 layers, d=5120",
+                  _llama(num_hidden_layers=64, hidden_size=5120, intermediate_size=13824,
+                         num_attention_heads=40, num_key_value_heads=40, vocab_size=32000,
+                         torch_dtype="bfloat16"),
+                  64, 32000),
+        DemoModel("gpt2-tiny", "GPT-2 shape for tests: 2 layers, d=128",
+                  _gpt2(n_layer=2, n_embd=128, n_head=4, vocab_size=1024, n_positions=64), 8, 1024),
+    ]
+}
+
+
+def demo_model(name: str, *, materialize: bool = True, seed: int = 0,
+               dtype: torch.dtype | None = None) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
+    """Build a named model and its example inputs.
+
+    ``materialize=False`` builds it without weights (large tensors on ``meta``),
+    which is how a 40 GB model is planned on a laptop.
+    """
+    if name not in MODELS:
+        raise SeaBiscuitError(f"unknown model {name!r}; built-in models: {', '.join(MODELS)}")
+    spec = MODELS[name]
+    torch.manual_seed(seed)
+    model = spec.build() if materialize else build_empty(spec.build)
+    if dtype is not None:
+        model = model.to(dtype)
+    return model.eval(), spec.example_inputs(seed=seed)
