@@ -1,0 +1,192 @@
+"""Each decomposition rule, forced by a budget, is exact and respects the budget."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import seabiscuit_dask as sb
+
+from . import models as M
+
+
+class Fn(nn.Module):
+    def __init__(self, fn, **mods: nn.Module) -> None:
+        super().__init__()
+        self.fn = fn
+        for k, v in mods.items():
+            setattr(self, k, v)
+
+    def forward(self, *xs):
+        return self.fn(self, *xs)
+
+
+def split(model: nn.Module, xs: tuple[torch.Tensor, ...], budget: str) -> sb.OpGraph:
+    graph = sb.trace(model, xs)
+    micro = sb.decompose(graph, budget)
+    sb.verify(micro, budget=sb.config.to_bytes(budget))
+    with torch.no_grad():
+        expected = model(*xs)
+    got = sb.run_local(micro, *xs, weights=model)
+    assert M.rel_err(got, expected) <= 1e-5
+    return micro
+
+
+def tags(graph: sb.OpGraph) -> set[str]:
+    return {t for op in graph.ops for t in re.findall(r"\.([a-z])\d+(?=\.|$)", op.name)}
+
+
+def test_linear_by_reduction_dim_puts_bias_on_first_tile() -> None:
+    lin = nn.Linear(8192, 2)
+    g = split(lin, (torch.randn(1, 8192),), "48KiB")
+    assert tags(g) == {"r"}
+    tiles = [op for op in g.ops if op.kind == "linear"]
+    assert len(tiles) >= 2
+    biased = [op for op in tiles if any(p.startswith("bias") for p in op.params)]
+    assert biased == tiles[:1]
+    assert any(op.kind == "sum" for op in g.ops)
+
+
+def test_linear_by_output_columns_slices_weight_and_bias() -> None:
+    lin = nn.Linear(64, 512)
+    g = split(lin, (torch.randn(2, 64),), "64KiB")
+    assert tags(g) == {"c"}
+    w_tiles = [p for p in g.params.values() if p.source.key == "weight"]
+    assert len(w_tiles) >= 2
+    covered = sorted(p.source.slices[0] for p in w_tiles)
+    assert covered[0][0] == 0 and covered[-1][1] == 512
+    assert all(a[1] == b[0] for a, b in zip(covered, covered[1:]))   # disjoint, no gap
+
+
+def test_addmm_and_matmul_with_activation_operands() -> None:
+    def fn(self, a, b):
+        return torch.addmm(self.bias, a, self.w) + torch.matmul(a, b).sum()
+
+    m = Fn(fn)
+    m.w = nn.Parameter(torch.randn(256, 256))
+    m.bias = nn.Parameter(torch.randn(256))
+    split(m, (torch.randn(4, 256), torch.randn(256, 8)), "96KiB")
+
+
+def test_grouped_conv_splits_whole_groups_then_channels() -> None:
+    conv = nn.Conv2d(64, 256, 3, padding=1, groups=2)
+    g = split(conv, (torch.randn(1, 64, 4, 4),), "64KiB")
+    names = [op.name for op in g.ops if op.kind == "conv"]
+    assert any(re.search(r"\.g\d+\.c\d+$", n) for n in names), names   # hierarchical
+
+
+def test_conv_by_input_channels() -> None:
+    conv = nn.Conv2d(4096, 2, 1)
+    g = split(conv, (torch.randn(1, 4096, 1, 1),), "32KiB")
+    assert "i" in tags(g)
+
+
+def test_embedding_by_vocabulary_rows_and_by_columns() -> None:
+    rows = nn.Embedding(4096, 16)     # tall: rows of the vocabulary, masked and summed
+    x = torch.tensor([[0, 17, 4095, 2048, 17]])
+    g = split(rows, (x,), "64KiB")
+    assert "v" in tags(g) and any(op.target == "sb.embedding_rows" for op in g.ops)
+    wide = nn.Embedding(64, 256)      # wide: columns, concatenated
+    g = split(wide, (torch.tensor([[1, 63, 5]]),), "40KiB")
+    assert tags(g) == {"d"}
+
+
+def sdpa_module(**kw):
+    def fn(self, q, k, v, *mask):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[0] if mask else None, **kw)
+    return Fn(fn)
+
+
+@pytest.mark.parametrize("mask_heads", [None, 1, 8])
+def test_attention_by_heads(mask_heads) -> None:
+    q, k, v = (torch.randn(1, 8, 16, 32) for _ in range(3))
+    xs = (q, k, v) + ((torch.randn(1, mask_heads, 16, 16),) if mask_heads else ())
+    g = split(sdpa_module(), xs, "48KiB")
+    assert "h" in tags(g)
+
+
+def test_attention_grouped_query_heads_stay_with_their_kv_head() -> None:
+    q = torch.randn(1, 8, 16, 32)
+    k, v = torch.randn(1, 2, 16, 32), torch.randn(1, 2, 16, 32)
+    g = split(sdpa_module(enable_gqa=True), (q, k, v), "32KiB")
+    tiles = [op for op in g.ops if op.kind == "attention"]
+    assert len(tiles) == 2
+    for op in tiles:
+        qs, ks = (g.tensors[t].shape[1] for t in op.inputs[:2])
+        assert qs == 4 * ks
+
+
+def test_attention_by_query_rows() -> None:
+    q, k, v = (torch.randn(1, 1, 64, 32) for _ in range(3))
+    g = split(sdpa_module(), (q, k, v), "28KiB")
+    assert "q" in tags(g)
+
+
+def test_causal_attention_is_not_cut_by_query_rows() -> None:
+    q, k, v = (torch.randn(1, 1, 64, 32) for _ in range(3))
+    with pytest.raises(sb.BudgetTooSmall, match="scaled_dot_product_attention"):
+        sb.decompose(sb.trace(sdpa_module(is_causal=True), (q, k, v)), "28KiB")
+
+
+def test_elementwise_and_norm_ops_split_in_strips() -> None:
+    add = Fn(lambda self, a, b: a + b)
+    g = split(add, (torch.randn(1, 64, 64), torch.randn(1, 64, 64)), "40KiB")
+    assert tags(g) == {"s"}
+    ln = nn.LayerNorm(64)
+    g = split(ln, (torch.randn(1, 64, 64),), "32KiB")
+    assert tags(g) == {"s"}
+    # layer norm must never be cut along the normalised (last) dim
+    for op in g.ops:
+        if op.kind == "norm":
+            assert g.tensors[op.outputs[0]].shape[-1] == 64
+
+
+def test_softmax_keeps_its_reduction_dim_whole() -> None:
+    sm = Fn(lambda self, a, b: torch.softmax(a + b, dim=1))
+    g = split(sm, (torch.randn(64, 64), torch.randn(64, 64)), "40KiB")
+    for op in g.ops:
+        if op.kind == "norm":
+            assert g.tensors[op.outputs[0]].shape[1] == 64
+
+
+def test_decompose_never_edits_its_input() -> None:
+    model = M.gpt2()
+    graph = sb.trace(model, M.ids())
+    before = graph.to_json()
+    sb.decompose(graph, "64KiB")
+    assert graph.to_json() == before
+
+
+def test_hierarchy_is_readable_from_names() -> None:
+    model = M.llama()
+    g = sb.decompose(sb.trace(model, M.ids()), "64KiB")
+    up = [op for op in g.ops if ".mlp.up_proj." in op.name and op.kind == "linear"]
+    assert up and all(re.match(r"model\.layers\.\d+\.mlp\.up_proj\.linear_\d+\.c\d+$", op.name)
+                      for op in up)
+    assert all(op.scope.startswith("model.layers.") and re.search(r"\.c\d+$", op.scope) for op in up)
+
+
+def test_budget_too_small_names_the_op_and_the_numbers() -> None:
+    model = nn.Linear(64, 64)
+    with pytest.raises(sb.BudgetTooSmall) as e:
+        sb.decompose(sb.trace(model, (torch.randn(8, 64),)), "1KiB")
+    msg = str(e.value)
+    assert "linear" in msg and "KiB" in msg and "1.0 KiB" in msg
+
+
+def test_allow_oversize_lists_what_does_not_fit() -> None:
+    model = nn.Linear(64, 64)
+    g = sb.decompose(sb.trace(model, (torch.randn(8, 64),)), "1KiB", allow_oversize=True)
+    oversize = g.meta["oversize"]
+    assert oversize and all(ws > 1024 for _, ws in oversize)
+
+
+@pytest.mark.parametrize("bad", ["lots", -5, 0, "0B", True])
+def test_bad_budget_is_rejected(bad) -> None:
+    graph = sb.trace(nn.Linear(4, 4), (torch.randn(1, 4),))
+    with pytest.raises(sb.SeaBiscuitError, match="budget"):
+        sb.decompose(graph, bad)
