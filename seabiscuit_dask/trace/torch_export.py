@@ -256,8 +256,8 @@ class _Converter:
         for n, t in self.model.named_parameters(remove_duplicate=False):
             by_id.setdefault(id(t), []).append(n)
         for names in by_id.values():
-            if len(names) > 1:
-                aliases[names[0]] = names[1:]
+            for n in names if len(names) > 1 else ():
+                aliases[n] = [m for m in names if m != n]
         meta["aliases"] = aliases
         meta["param_shapes"] = {k: list(v.shape) for k, v in self.params.items()}
         return meta

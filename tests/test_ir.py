@@ -1,0 +1,99 @@
+"""The IR: frozen, JSON round trip exact, verify() catches broken invariants."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+import seabiscuit_dask as sb
+from seabiscuit_dask.ir import Op, OpGraph, TensorSpec
+
+from . import models as M
+
+
+@pytest.fixture(scope="module")
+def graphs() -> tuple[OpGraph, OpGraph]:
+    g = sb.trace(M.gpt2(), M.ids())
+    return g, sb.decompose(g, "64KiB")
+
+
+def test_json_round_trip_is_exact(graphs) -> None:
+    for g in graphs:
+        text = g.to_json()
+        back = OpGraph.from_json(text)
+        assert back == g
+        assert back.to_json() == text
+        d = json.loads(text)
+        assert d["schema"] == 1 and set(d) == {"schema", "inputs", "outputs", "meta", "tensors",
+                                               "params", "ops"}
+
+
+def test_graph_and_ops_are_frozen(graphs) -> None:
+    g, _ = graphs
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        g.ops = ()  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        g.tensors["x"] = TensorSpec((1,), "float32")  # type: ignore[index]
+    with pytest.raises(TypeError):
+        g.ops[0].attrs["args"] = []  # type: ignore[index]
+
+
+def test_tiles_are_slices_of_the_original_weight(graphs) -> None:
+    g, micro = graphs
+    tiles = [p for p in micro.params.values() if p.is_tile]
+    assert tiles
+    for p in tiles:
+        full = g.params[p.source.key].shape
+        assert all(0 <= a < b <= s for (a, b), s in zip(p.source.slices, full))
+
+
+def test_summary_reports_kinds_params_largest_and_over_budget(graphs) -> None:
+    _, micro = graphs
+    text = micro.summary()
+    for needle in ("linear", "embedding", "params:", "largest op:", "over budget (64.0 KiB): 0"):
+        assert needle in text
+    assert "over budget (1.0 KiB):" in micro.summary(budget=1024)
+
+
+def broken(g: OpGraph, **changes) -> OpGraph:
+    fields = {f.name: getattr(g, f.name) for f in dataclasses.fields(g)}
+    fields.update(changes)
+    return OpGraph(**fields)
+
+
+def test_verify_catches_broken_invariants(graphs) -> None:
+    g, _ = graphs
+    sb.verify(g)
+    with pytest.raises(sb.InvalidGraph, match="before anything produces it"):
+        sb.verify(broken(g, ops=tuple(reversed(g.ops))))
+    with pytest.raises(sb.InvalidGraph, match="used twice"):
+        sb.verify(broken(g, ops=g.ops + g.ops[-1:]))
+    with pytest.raises(sb.InvalidGraph, match="never produced"):
+        sb.verify(broken(g, outputs=("nope",)))
+    op = g.ops[3]
+    bad = dataclasses.replace(op, inputs=("ghost",))
+    with pytest.raises(sb.InvalidGraph, match="ghost"):
+        sb.verify(broken(g, ops=g.ops[:3] + (bad,) + g.ops[4:]))
+    with pytest.raises(sb.InvalidGraph, match="budget is 1.0 KiB"):
+        sb.verify(g, budget=1024)
+
+
+def test_unknown_schema_is_rejected(graphs) -> None:
+    g, _ = graphs
+    d = g.to_dict()
+    d["schema"] = 99
+    with pytest.raises(sb.InvalidGraph, match="schema 99"):
+        OpGraph.from_dict(d)
+    with pytest.raises(sb.InvalidGraph, match="not an OpGraph JSON"):
+        OpGraph.from_json("{not json")
+
+
+def test_op_cost() -> None:
+    g = sb.trace(M.bert(), M.ids())
+    op = next(o for o in g.ops if o.kind == "linear")
+    c = g.cost(op)
+    assert c.param_bytes == (128 * 128 + 128) * 4
+    assert c.working_set_bytes == c.param_bytes + c.input_bytes + c.output_bytes
+    assert isinstance(op, Op)
