@@ -22,6 +22,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from . import __version__, config
+from .errors import SeaBiscuitError
 from .ir import SCHEMA_VERSION, OpGraph
 
 MEMORY_ENTRIES = 32
@@ -82,7 +83,7 @@ def lookup(key: str) -> OpGraph | None:
     try:
         with open(_path(key)) as f:
             graph = OpGraph.from_json(f.read())
-    except (OSError, ValueError, KeyError):
+    except (OSError, ValueError, KeyError, SeaBiscuitError):
         # NOTE: a missing, stale or damaged cache file only costs a fresh trace.
         return None
     stats["disk_hits"] += 1

@@ -1,0 +1,20 @@
+from __future__ import annotations
+
+import json
+
+from seabiscuit_dask import cli
+
+
+def test_plan_prints_the_decomposition_summary(capsys, tmp_path) -> None:
+    out = tmp_path / "g.json"
+    assert cli.main(["plan", "--model", "gpt2-tiny", "--budget", "64KiB", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "micro-ops:" in text and "over budget (64.0 KiB): 0" in text
+    assert json.loads(out.read_text())["schema"] == 1
+
+
+def test_plan_reports_bad_input_without_a_traceback(capsys) -> None:
+    assert cli.main(["plan", "--model", "nope"]) == 2
+    assert "neither a model folder nor one of" in capsys.readouterr().err
+    assert cli.main(["plan", "--model", "gpt2-tiny", "--budget", "lots"]) == 2
+    assert "budget must be a byte count" in capsys.readouterr().err

@@ -1,0 +1,62 @@
+"""Templates: one trace and decomposition serve every parameter set of an architecture."""
+
+from __future__ import annotations
+
+import dask.config
+import torch
+
+import seabiscuit_dask as sb
+from seabiscuit_dask import config, templates
+
+from . import models as M
+
+
+def test_same_architecture_other_weights_reuses_the_template() -> None:
+    x = M.ids()
+    a, b = M.gpt2(seed=0), M.gpt2(seed=1)
+    misses = templates.stats["misses"]
+    ga = sb.decompose(sb.trace(a, x), "64KiB")
+    assert templates.stats["misses"] == misses + 2            # one trace, one decomposition
+    hits = templates.stats["memory_hits"]
+    gb = sb.decompose(sb.trace(b, x), "64KiB")
+    assert templates.stats["memory_hits"] == hits + 2
+    assert gb is ga
+    with torch.no_grad():
+        ya, yb = a(x).logits, b(x).logits
+    assert M.rel_err(sb.run_local(ga, x, weights=a).logits, ya) <= 1e-4
+    assert M.rel_err(sb.run_local(gb, x, weights=b).logits, yb) <= 1e-4
+    assert M.rel_err(ya, yb) > 1e-2                            # the weights really differ
+
+
+def test_templates_survive_the_process_on_disk() -> None:
+    x = M.ids()
+    g = sb.decompose(sb.trace(M.llama(), x), "64KiB")
+    files = list((config.cache_dir() / "templates").glob("*.json"))
+    assert len(files) == 2
+    templates.clear_memory()
+    disk = templates.stats["disk_hits"]
+    again = sb.decompose(sb.trace(M.llama(seed=3), x), "64KiB")
+    assert templates.stats["disk_hits"] == disk + 2
+    assert again == g
+
+
+def test_other_shapes_or_architectures_are_traced_afresh() -> None:
+    g4 = sb.trace(M.gpt2(), M.ids(seq=4))
+    g6 = sb.trace(M.gpt2(), M.ids(seq=6))
+    assert g4.meta["template_key"] != g6.meta["template_key"]
+    assert sb.trace(M.llama(), M.ids()).meta["template_key"] != g4.meta["template_key"]
+
+
+def test_damaged_cache_file_is_ignored() -> None:
+    x = M.ids()
+    g = sb.trace(M.bert(), x)
+    for f in (config.cache_dir() / "templates").glob("*.json"):
+        f.write_text("{broken")
+    templates.clear_memory()
+    assert sb.trace(M.bert(), x) == g
+
+
+def test_cache_can_be_disabled() -> None:
+    with dask.config.set({"seabiscuit.cache.enabled": False}):
+        sb.trace(M.bert(), M.ids())
+    assert not (config.cache_dir() / "templates").exists()
