@@ -12,9 +12,9 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from . import config  # noqa: E402  (loads seabiscuit.yaml defaults into dask.config)
-from .decompose import decompose  # noqa: E402
-from .errors import (  # noqa: E402
+from . import config
+from .decompose import decompose
+from .errors import (
     BadCheckpoint,
     BadInput,
     BudgetTooSmall,
@@ -24,9 +24,9 @@ from .errors import (  # noqa: E402
     UnsupportedModel,
     WorkerLost,
 )
-from .ir import Op, OpCost, OpGraph, ParamSource, ParamSpec, TensorSpec, verify  # noqa: E402
-from .runtime import run_local  # noqa: E402
-from .trace import bind_checkpoint, build_empty, empty_weights, trace  # noqa: E402
+from .ir import Op, OpCost, OpGraph, ParamSource, ParamSpec, TensorSpec, verify
+from .runtime import run_local
+from .trace import bind_checkpoint, build_empty, empty_weights, trace
 
 __all__ = [
     "BadCheckpoint", "BadInput", "BudgetTooSmall", "ClusterTooSmall", "InvalidGraph", "Op",

@@ -22,10 +22,7 @@ def _plan(args: argparse.Namespace) -> int:
     budget = config.to_bytes(args.budget)
     t0 = time.perf_counter()
     if Path(args.model).exists():
-        from .trace.skeleton import load_hf_skeleton
-
-        model = load_hf_skeleton(args.model)
-        x = (torch.randint(0, 100, (1, args.seq or 16)),)
+        x: tuple[torch.Tensor, ...] = (torch.randint(0, 100, (1, args.seq or 16)),)
         print(f"model folder {args.model}", flush=True)
         graph = trace(args.model, x)
     else:

@@ -35,6 +35,10 @@ from .trace.torch_export import collect_refs
 
 MAX_DEPTH = 8
 
+# piece(i, lo, hi, pieces) -> (args, kwargs, target, output spec) of tile i over [lo, hi)
+PieceFn = Callable[[int, int, int, "list[tuple[Op, bool]]"],
+                   "tuple[list[Any], dict[str, Any], str, TensorSpec]"]
+
 
 @dataclass(frozen=True)
 class Split:
@@ -111,7 +115,7 @@ class _Decomposer:
         dim %= len(shape)
         if a == 0 and b == shape[dim]:
             return ref
-        new_shape = shape[:dim] + (b - a,) + shape[dim + 1:]
+        new_shape = (*shape[:dim], b - a, *shape[dim + 1:])
         if tag == "p":
             p = self.params[name]
             tile = f"{name}@{dim}[{a}:{b}]"
@@ -146,8 +150,7 @@ class _Decomposer:
         return chain
 
     def tiles(self, op: Op, tag: str, bounds: list[int], join: str, join_dim: int,
-              piece: Callable[[int, int, int, list[tuple[Op, bool]]], tuple[list[Any], dict[str, Any], str, TensorSpec]],
-              ) -> list[tuple[Op, bool]]:
+              piece: PieceFn) -> list[tuple[Op, bool]]:
         """Make one tile per ``[bounds[i], bounds[i+1])`` with ``piece`` and join them."""
         pieces: list[tuple[Op, bool]] = []
         parts: list[str] = []
@@ -224,6 +227,7 @@ class _Decomposer:
     def matmul_splits(self, op: Op) -> list[Split]:
         args = list(op.attrs["args"])
         t = op.target
+        bias_i: int | None
         if t == "aten.linear.default":
             a_i, b_i, bias_i, b_nk = 0, 1, 2, True
         elif t == "aten.addmm.default":
@@ -242,7 +246,8 @@ class _Decomposer:
         out = self.tensors[op.outputs[0]]
         n_dim, k_dim = (0, 1) if b_nk else (len(sb) - 1, len(sb) - 2)
         N, K, M = sb[n_dim], sa[-1], sa[-2]
-        a_cut = a if O.ref_name(A) and O.ref_name(A)[0] == "t" else 0
+        a_ref = O.ref_name(A)
+        a_cut = a if a_ref is not None and a_ref[0] == "t" else 0
 
         def frac(n: int, k: int) -> float:
             return math.ceil(n / k) / n
@@ -251,18 +256,19 @@ class _Decomposer:
             def piece(i: int, lo: int, hi: int, pieces: list[tuple[Op, bool]]):  # type: ignore[no-untyped-def]
                 new = list(args)
                 new[b_i] = self.cut(B, n_dim, lo, hi, op.scope, pieces)
-                if bias is not None:
+                if bias is not None and bias_i is not None:
                     new[bias_i] = self.cut(bias, -1, lo, hi, op.scope, pieces)
-                return new, dict(op.attrs["kwargs"]), t, TensorSpec(out.shape[:-1] + (hi - lo,), out.dtype)
+                return new, dict(op.attrs["kwargs"]), t, TensorSpec((*out.shape[:-1], hi - lo), out.dtype)
             return self.tiles(op, "c", bounds, "concat", -1, piece)
 
         def rows(bounds: list[int]) -> list[tuple[Op, bool]]:
             def piece(i: int, lo: int, hi: int, pieces: list[tuple[Op, bool]]):  # type: ignore[no-untyped-def]
                 new = list(args)
                 new[a_i] = self.cut(A, len(sa) - 2, lo, hi, op.scope, pieces)
-                if bias is not None and len(self.shape(bias)) >= 2 and self.shape(bias)[-2] == M:
+                if bias is not None and bias_i is not None and len(self.shape(bias)) >= 2 \
+                        and self.shape(bias)[-2] == M:
                     new[bias_i] = self.cut(bias, -2, lo, hi, op.scope, pieces)
-                shape = out.shape[:-2] + (hi - lo, out.shape[-1])
+                shape = (*out.shape[:-2], hi - lo, out.shape[-1])
                 return new, dict(op.attrs["kwargs"]), t, TensorSpec(shape, out.dtype)
             return self.tiles(op, "m", bounds, "concat", -2, piece)
 
@@ -272,7 +278,7 @@ class _Decomposer:
                 new[a_i] = self.cut(A, -1, lo, hi, op.scope, pieces)
                 new[b_i] = self.cut(B, k_dim, lo, hi, op.scope, pieces)
                 target = t
-                if bias is not None and i > 0:
+                if bias is not None and bias_i is not None and i > 0:
                     if t == "aten.addmm.default":   # NOTE: no bias left: a plain mm
                         new, target = [new[1], new[2]], "aten.mm.default"
                     else:
@@ -310,18 +316,18 @@ class _Decomposer:
             new = list(args) + [None] * (7 - len(args))
             nd = len(sx) - 2
             defaults = {3: [1] * nd, 4: [0] * nd, 5: [1] * nd, 6: 1}
-            for i, d in defaults.items():
-                if new[i] is None:
-                    new[i] = d
-            for i, v in changes.items():
-                new[int(i[1:])] = v
+            for pos, d in defaults.items():
+                if new[pos] is None:
+                    new[pos] = d
+            for name, v in changes.items():
+                new[int(name[1:])] = v
             return new
 
         def out_channels(bounds: list[int]) -> list[tuple[Op, bool]]:
             def piece(i: int, lo: int, hi: int, pieces: list[tuple[Op, bool]]):  # type: ignore[no-untyped-def]
                 new = with_args(a1=self.cut(W, 0, lo, hi, op.scope, pieces),
                                 a2=self.cut(bias, 0, lo, hi, op.scope, pieces) if bias else None)
-                shape = out.shape[:1] + (hi - lo,) + out.shape[2:]
+                shape = (*out.shape[:1], hi - lo, *out.shape[2:])
                 return new, {}, op.target, TensorSpec(shape, out.dtype)
             return self.tiles(op, "c", bounds, "concat", 1, piece)
 
@@ -341,14 +347,14 @@ class _Decomposer:
                                 a1=self.cut(W, 0, lo * opg, hi * opg, op.scope, pieces),
                                 a2=self.cut(bias, 0, lo * opg, hi * opg, op.scope, pieces) if bias else None,
                                 a6=hi - lo)
-                shape = out.shape[:1] + ((hi - lo) * opg,) + out.shape[2:]
+                shape = (*out.shape[:1], (hi - lo) * opg, *out.shape[2:])
                 return new, {}, op.target, TensorSpec(shape, out.dtype)
             return self.tiles(op, "g", bounds, "concat", 1, piece)
 
         def batch(bounds: list[int]) -> list[tuple[Op, bool]]:
             def piece(i: int, lo: int, hi: int, pieces: list[tuple[Op, bool]]):  # type: ignore[no-untyped-def]
                 new = with_args(a0=self.cut(X, 0, lo, hi, op.scope, pieces))
-                return new, {}, op.target, TensorSpec((hi - lo,) + out.shape[1:], out.dtype)
+                return new, {}, op.target, TensorSpec((hi - lo, *out.shape[1:]), out.dtype)
             return self.tiles(op, "n", bounds, "concat", 0, piece)
 
         N = sx[0]
@@ -387,7 +393,7 @@ class _Decomposer:
             def piece(i: int, lo: int, hi: int, pieces: list[tuple[Op, bool]]):  # type: ignore[no-untyped-def]
                 new = list(args)
                 new[0] = self.cut(W, 1, lo, hi, op.scope, pieces)
-                return new, {}, op.target, TensorSpec(out.shape[:-1] + (hi - lo,), out.dtype)
+                return new, {}, op.target, TensorSpec((*out.shape[:-1], hi - lo), out.dtype)
             return self.tiles(op, "d", bounds, "concat", -1, piece)
 
         v = Split("v", V, lambda k: w * frac(V, k) + i_b + y, 3 * y, vocab)
@@ -434,7 +440,7 @@ class _Decomposer:
                 new[2] = self.cut(V_, 1, lo, hi, op.scope, pieces)
                 if len(new) > 3:
                     new[3] = cut_mask(1, lo * g, hi * g, H, pieces)
-                shape = (B, (hi - lo) * g) + out.shape[2:]
+                shape = (B, (hi - lo) * g, *out.shape[2:])
                 return new, kwargs, op.target, TensorSpec(shape, out.dtype)
             # NOTE: pieces are whole KV groups, so grouped-query heads stay with their KV head.
             return self.tiles(op, "h", bounds, "concat", 1, piece)
@@ -445,7 +451,7 @@ class _Decomposer:
                 new[0] = self.cut(Q, 2, lo, hi, op.scope, pieces)
                 if len(new) > 3:
                     new[3] = cut_mask(2, lo, hi, L, pieces)
-                shape = out.shape[:2] + (hi - lo,) + out.shape[3:]
+                shape = (*out.shape[:2], hi - lo, *out.shape[3:])
                 return new, kwargs, op.target, TensorSpec(shape, out.dtype)
             return self.tiles(op, "q", bounds, "concat", 2, piece)
 
@@ -493,7 +499,7 @@ class _Decomposer:
                     if isinstance(v, (list, tuple)):
                         return [sub(x) for x in v]
                     return v
-                shape = out.shape[:d] + (hi - lo,) + out.shape[d + 1:]
+                shape = (*out.shape[:d], hi - lo, *out.shape[d + 1:])
                 return [sub(a) for a in args], kwargs, op.target, TensorSpec(shape, out.dtype)
             return self.tiles(op, "s", bounds, "concat", d, piece)
 

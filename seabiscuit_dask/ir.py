@@ -415,10 +415,10 @@ def verify(graph: OpGraph, budget: int | None = None) -> OpGraph:
     for t in graph.outputs:
         if t not in available and t not in graph.params:
             raise InvalidGraph(f"graph output {t!r} is never produced")
-    for p in graph.params.values():
-        if p.source.slices is not None:
-            extent = tuple(b - a for a, b in p.source.slices)
-            if extent != p.shape:
-                raise InvalidGraph(f"param {p.name!r} has shape {p.shape} but its slices "
-                                   f"{p.source.slices} select {extent}")
+    for spec in graph.params.values():
+        if spec.source.slices is not None:
+            extent = tuple(b - a for a, b in spec.source.slices)
+            if extent != spec.shape:
+                raise InvalidGraph(f"param {spec.name!r} has shape {spec.shape} but its slices "
+                                   f"{spec.source.slices} select {extent}")
     return graph

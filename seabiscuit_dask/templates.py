@@ -31,7 +31,7 @@ stats = {"memory_hits": 0, "disk_hits": 0, "misses": 0}
 
 
 @cache
-def _class_source_hash(cls: type) -> str:
+def _class_source_hash(cls: Any) -> str:
     try:
         src = inspect.getsource(cls)
     except (OSError, TypeError):
@@ -52,7 +52,7 @@ def architecture_key(model: torch.nn.Module, args: tuple[Any, ...],
     put(__version__, SCHEMA_VERSION, torch.__version__, type(model).__module__,
         type(model).__qualname__, repr(model))
     for cls in sorted({type(m) for m in model.modules()}, key=lambda c: c.__qualname__):
-        put(cls.__qualname__, _class_source_hash(cls))
+        put(cls.__qualname__, _class_source_hash(cls))  # type: ignore[arg-type]
     for name, p in model.named_parameters(remove_duplicate=False):
         put(name, tuple(p.shape), p.dtype, p.is_meta)
     for name, b in model.named_buffers(remove_duplicate=False):

@@ -126,7 +126,7 @@ class WeightStore:
         if weights is None:
             return cls(device=dev)
         if isinstance(weights, torch.nn.Module):
-            named = dict(weights.named_parameters(remove_duplicate=False))
+            named: dict[str, torch.Tensor] = dict(weights.named_parameters(remove_duplicate=False))
             named.update(weights.named_buffers(remove_duplicate=False))
             return cls(named, dev)
         if isinstance(weights, Mapping):
@@ -141,7 +141,7 @@ class WeightStore:
             read_safetensors_header(file)
             try:
                 self._handles[file] = safe_open(file, framework="pt")
-            except Exception as e:  # noqa: BLE001 - any failure means an unusable file
+            except Exception as e:
                 raise BadCheckpoint(f"{file}: cannot be opened as safetensors: {e}") from e
         return self._handles[file]
 
@@ -163,7 +163,7 @@ class WeightStore:
             sl = self._open(src.file).get_slice(src.key)
             try:
                 value = sl[index] if index else sl[:]
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 raise BadCheckpoint(f"{src.file}: reading {src.key!r}{list(src.slices or [])} "
                                     f"failed: {e}") from e
         else:

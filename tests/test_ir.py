@@ -75,7 +75,7 @@ def test_verify_catches_broken_invariants(graphs) -> None:
     op = g.ops[3]
     bad = dataclasses.replace(op, inputs=("ghost",))
     with pytest.raises(sb.InvalidGraph, match="ghost"):
-        sb.verify(broken(g, ops=g.ops[:3] + (bad,) + g.ops[4:]))
+        sb.verify(broken(g, ops=(*g.ops[:3], bad, *g.ops[4:])))
     with pytest.raises(sb.InvalidGraph, match="budget is 1.0 KiB"):
         sb.verify(g, budget=1024)
 

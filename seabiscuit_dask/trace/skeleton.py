@@ -69,7 +69,7 @@ def load_hf_skeleton(folder: str | os.PathLike[str]) -> torch.nn.Module:
     try:
         archs = json.loads(cfg_file.read_text()).get("architectures") or []
         config = transformers.AutoConfig.from_pretrained(str(path))
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         raise UnsupportedModel(f"{cfg_file}: cannot be read as a transformers config: {e}") from e
     cls = getattr(transformers, archs[0], None) if archs else None
     if cls is None:
@@ -93,5 +93,5 @@ def build_empty(build: Callable[[], torch.nn.Module]) -> torch.nn.Module:
             if b is not None and not b.is_meta:
                 kept[f"{prefix}.{name}" if prefix else name] = b.detach().clone()
     model = model.to("meta")
-    model.sb_buffers = kept
+    model.sb_buffers = kept  # type: ignore[assignment]
     return model

@@ -72,7 +72,7 @@ def export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     try:
         with torch.no_grad():
             return torch.export.export(model, args, kwargs=kwargs, strict=False)
-    except Exception as e:  # noqa: BLE001 - every export failure is reported the same way
+    except Exception as e:
         shapes = [tuple(a.shape) if isinstance(a, torch.Tensor) else type(a).__name__
                   for a in pytree.tree_leaves((args, kwargs))]
         msg = str(e).strip().splitlines()
@@ -192,6 +192,7 @@ class _Converter:
         where = f"op {node.name!r} in module {scope or type(self.model).__name__!r}"
         if target is operator.getitem:
             src, idx = node.args
+            assert isinstance(src, torch.fx.Node) and isinstance(idx, int)
             self.refs[node.name] = {"t": self.multi[src.name][idx]}
             return
         if not isinstance(target, torch._ops.OpOverload):
@@ -236,7 +237,7 @@ class _Converter:
                 for leaf in pytree.tree_leaves(node.args[0]):
                     if not isinstance(leaf, torch.fx.Node) or leaf.name not in self.refs:
                         raise UnsupportedModel(f"{self.name}: output {leaf!r} is not a tensor")
-                    tag, name = O.ref_name(self.refs[leaf.name]) or ("", "")
+                    _tag, name = O.ref_name(self.refs[leaf.name]) or ("", "")
                     outputs.append(name)
             elif node.op != "placeholder":
                 raise UnsupportedModel(f"{self.name}: fx node kind {node.op!r} is not supported")
