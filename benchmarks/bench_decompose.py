@@ -1,0 +1,95 @@
+"""Trace and decompose a 40 GB (bf16) Llama-style model on the meta device.
+
+Prints, per run, the micro-op count, the largest working set, the time to
+build (without weights), trace and decompose, and the peak RSS of the process.
+Cold runs start from an empty template cache; warm runs are fresh processes
+that find the templates on disk. Each run is its own process, so peak RSS is
+that run's alone.
+
+    python benchmarks/bench_decompose.py [--model llama-20b] [--budget 16MiB]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def child(model_name: str, budget: str) -> dict:
+    import torch
+
+    import seabiscuit_dask as sb
+    from seabiscuit_dask.decompose import largest_working_set
+    from seabiscuit_dask.models import demo_model
+
+    t0 = time.perf_counter()
+    model, x = demo_model(model_name, materialize=False, dtype=torch.bfloat16)
+    t1 = time.perf_counter()
+    graph = sb.trace(model, x)
+    t2 = time.perf_counter()
+    micro = sb.decompose(graph, budget)
+    t3 = time.perf_counter()
+    budget_bytes = sb.config.to_bytes(budget)
+    over = sum(1 for op in micro.ops if micro.working_set(op) > budget_bytes)
+    name, ws = largest_working_set(micro)
+    return {
+        "param_gb": graph.param_bytes / 1e9, "params_b": graph.param_bytes / 2 / 1e9,
+        "traced_ops": len(graph.ops), "micro_ops": len(micro.ops), "largest_ws": ws,
+        "largest_op": name, "over_budget": over, "build_s": t1 - t0, "trace_s": t2 - t1,
+        "decompose_s": t3 - t2, "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        * 1024 / 1e9,
+    }
+
+
+def run(model_name: str, budget: str, cache: str) -> dict:
+    env = dict(os.environ, DASK_SEABISCUIT__CACHE__DIRECTORY=cache)
+    out = subprocess.run([sys.executable, __file__, "--child", "--model", model_name,
+                          "--budget", budget], env=env, check=True, capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", default="llama-20b")
+    ap.add_argument("--budget", default="16MiB")
+    ap.add_argument("--cold", type=int, default=2, help="cold runs (empty cache)")
+    ap.add_argument("--warm", type=int, default=3, help="warm runs (templates on disk)")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        print(json.dumps(child(a.model, a.budget)))
+        return
+    rows = []
+    for i in range(a.cold):
+        with tempfile.TemporaryDirectory() as d:
+            rows.append(("cold", run(a.model, a.budget, d)))
+            if i == 0:
+                for _ in range(a.warm):
+                    rows.append(("warm", run(a.model, a.budget, d)))
+    r0 = rows[0][1]
+    print(f"model {a.model}: {r0['params_b']:.1f}B params, {r0['param_gb']:.1f} GB in bf16; "
+          f"budget {a.budget}")
+    print(f"traced ops {r0['traced_ops']}, micro-ops {r0['micro_ops']}, largest working set "
+          f"{r0['largest_ws'] / 2**20:.2f} MiB ({r0['largest_op']}), over budget {r0['over_budget']}")
+    print()
+    print(f"{'run':<6} {'build s':>8} {'trace s':>8} {'decomp s':>9} {'trace+decomp s':>15} "
+          f"{'peak RSS GB':>12}")
+    for kind, r in rows:
+        print(f"{kind:<6} {r['build_s']:>8.2f} {r['trace_s']:>8.2f} {r['decompose_s']:>9.2f} "
+              f"{r['trace_s'] + r['decompose_s']:>15.2f} {r['peak_rss_gb']:>12.2f}")
+    for kind in ("cold", "warm"):
+        sel = [r for k, r in rows if k == kind]
+        if sel:
+            med = statistics.median(r["trace_s"] + r["decompose_s"] for r in sel)
+            print(f"median {kind} trace+decompose: {med:.2f} s over {len(sel)} run(s)")
+
+
+if __name__ == "__main__":
+    main()
