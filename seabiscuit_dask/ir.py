@@ -372,6 +372,21 @@ def _refs(value: Any, tag: str) -> Iterable[str]:
             yield from _refs(v, tag)
 
 
+def _check_join_shapes(graph: OpGraph, op: Op) -> None:
+    """Shapes of the ops that join tiles: partial sums match, concatenations add up."""
+    if op.kind == "sum":
+        shapes = {graph.tensors[t].shape for t in (*op.inputs, *op.outputs)}
+        if len(shapes) != 1:
+            raise InvalidGraph(f"sum {op.name!r} adds tensors of shapes {sorted(shapes)}")
+    elif op.kind == "concat" and op.target == "aten.cat.default":
+        parts = [graph.tensors[t].shape for t in _refs(op.attrs["args"][0], "t")]
+        out = graph.tensors[op.outputs[0]].shape
+        dim = int(op.attrs["args"][1]) % len(out)
+        rest = {p[:dim] + p[dim + 1:] for p in parts} | {out[:dim] + out[dim + 1:]}
+        if len(rest) != 1 or sum(p[dim] for p in parts) != out[dim]:
+            raise InvalidGraph(f"concat {op.name!r} joins {parts} along dim {dim} into {out}")
+
+
 def verify(graph: OpGraph, budget: int | None = None) -> OpGraph:
     """Check the graph's invariants; raise ``InvalidGraph`` naming the first broken one.
 
@@ -401,6 +416,7 @@ def verify(graph: OpGraph, budget: int | None = None) -> OpGraph:
             if ts != set(op.inputs) or ps != set(op.params):
                 raise InvalidGraph(f"op {op.name!r}: operands in args {sorted(ts | ps)} differ "
                                    f"from declared inputs/params {sorted(op.inputs + op.params)}")
+        _check_join_shapes(graph, op)
         for t in op.outputs:
             if t in available:
                 raise InvalidGraph(f"tensor {t!r} is produced twice (again by {op.name!r})")

@@ -64,7 +64,7 @@ def broken(g: OpGraph, **changes) -> OpGraph:
 
 
 def test_verify_catches_broken_invariants(graphs) -> None:
-    g, _ = graphs
+    g, micro = graphs
     sb.verify(g)
     with pytest.raises(sb.InvalidGraph, match="before anything produces it"):
         sb.verify(broken(g, ops=tuple(reversed(g.ops))))
@@ -76,6 +76,12 @@ def test_verify_catches_broken_invariants(graphs) -> None:
     bad = dataclasses.replace(op, inputs=("ghost",))
     with pytest.raises(sb.InvalidGraph, match="ghost"):
         sb.verify(broken(g, ops=(*g.ops[:3], bad, *g.ops[4:])))
+    cat = next(o for o in micro.ops if o.kind == "concat")
+    short = dataclasses.replace(cat, inputs=cat.inputs[:-1],
+                                attrs={**cat.attrs, "args": [[{"t": t} for t in cat.inputs[:-1]],
+                                                              cat.attrs["args"][1]]})
+    with pytest.raises(sb.InvalidGraph, match=f"concat {cat.name!r} joins"):
+        sb.verify(broken(micro, ops=tuple(short if o is cat else o for o in micro.ops)))
     with pytest.raises(sb.InvalidGraph, match="budget is 1.0 KiB"):
         sb.verify(g, budget=1024)
 
