@@ -53,6 +53,11 @@ class Split:
     build: Callable[[list[int]], list[tuple[Op, bool]]]
 
 
+def _frac(n: int, k: int) -> float:
+    """Share of ``n`` units held by the largest of ``k`` balanced pieces."""
+    return math.ceil(n / k) / n
+
+
 def bounds_for(n: int, k: int) -> list[int]:
     return [round(i * n / k) for i in range(k + 1)]
 
@@ -249,9 +254,6 @@ class _Decomposer:
         a_ref = O.ref_name(A)
         a_cut = a if a_ref is not None and a_ref[0] == "t" else 0
 
-        def frac(n: int, k: int) -> float:
-            return math.ceil(n / k) / n
-
         def cols(bounds: list[int]) -> list[tuple[Op, bool]]:
             def piece(i: int, lo: int, hi: int, pieces: list[tuple[Op, bool]]):  # type: ignore[no-untyped-def]
                 new = list(args)
@@ -287,10 +289,10 @@ class _Decomposer:
             return self.tiles(op, "r", bounds, "sum", -1, piece)
 
         out_splits = [
-            Split("c", N, lambda k: a + (b + bb) * frac(N, k) + y * frac(N, k), 2 * y, cols),
-            Split("m", M, lambda k: a * frac(M, k) + b + bb + y * frac(M, k),
+            Split("c", N, lambda k: a + (b + bb) * _frac(N, k) + y * _frac(N, k), 2 * y, cols),
+            Split("m", M, lambda k: a * _frac(M, k) + b + bb + y * _frac(M, k),
                   max(2 * y, a_cut * 1.5), rows),
-            Split("r", K, lambda k: (a + b) * frac(K, k) + bb + y, max(3 * y, a_cut * 1.5), reduction),
+            Split("r", K, lambda k: (a + b) * _frac(K, k) + bb + y, max(3 * y, a_cut * 1.5), reduction),
         ]
         if op.target == "aten.matmul.default" and len(sa) != len(sb):
             out_splits = out_splits[:2]   # broadcasting matmul: keep to exact concat splits
@@ -308,9 +310,6 @@ class _Decomposer:
         if len(sx) != len(sw):   # unbatched input: leave alone
             return []
         O_, I_ = sw[0], sw[1]
-
-        def frac(n: int, k: int) -> float:
-            return math.ceil(n / k) / n
 
         def with_args(**changes: Any) -> list[Any]:
             new = list(args) + [None] * (7 - len(args))
@@ -361,13 +360,13 @@ class _Decomposer:
         result = []
         if groups == 1:
             result += [
-                Split("c", O_, lambda k: x + (w + bb + y) * frac(O_, k), 2 * y, out_channels),
-                Split("i", I_, lambda k: (x + w) * frac(I_, k) + bb + y, max(3 * y, 1.5 * x), in_channels),
+                Split("c", O_, lambda k: x + (w + bb + y) * _frac(O_, k), 2 * y, out_channels),
+                Split("i", I_, lambda k: (x + w) * _frac(I_, k) + bb + y, max(3 * y, 1.5 * x), in_channels),
             ]
         else:
-            result.append(Split("g", groups, lambda k: (x + w + bb + y) * frac(groups, k),
+            result.append(Split("g", groups, lambda k: (x + w + bb + y) * _frac(groups, k),
                                 max(2 * y, 1.5 * x), by_groups))
-        result.append(Split("n", N, lambda k: (x + y) * frac(N, k) + w + bb, max(2 * y, 1.5 * x), batch))
+        result.append(Split("n", N, lambda k: (x + y) * _frac(N, k) + w + bb, max(2 * y, 1.5 * x), batch))
         return result
 
     # --- embedding ---------------------------------------------------------------------------
@@ -378,9 +377,6 @@ class _Decomposer:
         out = self.tensors[op.outputs[0]]
         w, i_b, y = self.nbytes(W), self.nbytes(idx), out.nbytes
         rows_target = op.target == "sb.embedding_rows"
-
-        def frac(n: int, k: int) -> float:
-            return math.ceil(n / k) / n
 
         def vocab(bounds: list[int]) -> list[tuple[Op, bool]]:
             def piece(i: int, lo: int, hi: int, pieces: list[tuple[Op, bool]]):  # type: ignore[no-untyped-def]
@@ -396,8 +392,8 @@ class _Decomposer:
                 return new, {}, op.target, TensorSpec((*out.shape[:-1], hi - lo), out.dtype)
             return self.tiles(op, "d", bounds, "concat", -1, piece)
 
-        v = Split("v", V, lambda k: w * frac(V, k) + i_b + y, 3 * y, vocab)
-        d = Split("d", D, lambda k: (w + y) * frac(D, k) + i_b, 2 * y, columns)
+        v = Split("v", V, lambda k: w * _frac(V, k) + i_b + y, 3 * y, vocab)
+        d = Split("d", D, lambda k: (w + y) * _frac(D, k) + i_b, 2 * y, columns)
         if rows_target:
             return [d]
         return [v, d] if V >= 4 * D else [d, v]
@@ -423,9 +419,6 @@ class _Decomposer:
         ms = self.shape(mask) if mask is not None else ()
         mask4 = (1,) * (4 - len(ms)) + tuple(ms) if mask is not None else ()
         biggest = max(q, self.nbytes(K_), self.nbytes(V_), m)
-
-        def frac(n: int, k: int) -> float:
-            return math.ceil(n / k) / n
 
         def cut_mask(dim: int, lo: int, hi: int, size: int, pieces: list[tuple[Op, bool]]) -> Any:
             if mask is None or mask4[dim] != size:
@@ -455,9 +448,9 @@ class _Decomposer:
                 return new, kwargs, op.target, TensorSpec(shape, out.dtype)
             return self.tiles(op, "q", bounds, "concat", 2, piece)
 
-        result = [Split("h", Hk, lambda k: (q + kv + y + m) * frac(Hk, k), max(2 * y, 1.5 * biggest), heads)]
+        result = [Split("h", Hk, lambda k: (q + kv + y + m) * _frac(Hk, k), max(2 * y, 1.5 * biggest), heads)]
         if not causal:
-            result.append(Split("q", L, lambda k: (q + y + m) * frac(L, k) + kv,
+            result.append(Split("q", L, lambda k: (q + y + m) * _frac(L, k) + kv,
                                 max(2 * y, 1.5 * biggest), queries))
         return result
 
@@ -485,7 +478,7 @@ class _Decomposer:
             di = d - (r - len(s))
             return di if di >= 0 and s[di] == n else None
 
-        refs = [a for a in _walk_refs(args)]
+        refs = _walk_refs(args)
         cut_bytes = sum(self.nbytes(a) for a in refs if aligned(a) is not None)
         whole = sum(self.nbytes(a) for a in refs if aligned(a) is None)
         biggest = max([self.nbytes(a) for a in refs if aligned(a) is not None] + [0])
@@ -503,7 +496,7 @@ class _Decomposer:
                 return [sub(a) for a in args], kwargs, op.target, TensorSpec(shape, out.dtype)
             return self.tiles(op, "s", bounds, "concat", d, piece)
 
-        return [Split("s", n, lambda k: (cut_bytes + out.nbytes) * math.ceil(n / k) / n + whole,
+        return [Split("s", n, lambda k: (cut_bytes + out.nbytes) * _frac(n, k) + whole,
                       max(2 * out.nbytes, 1.5 * biggest), build)]
 
     # --- result ------------------------------------------------------------------------------

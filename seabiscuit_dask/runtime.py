@@ -17,8 +17,15 @@ from .weights import WeightStore
 def flatten_inputs(graph: OpGraph, inputs: tuple[Any, ...],
                    kwargs: Mapping[str, Any] | None = None) -> list[torch.Tensor]:
     """Tensors of a call, in graph-input order, checked against the traced shapes."""
-    leaves = [x for x in pytree.tree_leaves((inputs, dict(kwargs or {})))
-              if isinstance(x, torch.Tensor)]
+    kwargs = dict(kwargs or {})
+    order = list(graph.meta.get("kwarg_order", ()))
+    unknown = sorted(set(kwargs) - set(order))
+    if unknown:
+        raise BadInput(f"{graph.meta.get('name', 'graph')} was traced without keyword input(s) "
+                       f"{unknown}; traced keywords: {order}")
+    # NOTE: keywords are flattened in traced order, so same-shaped ones cannot swap silently.
+    ordered = {k: kwargs[k] for k in order if k in kwargs}
+    leaves = [x for x in pytree.tree_leaves((inputs, ordered)) if isinstance(x, torch.Tensor)]
     if len(leaves) != len(graph.inputs):
         raise BadInput(f"{graph.meta.get('name', 'graph')} takes {len(graph.inputs)} tensor "
                        f"input(s) {list(graph.inputs)}, got {len(leaves)}")

@@ -156,9 +156,8 @@ class WeightStore:
                                     "or bind a checkpoint (sb.bind_checkpoint)")
             value = t[index] if index else t
         elif src.kind == "inline" and src.data is not None:
-            value = torch.tensor(src.data, dtype=dtype).reshape(spec.shape if not index else -1)
-            if index:  # pragma: no cover - inline constants are never tiled
-                raise BadCheckpoint(f"inline param {spec.name!r} cannot be sliced")
+            # NOTE: inline constants are small and never tiled, so they have no slices.
+            value = torch.tensor(src.data, dtype=dtype).reshape(spec.shape)
         elif src.kind == "safetensors" and src.file:
             sl = self._open(src.file).get_slice(src.key)
             try:

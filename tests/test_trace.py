@@ -100,3 +100,17 @@ def test_bf16_model_runs_in_its_dtype() -> None:
     got = sb.run_local(g, x, weights=model).logits
     assert got.dtype == torch.bfloat16
     assert M.rel_err(got.float(), expected.float()) <= 2e-2
+
+
+def test_keyword_inputs_follow_the_traced_order() -> None:
+    model = M.bert()
+    x = M.ids()
+    mask = torch.tensor([[1, 1, 1, 0]])
+    types = torch.tensor([[0, 0, 1, 1]])
+    g = sb.trace(model, (x,), {"token_type_ids": types, "attention_mask": mask})
+    with torch.no_grad():
+        expected = model(x, attention_mask=mask, token_type_ids=types).last_hidden_state
+    got = sb.run_local(g, x, attention_mask=mask, token_type_ids=types, weights=model)
+    assert M.rel_err(got.last_hidden_state, expected) <= 1e-5
+    with pytest.raises(sb.BadInput, match=r"without keyword input\(s\) \['labels'\]"):
+        sb.run_local(g, x, labels=mask, weights=model)

@@ -291,4 +291,5 @@ def trace_module(model: torch.nn.Module, example_inputs: Any,
     args = as_example_tuple(example_inputs)
     kw = default_kwargs(model, kwargs)
     ep = export(model, args, kw)
-    return _Converter(ep, model, type(model).__name__).convert()
+    graph = _Converter(ep, model, type(model).__name__).convert()
+    return graph.with_meta(kwarg_order=list(kw))
