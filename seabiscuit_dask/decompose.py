@@ -30,8 +30,7 @@ from . import config
 from . import ops as O
 from .cost import op_flops
 from .errors import BudgetTooSmall
-from .ir import Op, OpGraph, ParamSpec, TensorSpec, fmt_bytes
-from .trace.torch_export import collect_refs
+from .ir import Op, OpGraph, ParamSpec, TensorSpec, fmt_bytes, iter_refs, operand_names
 
 MAX_DEPTH = 8
 
@@ -107,7 +106,7 @@ class _Decomposer:
     def make(self, name: str, target: str, args: list[Any], kwargs: dict[str, Any],
              out: str, spec: TensorSpec, scope: str, kind: str | None = None) -> Op:
         self.tensors[out] = spec
-        inputs, params = collect_refs(args, kwargs)
+        inputs, params = operand_names(args, kwargs)
         flops = op_flops(target, args, [spec.shape], self.shape)
         return Op(name, kind or O.kind_of(target), target, inputs, (out,), params,
                   {"args": args, "kwargs": kwargs}, scope, flops)
@@ -478,7 +477,7 @@ class _Decomposer:
             di = d - (r - len(s))
             return di if di >= 0 and s[di] == n else None
 
-        refs = _walk_refs(args)
+        refs = list(iter_refs(args))
         cut_bytes = sum(self.nbytes(a) for a in refs if aligned(a) is not None)
         whole = sum(self.nbytes(a) for a in refs if aligned(a) is None)
         biggest = max([self.nbytes(a) for a in refs if aligned(a) is not None] + [0])
@@ -510,14 +509,6 @@ class _Decomposer:
         meta = {**dict(self.graph.meta), "budget_bytes": self.budget}
         return OpGraph(tuple(self.ops), tensors, params, self.graph.inputs,
                        self.graph.outputs, meta)
-
-
-def _walk_refs(v: Any) -> list[Any]:
-    if O.ref_name(v) is not None:
-        return [v]
-    if isinstance(v, (list, tuple)):
-        return [r for x in v for r in _walk_refs(x)]
-    return []
 
 
 def decompose(graph: OpGraph, budget: int | str | None = None, *,

@@ -37,7 +37,7 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from types import MappingProxyType
@@ -360,16 +360,28 @@ class OpGraph:
         return cls.from_dict(d)
 
 
-def _refs(value: Any, tag: str) -> Iterable[str]:
+def iter_refs(value: Any) -> Iterator[Mapping[str, str]]:
+    """Every operand reference (``{"t": name}`` or ``{"p": name}``) inside ``value``."""
     if isinstance(value, Mapping):
-        if tag in value and len(value) == 1:
-            yield value[tag]
+        if len(value) == 1 and next(iter(value)) in ("t", "p"):
+            yield value
         else:
             for v in value.values():
-                yield from _refs(v, tag)
+                yield from iter_refs(v)
     elif isinstance(value, (list, tuple)):
         for v in value:
-            yield from _refs(v, tag)
+            yield from iter_refs(v)
+
+
+def _refs(value: Any, tag: str) -> Iterable[str]:
+    return (r[tag] for r in iter_refs(value) if tag in r)
+
+
+def operand_names(args: Any, kwargs: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Distinct tensor and param names referenced in args/kwargs, in order of appearance."""
+    refs = list(iter_refs((args, kwargs)))
+    return (tuple(dict.fromkeys(r["t"] for r in refs if "t" in r)),
+            tuple(dict.fromkeys(r["p"] for r in refs if "p" in r)))
 
 
 def _check_join_shapes(graph: OpGraph, op: Op) -> None:

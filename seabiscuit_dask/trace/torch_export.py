@@ -21,7 +21,7 @@ from .. import config
 from .. import ops as O
 from ..cost import op_flops
 from ..errors import UnsupportedModel
-from ..ir import Op, OpGraph, ParamSource, ParamSpec, TensorSpec
+from ..ir import Op, OpGraph, ParamSource, ParamSpec, TensorSpec, operand_names
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -215,7 +215,7 @@ class _Converter:
             outs = (node.name,)
             self.tensors[node.name] = tensor_spec(val, where)
             self.refs[node.name] = {"t": node.name}
-        inputs, params = collect_refs(args, kwargs)
+        inputs, params = operand_names(args, kwargs)
         flops = op_flops(tname, args, [self.tensors[o].shape for o in outs], self.shape_of)
         self.ops.append(Op(op_name, O.kind_of(tname), tname, inputs, outs, params,
                            attrs, scope, flops))
@@ -262,27 +262,6 @@ class _Converter:
         meta["aliases"] = aliases
         meta["param_shapes"] = {k: list(v.shape) for k, v in self.params.items()}
         return meta
-
-
-def collect_refs(args: Any, kwargs: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """Distinct tensor and param names referenced in args/kwargs, in order of appearance."""
-    ts: dict[str, None] = {}
-    ps: dict[str, None] = {}
-
-    def walk(v: Any) -> None:
-        r = O.ref_name(v)
-        if r is not None:
-            (ts if r[0] == "t" else ps)[r[1]] = None
-        elif isinstance(v, Mapping):
-            for x in v.values():
-                walk(x)
-        elif isinstance(v, (list, tuple)):
-            for x in v:
-                walk(x)
-
-    walk(args)
-    walk(kwargs)
-    return tuple(ts), tuple(ps)
 
 
 def trace_module(model: torch.nn.Module, example_inputs: Any,
