@@ -1,0 +1,407 @@
+"""Cluster descriptions: devices, their speeds and memory, and the links between them.
+
+A ``ClusterSpec`` is frozen data. Links come from the topology tree (two devices
+on one host talk over NVLink or PCIe, hosts in one rack over the rack switch,
+racks over the network) or from a measured bandwidth/latency matrix.
+
+YAML schema (``ClusterSpec.from_yaml``)::
+
+    devices:
+      - name: gpu0                       # unique; one Dask worker = one device
+        profile: gpu16                   # optional: start from a built-in profile
+        kind: gpu                        # cpu | gpu
+        memory: 16GiB                    # budget for weights and activations
+        flops_per_s: {matmul: 1.0e14, other: 1.5e13}
+        mem_bytes_per_s: 9.0e11          # memory bandwidth
+        op_overhead_s: 8.0e-6            # fixed cost per micro-op (kernel launch)
+        host: server0
+        rack: rack0
+    links:                               # topology tree, bytes/s and seconds
+      nvlink:  {bandwidth: 1.0e11, latency: 5.0e-6}   # GPU <-> GPU, same host
+      pcie:    {bandwidth: 2.5e10, latency: 1.0e-5}   # CPU <-> GPU, same host
+      rack:    {bandwidth: 1.25e10, latency: 1.5e-5}  # hosts in one rack
+      network: {bandwidth: 5.0e9, latency: 3.0e-5}    # across racks
+    matrix:                              # optional, measured: overrides links
+      bandwidth: [[...], ...]            # bytes/s, device order as listed
+      latency: [[...], ...]
+
+``preset: "4x(3gpu+cpu)"`` in place of ``devices`` builds a synthetic cluster.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+from ..config import to_bytes
+from ..errors import SeaBiscuitError
+
+OP_CLASSES = ("matmul", "other")
+MATMUL_KINDS = frozenset({"linear", "matmul", "conv", "attention"})
+TOPOLOGY_LEVELS = ("nvlink", "pcie", "rack", "network")
+
+
+def op_class(kind: str) -> str:
+    """The throughput class of an op kind: dense math or everything else."""
+    return "matmul" if kind in MATMUL_KINDS else "other"
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    """A link: bandwidth in bytes/s and latency in seconds."""
+
+    bandwidth_bytes_per_s: float
+    latency_s: float
+
+    def transfer_s(self, nbytes: float) -> float:
+        return self.latency_s + nbytes / self.bandwidth_bytes_per_s
+
+    def to_dict(self) -> dict[str, float]:
+        return {"bandwidth": self.bandwidth_bytes_per_s, "latency": self.latency_s}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], what: str = "link") -> LinkSpec:
+        try:
+            bw, lat = float(d["bandwidth"]), float(d["latency"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise SeaBiscuitError(f"{what} needs numeric 'bandwidth' (bytes/s) and 'latency' (s), "
+                                  f"got {dict(d) if isinstance(d, Mapping) else d!r}") from e
+        if not bw > 0 or not lat >= 0 or math.isinf(bw):
+            raise SeaBiscuitError(f"{what}: bandwidth must be > 0 and latency >= 0, "
+                                  f"got bandwidth={bw}, latency={lat}")
+        return cls(bw, lat)
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One device (one Dask worker): memory budget, speed per op class, place in the topology."""
+
+    name: str
+    kind: str
+    memory_bytes: int
+    flops_per_s: Mapping[str, float]
+    mem_bytes_per_s: float
+    op_overhead_s: float = 0.0
+    host: str = "host0"
+    rack: str = "rack0"
+
+    def __post_init__(self) -> None:
+        if not self.name or not isinstance(self.name, str):
+            raise SeaBiscuitError(f"device name must be a non-empty string, got {self.name!r}")
+        if self.kind not in ("cpu", "gpu"):
+            raise SeaBiscuitError(f"device {self.name!r}: kind must be 'cpu' or 'gpu', got {self.kind!r}")
+        if not isinstance(self.memory_bytes, int) or self.memory_bytes <= 0:
+            raise SeaBiscuitError(f"device {self.name!r}: memory must be a positive byte count, "
+                                  f"got {self.memory_bytes!r}")
+        missing = [c for c in OP_CLASSES if c not in self.flops_per_s]
+        if missing:
+            raise SeaBiscuitError(f"device {self.name!r}: flops_per_s lacks classes {missing} "
+                                  f"(needs {list(OP_CLASSES)})")
+        for c, v in self.flops_per_s.items():
+            if not float(v) > 0:
+                raise SeaBiscuitError(f"device {self.name!r}: flops_per_s[{c!r}] must be > 0, got {v}")
+        if not self.mem_bytes_per_s > 0:
+            raise SeaBiscuitError(f"device {self.name!r}: mem_bytes_per_s must be > 0, "
+                                  f"got {self.mem_bytes_per_s}")
+        if self.op_overhead_s < 0:
+            raise SeaBiscuitError(f"device {self.name!r}: op_overhead_s must be >= 0, "
+                                  f"got {self.op_overhead_s}")
+        object.__setattr__(self, "flops_per_s", {c: float(v) for c, v in self.flops_per_s.items()})
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "kind": self.kind, "memory": self.memory_bytes,
+                "flops_per_s": dict(self.flops_per_s), "mem_bytes_per_s": self.mem_bytes_per_s,
+                "op_overhead_s": self.op_overhead_s, "host": self.host, "rack": self.rack}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> DeviceSpec:
+        d = dict(d)
+        profile = d.pop("profile", None)
+        base: dict[str, Any] = {}
+        if profile is not None:
+            if profile not in PROFILES:
+                raise SeaBiscuitError(f"device {d.get('name')!r}: unknown profile {profile!r}; "
+                                      f"known: {', '.join(PROFILES)}")
+            base = PROFILES[profile].to_dict()
+        base.update(d)
+        unknown = set(base) - {"name", "kind", "memory", "flops_per_s", "mem_bytes_per_s",
+                               "op_overhead_s", "host", "rack"}
+        if unknown:
+            raise SeaBiscuitError(f"device {base.get('name')!r}: unknown fields {sorted(unknown)}")
+        need = [k for k in ("name", "kind", "memory", "flops_per_s", "mem_bytes_per_s") if k not in base]
+        if need:
+            raise SeaBiscuitError(f"device {base.get('name')!r}: missing fields {need} "
+                                  f"(or give a profile: {', '.join(PROFILES)})")
+        try:
+            return cls(name=str(base["name"]), kind=str(base["kind"]),
+                       memory_bytes=to_bytes(base["memory"], f"device {base['name']!r} memory"),
+                       flops_per_s={k: float(v) for k, v in dict(base["flops_per_s"]).items()},
+                       mem_bytes_per_s=float(base["mem_bytes_per_s"]),
+                       op_overhead_s=float(base.get("op_overhead_s", 0.0)),
+                       host=str(base.get("host", "host0")), rack=str(base.get("rack", "rack0")))
+        except (TypeError, ValueError) as e:
+            raise SeaBiscuitError(f"device {base.get('name')!r}: {e}") from e
+
+
+# Built-in device profiles: a 16 GB data-centre GPU (HBM2, tensor cores) and a
+# server CPU socket with 64 GB of DDR4. Figures are sustained rates, not peaks.
+PROFILES: dict[str, DeviceSpec] = {
+    "gpu16": DeviceSpec("gpu16", "gpu", 16 * 2**30, {"matmul": 1.0e14, "other": 1.5e13}, 9.0e11, 8e-6),
+    "cpu64": DeviceSpec("cpu64", "cpu", 64 * 2**30, {"matmul": 2.0e12, "other": 5.0e11}, 1.0e11, 2e-6),
+}
+
+# Realistic link speeds per level of the topology tree.
+DEFAULT_LINKS: dict[str, LinkSpec] = {
+    "nvlink": LinkSpec(1.0e11, 5e-6),      # NVLink between GPUs of one server
+    "pcie": LinkSpec(2.5e10, 1e-5),        # PCIe 4.0 x16, CPU <-> GPU (or GPU <-> GPU without NVLink)
+    "rack": LinkSpec(1.25e10, 1.5e-5),     # 100 Gb/s Ethernet inside a rack
+    "network": LinkSpec(5.0e9, 3e-5),      # 40 Gb/s between racks
+}
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "4x(3gpu+cpu)": {"hosts": 4, "gpus_per_host": 3, "cpus_per_host": 1, "hosts_per_rack": 2},
+    "2x(1gpu+cpu)": {"hosts": 2, "gpus_per_host": 1, "cpus_per_host": 1, "hosts_per_rack": 2},
+    "4xcpu": {"hosts": 4, "gpus_per_host": 0, "cpus_per_host": 1, "hosts_per_rack": 4},
+}
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """Devices and links of a cluster. Frozen; ``without``/``with_device`` return new specs."""
+
+    devices: tuple[DeviceSpec, ...]
+    links: Mapping[str, LinkSpec] = field(default_factory=lambda: dict(DEFAULT_LINKS))
+    matrix: tuple[tuple[tuple[float, ...], ...], tuple[tuple[float, ...], ...]] | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "devices", tuple(self.devices))
+        if not self.devices:
+            raise SeaBiscuitError("a cluster needs at least one device, got none")
+        names = [d.name for d in self.devices]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise SeaBiscuitError(f"device names must be unique; repeated: {dup}")
+        missing = [lvl for lvl in TOPOLOGY_LEVELS if lvl not in self.links]
+        if missing and self.matrix is None:
+            raise SeaBiscuitError(f"links lack topology levels {missing} (needs {list(TOPOLOGY_LEVELS)})")
+        if self.matrix is not None:
+            n = len(self.devices)
+            for what, m in zip(("bandwidth", "latency"), self.matrix):
+                if len(m) != n or any(len(r) != n for r in m):
+                    raise SeaBiscuitError(f"matrix.{what} must be {n}x{n} (one row and column per "
+                                          f"device), got {len(m)} rows")
+            bw, lat = np.array(self.matrix[0]), np.array(self.matrix[1])
+            off = ~np.eye(n, dtype=bool)
+            if (bw[off] <= 0).any() or (lat[off] < 0).any():
+                raise SeaBiscuitError("matrix: every off-diagonal bandwidth must be > 0 and latency >= 0")
+
+    # --- construction ---------------------------------------------------------------
+    @classmethod
+    def synthetic(cls, preset: str | None = "4x(3gpu+cpu)", *, hosts: int | None = None,
+                  gpus_per_host: int | None = None, cpus_per_host: int | None = None,
+                  hosts_per_rack: int | None = None, gpu_memory: int | str | None = None,
+                  cpu_memory: int | str | None = None, nvlink: bool = True) -> ClusterSpec:
+        """A cluster of identical servers with built-in device profiles and link speeds.
+
+        >>> spec = ClusterSpec.synthetic("4x(3gpu+cpu)")   # 4 servers x (3 GPUs 16 GiB + 1 CPU 64 GiB)
+        >>> len(spec.devices), spec.devices[0].name
+        (16, 'h0-gpu0')
+        """
+        base = dict(PRESETS.get(preset, {})) if preset else {}
+        if preset and preset not in PRESETS:
+            raise SeaBiscuitError(f"unknown cluster preset {preset!r}; known: {', '.join(PRESETS)}")
+        for k, v in {"hosts": hosts, "gpus_per_host": gpus_per_host, "cpus_per_host": cpus_per_host,
+                     "hosts_per_rack": hosts_per_rack}.items():
+            if v is not None:
+                base[k] = v
+        n_hosts = int(base.get("hosts", 1))
+        n_gpu, n_cpu = int(base.get("gpus_per_host", 0)), int(base.get("cpus_per_host", 1))
+        per_rack = max(1, int(base.get("hosts_per_rack", n_hosts)))
+        if n_hosts < 1 or n_gpu < 0 or n_cpu < 0 or n_gpu + n_cpu < 1:
+            raise SeaBiscuitError(f"synthetic cluster needs >= 1 host with >= 1 device, got hosts={n_hosts}, "
+                                  f"gpus_per_host={n_gpu}, cpus_per_host={n_cpu}")
+        gpu_mem = to_bytes(gpu_memory, "gpu_memory") if gpu_memory is not None else None
+        cpu_mem = to_bytes(cpu_memory, "cpu_memory") if cpu_memory is not None else None
+        devices = []
+        for h in range(n_hosts):
+            where = {"host": f"host{h}", "rack": f"rack{h // per_rack}"}
+            for i in range(n_gpu):
+                p = PROFILES["gpu16"]
+                devices.append(replace(p, name=f"h{h}-gpu{i}", memory_bytes=gpu_mem or p.memory_bytes, **where))
+            for i in range(n_cpu):
+                p = PROFILES["cpu64"]
+                devices.append(replace(p, name=f"h{h}-cpu{i}", memory_bytes=cpu_mem or p.memory_bytes, **where))
+        links = dict(DEFAULT_LINKS)
+        if not nvlink:
+            links["nvlink"] = links["pcie"]
+        return cls(tuple(devices), links)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> ClusterSpec:
+        if not isinstance(d, Mapping):
+            raise SeaBiscuitError(f"a cluster description must be a mapping, got {type(d).__name__}")
+        if "preset" in d:
+            return cls.synthetic(str(d["preset"]))
+        if "devices" not in d or not isinstance(d["devices"], Sequence):
+            raise SeaBiscuitError("a cluster description needs a 'devices' list (or a 'preset')")
+        devices = tuple(DeviceSpec.from_dict(x) for x in d["devices"])
+        links = dict(DEFAULT_LINKS)
+        for lvl, ld in dict(d.get("links") or {}).items():
+            if lvl not in TOPOLOGY_LEVELS:
+                raise SeaBiscuitError(f"unknown link level {lvl!r}; known: {list(TOPOLOGY_LEVELS)}")
+            links[lvl] = LinkSpec.from_dict(ld, f"link {lvl!r}")
+        matrix = None
+        if d.get("matrix") is not None:
+            m = d["matrix"]
+            try:
+                matrix = tuple(tuple(tuple(float(x) for x in row) for row in m[k])
+                               for k in ("bandwidth", "latency"))
+            except (KeyError, TypeError, ValueError) as e:
+                raise SeaBiscuitError(f"matrix needs numeric 'bandwidth' and 'latency' lists: {e}") from e
+        return cls(devices, links, matrix)  # type: ignore[arg-type]
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> ClusterSpec:
+        """Read a cluster description (schema in this module's docstring)."""
+        p = Path(path)
+        try:
+            data = yaml.safe_load(p.read_text())
+        except OSError as e:
+            raise SeaBiscuitError(f"cannot read cluster file {str(p)!r}: {e}") from e
+        except yaml.YAMLError as e:
+            raise SeaBiscuitError(f"cluster file {str(p)!r} is not valid YAML: {e}") from e
+        return cls.from_dict(data)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"devices": [d.to_dict() for d in self.devices],
+                               "links": {k: v.to_dict() for k, v in self.links.items()}}
+        if self.matrix is not None:
+            out["matrix"] = {"bandwidth": [list(r) for r in self.matrix[0]],
+                             "latency": [list(r) for r in self.matrix[1]]}
+        return out
+
+    # --- edits (each returns a new spec) ---------------------------------------------
+    def index(self, name: str) -> int:
+        try:
+            return self.names.index(name)
+        except ValueError:
+            raise SeaBiscuitError(f"no device {name!r} in the cluster; devices: {list(self.names)}") from None
+
+    def without(self, name: str) -> ClusterSpec:
+        i = self.index(name)
+        if len(self.devices) == 1:
+            raise SeaBiscuitError(f"cannot remove {name!r}: it is the cluster's last device")
+        matrix = None
+        if self.matrix is not None:
+            matrix = tuple(tuple(r[:i] + r[i + 1:] for j, r in enumerate(m) if j != i) for m in self.matrix)
+        return ClusterSpec(self.devices[:i] + self.devices[i + 1:], self.links, matrix)  # type: ignore[arg-type]
+
+    def with_device(self, device: DeviceSpec) -> ClusterSpec:
+        if self.matrix is not None:
+            raise SeaBiscuitError(f"cannot add {device.name!r} to a cluster described by a measured "
+                                  "matrix; measure again with the new device")
+        return ClusterSpec(self.devices + (device,), self.links)
+
+    def with_changes(self, name: str, **changes: Any) -> ClusterSpec:
+        i = self.index(name)
+        dev = replace(self.devices[i], **changes)
+        return ClusterSpec(self.devices[:i] + (dev,) + self.devices[i + 1:], self.links, self.matrix)
+
+    # --- derived views ----------------------------------------------------------------
+    @cached_property
+    def names(self) -> tuple[str, ...]:
+        return tuple(d.name for d in self.devices)
+
+    @property
+    def memory_bytes(self) -> int:
+        return sum(d.memory_bytes for d in self.devices)
+
+    def level(self, a: int, b: int) -> str:
+        """Topology level of the link between devices ``a`` and ``b``."""
+        da, db = self.devices[a], self.devices[b]
+        if da.host == db.host:
+            return "nvlink" if da.kind == db.kind == "gpu" else "pcie"
+        return "rack" if da.rack == db.rack else "network"
+
+    @cached_property
+    def bandwidth(self) -> np.ndarray:
+        """``[a, b]`` -> bytes/s from device a to device b (inf on the diagonal)."""
+        if self.matrix is not None:
+            bw = np.array(self.matrix[0], dtype=float)
+        else:
+            n = len(self.devices)
+            bw = np.array([[self.links[self.level(a, b)].bandwidth_bytes_per_s for b in range(n)]
+                           for a in range(n)], dtype=float)
+        np.fill_diagonal(bw, np.inf)
+        return bw
+
+    @cached_property
+    def latency(self) -> np.ndarray:
+        if self.matrix is not None:
+            lat = np.array(self.matrix[1], dtype=float)
+        else:
+            n = len(self.devices)
+            lat = np.array([[self.links[self.level(a, b)].latency_s for b in range(n)]
+                            for a in range(n)], dtype=float)
+        np.fill_diagonal(lat, 0.0)
+        return lat
+
+    def transfer_s(self, a: int, b: int, nbytes: float) -> float:
+        if a == b:
+            return 0.0
+        return float(self.latency[a, b] + nbytes / self.bandwidth[a, b])
+
+    @cached_property
+    def routes(self) -> tuple[tuple[tuple[int, ...], ...], ...]:
+        """``[a][b]`` -> ids of the shared resources a transfer a->b occupies.
+
+        Inside a host each ordered device pair has its own channel; between hosts a
+        transfer holds the sender host's NIC (egress) and the receiver's (ingress), so
+        transfers leaving one host contend. With a measured matrix, pairs are independent.
+        """
+        n = len(self.devices)
+        hosts = sorted({d.host for d in self.devices})
+        hid = {h: i for i, h in enumerate(hosts)}
+        pair_base = 2 * len(hosts)
+        out = []
+        for a in range(n):
+            row = []
+            for b in range(n):
+                ha, hb = hid[self.devices[a].host], hid[self.devices[b].host]
+                if a == b:
+                    row.append(())
+                elif self.matrix is not None or ha == hb:
+                    row.append((pair_base + a * n + b,))
+                else:
+                    row.append((2 * ha, 2 * hb + 1))
+            out.append(tuple(row))
+        return tuple(out)
+
+    @cached_property
+    def groups(self) -> tuple[tuple[int, ...], ...]:
+        """Device indices grouped by host, hosts ordered by rack then name."""
+        by_host: dict[tuple[str, str], list[int]] = {}
+        for i, d in enumerate(self.devices):
+            by_host.setdefault((d.rack, d.host), []).append(i)
+        return tuple(tuple(v) for _, v in sorted(by_host.items()))
+
+    def __repr__(self) -> str:
+        kinds = {k: sum(d.kind == k for d in self.devices) for k in ("gpu", "cpu")}
+        return (f"<ClusterSpec {len(self.devices)} devices ({kinds['gpu']} gpu, {kinds['cpu']} cpu) on "
+                f"{len(self.groups)} hosts, {self.memory_bytes / 2**30:.0f} GiB>")
+
+    def table(self) -> str:
+        lines = [f"{'device':<14} {'kind':<4} {'memory':>10} {'matmul TF/s':>11} {'mem GB/s':>9} "
+                 f"{'host':<8} {'rack':<6}"]
+        for d in self.devices:
+            lines.append(f"{d.name:<14} {d.kind:<4} {d.memory_bytes / 2**30:>6.1f} GiB "
+                         f"{d.flops_per_s['matmul'] / 1e12:>11.1f} {d.mem_bytes_per_s / 1e9:>9.0f} "
+                         f"{d.host:<8} {d.rack:<6}")
+        return "\n".join(lines)

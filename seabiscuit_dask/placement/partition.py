@@ -1,0 +1,406 @@
+"""``place``: topology-aware multilevel partitioning of a graph over a cluster.
+
+The cluster is a tree: hosts joined by slow links, devices in a host joined by
+fast ones. The partitioner follows it in two tiers.
+
+1. ``coarsen`` (see ``levels``): merge ops along heavy edges and group twin ops,
+   without cycles, layer by layer, until the graph stops shrinking.
+2. ``initial_hosts``: on the coarsest graph, cut the topological order into one
+   contiguous stage per host, sized by the host's speed, each cut where the fewest
+   bytes cross and never past the host's memory.
+3. ``refine_hosts`` at every level while uncoarsening: FM-style boundary moves of
+   single nodes to the neighbouring stage, taken when they lower the time spent
+   on slow links (a tensor counts once per receiving host: hypergraph lambda-1)
+   and keep stages in order and within memory.
+4. ``assign_devices`` on the op graph: list scheduling by upward rank, each op on
+   the device of its host with the earliest estimated finish, memory permitting.
+   Fast links inside a host carry the parallel work (tiles, heads).
+
+``refine`` (boundary moves against a level-by-level makespan estimate) is kept
+for repairs. The result is a ``Plan`` whose blocks form an acyclic graph.
+"""
+
+from __future__ import annotations
+
+import time as _time
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+from ..ir import OpGraph
+from .capacity import check_fits, weight_capacity
+from .cluster import ClusterSpec
+from .levels import LevelGraph, coarsen
+from .plan import Plan, make_plan
+from .workload import workload
+
+
+def place(graph: OpGraph, spec: ClusterSpec, *, refine_passes: int = 4) -> Plan:
+    """Place every op of ``graph`` on a device of ``spec``.
+
+    Parameters
+    ----------
+    graph : OpGraph
+        Usually the output of ``decompose``.
+    spec : ClusterSpec
+        The devices and links.
+    refine_passes : int
+        Boundary-move passes per level while uncoarsening.
+
+    Returns
+    -------
+    Plan
+        Memory-feasible, with acyclic blocks. Raises ``ClusterTooSmall`` if the
+        model cannot fit.
+
+    Examples
+    --------
+    >>> plan = sb.place(sb.decompose(g, "16MiB"), sb.ClusterSpec.synthetic())   # doctest: +SKIP
+    >>> print(plan.table())                                                      # doctest: +SKIP
+    """
+    t0 = _time.perf_counter()
+    w = workload(graph)
+    cap = weight_capacity(spec)
+    check_fits(w, spec, cap)
+    times = w.times(spec)
+    g0 = LevelGraph.from_workload(w, times)
+    width = max(len(grp) for grp in spec.groups)
+    n_layers = max(1, len(set(w.layer.tolist())))
+    levels = coarsen(g0, max_weight=min(cap.min(), w.weight_bytes.sum() / max(n_layers, len(cap))),
+                     max_time=times.min(axis=1).sum() / max(n_layers, len(cap)), min_parallel=width)
+    host_cap = np.array([cap[list(grp)].sum() for grp in spec.groups])
+    host = initial_hosts(levels[-1][0], spec, host_cap)
+    for g, node_of in reversed(levels[:-1]):
+        host = refine_hosts(g, spec, host_cap, host[node_of], passes=refine_passes)
+    dev = assign_devices(g0, spec, cap, host)
+    return make_plan(graph, spec, dev, "multilevel", _time.perf_counter() - t0,
+                     levels=[g.k for g, _ in levels])
+
+
+def contiguous_split(weight: np.ndarray, src_pos: np.ndarray, last_pos: np.ndarray, nbytes: np.ndarray,
+                     share: np.ndarray, cap: np.ndarray, window: float = 0.05) -> np.ndarray:
+    """Cut a topological order into ``len(share)`` contiguous stages.
+
+    ``weight`` is in order; a tensor made at position ``src_pos`` and last read at
+    ``last_pos`` crosses every boundary in between. Stage k aims at ``share[k]`` of
+    the weight; each boundary moves within ``window`` of the ops to where the fewest
+    bytes cross, never past ``cap[k]``. Returns the stage of each position.
+    """
+    n, k = len(weight), len(share)
+    diff = np.zeros(n + 2)
+    np.add.at(diff, src_pos + 1, nbytes)
+    np.add.at(diff, last_pos + 1, -nbytes)
+    cut = np.cumsum(diff)[: n + 1]
+    cum = np.concatenate([[0.0], np.cumsum(weight)])
+    total = cum[-1]
+    span = max(1, int(window * n))
+    bounds = [0]
+    for s in range(k - 1):
+        lo = bounds[-1]
+        target = int(np.searchsorted(cum, total * share[: s + 1].sum()))
+        hi = int(np.searchsorted(cum, cum[lo] + cap[s], side="right")) - 1
+        need_rest = int(np.searchsorted(cum, total - cap[s + 1:].sum(), side="left"))
+        a, b = max(lo, target - span, need_rest), min(n, target + span, hi)
+        if a > b:
+            a = b = max(lo, min(hi, n))
+        bounds.append(a + int(np.argmin(cut[a: b + 1])))
+    bounds.append(n)
+    stage = np.empty(n, dtype=np.int64)
+    for s in range(k):
+        stage[bounds[s]: bounds[s + 1]] = s
+    return stage
+
+
+def initial_hosts(g: LevelGraph, spec: ClusterSpec, host_cap: np.ndarray) -> np.ndarray:
+    """Stage (index into ``spec.groups``) of each node: contiguous in topological order."""
+    order = np.array(g.order, dtype=np.int64)
+    pos = np.empty(g.k, dtype=np.int64)
+    pos[order] = np.arange(g.k)
+    speed = g.time.min(axis=1).sum() / np.maximum(g.time.sum(axis=0), 1e-30)   # [D] vs the fastest
+    host_speed = np.array([speed[list(grp)].sum() for grp in spec.groups])
+    last = np.fromiter((max(pos[d] for d in ds) for ds in g.t_dst), dtype=np.int64, count=len(g.t_dst))
+    stage_of_pos = contiguous_split(g.weight[order], pos[g.t_src], last, g.t_bytes,
+                                    host_speed / host_speed.sum(), host_cap)
+    stage = np.empty(g.k, dtype=np.int64)
+    stage[order] = stage_of_pos
+    return stage
+
+
+def host_links(spec: ClusterSpec) -> tuple[list[list[float]], list[list[float]]]:
+    """Latency and seconds per byte between host groups (their first devices' link)."""
+    first = [grp[0] for grp in spec.groups]
+    lat = [[float(spec.latency[a, b]) if a != b else 0.0 for b in first] for a in first]
+    inv = [[float(1.0 / spec.bandwidth[a, b]) if a != b else 0.0 for b in first] for a in first]
+    return lat, inv
+
+
+def refine_hosts(g: LevelGraph, spec: ClusterSpec, host_cap: np.ndarray, host: np.ndarray,
+                 passes: int = 4) -> np.ndarray:
+    """FM-style boundary moves between neighbouring stages that cut slow-link time.
+
+    A node moves from stage k to k-1 only if all its predecessors are in stages
+    <= k-1 (to k+1: successors >= k+1), so stages stay in pipeline order and the
+    host-level quotient graph stays acyclic. Memory per host is a hard limit.
+    """
+    n_hosts = len(host_cap)
+    if n_hosts < 2:
+        return host
+    lat, inv = host_links(spec)
+    h = host.tolist()
+    src, nbytes = g.t_src.tolist(), g.t_bytes.tolist()
+    free = (host_cap - np.bincount(host, weights=g.weight, minlength=n_hosts)).tolist()
+    weight = g.weight.tolist()
+    cnt: list[dict[int, int]] = []
+    for ds in g.t_dst:
+        c: dict[int, int] = {}
+        for d in ds:
+            c[h[d]] = c.get(h[d], 0) + 1
+        cnt.append(c)
+
+    def comm(t: int, sender: int, receivers: Iterable[int]) -> float:
+        return sum(lat[sender][r] + nbytes[t] * inv[sender][r] for r in receivers if r != sender)
+
+    def gain(v: int, b: int) -> float:
+        a, out = h[v], 0.0
+        for t in g.outs[v]:
+            out += comm(t, a, cnt[t]) - comm(t, b, cnt[t])
+        for t in g.ins[v]:
+            x, c = h[src[t]], cnt[t]
+            if c[a] == 1 and a != x:
+                out += lat[x][a] + nbytes[t] * inv[x][a]
+            if b not in c and b != x:
+                out -= lat[x][b] + nbytes[t] * inv[x][b]
+        return out
+
+    preds, succs = g.preds, g.succs
+    for _ in range(passes):
+        moved = 0
+        for v in g.order:
+            a = h[v]
+            best, best_b = 1e-12, -1
+            for b in (a - 1, a + 1):
+                if not 0 <= b < n_hosts or free[b] < weight[v]:
+                    continue
+                if b < a and any(h[u] > b for u in preds[v]):
+                    continue
+                if b > a and any(h[u] < b for u in succs[v]):
+                    continue
+                gn = gain(v, b)
+                if gn > best:
+                    best, best_b = gn, b
+            if best_b < 0:
+                continue
+            for t in g.ins[v]:
+                c = cnt[t]
+                c[a] -= 1
+                if not c[a]:
+                    del c[a]
+                c[best_b] = c.get(best_b, 0) + 1
+            h[v] = best_b
+            free[a] += weight[v]
+            free[best_b] -= weight[v]
+            moved += 1
+        if not moved:
+            break
+    return np.array(h, dtype=np.int64)
+
+
+def assign_devices(g: LevelGraph, spec: ClusterSpec, cap: np.ndarray, host: np.ndarray) -> np.ndarray:
+    """Device of each node: list scheduling inside the node's host."""
+    groups = [list(grp) for grp in spec.groups]
+    return _list_schedule(g, spec, cap, [groups[s] for s in host.tolist()])
+
+
+def upward_rank(g: LevelGraph, comm_s_per_byte: float, comm_latency_s: float) -> np.ndarray:
+    """Longest time from each node to a sink (fastest device, average link), HEFT's priority."""
+    tmin = g.time.min(axis=1).tolist()
+    rank = [0.0] * g.k
+    outs, dst, nbytes = g.outs, g.t_dst, g.t_bytes.tolist()
+    for v in reversed(g.order):
+        best = 0.0
+        for t in outs[v]:
+            c = comm_latency_s + nbytes[t] * comm_s_per_byte
+            for s in dst[t]:
+                if c + rank[s] > best:
+                    best = c + rank[s]
+        rank[v] = tmin[v] + best
+    return np.array(rank)
+
+
+def _list_schedule(g: LevelGraph, spec: ClusterSpec, cap: np.ndarray, allowed: list[list[int]]) -> np.ndarray:
+    """Earliest-finish-time list scheduling by upward rank.
+
+    Node v may go to a device of ``allowed[v]`` (or, if none has room, anywhere
+    that does). A tensor is sent once to each device that reads it.
+    """
+    import heapq
+
+    n_dev = len(cap)
+    lat, inv_bw = spec.latency.tolist(), (1.0 / spec.bandwidth).tolist()
+    inner = [(a, b) for grp in spec.groups for a in grp for b in grp if a != b]
+    per_byte = float(np.mean([inv_bw[a][b] for a, b in inner])) if inner else 0.0
+    latency = float(np.mean([lat[a][b] for a, b in inner])) if inner else 0.0
+    rank = upward_rank(g, per_byte, latency).tolist()
+    free = cap.tolist()
+    avail = [0.0] * n_dev
+    finish = [0.0] * g.k
+    dev = [-1] * g.k
+    src = g.t_src.tolist()
+    nbytes = g.t_bytes.tolist()
+    times = g.time.tolist()
+    weight = g.weight.tolist()
+    arrived: dict[tuple[int, int], float] = {}
+    indeg = [len(p) for p in g.preds]
+    ready = [(-rank[v], v) for v in range(g.k) if indeg[v] == 0]
+    heapq.heapify(ready)
+    while ready:
+        _, v = heapq.heappop(ready)
+        cands = [d for d in allowed[v] if free[d] >= weight[v]]
+        if not cands:
+            cands = [d for d in range(n_dev) if free[d] >= weight[v]]
+        best, best_d = float("inf"), -1
+        for d in cands:
+            est = avail[d]
+            for t in g.ins[v]:
+                s = src[t]
+                x = dev[s]
+                if x == d:
+                    arr = finish[s]
+                else:
+                    arr = arrived.get((t, d), -1.0)
+                    if arr < 0:
+                        arr = finish[s] + lat[x][d] + nbytes[t] * inv_bw[x][d]
+                if arr > est:
+                    est = arr
+            eft = est + times[v][d]
+            if eft < best - 1e-12 or (abs(eft - best) <= 1e-12 and free[d] > free[best_d]):
+                best, best_d = eft, d
+        d = best_d
+        for t in g.ins[v]:
+            x = dev[src[t]]
+            if x != d and (t, d) not in arrived:
+                arrived[(t, d)] = finish[src[t]] + lat[x][d] + nbytes[t] * inv_bw[x][d]
+        dev[v], finish[v], avail[d] = d, best, best
+        free[d] -= weight[v]
+        for s in g.succs[v]:
+            indeg[s] -= 1
+            if indeg[s] == 0:
+                heapq.heappush(ready, (-rank[s], s))
+    return np.array(dev, dtype=np.int64)
+
+
+class _Estimate:
+    """Estimated makespan of a partition, updated move by move.
+
+    ``M[l][d]`` is device d's time in depth level l: compute of its nodes there plus
+    the tensors produced in level l that it receives (once per tensor and device).
+    The estimate is the sum over levels of the busiest device.
+    """
+
+    def __init__(self, g: LevelGraph, spec: ClusterSpec, dev: np.ndarray) -> None:
+        self.g = g
+        self.n_dev = len(spec.devices)
+        self.lat = spec.latency.tolist()
+        self.inv_bw = (1.0 / spec.bandwidth).tolist()
+        self.level = g.depth.tolist()
+        self.times = g.time.tolist()
+        self.src = g.t_src.tolist()
+        self.nbytes = g.t_bytes.tolist()
+        self.dev = dev.tolist()
+        n_levels = (max(self.level) + 1) if self.level else 0
+        M = np.zeros((n_levels, self.n_dev))
+        np.add.at(M, (g.depth, dev), g.time[np.arange(g.k), dev])
+        self.cnt: list[dict[int, int]] = []
+        for t, ds in enumerate(g.t_dst):
+            c: dict[int, int] = {}
+            for d in ds:
+                e = self.dev[d]
+                c[e] = c.get(e, 0) + 1
+            self.cnt.append(c)
+            x = self.dev[self.src[t]]
+            ls = self.level[self.src[t]]
+            for e in c:
+                if e != x:
+                    M[ls, e] += self.cost(x, e, t)
+        self.M = M.tolist()
+
+    def cost(self, x: int, e: int, t: int) -> float:
+        return self.lat[x][e] + self.nbytes[t] * self.inv_bw[x][e]
+
+    def total(self) -> float:
+        return sum(max(row) for row in self.M)
+
+    def changes(self, v: int, b: int) -> list[tuple[int, int, float]]:
+        a, lv = self.dev[v], self.level[v]
+        ch = [(lv, a, -self.times[v][a]), (lv, b, self.times[v][b])]
+        for t in self.g.outs[v]:
+            for e in self.cnt[t]:
+                if e != a:
+                    ch.append((lv, e, -self.cost(a, e, t)))
+                if e != b:
+                    ch.append((lv, e, self.cost(b, e, t)))
+        for t in self.g.ins[v]:
+            s = self.src[t]
+            x, cnt = self.dev[s], self.cnt[t]
+            if cnt[a] == 1 and a != x:
+                ch.append((self.level[s], a, -self.cost(x, a, t)))
+            if b not in cnt and b != x:
+                ch.append((self.level[s], b, self.cost(x, b, t)))
+        return ch
+
+    def gain(self, v: int, b: int) -> float:
+        """How much the estimate drops if v moves to b (the state is left unchanged)."""
+        ch = self.changes(v, b)
+        M = self.M
+        rows = {l for l, _, _ in ch}
+        before = sum(max(M[l]) for l in rows)
+        for l, d, x in ch:
+            M[l][d] += x
+        after = sum(max(M[l]) for l in rows)
+        for l, d, x in ch:
+            M[l][d] -= x
+        return before - after
+
+    def move(self, v: int, b: int) -> None:
+        for l, d, x in self.changes(v, b):
+            self.M[l][d] += x
+        a = self.dev[v]
+        for t in self.g.ins[v]:
+            cnt = self.cnt[t]
+            cnt[a] -= 1
+            if not cnt[a]:
+                del cnt[a]
+            cnt[b] = cnt.get(b, 0) + 1
+        self.dev[v] = b
+
+
+def refine(g: LevelGraph, spec: ClusterSpec, cap: np.ndarray, dev: np.ndarray, passes: int = 3,
+           min_gain_s: float = 1e-9) -> np.ndarray:
+    """Boundary moves that lower the estimated makespan, memory permitting."""
+    est = _Estimate(g, spec, dev)
+    free = (cap - np.bincount(dev, weights=g.weight, minlength=len(cap))).tolist()
+    peers = {d: list(grp) for grp in spec.groups for d in grp}
+    weight = g.weight.tolist()
+    succs, preds = g.succs, g.preds
+    for _ in range(passes):
+        moved = 0
+        for v in g.order:
+            a = est.dev[v]
+            cands = {est.dev[u] for u in preds[v]} | {est.dev[u] for u in succs[v]} | set(peers[a])
+            cands.discard(a)
+            best, best_b = min_gain_s, -1
+            for b in cands:
+                if free[b] < weight[v]:
+                    continue
+                gain = est.gain(v, b)
+                if gain > best:
+                    best, best_b = gain, b
+            if best_b >= 0:
+                est.move(v, best_b)
+                free[a] += weight[v]
+                free[best_b] -= weight[v]
+                moved += 1
+        if not moved:
+            break
+    return np.array(est.dev, dtype=np.int64)

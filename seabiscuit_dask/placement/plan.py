@@ -1,0 +1,343 @@
+"""Plans: which device runs each micro-op, grouped into blocks that Dask runs as tasks.
+
+A ``Plan`` is kept beside its graph (like a ``device_map``), never inside it.
+Blocks are the execution grain: one Dask task per block per request. A Dask task
+waits for all of its inputs, so the blocks must form an acyclic quotient graph.
+``blocks_for`` guarantees that: an op's *phase* is the largest number of device
+changes on any path from a source to it, and a block is the ops of one device
+with one phase. Every edge between blocks goes from a lower phase to a higher
+one, so blocks cannot form a cycle.
+
+JSON schema (``Plan.to_json``, ``schema`` = 1)::
+
+    {
+      "schema": 1,
+      "graph": {"name": "...", "ops": 7334, "fingerprint": "<sha1 of op names>"},
+      "cluster": {...ClusterSpec.to_dict()...},
+      "method": "multilevel",
+      "assignment": {"<op name>": "<device name>", ...},
+      "blocks": [{"name": "b12", "device": "h0-gpu1", "phase": 3,
+                  "ops": ["<op name>", ...]}, ...],       # ops in execution order
+      "stats": {"makespan_s": 0.012, "cut_bytes": 3.1e8, "planning_s": 0.9,
+                "devices": {"h0-gpu0": {"weight_bytes": ..., "peak_bytes": ..., "memory_bytes": ...}}}
+    }
+
+The graph itself is saved with ``OpGraph.to_json``; ``Plan.from_json(text, graph)``
+checks the fingerprint so a plan is never applied to the wrong graph.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+
+from ..errors import ClusterTooSmall, SeaBiscuitError
+from ..ir import OpGraph, fmt_bytes
+from .cluster import ClusterSpec
+from .workload import Workload, workload
+
+PLAN_SCHEMA = 1
+
+
+@dataclass(frozen=True)
+class Block:
+    """Ops of one device run back to back as one task."""
+
+    name: str
+    device: str
+    phase: int
+    ops: tuple[str, ...]
+
+
+def phases(w: Workload, dev: np.ndarray) -> np.ndarray:
+    """Largest number of device changes on any path from a source to each op."""
+    preds = w.preds
+    d = dev.tolist()
+    ph = [0] * w.n
+    for v, ps in enumerate(preds):
+        dv, p = d[v], 0
+        for u in ps:
+            x = ph[u] + (d[u] != dv)
+            if x > p:
+                p = x
+        ph[v] = p
+    return np.array(ph, dtype=np.int64)
+
+
+def blocks_for(w: Workload, dev: np.ndarray, n_devices: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Group ops into blocks: returns (block of each op, device of each block, phase of each block).
+
+    Ops of one device and phase are cut after every op whose output another device
+    reads, so that output leaves as soon as it exists. Along every edge the key
+    (phase, cut index) grows, so the blocks stay acyclic.
+    """
+    ph = phases(w, dev)
+    t_idx, c_op = w.pairs
+    src = w.t_src[t_idx]
+    sender = np.zeros(w.n, dtype=np.int64)
+    sender[src[dev[src] != dev[c_op]]] = 1
+    group = ph * n_devices + dev
+    order = np.lexsort((np.arange(w.n), group))
+    g_sorted, s_sorted = group[order], sender[order]
+    cs = np.cumsum(s_sorted) - s_sorted                     # senders strictly before, overall
+    starts = np.flatnonzero(np.r_[True, g_sorted[1:] != g_sorted[:-1]])
+    first = np.repeat(starts, np.diff(np.r_[starts, w.n]))
+    sub = np.empty(w.n, dtype=np.int64)
+    sub[order] = cs - cs[first]
+    key = np.stack([ph, sub, dev])
+    uniq, block_of = np.unique(key, axis=1, return_inverse=True)
+    return block_of.reshape(-1).astype(np.int64), uniq[2].astype(np.int64), uniq[0].astype(np.int64)
+
+
+def fingerprint(graph: OpGraph) -> str:
+    h = hashlib.sha1()
+    for op in graph.ops:
+        h.update(op.name.encode())
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+@dataclass(frozen=True, eq=False)
+class Plan:
+    """Op -> device for every op of ``graph`` on ``spec``, with the blocks Dask will run.
+
+    Build one with ``place`` (or a baseline); ``replan`` repairs it. ``table()``
+    prints it; ``to_json()`` saves it (schema in the module docstring).
+    """
+
+    graph: OpGraph
+    spec: ClusterSpec
+    device_of: np.ndarray                 # [n ops] device index
+    method: str = "multilevel"
+    planning_s: float = 0.0
+    info: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        dev = np.asarray(self.device_of, dtype=np.int64)
+        if dev.shape != (len(self.graph.ops),):
+            raise SeaBiscuitError(f"a plan needs one device per op: {len(self.graph.ops)} ops, "
+                                  f"{dev.shape[0] if dev.ndim else 0} devices given")
+        if len(dev) and (dev.min() < 0 or dev.max() >= len(self.spec.devices)):
+            raise SeaBiscuitError(f"device index out of range 0..{len(self.spec.devices) - 1}")
+        dev.flags.writeable = False
+        object.__setattr__(self, "device_of", dev)
+
+    # --- structure ----------------------------------------------------------------
+    @property
+    def workload(self) -> Workload:
+        return workload(self.graph)
+
+    @cached_property
+    def _blocks(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return blocks_for(self.workload, self.device_of, len(self.spec.devices))
+
+    @property
+    def block_of(self) -> np.ndarray:
+        return self._blocks[0]
+
+    @property
+    def block_device(self) -> np.ndarray:
+        return self._blocks[1]
+
+    @cached_property
+    def blocks(self) -> tuple[Block, ...]:
+        block_of, bdev, bph = self._blocks
+        members: list[list[str]] = [[] for _ in range(len(bdev))]
+        for name, b in zip(self.workload.names, block_of.tolist()):
+            members[b].append(name)
+        names = self.spec.names
+        return tuple(Block(f"b{i}", names[int(bdev[i])], int(bph[i]), tuple(m))
+                     for i, m in enumerate(members))
+
+    @cached_property
+    def assignment(self) -> Mapping[str, str]:
+        names = self.spec.names
+        return {op: names[d] for op, d in zip(self.workload.names, self.device_of.tolist())}
+
+    def ops_on(self, device: str) -> tuple[str, ...]:
+        i = self.spec.index(device)
+        return tuple(self.workload.names[j] for j in np.flatnonzero(self.device_of == i))
+
+    # --- memory --------------------------------------------------------------------
+    @cached_property
+    def weight_bytes(self) -> np.ndarray:
+        """[D] bytes of weights resident on each device (a shared weight once per device)."""
+        w = self.workload
+        out = np.bincount(self.device_of, weights=w.weight_bytes, minlength=len(self.spec.devices))
+        for nbytes, users in w.shared:
+            devs = set(self.device_of[list(users)].tolist())
+            for d in devs - {int(self.device_of[users[0]])}:
+                out[d] += nbytes
+        return out
+
+    @cached_property
+    def activation_bytes(self) -> np.ndarray:
+        """[D] largest activation footprint of one block on each device.
+
+        A block holds its inputs from other blocks, the outputs it hands on, and the
+        working set of its largest op while that op runs.
+        """
+        w = self.workload
+        block_of, bdev, _ = self._blocks
+        nb = len(bdev)
+        t_idx, c_op = w.pairs
+        src_block = block_of[w.t_src[t_idx]]
+        dst_block = block_of[c_op]
+        ext = src_block != dst_block
+        ins = np.unique(np.stack([t_idx[ext], dst_block[ext]]), axis=1) if ext.any() else np.zeros((2, 0), int)
+        outs = np.unique(t_idx[ext])
+        per_block = np.bincount(ins[1], weights=w.t_bytes[ins[0]], minlength=nb)
+        per_block += np.bincount(block_of[w.t_src[outs]], weights=w.t_bytes[outs], minlength=nb)
+        graph_out = [w.index[self.graph.producer[t]] for t in self.graph.outputs if t in self.graph.producer]
+        for op in graph_out:
+            per_block[block_of[op]] += w.out_bytes[op]
+        ws_max = np.zeros(nb)
+        np.maximum.at(ws_max, block_of, w.working_set)
+        per_block += ws_max
+        out = np.zeros(len(self.spec.devices))
+        np.maximum.at(out, bdev, per_block)
+        return out
+
+    @property
+    def peak_bytes(self) -> np.ndarray:
+        """[D] weights plus the largest block's activations."""
+        return self.weight_bytes + self.activation_bytes
+
+    def check(self) -> Plan:
+        """Raise ``ClusterTooSmall`` if any device would hold more than its memory."""
+        mem = np.array([d.memory_bytes for d in self.spec.devices])
+        over = np.flatnonzero(self.peak_bytes > mem)
+        if len(over):
+            d = int(over[0])
+            raise ClusterTooSmall(
+                f"plan ({self.method}) puts {fmt_bytes(self.peak_bytes[d])} on {self.spec.names[d]!r} "
+                f"(weights {fmt_bytes(self.weight_bytes[d])} + activations "
+                f"{fmt_bytes(self.activation_bytes[d])}), its memory is {fmt_bytes(mem[d])}")
+        return self
+
+    @property
+    def feasible(self) -> bool:
+        mem = np.array([d.memory_bytes for d in self.spec.devices])
+        return bool((self.peak_bytes <= mem).all())
+
+    # --- communication ----------------------------------------------------------------
+    @cached_property
+    def bytes_between(self) -> np.ndarray:
+        """[D, D] bytes sent from device a to device b per request (a tensor once per receiver)."""
+        w = self.workload
+        n_dev = len(self.spec.devices)
+        t_idx, c_op = w.pairs
+        src = self.device_of[w.t_src[t_idx]]
+        dst = self.device_of[c_op]
+        ext = src != dst
+        key = np.unique(t_idx[ext] * n_dev + dst[ext])
+        t, d = key // n_dev, key % n_dev
+        out = np.zeros((n_dev, n_dev))
+        np.add.at(out, (self.device_of[w.t_src[t]], d), w.t_bytes[t])
+        return out
+
+    @property
+    def cut_bytes(self) -> float:
+        """Bytes sent between devices per request: hypergraph lambda-1 of the tensors."""
+        return float(self.bytes_between.sum())
+
+    # --- time -------------------------------------------------------------------------
+    @cached_property
+    def schedule(self) -> Any:
+        from .simulate import simulate
+
+        return simulate(self)
+
+    @property
+    def makespan_s(self) -> float:
+        """Simulated time of one request, with link contention (see ``simulate``)."""
+        return float(self.schedule.makespan_s)
+
+    # --- presentation -------------------------------------------------------------------
+    def __repr__(self) -> str:
+        used = len(set(self.device_of.tolist()))
+        return (f"<Plan {self.method}: {len(self.device_of)} ops on {used}/{len(self.spec.devices)} devices, "
+                f"{len(self.block_device)} blocks, cut {fmt_bytes(self.cut_bytes)}>")
+
+    def table(self) -> str:
+        """Per device: blocks, ops, weights, peak memory over budget, busy time, bytes in/out."""
+        n_dev = len(self.spec.devices)
+        sched = self.schedule
+        nblocks = np.bincount(self.block_device, minlength=n_dev)
+        nops = np.bincount(self.device_of, minlength=n_dev)
+        bb = self.bytes_between
+        lines = [f"{'device':<12} {'blocks':>6} {'ops':>6} {'weights':>10} {'peak/memory':>18} "
+                 f"{'busy ms':>8} {'in':>10} {'out':>10}"]
+        for d, dev in enumerate(self.spec.devices):
+            lines.append(
+                f"{dev.name:<12} {nblocks[d]:>6} {nops[d]:>6} {fmt_bytes(self.weight_bytes[d]):>10} "
+                f"{fmt_bytes(self.peak_bytes[d]):>9}/{fmt_bytes(dev.memory_bytes):>8} "
+                f"{sched.busy_s[d] * 1e3:>8.2f} {fmt_bytes(bb[:, d].sum()):>10} {fmt_bytes(bb[d].sum()):>10}")
+        lines.append(f"makespan {self.makespan_s * 1e3:.2f} ms (simulated), cut {fmt_bytes(self.cut_bytes)}, "
+                     f"{len(self.block_device)} blocks, planned in {self.planning_s * 1e3:.0f} ms by {self.method}")
+        return "\n".join(lines)
+
+    # --- serialisation --------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        names = self.spec.names
+        mem = self.peak_bytes
+        return {
+            "schema": PLAN_SCHEMA,
+            "graph": {"name": self.graph.meta.get("name", "graph"), "ops": len(self.graph.ops),
+                      "fingerprint": fingerprint(self.graph)},
+            "cluster": self.spec.to_dict(),
+            "method": self.method,
+            "assignment": dict(self.assignment),
+            "blocks": [{"name": b.name, "device": b.device, "phase": b.phase, "ops": list(b.ops)}
+                       for b in self.blocks],
+            "stats": {"makespan_s": self.makespan_s, "cut_bytes": self.cut_bytes,
+                      "planning_s": self.planning_s,
+                      "devices": {names[d]: {"weight_bytes": int(self.weight_bytes[d]),
+                                             "peak_bytes": int(mem[d]),
+                                             "memory_bytes": self.spec.devices[d].memory_bytes}
+                                  for d in range(len(names))}},
+        }
+
+    def to_json(self, indent: int | None = None) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], graph: OpGraph) -> Plan:
+        if d.get("schema") != PLAN_SCHEMA:
+            raise SeaBiscuitError(f"plan schema {d.get('schema')!r} is not supported (expected {PLAN_SCHEMA})")
+        g = d.get("graph", {})
+        if g.get("ops") != len(graph.ops) or g.get("fingerprint") != fingerprint(graph):
+            raise SeaBiscuitError(f"plan was made for graph {g.get('name')!r} with {g.get('ops')} ops; "
+                                  f"this graph has {len(graph.ops)} ops and other names")
+        spec = ClusterSpec.from_dict(d["cluster"])
+        assignment = d["assignment"]
+        missing = [op.name for op in graph.ops if op.name not in assignment]
+        if missing:
+            raise SeaBiscuitError(f"plan assigns no device to {len(missing)} op(s), e.g. {missing[0]!r}")
+        idx = {n: i for i, n in enumerate(spec.names)}
+        try:
+            dev = np.array([idx[assignment[op.name]] for op in graph.ops], dtype=np.int64)
+        except KeyError as e:
+            raise SeaBiscuitError(f"plan names device {e.args[0]!r}, not in its cluster") from None
+        stats = d.get("stats", {})
+        return cls(graph, spec, dev, method=str(d.get("method", "loaded")),
+                   planning_s=float(stats.get("planning_s", 0.0)))
+
+    @classmethod
+    def from_json(cls, text: str | bytes, graph: OpGraph) -> Plan:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise SeaBiscuitError(f"plan is not valid JSON: {e}") from e
+        return cls.from_dict(data, graph)
+
+
+def make_plan(graph: OpGraph, spec: ClusterSpec, device_of: Sequence[int] | np.ndarray, method: str,
+              planning_s: float = 0.0, **info: Any) -> Plan:
+    return Plan(graph, spec, np.asarray(device_of, dtype=np.int64), method, planning_s, info)
