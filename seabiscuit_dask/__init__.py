@@ -1,7 +1,7 @@
 """SeaBiscuit: run models too big for one device across the machines you have.
 
 The pipeline, one stage a module: ``trace`` -> ``decompose`` -> cost ->
-placement -> lower -> runtime.
+``place`` -> lower -> runtime.
 
 >>> import seabiscuit_dask as sb                               # doctest: +SKIP
 >>> g = sb.decompose(sb.trace(model, x), budget="16MiB")       # doctest: +SKIP
@@ -25,12 +25,25 @@ from .errors import (
     WorkerLost,
 )
 from .ir import Op, OpCost, OpGraph, ParamSource, ParamSpec, TensorSpec, verify
+from .placement import (
+    CapacityChanged,
+    ClusterSpec,
+    DeviceAdded,
+    DeviceLost,
+    DeviceSpec,
+    LinkSpec,
+    Plan,
+    place,
+    replan,
+    simulate,
+)
 from .runtime import run_local
 from .trace import bind_checkpoint, build_empty, empty_weights, trace
 
 __all__ = [
-    "BadCheckpoint", "BadInput", "BudgetTooSmall", "ClusterTooSmall", "InvalidGraph", "Op",
-    "OpCost", "OpGraph", "ParamSource", "ParamSpec", "SeaBiscuitError", "TensorSpec",
-    "UnsupportedModel", "WorkerLost", "bind_checkpoint", "build_empty", "config", "decompose",
-    "empty_weights", "run_local", "trace", "verify",
+    "BadCheckpoint", "BadInput", "BudgetTooSmall", "CapacityChanged", "ClusterSpec", "ClusterTooSmall",
+    "DeviceAdded", "DeviceLost", "DeviceSpec", "InvalidGraph", "LinkSpec", "Op", "OpCost", "OpGraph",
+    "ParamSource", "ParamSpec", "Plan", "SeaBiscuitError", "TensorSpec", "UnsupportedModel", "WorkerLost",
+    "bind_checkpoint", "build_empty", "config", "decompose", "empty_weights", "place", "replan",
+    "run_local", "simulate", "trace", "verify",
 ]

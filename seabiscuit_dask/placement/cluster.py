@@ -231,13 +231,17 @@ class ClusterSpec:
         cpu_mem = to_bytes(cpu_memory, "cpu_memory") if cpu_memory is not None else None
         devices = []
         for h in range(n_hosts):
-            where = {"host": f"host{h}", "rack": f"rack{h // per_rack}"}
+            host, rack = f"host{h}", f"rack{h // per_rack}"
             for i in range(n_gpu):
                 p = PROFILES["gpu16"]
-                devices.append(replace(p, name=f"h{h}-gpu{i}", memory_bytes=gpu_mem or p.memory_bytes, **where))
+                mem = gpu_mem or p.memory_bytes
+                devices.append(replace(p, name=f"h{h}-gpu{i}", memory_bytes=mem,
+                                       host=host, rack=rack))
             for i in range(n_cpu):
                 p = PROFILES["cpu64"]
-                devices.append(replace(p, name=f"h{h}-cpu{i}", memory_bytes=cpu_mem or p.memory_bytes, **where))
+                mem = cpu_mem or p.memory_bytes
+                devices.append(replace(p, name=f"h{h}-cpu{i}", memory_bytes=mem,
+                                       host=host, rack=rack))
         links = dict(DEFAULT_LINKS)
         if not nvlink:
             links["nvlink"] = links["pcie"]
@@ -307,12 +311,12 @@ class ClusterSpec:
         if self.matrix is not None:
             raise SeaBiscuitError(f"cannot add {device.name!r} to a cluster described by a measured "
                                   "matrix; measure again with the new device")
-        return ClusterSpec(self.devices + (device,), self.links)
+        return ClusterSpec((*self.devices, device), self.links)
 
     def with_changes(self, name: str, **changes: Any) -> ClusterSpec:
         i = self.index(name)
         dev = replace(self.devices[i], **changes)
-        return ClusterSpec(self.devices[:i] + (dev,) + self.devices[i + 1:], self.links, self.matrix)
+        return ClusterSpec((*self.devices[:i], dev, *self.devices[i + 1:]), self.links, self.matrix)
 
     # --- derived views ----------------------------------------------------------------
     @cached_property
@@ -372,7 +376,7 @@ class ClusterSpec:
         pair_base = 2 * len(hosts)
         out = []
         for a in range(n):
-            row = []
+            row: list[tuple[int, ...]] = []
             for b in range(n):
                 ha, hb = hid[self.devices[a].host], hid[self.devices[b].host]
                 if a == b:

@@ -173,7 +173,8 @@ def coarsen_once(g: LevelGraph, max_weight: float, max_time: float, min_parallel
 
 
 def coarsen(g0: LevelGraph, max_weight: float, max_time: float, min_parallel: int,
-            min_nodes: int = 64, min_shrink: float = 0.05, max_levels: int = 30) -> list[tuple[LevelGraph, np.ndarray]]:
+            min_nodes: int = 64, min_shrink: float = 0.05,
+            max_levels: int = 30) -> list[tuple[LevelGraph, np.ndarray]]:
     """Coarsen until the graph stops shrinking; returns [(graph, node_of into the next level)]."""
     levels: list[tuple[LevelGraph, np.ndarray]] = []
     g = g0

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import time as _time
 from collections.abc import Iterable
-from typing import Any
 
 import numpy as np
 

@@ -57,16 +57,14 @@ class Block:
 
 def phases(w: Workload, dev: np.ndarray) -> np.ndarray:
     """Largest number of device changes on any path from a source to each op."""
-    preds = w.preds
-    d = dev.tolist()
+    eu, ev = w.edges
+    change = (dev[eu] != dev[ev]).tolist()
     ph = [0] * w.n
-    for v, ps in enumerate(preds):
-        dv, p = d[v], 0
-        for u in ps:
-            x = ph[u] + (d[u] != dv)
-            if x > p:
-                p = x
-        ph[v] = p
+    # NOTE: edges are sorted by consumer and producers come first, so ph[u] is final when read.
+    for u, v, c in zip(eu.tolist(), ev.tolist(), change):
+        x = ph[u] + c
+        if x > ph[v]:
+            ph[v] = x
     return np.array(ph, dtype=np.int64)
 
 
@@ -83,16 +81,18 @@ def blocks_for(w: Workload, dev: np.ndarray, n_devices: int) -> tuple[np.ndarray
     sender = np.zeros(w.n, dtype=np.int64)
     sender[src[dev[src] != dev[c_op]]] = 1
     group = ph * n_devices + dev
-    order = np.lexsort((np.arange(w.n), group))
+    order = np.argsort(group, kind="stable")
     g_sorted, s_sorted = group[order], sender[order]
     cs = np.cumsum(s_sorted) - s_sorted                     # senders strictly before, overall
     starts = np.flatnonzero(np.r_[True, g_sorted[1:] != g_sorted[:-1]])
     first = np.repeat(starts, np.diff(np.r_[starts, w.n]))
     sub = np.empty(w.n, dtype=np.int64)
     sub[order] = cs - cs[first]
-    key = np.stack([ph, sub, dev])
-    uniq, block_of = np.unique(key, axis=1, return_inverse=True)
-    return block_of.reshape(-1).astype(np.int64), uniq[2].astype(np.int64), uniq[0].astype(np.int64)
+    key = (ph * (int(sub.max()) + 1 if w.n else 1) + sub) * n_devices + dev
+    uniq, block_of = np.unique(key, return_inverse=True)
+    n_sub = int(sub.max()) + 1 if w.n else 1
+    return (block_of.reshape(-1).astype(np.int64), (uniq % n_devices).astype(np.int64),
+            (uniq // n_devices // n_sub).astype(np.int64))
 
 
 def fingerprint(graph: OpGraph) -> str:
@@ -190,9 +190,10 @@ class Plan:
         src_block = block_of[w.t_src[t_idx]]
         dst_block = block_of[c_op]
         ext = src_block != dst_block
-        ins = np.unique(np.stack([t_idx[ext], dst_block[ext]]), axis=1) if ext.any() else np.zeros((2, 0), int)
+        key = np.unique(t_idx[ext] * nb + dst_block[ext])
+        ins = np.stack([key // nb, key % nb])
         outs = np.unique(t_idx[ext])
-        per_block = np.bincount(ins[1], weights=w.t_bytes[ins[0]], minlength=nb)
+        per_block = np.bincount(ins[1], weights=w.t_bytes[ins[0]], minlength=nb).astype(np.float64)
         per_block += np.bincount(block_of[w.t_src[outs]], weights=w.t_bytes[outs], minlength=nb)
         graph_out = [w.index[self.graph.producer[t]] for t in self.graph.outputs if t in self.graph.producer]
         for op in graph_out:
@@ -280,7 +281,8 @@ class Plan:
                 f"{fmt_bytes(self.peak_bytes[d]):>9}/{fmt_bytes(dev.memory_bytes):>8} "
                 f"{sched.busy_s[d] * 1e3:>8.2f} {fmt_bytes(bb[:, d].sum()):>10} {fmt_bytes(bb[d].sum()):>10}")
         lines.append(f"makespan {self.makespan_s * 1e3:.2f} ms (simulated), cut {fmt_bytes(self.cut_bytes)}, "
-                     f"{len(self.block_device)} blocks, planned in {self.planning_s * 1e3:.0f} ms by {self.method}")
+                     f"{len(self.block_device)} blocks, planned in {self.planning_s * 1e3:.0f} ms "
+                     f"by {self.method}")
         return "\n".join(lines)
 
     # --- serialisation --------------------------------------------------------------------
@@ -310,7 +312,8 @@ class Plan:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], graph: OpGraph) -> Plan:
         if d.get("schema") != PLAN_SCHEMA:
-            raise SeaBiscuitError(f"plan schema {d.get('schema')!r} is not supported (expected {PLAN_SCHEMA})")
+            raise SeaBiscuitError(f"plan schema {d.get('schema')!r} is not supported "
+                                  f"(expected {PLAN_SCHEMA})")
         g = d.get("graph", {})
         if g.get("ops") != len(graph.ops) or g.get("fingerprint") != fingerprint(graph):
             raise SeaBiscuitError(f"plan was made for graph {g.get('name')!r} with {g.get('ops')} ops; "

@@ -11,11 +11,12 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
 
 import numpy as np
 
 from ..ir import OpGraph
-from .cluster import MATMUL_KINDS, ClusterSpec
+from .cluster import MATMUL_KINDS, ClusterSpec, DeviceSpec
 
 _LAYER = re.compile(r"\.(\d+)(?:\.|$)")
 
@@ -58,6 +59,13 @@ class Workload:
         return t.astype(np.int64), c
 
     @cached_property
+    def edges(self) -> tuple[np.ndarray, np.ndarray]:
+        """(producer, consumer) op pairs, one per dependency, sorted by consumer."""
+        v = np.repeat(np.arange(self.n), [len(p) for p in self.preds])
+        u = np.fromiter((u for p in self.preds for u in p), dtype=np.int64, count=len(v))
+        return u, v.astype(np.int64)
+
+    @cached_property
     def preds(self) -> tuple[tuple[int, ...], ...]:
         return tuple(tuple(dict.fromkeys(int(self.t_src[t]) for t in ins)) for ins in self.op_in)
 
@@ -78,27 +86,31 @@ class Workload:
         """``[n, D]`` roofline time of each op on each device, in seconds.
 
         Time = max(flops / the device's flops/s for the op's class, bytes streamed /
-        memory bandwidth) + the device's per-op overhead.
+        memory bandwidth) + the device's per-op overhead. Views and slices only
+        re-describe memory: they launch no kernel and cost nothing.
         """
-        key = id(spec)
-        hit = self._times_cache.get(key)
-        if hit is not None and hit[0] is spec:
-            return hit[1]
-        mm = np.array([d.flops_per_s["matmul"] for d in spec.devices])
-        other = np.array([d.flops_per_s["other"] for d in spec.devices])
-        bw = np.array([d.mem_bytes_per_s for d in spec.devices])
-        over = np.array([d.op_overhead_s for d in spec.devices])
-        fps = np.where(self.is_matmul[:, None], mm[None, :], other[None, :])
-        t = np.maximum(self.flops[:, None] / fps, self.moved_bytes[:, None] / bw[None, :]) + over[None, :]
-        # NOTE: views and slices only re-describe memory: no kernel, no bytes moved.
-        t[self.is_view] = 0.0
-        self._times_cache.clear()
-        self._times_cache[key] = (spec, t)
-        return t
+        return np.stack([self.device_times(d) for d in spec.devices], axis=1)
+
+    def device_times(self, d: DeviceSpec) -> np.ndarray:
+        """``[n]`` time of each op on device ``d`` (cached per device description)."""
+        key = (d.kind, d.flops_per_s["matmul"], d.flops_per_s["other"], d.mem_bytes_per_s, d.op_overhead_s)
+        col = self._times_cache.get(key)
+        if col is None:
+            fps = np.where(self.is_matmul, d.flops_per_s["matmul"], d.flops_per_s["other"])
+            col = np.maximum(self.flops / fps, self.moved_bytes / d.mem_bytes_per_s) + d.op_overhead_s
+            col[self.is_view] = 0.0
+            col.flags.writeable = False
+            self._times_cache[key] = col
+        return col
 
     @cached_property
-    def _times_cache(self) -> dict[int, tuple[ClusterSpec, np.ndarray]]:
+    def _times_cache(self) -> dict[tuple[Any, ...], np.ndarray]:
         return {}
+
+    @cached_property
+    def lists(self) -> tuple[list[int], list[float]]:
+        """``t_src`` and ``t_bytes`` as Python lists, for tight loops."""
+        return self.t_src.tolist(), self.t_bytes.tolist()
 
 
 def workload(graph: OpGraph) -> Workload:

@@ -1,0 +1,20 @@
+"""Placement: which device runs each micro-op, and the repair when the cluster changes.
+
+Pure Python and numpy, no cluster: the Dask scheduler plugin calls it in its
+event loop. ``place`` partitions, ``replan`` repairs, ``simulate`` predicts the
+time of one request, and ``baselines`` holds the methods ``place`` is measured
+against.
+"""
+
+from .baselines import BASELINES, heft, metis, pipeline, round_robin
+from .cluster import PRESETS, PROFILES, ClusterSpec, DeviceSpec, LinkSpec
+from .partition import place
+from .plan import Block, Plan
+from .replan import CapacityChanged, DeviceAdded, DeviceLost, replan
+from .simulate import Schedule, simulate
+
+__all__ = [
+    "BASELINES", "PRESETS", "PROFILES", "Block", "CapacityChanged", "ClusterSpec", "DeviceAdded",
+    "DeviceLost", "DeviceSpec", "LinkSpec", "Plan", "Schedule", "heft", "metis", "pipeline", "place",
+    "replan", "round_robin", "simulate",
+]

@@ -1,0 +1,233 @@
+"""``replan``: repair a plan when the cluster changes, moving as few weights as possible.
+
+Events are frozen descriptions; ``replan(plan, event)`` returns a new ``Plan`` on
+the new cluster and records what moved in ``plan.info`` (``moved_bytes``,
+``moved_ops``). The repair is local and deterministic:
+
+- ``DeviceLost(name)``: only the lost device's ops move. Each goes, in
+  topological order, to the device of the same host (then the same rack, then
+  anywhere) with room that finishes it soonest by a cheap estimate: that
+  device's work in the op's depth level, the op's time there, and the time to
+  bring its inputs.
+- ``DeviceAdded(device)``: a device joining a host takes over part of its peers'
+  ops (up to its share of the host's speed) where that evens out a depth level.
+  A device on a new host is spare capacity until the next ``place``.
+- ``CapacityChanged(name, ...)``: new memory or speed figures. If the device no
+  longer holds its weights, its ops leave (lightest work per byte first) as on a
+  loss until they fit.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..errors import ClusterTooSmall, SeaBiscuitError
+from ..ir import fmt_bytes
+from .capacity import weight_capacity
+from .cluster import ClusterSpec, DeviceSpec
+from .plan import Plan
+
+
+@dataclass(frozen=True)
+class DeviceLost:
+    """A device (worker) left the cluster."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class DeviceAdded:
+    """A device joined the cluster."""
+
+    device: DeviceSpec
+
+
+@dataclass(frozen=True)
+class CapacityChanged:
+    """A device's memory budget or speed changed (``None``: unchanged)."""
+
+    name: str
+    memory_bytes: int | None = None
+    flops_per_s: dict[str, float] | None = None
+    mem_bytes_per_s: float | None = None
+
+
+Event = DeviceLost | DeviceAdded | CapacityChanged
+
+
+def replan(plan: Plan, event: Event) -> Plan:
+    """Repair ``plan`` after ``event``; see the module docstring.
+
+    >>> plan2 = sb.replan(plan, sb.DeviceLost("h0-gpu1"))      # doctest: +SKIP
+    >>> plan2.info["moved_bytes"]                               # doctest: +SKIP
+    """
+    t0 = time.perf_counter()
+    if isinstance(event, DeviceLost):
+        spec = plan.spec.without(event.name)
+        lost = plan.spec.index(event.name)
+        old = plan.device_of
+        dev = np.where(old > lost, old - 1, old)
+        moving = np.flatnonzero(old == lost)
+        dev[moving] = -1
+        dev = _rehome(plan, spec, dev, moving, plan.spec.devices[lost])
+    elif isinstance(event, DeviceAdded):
+        spec = plan.spec.with_device(event.device)
+        dev = _adopt(plan, spec, plan.device_of.copy(), len(spec.devices) - 1)
+        moving = np.flatnonzero(dev != plan.device_of)
+    elif isinstance(event, CapacityChanged):
+        changes: dict[str, Any] = {k: v for k, v in (("memory_bytes", event.memory_bytes),
+                                                       ("flops_per_s", event.flops_per_s),
+                                                       ("mem_bytes_per_s", event.mem_bytes_per_s))
+                                   if v is not None}
+        spec = plan.spec.with_changes(event.name, **changes)
+        dev, moving = _shrink(plan, spec, plan.spec.index(event.name))
+    else:
+        raise SeaBiscuitError(f"replan does not know the event {event!r}; expected DeviceLost, "
+                              "DeviceAdded or CapacityChanged")
+    w = plan.workload
+    moved = float(w.weight_bytes[moving].sum()) if len(moving) else 0.0
+    new = Plan(plan.graph, spec, dev, plan.method, plan.planning_s,
+               {**plan.info, "event": repr(event), "moved_bytes": moved, "moved_ops": len(moving)})
+    _ = new.block_of  # NOTE: blocks are part of the repair: the runtime needs them at once.
+    object.__setattr__(new, "planning_s", time.perf_counter() - t0)
+    return new
+
+
+def _nearby(spec: ClusterSpec, like: DeviceSpec) -> list[list[int]]:
+    """Device indices of ``spec`` in rings around ``like``: same host, same rack, the rest."""
+    rings: list[list[int]] = [[], [], []]
+    for i, d in enumerate(spec.devices):
+        rings[0 if d.host == like.host else 1 if d.rack == like.rack else 2].append(i)
+    return rings
+
+
+def _rehome(plan: Plan, spec: ClusterSpec, dev: np.ndarray, moving: np.ndarray,
+            home: DeviceSpec) -> np.ndarray:
+    """Give each op in ``moving`` (``dev`` = -1 there) a device of ``spec``, nearest first."""
+    if not len(moving):
+        return dev
+    w = plan.workload
+    n_dev = len(spec.devices)
+    cap = weight_capacity(spec)
+    staying = dev >= 0
+    free = cap - np.bincount(dev[staying], weights=w.weight_bytes[staying], minlength=n_dev)
+    need = float(w.weight_bytes[moving].sum())
+    room = float(np.maximum(free, 0).sum())
+    if need > room:
+        raise ClusterTooSmall(
+            f"{len(moving)} op(s) with {fmt_bytes(need)} of weights need a new device, but the remaining "
+            f"{n_dev} devices have {fmt_bytes(room)} free: short by {fmt_bytes(need - room)} "
+            f"({int(need - room)} bytes)")
+    cands: list[int] = []
+    for ring in _nearby(spec, home):
+        cands += ring
+        if float(np.maximum(free[cands], 0).sum()) >= need:
+            break
+    times = w.times(spec)
+    # Devices far slower than the best for this work (a CPU beside GPUs) are a last resort.
+    work = times[moving][:, cands].sum(axis=0)
+    quick = [d for d, x in zip(cands, work.tolist()) if x <= 4 * work.min()]
+    if float(np.maximum(free[quick], 0).sum()) >= need:
+        cands = quick
+    cand = np.array(cands, dtype=np.int64)
+    depth = w.depth
+    loads = np.bincount(depth[staying] * n_dev + dev[staying], weights=times[staying, dev[staying]],
+                        minlength=(int(depth.max()) + 1) * n_dev)
+    base = loads[depth[moving][:, None] * n_dev + cand[None, :]].tolist()
+    t_mv = times[moving[:, None], cand[None, :]].tolist()
+    lat = spec.latency[:, cand].tolist()
+    inv = (1.0 / spec.bandwidth[:, cand]).tolist()
+    wb = w.weight_bytes[moving].tolist()
+    dv = depth[moving].tolist()
+    t_src, t_bytes = w.lists
+    free_l = free.tolist()
+    extra: dict[int, float] = {}
+    d_list = dev.tolist()
+    for i, v in enumerate(moving.tolist()):
+        ins = [(d_list[t_src[t]], t_bytes[t]) for t in w.op_in[v]]
+        best, best_j = float("inf"), -1
+        for j, d in enumerate(cands):
+            if free_l[d] < wb[i]:
+                continue
+            s = base[i][j] + extra.get(dv[i] * n_dev + d, 0.0) + t_mv[i][j]
+            for x, nb in ins:
+                if x != d:
+                    s += lat[x][j] + nb * inv[x][j]
+            if s < best:
+                best, best_j = s, j
+        if best_j < 0:
+            raise ClusterTooSmall(f"no device near {home.name!r} has room for op {w.names[v]!r} "
+                                  f"({fmt_bytes(wb[i])}); most free: {fmt_bytes(max(free_l))}")
+        d = cands[best_j]
+        d_list[v] = d
+        free_l[d] -= wb[i]
+        key = dv[i] * n_dev + d
+        extra[key] = extra.get(key, 0.0) + t_mv[i][best_j]
+    return np.array(d_list, dtype=np.int64)
+
+
+def _adopt(plan: Plan, spec: ClusterSpec, dev: np.ndarray, new: int) -> np.ndarray:
+    """Move part of the new device's host peers' work onto it, evening out depth levels."""
+    w = plan.workload
+    newdev = spec.devices[new]
+    peers = [i for i, d in enumerate(spec.devices[:-1]) if d.host == newdev.host]
+    if not peers:
+        return dev
+    times = w.times(spec)
+    speed = times.min(axis=1).sum() / times.sum(axis=0)
+    in_host = np.flatnonzero(np.isin(dev, peers))
+    host_w = float(w.weight_bytes[in_host].sum())
+    budget = min(float(weight_capacity(spec)[new]),
+                 host_w * speed[new] / (speed[peers].sum() + speed[new]))
+    n_dev = len(spec.devices)
+    depth = w.depth
+    loads = np.bincount(depth * n_dev + dev, weights=times[np.arange(w.n), dev],
+                        minlength=(int(depth.max()) + 1) * n_dev).tolist()
+    taken = 0.0
+    for v in in_host.tolist():
+        a, wv = int(dev[v]), float(w.weight_bytes[v])
+        if taken + wv > budget:
+            continue
+        la, ln = depth[v] * n_dev + a, depth[v] * n_dev + new
+        if loads[ln] + times[v, new] < loads[la]:
+            loads[la] -= times[v, a]
+            loads[ln] += times[v, new]
+            dev[v] = new
+            taken += wv
+    return dev
+
+
+def _shrink(plan: Plan, spec: ClusterSpec, i: int) -> tuple[np.ndarray, np.ndarray]:
+    """After a capacity change: if device i's weights no longer fit, move ops off it."""
+    w = plan.workload
+    dev = plan.device_of.copy()
+    cap = weight_capacity(spec)
+    mine = np.flatnonzero(dev == i)
+    held = float(w.weight_bytes[mine].sum())
+    if held <= cap[i]:
+        return dev, np.zeros(0, dtype=np.int64)
+    times = w.times(spec)
+    # Leave first the ops that hold the most bytes per second of work here.
+    ratio = w.weight_bytes[mine] / np.maximum(times[mine, i], 1e-12)
+    order = mine[np.argsort(-ratio, kind="stable")]
+    cum = np.cumsum(w.weight_bytes[order])
+    k = int(np.searchsorted(cum, held - cap[i], side="left")) + 1
+    moving = np.sort(order[:k])
+    return _rehome_excluding(plan, spec, dev, moving, spec.devices[i], i), moving
+
+
+def _rehome_excluding(plan: Plan, spec: ClusterSpec, dev: np.ndarray, moving: np.ndarray,
+                      home: DeviceSpec, exclude: int) -> np.ndarray:
+    """``_rehome`` onto every device but ``exclude`` (whose memory just shrank)."""
+    reduced = spec.without(spec.names[exclude])
+    mapped = np.where(dev > exclude, dev - 1, dev)
+    mapped[moving] = -1
+    mapped = _rehome(plan, reduced, mapped, moving, home)
+    back = np.where(mapped >= exclude, mapped + 1, mapped)
+    out = dev.copy()
+    out[moving] = back[moving]
+    return out
