@@ -15,9 +15,11 @@ fast ones. The partitioner follows it in two tiers.
 4. ``assign_devices`` on the op graph: list scheduling by upward rank, each op on
    the device of its host with the earliest estimated finish, memory permitting.
    Fast links inside a host carry the parallel work (tiles, heads).
+5. The same list scheduling over the whole cluster, ignoring stages, is the
+   fallback; ``simulate`` picks the faster of the two (small graphs can gain
+   from spreading one layer over hosts; large ones never do on real links).
 
-``refine`` (boundary moves against a level-by-level makespan estimate) is kept
-for repairs. The result is a ``Plan`` whose blocks form an acyclic graph.
+The result is a ``Plan`` whose blocks form an acyclic graph.
 """
 
 from __future__ import annotations
@@ -72,9 +74,14 @@ def place(graph: OpGraph, spec: ClusterSpec, *, refine_passes: int = 4) -> Plan:
     host = initial_hosts(levels[-1][0], spec, host_cap)
     for g, node_of in reversed(levels[:-1]):
         host = refine_hosts(g, spec, host_cap, host[node_of], passes=refine_passes)
-    dev = assign_devices(g0, spec, cap, host)
-    return make_plan(graph, spec, dev, "multilevel", _time.perf_counter() - t0,
-                     levels=[g.k for g, _ in levels])
+    staged = make_plan(graph, spec, assign_devices(g0, spec, cap, host), "multilevel")
+    # A small graph may gain more from parallel work across hosts than it pays in slow
+    # links: schedule it on the whole cluster too, and keep the faster by simulation.
+    flat = make_plan(graph, spec, _list_schedule(g0, spec, cap, [list(range(len(cap)))] * g0.k),
+                     "multilevel")
+    best = staged if staged.makespan_s <= flat.makespan_s else flat
+    return make_plan(graph, spec, best.device_of, "multilevel", _time.perf_counter() - t0,
+                     levels=[g.k for g, _ in levels], tier="hosts" if best is staged else "flat")
 
 
 def contiguous_split(weight: np.ndarray, src_pos: np.ndarray, last_pos: np.ndarray, nbytes: np.ndarray,
@@ -287,119 +294,3 @@ def _list_schedule(g: LevelGraph, spec: ClusterSpec, cap: np.ndarray, allowed: l
             if indeg[s] == 0:
                 heapq.heappush(ready, (-rank[s], s))
     return np.array(dev, dtype=np.int64)
-
-
-class _Estimate:
-    """Estimated makespan of a partition, updated move by move.
-
-    ``M[l][d]`` is device d's time in depth level l: compute of its nodes there plus
-    the tensors produced in level l that it receives (once per tensor and device).
-    The estimate is the sum over levels of the busiest device.
-    """
-
-    def __init__(self, g: LevelGraph, spec: ClusterSpec, dev: np.ndarray) -> None:
-        self.g = g
-        self.n_dev = len(spec.devices)
-        self.lat = spec.latency.tolist()
-        self.inv_bw = (1.0 / spec.bandwidth).tolist()
-        self.level = g.depth.tolist()
-        self.times = g.time.tolist()
-        self.src = g.t_src.tolist()
-        self.nbytes = g.t_bytes.tolist()
-        self.dev = dev.tolist()
-        n_levels = (max(self.level) + 1) if self.level else 0
-        M = np.zeros((n_levels, self.n_dev))
-        np.add.at(M, (g.depth, dev), g.time[np.arange(g.k), dev])
-        self.cnt: list[dict[int, int]] = []
-        for t, ds in enumerate(g.t_dst):
-            c: dict[int, int] = {}
-            for d in ds:
-                e = self.dev[d]
-                c[e] = c.get(e, 0) + 1
-            self.cnt.append(c)
-            x = self.dev[self.src[t]]
-            ls = self.level[self.src[t]]
-            for e in c:
-                if e != x:
-                    M[ls, e] += self.cost(x, e, t)
-        self.M = M.tolist()
-
-    def cost(self, x: int, e: int, t: int) -> float:
-        return self.lat[x][e] + self.nbytes[t] * self.inv_bw[x][e]
-
-    def total(self) -> float:
-        return sum(max(row) for row in self.M)
-
-    def changes(self, v: int, b: int) -> list[tuple[int, int, float]]:
-        a, lv = self.dev[v], self.level[v]
-        ch = [(lv, a, -self.times[v][a]), (lv, b, self.times[v][b])]
-        for t in self.g.outs[v]:
-            for e in self.cnt[t]:
-                if e != a:
-                    ch.append((lv, e, -self.cost(a, e, t)))
-                if e != b:
-                    ch.append((lv, e, self.cost(b, e, t)))
-        for t in self.g.ins[v]:
-            s = self.src[t]
-            x, cnt = self.dev[s], self.cnt[t]
-            if cnt[a] == 1 and a != x:
-                ch.append((self.level[s], a, -self.cost(x, a, t)))
-            if b not in cnt and b != x:
-                ch.append((self.level[s], b, self.cost(x, b, t)))
-        return ch
-
-    def gain(self, v: int, b: int) -> float:
-        """How much the estimate drops if v moves to b (the state is left unchanged)."""
-        ch = self.changes(v, b)
-        M = self.M
-        rows = {l for l, _, _ in ch}
-        before = sum(max(M[l]) for l in rows)
-        for l, d, x in ch:
-            M[l][d] += x
-        after = sum(max(M[l]) for l in rows)
-        for l, d, x in ch:
-            M[l][d] -= x
-        return before - after
-
-    def move(self, v: int, b: int) -> None:
-        for l, d, x in self.changes(v, b):
-            self.M[l][d] += x
-        a = self.dev[v]
-        for t in self.g.ins[v]:
-            cnt = self.cnt[t]
-            cnt[a] -= 1
-            if not cnt[a]:
-                del cnt[a]
-            cnt[b] = cnt.get(b, 0) + 1
-        self.dev[v] = b
-
-
-def refine(g: LevelGraph, spec: ClusterSpec, cap: np.ndarray, dev: np.ndarray, passes: int = 3,
-           min_gain_s: float = 1e-9) -> np.ndarray:
-    """Boundary moves that lower the estimated makespan, memory permitting."""
-    est = _Estimate(g, spec, dev)
-    free = (cap - np.bincount(dev, weights=g.weight, minlength=len(cap))).tolist()
-    peers = {d: list(grp) for grp in spec.groups for d in grp}
-    weight = g.weight.tolist()
-    succs, preds = g.succs, g.preds
-    for _ in range(passes):
-        moved = 0
-        for v in g.order:
-            a = est.dev[v]
-            cands = {est.dev[u] for u in preds[v]} | {est.dev[u] for u in succs[v]} | set(peers[a])
-            cands.discard(a)
-            best, best_b = min_gain_s, -1
-            for b in cands:
-                if free[b] < weight[v]:
-                    continue
-                gain = est.gain(v, b)
-                if gain > best:
-                    best, best_b = gain, b
-            if best_b >= 0:
-                est.move(v, best_b)
-                free[a] += weight[v]
-                free[best_b] -= weight[v]
-                moved += 1
-        if not moved:
-            break
-    return np.array(est.dev, dtype=np.int64)

@@ -1,0 +1,247 @@
+"""Cluster specs, cost per (op, device), place, plans, the simulator and the baselines."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import yaml
+
+import seabiscuit_dask as sb
+from seabiscuit_dask.placement import (
+    BASELINES,
+    ClusterSpec,
+    DeviceSpec,
+    LinkSpec,
+    Plan,
+    place,
+    simulate,
+)
+from seabiscuit_dask.placement.workload import workload
+from tests.dags import chain, random_dag
+from tests.models import gpt2, ids
+
+
+def small_spec(hosts: int = 2, gpus: int = 2, gpu_mem: str = "64MiB", cpu_mem: str = "256MiB") -> ClusterSpec:
+    return ClusterSpec.synthetic(None, hosts=hosts, gpus_per_host=gpus, cpus_per_host=1, hosts_per_rack=1,
+                                 gpu_memory=gpu_mem, cpu_memory=cpu_mem)
+
+
+def block_graph_acyclic(plan: Plan) -> bool:
+    w = plan.workload
+    t_idx, c_op = w.pairs
+    a, b = plan.block_of[w.t_src[t_idx]], plan.block_of[c_op]
+    edges = {(int(x), int(y)) for x, y in zip(a, b) if x != y}
+    n = len(plan.block_device)
+    indeg = [0] * n
+    succ: list[list[int]] = [[] for _ in range(n)]
+    for x, y in edges:
+        succ[x].append(y)
+        indeg[y] += 1
+    ready = [i for i in range(n) if indeg[i] == 0]
+    seen = 0
+    while ready:
+        x = ready.pop()
+        seen += 1
+        for y in succ[x]:
+            indeg[y] -= 1
+            if indeg[y] == 0:
+                ready.append(y)
+    return seen == n
+
+
+# --- ClusterSpec -----------------------------------------------------------------------------
+def test_synthetic_preset_is_four_servers_of_three_gpus_and_a_cpu():
+    spec = ClusterSpec.synthetic("4x(3gpu+cpu)")
+    assert len(spec.devices) == 16
+    assert sum(d.kind == "gpu" for d in spec.devices) == 12
+    assert {d.memory_bytes for d in spec.devices if d.kind == "gpu"} == {16 * 2**30}
+    assert {d.memory_bytes for d in spec.devices if d.kind == "cpu"} == {64 * 2**30}
+    assert len(spec.groups) == 4 and all(len(g) == 4 for g in spec.groups)
+    i = spec.index
+    assert spec.level(i("h0-gpu0"), i("h0-gpu1")) == "nvlink"
+    assert spec.level(i("h0-gpu0"), i("h0-cpu0")) == "pcie"
+    assert spec.level(i("h0-gpu0"), i("h1-gpu0")) == "rack"
+    assert spec.level(i("h0-gpu0"), i("h2-gpu0")) == "network"
+    # Faster inside a host than across racks, and a transfer costs latency + bytes / bandwidth.
+    assert spec.bandwidth[0, 1] > spec.bandwidth[0, 4] > spec.bandwidth[0, 8]
+    link = spec.links["rack"]
+    assert spec.transfer_s(0, 4, 1e6) == pytest.approx(link.latency_s + 1e6 / link.bandwidth_bytes_per_s)
+    assert spec.transfer_s(3, 3, 1e9) == 0.0
+    assert "16 devices" in repr(spec) and "h3-cpu0" in spec.table()
+
+
+def test_cluster_yaml_round_trip_with_profiles_and_matrix(tmp_path):
+    spec = ClusterSpec.synthetic("2x(1gpu+cpu)")
+    f = tmp_path / "cluster.yaml"
+    f.write_text(yaml.safe_dump(spec.to_dict()))
+    assert ClusterSpec.from_yaml(f) == spec
+    f.write_text(yaml.safe_dump({
+        "devices": [{"name": "a", "profile": "gpu16", "memory": "8GiB", "host": "s0"},
+                    {"name": "b", "profile": "cpu64", "host": "s1"}],
+        "matrix": {"bandwidth": [[0, 1e9], [2e9, 0]], "latency": [[0, 1e-5], [1e-5, 0]]}}))
+    m = ClusterSpec.from_yaml(f)
+    assert m.devices[0].memory_bytes == 8 * 2**30 and m.devices[0].kind == "gpu"
+    assert m.bandwidth[0, 1] == 1e9 and m.bandwidth[1, 0] == 2e9
+    assert m.routes[0][1] != m.routes[1][0]
+    f.write_text("preset: 4x(3gpu+cpu)\n")
+    assert len(ClusterSpec.from_yaml(f).devices) == 16
+
+
+@pytest.mark.parametrize("doc, match", [
+    ({"devices": []}, "at least one device"),
+    ({"devices": [{"name": "a", "profile": "gpu16"}, {"name": "a", "profile": "gpu16"}]}, "repeated"),
+    ({"devices": [{"name": "a", "profile": "gpu16", "memory": -5}]}, "positive"),
+    ({"devices": [{"name": "a", "profile": "tpu"}]}, "unknown profile"),
+    ({"devices": [{"name": "a", "kind": "gpu", "memory": "1GiB"}]}, "missing fields"),
+    ({"devices": [{"name": "a", "profile": "gpu16", "speed": 3}]}, "unknown fields"),
+    ({"devices": [{"name": "a", "profile": "gpu16", "kind": "fpga"}]}, "kind must be"),
+    ({"devices": [{"name": "a", "profile": "gpu16"}], "links": {"rack": {"bandwidth": 0, "latency": 0}}},
+     "bandwidth must be > 0"),
+    ({"devices": [{"name": "a", "profile": "gpu16"}], "matrix": {"bandwidth": [[0, 1]], "latency": [[0]]}},
+     "1x1"),
+    ({"preset": "moon"}, "unknown cluster preset"),
+])
+def test_bad_cluster_descriptions_are_named(doc, match):
+    with pytest.raises(sb.SeaBiscuitError, match=match):
+        ClusterSpec.from_dict(doc)
+
+
+def test_bad_cluster_files(tmp_path):
+    with pytest.raises(sb.SeaBiscuitError, match="cannot read"):
+        ClusterSpec.from_yaml(tmp_path / "missing.yaml")
+    f = tmp_path / "bad.yaml"
+    f.write_text("devices: [unclosed")
+    with pytest.raises(sb.SeaBiscuitError, match="not valid YAML"):
+        ClusterSpec.from_yaml(f)
+
+
+# --- cost per (op, device) -------------------------------------------------------------------
+def test_roofline_time_per_op_and_device():
+    g = chain([1024, 0], out_kib=4, flops=10**9)
+    spec = ClusterSpec((DeviceSpec("fast", "gpu", 2**30, {"matmul": 1e12, "other": 1e11}, 1e9, 1e-5),
+                        DeviceSpec("slow", "cpu", 2**30, {"matmul": 1e10, "other": 1e9}, 1e8, 0.0)))
+    t = workload(g).times(spec)
+    moved = (1024 + 4 + 4) * 1024       # weights + input + output of op0
+    assert t[0, 0] == pytest.approx(max(1e9 / 1e12, moved / 1e9) + 1e-5)   # memory-bound
+    assert t[0, 1] == pytest.approx(max(1e9 / 1e10, moved / 1e8))           # compute-bound
+    assert t[1, 0] == pytest.approx(max(1e9 / 1e12, 8 * 1024 / 1e9) + 1e-5)
+
+
+# --- place -------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def gpt2_graph():
+    return sb.decompose(sb.trace(gpt2(), (ids(),)), "1MiB")
+
+
+def test_place_real_model_feasible_acyclic_and_round_trips(gpt2_graph, tmp_path):
+    spec = small_spec()
+    plan = place(gpt2_graph, spec)
+    assert set(plan.assignment) == {op.name for op in gpt2_graph.ops}
+    assert plan.feasible and block_graph_acyclic(plan)
+    assert plan.makespan_s > 0 and plan.cut_bytes >= 0
+    assert sum(len(b.ops) for b in plan.blocks) == len(gpt2_graph.ops)
+    text = plan.to_json()
+    doc = json.loads(text)
+    assert doc["schema"] == 1 and set(doc["stats"]["devices"]) == set(spec.names)
+    back = Plan.from_json(text, gpt2_graph)
+    assert back.assignment == plan.assignment and back.spec == plan.spec
+    table = plan.table()
+    assert "h1-gpu1" in table and "makespan" in table
+    assert "blocks" in repr(plan)
+    other = sb.decompose(sb.trace(gpt2(), (ids(),)), "2MiB")
+    with pytest.raises(sb.SeaBiscuitError, match="plan was made for graph"):
+        Plan.from_json(text, other)
+    with pytest.raises(sb.SeaBiscuitError, match="not valid JSON"):
+        Plan.from_json("{", gpt2_graph)
+
+
+def test_place_beats_every_baseline_on_a_real_model(gpt2_graph):
+    spec = small_spec()
+    ours = place(gpt2_graph, spec).makespan_s
+    for name, fn in BASELINES.items():
+        if name == "metis":
+            pytest.importorskip("pymetis")
+        base = fn(gpt2_graph, spec)
+        assert base.feasible and block_graph_acyclic(base), name
+        assert ours <= base.makespan_s * 1.001, name
+
+
+def test_place_spreads_a_layer_over_one_host_first():
+    # Wide, parallel work with big tensors: the fast links inside a host carry it.
+    g = random_dag(300, seed=3, window=30, out_kib=(64, 256))
+    spec = small_spec(hosts=2, gpus=3, gpu_mem="1GiB")
+    plan = place(g, spec)
+    bb = plan.bytes_between
+    same_host = np.array([[a.host == b.host for b in spec.devices] for a in spec.devices])
+    assert bb[same_host].sum() > bb[~same_host].sum()
+
+
+def test_cluster_too_small_names_shortfall_and_op():
+    g = chain([4096, 4096, 4096])                   # 12 MiB of weights
+    spec = small_spec(hosts=1, gpus=1, gpu_mem="4MiB", cpu_mem="4MiB")
+    with pytest.raises(sb.ClusterTooSmall, match=r"short by .* \(\d+ bytes\)"):
+        place(g, spec)
+    big = chain([64 * 1024, 16])                     # one 64 MiB op
+    with pytest.raises(sb.ClusterTooSmall, match="op 'op0' needs 64.0 MiB"):
+        place(big, small_spec(hosts=4, gpus=2, gpu_mem="40MiB", cpu_mem="40MiB"))
+
+
+# --- simulator -------------------------------------------------------------------------------
+def two_devices(bw: float = 1e9, lat: float = 1e-4, same_host: bool = False) -> ClusterSpec:
+    d = dict(flops_per_s={"matmul": 1e9, "other": 1e9}, mem_bytes_per_s=1e12, op_overhead_s=0.0)
+    return ClusterSpec((DeviceSpec("a", "gpu", 2**30, host="h0", **d),
+                        DeviceSpec("b", "gpu", 2**30, host="h0" if same_host else "h1", **d)),
+                       {lvl: LinkSpec(bw, lat) for lvl in ("nvlink", "pcie", "rack", "network")})
+
+
+def test_simulator_chain_across_two_devices_is_exact():
+    g = chain([0, 0, 0], out_kib=1000, flops=10**6)   # each op 1 ms at 1 GFLOP/s
+    spec = two_devices()
+    plan = Plan(g, spec, np.array([0, 1, 1]))
+    s = simulate(plan)
+    transfer = 1e-4 + 1000 * 1024 / 1e9
+    assert s.makespan_s == pytest.approx(3e-3 + transfer)
+    assert s.op_start[1] == pytest.approx(1e-3 + transfer)
+    assert len(s.transfers) == 1 and len(plan.block_device) == 2
+
+
+def test_simulator_link_contention_serialises_transfers_leaving_a_host():
+    # op0 on a feeds two ops on b's host: one tensor each way, both leave host h0 by its NIC.
+    from seabiscuit_dask.ir import Op, OpGraph, TensorSpec
+
+    t = {n: TensorSpec((256 * 1000,), "float32") for n in ("x", "y0", "y1", "z0", "z1")}
+    ops = (Op("p0", "linear", "t", ("x",), ("y0",), flops=10**6),
+           Op("p1", "linear", "t", ("x",), ("y1",), flops=10**6),
+           Op("c0", "linear", "t", ("y0",), ("z0",), flops=10**6),
+           Op("c1", "linear", "t", ("y1",), ("z1",), flops=10**6))
+    g = OpGraph(ops, t, {}, ("x",), ("z0", "z1"))
+    spec = ClusterSpec.synthetic(None, hosts=2, gpus_per_host=2, cpus_per_host=0, hosts_per_rack=1)
+    # p0, p1 on host0's two GPUs; c0, c1 on host1's two GPUs: both transfers share h0's egress.
+    plan = Plan(g, spec, np.array([0, 1, 2, 3]))
+    s = simulate(plan)
+    (_, _, _, s0, _), (_, _, _, s1, _) = sorted(s.transfers, key=lambda x: x[3])
+    busy = 1000 * 1024 / spec.bandwidth[0, 2]
+    assert s1 == pytest.approx(s0 + busy)             # the second waits for the NIC
+    # Inside a host each pair has its own channel: no waiting.
+    spec1 = ClusterSpec.synthetic(None, hosts=1, gpus_per_host=4, cpus_per_host=0)
+    s = simulate(Plan(g, spec1, np.array([0, 1, 2, 3])))
+    starts = sorted(x[3] for x in s.transfers)
+    assert starts[0] == pytest.approx(starts[1])
+
+
+def test_blocks_cut_after_sends_and_stay_acyclic():
+    g = random_dag(120, seed=5)
+    spec = small_spec(hosts=2, gpus=2, gpu_mem="1GiB")
+    rnd = np.random.default_rng(0)
+    plan = Plan(g, spec, rnd.integers(0, len(spec.devices), len(g.ops)))
+    assert block_graph_acyclic(plan)
+    w = plan.workload
+    # Whatever another device reads is the last op of its block.
+    t_idx, c_op = w.pairs
+    src = w.t_src[t_idx]
+    senders = set(src[plan.device_of[src] != plan.device_of[c_op]].tolist())
+    for b in plan.blocks:
+        idx = [w.index[o] for o in b.ops]
+        assert all(v not in senders for v in idx[:-1])

@@ -1,0 +1,104 @@
+"""replan: pure unit tests of each event, no cluster."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import seabiscuit_dask as sb
+from seabiscuit_dask.placement import CapacityChanged, DeviceAdded, DeviceLost, DeviceSpec, place, replan
+from tests.dags import random_dag
+from tests.test_placement import block_graph_acyclic, small_spec
+
+
+@pytest.fixture(scope="module")
+def plan():
+    g = random_dag(400, seed=11, window=20, out_kib=(16, 128))
+    return place(g, small_spec(hosts=2, gpus=3, gpu_mem="64MiB", cpu_mem="64MiB"))
+
+
+@pytest.mark.parametrize("lost", ["h0-gpu1", "h1-gpu0", "h0-cpu0"])
+def test_device_lost_moves_only_its_ops_to_the_same_host(plan, lost):
+    new = replan(plan, DeviceLost(lost))
+    assert lost not in new.spec.names and len(new.spec.devices) == len(plan.spec.devices) - 1
+    before, after = plan.assignment, new.assignment
+    moved = [op for op in before if before[op] != after[op]]
+    assert set(moved) == set(plan.ops_on(lost))
+    w = plan.workload
+    lost_bytes = plan.weight_bytes[plan.spec.index(lost)]
+    assert new.info["moved_bytes"] == pytest.approx(lost_bytes)
+    assert new.info["moved_ops"] == len(moved)
+    host = plan.spec.devices[plan.spec.index(lost)].host
+    assert all(new.spec.devices[new.spec.index(after[op])].host == host for op in moved)
+    assert new.feasible and block_graph_acyclic(new)
+    assert w is new.workload
+
+
+def test_replan_is_deterministic(plan):
+    a = replan(plan, DeviceLost("h1-gpu2"))
+    b = replan(plan, DeviceLost("h1-gpu2"))
+    assert np.array_equal(a.device_of, b.device_of) and a.assignment == b.assignment
+
+
+def test_losing_devices_until_the_model_no_longer_fits(plan):
+    p = plan
+    with pytest.raises(sb.ClusterTooSmall, match=r"short by .* \(\d+ bytes\)"):
+        for name in ["h0-cpu0", "h1-cpu0", "h0-gpu0", "h0-gpu1", "h0-gpu2", "h1-gpu0", "h1-gpu1"]:
+            p = replan(p, DeviceLost(name))
+            assert p.feasible
+
+
+def test_unknown_device_and_unknown_event(plan):
+    with pytest.raises(sb.SeaBiscuitError, match="no device 'h9-gpu9'"):
+        replan(plan, DeviceLost("h9-gpu9"))
+    with pytest.raises(sb.SeaBiscuitError, match="does not know the event"):
+        replan(plan, "lost h0-gpu0")  # type: ignore[arg-type]
+
+
+def test_device_added_to_a_host_takes_a_fair_share(plan):
+    gpu = plan.spec.devices[0]
+    extra = DeviceSpec("h0-gpu9", "gpu", gpu.memory_bytes, gpu.flops_per_s, gpu.mem_bytes_per_s,
+                       gpu.op_overhead_s, host="host0", rack=gpu.rack)
+    new = replan(plan, DeviceAdded(extra))
+    assert new.spec.names[-1] == "h0-gpu9"
+    mine = new.ops_on("h0-gpu9")
+    assert mine, "the new device took no work"
+    # Only ops of its host moved, and only onto it.
+    changed = [op for op in plan.assignment if plan.assignment[op] != new.assignment[op]]
+    assert set(changed) == set(mine)
+    host0 = {d.name for d in plan.spec.devices if d.host == "host0"}
+    assert {plan.assignment[op] for op in mine} <= host0
+    host_bytes = plan.weight_bytes[[plan.spec.index(n) for n in host0]].sum()
+    assert new.info["moved_bytes"] <= host_bytes / 3      # at most its share of 3 equal GPUs + a CPU
+    assert new.makespan_s <= plan.makespan_s * 1.05
+    assert new.feasible and block_graph_acyclic(new)
+
+
+def test_device_added_on_a_new_host_moves_nothing(plan):
+    cpu = DeviceSpec("far", "cpu", 2**30, {"matmul": 1e11, "other": 1e10}, 1e10, host="elsewhere")
+    new = replan(plan, DeviceAdded(cpu))
+    assert new.info["moved_bytes"] == 0 and new.assignment == plan.assignment
+    with pytest.raises(sb.SeaBiscuitError, match="repeated"):
+        replan(plan, DeviceAdded(DeviceSpec("h0-gpu0", "cpu", 2**30, {"matmul": 1.0, "other": 1.0}, 1.0)))
+
+
+def test_capacity_shrink_moves_just_enough(plan):
+    name = "h1-gpu1"
+    i = plan.spec.index(name)
+    held = plan.weight_bytes[i]
+    new_mem = int(held * 0.6)                         # less the 1/8 reserve: room for about half
+    new = replan(plan, CapacityChanged(name, memory_bytes=new_mem))
+    assert new.spec.devices[i].memory_bytes == new_mem
+    assert new.weight_bytes[i] <= new_mem and new.feasible
+    assert 0 < new.info["moved_bytes"] <= held
+    changed = [op for op in plan.assignment if plan.assignment[op] != new.assignment[op]]
+    assert all(plan.assignment[op] == name for op in changed)
+
+
+def test_capacity_growth_or_speed_change_moves_nothing(plan):
+    name = "h0-gpu2"
+    grown = replan(plan, CapacityChanged(name, memory_bytes=2**34))
+    assert grown.info["moved_bytes"] == 0 and grown.assignment == plan.assignment
+    slower = replan(plan, CapacityChanged(name, mem_bytes_per_s=1e9))
+    assert slower.info["moved_bytes"] == 0
+    assert slower.makespan_s > plan.makespan_s
