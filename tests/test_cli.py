@@ -18,3 +18,15 @@ def test_plan_reports_bad_input_without_a_traceback(capsys) -> None:
     assert "neither a model folder nor one of" in capsys.readouterr().err
     assert cli.main(["plan", "--model", "gpt2-tiny", "--budget", "lots"]) == 2
     assert "budget must be a byte count" in capsys.readouterr().err
+
+
+def test_plan_places_on_a_cluster_and_writes_the_plan(capsys, tmp_path) -> None:
+    out = tmp_path / "plan.json"
+    assert cli.main(["plan", "--model", "gpt2-tiny", "--budget", "64KiB", "--cluster", "2x(1gpu+cpu)",
+                     "--plan-json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "h1-gpu0" in text and "makespan" in text and "lower bound" in text
+    doc = json.loads(out.read_text())
+    assert doc["method"] == "multilevel" and len(doc["cluster"]["devices"]) == 4
+    assert cli.main(["plan", "--model", "gpt2-tiny", "--cluster", "moon"]) == 2
+    assert "unknown cluster preset" in capsys.readouterr().err

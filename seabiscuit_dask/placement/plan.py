@@ -55,11 +55,18 @@ class Block:
     ops: tuple[str, ...]
 
 
-def phases(w: Workload, dev: np.ndarray) -> np.ndarray:
-    """Largest number of device changes on any path from a source to each op."""
+def phases(w: Workload, dev: np.ndarray, prior: np.ndarray | None = None, start: int = 0) -> np.ndarray:
+    """Largest number of device changes on any path from a source to each op.
+
+    With ``prior`` (the phases of a plan that agrees with ``dev`` on every op before
+    ``start``) only ops from ``start`` on are recomputed: a repair that moves ops late
+    in the graph leaves the early phases as they were.
+    """
     eu, ev = w.edges
+    first = int(np.searchsorted(ev, start)) if prior is not None else 0
+    ph = prior[:start].tolist() + [0] * (w.n - start) if prior is not None else [0] * w.n
+    eu, ev = eu[first:], ev[first:]
     change = (dev[eu] != dev[ev]).tolist()
-    ph = [0] * w.n
     # NOTE: edges are sorted by consumer and producers come first, so ph[u] is final when read.
     for u, v, c in zip(eu.tolist(), ev.tolist(), change):
         x = ph[u] + c
@@ -68,14 +75,15 @@ def phases(w: Workload, dev: np.ndarray) -> np.ndarray:
     return np.array(ph, dtype=np.int64)
 
 
-def blocks_for(w: Workload, dev: np.ndarray, n_devices: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def blocks_for(w: Workload, dev: np.ndarray, n_devices: int,
+               ph: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Group ops into blocks: returns (block of each op, device of each block, phase of each block).
 
     Ops of one device and phase are cut after every op whose output another device
     reads, so that output leaves as soon as it exists. Along every edge the key
     (phase, cut index) grows, so the blocks stay acyclic.
     """
-    ph = phases(w, dev)
+    ph = phases(w, dev) if ph is None else ph
     t_idx, c_op = w.pairs
     src = w.t_src[t_idx]
     sender = np.zeros(w.n, dtype=np.int64)
@@ -134,8 +142,17 @@ class Plan:
         return workload(self.graph)
 
     @cached_property
+    def phases(self) -> np.ndarray:
+        """[n ops] device changes on the longest path to each op (see ``phases``)."""
+        hint = self.info.get("phases_from")
+        if hint is not None:
+            prior, start = hint
+            return phases(self.workload, self.device_of, prior, start)
+        return phases(self.workload, self.device_of)
+
+    @cached_property
     def _blocks(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        return blocks_for(self.workload, self.device_of, len(self.spec.devices))
+        return blocks_for(self.workload, self.device_of, len(self.spec.devices), self.phases)
 
     @property
     def block_of(self) -> np.ndarray:
@@ -221,6 +238,31 @@ class Plan:
                 f"(weights {fmt_bytes(self.weight_bytes[d])} + activations "
                 f"{fmt_bytes(self.activation_bytes[d])}), its memory is {fmt_bytes(mem[d])}")
         return self
+
+    @cached_property
+    def acyclic(self) -> bool:
+        """Whether the blocks form an acyclic graph (Kahn's algorithm on the block graph)."""
+        w = self.workload
+        t_idx, c_op = w.pairs
+        a, b = self.block_of[w.t_src[t_idx]], self.block_of[c_op]
+        cross = a != b
+        nb = len(self.block_device)
+        key = np.unique(a[cross] * nb + b[cross])
+        src, dst = (key // nb).tolist(), (key % nb).tolist()
+        indeg = np.bincount(dst, minlength=nb).tolist()
+        out: list[list[int]] = [[] for _ in range(nb)]
+        for x, y in zip(src, dst):
+            out[x].append(y)
+        stack = [i for i in range(nb) if indeg[i] == 0]
+        seen = 0
+        while stack:
+            x = stack.pop()
+            seen += 1
+            for y in out[x]:
+                indeg[y] -= 1
+                if indeg[y] == 0:
+                    stack.append(y)
+        return seen == nb
 
     @property
     def feasible(self) -> bool:

@@ -90,8 +90,10 @@ def replan(plan: Plan, event: Event) -> Plan:
                               "DeviceAdded or CapacityChanged")
     w = plan.workload
     moved = float(w.weight_bytes[moving].sum()) if len(moving) else 0.0
-    new = Plan(plan.graph, spec, dev, plan.method, plan.planning_s,
-               {**plan.info, "event": repr(event), "moved_bytes": moved, "moved_ops": len(moving)})
+    info = {k: v for k, v in plan.info.items() if k != "phases_from"}
+    info.update(event=repr(event), moved_bytes=moved, moved_ops=len(moving),
+                phases_from=(plan.phases, int(moving.min()) if len(moving) else w.n))
+    new = Plan(plan.graph, spec, dev, plan.method, plan.planning_s, info)
     _ = new.block_of  # NOTE: blocks are part of the repair: the runtime needs them at once.
     object.__setattr__(new, "planning_s", time.perf_counter() - t0)
     return new

@@ -18,7 +18,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import SeaBiscuitError
+from ..ir import OpGraph
+from .cluster import ClusterSpec
 from .plan import Plan
+from .workload import workload
 
 
 @dataclass(frozen=True)
@@ -144,3 +147,28 @@ def simulate(plan: Plan) -> Schedule:
     busy = np.bincount(dev, weights=t_op, minlength=n_dev)
     return Schedule(float(finish.max()) if n_blocks else 0.0, start, finish, op_start, op_finish, busy,
                     arrivals, tuple(transfers))
+
+
+def lower_bound_s(plan_or_graph: Plan | OpGraph, spec: ClusterSpec | None = None) -> float:
+    """No plan can beat this: max(total work / total speed, critical path).
+
+    Work is counted on the fastest device for each op; the cluster's speed is the
+    sum of each device's speed relative to that. The critical path takes each op
+    at its fastest and every transfer as free.
+    """
+    if isinstance(plan_or_graph, Plan):
+        graph, spec = plan_or_graph.graph, plan_or_graph.spec
+    else:
+        graph = plan_or_graph
+    if spec is None:
+        raise SeaBiscuitError("lower_bound_s needs a cluster spec")
+    w = workload(graph)
+    times = w.times(spec)
+    fastest = times.min(axis=1)
+    speed = fastest.sum() / np.maximum(times.sum(axis=0), 1e-30)
+    work = fastest.sum() / speed.sum()
+    finish = [0.0] * w.n
+    f = fastest.tolist()
+    for v, ps in enumerate(w.preds):
+        finish[v] = f[v] + (max(finish[u] for u in ps) if ps else 0.0)
+    return max(work, max(finish, default=0.0))
