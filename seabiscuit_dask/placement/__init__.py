@@ -11,10 +11,10 @@ from .cluster import PRESETS, PROFILES, ClusterSpec, DeviceSpec, LinkSpec
 from .partition import place
 from .plan import Block, Plan
 from .replan import CapacityChanged, DeviceAdded, DeviceLost, replan
-from .simulate import Schedule, simulate
+from .simulate import Schedule, lower_bound_s, simulate
 
 __all__ = [
     "BASELINES", "PRESETS", "PROFILES", "Block", "CapacityChanged", "ClusterSpec", "DeviceAdded",
-    "DeviceLost", "DeviceSpec", "LinkSpec", "Plan", "Schedule", "heft", "metis", "pipeline", "place",
-    "replan", "round_robin", "simulate",
+    "DeviceLost", "DeviceSpec", "LinkSpec", "Plan", "Schedule", "heft", "lower_bound_s", "metis",
+    "pipeline", "place", "replan", "round_robin", "simulate",
 ]
