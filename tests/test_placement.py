@@ -245,3 +245,30 @@ def test_blocks_cut_after_sends_and_stay_acyclic():
     for b in plan.blocks:
         idx = [w.index[o] for o in b.ops]
         assert all(v not in senders for v in idx[:-1])
+
+
+def test_host_names_are_unique_per_rack_only():
+    d = dict(flops_per_s={"matmul": 1e12, "other": 1e11}, mem_bytes_per_s=1e11)
+    spec = ClusterSpec((DeviceSpec("a", "gpu", 2**30, host="s0", rack="r0", **d),
+                        DeviceSpec("b", "gpu", 2**30, host="s0", rack="r1", **d)))
+    assert spec.level(0, 1) == "network" and len(spec.groups) == 2
+
+
+@pytest.mark.parametrize("doc", ["[]", '{"schema": 1, "graph": null}', '{"schema": 1}',
+                                 '{"schema": 1, "graph": {"ops": 0}, "cluster": {"devices": "x"}}'])
+def test_malformed_plan_documents_are_named(doc):
+    g = chain([4])
+    with pytest.raises(sb.SeaBiscuitError):
+        Plan.from_json(doc, g)
+
+
+def test_tight_memory_gives_a_feasible_plan_or_cluster_too_small():
+    for seed in range(12):
+        g = random_dag(60, seed=seed, param_kib=(256, 4096))
+        weights = sum(p.nbytes for p in g.params.values())
+        spec = small_spec(hosts=2, gpus=1, gpu_mem=int(weights * 0.4), cpu_mem=int(weights * 0.3))
+        try:
+            plan = place(g, spec)
+        except sb.ClusterTooSmall:
+            continue
+        assert plan.feasible

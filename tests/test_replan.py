@@ -102,3 +102,37 @@ def test_capacity_growth_or_speed_change_moves_nothing(plan):
     slower = replan(plan, CapacityChanged(name, mem_bytes_per_s=1e9))
     assert slower.info["moved_bytes"] == 0
     assert slower.makespan_s > plan.makespan_s
+
+
+def three_devices(mib: int = 100, hosts: tuple[str, str, str] = ("s0", "s0", "s1")) -> sb.ClusterSpec:
+    d = dict(flops_per_s={"matmul": 1e12, "other": 1e11}, mem_bytes_per_s=1e11)
+    return sb.ClusterSpec(tuple(DeviceSpec(n, "gpu", mib * 2**20, host=h, **d)
+                                for n, h in zip("ABC", hosts)))
+
+
+def test_capacity_shrink_of_the_last_device():
+    from tests.dags import chain
+
+    spec = three_devices()
+    p = sb.Plan(chain([10 * 1024] * 6), spec, np.array([0, 0, 2, 2, 2, 2]))
+    new = replan(p, CapacityChanged("C", memory_bytes=40 * 2**20))
+    assert new.weight_bytes[2] <= 35 * 2**20 and new.feasible
+    assert set(new.ops_on("C")) <= set(p.ops_on("C"))
+
+
+def test_lost_ops_go_farther_out_when_no_neighbour_fits_them():
+    from tests.dags import chain
+
+    spec = three_devices(mib=100, hosts=("s0", "s0", "s1"))
+    # The 60 MiB op on A cannot go to its host peer B (already holding 60 MiB): it goes to C.
+    p = sb.Plan(chain([60 * 1024, 60 * 1024]), spec, np.array([0, 1]))
+    new = replan(p, DeviceLost("A"))
+    assert new.assignment["op0"] == "C" and new.feasible
+
+
+def test_weights_that_fit_in_total_but_not_in_pieces():
+    from tests.dags import chain
+
+    spec = three_devices(mib=80)
+    with pytest.raises(sb.ClusterTooSmall, match="not in pieces|memory is"):
+        place(chain([40 * 1024] * 5), spec)

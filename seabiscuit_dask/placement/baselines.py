@@ -1,10 +1,13 @@
-"""Baseline placements to compare ``place`` against, all memory-feasible.
+"""Baseline placements to compare ``place`` against.
 
 - ``round_robin``: op i to the next device in turn that has room.
 - ``pipeline``: contiguous stages of the topological order, one per device, sized
   by device memory; each boundary then moves to the cheapest cut near it.
 - ``metis``: pymetis k-way partition of the undirected op graph (vertex weight =
   weight bytes, edge weight = tensor bytes); optional dependency.
+
+Each checks its plan and raises ``ClusterTooSmall`` rather than return one that
+overfills a device.
 - ``heft``: HEFT list scheduling (upward rank, earliest finish time without
   insertion, average communication in the ranks), skipping devices without room.
 """
@@ -46,7 +49,7 @@ def round_robin(graph: OpGraph, spec: ClusterSpec) -> Plan:
             _fit_or_raise(w, spec, free, v, "round-robin")
         dev[v], free[c] = c, free[c] - need
         d = (c + 1) % n_dev
-    return make_plan(graph, spec, dev, "round-robin", time.perf_counter() - t0)
+    return make_plan(graph, spec, dev, "round-robin", time.perf_counter() - t0).check()
 
 
 def cut_profile(w: Workload) -> np.ndarray:
@@ -98,7 +101,7 @@ def pipeline(graph: OpGraph, spec: ClusterSpec) -> Plan:
     order = np.array([d for g in spec.groups for d in g])
     share = cap[order] / cap[order].sum()
     stage = contiguous_stages(w, share, cap[order])
-    return make_plan(graph, spec, order[stage], "pipeline", time.perf_counter() - t0)
+    return make_plan(graph, spec, order[stage], "pipeline", time.perf_counter() - t0).check()
 
 
 def metis(graph: OpGraph, spec: ClusterSpec) -> Plan:
@@ -128,7 +131,7 @@ def metis(graph: OpGraph, spec: ClusterSpec) -> Plan:
                                   tpwgts=tpw) if n_dev > 1 else (0, [0] * w.n)
     dev = np.asarray(parts, dtype=np.int64)
     dev = _repair_memory(w, dev, cap)
-    return make_plan(graph, spec, dev, "metis", time.perf_counter() - t0)
+    return make_plan(graph, spec, dev, "metis", time.perf_counter() - t0).check()
 
 
 def _repair_memory(w: Workload, dev: np.ndarray, cap: np.ndarray) -> np.ndarray:
@@ -189,7 +192,7 @@ def heft(graph: OpGraph, spec: ClusterSpec) -> Plan:
             _fit_or_raise(w, spec, free, v, "heft")
         dev[v], finish[v], avail[d] = d, eft[d], eft[d]
         free[d] -= w.weight_bytes[v]
-    return make_plan(graph, spec, dev, "heft", time.perf_counter() - t0)
+    return make_plan(graph, spec, dev, "heft", time.perf_counter() - t0).check()
 
 
 BASELINES = {"round-robin": round_robin, "pipeline": pipeline, "metis": metis, "heft": heft}

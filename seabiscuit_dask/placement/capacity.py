@@ -26,7 +26,7 @@ def check_fits(w: Workload, spec: ClusterSpec, cap: np.ndarray) -> None:
             f"model weights need {fmt_bytes(total)} but the cluster's {len(spec.devices)} devices hold "
             f"{fmt_bytes(cap.sum())} for weights: short by {fmt_bytes(total - cap.sum())} "
             f"({int(total - cap.sum())} bytes)")
-    need = w.working_set
+    need = w.act_bytes + w.weight_bytes
     biggest = int(np.argmax(w.weight_bytes))
     if w.weight_bytes[biggest] > cap.max():
         raise ClusterTooSmall(

@@ -110,10 +110,15 @@ class DeviceSpec:
         if not self.mem_bytes_per_s > 0:
             raise SeaBiscuitError(f"device {self.name!r}: mem_bytes_per_s must be > 0, "
                                   f"got {self.mem_bytes_per_s}")
-        if self.op_overhead_s < 0:
+        if not self.op_overhead_s >= 0:
             raise SeaBiscuitError(f"device {self.name!r}: op_overhead_s must be >= 0, "
                                   f"got {self.op_overhead_s}")
         object.__setattr__(self, "flops_per_s", {c: float(v) for c, v in self.flops_per_s.items()})
+
+    @property
+    def where(self) -> tuple[str, str]:
+        """(rack, host): host names need only be unique within a rack."""
+        return (self.rack, self.host)
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "kind": self.kind, "memory": self.memory_bytes,
@@ -199,7 +204,7 @@ class ClusterSpec:
                                           f"device), got {len(m)} rows")
             bw, lat = np.array(self.matrix[0]), np.array(self.matrix[1])
             off = ~np.eye(n, dtype=bool)
-            if (bw[off] <= 0).any() or (lat[off] < 0).any():
+            if not ((bw[off] > 0).all() and (lat[off] >= 0).all()):
                 raise SeaBiscuitError("matrix: every off-diagonal bandwidth must be > 0 and latency >= 0")
 
     # --- construction ---------------------------------------------------------------
@@ -221,9 +226,14 @@ class ClusterSpec:
                      "hosts_per_rack": hosts_per_rack}.items():
             if v is not None:
                 base[k] = v
-        n_hosts = int(base.get("hosts", 1))
-        n_gpu, n_cpu = int(base.get("gpus_per_host", 0)), int(base.get("cpus_per_host", 1))
-        per_rack = max(1, int(base.get("hosts_per_rack", n_hosts)))
+        try:
+            n_hosts = int(base.get("hosts", 1))
+            n_gpu, n_cpu = int(base.get("gpus_per_host", 0)), int(base.get("cpus_per_host", 1))
+            per_rack = int(base.get("hosts_per_rack", n_hosts))
+        except (TypeError, ValueError) as e:
+            raise SeaBiscuitError(f"synthetic cluster counts must be integers: {e}") from e
+        if per_rack < 1:
+            raise SeaBiscuitError(f"hosts_per_rack must be >= 1, got {per_rack}")
         if n_hosts < 1 or n_gpu < 0 or n_cpu < 0 or n_gpu + n_cpu < 1:
             raise SeaBiscuitError(f"synthetic cluster needs >= 1 host with >= 1 device, got hosts={n_hosts}, "
                                   f"gpus_per_host={n_gpu}, cpus_per_host={n_cpu}")
@@ -253,8 +263,13 @@ class ClusterSpec:
             raise SeaBiscuitError(f"a cluster description must be a mapping, got {type(d).__name__}")
         if "preset" in d:
             return cls.synthetic(str(d["preset"]))
-        if "devices" not in d or not isinstance(d["devices"], Sequence):
-            raise SeaBiscuitError("a cluster description needs a 'devices' list (or a 'preset')")
+        devs = d.get("devices")
+        if not isinstance(devs, Sequence) or isinstance(devs, str) or not all(
+                isinstance(x, Mapping) for x in devs):
+            raise SeaBiscuitError("a cluster description needs a 'devices' list of mappings "
+                                  f"(or a 'preset'), got {devs!r}")
+        if not isinstance(d.get("links") or {}, Mapping):
+            raise SeaBiscuitError(f"'links' must map topology levels to links, got {d['links']!r}")
         devices = tuple(DeviceSpec.from_dict(x) for x in d["devices"])
         links = dict(DEFAULT_LINKS)
         for lvl, ld in dict(d.get("links") or {}).items():
@@ -330,7 +345,7 @@ class ClusterSpec:
     def level(self, a: int, b: int) -> str:
         """Topology level of the link between devices ``a`` and ``b``."""
         da, db = self.devices[a], self.devices[b]
-        if da.host == db.host:
+        if da.where == db.where:
             return "nvlink" if da.kind == db.kind == "gpu" else "pcie"
         return "rack" if da.rack == db.rack else "network"
 
@@ -371,14 +386,14 @@ class ClusterSpec:
         transfers leaving one host contend. With a measured matrix, pairs are independent.
         """
         n = len(self.devices)
-        hosts = sorted({d.host for d in self.devices})
+        hosts = sorted({d.where for d in self.devices})
         hid = {h: i for i, h in enumerate(hosts)}
         pair_base = 2 * len(hosts)
         out = []
         for a in range(n):
             row: list[tuple[int, ...]] = []
             for b in range(n):
-                ha, hb = hid[self.devices[a].host], hid[self.devices[b].host]
+                ha, hb = hid[self.devices[a].where], hid[self.devices[b].where]
                 if a == b:
                     row.append(())
                 elif self.matrix is not None or ha == hb:

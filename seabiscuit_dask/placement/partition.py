@@ -29,6 +29,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from ..errors import ClusterTooSmall, SeaBiscuitError
 from ..ir import OpGraph
 from .capacity import check_fits, weight_capacity
 from .cluster import ClusterSpec
@@ -61,6 +62,8 @@ def place(graph: OpGraph, spec: ClusterSpec, *, refine_passes: int = 4) -> Plan:
     >>> print(plan.table())                                                      # doctest: +SKIP
     """
     t0 = _time.perf_counter()
+    if not graph.ops:
+        raise SeaBiscuitError("the graph has no ops to place")
     w = workload(graph)
     cap = weight_capacity(spec)
     check_fits(w, spec, cap)
@@ -81,7 +84,7 @@ def place(graph: OpGraph, spec: ClusterSpec, *, refine_passes: int = 4) -> Plan:
                      "multilevel")
     best = staged if staged.makespan_s <= flat.makespan_s else flat
     return make_plan(graph, spec, best.device_of, "multilevel", _time.perf_counter() - t0,
-                     levels=[g.k for g, _ in levels], tier="hosts" if best is staged else "flat")
+                     levels=[g.k for g, _ in levels], tier="hosts" if best is staged else "flat").check()
 
 
 def contiguous_split(weight: np.ndarray, src_pos: np.ndarray, last_pos: np.ndarray, nbytes: np.ndarray,
@@ -283,6 +286,11 @@ def _list_schedule(g: LevelGraph, spec: ClusterSpec, cap: np.ndarray, allowed: l
             if eft < best - 1e-12 or (abs(eft - best) <= 1e-12 and free[d] > free[best_d]):
                 best, best_d = eft, d
         d = best_d
+        if d < 0:
+            raise ClusterTooSmall(
+                f"no device has room left for {int(weight[v])} bytes of weights (node {v} of {g.k}); "
+                f"most free: {int(max(free))} bytes. The weights fit in total but not in pieces: "
+                "add memory or decompose with a smaller budget")
         for t in g.ins[v]:
             x = dev[src[t]]
             if x != d and (t, d) not in arrived:

@@ -198,7 +198,8 @@ class Plan:
         """[D] largest activation footprint of one block on each device.
 
         A block holds its inputs from other blocks, the outputs it hands on, and the
-        working set of its largest op while that op runs.
+        inputs and outputs of its largest op while that op runs (weights are counted
+        in ``weight_bytes``). A graph output counts once.
         """
         w = self.workload
         block_of, bdev, _ = self._blocks
@@ -212,11 +213,12 @@ class Plan:
         outs = np.unique(t_idx[ext])
         per_block = np.bincount(ins[1], weights=w.t_bytes[ins[0]], minlength=nb).astype(np.float64)
         per_block += np.bincount(block_of[w.t_src[outs]], weights=w.t_bytes[outs], minlength=nb)
-        graph_out = [w.index[self.graph.producer[t]] for t in self.graph.outputs if t in self.graph.producer]
-        for op in graph_out:
-            per_block[block_of[op]] += w.out_bytes[op]
+        sent = {w.t_names[t] for t in outs.tolist()}
+        for t in dict.fromkeys(self.graph.outputs):
+            if t in self.graph.producer and t not in sent:
+                per_block[block_of[w.index[self.graph.producer[t]]]] += self.graph.tensors[t].nbytes
         ws_max = np.zeros(nb)
-        np.maximum.at(ws_max, block_of, w.working_set)
+        np.maximum.at(ws_max, block_of, w.act_bytes)
         per_block += ws_max
         out = np.zeros(len(self.spec.devices))
         np.maximum.at(out, bdev, per_block)
@@ -353,6 +355,13 @@ class Plan:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], graph: OpGraph) -> Plan:
+        try:
+            return cls._from_dict(d, graph)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise SeaBiscuitError(f"plan document is malformed: {type(e).__name__}: {e}") from e
+
+    @classmethod
+    def _from_dict(cls, d: Mapping[str, Any], graph: OpGraph) -> Plan:
         if d.get("schema") != PLAN_SCHEMA:
             raise SeaBiscuitError(f"plan schema {d.get('schema')!r} is not supported "
                                   f"(expected {PLAN_SCHEMA})")

@@ -13,8 +13,12 @@ the new cluster and records what moved in ``plan.info`` (``moved_bytes``,
   ops (up to its share of the host's speed) where that evens out a depth level.
   A device on a new host is spare capacity until the next ``place``.
 - ``CapacityChanged(name, ...)``: new memory or speed figures. If the device no
-  longer holds its weights, its ops leave (lightest work per byte first) as on a
-  loss until they fit.
+  longer holds its weights, its ops leave (most bytes per second of work first) as
+  on a loss until they fit.
+
+A repaired plan is checked like a new one: if some device would exceed its
+memory, ``ClusterTooSmall`` says which. A cluster described by a measured matrix
+cannot take ``DeviceAdded`` (the new device's links are unknown): measure again.
 """
 
 from __future__ import annotations
@@ -94,7 +98,7 @@ def replan(plan: Plan, event: Event) -> Plan:
     info.update(event=repr(event), moved_bytes=moved, moved_ops=len(moving),
                 phases_from=(plan.phases, int(moving.min()) if len(moving) else w.n))
     new = Plan(plan.graph, spec, dev, plan.method, plan.planning_s, info)
-    _ = new.block_of  # NOTE: blocks are part of the repair: the runtime needs them at once.
+    new.check()  # NOTE: blocks and memory are part of the repair: the runtime needs them at once.
     object.__setattr__(new, "planning_s", time.perf_counter() - t0)
     return new
 
@@ -103,13 +107,16 @@ def _nearby(spec: ClusterSpec, like: DeviceSpec) -> list[list[int]]:
     """Device indices of ``spec`` in rings around ``like``: same host, same rack, the rest."""
     rings: list[list[int]] = [[], [], []]
     for i, d in enumerate(spec.devices):
-        rings[0 if d.host == like.host else 1 if d.rack == like.rack else 2].append(i)
+        rings[0 if d.where == like.where else 1 if d.rack == like.rack else 2].append(i)
     return rings
 
 
 def _rehome(plan: Plan, spec: ClusterSpec, dev: np.ndarray, moving: np.ndarray,
-            home: DeviceSpec) -> np.ndarray:
-    """Give each op in ``moving`` (``dev`` = -1 there) a device of ``spec``, nearest first."""
+            home: DeviceSpec, exclude: int = -1) -> np.ndarray:
+    """Give each op in ``moving`` (``dev`` = -1 there) a device of ``spec``, nearest first.
+
+    ``exclude`` (a device whose memory just shrank) takes none of them.
+    """
     if not len(moving):
         return dev
     w = plan.workload
@@ -117,6 +124,8 @@ def _rehome(plan: Plan, spec: ClusterSpec, dev: np.ndarray, moving: np.ndarray,
     cap = weight_capacity(spec)
     staying = dev >= 0
     free = cap - np.bincount(dev[staying], weights=w.weight_bytes[staying], minlength=n_dev)
+    if exclude >= 0:
+        free[exclude] = -np.inf
     need = float(w.weight_bytes[moving].sum())
     room = float(np.maximum(free, 0).sum())
     if need > room:
@@ -125,7 +134,9 @@ def _rehome(plan: Plan, spec: ClusterSpec, dev: np.ndarray, moving: np.ndarray,
             f"{n_dev} devices have {fmt_bytes(room)} free: short by {fmt_bytes(need - room)} "
             f"({int(need - room)} bytes)")
     cands: list[int] = []
-    for ring in _nearby(spec, home):
+    rings = [[d for d in ring if d != exclude] for ring in _nearby(spec, home)]
+    everywhere = [d for ring in rings for d in ring]
+    for ring in rings:
         cands += ring
         if float(np.maximum(free[cands], 0).sum()) >= need:
             break
@@ -161,14 +172,17 @@ def _rehome(plan: Plan, spec: ClusterSpec, dev: np.ndarray, moving: np.ndarray,
                     s += lat[x][j] + nb * inv[x][j]
             if s < best:
                 best, best_j = s, j
-        if best_j < 0:
-            raise ClusterTooSmall(f"no device near {home.name!r} has room for op {w.names[v]!r} "
-                                  f"({fmt_bytes(wb[i])}); most free: {fmt_bytes(max(free_l))}")
-        d = cands[best_j]
+        if best_j >= 0:
+            d = cands[best_j]
+            key = dv[i] * n_dev + d
+            extra[key] = extra.get(key, 0.0) + t_mv[i][best_j]
+        else:   # nothing near has room for this op: the nearest device farther out that does
+            d = next((e for e in everywhere if free_l[e] >= wb[i]), -1)
+            if d < 0:
+                raise ClusterTooSmall(f"no device has room for op {w.names[v]!r} ({fmt_bytes(wb[i])}) "
+                                      f"once {home.name!r} is gone; most free: {fmt_bytes(max(free_l))}")
         d_list[v] = d
         free_l[d] -= wb[i]
-        key = dv[i] * n_dev + d
-        extra[key] = extra.get(key, 0.0) + t_mv[i][best_j]
     return np.array(d_list, dtype=np.int64)
 
 
@@ -176,7 +190,7 @@ def _adopt(plan: Plan, spec: ClusterSpec, dev: np.ndarray, new: int) -> np.ndarr
     """Move part of the new device's host peers' work onto it, evening out depth levels."""
     w = plan.workload
     newdev = spec.devices[new]
-    peers = [i for i, d in enumerate(spec.devices[:-1]) if d.host == newdev.host]
+    peers = [i for i, d in enumerate(spec.devices[:-1]) if d.where == newdev.where]
     if not peers:
         return dev
     times = w.times(spec)
@@ -219,17 +233,5 @@ def _shrink(plan: Plan, spec: ClusterSpec, i: int) -> tuple[np.ndarray, np.ndarr
     cum = np.cumsum(w.weight_bytes[order])
     k = int(np.searchsorted(cum, held - cap[i], side="left")) + 1
     moving = np.sort(order[:k])
-    return _rehome_excluding(plan, spec, dev, moving, spec.devices[i], i), moving
-
-
-def _rehome_excluding(plan: Plan, spec: ClusterSpec, dev: np.ndarray, moving: np.ndarray,
-                      home: DeviceSpec, exclude: int) -> np.ndarray:
-    """``_rehome`` onto every device but ``exclude`` (whose memory just shrank)."""
-    reduced = spec.without(spec.names[exclude])
-    mapped = np.where(dev > exclude, dev - 1, dev)
-    mapped[moving] = -1
-    mapped = _rehome(plan, reduced, mapped, moving, home)
-    back = np.where(mapped >= exclude, mapped + 1, mapped)
-    out = dev.copy()
-    out[moving] = back[moving]
-    return out
+    dev[moving] = -1
+    return _rehome(plan, spec, dev, moving, spec.devices[i], exclude=i), moving

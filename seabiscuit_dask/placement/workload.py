@@ -41,7 +41,7 @@ class Workload:
     op_out: tuple[tuple[int, ...], ...]  # [n] tensors (ids) each op produces and others read
     shared: tuple[tuple[int, tuple[int, ...]], ...]  # params read by several ops: (bytes, ops)
     out_bytes: np.ndarray           # [n] bytes of each op's outputs (graph outputs included)
-    working_set: np.ndarray         # [n] params + inputs + outputs of each op
+    act_bytes: np.ndarray           # [n] inputs + outputs of each op (its working set less weights)
 
     @property
     def n(self) -> int:
@@ -136,6 +136,7 @@ def _build(graph: OpGraph) -> Workload:
     seen_params: set[str] = set()
     users: dict[str, list[int]] = {}
     outb = np.zeros(n, dtype=np.float64)
+    pall = np.zeros(n, dtype=np.float64)
     producer: dict[str, int] = {}
     t_ids: dict[str, int] = {}
     t_src: list[int] = []
@@ -150,6 +151,7 @@ def _build(graph: OpGraph) -> Workload:
         for p in ps:
             users.setdefault(p, []).append(i)
         outb[i] = sum(tsize[t] for t in op.outputs)
+        pall[i] = sum(psize[p] for p in ps)
         ins = dict.fromkeys(op.inputs)
         moved[i] = (sum(psize[p] for p in ps) + sum(tsize[t] for t in ins)
                     + sum(tsize[t] for t in op.outputs))
@@ -182,4 +184,4 @@ def _build(graph: OpGraph) -> Workload:
         t_src=np.array(t_src, dtype=np.int64), t_names=tuple(t_names),
         t_dst=tuple(tuple(d) for d in t_dst), op_in=tuple(op_in), op_out=tuple(tuple(o) for o in op_out),
         shared=tuple((psize[p], tuple(u)) for p, u in users.items() if len(u) > 1),
-        out_bytes=outb, working_set=moved.copy())
+        out_bytes=outb, act_bytes=moved - pall)
