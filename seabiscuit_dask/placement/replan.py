@@ -16,9 +16,11 @@ the new cluster and records what moved in ``plan.info`` (``moved_bytes``,
   longer holds its weights, its ops leave (most bytes per second of work first) as
   on a loss until they fit.
 
-A repaired plan is checked like a new one: if some device would exceed its
-memory, ``ClusterTooSmall`` says which. A cluster described by a measured matrix
-cannot take ``DeviceAdded`` (the new device's links are unknown): measure again.
+A repair keeps every device's weights within its memory less the activation
+reserve, or raises ``ClusterTooSmall`` naming the device; ``plan.check()`` adds
+the activations of the largest block (as ``place`` does) when there is time.
+A cluster described by a measured matrix cannot take ``DeviceAdded`` (the new
+device's links are unknown): measure again.
 """
 
 from __future__ import annotations
@@ -98,7 +100,14 @@ def replan(plan: Plan, event: Event) -> Plan:
     info.update(event=repr(event), moved_bytes=moved, moved_ops=len(moving),
                 phases_from=(plan.phases, int(moving.min()) if len(moving) else w.n))
     new = Plan(plan.graph, spec, dev, plan.method, plan.planning_s, info)
-    new.check()  # NOTE: blocks and memory are part of the repair: the runtime needs them at once.
+    _ = new.block_of  # NOTE: blocks are part of the repair: the runtime needs them at once.
+    cap = weight_capacity(spec)
+    over = np.flatnonzero(new.weight_bytes > cap)
+    if len(over):   # a weight shared by ops on several devices is held by each of them
+        d = int(over[0])
+        raise ClusterTooSmall(f"after {event!r}, {spec.names[d]!r} would hold "
+                              f"{fmt_bytes(new.weight_bytes[d])} of weights; it has room for "
+                              f"{fmt_bytes(cap[d])}")
     object.__setattr__(new, "planning_s", time.perf_counter() - t0)
     return new
 
