@@ -22,6 +22,7 @@ from ..errors import SeaBiscuitError
 from ..ir import OpGraph
 from .capacity import check_fits, weight_capacity
 from .cluster import ClusterSpec
+from .partition import contiguous_split
 from .plan import Plan, make_plan
 from .workload import Workload, workload
 
@@ -52,47 +53,6 @@ def round_robin(graph: OpGraph, spec: ClusterSpec) -> Plan:
     return make_plan(graph, spec, dev, "round-robin", time.perf_counter() - t0).check()
 
 
-def cut_profile(w: Workload) -> np.ndarray:
-    """``[n + 1]``: bytes of tensors crossing a boundary placed before op position i."""
-    last = np.fromiter((max(d) for d in w.t_dst), dtype=np.int64, count=len(w.t_dst))
-    diff = np.zeros(w.n + 2)
-    np.add.at(diff, w.t_src + 1, w.t_bytes)
-    np.add.at(diff, last + 1, -w.t_bytes)
-    return np.cumsum(diff)[: w.n + 1]
-
-
-def contiguous_stages(w: Workload, share: np.ndarray, cap: np.ndarray, window: float = 0.05) -> np.ndarray:
-    """Split the topological order into ``len(share)`` contiguous stages.
-
-    Stage k targets a ``share[k]`` fraction of the weights; each boundary then moves,
-    within ``window`` of the ops, to the position with the fewest bytes crossing it,
-    never past what fits in ``cap[k]``. Returns the stage of every op.
-    """
-    k = len(share)
-    cum_w = np.concatenate([[0.0], np.cumsum(w.weight_bytes)])
-    total = cum_w[-1]
-    cut = cut_profile(w)
-    span = max(1, int(window * w.n))
-    bounds = [0]
-    for s in range(k - 1):
-        lo = bounds[-1]
-        target = np.searchsorted(cum_w, total * share[: s + 1].sum())
-        hi_cap = int(np.searchsorted(cum_w, cum_w[lo] + cap[s], side="right")) - 1
-        rest_cap = cap[s + 1:].sum()
-        lo_cap = int(np.searchsorted(cum_w, total - rest_cap, side="left"))
-        a = max(lo, int(target) - span, lo_cap)
-        b = min(w.n, int(target) + span, hi_cap)
-        if a > b:
-            a = b = max(lo, min(hi_cap, w.n))
-        pos = a + int(np.argmin(cut[a: b + 1]))
-        bounds.append(pos)
-    bounds.append(w.n)
-    stage = np.empty(w.n, dtype=np.int64)
-    for s in range(k):
-        stage[bounds[s]: bounds[s + 1]] = s
-    return stage
-
-
 def pipeline(graph: OpGraph, spec: ClusterSpec) -> Plan:
     t0 = time.perf_counter()
     w = workload(graph)
@@ -100,7 +60,8 @@ def pipeline(graph: OpGraph, spec: ClusterSpec) -> Plan:
     check_fits(w, spec, cap)
     order = np.array([d for g in spec.groups for d in g])
     share = cap[order] / cap[order].sum()
-    stage = contiguous_stages(w, share, cap[order])
+    last = np.fromiter((max(d) for d in w.t_dst), dtype=np.int64, count=len(w.t_dst))
+    stage = contiguous_split(w.weight_bytes.astype(np.float64), w.t_src, last, w.t_bytes, share, cap[order])
     return make_plan(graph, spec, order[stage], "pipeline", time.perf_counter() - t0).check()
 
 
