@@ -349,28 +349,27 @@ class ClusterSpec:
             return "nvlink" if da.kind == db.kind == "gpu" else "pcie"
         return "rack" if da.rack == db.rack else "network"
 
+    def _link_matrix(self, which: int, diagonal: float) -> np.ndarray:
+        """``[a, b]`` figure of the link a -> b: 0 = bandwidth, 1 = latency (measured or by level)."""
+        if self.matrix is not None:
+            out = np.array(self.matrix[which], dtype=float)
+        else:
+            n = len(self.devices)
+            key = "latency" if which else "bandwidth"
+            out = np.array([[self.links[self.level(a, b)].to_dict()[key] for b in range(n)]
+                            for a in range(n)], dtype=float)
+        np.fill_diagonal(out, diagonal)
+        return out
+
     @cached_property
     def bandwidth(self) -> np.ndarray:
         """``[a, b]`` -> bytes/s from device a to device b (inf on the diagonal)."""
-        if self.matrix is not None:
-            bw = np.array(self.matrix[0], dtype=float)
-        else:
-            n = len(self.devices)
-            bw = np.array([[self.links[self.level(a, b)].bandwidth_bytes_per_s for b in range(n)]
-                           for a in range(n)], dtype=float)
-        np.fill_diagonal(bw, np.inf)
-        return bw
+        return self._link_matrix(0, np.inf)
 
     @cached_property
     def latency(self) -> np.ndarray:
-        if self.matrix is not None:
-            lat = np.array(self.matrix[1], dtype=float)
-        else:
-            n = len(self.devices)
-            lat = np.array([[self.links[self.level(a, b)].latency_s for b in range(n)]
-                            for a in range(n)], dtype=float)
-        np.fill_diagonal(lat, 0.0)
-        return lat
+        """``[a, b]`` -> seconds from device a to device b (0 on the diagonal)."""
+        return self._link_matrix(1, 0.0)
 
     def transfer_s(self, a: int, b: int, nbytes: float) -> float:
         if a == b:
