@@ -38,12 +38,27 @@ from .placement import (
     simulate,
 )
 from .runtime import run_local
+
+
+def __getattr__(name: str):
+    # NOTE: the Dask runtime loads lazily, so planning alone never imports distributed.
+    if name in ("distribute", "DistributedModel"):
+        from . import deploy as _d
+
+        return getattr(_d, name)
+    if name in ("SeaBiscuitSchedulerPlugin", "SeaBiscuitWorkerPlugin", "PlacementState"):
+        from . import plugins
+
+        return getattr(plugins, name)
+    raise AttributeError(f"module 'seabiscuit_dask' has no attribute {name!r}")
+
 from .trace import bind_checkpoint, build_empty, empty_weights, trace
 
 __all__ = [
     "BadCheckpoint", "BadInput", "BudgetTooSmall", "CapacityChanged", "ClusterSpec", "ClusterTooSmall",
-    "DeviceAdded", "DeviceLost", "DeviceSpec", "InvalidGraph", "LinkSpec", "Op", "OpCost", "OpGraph",
+    "DeviceAdded", "DeviceLost", "DeviceSpec", "DistributedModel", "PlacementState",
+    "SeaBiscuitSchedulerPlugin", "SeaBiscuitWorkerPlugin", "InvalidGraph", "LinkSpec", "Op", "OpCost", "OpGraph",
     "ParamSource", "ParamSpec", "Plan", "SeaBiscuitError", "TensorSpec", "UnsupportedModel", "WorkerLost",
-    "bind_checkpoint", "build_empty", "config", "decompose", "empty_weights", "place", "replan",
+    "bind_checkpoint", "build_empty", "config", "decompose", "distribute", "empty_weights", "place", "replan",
     "run_local", "simulate", "trace", "verify",
 ]

@@ -11,6 +11,7 @@ YAML schema (``ClusterSpec.from_yaml``)::
         profile: gpu16                   # optional: start from a built-in profile
         kind: gpu                        # cpu | gpu
         memory: 16GiB                    # budget for weights and activations
+        address: tcp://10.0.0.5:40123    # optional: the Dask worker this device is
         flops_per_s: {matmul: 1.0e14, other: 1.5e13}
         mem_bytes_per_s: 9.0e11          # memory bandwidth
         op_overhead_s: 8.0e-6            # fixed cost per micro-op (kernel launch)
@@ -91,6 +92,7 @@ class DeviceSpec:
     op_overhead_s: float = 0.0
     host: str = "host0"
     rack: str = "rack0"
+    address: str = ""                 # the Dask worker's address, for a cluster seen from a Client
 
     def __post_init__(self) -> None:
         if not self.name or not isinstance(self.name, str):
@@ -123,7 +125,8 @@ class DeviceSpec:
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "kind": self.kind, "memory": self.memory_bytes,
                 "flops_per_s": dict(self.flops_per_s), "mem_bytes_per_s": self.mem_bytes_per_s,
-                "op_overhead_s": self.op_overhead_s, "host": self.host, "rack": self.rack}
+                "op_overhead_s": self.op_overhead_s, "host": self.host, "rack": self.rack,
+                **({"address": self.address} if self.address else {})}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> DeviceSpec:
@@ -137,7 +140,7 @@ class DeviceSpec:
             base = PROFILES[profile].to_dict()
         base.update(d)
         unknown = set(base) - {"name", "kind", "memory", "flops_per_s", "mem_bytes_per_s",
-                               "op_overhead_s", "host", "rack"}
+                               "op_overhead_s", "host", "rack", "address"}
         if unknown:
             raise SeaBiscuitError(f"device {base.get('name')!r}: unknown fields {sorted(unknown)}")
         need = [k for k in ("name", "kind", "memory", "flops_per_s", "mem_bytes_per_s") if k not in base]
@@ -150,7 +153,8 @@ class DeviceSpec:
                        flops_per_s={k: float(v) for k, v in dict(base["flops_per_s"]).items()},
                        mem_bytes_per_s=float(base["mem_bytes_per_s"]),
                        op_overhead_s=float(base.get("op_overhead_s", 0.0)),
-                       host=str(base.get("host", "host0")), rack=str(base.get("rack", "rack0")))
+                       host=str(base.get("host", "host0")), rack=str(base.get("rack", "rack0")),
+                       address=str(base.get("address", "")))
         except (TypeError, ValueError) as e:
             raise SeaBiscuitError(f"device {base.get('name')!r}: {e}") from e
 
@@ -285,6 +289,21 @@ class ClusterSpec:
             except (KeyError, TypeError, ValueError) as e:
                 raise SeaBiscuitError(f"matrix needs numeric 'bandwidth' and 'latency' lists: {e}") from e
         return cls(devices, links, matrix)  # type: ignore[arg-type]
+
+    @classmethod
+    def from_client(cls, client: Any, *, probe: bool = True) -> ClusterSpec:
+        """The live cluster behind a ``distributed.Client``: one device per worker.
+
+        Built from the reports of SeaBiscuit's worker agents (memory budget, measured
+        speeds, host) and, with ``probe``, links measured through Dask between two
+        workers of one host and of two hosts. Needs ``SeaBiscuitSchedulerPlugin``.
+
+        >>> spec = ClusterSpec.from_client(client)      # doctest: +SKIP
+        >>> print(spec.table())                          # doctest: +SKIP
+        """
+        from ..plugins.discover import cluster_from_client
+
+        return cluster_from_client(client, probe=probe)
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> ClusterSpec:

@@ -310,6 +310,9 @@ class Plan:
         return (f"<Plan {self.method}: {len(self.device_of)} ops on {used}/{len(self.spec.devices)} devices, "
                 f"{len(self.block_device)} blocks, cut {fmt_bytes(self.cut_bytes)}>")
 
+    def __str__(self) -> str:
+        return self.table()
+
     def table(self) -> str:
         """Per device: blocks, ops, weights, peak memory over budget, busy time, bytes in/out."""
         n_dev = len(self.spec.devices)

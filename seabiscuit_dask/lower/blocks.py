@@ -1,0 +1,195 @@
+"""Blocks as executables: what one Dask task runs for one request.
+
+``block_specs(plan)`` cuts a plan into ``BlockSpec`` s, frozen descriptions that
+travel to the workers as plain dicts: the block's ops in order, the tensors it
+imports (from other blocks or the graph's inputs), the tensors it exports (read
+by other blocks, or graph outputs) and the parameter tiles it owns.
+``BlockProgram`` is a spec compiled on its worker with its weights resident:
+``program.run(imports) -> exports``.
+
+``request_graph`` builds the Dask graph of one request: one task per block,
+never one per micro-op; a block's task depends on the tasks of the blocks it
+imports from. Keys are ``("sb-<model>", version, request, block)`` so the
+scheduler plugin can pin each one to the worker the plan chose.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import SeaBiscuitError
+from ..ir import Op, ParamSpec, TensorSpec
+from .kernels import decode_args, resolve_target
+
+KEY_PREFIX = "sb-"
+
+
+def task_name(model_id: str) -> str:
+    """The first element of every request key of ``model_id``."""
+    return f"{KEY_PREFIX}{model_id}"
+
+
+@dataclass(frozen=True)
+class BlockSpec:
+    """One block of a plan, self-contained: enough for a worker to compile and run it."""
+
+    model: str
+    version: int
+    index: int
+    device: str
+    ops: tuple[Op, ...]
+    params: Mapping[str, ParamSpec]
+    imports: Mapping[str, TensorSpec]     # tensor name -> spec, in first-use order
+    exports: tuple[str, ...]
+    sources: tuple[int, ...]              # for each import: the block that exports it, -1 = graph input
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(p.nbytes for p in self.params.values())
+
+    @property
+    def deps(self) -> tuple[int, ...]:
+        """Blocks this one reads from, each once."""
+        return tuple(dict.fromkeys(s for s in self.sources if s >= 0))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model, "version": self.version, "index": self.index, "device": self.device,
+            "ops": [op.to_dict() for op in self.ops],
+            "params": {k: p.to_dict() for k, p in self.params.items()},
+            "imports": {k: t.to_dict() for k, t in self.imports.items()},
+            "exports": list(self.exports), "sources": list(self.sources),
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> BlockSpec:
+        return cls(
+            str(d["model"]), int(d["version"]), int(d["index"]), str(d["device"]),
+            tuple(Op.from_dict(o) for o in d["ops"]),
+            {k: ParamSpec.from_dict(k, p) for k, p in d["params"].items()},
+            {k: TensorSpec.from_dict(t) for k, t in d["imports"].items()},
+            tuple(d["exports"]), tuple(int(s) for s in d["sources"]),
+        )
+
+
+def block_specs(plan: Any, model_id: str, version: int = 0) -> list[BlockSpec]:
+    """Cut ``plan`` (a ``Plan``) into self-contained block specs, in block order."""
+    graph = plan.graph
+    block_of = plan.block_of.tolist()
+    blocks = plan.blocks
+    made_in: dict[str, int] = {}
+    for op, b in zip(graph.ops, block_of):
+        for t in op.outputs:
+            made_in[t] = b
+    members: list[list[Op]] = [[] for _ in blocks]
+    for op, b in zip(graph.ops, block_of):
+        members[b].append(op)
+    exported: list[dict[str, None]] = [{} for _ in blocks]
+    imports: list[dict[str, int]] = [{} for _ in blocks]
+    for op, b in zip(graph.ops, block_of):
+        for t in op.inputs:
+            src = made_in.get(t, -1)
+            if src != b and t not in imports[b]:
+                imports[b][t] = src
+                if src >= 0:
+                    exported[src][t] = None
+    for t in graph.outputs:
+        if t in made_in:
+            exported[made_in[t]][t] = None
+    out = []
+    for b, blk in enumerate(blocks):
+        ops = tuple(members[b])
+        params = {p: graph.params[p] for op in ops for p in op.params}
+        out.append(BlockSpec(model_id, version, b, blk.device, ops, params,
+                             {t: graph.tensors[t] for t in imports[b]}, tuple(exported[b]),
+                             tuple(imports[b].values())))
+    return out
+
+
+Step = tuple[Callable[..., Any], Any, Any, tuple[str, ...], bool, tuple[str, ...]]
+
+
+class BlockProgram:
+    """A block compiled on its worker: kernels resolved, weights loaded, frees precomputed.
+
+    Runs are re-entrant (each has its own environment), so a worker with several
+    threads may run blocks of several requests at once.
+    """
+
+    def __init__(self, spec: BlockSpec, weights: Mapping[str, torch.Tensor], device: torch.device) -> None:
+        self.spec = spec
+        self.device = device
+        self.weights = dict(weights)
+        self.nbytes = sum(t.numel() * t.element_size() for t in self.weights.values())
+        keep = set(spec.exports)
+        last: dict[str, int] = {}
+        for i, op in enumerate(spec.ops):
+            for t in op.inputs:
+                last[t] = i
+        steps: list[Step] = []
+        for i, op in enumerate(spec.ops):
+            frees = tuple(t for t in dict.fromkeys(op.inputs) if last.get(t) == i and t not in keep)
+            frees += tuple(t for t in op.outputs if t not in last and t not in keep)
+            steps.append((resolve_target(op.target), op.attrs.get("args", ()),
+                          op.attrs.get("kwargs", {}), op.outputs, bool(op.attrs.get("multi")), frees))
+        self.steps = steps
+        self.lock = threading.Lock()
+
+    @classmethod
+    def load(cls, spec: BlockSpec, store: Any, device: torch.device) -> BlockProgram:
+        """Compile ``spec``, loading each parameter tile through ``store`` (a ``WeightStore``)."""
+        return cls(spec, {name: store.load(p) for name, p in spec.params.items()}, device)
+
+    def run(self, imports: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        env: dict[str, torch.Tensor] = dict(self.weights)
+        dev = self.device
+        for name, want in self.spec.imports.items():
+            try:
+                x = imports[name]
+            except KeyError:
+                raise SeaBiscuitError(f"block b{self.spec.index} of model {self.spec.model}: import "
+                                      f"{name!r} missing (got {sorted(imports)[:5]})") from None
+            env[name] = x.to(dev) if x.device != dev else x
+        with torch.no_grad():
+            for fn, args, kwargs, outs, multi, frees in self.steps:
+                out = fn(*decode_args(args, env, dev), **decode_args(kwargs, env, dev))
+                if multi:
+                    env.update(zip(outs, out))
+                else:
+                    env[outs[0]] = out
+                for t in frees:
+                    del env[t]
+        cpu = dev.type != "cpu"
+        return {t: (env[t].cpu() if cpu else env[t]) for t in self.spec.exports}
+
+
+def run_block(program: BlockProgram, graph_inputs: Mapping[str, torch.Tensor],
+              deps: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Gather a block's imports from the graph inputs and its dependencies' exports, run it."""
+    imports: dict[str, torch.Tensor] = {}
+    for d in deps:
+        imports.update(d)
+    for name in program.spec.imports:
+        if name in graph_inputs:
+            imports[name] = graph_inputs[name]
+    return program.run(imports)
+
+
+def request_graph(specs: Sequence[BlockSpec], request: int, inputs: Mapping[str, torch.Tensor],
+                  fn: Callable[..., Any]) -> tuple[dict[Any, Any], list[Any]]:
+    """The Dask graph of one request: ``{key: (fn, model, version, block, inputs, *deps)}``.
+
+    ``inputs`` are the graph's input tensors; each block task carries only those it
+    imports. Returns the graph and the key of every block, in block order.
+    """
+    keys = [(task_name(s.model), s.version, request, s.index) for s in specs]
+    dsk: dict[Any, Any] = {}
+    for s, key in zip(specs, keys):
+        mine = {t: inputs[t] for t, src in zip(s.imports, s.sources) if src < 0 and t in inputs}
+        dsk[key] = (fn, s.model, s.version, s.index, mine, *[keys[d] for d in s.deps])
+    return dsk, keys

@@ -1,0 +1,136 @@
+"""The resource agent: what one worker has, measured on the worker itself.
+
+``static_report()`` is gathered once (CPU, memory, caches and NUMA nodes from
+/sys, GPUs through pynvml, matmul FLOP/s and memory bandwidth measured with
+torch at the worker's thread count); ``live_report()`` is cheap and runs on
+every heartbeat (utilisation, memory in use, GPU memory, temperature).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return None
+
+
+def cpu_caches() -> list[dict[str, Any]]:
+    """Cache levels of CPU 0 from /sys: level, type and size in bytes."""
+    out = []
+    for d in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
+        size, level, kind = _read(d / "size"), _read(d / "level"), _read(d / "type")
+        if not size or not level:
+            continue
+        mult = {"K": 1024, "M": 2**20, "G": 2**30}.get(size[-1], 1)
+        digits = size[:-1] if size[-1] in "KMG" else size
+        if digits.isdigit():
+            out.append({"level": int(level), "type": kind or "", "size_bytes": int(digits) * mult})
+    return out
+
+
+def numa_nodes() -> list[dict[str, Any]]:
+    """NUMA nodes from /sys with their CPU lists (one node on most laptops)."""
+    out = []
+    for d in sorted(Path("/sys/devices/system/node").glob("node[0-9]*")):
+        out.append({"node": int(d.name[4:]), "cpus": _read(d / "cpulist") or ""})
+    return out
+
+
+def gpu_report() -> list[dict[str, Any]]:
+    """Memory, utilisation and temperature of each visible GPU (empty without pynvml or a GPU)."""
+    try:
+        import pynvml
+    except ImportError:
+        return []
+    try:
+        pynvml.nvmlInit()
+    except Exception:  # noqa: BLE001 - no driver, no GPU: report none
+        return []
+    out = []
+    try:
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            mem = pynvml.nvmlDeviceGetMemoryInfo(h)
+            util = pynvml.nvmlDeviceGetUtilizationRates(h)
+            out.append({"index": i, "name": str(pynvml.nvmlDeviceGetName(h)),
+                        "memory_total_bytes": int(mem.total), "memory_used_bytes": int(mem.used),
+                        "utilization": float(util.gpu) / 100.0,
+                        "temperature_c": float(pynvml.nvmlDeviceGetTemperature(h, 0))})
+    except Exception:  # noqa: BLE001 - a GPU that stops answering is reported as absent
+        return out
+    return out
+
+
+def _median_s(fn: Any, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_speed(device: str = "cpu", n: int = 384, reps: int = 5) -> dict[str, float]:
+    """Matmul FLOP/s, elementwise FLOP/s, memory bandwidth and per-op overhead, measured."""
+    import torch
+
+    dev = torch.device(device)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    a = torch.randn(n, n, device=dev)
+    b = torch.randn(n, n, device=dev)
+    big = torch.empty(64 * 2**20 // 4, device=dev)     # 64 MiB: larger than most L3 caches
+    small = torch.ones(8, device=dev)
+
+    def mm() -> None:
+        torch.mm(a, b)
+        sync()
+
+    def copy() -> None:
+        big.mul_(1.0)
+        sync()
+
+    def tiny() -> None:
+        for _ in range(50):
+            small.add(1.0)
+        sync()
+
+    for f in (mm, copy, tiny):
+        f()
+    mm_s, copy_s, tiny_s = _median_s(mm, reps), _median_s(copy, reps), _median_s(tiny, reps)
+    bytes_moved = 2 * big.numel() * 4
+    return {"matmul_flops_per_s": 2 * n**3 / mm_s, "other_flops_per_s": big.numel() / copy_s,
+            "mem_bytes_per_s": bytes_moved / copy_s, "op_overhead_s": tiny_s / 50}
+
+
+def static_report(nthreads: int, memory_limit: int | None, device: str = "cpu") -> dict[str, Any]:
+    """What this worker has; measured once at setup."""
+    mem = psutil.virtual_memory()
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        cpus = os.cpu_count() or 1
+    return {"host": socket.gethostname(), "cpu_count": cpus, "nthreads": nthreads,
+            "memory_total_bytes": int(mem.total), "memory_limit_bytes": int(memory_limit or 0),
+            "caches": cpu_caches(), "numa_nodes": numa_nodes(), "gpus": gpu_report(),
+            "device": device, **measure_speed(device)}
+
+
+def live_report(process: psutil.Process) -> dict[str, Any]:
+    """Cheap figures for every heartbeat."""
+    gpus = gpu_report()
+    return {"cpu_percent": process.cpu_percent(), "rss_bytes": int(process.memory_info().rss),
+            "memory_available_bytes": int(psutil.virtual_memory().available),
+            "gpu_memory_used_bytes": [g["memory_used_bytes"] for g in gpus],
+            "gpu_utilization": [g["utilization"] for g in gpus],
+            "gpu_temperature_c": [g["temperature_c"] for g in gpus]}

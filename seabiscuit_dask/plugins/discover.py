@@ -1,0 +1,124 @@
+"""A ``ClusterSpec`` of a live cluster, from the agents' reports and a short link probe.
+
+One worker is one device. Its memory budget comes from the agent (worker resource
+``MEM``, config ``seabiscuit.worker.memory-budget``, or a fraction of its memory
+limit); its speeds were measured on the worker. Workers are grouped into hosts by
+address. Links are measured through Dask itself: the time to move a small and a
+large payload between two workers of one host, and of two hosts, gives each
+level's latency (a Dask hop, the real cost of a cut) and bandwidth.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+from ..errors import SeaBiscuitError
+from ..placement.cluster import DEFAULT_LINKS, ClusterSpec, DeviceSpec, LinkSpec
+
+PROBE_BYTES = 8 * 2**20
+
+
+class PluginMissing(SeaBiscuitError):
+    """The cluster runs without SeaBiscuit's scheduler plugin."""
+
+
+HOW_TO_INSTALL = ("install SeaBiscuit's scheduler plugin first: "
+                  "`client.register_plugin(seabiscuit_dask.SeaBiscuitSchedulerPlugin())`, or start the "
+                  "scheduler with `dask scheduler --preload seabiscuit_dask.plugins.preload`")
+
+
+def device_name(info: dict[str, Any], taken: set[str]) -> str:
+    name = str(info["name"])
+    name = f"w{name}" if name.isdigit() else name
+    return info["address"] if name in taken or not name else name
+
+
+def device_from_report(info: dict[str, Any], name: str | None = None) -> DeviceSpec:
+    """One worker's ``DeviceSpec`` from ``{address, name, host, report}``."""
+    r = info["report"]
+    kind = "gpu" if r.get("device") == "cuda" else "cpu"
+    return DeviceSpec(name or device_name(info, set()), kind, int(r["budget_bytes"]),
+                      {"matmul": float(r["matmul_flops_per_s"]), "other": float(r["other_flops_per_s"])},
+                      float(r["mem_bytes_per_s"]), float(r["op_overhead_s"]),
+                      host=str(info["host"]), rack="rack0", address=str(info["address"]))
+
+
+def _payload(nbytes: int) -> bytes:
+    return bytes(nbytes)
+
+
+def _size(x: bytes) -> int:
+    return len(x)
+
+
+def _hop_s(client: Any, a: str, b: str, nbytes: int, reps: int = 3) -> float:
+    """Median time to make ``nbytes`` on ``a`` and read it on ``b``, less the time with no hop."""
+    times = []
+    for _ in range(reps):
+        src = client.submit(_payload, nbytes, workers=[a], allow_other_workers=False, pure=False)
+        src.result()
+        t0 = time.perf_counter()
+        client.submit(_size, src, workers=[b], allow_other_workers=False, pure=False).result()
+        times.append(time.perf_counter() - t0)
+        src.release()
+    return statistics.median(times)
+
+
+def probe_link(client: Any, a: str, b: str) -> LinkSpec:
+    """Latency and bandwidth of the Dask path from worker ``a`` to worker ``b``."""
+    local = _hop_s(client, b, b, 1)                 # task overhead with no transfer
+    small = _hop_s(client, a, b, 1)
+    large = _hop_s(client, a, b, PROBE_BYTES)
+    latency = max(small - local, 1e-5)
+    bandwidth = PROBE_BYTES / max(large - small, 1e-6)
+    return LinkSpec(bandwidth, latency)
+
+
+def workers_info(client: Any) -> list[dict[str, Any]]:
+    """The scheduler plugin's view of every worker, with the agents' reports."""
+    try:
+        infos = client.sync(client.scheduler.seabiscuit_workers)
+    except Exception as e:
+        if "seabiscuit_workers" in str(e) or "Unknown operation" in str(e):
+            raise PluginMissing(f"the cluster at {client.scheduler.address} has no SeaBiscuit plugin: "
+                                + HOW_TO_INSTALL) from e
+        raise
+    from .worker import worker_report
+
+    missing = [i["address"] for i in infos if i["report"] is None]
+    if missing:   # no heartbeat since setup yet: ask the agents directly
+        reports = client.run(worker_report, workers=missing)
+        for i in infos:
+            if i["address"] in reports:
+                i["report"] = reports[i["address"]]
+    absent = [i["address"] for i in infos if i["report"] is None]
+    if absent:
+        raise PluginMissing(f"workers {absent} have no SeaBiscuit agent: " + HOW_TO_INSTALL)
+    return infos
+
+
+def cluster_from_client(client: Any, probe: bool = True) -> ClusterSpec:
+    """See ``ClusterSpec.from_client``."""
+    infos = sorted(workers_info(client), key=lambda i: (i["host"], i["address"]))
+    if not infos:
+        raise SeaBiscuitError(f"the cluster at {client.scheduler.address} has no workers")
+    taken: set[str] = set()
+    devices = []
+    for info in infos:
+        name = device_name(info, taken)
+        taken.add(name)
+        devices.append(device_from_report(info, name))
+    links = dict(DEFAULT_LINKS)
+    if probe and len(infos) > 1:
+        by_host: dict[str, list[str]] = {}
+        for i in infos:
+            by_host.setdefault(i["host"], []).append(i["address"])
+        same = next((v for v in by_host.values() if len(v) > 1), None)
+        if same:
+            links["pcie"] = links["nvlink"] = probe_link(client, same[0], same[1])
+        hosts = list(by_host.values())
+        if len(hosts) > 1:
+            links["rack"] = links["network"] = probe_link(client, hosts[0][0], hosts[1][0])
+    return ClusterSpec(tuple(devices), links)

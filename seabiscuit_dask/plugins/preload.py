@@ -1,0 +1,27 @@
+"""Preload for real deployments: ``dask scheduler --preload seabiscuit_dask.plugins.preload``.
+
+On a scheduler it adds ``SeaBiscuitSchedulerPlugin`` (which installs the worker
+plugin on every worker that joins). On a worker (``dask worker --preload
+seabiscuit_dask.plugins.preload``) it installs ``SeaBiscuitWorkerPlugin`` at
+once, so the agent reports before the first heartbeat; both ways agree.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .. import config  # noqa: F401 - registers SeaBiscuit's defaults with dask.config
+
+
+async def dask_setup(server: Any) -> None:
+    from distributed import Scheduler, Worker
+
+    if isinstance(server, Scheduler):
+        from .scheduler import SeaBiscuitSchedulerPlugin
+
+        # NOTE: preloads run before the scheduler starts its plugins, so start() runs once, there.
+        server.add_plugin(SeaBiscuitSchedulerPlugin(), idempotent=True)
+    elif isinstance(server, Worker):
+        from .worker import SeaBiscuitWorkerPlugin
+
+        await server.plugin_add(SeaBiscuitWorkerPlugin(), name=SeaBiscuitWorkerPlugin.name)

@@ -1,0 +1,173 @@
+"""``SeaBiscuitSchedulerPlugin``: the Dask adapter that owns placement on the scheduler.
+
+It forwards hooks to ``PlacementState`` and carries out its instructions:
+pins ``sb-*`` tasks by setting worker restrictions in ``update_graph`` (tasks
+are still ``released`` there), replans on ``add_worker``/``remove_worker`` and
+re-pins tasks left without a worker, and publishes plan changes on the
+``seabiscuit`` event topic. In ``start()`` it registers its RPC handlers
+(``seabiscuit_*``) and installs ``SeaBiscuitWorkerPlugin`` on every worker, so a
+user registers one thing::
+
+    client.register_plugin(SeaBiscuitSchedulerPlugin())
+    # or: dask scheduler --preload seabiscuit_dask.plugins.preload
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+from dask.utils import parse_timedelta
+from distributed.diagnostics.plugin import SchedulerPlugin
+from distributed.protocol.pickle import dumps
+
+from .. import config
+from ..errors import SeaBiscuitError
+from ..ir import OpGraph
+from ..placement import ClusterSpec, Plan
+from .state import (
+    Instruction,
+    ModelDeployed,
+    ModelReleased,
+    Pin,
+    PlacementState,
+    PlanChanged,
+    Stranded,
+    TasksForgotten,
+    TasksSubmitted,
+    WorkerJoined,
+    WorkerLeft,
+    parse_key,
+)
+from .worker import PLUGIN_NAME, SeaBiscuitWorkerPlugin
+
+logger = logging.getLogger(__name__)
+
+TOPIC = "seabiscuit"
+
+
+class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
+    """Holds the plans of deployed models and pins their tasks to the planned workers."""
+
+    name = PLUGIN_NAME
+    idempotent = True
+
+    def __init__(self) -> None:
+        self.state = PlacementState()
+        self.scheduler: Any = None
+        self.events: list[dict[str, Any]] = []
+
+    async def start(self, scheduler: Any) -> None:
+        self.scheduler = scheduler
+        scheduler.handlers.update({
+            "seabiscuit_deploy": self.deploy, "seabiscuit_release": self.release,
+            "seabiscuit_block": self.block, "seabiscuit_workers": self.workers,
+            "seabiscuit_plan": self.plan,
+        })
+        if scheduler.no_workers_timeout is None:
+            # NOTE: a task pinned to a worker that never comes back must fail, not hang.
+            scheduler.no_workers_timeout = parse_timedelta(config.get("scheduler.no-workers-timeout"))
+        for addr in scheduler.workers:
+            self.state.handle(WorkerJoined(addr))
+        await scheduler.register_worker_plugin(None, dumps(SeaBiscuitWorkerPlugin()), PLUGIN_NAME,
+                                               idempotent=True)
+
+    # --- hooks ------------------------------------------------------------------------------
+    def update_graph(self, scheduler: Any, *, tasks: Iterable[Any] = (), **kwargs: Any) -> None:
+        keys = tuple(k for k in tasks if parse_key(k) is not None)
+        if keys:
+            self._apply(self.state.handle(TasksSubmitted(keys)))
+
+    def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
+        if finish == "forgotten" and key in self.state.pinned:
+            self.state.handle(TasksForgotten((key,)))
+
+    def add_worker(self, scheduler: Any = None, worker: str = "", **kwargs: Any) -> None:
+        self._apply(self.state.handle(WorkerJoined(worker, self._device_of(worker))))
+
+    def remove_worker(self, scheduler: Any = None, worker: str = "", **kwargs: Any) -> None:
+        self._apply(self.state.handle(WorkerLeft(worker)))
+
+    # --- carrying out instructions -----------------------------------------------------------
+    def _apply(self, instructions: list[Instruction]) -> None:
+        s = self.scheduler
+        retry: dict[Any, str] = {}
+        for ins in instructions:
+            if isinstance(ins, Pin):
+                ts = s.tasks.get(ins.key)
+                if ts is None:
+                    continue
+                ts.worker_restrictions = {ins.address}
+                ts.loose_restrictions = False
+                if ins.repin and ts.state == "no-worker":
+                    retry[ins.key] = "processing"
+            elif isinstance(ins, PlanChanged):
+                dep = self.state.models[ins.model]
+                self._publish({"action": "plan", "model": ins.model, "version": ins.version,
+                               "reason": ins.reason, "moved_bytes": ins.moved_bytes,
+                               "replan_s": ins.replan_s,
+                               "device_of": dep.plan.device_of.tolist(),
+                               "cluster": dep.plan.spec.to_dict()})
+            elif isinstance(ins, Stranded):
+                logger.error("seabiscuit: %s", ins.message)
+                self._publish({"action": "stranded", "model": ins.model, "message": ins.message})
+        if retry:
+            s.transitions(retry, stimulus_id="seabiscuit-repin")
+
+    def _publish(self, msg: dict[str, Any]) -> None:
+        self.events.append({k: v for k, v in msg.items() if k not in ("device_of", "cluster")})
+        self.scheduler.log_event(TOPIC, msg)
+
+    def _device_of(self, address: str) -> Any:
+        """A DeviceSpec for a worker that joined, from a peer's report (None if none yet)."""
+        from .discover import device_from_report
+
+        ws = self.scheduler.workers.get(address)
+        if ws is None:
+            return None
+        report = ws.metrics.get(PLUGIN_NAME)
+        if report is None:
+            peers = [w.metrics.get(PLUGIN_NAME) for w in self.scheduler.workers.values()
+                     if w.host == ws.host and w.metrics.get(PLUGIN_NAME)]
+            if not peers:
+                return None
+            report = {**peers[0], "budget_bytes": int(ws.resources.get("MEM") or peers[0]["budget_bytes"])}
+        return device_from_report(_worker_info(ws, report))
+
+    # --- RPC handlers (first argument: the comm, unused) -------------------------------------
+    def deploy(self, comm: Any = None, model: str = "", graph: str = "", device_of: list[int] | None = None,
+               cluster: dict[str, Any] | None = None) -> dict[str, Any]:
+        g = OpGraph.from_json(graph)
+        plan = Plan(g, ClusterSpec.from_dict(cluster or {}), np.asarray(device_of, dtype=np.int64),
+                    method="deployed")
+        for addr in self.scheduler.workers:
+            self.state.workers.setdefault(addr, None)
+        ins = self.state.handle(ModelDeployed(model, plan))
+        self._apply(ins)
+        return {"version": self.state.models[model].version}
+
+    def release(self, comm: Any = None, model: str = "") -> bool:
+        existed = model in self.state.models
+        self.state.handle(ModelReleased(model))
+        return existed
+
+    def block(self, comm: Any = None, model: str = "", version: int = 0, block: int = 0) -> dict[str, Any]:
+        return self.state.block_spec(model, int(version), int(block))
+
+    def plan(self, comm: Any = None, model: str = "") -> dict[str, Any]:
+        dep = self.state.models.get(model)
+        if dep is None:
+            raise SeaBiscuitError(f"model {model} is not deployed on this cluster")
+        return {"version": dep.version, "device_of": dep.plan.device_of.tolist(),
+                "cluster": dep.plan.spec.to_dict()}
+
+    def workers(self, comm: Any = None) -> list[dict[str, Any]]:
+        """Every worker with its agent's last report (None until its first heartbeat)."""
+        return [_worker_info(ws, ws.metrics.get(PLUGIN_NAME)) for ws in self.scheduler.workers.values()]
+
+
+def _worker_info(ws: Any, report: dict[str, Any] | None) -> dict[str, Any]:
+    return {"address": ws.address, "name": str(ws.name), "host": ws.host, "nthreads": ws.nthreads,
+            "memory_limit": ws.memory_limit, "resources": dict(ws.resources), "report": report}
