@@ -38,6 +38,16 @@ from .placement import (
     simulate,
 )
 from .runtime import run_local
+from .trace import bind_checkpoint, build_empty, empty_weights, trace
+
+__all__ = [
+    "BadCheckpoint", "BadInput", "BudgetTooSmall", "CapacityChanged", "ClusterSpec", "ClusterTooSmall",
+    "DeviceAdded", "DeviceLost", "DeviceSpec", "DistributedModel", "InvalidGraph", "LinkSpec", "Op",
+    "OpCost", "OpGraph", "ParamSource", "ParamSpec", "PlacementState", "Plan", "SeaBiscuitError",
+    "SeaBiscuitSchedulerPlugin", "SeaBiscuitWorkerPlugin", "TensorSpec", "UnsupportedModel",
+    "WorkerLost", "bind_checkpoint", "build_empty", "config", "decompose", "distribute",
+    "empty_weights", "place", "replan", "run_local", "simulate", "trace", "verify",
+]
 
 
 def __getattr__(name: str):
@@ -51,14 +61,3 @@ def __getattr__(name: str):
 
         return getattr(plugins, name)
     raise AttributeError(f"module 'seabiscuit_dask' has no attribute {name!r}")
-
-from .trace import bind_checkpoint, build_empty, empty_weights, trace
-
-__all__ = [
-    "BadCheckpoint", "BadInput", "BudgetTooSmall", "CapacityChanged", "ClusterSpec", "ClusterTooSmall",
-    "DeviceAdded", "DeviceLost", "DeviceSpec", "DistributedModel", "PlacementState",
-    "SeaBiscuitSchedulerPlugin", "SeaBiscuitWorkerPlugin", "InvalidGraph", "LinkSpec", "Op", "OpCost", "OpGraph",
-    "ParamSource", "ParamSpec", "Plan", "SeaBiscuitError", "TensorSpec", "UnsupportedModel", "WorkerLost",
-    "bind_checkpoint", "build_empty", "config", "decompose", "distribute", "empty_weights", "place", "replan",
-    "run_local", "simulate", "trace", "verify",
-]

@@ -185,7 +185,8 @@ def _listen(client: Any, dm: DistributedModel) -> None:
     if first:
         def dispatch(event: Any) -> None:
             msg = event[1]
-            target = _listeners.get(client.id, {}).get(msg.get("model")) if isinstance(msg, Mapping) else None
+            model = str(msg.get("model")) if isinstance(msg, Mapping) else ""
+            target = _listeners.get(client.id, {}).get(model)
             if target is not None:
                 target._on_event(event)
 
@@ -269,13 +270,16 @@ def distribute(model_or_path: Any, client: Any, example_inputs: Any, budget: int
         micro = bind_checkpoint(micro, write_store(model_or_path, micro, store_dir))
         plan = Plan(micro, plan.spec, plan.device_of, plan.method, plan.planning_s, dict(plan.info))
     model_id = uuid.uuid4().hex[:10]
+    dm: DistributedModel | None = None
     try:
         reply = client.sync(client.scheduler.seabiscuit_deploy, model=model_id, graph=micro.to_json(),
                             device_of=plan.device_of.tolist(), cluster=plan.spec.to_dict())
         dm = DistributedModel(client, micro, plan, model_id, int(reply["version"]), store_dir)
         _load(client, dm.specs, say)
     except BaseException:
-        if store_dir is not None:
+        if dm is not None:
+            dm.close()      # NOTE: nothing half-deployed stays behind on the cluster
+        elif store_dir is not None:
             shutil.rmtree(store_dir, ignore_errors=True)
         raise
     return dm

@@ -15,18 +15,25 @@ scheduler plugin can pin each one to the worker the plan chose.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from dask.sizeof import sizeof
 
 from ..errors import SeaBiscuitError
 from ..ir import Op, ParamSpec, TensorSpec
 from .kernels import decode_args, resolve_target
 
 KEY_PREFIX = "sb-"
+
+
+@sizeof.register(torch.Tensor)
+def _sizeof_tensor(t: torch.Tensor) -> int:
+    # NOTE: Dask has no sizeof for torch; without this a block's outputs count as ~80 bytes
+    # in its memory accounting and transfer records.
+    return int(t.numel() * t.element_size()) + 64
 
 
 def task_name(model_id: str) -> str:
@@ -125,7 +132,6 @@ class BlockProgram:
         self.spec = spec
         self.device = device
         self.weights = dict(weights)
-        self.nbytes = sum(t.numel() * t.element_size() for t in self.weights.values())
         keep = set(spec.exports)
         last: dict[str, int] = {}
         for i, op in enumerate(spec.ops):
@@ -138,17 +144,21 @@ class BlockProgram:
             steps.append((resolve_target(op.target), op.attrs.get("args", ()),
                           op.attrs.get("kwargs", {}), op.outputs, bool(op.attrs.get("multi")), frees))
         self.steps = steps
-        self.lock = threading.Lock()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.weights.values())
 
     @classmethod
-    def load(cls, spec: BlockSpec, store: Any, device: torch.device) -> BlockProgram:
-        """Compile ``spec``, loading each parameter tile through ``store`` (a ``WeightStore``)."""
-        return cls(spec, {name: store.load(p) for name, p in spec.params.items()}, device)
+    def load(cls, spec: BlockSpec, load_param: Callable[[ParamSpec], torch.Tensor],
+             device: torch.device) -> BlockProgram:
+        """Compile ``spec``, getting each parameter tile from ``load_param``."""
+        return cls(spec, {name: load_param(p) for name, p in spec.params.items()}, device)
 
     def run(self, imports: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         env: dict[str, torch.Tensor] = dict(self.weights)
         dev = self.device
-        for name, want in self.spec.imports.items():
+        for name in self.spec.imports:
             try:
                 x = imports[name]
             except KeyError:

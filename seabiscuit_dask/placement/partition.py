@@ -82,7 +82,8 @@ def place(graph: OpGraph, spec: ClusterSpec, *, refine_passes: int = 4) -> Plan:
     # links: schedule it on the whole cluster too, and keep the faster by simulation.
     flat = make_plan(graph, spec, _list_schedule(g0, spec, cap, [list(range(len(cap)))] * g0.k),
                      "multilevel")
-    best = staged if staged.makespan_s <= flat.makespan_s else flat
+    # NOTE: a feasible plan beats an infeasible one; on a tie (within 0.1%) the staged one wins.
+    best = min((staged, flat), key=lambda p: (not p.feasible, p.makespan_s * (1.0 if p is staged else 1.001)))
     return make_plan(graph, spec, best.device_of, "multilevel", _time.perf_counter() - t0,
                      levels=[g.k for g, _ in levels], tier="hosts" if best is staged else "flat").check()
 
@@ -215,10 +216,23 @@ def refine_hosts(g: LevelGraph, spec: ClusterSpec, host_cap: np.ndarray, host: n
     return np.array(h, dtype=np.int64)
 
 
-def assign_devices(g: LevelGraph, spec: ClusterSpec, cap: np.ndarray, host: np.ndarray) -> np.ndarray:
-    """Device of each node: list scheduling inside the node's host."""
+def assign_devices(g: LevelGraph, spec: ClusterSpec, cap: np.ndarray, host: np.ndarray,
+                   slack: float = 0.05) -> np.ndarray:
+    """Device of each node: list scheduling inside the node's host.
+
+    Each device first takes at most its share (by speed) of its host's work, plus
+    ``slack``: a chain of layers then spreads evenly over a host's devices, which
+    costs a single request nothing and lets a stream of requests pipeline.
+    """
     groups = [list(grp) for grp in spec.groups]
-    return _list_schedule(g, spec, cap, [groups[s] for s in host.tolist()])
+    share = np.zeros(len(cap))
+    for s, grp in enumerate(groups):
+        mine = host == s
+        work = g.time[mine][:, grp].sum(axis=0)                 # the host's work, in each device's time
+        speed = 1.0 / np.maximum(g.time[:, grp].sum(axis=0), 1e-30)
+        share[grp] = speed / speed.sum() * (1 + slack) * np.maximum(work, 1e-30)
+        share[grp] += g.time[mine][:, grp].max(axis=0, initial=0.0)   # room for one more node
+    return _list_schedule(g, spec, cap, [groups[s] for s in host.tolist()], share)
 
 
 def upward_rank(g: LevelGraph, comm_s_per_byte: float, comm_latency_s: float) -> np.ndarray:
@@ -237,11 +251,13 @@ def upward_rank(g: LevelGraph, comm_s_per_byte: float, comm_latency_s: float) ->
     return np.array(rank)
 
 
-def _list_schedule(g: LevelGraph, spec: ClusterSpec, cap: np.ndarray, allowed: list[list[int]]) -> np.ndarray:
+def _list_schedule(g: LevelGraph, spec: ClusterSpec, cap: np.ndarray, allowed: list[list[int]],
+                   busy_limit_s: np.ndarray | None = None) -> np.ndarray:
     """Earliest-finish-time list scheduling by upward rank.
 
-    Node v may go to a device of ``allowed[v]`` (or, if none has room, anywhere
-    that does). A tensor is sent once to each device that reads it.
+    Node v may go to a device of ``allowed[v]`` with memory for it and busy time
+    under ``busy_limit_s``, else one of ``allowed[v]`` with memory, else anywhere
+    with memory. A tensor is sent once to each device that reads it.
     """
     import heapq
 
@@ -252,6 +268,8 @@ def _list_schedule(g: LevelGraph, spec: ClusterSpec, cap: np.ndarray, allowed: l
     latency = float(np.mean([lat[a][b] for a, b in inner])) if inner else 0.0
     rank = upward_rank(g, per_byte, latency).tolist()
     free = cap.tolist()
+    busy = [0.0] * n_dev
+    limit = busy_limit_s.tolist() if busy_limit_s is not None else [float("inf")] * n_dev
     avail = [0.0] * n_dev
     finish = [0.0] * g.k
     dev = [-1] * g.k
@@ -265,7 +283,9 @@ def _list_schedule(g: LevelGraph, spec: ClusterSpec, cap: np.ndarray, allowed: l
     heapq.heapify(ready)
     while ready:
         _, v = heapq.heappop(ready)
-        cands = [d for d in allowed[v] if free[d] >= weight[v]]
+        cands = [d for d in allowed[v] if free[d] >= weight[v] and busy[d] + times[v][d] <= limit[d]]
+        if not cands:
+            cands = [d for d in allowed[v] if free[d] >= weight[v]]
         if not cands:
             cands = [d for d in range(n_dev) if free[d] >= weight[v]]
         best, best_d = float("inf"), -1
@@ -297,6 +317,7 @@ def _list_schedule(g: LevelGraph, spec: ClusterSpec, cap: np.ndarray, allowed: l
                 arrived[(t, d)] = finish[src[t]] + lat[x][d] + nbytes[t] * inv_bw[x][d]
         dev[v], finish[v], avail[d] = d, best, best
         free[d] -= weight[v]
+        busy[d] += times[v][d]
         for s in g.succs[v]:
             indeg[s] -= 1
             if indeg[s] == 0:

@@ -81,10 +81,12 @@ def workers_info(client: Any) -> list[dict[str, Any]]:
     try:
         infos = client.sync(client.scheduler.seabiscuit_workers)
     except Exception as e:
-        if "seabiscuit_workers" in str(e) or "Unknown operation" in str(e):
-            raise PluginMissing(f"the cluster at {client.scheduler.address} has no SeaBiscuit plugin: "
-                                + HOW_TO_INSTALL) from e
-        raise
+        if "seabiscuit_workers" not in str(e) and "Unknown operation" not in str(e):
+            raise
+        infos = None
+    if not isinstance(infos, list):     # NOTE: the scheduler answers an unknown operation with None
+        raise PluginMissing(f"the cluster at {client.scheduler.address} has no SeaBiscuit plugin: "
+                            + HOW_TO_INSTALL)
     from .worker import worker_report
 
     missing = [i["address"] for i in infos if i["report"] is None]
@@ -99,6 +101,26 @@ def workers_info(client: Any) -> list[dict[str, Any]]:
     return infos
 
 
+SPEED_KEYS = ("matmul_flops_per_s", "other_flops_per_s", "mem_bytes_per_s", "op_overhead_s")
+
+
+def same_speed(infos: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Workers of one host with the same device kind and thread count get the median speeds.
+
+    They measured at the same moment on shared cores, so their figures differ by
+    noise only; a placement should not favour one of them for it.
+    """
+    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for i in infos:
+        groups.setdefault((i["host"], i["report"].get("device"), i["nthreads"]), []).append(i)
+    out = []
+    for i in infos:
+        peers = groups[(i["host"], i["report"].get("device"), i["nthreads"])]
+        med = {k: statistics.median(float(p["report"][k]) for p in peers) for k in SPEED_KEYS}
+        out.append({**i, "report": {**i["report"], **med}})
+    return out
+
+
 def cluster_from_client(client: Any, probe: bool = True) -> ClusterSpec:
     """See ``ClusterSpec.from_client``."""
     infos = sorted(workers_info(client), key=lambda i: (i["host"], i["address"]))
@@ -106,7 +128,7 @@ def cluster_from_client(client: Any, probe: bool = True) -> ClusterSpec:
         raise SeaBiscuitError(f"the cluster at {client.scheduler.address} has no workers")
     taken: set[str] = set()
     devices = []
-    for info in infos:
+    for info in same_speed(infos):
         name = device_name(info, taken)
         taken.add(name)
         devices.append(device_from_report(info, name))

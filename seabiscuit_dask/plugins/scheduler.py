@@ -88,6 +88,8 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
         self._apply(self.state.handle(WorkerJoined(worker, self._device_of(worker))))
 
     def remove_worker(self, scheduler: Any = None, worker: str = "", **kwargs: Any) -> None:
+        if str(getattr(self.scheduler, "status", "")).endswith(("closing", "closed")):
+            return      # NOTE: the cluster is shutting down: nothing to repair
         self._apply(self.state.handle(WorkerLeft(worker)))
 
     # --- carrying out instructions -----------------------------------------------------------
@@ -101,6 +103,11 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
                     continue
                 ts.worker_restrictions = {ins.address}
                 ts.loose_restrictions = False
+                if not ins.repin and ts.priority is not None:
+                    # NOTE: requests in the order they came (Dask gives graphs sent within
+                    # 100 ms one generation), and in each, blocks whose outputs leave the
+                    # worker first: concurrent requests pipeline instead of queueing.
+                    ts.priority = (ts.priority[0], 0 if ins.urgent else 1, ins.key[2], ins.key[3])
                 if ins.repin and ts.state == "no-worker":
                     retry[ins.key] = "processing"
             elif isinstance(ins, PlanChanged):

@@ -72,6 +72,7 @@ class Pin:
     key: Key
     address: str
     repin: bool = False               # True: the task was pinned before (its worker left)
+    urgent: bool = False              # its outputs leave the worker: run before local work
 
 
 @dataclass(frozen=True)
@@ -117,6 +118,7 @@ class Deployment:
     history: dict[int, Plan] = field(default_factory=dict)
     _specs: dict[int, list[BlockSpec]] = field(default_factory=dict)
     _homes: dict[tuple[int, int], str] = field(default_factory=dict)
+    _urgent: dict[int, list[bool]] = field(default_factory=dict)
 
     def specs(self, version: int) -> list[BlockSpec]:
         if version not in self._specs:
@@ -144,6 +146,26 @@ class Deployment:
             addr = self.address_of_device(int(np.bincount(self.plan.device_of[ops]).argmax()))
         self._homes[(version, block)] = addr
         return addr
+
+    def urgent(self, version: int) -> list[bool]:
+        """Per block: do its outputs leave its worker (to another worker or the client)?
+
+        Running those first lets concurrent requests pipeline: a worker hands a
+        request on before it starts another request's local work.
+        """
+        if version not in self._urgent:
+            specs = self.specs(version)
+            out = [False] * len(specs)
+            for s in specs:
+                for d in s.deps:
+                    if specs[d].device != s.device:
+                        out[d] = True
+            readers = {d for s in specs for d in s.deps}
+            for s in specs:
+                if s.index not in readers and s.exports:
+                    out[s.index] = True
+            self._urgent[version] = out
+        return self._urgent[version]
 
     def advance(self, plan: Plan) -> int:
         self.history[self.version] = self.plan
@@ -203,7 +225,8 @@ class PlacementState:
             if addr is None:
                 continue    # NOTE: an unknown model's task fails on its worker with a clear error
             self.pinned[key] = addr
-            out.append(Pin(key, addr, repin))
+            urgent = dep.urgent(version) if dep is not None else []
+            out.append(Pin(key, addr, repin, block < len(urgent) and urgent[block]))
         return out
 
     def _worker_left(self, address: str) -> list[Instruction]:

@@ -1,0 +1,122 @@
+"""Distributed execution of a ~355M-parameter GPT-2 (batch 1, seq 128) on a LocalCluster.
+
+Measured in one run, medians over --reps:
+
+- single-request latency on 2 worker processes x 1 thread, against torch in one
+  process with 1 thread (the overhead of distribution on equal per-op resources);
+- throughput with 8 concurrent requests on the same cluster, against torch in
+  one process with 2 threads (the same total cores);
+- bytes Dask moved between workers per request (workers' transfer logs), against
+  the plan's cut tensors;
+- scheduler time per request (the scheduler's event-loop busy time while serving
+  a request, from its CPU clock).
+
+    python benchmarks/bench_runtime.py [--seq 128] [--reps 5] [--budget 64MiB]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import threading
+import time
+
+import torch
+
+
+def median_s(fn, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def concurrent_rps(call, n: int, rounds: int) -> float:
+    """Requests per second with ``n`` calls in flight at once from ``n`` threads."""
+    def worker() -> None:
+        for _ in range(rounds):
+            call()
+
+    threads = [threading.Thread(target=worker) for _ in range(n)]
+    t = time.perf_counter()
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    return n * rounds / (time.perf_counter() - t)
+
+
+def transfer_bytes(client) -> int:
+    def total(dask_worker) -> int:
+        return int(sum(e.get("total", 0) for e in dask_worker.transfer_incoming_log))
+
+    return sum(client.run(total).values())
+
+
+def scheduler_cpu_s(client) -> float:
+    return client.run_on_scheduler(lambda: time.thread_time())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=5)
+    # NOTE: the 25.7 MB logits at seq 128 are one graph output, which must fit half a budget.
+    ap.add_argument("--budget", default="64MiB")
+    ap.add_argument("--rounds", type=int, default=3, help="requests per thread in the throughput run")
+    args = ap.parse_args()
+
+    from distributed import Client, LocalCluster
+
+    import seabiscuit_dask as sb
+    from seabiscuit_dask.models import demo_model
+
+    model, _ = demo_model("gpt2-medium")
+    x = torch.randint(0, 50257, (1, args.seq), generator=torch.Generator().manual_seed(0))
+    params = sum(p.numel() for p in model.parameters())
+    weight_bytes = params * 4
+    print(f"model: gpt2-medium, {params / 1e6:.0f}M params ({weight_bytes / 2**30:.2f} GiB fp32), "
+          f"batch 1, seq {args.seq}")
+
+    torch.set_num_threads(1)
+    with torch.no_grad():
+        ref = model(x).logits
+        local_1t = median_s(lambda: model(x), args.reps)
+        torch.set_num_threads(2)
+        local_2t_rps = 1 / median_s(lambda: model(x), args.reps)
+    torch.set_num_threads(1)
+
+    budget = int(weight_bytes * 0.7)         # no worker can hold the model alone
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None,
+                      resources={"MEM": budget}) as cluster, Client(cluster) as client:
+        client.register_plugin(sb.SeaBiscuitSchedulerPlugin())
+        t = time.perf_counter()
+        dm = sb.distribute(model, client, (x,), budget=args.budget)
+        deploy_s = time.perf_counter() - t
+        y = dm(x).logits
+        err = float((y - ref).abs().max() / ref.abs().max())
+        print(dm.plan)
+        dist_1 = median_s(lambda: dm(x), args.reps)
+        b0, c0 = transfer_bytes(client), scheduler_cpu_s(client)
+        dm(x)
+        moved, sched_s = transfer_bytes(client) - b0, scheduler_cpu_s(client) - c0
+        dist_rps = concurrent_rps(lambda: dm(x), 8, args.rounds)
+        blocks = len(dm.specs)
+        cut = dm.plan.cut_bytes
+        dm.close()
+
+    print(f"\ndeploy {deploy_s:.1f} s (trace, decompose, place, write store, load); max rel err {err:.1e}")
+    print(f"{'figure':<44} {'distributed':>12} {'torch':>10} {'ratio':>7} {'target':>8}")
+    print(f"{'latency, 1 request (ms)':<44} {dist_1 * 1e3:>12.1f} {local_1t * 1e3:>10.1f} "
+          f"{dist_1 / local_1t:>7.3f} {'<= 1.25':>8}")
+    print(f"{'throughput, 8 concurrent (req/s)':<44} {dist_rps:>12.2f} {local_2t_rps:>10.2f} "
+          f"{dist_rps / local_2t_rps:>7.3f} {'>= 0.9':>8}")
+    print(f"{'bytes moved between workers per request':<44} {moved / 2**20:>10.2f} MiB "
+          f"(plan cut {cut / 2**20:.2f} MiB, ratio {moved / max(cut, 1):.2f}, {blocks} blocks)")
+    print(f"{'scheduler CPU time per request (ms)':<44} {sched_s * 1e3:>12.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,179 @@
+"""sb.distribute on a LocalCluster of worker processes: same results as the model, weights resident.
+
+One cluster for the module: 4 worker processes x 1 thread, each with a budget
+(worker resource MEM) of 1.2 MB, so a 3.7 MB model needs at least three of them.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import seabiscuit_dask as sb
+from seabiscuit_dask.plugins import PluginMissing
+
+from . import models as M
+
+pytestmark = pytest.mark.filterwarnings("ignore::ResourceWarning")
+
+WORKER_BUDGET = 1_200_000
+OP_BUDGET = "256KiB"
+
+
+@pytest.fixture(scope="module")
+def client():
+    from distributed import Client, LocalCluster
+
+    with LocalCluster(n_workers=4, threads_per_worker=1, processes=True, dashboard_address=None,
+                      resources={"MEM": WORKER_BUDGET}) as cluster, Client(cluster) as c:
+        c.register_plugin(sb.SeaBiscuitSchedulerPlugin())
+        yield c
+
+
+def shard_accounting(client) -> dict[str, tuple[int, int]]:
+    """Per worker: (bytes of resident shards, budget), from the worker plugin itself."""
+    def account(dask_worker) -> tuple[int, int]:
+        p = dask_worker.plugins["seabiscuit"]
+        return p.resident_bytes, p.budget_bytes
+
+    return client.run(account)
+
+
+def transfer_bytes(client) -> int:
+    def total(dask_worker) -> int:
+        return int(sum(e["total"] for e in dask_worker.transfer_incoming_log))
+
+    return sum(client.run(total).values())
+
+
+CASES = {
+    "gpt2": (M.gpt2, M.ids),
+    "llama": (M.llama, M.ids),
+    "bert": (M.bert, M.ids),
+    "convnet": (M.convnet, M.image),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_distributed_matches_the_model(client, name: str) -> None:
+    build, inputs = CASES[name]
+    model, x = build(), inputs()
+    with torch.no_grad():
+        expected = M.first(model(x))
+    with sb.distribute(model, client, (x,), budget=OP_BUDGET) as dm:
+        got = M.first(dm(x))
+        assert got.shape == expected.shape
+        assert M.rel_err(got, expected) <= 1e-4
+        assert len(set(dm.plan.block_device.tolist())) >= 2, "the model should need several workers"
+        # a second request with other inputs: weights stay, results follow the inputs
+        x2 = inputs(seed=1)
+        with torch.no_grad():
+            assert M.rel_err(M.first(dm(x2)), M.first(model(x2))) <= 1e-4
+    # closed: the shards are gone from every worker
+    assert all(held == 0 for held, _ in shard_accounting(client).values())
+
+
+def test_model_three_times_a_worker_runs_within_every_budget(client) -> None:
+    model, x = M.llama(), M.ids()
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert weights >= 3 * WORKER_BUDGET
+    with torch.no_grad():
+        expected = model(x).logits
+    with sb.distribute(model, client, (x,), budget=OP_BUDGET) as dm:
+        for _ in range(2):
+            assert M.rel_err(dm(x).logits, expected) <= 1e-4
+        accounting = shard_accounting(client)
+        assert sum(held for held, _ in accounting.values()) >= weights
+        for addr, (held, budget) in accounting.items():
+            assert budget == WORKER_BUDGET
+            assert 0 < held <= budget, f"{addr} holds {held} bytes of shards, budget {budget}"
+
+
+def test_only_activations_travel(client) -> None:
+    model, x = M.gpt2(), M.ids()
+    with sb.distribute(model, client, (x,), budget=OP_BUDGET) as dm:
+        dm(x)
+        before = transfer_bytes(client)
+        dm(x)
+        moved = transfer_bytes(client) - before
+        cut = dm.plan.cut_bytes
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        assert 0 < moved <= 2 * cut, f"moved {moved} bytes for a plan cut of {cut}"
+        assert moved < weights / 20
+
+
+def test_concurrent_requests_from_threads(client) -> None:
+    model = M.gpt2()
+    xs = [M.ids(seed=s) for s in range(6)]
+    with torch.no_grad():
+        expected = [model(x).logits for x in xs]
+    got: dict[int, torch.Tensor] = {}
+    with sb.distribute(model, client, (xs[0],), budget=OP_BUDGET) as dm:
+        def call(i: int) -> None:
+            got[i] = dm(xs[i]).logits
+
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(len(xs))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    for i, e in enumerate(expected):
+        assert M.rel_err(got[i], e) <= 1e-4
+
+
+def test_bad_inputs_fail_before_anything_is_submitted(client) -> None:
+    model, x = M.gpt2(), M.ids()
+    with sb.distribute(model, client, (x,), budget=OP_BUDGET) as dm:
+        submitted = []
+        real_get = client.get
+        client.get = lambda *a, **k: submitted.append(a) or real_get(*a, **k)
+        try:
+            with pytest.raises(sb.BadInput, match=r"shape \(1, 5\).*traced for shape \(1, 4\)"):
+                dm(M.ids(seq=5))
+            with pytest.raises(sb.BadInput, match="dtype float32"):
+                dm(x.float())
+            with pytest.raises(sb.BadInput, match="takes 1 tensor input"):
+                dm(x, x)
+        finally:
+            client.get = real_get
+        assert submitted == []
+        assert M.rel_err(dm(x).logits, model(x).logits) <= 1e-4     # still serving
+
+
+def test_cluster_too_small_names_the_numbers(client) -> None:
+    import transformers as tf
+
+    torch.manual_seed(0)
+    big = tf.LlamaForCausalLM(tf.LlamaConfig(num_hidden_layers=4, hidden_size=256, intermediate_size=768,
+                                             num_attention_heads=4, vocab_size=M.VOCAB)).eval()
+    with pytest.raises(sb.ClusterTooSmall, match=r"need .* but the cluster's 4 devices hold"):
+        sb.distribute(big, client, (M.ids(),), budget=OP_BUDGET)
+
+
+def test_cluster_spec_from_client_reports_the_workers(client) -> None:
+    spec = sb.ClusterSpec.from_client(client)
+    workers = client.scheduler_info()["workers"]
+    assert {d.address for d in spec.devices} == set(workers)
+    assert all(d.memory_bytes == WORKER_BUDGET for d in spec.devices)
+    assert all(d.kind == "cpu" and d.flops_per_s["matmul"] > 1e8 for d in spec.devices)
+    assert len(spec.groups) == 1                           # one host
+    link = spec.links["pcie"]
+    assert 0 < link.latency_s < 1 and link.bandwidth_bytes_per_s > 1e6     # measured, not the defaults
+    assert link != sb.LinkSpec(2.5e10, 1e-5)
+    reports = client.run(lambda dask_worker: dask_worker.plugins["seabiscuit"].metrics(dask_worker))
+    for r in reports.values():
+        assert r["cpu_count"] >= 1 and r["memory_total_bytes"] > 0
+        assert r["mem_bytes_per_s"] > 0 and "caches" in r and "numa_nodes" in r
+
+
+def test_a_cluster_without_the_plugin_says_how_to_install_it() -> None:
+    from distributed import Client, LocalCluster
+
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=None) as cl, \
+            Client(cl) as c:
+        with pytest.raises(PluginMissing, match="register_plugin"):
+            sb.distribute(M.gpt2(), c, (M.ids(),), budget=OP_BUDGET)
+        with pytest.raises(PluginMissing, match="--preload seabiscuit_dask.plugins.preload"):
+            sb.ClusterSpec.from_client(c)
