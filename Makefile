@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	seabiscuit plan --model gpt2-medium --cluster "4x(3gpu+cpu)"
+	seabiscuit demo
 
 test: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PYTHON) -m pytest -q
@@ -29,6 +29,7 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(PYTHON) benchmarks/bench_decompose.py
 	$(PYTHON) benchmarks/bench_placement.py
+	$(PYTHON) benchmarks/bench_runtime.py
 
 clean:
 	rm -rf $(STAMP) build *.egg-info .pytest_cache .ruff_cache .mypy_cache

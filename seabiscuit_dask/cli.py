@@ -73,6 +73,13 @@ def _place(graph: OpGraph, args: argparse.Namespace) -> None:
         print(f"wrote {args.plan_json}")
 
 
+def _demo(args: argparse.Namespace) -> int:
+    from .demo import run
+
+    return run(args.model, args.workers, args.requests, args.concurrency, args.scheduler, args.budget,
+               args.seq)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="seabiscuit", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -86,6 +93,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="place on this cluster: a preset (4x(3gpu+cpu), 2x(1gpu+cpu), 4xcpu) or a YAML file")
     p.add_argument("--plan-json", default=None, help="write the Plan to this file (needs --cluster)")
     p.set_defaults(func=_plan)
+    d = sub.add_parser("demo", help="serve a model bigger than any one worker on a Dask cluster")
+    d.add_argument("--model", default="gpt2-medium",
+                   help="gpt2-medium (355M params, default), gpt2-tiny, or minilm (real weights)")
+    d.add_argument("--workers", type=int, default=4, help="worker processes of the embedded cluster")
+    d.add_argument("--requests", type=int, default=3, help="requests per caller")
+    d.add_argument("--concurrency", type=int, default=4, help="callers at once for the throughput run")
+    d.add_argument("--scheduler", default=None, help="use the cluster at this address instead")
+    d.add_argument("--budget", default=None, help="per-micro-op memory budget (default from config)")
+    d.add_argument("--seq", type=int, default=None, help="sequence length of the requests")
+    d.set_defaults(func=_demo)
     args = parser.parse_args(argv)
     try:
         return int(args.func(args))

@@ -58,7 +58,8 @@ MODELS: dict[str, DemoModel] = {
                          torch_dtype="bfloat16"),
                   64, 32000),
         DemoModel("gpt2-tiny", "GPT-2 shape for tests: 2 layers, d=128",
-                  _gpt2(n_layer=2, n_embd=128, n_head=4, vocab_size=1024, n_positions=64), 8, 1024),
+                  _gpt2(n_layer=2, n_embd=128, n_head=4, vocab_size=1024, n_positions=64,
+                        bos_token_id=0, eos_token_id=0), 8, 1024),
     ]
 }
 

@@ -30,3 +30,19 @@ def test_plan_places_on_a_cluster_and_writes_the_plan(capsys, tmp_path) -> None:
     assert doc["method"] == "multilevel" and len(doc["cluster"]["devices"]) == 4
     assert cli.main(["plan", "--model", "gpt2-tiny", "--cluster", "moon"]) == 2
     assert "unknown cluster preset" in capsys.readouterr().err
+
+
+def test_demo_serves_a_model_bigger_than_each_worker(capsys) -> None:
+    assert cli.main(["demo", "--model", "gpt2-tiny", "--workers", "2", "--requests", "2",
+                     "--concurrency", "2"]) == 0
+    text = capsys.readouterr().out
+    assert "starting a LocalCluster: 2 worker processes" in text
+    assert "loading weights on the workers" in text and "(100%)" in text
+    assert "device" in text and "makespan" in text               # the plan table
+    assert "smaller than the model" in text and "(OK)" in text
+    assert "latency      median" in text and "requests/s" in text and "dashboard    http" in text
+
+
+def test_demo_rejects_an_unknown_model(capsys) -> None:
+    assert cli.main(["demo", "--model", "llama-20b"]) == 2
+    assert "choose one of gpt2-medium, gpt2-tiny, minilm" in capsys.readouterr().err

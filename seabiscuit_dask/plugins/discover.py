@@ -84,9 +84,10 @@ def workers_info(client: Any) -> list[dict[str, Any]]:
         if "seabiscuit_workers" not in str(e) and "Unknown operation" not in str(e):
             raise
         infos = None
-    if not isinstance(infos, list):     # NOTE: the scheduler answers an unknown operation with None
+    if not isinstance(infos, (list, tuple)):   # NOTE: an unknown operation is answered with None
         raise PluginMissing(f"the cluster at {client.scheduler.address} has no SeaBiscuit plugin: "
                             + HOW_TO_INSTALL)
+    infos = [dict(i) for i in infos]
     from .worker import worker_report
 
     missing = [i["address"] for i in infos if i["report"] is None]

@@ -107,7 +107,7 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
                     # NOTE: requests in the order they came (Dask gives graphs sent within
                     # 100 ms one generation), and in each, blocks whose outputs leave the
                     # worker first: concurrent requests pipeline instead of queueing.
-                    ts.priority = (ts.priority[0], 0 if ins.urgent else 1, ins.key[2], ins.key[3])
+                    ts.priority = (ts.priority[0], *ins.order)
                 if ins.repin and ts.state == "no-worker":
                     retry[ins.key] = "processing"
             elif isinstance(ins, PlanChanged):

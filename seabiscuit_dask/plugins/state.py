@@ -72,7 +72,7 @@ class Pin:
     key: Key
     address: str
     repin: bool = False               # True: the task was pinned before (its worker left)
-    urgent: bool = False              # its outputs leave the worker: run before local work
+    order: tuple[int, int, int] = (1, 0, 0)   # (0 if its outputs leave the worker, request, block)
 
 
 @dataclass(frozen=True)
@@ -219,14 +219,15 @@ class PlacementState:
             parts = parse_key(key)
             if parts is None:
                 continue
-            model, version, _, block = parts
+            model, version, request, block = parts
             dep = self.models.get(model)
             addr = dep.home(version, block) if dep is not None else None
             if addr is None:
                 continue    # NOTE: an unknown model's task fails on its worker with a clear error
             self.pinned[key] = addr
             urgent = dep.urgent(version) if dep is not None else []
-            out.append(Pin(key, addr, repin, block < len(urgent) and urgent[block]))
+            leaves = block < len(urgent) and urgent[block]
+            out.append(Pin(key, addr, repin, (0 if leaves else 1, request, block)))
         return out
 
     def _worker_left(self, address: str) -> list[Instruction]:

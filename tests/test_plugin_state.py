@@ -1,0 +1,151 @@
+"""The scheduler's decisions, driven with events and no cluster; blocks run in one process."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+import seabiscuit_dask as sb
+from seabiscuit_dask.lower.blocks import BlockProgram, BlockSpec, block_specs, request_graph, task_name
+from seabiscuit_dask.plugins.state import (
+    ModelDeployed,
+    ModelReleased,
+    Pin,
+    PlacementState,
+    PlanChanged,
+    Stranded,
+    TasksForgotten,
+    TasksSubmitted,
+    WorkerJoined,
+    WorkerLeft,
+    parse_key,
+)
+from seabiscuit_dask.weights import WeightStore
+
+from . import models as M
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    model, x = M.gpt2(), M.ids()
+    return model, x, sb.decompose(sb.trace(model, x), "64KiB")
+
+
+def cluster(n: int = 4, memory: str = "64MiB") -> sb.ClusterSpec:
+    spec = sb.ClusterSpec.synthetic("4xcpu", hosts=n, cpu_memory=memory)
+    return sb.ClusterSpec(tuple(replace(d, address=f"tcp://10.0.0.{i}:4000")
+                                for i, d in enumerate(spec.devices)), spec.links)
+
+
+def deployed(graph, spec=None) -> tuple[PlacementState, sb.Plan]:
+    spec = spec or cluster()
+    state = PlacementState()
+    for d in spec.devices:
+        state.handle(WorkerJoined(d.address))
+    plan = sb.place(graph, spec)
+    assert state.handle(ModelDeployed("m1", plan)) == [PlanChanged("m1", 0, "deployed")]
+    return state, plan
+
+
+def test_keys_are_parsed_only_when_they_are_ours() -> None:
+    assert parse_key(("sb-m1", 0, 7, 3)) == ("m1", 0, 7, 3)
+    assert parse_key(("sb-m1", 0, -1, 3)) == ("m1", 0, -1, 3)
+    for other in ["sb-m1", ("x-m1", 0, 1, 2), ("sb-m1", "a", 1, 2), ("sb-m1", 0, 1), 42]:
+        assert parse_key(other) is None
+
+
+def test_tasks_are_pinned_to_their_blocks_workers(gpt2) -> None:
+    _, _, graph = gpt2
+    state, plan = deployed(graph)
+    keys = (*(("sb-m1", 0, 5, b) for b in range(len(plan.blocks))), ("other", 1), ("sb-zz", 0, 0, 0))
+    pins = state.handle(TasksSubmitted(keys))
+    assert [p.key for p in pins] == list(keys[:-2])            # foreign and unknown models untouched
+    for p, blk in zip(pins, plan.blocks):
+        assert p.address == plan.spec.devices[plan.spec.index(blk.device)].address
+        assert p.order[1:] == (5, int(p.key[3])) and p.order[0] in (0, 1)
+    # the last block hands the outputs to the client; blocks nobody else reads are "urgent"
+    assert pins[-1].order[0] == 0
+    state.handle(TasksForgotten(keys))
+    assert state.pinned == {}
+
+
+def test_losing_a_worker_replans_and_repins_its_tasks(gpt2) -> None:
+    _, _, graph = gpt2
+    state, plan = deployed(graph)
+    keys = tuple(("sb-m1", 0, 0, b) for b in range(len(plan.blocks)))
+    pins = state.handle(TasksSubmitted(keys))
+    victim = max({p.address for p in pins}, key=lambda a: sum(p.address == a for p in pins))
+    out = state.handle(WorkerLeft(victim))
+    changed = [i for i in out if isinstance(i, PlanChanged)]
+    assert len(changed) == 1 and changed[0].version == 1 and changed[0].moved_bytes > 0
+    repins = [i for i in out if isinstance(i, Pin)]
+    assert {p.key for p in repins} == {p.key for p in pins if p.address == victim}
+    assert all(p.repin and p.address != victim for p in repins)
+    dep = state.models["m1"]
+    assert victim not in {d.address for d in dep.plan.spec.devices}
+    # an in-flight task of version 0 goes where most of its ops now live
+    old_block = next(int(p.key[3]) for p in repins)
+    assert dep.home(0, old_block) in {d.address for d in dep.plan.spec.devices}
+    # new requests use version 1; both versions' blocks can still be fetched
+    new = state.handle(TasksSubmitted((("sb-m1", 1, 1, 0),)))
+    assert new[0].address != victim
+    assert BlockSpec.from_dict(state.block_spec("m1", 0, old_block)).version == 0
+    assert BlockSpec.from_dict(state.block_spec("m1", 1, 0)).version == 1
+
+
+def test_a_model_that_no_longer_fits_is_stranded(gpt2) -> None:
+    _, _, graph = gpt2
+    w = sum(p.nbytes for p in graph.params.values())
+    spec = cluster(2, memory=str(int(w * 0.8)))
+    state, _ = deployed(graph, spec)
+    out = state.handle(WorkerLeft(spec.devices[0].address))
+    assert len(out) == 1 and isinstance(out[0], Stranded)
+    assert "cannot hold model m1" in out[0].message and "1 worker(s)" in out[0].message
+
+
+def test_a_joining_worker_takes_work_on_its_host(gpt2) -> None:
+    _, _, graph = gpt2
+    spec = sb.ClusterSpec(tuple(replace(d, host="h0", address=f"tcp://a:{i}")
+                                for i, d in enumerate(cluster(2).devices)), cluster(2).links)
+    state, _ = deployed(graph, spec)
+    newcomer = replace(spec.devices[0], name="w9", address="tcp://a:9")
+    out = state.handle(WorkerJoined(newcomer.address, newcomer))
+    assert [type(i) for i in out] == [PlanChanged]
+    assert "tcp://a:9" in {d.address for d in state.models["m1"].plan.spec.devices}
+    assert state.handle(WorkerJoined("tcp://b:1", None)) == []           # no report yet: not used
+
+
+def test_unknown_queries_say_what_is_there(gpt2) -> None:
+    _, _, graph = gpt2
+    state, _ = deployed(graph)
+    with pytest.raises(sb.SeaBiscuitError, match="not deployed"):
+        state.block_spec("nope", 0, 0)
+    with pytest.raises(sb.SeaBiscuitError, match="no plan version 7"):
+        state.block_spec("m1", 7, 0)
+    with pytest.raises(sb.SeaBiscuitError, match="not block 999"):
+        state.block_spec("m1", 0, 999)
+    state.handle(ModelReleased("m1"))
+    assert state.handle(TasksSubmitted((("sb-m1", 0, 0, 0),))) == []
+    with pytest.raises(sb.SeaBiscuitError, match="whose workers are not in the cluster"):
+        PlacementState().handle(ModelDeployed("m2", sb.place(graph, cluster())))
+
+
+def test_blocks_run_one_after_another_reproduce_the_model(gpt2) -> None:
+    model, x, graph = gpt2
+    plan = sb.place(graph, cluster())
+    specs = [BlockSpec.from_dict(s.to_dict()) for s in block_specs(plan, "m1")]   # as sent to workers
+    assert sum(len(s.ops) for s in specs) == len(graph.ops)
+    store = WeightStore.from_weights(model)
+    values: dict[str, torch.Tensor] = {graph.inputs[0]: x}
+    for s in specs:
+        assert all(d < s.index for d in s.deps)          # blocks are in dependency order
+        prog = BlockProgram.load(s, store.load, torch.device("cpu"))
+        values.update(prog.run({t: values[t] for t in s.imports}))
+    with torch.no_grad():
+        assert M.rel_err(values[graph.outputs[0]], model(x).logits) <= 1e-4
+    dsk, keys = request_graph(specs, 3, {graph.inputs[0]: x}, fn=print)
+    assert keys[0] == (task_name("m1"), 0, 3, 0) and len(dsk) == len(specs)
+    for s, k in zip(specs, keys):
+        assert dsk[k][5:] == tuple(keys[d] for d in s.deps)
