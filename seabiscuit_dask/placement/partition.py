@@ -231,7 +231,6 @@ def assign_devices(g: LevelGraph, spec: ClusterSpec, cap: np.ndarray, host: np.n
         work = g.time[mine][:, grp].sum(axis=0)                 # the host's work, in each device's time
         speed = 1.0 / np.maximum(g.time[:, grp].sum(axis=0), 1e-30)
         share[grp] = speed / speed.sum() * (1 + slack) * np.maximum(work, 1e-30)
-        share[grp] += g.time[mine][:, grp].max(axis=0, initial=0.0)   # room for one more node
     return _list_schedule(g, spec, cap, [groups[s] for s in host.tolist()], share)
 
 
