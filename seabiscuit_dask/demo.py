@@ -73,8 +73,8 @@ def cluster_client(scheduler: str | None, workers: int, budget_bytes: int) -> It
 
     if scheduler:
         with Client(scheduler) as client:
-            with contextlib.suppress(ValueError):   # NOTE: a preloaded scheduler has it already
-                client.register_plugin(SeaBiscuitSchedulerPlugin(), idempotent=True)
+            # NOTE: the plugin is idempotent: a scheduler started with the preload keeps its own.
+            client.register_plugin(SeaBiscuitSchedulerPlugin())
             yield client
         return
     say(f"starting a LocalCluster: {workers} worker processes x 1 thread, "

@@ -90,3 +90,13 @@ def test_minilm_real_weights_from_its_folder(deployment) -> None:
         held = deployment.run(lambda dask_worker: dask_worker.plugins["seabiscuit"].resident_bytes)
         assert all(0 < b <= WORKER_BUDGET for b in held.values())
         assert dm._store_dir is None          # read from the model's own checkpoint, not a copy
+
+
+def test_demo_runs_on_an_existing_cluster(deployment, capsys) -> None:
+    from seabiscuit_dask import cli
+
+    assert cli.main(["demo", "--model", "gpt2-tiny", "--scheduler", deployment.scheduler.address,
+                     "--requests", "1", "--concurrency", "2"]) == 0
+    text = capsys.readouterr().out
+    assert "starting a LocalCluster" not in text
+    assert "cluster      2 workers" in text and "(OK)" in text

@@ -54,6 +54,7 @@ class BlockSpec:
     imports: Mapping[str, TensorSpec]     # tensor name -> spec, in first-use order
     exports: tuple[str, ...]
     sources: tuple[int, ...]              # for each import: the block that exports it, -1 = graph input
+    address: str = ""                     # the worker that owns it in its plan
 
     @property
     def weight_bytes(self) -> int:
@@ -70,7 +71,7 @@ class BlockSpec:
             "ops": [op.to_dict() for op in self.ops],
             "params": {k: p.to_dict() for k, p in self.params.items()},
             "imports": {k: t.to_dict() for k, t in self.imports.items()},
-            "exports": list(self.exports), "sources": list(self.sources),
+            "exports": list(self.exports), "sources": list(self.sources), "address": self.address,
         }
 
     @classmethod
@@ -80,7 +81,7 @@ class BlockSpec:
             tuple(Op.from_dict(o) for o in d["ops"]),
             {k: ParamSpec.from_dict(k, p) for k, p in d["params"].items()},
             {k: TensorSpec.from_dict(t) for k, t in d["imports"].items()},
-            tuple(d["exports"]), tuple(int(s) for s in d["sources"]),
+            tuple(d["exports"]), tuple(int(s) for s in d["sources"]), str(d.get("address", "")),
         )
 
 
@@ -112,9 +113,10 @@ def block_specs(plan: Any, model_id: str, version: int = 0) -> list[BlockSpec]:
     for b, blk in enumerate(blocks):
         ops = tuple(members[b])
         params = {p: graph.params[p] for op in ops for p in op.params}
+        address = plan.spec.devices[plan.spec.index(blk.device)].address
         out.append(BlockSpec(model_id, version, b, blk.device, ops, params,
                              {t: graph.tensors[t] for t in imports[b]}, tuple(exported[b]),
-                             tuple(imports[b].values())))
+                             tuple(imports[b].values()), address))
     return out
 
 

@@ -170,12 +170,18 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
             self.tiles.pop(model, None)
 
     def program(self, model: str, version: int, block: int) -> BlockProgram:
-        """The block to run: resident, or loaded now from a spec the scheduler keeps."""
+        """The block to run: resident, or loaded now from a spec the scheduler keeps.
+
+        A block of the current plan that this worker owns becomes resident; any
+        other (a request in flight when the plan changed, re-pinned here) is loaded
+        for this run only and not counted against the budget.
+        """
         have = self.programs.get((model, block))
         if have is not None and have.spec.version == version:
             return have
         spec = BlockSpec.from_dict(self._fetch_spec(model, version, block))
-        return self.load(spec, keep=version >= self.versions.get(model, -1))
+        owner = spec.address in ("", self.worker.address)
+        return self.load(spec, keep=owner and version >= self.versions.get(model, -1))
 
     def _fetch_spec(self, model: str, version: int, block: int) -> dict[str, Any]:
         w = self.worker

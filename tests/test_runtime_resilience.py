@@ -1,0 +1,61 @@
+"""A worker leaves a live cluster: the plan is repaired and requests, in flight or new, still answer."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+import seabiscuit_dask as sb
+
+from . import models as M
+
+pytestmark = pytest.mark.filterwarnings("ignore::ResourceWarning")
+
+
+def test_requests_survive_a_worker_leaving() -> None:
+    from distributed import Client, LocalCluster
+
+    model, x = M.llama(), M.ids()
+    with torch.no_grad():
+        expected = model(x).logits
+    with LocalCluster(n_workers=4, threads_per_worker=1, processes=True, dashboard_address=None,
+                      resources={"MEM": 1_600_000}) as cluster, Client(cluster) as client:
+        client.register_plugin(sb.SeaBiscuitSchedulerPlugin())
+        with sb.distribute(model, client, (x,), budget="256KiB") as dm:
+            assert M.rel_err(dm(x).logits, expected) <= 1e-4
+            counts = {}
+            for b in dm.plan.blocks:
+                counts[b.device] = counts.get(b.device, 0) + len(b.ops)
+            busiest = max(counts, key=counts.get)
+            victim = dm.plan.spec.devices[dm.plan.spec.index(busiest)].address
+            results: list[torch.Tensor] = []
+            errors: list[BaseException] = []
+
+            def call() -> None:
+                try:
+                    for _ in range(3):
+                        results.append(dm(x).logits)
+                except BaseException as e:  # noqa: BLE001 - reported below
+                    errors.append(e)
+
+            threads = [threading.Thread(target=call) for _ in range(3)]
+            for t in threads:
+                t.start()
+            client.retire_workers([victim], close_workers=True)
+            for t in threads:
+                t.join(timeout=120)
+            assert not errors, errors
+            assert len(results) == 9 and all(M.rel_err(r, expected) <= 1e-4 for r in results)
+            deadline = time.time() + 30
+            while dm.version == 0 and time.time() < deadline:
+                time.sleep(0.05)
+            assert dm.version >= 1
+            assert victim not in {d.address for d in dm.plan.spec.devices}
+            assert any(e["action"] == "plan" and "left" in e["reason"] for e in dm.events)
+            assert M.rel_err(dm(x).logits, expected) <= 1e-4
+            held = client.run(lambda dask_worker: (dask_worker.plugins["seabiscuit"].resident_bytes,
+                                                   dask_worker.plugins["seabiscuit"].budget_bytes))
+            assert all(h <= b for h, b in held.values())
