@@ -44,6 +44,15 @@ def _quiet(msg: str) -> None:
     return None
 
 
+def tile_checksums(model: torch.nn.Module, graph: OpGraph) -> dict[str, int]:
+    """CRC-32 of every weight tile ``graph`` reads from ``model``: the reference the workers check."""
+    from .integrity import crc32
+    from .weights import WeightStore
+
+    store = WeightStore.from_weights(model)
+    return {name: crc32(store.load(p)) for name, p in graph.params.items() if p.source.kind == "model"}
+
+
 def write_store(model: torch.nn.Module, graph: OpGraph, folder: Path) -> Path:
     """Save the tensors ``graph`` reads from ``model`` to ``folder/model.safetensors``."""
     from safetensors.torch import save_file
@@ -76,11 +85,13 @@ class DistributedModel:
     """A model deployed on a Dask cluster; call it like the model. See ``distribute``."""
 
     def __init__(self, client: Any, graph: OpGraph, plan: Plan, model_id: str, version: int,
-                 store_dir: Path | None = None) -> None:
+                 store_dir: Path | None = None, checkpoint_dir: str = "") -> None:
         self.client = client
         self.graph = graph
         self.model_id = model_id
         self._store_dir = store_dir
+        self.checkpoint_dir = checkpoint_dir
+        self._inflight: dict[int, list[Any]] = {}
         self._lock = threading.Lock()
         self._requests = itertools.count()
         self._stranded: str | None = None
@@ -91,7 +102,7 @@ class DistributedModel:
 
     # --- plan ------------------------------------------------------------------------------
     def _set_plan(self, plan: Plan, version: int) -> None:
-        specs = block_specs(plan, self.model_id, version)
+        specs = block_specs(plan, self.model_id, version, self.checkpoint_dir)
         with self._lock:
             self._plan, self.version, self.specs = plan, version, specs
             self._out_blocks = self._output_blocks()
@@ -116,6 +127,9 @@ class DistributedModel:
         self.events.append({k: v for k, v in msg.items() if k not in ("device_of", "cluster")})
         if msg.get("action") == "stranded":
             self._stranded = str(msg.get("message"))
+            for futures in list(self._inflight.values()):
+                for f in futures:
+                    f.cancel()
         elif msg.get("action") == "plan" and int(msg["version"]) > self.version:
             plan = Plan(self.graph, ClusterSpec.from_dict(msg["cluster"]),
                         np.asarray(msg["device_of"], dtype=np.int64), method="replanned")
@@ -136,13 +150,65 @@ class DistributedModel:
         dsk, keys = request_graph(specs, request, feed, _run_block_task())
         wanted = sorted(set(out_blocks.values()))
         futures = self.client.get(dsk, [keys[b] for b in wanted], sync=False)
+        self._inflight[request] = futures
         try:
             results = dict(zip(wanted, self.client.gather(futures)))
+        except Exception as e:
+            if self._stranded:
+                raise WorkerLost(f"request {request} of model {self.model_id} cannot finish: "
+                                 f"{self._stranded}") from e
+            raise
         finally:
+            self._inflight.pop(request, None)
             for f in futures:
                 f.release()
+            if self.checkpoint_dir:
+                shutil.rmtree(Path(self.checkpoint_dir) / self.model_id / f"r{request}", ignore_errors=True)
         values = [results[out_blocks[t]][t] if t in out_blocks else feed[t] for t in self.graph.outputs]
         return unflatten_outputs(self.graph, values)
+
+    # --- operations -------------------------------------------------------------------------
+    def _address(self, worker: str) -> str:
+        for d in self._plan.spec.devices:
+            if worker in (d.name, d.address):
+                return d.address
+        info = self.client.scheduler_info()["workers"]
+        for addr, w in info.items():
+            if worker in (addr, str(w.get("name"))):
+                return str(addr)
+        raise SeaBiscuitError(f"no worker {worker!r} in the cluster; workers: {sorted(info)}")
+
+    def _wait_for(self, versions: Mapping[str, int], timeout_s: float = 30.0) -> None:
+        want = versions.get(self.model_id)
+        deadline = time.perf_counter() + timeout_s
+        while want is not None and self.version < want and time.perf_counter() < deadline:
+            time.sleep(0.01)
+
+    def drain(self, worker: str, reason: str = "drained") -> dict[str, Any]:
+        """Move this cluster's models off ``worker`` (name or address) while requests keep flowing.
+
+        Returns the scheduler's report: ``replan_s`` per model moved, ``versions``.
+        """
+        reply = self.client.sync(self.client.scheduler.seabiscuit_drain, address=self._address(worker),
+                                 reason=reason)
+        self._wait_for(reply.get("versions", {}))
+        return dict(reply)
+
+    def set_budget(self, worker: str, memory: int | str) -> dict[str, Any]:
+        """Give ``worker`` a new memory budget; what no longer fits moves elsewhere."""
+        nbytes = config.to_bytes(memory, "memory budget")
+        reply = self.client.sync(self.client.scheduler.seabiscuit_budget, address=self._address(worker),
+                                 memory_bytes=nbytes)
+        self._wait_for(reply.get("versions", {}))
+        return dict(reply)
+
+    def stats(self) -> dict[str, dict[str, Any]]:
+        """Per worker: block runs, checkpoint resumes and writes, corruptions found, resident bytes."""
+        from .plugins.worker import worker_report
+
+        keys = ("block_runs", "resumed_from_checkpoint", "checkpoints_written", "corrupt_tiles",
+                "corrupt_checkpoints", "prefetched_blocks", "resident_bytes", "budget_bytes")
+        return {a: {k: r[k] for k in keys} for a, r in self.client.run(worker_report).items() if r}
 
     # --- lifecycle ------------------------------------------------------------------------------
     def close(self) -> None:
@@ -153,6 +219,8 @@ class DistributedModel:
         from .plugins.worker import release_model
 
         try:
+            if self.checkpoint_dir:
+                shutil.rmtree(Path(self.checkpoint_dir) / self.model_id, ignore_errors=True)
             _unlisten(self.client, self)
             self.client.sync(self.client.scheduler.seabiscuit_release, model=self.model_id)
             self.client.run(release_model, self.model_id)
@@ -219,6 +287,7 @@ def _load_tasks(specs: list[BlockSpec]) -> dict[Any, Any]:
 
 def distribute(model_or_path: Any, client: Any, example_inputs: Any, budget: int | str | None = None, *,
                kwargs: Mapping[str, Any] | None = None, checkpoint: str | os.PathLike[str] | None = None,
+               checkpoint_dir: str | os.PathLike[str] | None = None,
                progress: Progress | None = None) -> DistributedModel:
     """Deploy a model on the cluster behind ``client``; returns a callable ``DistributedModel``.
 
@@ -233,6 +302,10 @@ def distribute(model_or_path: Any, client: Any, example_inputs: Any, budget: int
         Inputs of the shape and dtype every request will have.
     budget : bytes or str, optional
         Per-micro-op memory budget (default: config ``seabiscuit.budget``).
+    checkpoint_dir : path, optional
+        Checkpoint every block's outputs there (a folder every worker sees), so a
+        block that must run again after a worker loss reads them back instead
+        (default: config ``seabiscuit.checkpoint.directory``; None: no checkpoints).
     progress : callable, optional
         Called with a line of text at each long step.
 
@@ -267,14 +340,19 @@ def distribute(model_or_path: Any, client: Any, example_inputs: Any, budget: int
         base = config.get("runtime.store-directory")
         store_dir = Path(tempfile.mkdtemp(prefix="seabiscuit-store-", dir=base))
         say(f"writing {fmt_bytes(micro.param_bytes)} of weights to {store_dir} ...")
-        micro = bind_checkpoint(micro, write_store(model_or_path, micro, store_dir))
+        crcs = tile_checksums(model_or_path, micro)
+        micro = bind_checkpoint(micro, write_store(model_or_path, micro, store_dir)).with_meta(
+            tile_crc32=crcs)
         plan = Plan(micro, plan.spec, plan.device_of, plan.method, plan.planning_s, dict(plan.info))
     model_id = uuid.uuid4().hex[:10]
+    ckpt = checkpoint_dir if checkpoint_dir is not None else config.get("checkpoint.directory")
+    ckpt = os.fspath(Path(ckpt).expanduser().resolve()) if ckpt else ""
     dm: DistributedModel | None = None
     try:
         reply = client.sync(client.scheduler.seabiscuit_deploy, model=model_id, graph=micro.to_json(),
-                            device_of=plan.device_of.tolist(), cluster=plan.spec.to_dict())
-        dm = DistributedModel(client, micro, plan, model_id, int(reply["version"]), store_dir)
+                            device_of=plan.device_of.tolist(), cluster=plan.spec.to_dict(),
+                            checkpoint_dir=ckpt)
+        dm = DistributedModel(client, micro, plan, model_id, int(reply["version"]), store_dir, ckpt)
         _load(client, dm.specs, say)
     except BaseException:
         if dm is not None:

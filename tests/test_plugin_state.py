@@ -148,4 +148,4 @@ def test_blocks_run_one_after_another_reproduce_the_model(gpt2) -> None:
     dsk, keys = request_graph(specs, 3, {graph.inputs[0]: x}, fn=print)
     assert keys[0] == (task_name("m1"), 0, 3, 0) and len(dsk) == len(specs)
     for s, k in zip(specs, keys):
-        assert dsk[k][5:] == tuple(keys[d] for d in s.deps)
+        assert dsk[k][6:] == tuple(keys[d] for d in s.deps)

@@ -16,7 +16,7 @@ scheduler plugin can pin each one to the worker the plan chose.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -55,6 +55,8 @@ class BlockSpec:
     exports: tuple[str, ...]
     sources: tuple[int, ...]              # for each import: the block that exports it, -1 = graph input
     address: str = ""                     # the worker that owns it in its plan
+    checksums: Mapping[str, int] = field(default_factory=dict)   # param -> CRC-32 of its tile, if known
+    checkpoint_dir: str = ""              # where block outputs are checkpointed ("" = not)
 
     @property
     def weight_bytes(self) -> int:
@@ -72,6 +74,7 @@ class BlockSpec:
             "params": {k: p.to_dict() for k, p in self.params.items()},
             "imports": {k: t.to_dict() for k, t in self.imports.items()},
             "exports": list(self.exports), "sources": list(self.sources), "address": self.address,
+            "checksums": dict(self.checksums), "checkpoint_dir": self.checkpoint_dir,
         }
 
     @classmethod
@@ -82,12 +85,18 @@ class BlockSpec:
             {k: ParamSpec.from_dict(k, p) for k, p in d["params"].items()},
             {k: TensorSpec.from_dict(t) for k, t in d["imports"].items()},
             tuple(d["exports"]), tuple(int(s) for s in d["sources"]), str(d.get("address", "")),
+            {k: int(v) for k, v in dict(d.get("checksums") or {}).items()}, str(d.get("checkpoint_dir", "")),
         )
 
 
-def block_specs(plan: Any, model_id: str, version: int = 0) -> list[BlockSpec]:
-    """Cut ``plan`` (a ``Plan``) into self-contained block specs, in block order."""
+def block_specs(plan: Any, model_id: str, version: int = 0, checkpoint_dir: str = "") -> list[BlockSpec]:
+    """Cut ``plan`` (a ``Plan``) into self-contained block specs, in block order.
+
+    Tile checksums come from ``graph.meta["tile_crc32"]`` when the weights were
+    written by SeaBiscuit (``deploy.write_store``).
+    """
     graph = plan.graph
+    crcs = graph.meta.get("tile_crc32") or {}
     block_of = plan.block_of.tolist()
     blocks = plan.blocks
     made_in: dict[str, int] = {}
@@ -116,7 +125,8 @@ def block_specs(plan: Any, model_id: str, version: int = 0) -> list[BlockSpec]:
         address = plan.spec.devices[plan.spec.index(blk.device)].address
         out.append(BlockSpec(model_id, version, b, blk.device, ops, params,
                              {t: graph.tensors[t] for t in imports[b]}, tuple(exported[b]),
-                             tuple(imports[b].values()), address))
+                             tuple(imports[b].values()), address,
+                             {p: int(crcs[p]) for p in params if p in crcs}, checkpoint_dir))
     return out
 
 
@@ -194,7 +204,7 @@ def run_block(program: BlockProgram, graph_inputs: Mapping[str, torch.Tensor],
 
 def request_graph(specs: Sequence[BlockSpec], request: int, inputs: Mapping[str, torch.Tensor],
                   fn: Callable[..., Any]) -> tuple[dict[Any, Any], list[Any]]:
-    """The Dask graph of one request: ``{key: (fn, model, version, block, inputs, *deps)}``.
+    """The Dask graph of one request: ``{key: (fn, model, version, request, block, inputs, *deps)}``.
 
     ``inputs`` are the graph's input tensors; each block task carries only those it
     imports. Returns the graph and the key of every block, in block order.
@@ -203,5 +213,5 @@ def request_graph(specs: Sequence[BlockSpec], request: int, inputs: Mapping[str,
     dsk: dict[Any, Any] = {}
     for s, key in zip(specs, keys):
         mine = {t: inputs[t] for t, src in zip(s.imports, s.sources) if src < 0 and t in inputs}
-        dsk[key] = (fn, s.model, s.version, s.index, mine, *[keys[d] for d in s.deps])
+        dsk[key] = (fn, s.model, s.version, request, s.index, mine, *[keys[d] for d in s.deps])
     return dsk, keys

@@ -15,6 +15,7 @@ user registers one thing::
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -28,6 +29,7 @@ from ..errors import SeaBiscuitError
 from ..ir import OpGraph
 from ..placement import ClusterSpec, Plan
 from .state import (
+    BudgetChanged,
     Instruction,
     ModelDeployed,
     ModelReleased,
@@ -37,6 +39,7 @@ from .state import (
     Stranded,
     TasksForgotten,
     TasksSubmitted,
+    WorkerDraining,
     WorkerJoined,
     WorkerLeft,
     parse_key,
@@ -58,13 +61,16 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
         self.state = PlacementState()
         self.scheduler: Any = None
         self.events: list[dict[str, Any]] = []
+        self._background: set[Any] = set()
 
     async def start(self, scheduler: Any) -> None:
         self.scheduler = scheduler
         scheduler.handlers.update({
             "seabiscuit_deploy": self.deploy, "seabiscuit_release": self.release,
             "seabiscuit_block": self.block, "seabiscuit_workers": self.workers,
-            "seabiscuit_plan": self.plan,
+            "seabiscuit_plan": self.plan, "seabiscuit_owned": self.owned,
+            "seabiscuit_drain": self.drain, "seabiscuit_pressure": self.pressure,
+            "seabiscuit_budget": self.budget,
         })
         if scheduler.no_workers_timeout is None:
             # NOTE: a task pinned to a worker that never comes back must fail, not hang.
@@ -112,16 +118,41 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
                     retry[ins.key] = "processing"
             elif isinstance(ins, PlanChanged):
                 dep = self.state.models[ins.model]
+                if ins.version > 0:
+                    logger.info("seabiscuit: model %s plan v%d (%s): replanned in %.2f ms, %.0f bytes "
+                                "of weights move", ins.model, ins.version, ins.reason, ins.replan_s * 1e3,
+                                ins.moved_bytes)
                 self._publish({"action": "plan", "model": ins.model, "version": ins.version,
                                "reason": ins.reason, "moved_bytes": ins.moved_bytes,
                                "replan_s": ins.replan_s,
                                "device_of": dep.plan.device_of.tolist(),
                                "cluster": dep.plan.spec.to_dict()})
+                if ins.version > 0:
+                    self._prefetch(ins.model, ins.version)
             elif isinstance(ins, Stranded):
                 logger.error("seabiscuit: %s", ins.message)
                 self._publish({"action": "stranded", "model": ins.model, "message": ins.message})
         if retry:
             s.transitions(retry, stimulus_id="seabiscuit-repin")
+
+    def _prefetch(self, model: str, version: int) -> None:
+        """Have every worker load the blocks it now owns (and drop what it no longer does)."""
+        import asyncio
+
+        budgets = {d.address: d.memory_bytes for d in self.state.models[model].plan.spec.devices}
+
+        async def one(addr: str) -> None:
+            try:
+                await self.scheduler.rpc(addr).seabiscuit_prefetch(model=model, version=version,
+                                                                   budget_bytes=budgets.get(addr))
+            except Exception as e:  # noqa: BLE001 - the lazy path loads it on first use instead
+                logger.warning("seabiscuit: prefetch of model %s v%d on %s failed: %s", model, version,
+                               addr, e)
+
+        for addr in list(self.scheduler.workers):
+            task = asyncio.ensure_future(one(addr))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
 
     def _publish(self, msg: dict[str, Any]) -> None:
         self.events.append({k: v for k, v in msg.items() if k not in ("device_of", "cluster")})
@@ -145,13 +176,13 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
 
     # --- RPC handlers (first argument: the comm, unused) -------------------------------------
     def deploy(self, comm: Any = None, model: str = "", graph: str = "", device_of: list[int] | None = None,
-               cluster: dict[str, Any] | None = None) -> dict[str, Any]:
+               cluster: dict[str, Any] | None = None, checkpoint_dir: str = "") -> dict[str, Any]:
         g = OpGraph.from_json(graph)
         plan = Plan(g, ClusterSpec.from_dict(cluster or {}), np.asarray(device_of, dtype=np.int64),
                     method="deployed")
         for addr in self.scheduler.workers:
             self.state.workers.setdefault(addr, None)
-        ins = self.state.handle(ModelDeployed(model, plan))
+        ins = self.state.handle(ModelDeployed(model, plan, checkpoint_dir or ""))
         self._apply(ins)
         return {"version": self.state.models[model].version}
 
@@ -169,6 +200,31 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
             raise SeaBiscuitError(f"model {model} is not deployed on this cluster")
         return {"version": dep.version, "device_of": dep.plan.device_of.tolist(),
                 "cluster": dep.plan.spec.to_dict()}
+
+    def owned(self, comm: Any = None, model: str = "", version: int = 0, address: str = "") -> list[Any]:
+        return self.state.owned(model, int(version), address)
+
+    def _event(self, event: Any) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        ins = self.state.handle(event)
+        self._apply(ins)
+        changed = [i for i in ins if isinstance(i, PlanChanged)]
+        return {"handled_s": time.perf_counter() - t0, "replan_s": [i.replan_s for i in changed],
+                "versions": {i.model: i.version for i in changed}}
+
+    def drain(self, comm: Any = None, address: str = "", reason: str = "drained") -> dict[str, Any]:
+        """Move every model off ``address`` while it keeps serving what it already runs."""
+        return self._event(WorkerDraining(address, reason))
+
+    def pressure(self, comm: Any = None, address: str = "", reason: str = "") -> dict[str, Any]:
+        """A worker's agent reports memory pressure or an overheating GPU: drain it."""
+        logger.warning("seabiscuit: %s reports %s: moving its work away", address, reason)
+        self._publish({"action": "pressure", "address": address, "reason": reason})
+        return self._event(WorkerDraining(address, reason))
+
+    def budget(self, comm: Any = None, address: str = "", memory_bytes: int = 0) -> dict[str, Any]:
+        """A worker's budget changed: shrink (or grow) what it holds."""
+        return self._event(BudgetChanged(address, int(memory_bytes)))
 
     def workers(self, comm: Any = None) -> list[dict[str, Any]]:
         """Every worker with its agent's last report (None until its first heartbeat)."""

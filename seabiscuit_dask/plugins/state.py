@@ -21,7 +21,7 @@ import numpy as np
 
 from ..errors import SeaBiscuitError
 from ..lower.blocks import KEY_PREFIX, BlockSpec, block_specs
-from ..placement import DeviceAdded, DeviceLost, DeviceSpec, Plan, replan
+from ..placement import CapacityChanged, DeviceAdded, DeviceLost, DeviceSpec, Plan, replan
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +33,7 @@ Key = Hashable
 class ModelDeployed:
     model: str
     plan: Plan                        # its devices carry their workers' addresses
+    checkpoint_dir: str = ""          # block outputs are checkpointed there ("" = not)
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,22 @@ class WorkerLeft:
 
 
 @dataclass(frozen=True)
+class WorkerDraining:
+    """Move everything off a worker that stays up (drained by hand, or under pressure)."""
+
+    address: str
+    reason: str = "drained"
+
+
+@dataclass(frozen=True)
+class BudgetChanged:
+    """A worker's memory budget changed."""
+
+    address: str
+    memory_bytes: int
+
+
+@dataclass(frozen=True)
 class TasksSubmitted:
     keys: tuple[Key, ...]
 
@@ -61,7 +78,8 @@ class TasksForgotten:
     keys: tuple[Key, ...]
 
 
-Event = ModelDeployed | ModelReleased | WorkerJoined | WorkerLeft | TasksSubmitted | TasksForgotten
+Event = (ModelDeployed | ModelReleased | WorkerJoined | WorkerLeft | WorkerDraining | BudgetChanged
+         | TasksSubmitted | TasksForgotten)
 
 
 # --- instructions ----------------------------------------------------------------------
@@ -115,6 +133,7 @@ class Deployment:
     model: str
     plan: Plan
     version: int = 0
+    checkpoint_dir: str = ""
     history: dict[int, Plan] = field(default_factory=dict)
     _specs: dict[int, list[BlockSpec]] = field(default_factory=dict)
     _homes: dict[tuple[int, int], str] = field(default_factory=dict)
@@ -123,7 +142,7 @@ class Deployment:
     def specs(self, version: int) -> list[BlockSpec]:
         if version not in self._specs:
             plan = self.plan if version == self.version else self.history[version]
-            self._specs[version] = block_specs(plan, self.model, version)
+            self._specs[version] = block_specs(plan, self.model, version, self.checkpoint_dir)
         return self._specs[version]
 
     def address_of_device(self, d: int) -> str:
@@ -180,6 +199,7 @@ class PlacementState:
     def __init__(self) -> None:
         self.models: dict[str, Deployment] = {}
         self.workers: dict[str, DeviceSpec | None] = {}
+        self.draining: dict[str, str] = {}
         self.pinned: dict[Key, str] = {}
 
     def handle(self, event: Event) -> list[Instruction]:
@@ -193,22 +213,26 @@ class PlacementState:
             return self._worker_left(event.address)
         if isinstance(event, WorkerJoined):
             return self._worker_joined(event.address, event.device)
+        if isinstance(event, WorkerDraining):
+            return self._drain(event.address, event.reason)
+        if isinstance(event, BudgetChanged):
+            return self._budget(event.address, event.memory_bytes)
         if isinstance(event, ModelDeployed):
-            return self._deployed(event.model, event.plan)
+            return self._deployed(event.model, event.plan, event.checkpoint_dir)
         if isinstance(event, ModelReleased):
             self.models.pop(event.model, None)
             return []
         raise SeaBiscuitError(f"PlacementState does not know the event {event!r}")
 
     # --- handlers -----------------------------------------------------------------------
-    def _deployed(self, model: str, plan: Plan) -> list[Instruction]:
+    def _deployed(self, model: str, plan: Plan, checkpoint_dir: str = "") -> list[Instruction]:
         missing = [d.name for d in plan.spec.devices if d.address not in self.workers]
         if missing:
             raise SeaBiscuitError(f"model {model}: the plan uses devices {missing} whose workers are "
                                   f"not in the cluster (workers: {sorted(self.workers)})")
         dep = self.models.get(model)
         if dep is None:
-            self.models[model] = Deployment(model, plan)
+            self.models[model] = Deployment(model, plan, checkpoint_dir=checkpoint_dir)
             return [PlanChanged(model, 0, "deployed")]
         v = dep.advance(plan)
         return [PlanChanged(model, v, "redeployed")]
@@ -232,6 +256,21 @@ class PlacementState:
 
     def _worker_left(self, address: str) -> list[Instruction]:
         self.workers.pop(address, None)
+        self.draining.pop(address, None)
+        out = self._move_off(address, f"worker {address} left", stranded=True)
+        stuck = tuple(k for k, a in self.pinned.items() if a == address)
+        return out + self._pin(stuck, repin=True)
+
+    def _drain(self, address: str, reason: str) -> list[Instruction]:
+        """Move every model off a live worker; its in-flight tasks still run there."""
+        if address not in self.workers:
+            raise SeaBiscuitError(f"no worker {address} in the cluster (workers: {sorted(self.workers)})")
+        if address in self.draining:
+            return []
+        self.draining[address] = reason
+        return self._move_off(address, f"worker {address} drained: {reason}", stranded=False)
+
+    def _move_off(self, address: str, why: str, stranded: bool) -> list[Instruction]:
         out: list[Instruction] = []
         for dep in list(self.models.values()):
             lost = [d.name for d in dep.plan.spec.devices if d.address == address]
@@ -240,20 +279,32 @@ class PlacementState:
             try:
                 plan = replan(dep.plan, DeviceLost(lost[0]))
             except SeaBiscuitError as e:
-                out.append(Stranded(dep.model, f"worker {address} ({lost[0]}) left and the remaining "
-                                               f"{len(dep.plan.spec.devices) - 1} worker(s) cannot hold "
-                                               f"model {dep.model}: {e}"))
-                continue
+                msg = (f"{why}; the remaining {len(dep.plan.spec.devices) - 1} worker(s) cannot hold "
+                       f"model {dep.model}: {e}")
+                if stranded:
+                    out.append(Stranded(dep.model, msg))
+                    continue
+                raise SeaBiscuitError(msg) from e
             v = dep.advance(plan)
-            out.append(PlanChanged(dep.model, v, f"worker {address} left", plan.info["moved_bytes"],
-                                   plan.planning_s))
-        stuck = tuple(k for k, a in self.pinned.items() if a == address)
-        return out + self._pin(stuck, repin=True)
+            out.append(PlanChanged(dep.model, v, why, plan.info["moved_bytes"], plan.planning_s))
+        return out
+
+    def _budget(self, address: str, memory_bytes: int) -> list[Instruction]:
+        out: list[Instruction] = []
+        for dep in list(self.models.values()):
+            names = [d.name for d in dep.plan.spec.devices if d.address == address]
+            if not names:
+                continue
+            plan = replan(dep.plan, CapacityChanged(names[0], memory_bytes=int(memory_bytes)))
+            v = dep.advance(plan)
+            out.append(PlanChanged(dep.model, v, f"worker {address} budget now {memory_bytes} bytes",
+                                   plan.info["moved_bytes"], plan.planning_s))
+        return out
 
     def _worker_joined(self, address: str, device: DeviceSpec | None) -> list[Instruction]:
         self.workers[address] = device
         out: list[Instruction] = []
-        if device is None:
+        if device is None or address in self.draining:
             return out
         for dep in self.models.values():
             if any(d.address == address for d in dep.plan.spec.devices):
@@ -271,6 +322,13 @@ class PlacementState:
         return out
 
     # --- queries --------------------------------------------------------------------------
+    def owned(self, model: str, version: int, address: str) -> list[dict[str, Any]]:
+        """Specs of the blocks ``address`` owns in plan ``version`` of ``model`` (none if it is stale)."""
+        dep = self.models.get(model)
+        if dep is None or version != dep.version:
+            return []
+        return [s.to_dict() for s in dep.specs(version) if s.address == address]
+
     def block_spec(self, model: str, version: int, block: int) -> dict[str, Any]:
         dep = self.models.get(model)
         if dep is None:

@@ -19,6 +19,7 @@ import json
 import logging
 import threading
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -26,7 +27,8 @@ from distributed import WorkerPlugin, get_worker
 from distributed.utils import sync
 
 from .. import config
-from ..errors import ClusterTooSmall, SeaBiscuitError
+from ..errors import BadCheckpoint, ClusterTooSmall, SeaBiscuitError
+from ..integrity import crc32, load_checkpoint, save_checkpoint
 from ..ir import fmt_bytes
 from ..lower.blocks import BlockProgram, BlockSpec, run_block
 from . import agent
@@ -89,6 +91,7 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
         gpu_bytes = (torch.cuda.get_device_properties(0).total_memory
                      if self.device.type == "cuda" else None)
         limit = getattr(getattr(worker, "memory_manager", None), "memory_limit", None)
+        self.memory_limit = limit
         self.budget_bytes = worker_budget(dict(worker.state.total_resources), limit, gpu_bytes)
         self.report = agent.static_report(int(worker.state.nthreads), limit, self.device.type)
         self.report["budget_bytes"] = self.budget_bytes
@@ -99,10 +102,19 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
         self.lock = threading.RLock()
         self.stores: dict[str, Any] = {}
         self.tiles: dict[str, dict[tuple[Any, ...], Any]] = {}
+        self.tile_crc: dict[str, dict[tuple[Any, ...], int]] = {}
+        self.checkpoint_dirs: dict[str, str] = {}
+        self.runs: dict[tuple[str, int], int] = {}
+        self.counters = {"block_runs": 0, "resumed_from_checkpoint": 0, "checkpoints_written": 0,
+                         "corrupt_tiles": 0, "corrupt_checkpoints": 0, "prefetched_blocks": 0}
+        self.simulated: dict[str, float] = {}       # readings injected by tests and drills
+        self.pressure_sent: str | None = None
         worker.metrics[PLUGIN_NAME] = self.metrics
+        worker.handlers["seabiscuit_prefetch"] = self.prefetch
 
     def teardown(self, worker: Any) -> None:
         worker.metrics.pop(PLUGIN_NAME, None)
+        worker.handlers.pop("seabiscuit_prefetch", None)
         with self.lock:
             self.programs.clear()
 
@@ -114,8 +126,32 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
                    for t in list(tiles.values()))
 
     def metrics(self, worker: Any) -> dict[str, Any]:
-        return {**self.report, **agent.live_report(self.process), "resident_bytes": self.resident_bytes,
-                "blocks": len(self.programs), "models": dict(self.versions)}
+        live = {**agent.live_report(self.process), **self.simulated}
+        self._check_pressure(live)
+        return {**self.report, **live, "budget_bytes": self.budget_bytes,
+                "resident_bytes": self.resident_bytes, "blocks": len(self.programs),
+                "models": dict(self.versions), **self.counters}
+
+    def _check_pressure(self, live: Mapping[str, Any]) -> None:
+        """Ask the scheduler to move work away once memory or GPU heat crosses its limit."""
+        reason = None
+        limit = self.memory_limit or psutil.virtual_memory().total
+        frac = float(config.get("worker.memory-pressure", 0.9))
+        if live.get("rss_bytes", 0) > frac * limit:
+            reason = (f"memory pressure: {fmt_bytes(live['rss_bytes'])} in use, over {frac:.0%} of "
+                      f"{fmt_bytes(limit)}")
+        hot = float(config.get("worker.gpu-temperature-limit", 85))
+        temps = [float(t) for t in live.get("gpu_temperature_c", ()) or ()]
+        if "gpu_temperature_c_max" in live:
+            temps.append(float(live["gpu_temperature_c_max"]))
+        if temps and max(temps) > hot:
+            reason = f"GPU at {max(temps):.0f} C, over the {hot:.0f} C limit"
+        if reason is None:
+            self.pressure_sent = None
+        elif self.pressure_sent is None and self.versions:
+            self.pressure_sent = reason
+            w = self.worker
+            w.loop.add_callback(w.scheduler.seabiscuit_pressure, address=w.address, reason=reason)
 
     # --- resident blocks ------------------------------------------------------------------
     def _store(self, model: str) -> Any:
@@ -125,19 +161,38 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
             self.stores[model] = WeightStore(device=self.device)
         return self.stores[model]
 
+    def _read_tile(self, spec: BlockSpec, name: str, p: Any) -> Any:
+        """Read one tile and check it against its reference checksum (re-read once on a mismatch)."""
+        want = spec.checksums.get(name)
+        store = self._store(spec.model)
+        for _ in range(2):
+            t = store.load(p)
+            got = crc32(t)
+            if want is None or got == want:
+                return t, got
+            self.counters["corrupt_tiles"] += 1
+            logger.warning("tile %s of model %s read with CRC-32 %d, expected %d: reading again",
+                           name, spec.model, got, want)
+        raise BadCheckpoint(f"tile {name!r} ({p.source.key}{list(p.source.slices or [])} in "
+                            f"{p.source.file}) has CRC-32 {got} twice, expected {want}: the weights on "
+                            "disk are corrupt")
+
     def load(self, spec: BlockSpec, keep: bool = True) -> BlockProgram:
         """Compile ``spec`` and load its shards; resident (counted) when ``keep``.
 
         A tile read by several blocks of this worker (a tied embedding) is loaded
-        and counted once.
+        and counted once. Every tile is checked against its checksum as it is read.
         """
         with self.lock:
             self._retire(spec.model, spec.version)
+            if spec.checkpoint_dir:
+                self.checkpoint_dirs[spec.model] = spec.checkpoint_dir
             have = self.programs.get((spec.model, spec.index))
             if have is not None and have.spec.version == spec.version:
                 return have
             keep = keep and spec.version == self.versions.get(spec.model)
             tiles = self.tiles.setdefault(spec.model, {}) if keep else {}
+            crcs = self.tile_crc.setdefault(spec.model, {})
             need = sum(p.nbytes for p in {_tile_key(p): p for p in spec.params.values()}.values()
                        if _tile_key(p) not in tiles)
             held = self.resident_bytes
@@ -147,18 +202,44 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
                     f"{spec.model}: it holds {fmt_bytes(held)} of shards, the block needs "
                     f"{fmt_bytes(need)} more, and its budget is {fmt_bytes(self.budget_bytes)} "
                     f"({held} + {need} > {self.budget_bytes} bytes)")
-            store = self._store(spec.model)
+            names = {_tile_key(p): n for n, p in spec.params.items()}
 
             def tile(p: Any) -> Any:
                 k = _tile_key(p)
                 if k not in tiles:
-                    tiles[k] = store.load(p)
+                    tiles[k], crcs[k] = self._read_tile(spec, names[k], p)
                 return tiles[k]
 
             program = BlockProgram.load(spec, tile, self.device)
             if keep:
                 self.programs[(spec.model, spec.index)] = program
             return program
+
+    def verify(self, program: BlockProgram) -> bool:
+        """Check a block's resident tiles against their checksums; reload the model's tiles on a mismatch.
+
+        Runs every ``seabiscuit.integrity.verify-every`` runs of a block (0: never).
+        Returns False when corruption was found (the block must be fetched again).
+        """
+        every = int(config.get("integrity.verify-every", 0) or 0)
+        key = (program.spec.model, program.spec.index)
+        self.runs[key] = n = self.runs.get(key, 0) + 1
+        if every <= 0 or n % every:
+            return True
+        crcs = self.tile_crc.get(program.spec.model, {})
+        for name, p in program.spec.params.items():
+            want = crcs.get(_tile_key(p))
+            if want is not None and crc32(program.weights[name]) != want:
+                self.counters["corrupt_tiles"] += 1
+                logger.warning("resident tile %s of model %s is corrupt: dropping the model's tiles "
+                               "on %s and reading them again", name, program.spec.model, self.worker.address)
+                with self.lock:
+                    model = program.spec.model
+                    self.tiles.pop(model, None)
+                    for k in [k for k in self.programs if k[0] == model]:
+                        del self.programs[k]
+                return False
+        return True
 
     def _retire(self, model: str, version: int) -> None:
         """Note ``version`` as seen; a newer version drops the older blocks."""
@@ -191,6 +272,37 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
             raise SeaBiscuitError(f"worker {w.address} could not get block b{block} of model {model} "
                                   f"plan {version} from the scheduler: {e}") from e
 
+    async def prefetch(self, model: str = "", version: int = 0, budget_bytes: int | None = None) -> int:
+        """RPC from the scheduler after a plan change: load the blocks this worker now owns.
+
+        Returns how many blocks were loaded. A worker that owns none drops its old
+        blocks, so a drained worker frees its memory at once.
+        """
+        import asyncio
+
+        if budget_bytes:
+            self.budget_bytes = int(budget_bytes)
+        w = self.worker
+        specs = await w.scheduler.seabiscuit_owned(model=model, version=version, address=w.address)
+        with self.lock:
+            self._retire(model, version)
+
+        def load_all() -> int:
+            for d in specs:
+                self.load(BlockSpec.from_dict(d))
+            return len(specs)
+
+        n = await asyncio.to_thread(load_all)
+        self.counters["prefetched_blocks"] += n
+        return n
+
+    # --- checkpoints ----------------------------------------------------------------------
+    def checkpoint_path(self, model: str, version: int, request: int, block: int) -> Path | None:
+        d = self.checkpoint_dirs.get(model)
+        if not d or request < 0:
+            return None
+        return Path(d) / model / f"r{request}" / f"v{version}-b{block}.safetensors"
+
     def release(self, model: str) -> int:
         """Drop every block of ``model``; returns the bytes freed."""
         with self.lock:
@@ -199,6 +311,7 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
                 del self.programs[k]
             self.versions.pop(model, None)
             self.stores.pop(model, None)
+            self.tile_crc.pop(model, None)
         return freed
 
 
@@ -226,9 +339,29 @@ def load_block_json(spec: str) -> int:
     return load_block(json.loads(spec))
 
 
-def run_block_task(model: str, version: int, block: int, inputs: Mapping[str, Any], *deps: Any) -> Any:
-    """Task: run one block of one request."""
-    return run_block(_plugin().program(model, version, block), inputs, deps)
+def run_block_task(model: str, version: int, request: int, block: int, inputs: Mapping[str, Any],
+                   *deps: Any) -> Any:
+    """Task: run one block of one request, or take its outputs from an intact checkpoint."""
+    p = _plugin()
+    ckpt = p.checkpoint_path(model, version, request, block)
+    if ckpt is not None:
+        out, why = load_checkpoint(ckpt)
+        if out is not None:
+            p.counters["resumed_from_checkpoint"] += 1
+            return out
+        if why != "missing":
+            p.counters["corrupt_checkpoints"] += 1
+            logger.warning("checkpoint %s not used (%s): running the block again", ckpt, why)
+    program = p.program(model, version, block)
+    if not p.verify(program):
+        program = p.program(model, version, block)
+    out = run_block(program, inputs, deps)
+    p.counters["block_runs"] += 1
+    ckpt = ckpt or p.checkpoint_path(model, version, request, block)
+    if ckpt is not None:
+        save_checkpoint(ckpt, out)
+        p.counters["checkpoints_written"] += 1
+    return out
 
 
 def release_model(model: str, dask_worker: Any = None) -> int:
