@@ -194,6 +194,10 @@ class DistributedModel:
         self._wait_for(reply.get("versions", {}))
         return dict(reply)
 
+    def restore(self, worker: str) -> None:
+        """Let a drained worker take work again, from the next placement on."""
+        self.client.sync(self.client.scheduler.seabiscuit_restore, address=self._address(worker))
+
     def set_budget(self, worker: str, memory: int | str) -> dict[str, Any]:
         """Give ``worker`` a new memory budget; what no longer fits moves elsewhere."""
         nbytes = config.to_bytes(memory, "memory budget")

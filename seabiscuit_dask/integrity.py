@@ -32,7 +32,8 @@ def save_checkpoint(path: Path, tensors: Mapping[str, torch.Tensor]) -> None:
     from safetensors.torch import save_file
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    cpu = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+    # NOTE: exports may be views of one another; safetensors needs each its own storage.
+    cpu = {k: v.detach().cpu().clone(memory_format=torch.contiguous_format) for k, v in tensors.items()}
     meta = {f"crc32:{k}": str(crc32(v)) for k, v in cpu.items()}
     fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
     os.close(fd)

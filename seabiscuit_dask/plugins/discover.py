@@ -77,7 +77,7 @@ def probe_link(client: Any, a: str, b: str) -> LinkSpec:
 
 
 def workers_info(client: Any) -> list[dict[str, Any]]:
-    """The scheduler plugin's view of every worker, with the agents' reports."""
+    """The scheduler plugin's view of every worker (drained ones left out), with fresh agent reports."""
     try:
         infos = client.sync(client.scheduler.seabiscuit_workers)
     except Exception as e:
@@ -90,12 +90,12 @@ def workers_info(client: Any) -> list[dict[str, Any]]:
     infos = [dict(i) for i in infos]
     from .worker import worker_report
 
-    missing = [i["address"] for i in infos if i["report"] is None]
-    if missing:   # no heartbeat since setup yet: ask the agents directly
-        reports = client.run(worker_report, workers=missing)
-        for i in infos:
-            if i["address"] in reports:
-                i["report"] = reports[i["address"]]
+    # NOTE: ask the agents directly: a heartbeat's figures may be a second old (a budget just changed)
+    reports = client.run(worker_report, workers=[i["address"] for i in infos], on_error="return")
+    for i in infos:
+        r = reports.get(i["address"])
+        if isinstance(r, dict):
+            i["report"] = r
     absent = [i["address"] for i in infos if i["report"] is None]
     if absent:
         raise PluginMissing(f"workers {absent} have no SeaBiscuit agent: " + HOW_TO_INSTALL)

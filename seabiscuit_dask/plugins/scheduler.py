@@ -42,6 +42,7 @@ from .state import (
     WorkerDraining,
     WorkerJoined,
     WorkerLeft,
+    WorkerRestored,
     parse_key,
 )
 from .worker import PLUGIN_NAME, SeaBiscuitWorkerPlugin
@@ -70,7 +71,7 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
             "seabiscuit_block": self.block, "seabiscuit_workers": self.workers,
             "seabiscuit_plan": self.plan, "seabiscuit_owned": self.owned,
             "seabiscuit_drain": self.drain, "seabiscuit_pressure": self.pressure,
-            "seabiscuit_budget": self.budget,
+            "seabiscuit_budget": self.budget, "seabiscuit_restore": self.restore,
         })
         if scheduler.no_workers_timeout is None:
             # NOTE: a task pinned to a worker that never comes back must fail, not hang.
@@ -216,19 +217,29 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
         """Move every model off ``address`` while it keeps serving what it already runs."""
         return self._event(WorkerDraining(address, reason))
 
+    def restore(self, comm: Any = None, address: str = "") -> dict[str, Any]:
+        """A drained worker may take work again from the next placement on."""
+        return self._event(WorkerRestored(address))
+
     def pressure(self, comm: Any = None, address: str = "", reason: str = "") -> dict[str, Any]:
-        """A worker's agent reports memory pressure or an overheating GPU: drain it."""
+        """A worker's agent reports memory pressure or an overheating GPU: drain it if the rest can."""
         logger.warning("seabiscuit: %s reports %s: moving its work away", address, reason)
         self._publish({"action": "pressure", "address": address, "reason": reason})
-        return self._event(WorkerDraining(address, reason))
+        try:
+            return self._event(WorkerDraining(address, reason))
+        except SeaBiscuitError as e:
+            logger.error("seabiscuit: cannot move work off %s: %s", address, e)
+            self._publish({"action": "pressure-unresolved", "address": address, "reason": str(e)})
+            return {"handled_s": 0.0, "replan_s": [], "versions": {}, "error": str(e)}
 
     def budget(self, comm: Any = None, address: str = "", memory_bytes: int = 0) -> dict[str, Any]:
         """A worker's budget changed: shrink (or grow) what it holds."""
         return self._event(BudgetChanged(address, int(memory_bytes)))
 
     def workers(self, comm: Any = None) -> list[dict[str, Any]]:
-        """Every worker with its agent's last report (None until its first heartbeat)."""
-        return [_worker_info(ws, ws.metrics.get(PLUGIN_NAME)) for ws in self.scheduler.workers.values()]
+        """Every worker with its agent's last report (None until its first heartbeat); drained ones left out."""
+        return [_worker_info(ws, ws.metrics.get(PLUGIN_NAME)) for ws in self.scheduler.workers.values()
+                if ws.address not in self.state.draining]
 
 
 def _worker_info(ws: Any, report: dict[str, Any] | None) -> dict[str, Any]:

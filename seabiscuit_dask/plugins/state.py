@@ -61,6 +61,13 @@ class WorkerDraining:
 
 
 @dataclass(frozen=True)
+class WorkerRestored:
+    """A drained worker may take work again (from the next placement on)."""
+
+    address: str
+
+
+@dataclass(frozen=True)
 class BudgetChanged:
     """A worker's memory budget changed."""
 
@@ -78,8 +85,8 @@ class TasksForgotten:
     keys: tuple[Key, ...]
 
 
-Event = (ModelDeployed | ModelReleased | WorkerJoined | WorkerLeft | WorkerDraining | BudgetChanged
-         | TasksSubmitted | TasksForgotten)
+Event = (ModelDeployed | ModelReleased | WorkerJoined | WorkerLeft | WorkerDraining | WorkerRestored
+         | BudgetChanged | TasksSubmitted | TasksForgotten)
 
 
 # --- instructions ----------------------------------------------------------------------
@@ -215,6 +222,9 @@ class PlacementState:
             return self._worker_joined(event.address, event.device)
         if isinstance(event, WorkerDraining):
             return self._drain(event.address, event.reason)
+        if isinstance(event, WorkerRestored):
+            self.draining.pop(event.address, None)
+            return []
         if isinstance(event, BudgetChanged):
             return self._budget(event.address, event.memory_bytes)
         if isinstance(event, ModelDeployed):
@@ -265,10 +275,12 @@ class PlacementState:
         """Move every model off a live worker; its in-flight tasks still run there."""
         if address not in self.workers:
             raise SeaBiscuitError(f"no worker {address} in the cluster (workers: {sorted(self.workers)})")
-        if address in self.draining:
-            return []
         self.draining[address] = reason
-        return self._move_off(address, f"worker {address} drained: {reason}", stranded=False)
+        try:
+            return self._move_off(address, f"worker {address} drained: {reason}", stranded=False)
+        except SeaBiscuitError:
+            self.draining.pop(address, None)     # NOTE: nothing could move: the worker stays in use
+            raise
 
     def _move_off(self, address: str, why: str, stranded: bool) -> list[Instruction]:
         out: list[Instruction] = []

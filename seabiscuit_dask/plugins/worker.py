@@ -164,9 +164,10 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
     def _read_tile(self, spec: BlockSpec, name: str, p: Any) -> Any:
         """Read one tile and check it against its reference checksum (re-read once on a mismatch)."""
         want = spec.checksums.get(name)
-        store = self._store(spec.model)
-        for _ in range(2):
-            t = store.load(p)
+        for attempt in range(2):
+            if attempt:     # NOTE: a fresh handle maps the file again (tiles may share its pages)
+                self.stores.pop(spec.model, None)
+            t = self._store(spec.model).load(p)
             got = crc32(t)
             if want is None or got == want:
                 return t, got
@@ -236,6 +237,7 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
                 with self.lock:
                     model = program.spec.model
                     self.tiles.pop(model, None)
+                    self.stores.pop(model, None)     # NOTE: tiles may share the file's mapped pages
                     for k in [k for k in self.programs if k[0] == model]:
                         del self.programs[k]
                 return False

@@ -1,0 +1,255 @@
+"""Worker loss, checkpoints, drains, pressure, budgets, corruption and TLS on live clusters.
+
+One LocalCluster for most tests: 4 worker processes (with nannies, so a killed
+worker comes back under a new address) with 1.6 MB of budget each; a 3.7 MB
+Llama needs three of them.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import dask.config
+import pytest
+import torch
+
+import seabiscuit_dask as sb
+
+from . import models as M
+
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::ResourceWarning")]
+
+BUDGET = 1_600_000
+
+
+@pytest.fixture(scope="module")
+def client():
+    from distributed import Client, LocalCluster
+
+    with dask.config.set({"seabiscuit.integrity.verify-every": 1}), \
+            LocalCluster(n_workers=4, threads_per_worker=1, processes=True, dashboard_address=None,
+                         resources={"MEM": BUDGET}) as cluster, Client(cluster) as c:
+        c.register_plugin(sb.SeaBiscuitSchedulerPlugin())
+        yield c
+
+
+@pytest.fixture(scope="module")
+def llama():
+    model, x = M.llama(), M.ids()
+    with torch.no_grad():
+        return model, x, model(x).logits
+
+
+def busiest(dm) -> str:
+    counts: dict[str, int] = {}
+    for b in dm.plan.blocks:
+        counts[b.device] = counts.get(b.device, 0) + len(b.ops)
+    name = max(counts, key=lambda k: counts[k])
+    return dm.plan.spec.devices[dm.plan.spec.index(name)].address
+
+
+def run_threads(fn, n: int) -> tuple[list, list]:
+    results: list = []
+    errors: list = []
+
+    def body() -> None:
+        try:
+            results.extend(fn())
+        except BaseException as e:  # noqa: BLE001 - collected and asserted on
+            errors.append(e)
+
+    threads = [threading.Thread(target=body) for _ in range(n)]
+    for t in threads:
+        t.start()
+    return results, errors, threads
+
+
+def join(threads, timeout: float = 120) -> None:
+    for t in threads:
+        t.join(timeout)
+        assert not t.is_alive(), "a request hung"
+
+
+def total(stats: dict, key: str) -> int:
+    return sum(s[key] for s in stats.values())
+
+
+def test_sigkill_mid_inference_with_checkpoints(client, llama, tmp_path) -> None:
+    model, x, expected = llama
+    with sb.distribute(model, client, (x,), budget="256KiB", checkpoint_dir=tmp_path) as dm:
+        assert M.rel_err(dm(x).logits, expected) <= 1e-4
+        victim = busiest(dm)
+        pid = client.run(os.getpid, workers=[victim])[victim]
+        results, errors, threads = run_threads(lambda: [dm(x).logits for _ in range(3)], 3)
+        time.sleep(0.05)
+        os.kill(pid, signal.SIGKILL)
+        join(threads)
+        assert not errors, errors
+        assert len(results) == 9 and all(M.rel_err(r, expected) <= 1e-4 for r in results)
+        deadline = time.time() + 30
+        while dm.version == 0 and time.time() < deadline:
+            time.sleep(0.05)
+        assert victim not in {d.address for d in dm.plan.spec.devices}
+        assert any("left" in e.get("reason", "") for e in dm.events)
+        assert M.rel_err(dm(x).logits, expected) <= 1e-4
+        stats = dm.stats()
+        assert total(stats, "checkpoints_written") > 0
+        # finished requests leave no checkpoints behind
+        assert not any((Path(tmp_path) / dm.model_id).glob("r*/*.safetensors"))
+    assert not (Path(tmp_path) / dm.model_id).exists()
+
+
+def test_drain_under_load_moves_everything_and_loses_nothing(client, llama) -> None:
+    model, x, expected = llama
+    with sb.distribute(model, client, (x,), budget="256KiB") as dm:
+        victim = busiest(dm)
+        results, errors, threads = run_threads(lambda: [dm(x).logits for _ in range(4)], 3)
+        time.sleep(0.05)
+        report = dm.drain(victim, reason="maintenance")
+        join(threads)
+        assert not errors, errors
+        assert len(results) == 12 and all(M.rel_err(r, expected) <= 1e-4 for r in results)
+        assert report["replan_s"] and max(report["replan_s"]) < 0.025
+        assert victim not in {d.address for d in dm.plan.spec.devices}
+        assert M.rel_err(dm(x).logits, expected) <= 1e-4
+        deadline = time.time() + 10
+        held = {}
+        while time.time() < deadline:       # the drained worker drops its shards
+            held = client.run(lambda dask_worker: dask_worker.plugins["seabiscuit"].resident_bytes)
+            if held[victim] == 0:
+                break
+            time.sleep(0.1)
+        assert held[victim] == 0
+        dm.restore(victim)
+
+
+def test_an_overheating_gpu_report_drains_its_worker(client, llama) -> None:
+    model, x, expected = llama
+    with sb.distribute(model, client, (x,), budget="256KiB") as dm:
+        victim = busiest(dm)
+
+        def overheat(dask_worker) -> None:
+            dask_worker.plugins["seabiscuit"].simulated["gpu_temperature_c_max"] = 97.0
+
+        client.run(overheat, workers=[victim])
+        deadline = time.time() + 20
+        while victim in {d.address for d in dm.plan.spec.devices} and time.time() < deadline:
+            time.sleep(0.1)
+        assert victim not in {d.address for d in dm.plan.spec.devices}
+        assert any("GPU at 97 C" in e.get("reason", "") for e in dm.events)
+        assert M.rel_err(dm(x).logits, expected) <= 1e-4
+        client.run(lambda dask_worker: dask_worker.plugins["seabiscuit"].simulated.clear(), workers=[victim])
+        dm.restore(victim)
+
+
+def test_a_lowered_budget_sheds_shards(client, llama) -> None:
+    model, x, expected = llama
+    with sb.distribute(model, client, (x,), budget="256KiB") as dm:
+        victim = busiest(dm)
+        name = next(d.name for d in dm.plan.spec.devices if d.address == victim)
+        before = float(dm.plan.weight_bytes[dm.plan.spec.index(name)])
+        dm.set_budget(victim, BUDGET // 2)
+        after = float(dm.plan.weight_bytes[dm.plan.spec.index(name)])
+        assert after < before and after <= BUDGET // 2
+        assert M.rel_err(dm(x).logits, expected) <= 1e-4
+        held = client.run(lambda dask_worker: (dask_worker.plugins["seabiscuit"].resident_bytes,
+                                               dask_worker.plugins["seabiscuit"].budget_bytes))
+        assert held[victim][1] == BUDGET // 2 and held[victim][0] <= BUDGET // 2
+        dm.set_budget(victim, BUDGET)
+
+
+def test_corrupted_resident_tiles_are_detected_and_reloaded(client, llama) -> None:
+    model, x, expected = llama
+    with sb.distribute(model, client, (x,), budget="256KiB") as dm:
+        dm(x)
+
+        def corrupt(dask_worker) -> int:
+            p = dask_worker.plugins["seabiscuit"]
+            tiles = [t for ts in p.tiles.values() for t in ts.values() if t.numel() > 16]
+            for t in tiles[:1]:
+                t.view(-1)[:8] += 1.0          # flip values in place, as a bad DIMM would
+            return len(tiles[:1])
+
+        hit = client.run(corrupt)
+        assert sum(hit.values()) >= 1
+        before = total(dm.stats(), "corrupt_tiles")
+        for _ in range(2):
+            assert M.rel_err(dm(x).logits, expected) <= 1e-4      # never computed with them
+        assert total(dm.stats(), "corrupt_tiles") - before == sum(hit.values())
+
+
+def test_a_corrupted_checkpoint_is_recomputed_not_used(client, llama, tmp_path) -> None:
+    from seabiscuit_dask.integrity import load_checkpoint, save_checkpoint
+
+    model, x, expected = llama
+    with sb.distribute(model, client, (x,), budget="256KiB", checkpoint_dir=tmp_path) as dm:
+        # plant a checkpoint for request 0's first block, then corrupt its bytes
+        first = dm.specs[0]
+        path = Path(tmp_path) / dm.model_id / "r0" / f"v{dm.version}-b{first.index}.safetensors"
+        save_checkpoint(path, {t: torch.full(dm.graph.tensors[t].shape, 7.0) for t in first.exports
+                               if dm.graph.tensors[t].dtype == "float32"} or {"x": torch.ones(3)})
+        raw = bytearray(path.read_bytes())
+        raw[-1] ^= 0xFF
+        path.write_bytes(bytes(raw))
+        assert load_checkpoint(path)[0] is None
+        before = total(dm.stats(), "corrupt_checkpoints")
+        assert M.rel_err(dm(x).logits, expected) <= 1e-4
+        assert total(dm.stats(), "corrupt_checkpoints") - before == 1
+
+
+def test_corrupt_weights_on_disk_fail_loudly(client, tmp_path) -> None:
+    from seabiscuit_dask.weights import read_safetensors_header
+
+    model, x = M.gpt2(), M.ids()
+    with dask.config.set({"seabiscuit.runtime.store-directory": str(tmp_path)}), \
+            sb.distribute(model, client, (x,), budget="256KiB") as dm:
+        store = next(Path(tmp_path).glob("seabiscuit-store-*/model.safetensors"))
+        header = read_safetensors_header(store)
+        assert header
+        data = bytearray(store.read_bytes())
+        data[-100:] = bytes(100)            # zero the tail of the last tensor
+        store.write_bytes(bytes(data))
+        from seabiscuit_dask.plugins.worker import release_model
+
+        client.run(release_model, dm.model_id)       # the next request reads every tile again
+        with pytest.raises(sb.BadCheckpoint, match="CRC-32 .* twice, expected"):
+            dm(x)
+
+
+def test_a_model_the_rest_cannot_hold_fails_fast_with_the_reason(llama) -> None:
+    from distributed import Client, LocalCluster
+
+    model, x, expected = llama
+    with LocalCluster(n_workers=3, threads_per_worker=1, processes=False, dashboard_address=None,
+                      resources={"MEM": BUDGET}) as cluster, Client(cluster) as c:
+        c.register_plugin(sb.SeaBiscuitSchedulerPlugin())
+        with sb.distribute(model, c, (x,), budget="256KiB") as dm:
+            assert M.rel_err(dm(x).logits, expected) <= 1e-4
+            c.retire_workers([busiest(dm)], close_workers=True)
+            deadline = time.time() + 20
+            while dm._stranded is None and time.time() < deadline:
+                time.sleep(0.05)
+            t0 = time.time()
+            with pytest.raises(sb.WorkerLost, match="cannot hold model"):
+                dm(x)
+            assert time.time() - t0 < 1
+
+
+def test_tls_secured_cluster(llama) -> None:
+    from distributed import Client, LocalCluster
+    from distributed.security import Security
+
+    model, x, expected = llama
+    sec = Security.temporary()          # a CA and certificates made for this test
+    with LocalCluster(n_workers=3, threads_per_worker=1, processes=True, dashboard_address=None,
+                      protocol="tls", security=sec, resources={"MEM": BUDGET}) as cluster, \
+            Client(cluster, security=sec) as c:
+        assert c.scheduler.address.startswith("tls://")
+        c.register_plugin(sb.SeaBiscuitSchedulerPlugin())
+        with sb.distribute(model, c, (x,), budget="256KiB") as dm:
+            assert all(d.address.startswith("tls://") for d in dm.plan.spec.devices)
+            assert M.rel_err(dm(x).logits, expected) <= 1e-4
