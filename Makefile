@@ -30,6 +30,7 @@ bench: $(STAMP)
 	$(PYTHON) benchmarks/bench_decompose.py
 	$(PYTHON) benchmarks/bench_placement.py
 	$(PYTHON) benchmarks/bench_runtime.py
+	$(PYTHON) benchmarks/bench_resilience.py
 
 clean:
 	rm -rf $(STAMP) build *.egg-info .pytest_cache .ruff_cache .mypy_cache

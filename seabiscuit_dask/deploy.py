@@ -127,9 +127,9 @@ class DistributedModel:
         self.events.append({k: v for k, v in msg.items() if k not in ("device_of", "cluster")})
         if msg.get("action") == "stranded":
             self._stranded = str(msg.get("message"))
-            for futures in list(self._inflight.values()):
-                for f in futures:
-                    f.cancel()
+            doomed = [f for futures in list(self._inflight.values()) for f in futures]
+            if doomed:    # NOTE: this runs on the client's event loop: cancel from another thread
+                threading.Thread(target=self.client.cancel, args=(doomed,), daemon=True).start()
         elif msg.get("action") == "plan" and int(msg["version"]) > self.version:
             plan = Plan(self.graph, ClusterSpec.from_dict(msg["cluster"]),
                         np.asarray(msg["device_of"], dtype=np.int64), method="replanned")
@@ -153,11 +153,10 @@ class DistributedModel:
         self._inflight[request] = futures
         try:
             results = dict(zip(wanted, self.client.gather(futures)))
-        except Exception as e:
-            if self._stranded:
-                raise WorkerLost(f"request {request} of model {self.model_id} cannot finish: "
-                                 f"{self._stranded}") from e
+        except SeaBiscuitError:
             raise
+        except Exception as e:
+            raise _request_error(request, self.model_id, self._stranded, e) from e
         finally:
             self._inflight.pop(request, None)
             for f in futures:
@@ -194,9 +193,11 @@ class DistributedModel:
         self._wait_for(reply.get("versions", {}))
         return dict(reply)
 
-    def restore(self, worker: str) -> None:
-        """Let a drained worker take work again, from the next placement on."""
-        self.client.sync(self.client.scheduler.seabiscuit_restore, address=self._address(worker))
+    def restore(self, worker: str) -> dict[str, Any]:
+        """Let a drained worker take work again; models spread onto it as onto a worker that joins."""
+        reply = self.client.sync(self.client.scheduler.seabiscuit_restore, address=self._address(worker))
+        self._wait_for(reply.get("versions", {}))
+        return dict(reply)
 
     def set_budget(self, worker: str, memory: int | str) -> dict[str, Any]:
         """Give ``worker`` a new memory budget; what no longer fits moves elsewhere."""
@@ -205,6 +206,10 @@ class DistributedModel:
                                  memory_bytes=nbytes)
         self._wait_for(reply.get("versions", {}))
         return dict(reply)
+
+    def run_counts(self) -> dict[str, int]:
+        """Blocks computed, read back from checkpoints, and computed more than once, for this model."""
+        return dict(self.client.sync(self.client.scheduler.seabiscuit_runs, model=self.model_id))
 
     def stats(self) -> dict[str, dict[str, Any]]:
         """Per worker: block runs, checkpoint resumes and writes, corruptions found, resident bytes."""
@@ -242,6 +247,20 @@ class DistributedModel:
         return (f"<DistributedModel {self.graph.meta.get('name', 'model')} {self.model_id}: "
                 f"{len(self.graph.ops)} micro-ops in {len(self.specs)} blocks on "
                 f"{len(self._plan.spec.devices)} workers, plan v{self.version}>")
+
+
+def _request_error(request: int, model_id: str, stranded: str | None, e: BaseException) -> SeaBiscuitError:
+    """What a failed request raises: ``WorkerLost`` when workers went away, else ``SeaBiscuitError``."""
+    from asyncio import CancelledError
+
+    from distributed.scheduler import KilledWorker, NoValidWorkerError
+
+    where = f"request {request} of model {model_id}"
+    if stranded:
+        return WorkerLost(f"{where} cannot finish: {stranded}")
+    if isinstance(e, (KilledWorker, NoValidWorkerError, CancelledError)):
+        return WorkerLost(f"{where} cannot finish: {type(e).__name__}: {e}")
+    return SeaBiscuitError(f"{where} failed in a block: {type(e).__name__}: {e}")
 
 
 # One subscription per client to the scheduler plugin's topic, shared by its models.

@@ -149,3 +149,69 @@ def test_blocks_run_one_after_another_reproduce_the_model(gpt2) -> None:
     assert keys[0] == (task_name("m1"), 0, 3, 0) and len(dsk) == len(specs)
     for s, k in zip(specs, keys):
         assert dsk[k][6:] == tuple(keys[d] for d in s.deps)
+
+
+def test_a_drain_moves_models_off_a_live_worker_and_restore_brings_it_back(gpt2) -> None:
+    from seabiscuit_dask.plugins.state import WorkerDraining, WorkerRestored
+
+    _, _, graph = gpt2
+    spec = sb.ClusterSpec(tuple(replace(d, host="h0", address=f"tcp://a:{i}")
+                                for i, d in enumerate(cluster(3).devices)), cluster(3).links)
+    state, plan = deployed(graph, spec)
+    victim = spec.devices[int(plan.block_device[0])].address
+    keys = tuple(("sb-m1", 0, 0, b) for b in range(len(plan.blocks)))
+    state.handle(TasksSubmitted(keys))
+    on_victim = {k for k, a in state.pinned.items() if a == victim}
+    assert on_victim
+    out = state.handle(WorkerDraining(victim, "maintenance"))
+    assert [type(i) for i in out] == [PlanChanged] and "maintenance" in out[0].reason
+    assert out[0].replan_s < 0.025
+    assert victim not in {d.address for d in state.models["m1"].plan.spec.devices}
+    assert {k for k, a in state.pinned.items() if a == victim} == on_victim   # in flight: runs where it is
+    assert victim in state.draining
+    assert state.handle(WorkerJoined(victim, spec.devices[0])) == []       # a draining worker takes nothing
+    back = state.handle(WorkerRestored(victim, replace(spec.devices[0], address=victim, name="back")))
+    assert victim not in state.draining
+    assert [type(i) for i in back] == [PlanChanged]
+    assert victim in {d.address for d in state.models["m1"].plan.spec.devices}
+    assert state.owned("m1", state.models["m1"].version, victim)          # it owns blocks again
+
+
+def test_a_drain_the_rest_cannot_absorb_is_refused_and_changes_nothing(gpt2) -> None:
+    from seabiscuit_dask.plugins.state import WorkerDraining
+
+    _, _, graph = gpt2
+    w = sum(p.nbytes for p in graph.params.values())
+    spec = cluster(2, memory=str(int(w * 0.8)))
+    state, plan = deployed(graph, spec)
+    with pytest.raises(sb.SeaBiscuitError, match="cannot hold model m1"):
+        state.handle(WorkerDraining(spec.devices[0].address, "too hot"))
+    assert state.draining == {} and state.models["m1"].version == 0
+
+
+def test_a_lowered_budget_replans_what_no_longer_fits(gpt2) -> None:
+    from seabiscuit_dask.plugins.state import BudgetChanged
+
+    _, _, graph = gpt2
+    state, plan = deployed(graph, cluster(4))
+    d = int(plan.block_device[0])
+    held = float(plan.weight_bytes[d])
+    addr = plan.spec.devices[d].address
+    out = state.handle(BudgetChanged(addr, int(held * 0.5) + 64))
+    assert [type(i) for i in out] == [PlanChanged] and out[0].moved_bytes > 0
+    new = state.models["m1"].plan
+    assert new.weight_bytes[new.spec.index(plan.spec.devices[d].name)] < held
+
+
+def test_a_chain_spreads_onto_a_device_that_joins_its_host() -> None:
+    """DeviceAdded on a pipeline: the newcomer takes the tail of its busiest peer."""
+    from .dags import chain
+
+    g = chain([1024] * 40)
+    spec = sb.ClusterSpec(tuple(replace(d, host="h0") for d in cluster(2, memory="64MiB").devices),
+                          cluster(2).links)
+    plan = sb.place(g, spec)
+    new = sb.replan(plan, sb.DeviceAdded(replace(spec.devices[0], name="w-new", address="tcp://n:1")))
+    i = new.spec.index("w-new")
+    assert (new.device_of == i).sum() > 0 and new.info["moved_ops"] > 0
+    assert new.acyclic

@@ -223,7 +223,29 @@ def _adopt(plan: Plan, spec: ClusterSpec, dev: np.ndarray, new: int) -> np.ndarr
             loads[ln] += times[v, new]
             dev[v] = new
             taken += wv
+    if taken < budget / 2:
+        taken += _take_tail(w, times, dev, peers, new, budget - taken)
     return dev
+
+
+def _take_tail(w: Any, times: np.ndarray, dev: np.ndarray, peers: list[int], new: int, room: float) -> float:
+    """A chain has no level to even out: the newcomer takes the later half of its busiest peer's ops.
+
+    A contiguous stretch keeps the pipeline a pipeline (one more hop), and both
+    devices end with about half the peer's time, so a stream of requests gains.
+    """
+    busy = {p: float(times[dev == p, p].sum()) for p in peers}
+    peer = max(busy, key=lambda p: busy[p])
+    ops = np.flatnonzero(dev == peer)[::-1]
+    moved_t = taken = 0.0
+    for v in ops.tolist():
+        wv = float(w.weight_bytes[v])
+        if moved_t >= busy[peer] / 2 or taken + wv > room:
+            break
+        dev[v] = new
+        moved_t += float(times[v, peer])
+        taken += wv
+    return taken
 
 
 def _shrink(plan: Plan, spec: ClusterSpec, i: int) -> tuple[np.ndarray, np.ndarray]:

@@ -50,6 +50,7 @@ from .worker import PLUGIN_NAME, SeaBiscuitWorkerPlugin
 logger = logging.getLogger(__name__)
 
 TOPIC = "seabiscuit"
+RUNS_TOPIC = "seabiscuit-runs"
 
 
 class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
@@ -63,6 +64,7 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
         self.scheduler: Any = None
         self.events: list[dict[str, Any]] = []
         self._background: set[Any] = set()
+        self.runs: dict[str, dict[tuple[int, int, int], list[int]]] = {}
 
     async def start(self, scheduler: Any) -> None:
         self.scheduler = scheduler
@@ -72,6 +74,7 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
             "seabiscuit_plan": self.plan, "seabiscuit_owned": self.owned,
             "seabiscuit_drain": self.drain, "seabiscuit_pressure": self.pressure,
             "seabiscuit_budget": self.budget, "seabiscuit_restore": self.restore,
+            "seabiscuit_runs": self.run_counts,
         })
         if scheduler.no_workers_timeout is None:
             # NOTE: a task pinned to a worker that never comes back must fail, not hang.
@@ -90,6 +93,15 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
     def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
         if finish == "forgotten" and key in self.state.pinned:
             self.state.handle(TasksForgotten((key,)))
+
+    def log_event(self, topic: str, msg: Any) -> None:
+        """Count block executions reported by the workers (topic ``seabiscuit-runs``)."""
+        if topic != RUNS_TOPIC or not isinstance(msg, dict):
+            return
+        runs = self.runs.setdefault(str(msg.get("model")), {})
+        key = (int(msg.get("version", 0)), int(msg.get("request", 0)), int(msg.get("block", 0)))
+        counts = runs.setdefault(key, [0, 0])
+        counts[0 if msg.get("how") == "computed" else 1] += 1
 
     def add_worker(self, scheduler: Any = None, worker: str = "", **kwargs: Any) -> None:
         self._apply(self.state.handle(WorkerJoined(worker, self._device_of(worker))))
@@ -173,7 +185,11 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
             if not peers:
                 return None
             report = {**peers[0], "budget_bytes": int(ws.resources.get("MEM") or peers[0]["budget_bytes"])}
-        return device_from_report(_worker_info(ws, report))
+        from .discover import device_name
+
+        info = _worker_info(ws, report)
+        taken = {d.name for dep in self.state.models.values() for d in dep.plan.spec.devices}
+        return device_from_report(info, device_name(info, taken))
 
     # --- RPC handlers (first argument: the comm, unused) -------------------------------------
     def deploy(self, comm: Any = None, model: str = "", graph: str = "", device_of: list[int] | None = None,
@@ -189,6 +205,7 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
 
     def release(self, comm: Any = None, model: str = "") -> bool:
         existed = model in self.state.models
+        self.runs.pop(model, None)
         self.state.handle(ModelReleased(model))
         return existed
 
@@ -201,6 +218,13 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
             raise SeaBiscuitError(f"model {model} is not deployed on this cluster")
         return {"version": dep.version, "device_of": dep.plan.device_of.tolist(),
                 "cluster": dep.plan.spec.to_dict()}
+
+    def run_counts(self, comm: Any = None, model: str = "") -> dict[str, int]:
+        """Blocks of ``model`` computed, read back from checkpoints, and computed more than once."""
+        runs = self.runs.get(model, {})
+        return {"computed": sum(c for c, _ in runs.values()), "resumed": sum(r for _, r in runs.values()),
+                "re_executed": sum(max(0, c - 1) for c, _ in runs.values()),
+                "blocks": len(runs)}
 
     def owned(self, comm: Any = None, model: str = "", version: int = 0, address: str = "") -> list[Any]:
         return self.state.owned(model, int(version), address)
@@ -218,8 +242,8 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
         return self._event(WorkerDraining(address, reason))
 
     def restore(self, comm: Any = None, address: str = "") -> dict[str, Any]:
-        """A drained worker may take work again from the next placement on."""
-        return self._event(WorkerRestored(address))
+        """A drained worker takes work again: models spread onto it as onto a worker that joins."""
+        return self._event(WorkerRestored(address, self._device_of(address)))
 
     def pressure(self, comm: Any = None, address: str = "", reason: str = "") -> dict[str, Any]:
         """A worker's agent reports memory pressure or an overheating GPU: drain it if the rest can."""
@@ -237,7 +261,7 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
         return self._event(BudgetChanged(address, int(memory_bytes)))
 
     def workers(self, comm: Any = None) -> list[dict[str, Any]]:
-        """Every worker with its agent's last report (None until its first heartbeat); drained ones left out."""
+        """Every worker but drained ones, with its agent's last report (None before its first heartbeat)."""
         return [_worker_info(ws, ws.metrics.get(PLUGIN_NAME)) for ws in self.scheduler.workers.values()
                 if ws.address not in self.state.draining]
 

@@ -62,9 +62,10 @@ class WorkerDraining:
 
 @dataclass(frozen=True)
 class WorkerRestored:
-    """A drained worker may take work again (from the next placement on)."""
+    """A drained worker may take work again: models spread onto it as onto a worker that joins."""
 
     address: str
+    device: DeviceSpec | None = None
 
 
 @dataclass(frozen=True)
@@ -224,7 +225,7 @@ class PlacementState:
             return self._drain(event.address, event.reason)
         if isinstance(event, WorkerRestored):
             self.draining.pop(event.address, None)
-            return []
+            return self._worker_joined(event.address, event.device)
         if isinstance(event, BudgetChanged):
             return self._budget(event.address, event.memory_bytes)
         if isinstance(event, ModelDeployed):

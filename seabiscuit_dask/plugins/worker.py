@@ -350,6 +350,7 @@ def run_block_task(model: str, version: int, request: int, block: int, inputs: M
         out, why = load_checkpoint(ckpt)
         if out is not None:
             p.counters["resumed_from_checkpoint"] += 1
+            _report_run(p, model, version, request, block, "resumed")
             return out
         if why != "missing":
             p.counters["corrupt_checkpoints"] += 1
@@ -359,11 +360,19 @@ def run_block_task(model: str, version: int, request: int, block: int, inputs: M
         program = p.program(model, version, block)
     out = run_block(program, inputs, deps)
     p.counters["block_runs"] += 1
+    _report_run(p, model, version, request, block, "computed")
     ckpt = ckpt or p.checkpoint_path(model, version, request, block)
     if ckpt is not None:
         save_checkpoint(ckpt, out)
         p.counters["checkpoints_written"] += 1
     return out
+
+
+def _report_run(p: SeaBiscuitWorkerPlugin, model: str, version: int, request: int, block: int,
+                how: str) -> None:
+    """Tell the scheduler plugin a block ran (it counts re-executions after failures)."""
+    p.worker.log_event("seabiscuit-runs", {"model": model, "version": version, "request": request,
+                                           "block": block, "how": how})
 
 
 def release_model(model: str, dask_worker: Any = None) -> int:
