@@ -57,15 +57,40 @@ def holders(dm) -> list[str]:
                    if any(b.device == d.name for b in dm.plan.blocks)})
 
 
-def settle(client, dm, n: int = 4, timeout: float = 60) -> None:
-    """Wait until n workers are up and the model's plan uses exactly those."""
+def settle(client, dm, n: int = 4, timeout: float = 60, gone: frozenset[str] = frozenset()) -> None:
+    """Wait until n workers are up and the model's plan uses only live ones.
+
+    A nanny whose fresh worker is killed before the nanny has seen it start gives
+    up (distributed 2026.7): such a slot is replaced here, as an operator would.
+    """
     deadline = time.time() + timeout
+    replaced, stable_since = False, None
     while time.time() < deadline:
         alive = set(client.scheduler_info()["workers"])
-        if len(alive) == n and set(holders(dm)) == alive:
-            return
+        if len(alive) == n and set(holders(dm)) <= alive and not alive & gone:
+            # NOTE: the same picture for a second: a restarted worker's nanny has finished
+            # starting it, and no plan change is still on its way
+            stable_since = stable_since or time.time()
+            if time.time() - stable_since >= 1.0:
+                return
+        else:
+            stable_since = None
+        if len(alive) < n and not replaced and time.time() > deadline - timeout / 2:
+            cluster = client.cluster
+            for name, nanny in list(cluster.workers.items()):
+                if str(nanny.status).endswith(("closed", "failed", "closing")):
+                    cluster.workers.pop(name, None)
+                    cluster.worker_spec.pop(name, None)
+            cluster.scale(n)
+            replaced = True
         time.sleep(0.1)
     raise RuntimeError(f"cluster did not settle: workers {sorted(alive)}, plan uses {holders(dm)}")
+
+
+def full(client, n: int = 4) -> None:
+    """All n workers up (a killed one restarted) before a model is placed."""
+    client.wait_for_workers(n, timeout=60)
+    time.sleep(1.0)
 
 
 def kill_runs(client, model, runs: int, ckpt: str | None, expected, x) -> dict:
@@ -73,11 +98,14 @@ def kill_runs(client, model, runs: int, ckpt: str | None, expected, x) -> dict:
 
     rng = random.Random(1)
     times, correct = [], 0
+    full(client)
     with sb.distribute(model, client, (x,), checkpoint_dir=ckpt) as dm:
         dm(x)
+        gone: set[str] = set()
         for _ in range(runs):
-            settle(client, dm)
+            settle(client, dm, gone=frozenset(gone))
             victim = rng.choice(holders(dm))
+            gone.add(victim)
             pid = client.run(os.getpid, workers=[victim])[victim]
             out: dict = {}
             th = threading.Thread(target=lambda: out.update(y=dm(x).logits))
@@ -97,6 +125,7 @@ def drains(client, model, n: int, expected, x) -> dict:
     import seabiscuit_dask as sb
 
     ok, bad, stop, lat = [0], [0], threading.Event(), []
+    full(client)
     with sb.distribute(model, client, (x,)) as dm:
         settle(client, dm)
 
@@ -113,16 +142,23 @@ def drains(client, model, n: int, expected, x) -> dict:
         for t in threads:
             t.start()
         rng = random.Random(2)
+        refused = 0
         for _ in range(n):
+            settle(client, dm, timeout=30)
             victim = rng.choice(holders(dm))
-            dm.drain(victim, reason="bench drain")
+            try:
+                dm.drain(victim, reason="bench drain")
+            except sb.SeaBiscuitError:      # the rest could not absorb it: nothing moved
+                refused += 1
+                continue
             time.sleep(0.5)
             dm.restore(victim)
             time.sleep(0.5)
         stop.set()
         for t in threads:
             t.join(120)
-    return {"drains": n, "served": ok[0], "failed": bad[0], "median_s": statistics.median(lat),
+    return {"drains": n - refused, "refused": refused, "served": ok[0], "failed": bad[0],
+            "median_s": statistics.median(lat),
             "worst_s": max(lat)}
 
 
@@ -134,6 +170,7 @@ def many_requests(client, model, total: int, threads_n: int) -> dict:
         want = [model(x).logits for x in xs]
     got: dict[tuple[int, int], torch.Tensor] = {}
     errors: list = []
+    full(client)
     with sb.distribute(model, client, (xs[0],)) as dm:
         settle(client, dm)
 
@@ -164,6 +201,7 @@ def corruptions(client, model, n: int, expected, x, ckpt: str) -> dict:
     from seabiscuit_dask.integrity import save_checkpoint
 
     detected, wrong = 0, 0
+    full(client)
     with sb.distribute(model, client, (x,), checkpoint_dir=ckpt) as dm:
         settle(client, dm)
         dm(x)
@@ -235,7 +273,7 @@ def main() -> None:
               f"{r['worst_s'] * 1e3:>5.0f} ms {r['computed']:>16} {r['re_executed']:>12} {r['resumed']:>16}")
     print(f"\n2. drains under load (3 callers): {dr['drains']} drains and restores, {dr['served']} requests "
           f"served correctly, {dr['failed']} failed or lost; request time median "
-          f"{dr['median_s'] * 1e3:.0f} ms, worst {dr['worst_s'] * 1e3:.0f} ms")
+          f"{dr['median_s'] * 1e3:.0f} ms, worst {dr['worst_s'] * 1e3:.0f} ms; {dr['refused']} drains refused")
     print(f"3. {many['requests']} requests from 8 threads, one worker killed: {many['answered']} answered "
           f"(one per call, none twice), {many['correct']} correct, {many['errors']} errors; "
           f"{many['re_executed']} blocks recomputed after the kill")

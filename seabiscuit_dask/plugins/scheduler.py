@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -172,24 +173,32 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
         self.scheduler.log_event(TOPIC, msg)
 
     def _device_of(self, address: str) -> Any:
-        """A DeviceSpec for a worker that joined, from a peer's report (None if none yet)."""
-        from .discover import device_from_report
+        """A DeviceSpec for a worker that joins (or is restored), None before any report on its host.
+
+        Its speeds are those its plan peers were placed with (same host, kind and
+        threads) when there are any, so a noisy measurement does not skew a repair.
+        """
+        from .discover import device_from_report, device_name
 
         ws = self.scheduler.workers.get(address)
         if ws is None:
             return None
-        report = ws.metrics.get(PLUGIN_NAME)
+        peers = [w.metrics[PLUGIN_NAME] for w in self.scheduler.workers.values()
+                 if w.host == ws.host and w.address != address and w.metrics.get(PLUGIN_NAME)]
+        report = ws.metrics.get(PLUGIN_NAME) or (dict(peers[0]) if peers else None)
         if report is None:
-            peers = [w.metrics.get(PLUGIN_NAME) for w in self.scheduler.workers.values()
-                     if w.host == ws.host and w.metrics.get(PLUGIN_NAME)]
-            if not peers:
-                return None
-            report = {**peers[0], "budget_bytes": int(ws.resources.get("MEM") or peers[0]["budget_bytes"])}
-        from .discover import device_name
-
+            return None
+        report = {**report, "budget_bytes": int(ws.resources.get("MEM") or report["budget_bytes"])}
         info = _worker_info(ws, report)
         taken = {d.name for dep in self.state.models.values() for d in dep.plan.spec.devices}
-        return device_from_report(info, device_name(info, taken))
+        device = device_from_report(info, device_name(info, taken))
+        placed = [d for dep in self.state.models.values() for d in dep.plan.spec.devices
+                  if d.host == device.host and d.kind == device.kind]
+        if placed:
+            like = placed[0]
+            device = replace(device, flops_per_s=dict(like.flops_per_s), mem_bytes_per_s=like.mem_bytes_per_s,
+                             op_overhead_s=like.op_overhead_s)
+        return device
 
     # --- RPC handlers (first argument: the comm, unused) -------------------------------------
     def deploy(self, comm: Any = None, model: str = "", graph: str = "", device_of: list[int] | None = None,
