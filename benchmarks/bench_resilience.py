@@ -221,7 +221,8 @@ def corruptions(client, model, n: int, expected, x, ckpt: str) -> dict:
                 spec = dm.specs[0]
                 nxt = dm._requests
                 request = next(nxt)      # the id the next call will not use: plant for the one after
-                path = Path(ckpt) / dm.model_id / f"r{request + 1}" / f"v{dm.version}-b{spec.index}.safetensors"
+                name = f"v{dm.version}-b{spec.index}.safetensors"
+                path = Path(ckpt) / dm.model_id / f"r{request + 1}" / name
                 save_checkpoint(path, {t: torch.zeros(dm.graph.tensors[t].shape) for t in spec.exports})
                 raw = bytearray(path.read_bytes())
                 raw[-1] ^= 0xFF
@@ -273,11 +274,13 @@ def main() -> None:
               f"{r['worst_s'] * 1e3:>5.0f} ms {r['computed']:>16} {r['re_executed']:>12} {r['resumed']:>16}")
     print(f"\n2. drains under load (3 callers): {dr['drains']} drains and restores, {dr['served']} requests "
           f"served correctly, {dr['failed']} failed or lost; request time median "
-          f"{dr['median_s'] * 1e3:.0f} ms, worst {dr['worst_s'] * 1e3:.0f} ms; {dr['refused']} drains refused")
+          f"{dr['median_s'] * 1e3:.0f} ms, worst {dr['worst_s'] * 1e3:.0f} ms; "
+          f"{dr['refused']} drains refused")
     print(f"3. {many['requests']} requests from 8 threads, one worker killed: {many['answered']} answered "
           f"(one per call, none twice), {many['correct']} correct, {many['errors']} errors; "
           f"{many['re_executed']} blocks recomputed after the kill")
-    print(f"4. corruptions: {cor['injected']} injected, {cor['detected']} detected, {cor['wrong']} wrong results")
+    print(f"4. corruptions: {cor['injected']} injected, {cor['detected']} detected, "
+          f"{cor['wrong']} wrong results")
     if replans:
         print(f"5. scheduler replans: {len(replans)}; median {statistics.median(replans) * 1e3:.2f} ms, "
               f"worst {max(replans) * 1e3:.2f} ms (bar: 25 ms)")

@@ -183,7 +183,7 @@ def test_a_drain_the_rest_cannot_absorb_is_refused_and_changes_nothing(gpt2) -> 
     _, _, graph = gpt2
     w = sum(p.nbytes for p in graph.params.values())
     spec = cluster(2, memory=str(int(w * 0.8)))
-    state, plan = deployed(graph, spec)
+    state, _ = deployed(graph, spec)
     with pytest.raises(sb.SeaBiscuitError, match="cannot hold model m1"):
         state.handle(WorkerDraining(spec.devices[0].address, "too hot"))
     assert state.draining == {} and state.models["m1"].version == 0
