@@ -85,12 +85,13 @@ class DistributedModel:
     """A model deployed on a Dask cluster; call it like the model. See ``distribute``."""
 
     def __init__(self, client: Any, graph: OpGraph, plan: Plan, model_id: str, version: int,
-                 store_dir: Path | None = None, checkpoint_dir: str = "") -> None:
+                 store_dir: Path | None = None, checkpoint_dir: str = "", verify_every: int = 0) -> None:
         self.client = client
         self.graph = graph
         self.model_id = model_id
         self._store_dir = store_dir
         self.checkpoint_dir = checkpoint_dir
+        self.verify_every = verify_every
         self._inflight: dict[int, list[Any]] = {}
         self._lock = threading.Lock()
         self._requests = itertools.count()
@@ -102,7 +103,7 @@ class DistributedModel:
 
     # --- plan ------------------------------------------------------------------------------
     def _set_plan(self, plan: Plan, version: int) -> None:
-        specs = block_specs(plan, self.model_id, version, self.checkpoint_dir)
+        specs = block_specs(plan, self.model_id, version, self.checkpoint_dir, self.verify_every)
         with self._lock:
             self._plan, self.version, self.specs = plan, version, specs
             self._out_blocks = self._output_blocks()
@@ -310,7 +311,7 @@ def _load_tasks(specs: list[BlockSpec]) -> dict[Any, Any]:
 
 def distribute(model_or_path: Any, client: Any, example_inputs: Any, budget: int | str | None = None, *,
                kwargs: Mapping[str, Any] | None = None, checkpoint: str | os.PathLike[str] | None = None,
-               checkpoint_dir: str | os.PathLike[str] | None = None,
+               checkpoint_dir: str | os.PathLike[str] | None = None, verify_every: int | None = None,
                progress: Progress | None = None) -> DistributedModel:
     """Deploy a model on the cluster behind ``client``; returns a callable ``DistributedModel``.
 
@@ -329,6 +330,10 @@ def distribute(model_or_path: Any, client: Any, example_inputs: Any, budget: int
         Checkpoint every block's outputs there (a folder every worker sees), so a
         block that must run again after a worker loss reads them back instead
         (default: config ``seabiscuit.checkpoint.directory``; None: no checkpoints).
+    verify_every : int, optional
+        Check each block's resident weight tiles against their checksums every N
+        runs (1: before every run; 0: only when read). Default: config
+        ``seabiscuit.integrity.verify-every``.
     progress : callable, optional
         Called with a line of text at each long step.
 
@@ -370,12 +375,14 @@ def distribute(model_or_path: Any, client: Any, example_inputs: Any, budget: int
     model_id = uuid.uuid4().hex[:10]
     ckpt = checkpoint_dir if checkpoint_dir is not None else config.get("checkpoint.directory")
     ckpt = os.fspath(Path(ckpt).expanduser().resolve()) if ckpt else ""
+    every = int(verify_every if verify_every is not None else config.get("integrity.verify-every", 0) or 0)
     dm: DistributedModel | None = None
     try:
         reply = client.sync(client.scheduler.seabiscuit_deploy, model=model_id, graph=micro.to_json(),
                             device_of=plan.device_of.tolist(), cluster=plan.spec.to_dict(),
-                            checkpoint_dir=ckpt)
-        dm = DistributedModel(client, micro, plan, model_id, int(reply["version"]), store_dir, ckpt)
+                            checkpoint_dir=ckpt, verify_every=every)
+        dm = DistributedModel(client, micro, plan, model_id, int(reply["version"]), store_dir, ckpt,
+                              every)
         _load(client, dm.specs, say)
     except BaseException:
         if dm is not None:

@@ -30,9 +30,8 @@ BUDGET = 1_600_000
 def client():
     from distributed import Client, LocalCluster
 
-    with dask.config.set({"seabiscuit.integrity.verify-every": 1}), \
-            LocalCluster(n_workers=4, threads_per_worker=1, processes=True, dashboard_address=None,
-                         resources={"MEM": BUDGET}) as cluster, Client(cluster) as c:
+    with LocalCluster(n_workers=4, threads_per_worker=1, processes=True, dashboard_address=None,
+                      resources={"MEM": BUDGET}) as cluster, Client(cluster) as c:
         c.register_plugin(sb.SeaBiscuitSchedulerPlugin())
         yield c
 
@@ -164,7 +163,7 @@ def test_a_lowered_budget_sheds_shards(client, llama) -> None:
 
 def test_corrupted_resident_tiles_are_detected_and_reloaded(client, llama) -> None:
     model, x, expected = llama
-    with sb.distribute(model, client, (x,), budget="256KiB") as dm:
+    with sb.distribute(model, client, (x,), budget="256KiB", verify_every=1) as dm:
         dm(x)
 
         def corrupt(dask_worker) -> int:

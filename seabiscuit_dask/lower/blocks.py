@@ -57,6 +57,7 @@ class BlockSpec:
     address: str = ""                     # the worker that owns it in its plan
     checksums: Mapping[str, int] = field(default_factory=dict)   # param -> CRC-32 of its tile, if known
     checkpoint_dir: str = ""              # where block outputs are checkpointed ("" = not)
+    verify_every: int = 0                 # check resident tiles every N runs (0 = only on reads)
 
     @property
     def weight_bytes(self) -> int:
@@ -75,6 +76,7 @@ class BlockSpec:
             "imports": {k: t.to_dict() for k, t in self.imports.items()},
             "exports": list(self.exports), "sources": list(self.sources), "address": self.address,
             "checksums": dict(self.checksums), "checkpoint_dir": self.checkpoint_dir,
+            "verify_every": self.verify_every,
         }
 
     @classmethod
@@ -86,10 +88,12 @@ class BlockSpec:
             {k: TensorSpec.from_dict(t) for k, t in d["imports"].items()},
             tuple(d["exports"]), tuple(int(s) for s in d["sources"]), str(d.get("address", "")),
             {k: int(v) for k, v in dict(d.get("checksums") or {}).items()}, str(d.get("checkpoint_dir", "")),
+            int(d.get("verify_every", 0)),
         )
 
 
-def block_specs(plan: Any, model_id: str, version: int = 0, checkpoint_dir: str = "") -> list[BlockSpec]:
+def block_specs(plan: Any, model_id: str, version: int = 0, checkpoint_dir: str = "",
+                verify_every: int = 0) -> list[BlockSpec]:
     """Cut ``plan`` (a ``Plan``) into self-contained block specs, in block order.
 
     Tile checksums come from ``graph.meta["tile_crc32"]`` when the weights were
@@ -126,7 +130,7 @@ def block_specs(plan: Any, model_id: str, version: int = 0, checkpoint_dir: str 
         out.append(BlockSpec(model_id, version, b, blk.device, ops, params,
                              {t: graph.tensors[t] for t in imports[b]}, tuple(exported[b]),
                              tuple(imports[b].values()), address,
-                             {p: int(crcs[p]) for p in params if p in crcs}, checkpoint_dir))
+                             {p: int(crcs[p]) for p in params if p in crcs}, checkpoint_dir, verify_every))
     return out
 
 

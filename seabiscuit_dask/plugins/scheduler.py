@@ -202,13 +202,14 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
 
     # --- RPC handlers (first argument: the comm, unused) -------------------------------------
     def deploy(self, comm: Any = None, model: str = "", graph: str = "", device_of: list[int] | None = None,
-               cluster: dict[str, Any] | None = None, checkpoint_dir: str = "") -> dict[str, Any]:
+               cluster: dict[str, Any] | None = None, checkpoint_dir: str = "",
+               verify_every: int = 0) -> dict[str, Any]:
         g = OpGraph.from_json(graph)
         plan = Plan(g, ClusterSpec.from_dict(cluster or {}), np.asarray(device_of, dtype=np.int64),
                     method="deployed")
         for addr in self.scheduler.workers:
             self.state.workers.setdefault(addr, None)
-        ins = self.state.handle(ModelDeployed(model, plan, checkpoint_dir or ""))
+        ins = self.state.handle(ModelDeployed(model, plan, checkpoint_dir or "", int(verify_every or 0)))
         self._apply(ins)
         return {"version": self.state.models[model].version}
 

@@ -34,6 +34,7 @@ class ModelDeployed:
     model: str
     plan: Plan                        # its devices carry their workers' addresses
     checkpoint_dir: str = ""          # block outputs are checkpointed there ("" = not)
+    verify_every: int = 0             # resident tiles are checked every N runs of a block
 
 
 @dataclass(frozen=True)
@@ -142,6 +143,7 @@ class Deployment:
     plan: Plan
     version: int = 0
     checkpoint_dir: str = ""
+    verify_every: int = 0
     history: dict[int, Plan] = field(default_factory=dict)
     _specs: dict[int, list[BlockSpec]] = field(default_factory=dict)
     _homes: dict[tuple[int, int], str] = field(default_factory=dict)
@@ -150,7 +152,8 @@ class Deployment:
     def specs(self, version: int) -> list[BlockSpec]:
         if version not in self._specs:
             plan = self.plan if version == self.version else self.history[version]
-            self._specs[version] = block_specs(plan, self.model, version, self.checkpoint_dir)
+            self._specs[version] = block_specs(plan, self.model, version, self.checkpoint_dir,
+                                              self.verify_every)
         return self._specs[version]
 
     def address_of_device(self, d: int) -> str:
@@ -229,21 +232,23 @@ class PlacementState:
         if isinstance(event, BudgetChanged):
             return self._budget(event.address, event.memory_bytes)
         if isinstance(event, ModelDeployed):
-            return self._deployed(event.model, event.plan, event.checkpoint_dir)
+            return self._deployed(event.model, event.plan, event.checkpoint_dir, event.verify_every)
         if isinstance(event, ModelReleased):
             self.models.pop(event.model, None)
             return []
         raise SeaBiscuitError(f"PlacementState does not know the event {event!r}")
 
     # --- handlers -----------------------------------------------------------------------
-    def _deployed(self, model: str, plan: Plan, checkpoint_dir: str = "") -> list[Instruction]:
+    def _deployed(self, model: str, plan: Plan, checkpoint_dir: str = "",
+                  verify_every: int = 0) -> list[Instruction]:
         missing = [d.name for d in plan.spec.devices if d.address not in self.workers]
         if missing:
             raise SeaBiscuitError(f"model {model}: the plan uses devices {missing} whose workers are "
                                   f"not in the cluster (workers: {sorted(self.workers)})")
         dep = self.models.get(model)
         if dep is None:
-            self.models[model] = Deployment(model, plan, checkpoint_dir=checkpoint_dir)
+            self.models[model] = Deployment(model, plan, checkpoint_dir=checkpoint_dir,
+                                            verify_every=verify_every)
             return [PlanChanged(model, 0, "deployed")]
         v = dep.advance(plan)
         return [PlanChanged(model, v, "redeployed")]

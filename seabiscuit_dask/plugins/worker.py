@@ -219,10 +219,10 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
     def verify(self, program: BlockProgram) -> bool:
         """Check a block's resident tiles against their checksums; reload the model's tiles on a mismatch.
 
-        Runs every ``seabiscuit.integrity.verify-every`` runs of a block (0: never).
-        Returns False when corruption was found (the block must be fetched again).
+        Runs every ``verify_every`` runs of a block, as deployed (0: never). Returns
+        False when corruption was found (the block must be fetched again).
         """
-        every = int(config.get("integrity.verify-every", 0) or 0)
+        every = program.spec.verify_every
         key = (program.spec.model, program.spec.index)
         self.runs[key] = n = self.runs.get(key, 0) + 1
         if every <= 0 or n % every:
