@@ -8,6 +8,7 @@ import torch
 import seabiscuit_dask as sb
 
 from . import models as M
+from .clusters import seabiscuit_cluster
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
@@ -15,12 +16,8 @@ pytestmark = [pytest.mark.gpu,
 
 
 def test_gpu_worker_runs_blocks_on_cuda_and_accounts_gpu_memory() -> None:
-    from distributed import Client, LocalCluster
-
     model, x = M.llama(), M.ids()
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None,
-                      resources={"MEM": 2_000_000}) as cluster, Client(cluster) as client:
-        client.register_plugin(sb.SeaBiscuitSchedulerPlugin())
+    with seabiscuit_cluster(2, 2_000_000) as client:
         spec = sb.ClusterSpec.from_client(client)
         assert {d.kind for d in spec.devices} == {"gpu"}
         with sb.distribute(model, client, (x,), budget="256KiB") as dm:

@@ -20,6 +20,7 @@ import torch
 import seabiscuit_dask as sb
 
 from . import models as M
+from .clusters import seabiscuit_cluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::ResourceWarning")]
 
@@ -28,11 +29,7 @@ BUDGET = 1_600_000
 
 @pytest.fixture(scope="module")
 def client():
-    from distributed import Client, LocalCluster
-
-    with LocalCluster(n_workers=4, threads_per_worker=1, processes=True, dashboard_address=None,
-                      resources={"MEM": BUDGET}) as cluster, Client(cluster) as c:
-        c.register_plugin(sb.SeaBiscuitSchedulerPlugin())
+    with seabiscuit_cluster(4, BUDGET) as c:
         yield c
 
 
@@ -220,12 +217,8 @@ def test_corrupt_weights_on_disk_fail_loudly(client, tmp_path) -> None:
 
 
 def test_a_model_the_rest_cannot_hold_fails_fast_with_the_reason(llama) -> None:
-    from distributed import Client, LocalCluster
-
     model, x, expected = llama
-    with LocalCluster(n_workers=3, threads_per_worker=1, processes=False, dashboard_address=None,
-                      resources={"MEM": BUDGET}) as cluster, Client(cluster) as c:
-        c.register_plugin(sb.SeaBiscuitSchedulerPlugin())
+    with seabiscuit_cluster(3, BUDGET, processes=False) as c:
         with sb.distribute(model, c, (x,), budget="256KiB") as dm:
             assert M.rel_err(dm(x).logits, expected) <= 1e-4
             c.retire_workers([busiest(dm)], close_workers=True)
@@ -239,16 +232,12 @@ def test_a_model_the_rest_cannot_hold_fails_fast_with_the_reason(llama) -> None:
 
 
 def test_tls_secured_cluster(llama) -> None:
-    from distributed import Client, LocalCluster
     from distributed.security import Security
 
     model, x, expected = llama
     sec = Security.temporary()          # a CA and certificates made for this test
-    with LocalCluster(n_workers=3, threads_per_worker=1, processes=True, dashboard_address=None,
-                      protocol="tls", security=sec, resources={"MEM": BUDGET}) as cluster, \
-            Client(cluster, security=sec) as c:
+    with seabiscuit_cluster(3, BUDGET, protocol="tls", security=sec) as c:
         assert c.scheduler.address.startswith("tls://")
-        c.register_plugin(sb.SeaBiscuitSchedulerPlugin())
         with sb.distribute(model, c, (x,), budget="256KiB") as dm:
             assert all(d.address.startswith("tls://") for d in dm.plan.spec.devices)
             assert M.rel_err(dm(x).logits, expected) <= 1e-4

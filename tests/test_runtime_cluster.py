@@ -15,6 +15,7 @@ import seabiscuit_dask as sb
 from seabiscuit_dask.plugins import PluginMissing
 
 from . import models as M
+from .clusters import seabiscuit_cluster
 
 pytestmark = pytest.mark.filterwarnings("ignore::ResourceWarning")
 
@@ -24,11 +25,7 @@ OP_BUDGET = "256KiB"
 
 @pytest.fixture(scope="module")
 def client():
-    from distributed import Client, LocalCluster
-
-    with LocalCluster(n_workers=4, threads_per_worker=1, processes=True, dashboard_address=None,
-                      resources={"MEM": WORKER_BUDGET}) as cluster, Client(cluster) as c:
-        c.register_plugin(sb.SeaBiscuitSchedulerPlugin())
+    with seabiscuit_cluster(4, WORKER_BUDGET) as c:
         yield c
 
 
@@ -169,10 +166,7 @@ def test_cluster_spec_from_client_reports_the_workers(client) -> None:
 
 
 def test_a_cluster_without_the_plugin_says_how_to_install_it() -> None:
-    from distributed import Client, LocalCluster
-
-    with LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=None) as cl, \
-            Client(cl) as c:
+    with seabiscuit_cluster(1, WORKER_BUDGET, processes=False, plugin=False) as c:
         with pytest.raises(PluginMissing, match="register_plugin"):
             sb.distribute(M.gpt2(), c, (M.ids(),), budget=OP_BUDGET)
         with pytest.raises(PluginMissing, match="--preload seabiscuit_dask.plugins.preload"):

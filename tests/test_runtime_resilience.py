@@ -11,19 +11,16 @@ import torch
 import seabiscuit_dask as sb
 
 from . import models as M
+from .clusters import seabiscuit_cluster
 
 pytestmark = pytest.mark.filterwarnings("ignore::ResourceWarning")
 
 
 def test_requests_survive_a_worker_leaving() -> None:
-    from distributed import Client, LocalCluster
-
     model, x = M.llama(), M.ids()
     with torch.no_grad():
         expected = model(x).logits
-    with LocalCluster(n_workers=4, threads_per_worker=1, processes=True, dashboard_address=None,
-                      resources={"MEM": 1_600_000}) as cluster, Client(cluster) as client:
-        client.register_plugin(sb.SeaBiscuitSchedulerPlugin())
+    with seabiscuit_cluster(4, 1_600_000) as client:
         with sb.distribute(model, client, (x,), budget="256KiB") as dm:
             assert M.rel_err(dm(x).logits, expected) <= 1e-4
             counts = {}
