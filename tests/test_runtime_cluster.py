@@ -68,6 +68,14 @@ def test_distributed_matches_the_model(client, name: str) -> None:
         x2 = inputs(seed=1)
         with torch.no_grad():
             assert M.rel_err(M.first(dm(x2)), M.first(model(x2))) <= 1e-4
+        # one task per block per request (blocks no output needs are culled), each computed once
+        needed, todo = set(), [s.index for s in dm.specs if set(s.exports) & set(dm.graph.outputs)]
+        while todo:
+            b = todo.pop()
+            if b not in needed:
+                needed.add(b)
+                todo.extend(dm.specs[b].deps)
+        assert dm.run_counts() == {"computed": 2 * len(needed), "resumed": 0, "re_executed": 0}
     # closed: the shards are gone from every worker
     assert all(held == 0 for held, _ in shard_accounting(client).values())
 

@@ -28,6 +28,7 @@ from distributed.protocol.pickle import dumps
 from .. import config
 from ..errors import SeaBiscuitError
 from ..ir import OpGraph
+from ..lower.blocks import task_name
 from ..placement import ClusterSpec, Plan
 from .state import (
     BudgetChanged,
@@ -65,7 +66,8 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
         self.scheduler: Any = None
         self.events: list[dict[str, Any]] = []
         self._background: set[Any] = set()
-        self.runs: dict[str, dict[tuple[int, int, int], list[int]]] = {}
+        self.runs: dict[str, dict[Any, int]] = {}            # model -> live task key -> times computed
+        self.run_totals: dict[str, dict[str, int]] = {}
 
     async def start(self, scheduler: Any) -> None:
         self.scheduler = scheduler
@@ -94,15 +96,30 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
     def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
         if finish == "forgotten" and key in self.state.pinned:
             self.state.handle(TasksForgotten((key,)))
+            parts = parse_key(key)
+            if parts is not None:
+                self.runs.get(parts[0], {}).pop(key, None)
 
     def log_event(self, topic: str, msg: Any) -> None:
-        """Count block executions reported by the workers (topic ``seabiscuit-runs``)."""
+        """Count block executions reported by the workers (topic ``seabiscuit-runs``).
+
+        Per-block counts live only while the block's task does (see ``transition``);
+        the totals stay.
+        """
         if topic != RUNS_TOPIC or not isinstance(msg, dict):
             return
-        runs = self.runs.setdefault(str(msg.get("model")), {})
-        key = (int(msg.get("version", 0)), int(msg.get("request", 0)), int(msg.get("block", 0)))
-        counts = runs.setdefault(key, [0, 0])
-        counts[0 if msg.get("how") == "computed" else 1] += 1
+        model = str(msg.get("model"))
+        totals = self.run_totals.setdefault(model, {"computed": 0, "resumed": 0, "re_executed": 0})
+        if msg.get("how") != "computed":
+            totals["resumed"] += 1
+            return
+        key = (task_name(model), int(msg.get("version", 0)), int(msg.get("request", 0)),
+               int(msg.get("block", 0)))
+        runs = self.runs.setdefault(model, {})
+        if runs.get(key, 0):
+            totals["re_executed"] += 1
+        runs[key] = runs.get(key, 0) + 1
+        totals["computed"] += 1
 
     def add_worker(self, scheduler: Any = None, worker: str = "", **kwargs: Any) -> None:
         self._apply(self.state.handle(WorkerJoined(worker, self._device_of(worker))))
@@ -216,6 +233,7 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
     def release(self, comm: Any = None, model: str = "") -> bool:
         existed = model in self.state.models
         self.runs.pop(model, None)
+        self.run_totals.pop(model, None)
         self.state.handle(ModelReleased(model))
         return existed
 
@@ -231,10 +249,7 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
 
     def run_counts(self, comm: Any = None, model: str = "") -> dict[str, int]:
         """Blocks of ``model`` computed, read back from checkpoints, and computed more than once."""
-        runs = self.runs.get(model, {})
-        return {"computed": sum(c for c, _ in runs.values()), "resumed": sum(r for _, r in runs.values()),
-                "re_executed": sum(max(0, c - 1) for c, _ in runs.values()),
-                "blocks": len(runs)}
+        return dict(self.run_totals.get(model, {"computed": 0, "resumed": 0, "re_executed": 0}))
 
     def owned(self, comm: Any = None, model: str = "", version: int = 0, address: str = "") -> list[Any]:
         return self.state.owned(model, int(version), address)
