@@ -172,9 +172,12 @@ class DistributedModel:
         for d in self._plan.spec.devices:
             if worker in (d.name, d.address):
                 return d.address
+        from .plugins.discover import device_name
+
         info = self.client.scheduler_info()["workers"]
         for addr, w in info.items():
-            if worker in (addr, str(w.get("name"))):
+            alias = device_name({"name": w.get("name"), "address": addr}, set())   # "w0" for worker 0
+            if worker in (addr, str(w.get("name")), alias):
                 return str(addr)
         raise SeaBiscuitError(f"no worker {worker!r} in the cluster; workers: {sorted(info)}")
 
