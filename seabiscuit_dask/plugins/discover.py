@@ -5,7 +5,8 @@ One worker is one device. Its memory budget comes from the agent (worker resourc
 limit); its speeds were measured on the worker. Workers are grouped into hosts by
 address. Links are measured through Dask itself: the time to move a small and a
 large payload between two workers of one host, and of two hosts, gives each
-level's latency (a Dask hop, the real cost of a cut) and bandwidth.
+level's latency (a whole Dask hop, task dispatch included: the real cost of a
+cut) and bandwidth.
 """
 
 from __future__ import annotations
@@ -68,10 +69,11 @@ def _hop_s(client: Any, a: str, b: str, nbytes: int, reps: int = 3) -> float:
 
 def probe_link(client: Any, a: str, b: str) -> LinkSpec:
     """Latency and bandwidth of the Dask path from worker ``a`` to worker ``b``."""
-    local = _hop_s(client, b, b, 1)                 # task overhead with no transfer
     small = _hop_s(client, a, b, 1)
     large = _hop_s(client, a, b, PROBE_BYTES)
-    latency = max(small - local, 1e-5)
+    # NOTE: the latency is the whole hop, task dispatch included: every cut between
+    # workers costs a Dask task on the far side, which is what placement must weigh.
+    latency = max(small, 1e-5)
     bandwidth = PROBE_BYTES / max(large - small, 1e-6)
     return LinkSpec(bandwidth, latency)
 
