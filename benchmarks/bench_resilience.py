@@ -76,20 +76,29 @@ def settle(client, dm, n: int = 4, timeout: float = 60, gone: frozenset[str] = f
         else:
             stable_since = None
         if len(alive) < n and not replaced and time.time() > deadline - timeout / 2:
-            cluster = client.cluster
-            for name, nanny in list(cluster.workers.items()):
-                if str(nanny.status).endswith(("closed", "failed", "closing")):
-                    cluster.workers.pop(name, None)
-                    cluster.worker_spec.pop(name, None)
-            cluster.scale(n)
+            replace_dead(client, n)
             replaced = True
         time.sleep(0.1)
     raise RuntimeError(f"cluster did not settle: workers {sorted(alive)}, plan uses {holders(dm)}")
 
 
+def replace_dead(client, n: int) -> None:
+    """Start a worker in place of any whose nanny gave up (see ``settle``)."""
+    cluster = client.cluster
+    for name, nanny in list(cluster.workers.items()):
+        if str(nanny.status).endswith(("closed", "failed", "closing")):
+            cluster.workers.pop(name, None)
+            cluster.worker_spec.pop(name, None)
+    cluster.scale(n)
+
+
 def full(client, n: int = 4) -> None:
     """All n workers up (a killed one restarted) before a model is placed."""
-    client.wait_for_workers(n, timeout=60)
+    try:
+        client.wait_for_workers(n, timeout=20)
+    except Exception:  # noqa: BLE001 - a nanny gave up: replace its worker
+        replace_dead(client, n)
+        client.wait_for_workers(n, timeout=60)
     time.sleep(1.0)
 
 
