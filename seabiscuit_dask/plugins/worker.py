@@ -235,11 +235,8 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
                 logger.warning("resident tile %s of model %s is corrupt: dropping the model's tiles "
                                "on %s and reading them again", name, program.spec.model, self.worker.address)
                 with self.lock:
-                    model = program.spec.model
-                    self.tiles.pop(model, None)
-                    self.stores.pop(model, None)     # NOTE: tiles may share the file's mapped pages
-                    for k in [k for k in self.programs if k[0] == model]:
-                        del self.programs[k]
+                    self._drop(program.spec.model)
+                    self.stores.pop(program.spec.model, None)   # NOTE: tiles may share the file's pages
                 return False
         return True
 
@@ -248,9 +245,13 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
         current = self.versions.get(model, -1)
         if version > current:
             self.versions[model] = version
-            for k in [k for k in self.programs if k[0] == model]:
-                del self.programs[k]
-            self.tiles.pop(model, None)
+            self._drop(model)
+
+    def _drop(self, model: str) -> int:
+        """Forget ``model``'s resident blocks and tiles; returns the tile bytes freed."""
+        for k in [k for k in self.programs if k[0] == model]:
+            del self.programs[k]
+        return sum(t.numel() * t.element_size() for t in self.tiles.pop(model, {}).values())
 
     def program(self, model: str, version: int, block: int) -> BlockProgram:
         """The block to run: resident, or loaded now from a spec the scheduler keeps.
@@ -308,9 +309,7 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
     def release(self, model: str) -> int:
         """Drop every block of ``model``; returns the bytes freed."""
         with self.lock:
-            freed = sum(t.numel() * t.element_size() for t in self.tiles.pop(model, {}).values())
-            for k in [k for k in self.programs if k[0] == model]:
-                del self.programs[k]
+            freed = self._drop(model)
             self.versions.pop(model, None)
             self.stores.pop(model, None)
             self.tile_crc.pop(model, None)
