@@ -103,6 +103,7 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
         self.stores: dict[str, Any] = {}
         self.tiles: dict[str, dict[tuple[Any, ...], Any]] = {}
         self.tile_crc: dict[str, dict[tuple[Any, ...], int]] = {}
+        self.released: set[str] = set()             # model ids are never reused
         self.checkpoint_dirs: dict[str, str] = {}
         self.runs: dict[tuple[str, int], int] = {}
         self.counters = {"block_runs": 0, "resumed_from_checkpoint": 0, "checkpoints_written": 0,
@@ -191,7 +192,8 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
             have = self.programs.get((spec.model, spec.index))
             if have is not None and have.spec.version == spec.version:
                 return have
-            keep = keep and spec.version == self.versions.get(spec.model)
+            # NOTE: a prefetch still loading when its model was released must not bring it back
+            keep = keep and spec.version == self.versions.get(spec.model) and spec.model not in self.released
             tiles = self.tiles.setdefault(spec.model, {}) if keep else {}
             crcs = self.tile_crc.setdefault(spec.model, {})
             need = sum(p.nbytes for p in {_tile_key(p): p for p in spec.params.values()}.values()
@@ -243,7 +245,7 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
     def _retire(self, model: str, version: int) -> None:
         """Note ``version`` as seen; a newer version drops the older blocks."""
         current = self.versions.get(model, -1)
-        if version > current:
+        if version > current and model not in self.released:
             self.versions[model] = version
             self._drop(model)
 
@@ -292,6 +294,8 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
 
         def load_all() -> int:
             for d in specs:
+                if model in self.released:
+                    return 0
                 self.load(BlockSpec.from_dict(d))
             return len(specs)
 
@@ -309,6 +313,7 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
     def release(self, model: str) -> int:
         """Drop every block of ``model``; returns the bytes freed."""
         with self.lock:
+            self.released.add(model)
             freed = self._drop(model)
             self.versions.pop(model, None)
             self.stores.pop(model, None)
