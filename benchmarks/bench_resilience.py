@@ -207,7 +207,7 @@ def many_requests(client, model, total: int, threads_n: int) -> dict:
 
 def corruptions(client, model, n: int, expected, x, ckpt: str) -> dict:
     import seabiscuit_dask as sb
-    from seabiscuit_dask.integrity import save_checkpoint
+    from seabiscuit_dask.runtime.integrity import save_checkpoint
 
     detected, wrong = 0, 0
     full(client)
@@ -221,7 +221,7 @@ def corruptions(client, model, n: int, expected, x, ckpt: str) -> dict:
 
                 def flip(dask_worker) -> int:
                     p = dask_worker.plugins["seabiscuit"]
-                    tiles = [t for ts in p.tiles.values() for t in ts.values() if t.numel() > 64]
+                    tiles = [t for ts in p.resident.tiles.values() for t in ts.values() if t.numel() > 64]
                     tiles[0].view(-1)[:16] += 1.0
                     return 1
 

@@ -1,7 +1,8 @@
 """SeaBiscuit: run models too big for one device across the machines you have.
 
-The pipeline, one stage a module: ``trace`` -> ``decompose`` -> cost ->
-``place`` -> lower -> runtime.
+The pipeline, one stage a package: ``trace`` -> ``decompose`` -> ``placement``
+(``place``) -> ``lower`` -> ``runtime`` (``run_local``, ``deploy``); ``plugins``
+are the Dask adapters.
 
 >>> import seabiscuit_dask as sb                               # doctest: +SKIP
 >>> g = sb.decompose(sb.trace(model, x), budget="16MiB")       # doctest: +SKIP
@@ -17,11 +18,13 @@ from .decompose import decompose
 from .errors import (
     BadCheckpoint,
     BadInput,
+    AccessDenied,
     BudgetTooSmall,
     ClusterTooSmall,
     InvalidGraph,
     SeaBiscuitError,
     UnsupportedModel,
+    UnsupportedOp,
     WorkerLost,
 )
 from .ir import Op, OpCost, OpGraph, ParamSource, ParamSpec, TensorSpec, verify
@@ -41,22 +44,31 @@ from .runtime import run_local
 from .trace import bind_checkpoint, build_empty, empty_weights, trace
 
 __all__ = [
-    "BadCheckpoint", "BadInput", "BudgetTooSmall", "CapacityChanged", "ClusterSpec", "ClusterTooSmall",
-    "DeviceAdded", "DeviceLost", "DeviceSpec", "DistributedModel", "InvalidGraph", "LinkSpec", "Op",
-    "OpCost", "OpGraph", "ParamSource", "ParamSpec", "PlacementState", "Plan", "SeaBiscuitError",
-    "SeaBiscuitSchedulerPlugin", "SeaBiscuitWorkerPlugin", "TensorSpec", "UnsupportedModel",
-    "WorkerLost", "bind_checkpoint", "build_empty", "config", "decompose", "distribute",
-    "empty_weights", "place", "replan", "run_local", "simulate", "trace", "verify",
+    "AccessDenied", "BadCheckpoint", "BadInput", "BudgetTooSmall", "CapacityChanged", "ClusterSpec",
+    "ClusterTooSmall", "DeviceAdded", "DeviceLost", "DeviceSpec", "DistributedModel", "InvalidGraph",
+    "LinkSpec", "Op", "OpCost", "OpGraph", "ParamSource", "ParamSpec", "PlacementState", "Plan",
+    "SeaBiscuitError", "SeaBiscuitSchedulerPlugin", "SeaBiscuitWorkerPlugin", "TensorSpec",
+    "UnsupportedModel", "UnsupportedOp", "WorkerLost", "bind_checkpoint", "build_empty", "config",
+    "decompose", "deploy", "distribute", "empty_weights", "measure_cluster", "place", "replan",
+    "run_local", "simulate", "trace", "verify",
 ]
 
 
 def __getattr__(name: str):
     # NOTE: the Dask runtime loads lazily, so planning alone never imports distributed.
-    if name in ("distribute", "DistributedModel"):
-        from . import deploy as _d
+    if name in ("deploy", "distribute", "DistributedModel"):
+        from .runtime import client
 
-        return getattr(_d, name)
-    if name in ("SeaBiscuitSchedulerPlugin", "SeaBiscuitWorkerPlugin", "PlacementState"):
+        return getattr(client, name)
+    if name == "measure_cluster":
+        from .runtime.discover import measure_cluster
+
+        return measure_cluster
+    if name == "PlacementState":
+        from .runtime.state import PlacementState
+
+        return PlacementState
+    if name in ("SeaBiscuitSchedulerPlugin", "SeaBiscuitWorkerPlugin"):
         from . import plugins
 
         return getattr(plugins, name)

@@ -27,6 +27,15 @@ class BadCheckpoint(SeaBiscuitError):
     """A checkpoint file is unreadable, truncated, or does not match the model."""
 
 
+class UnsupportedOp(SeaBiscuitError):
+    """A graph names an operation that is not in SeaBiscuit's op registry."""
+
+
+class AccessDenied(SeaBiscuitError):
+    """A request names a model it did not deploy, a path outside the configured roots, or a
+    quantity the machine cannot have."""
+
+
 class InvalidGraph(SeaBiscuitError):
     """An OpGraph breaks one of its invariants (see ``verify``)."""
 

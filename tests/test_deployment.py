@@ -65,7 +65,7 @@ def deployment(tmp_path_factory):
 
 
 def test_preloaded_cluster_reports_its_workers(deployment) -> None:
-    spec = sb.ClusterSpec.from_client(deployment)
+    spec = sb.measure_cluster(deployment)
     assert sorted(d.name for d in spec.devices) == ["node0", "node1"]
     assert all(d.memory_bytes == WORKER_BUDGET for d in spec.devices)
 

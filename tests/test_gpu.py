@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.gpu,
 def test_gpu_worker_runs_blocks_on_cuda_and_accounts_gpu_memory() -> None:
     model, x = M.llama(), M.ids()
     with seabiscuit_cluster(2, 2_000_000) as client:
-        spec = sb.ClusterSpec.from_client(client)
+        spec = sb.measure_cluster(client)
         assert {d.kind for d in spec.devices} == {"gpu"}
         with sb.distribute(model, client, (x,), budget="256KiB") as dm:
             with torch.no_grad():
@@ -26,7 +26,7 @@ def test_gpu_worker_runs_blocks_on_cuda_and_accounts_gpu_memory() -> None:
 
             def on_gpu(dask_worker) -> tuple[str, int, int]:
                 p = dask_worker.plugins["seabiscuit"]
-                tiles = [t for tiles in p.tiles.values() for t in tiles.values()]
+                tiles = [t for tiles in p.resident.tiles.values() for t in tiles.values()]
                 return p.device.type, p.resident_bytes, sum(t.is_cuda for t in tiles)
 
             for dev, held, cuda_tiles in client.run(on_gpu).values():

@@ -165,15 +165,15 @@ def test_corrupted_resident_tiles_are_detected_and_reloaded(client, llama) -> No
 
         def corrupt(dask_worker) -> int:
             p = dask_worker.plugins["seabiscuit"]
-            tiles = [t for ts in p.tiles.values() for t in ts.values() if t.numel() > 16]
+            tiles = [t for ts in p.resident.tiles.values() for t in ts.values() if t.numel() > 16]
             for t in tiles[:1]:
                 t.view(-1)[:8] += 1.0          # flip values in place, as a bad DIMM would
             return len(tiles[:1])
 
         def debug(dask_worker):
             p = dask_worker.plugins["seabiscuit"]
-            return ({m: len(t) for m, t in p.tiles.items()}, sorted(p.programs)[:40], dict(p.versions),
-                    p.counters["corrupt_tiles"])
+            return ({m: len(t) for m, t in p.resident.tiles.items()}, sorted(p.resident.programs)[:40], dict(p.resident.versions),
+                    p.resident.counters["corrupt_tiles"])
 
         before = total(dm.stats(), "corrupt_tiles")
         hit = client.run(corrupt)
@@ -187,7 +187,7 @@ def test_corrupted_resident_tiles_are_detected_and_reloaded(client, llama) -> No
 
 
 def test_a_corrupted_checkpoint_is_recomputed_not_used(client, llama, tmp_path) -> None:
-    from seabiscuit_dask.integrity import load_checkpoint, save_checkpoint
+    from seabiscuit_dask.runtime.integrity import load_checkpoint, save_checkpoint
 
     model, x, expected = llama
     with sb.distribute(model, client, (x,), budget="256KiB", checkpoint_dir=tmp_path) as dm:

@@ -139,12 +139,21 @@ def test_bad_inputs_fail_before_anything_is_submitted(client) -> None:
                 dm(M.ids(seq=5))
             with pytest.raises(sb.BadInput, match="dtype float32"):
                 dm(x.float())
-            with pytest.raises(sb.BadInput, match="takes 1 tensor input"):
+            with pytest.raises(sb.BadInput, match=r"traced with 1 positional input\(s\) \['input_ids'\], got 2"):
                 dm(x, x)
+            with pytest.raises(sb.BadInput, match="given twice"):
+                dm(x, input_ids=x)
+            with pytest.raises(sb.BadInput, match=r"id 2048 at position \[0, 2\].*0\.\.2047"):
+                dm(torch.tensor([[1, 2, M.VOCAB, 3]]))
+            with pytest.raises(sb.BadInput, match="id -1"):
+                dm(torch.tensor([[-1, 2, 3, 4]]))
         finally:
             client.get = real_get
         assert submitted == []
-        assert M.rel_err(dm(x).logits, model(x).logits) <= 1e-4     # still serving
+        with torch.no_grad():
+            expected = model(x).logits
+        assert M.rel_err(dm(x).logits, expected) <= 1e-4     # still serving
+        assert M.rel_err(dm(input_ids=x).logits, expected) <= 1e-4     # traced positionally, called by name
 
 
 def test_cluster_too_small_names_the_numbers(client) -> None:
@@ -158,7 +167,7 @@ def test_cluster_too_small_names_the_numbers(client) -> None:
 
 
 def test_cluster_spec_from_client_reports_the_workers(client) -> None:
-    spec = sb.ClusterSpec.from_client(client)
+    spec = sb.measure_cluster(client)
     workers = client.scheduler_info()["workers"]
     assert {d.address for d in spec.devices} == set(workers)
     assert all(d.memory_bytes == WORKER_BUDGET for d in spec.devices)
@@ -178,4 +187,4 @@ def test_a_cluster_without_the_plugin_says_how_to_install_it() -> None:
         with pytest.raises(PluginMissing, match="register_plugin"):
             sb.distribute(M.gpt2(), c, (M.ids(),), budget=OP_BUDGET)
         with pytest.raises(PluginMissing, match="--preload seabiscuit_dask.plugins.preload"):
-            sb.ClusterSpec.from_client(c)
+            sb.measure_cluster(c)

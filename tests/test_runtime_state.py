@@ -1,4 +1,4 @@
-"""The scheduler's decisions, driven with events and no cluster; blocks run in one process."""
+"""The scheduler's decisions (``PlacementState``), driven with events and no cluster; blocks run in one process."""
 
 from __future__ import annotations
 
@@ -9,7 +9,11 @@ import torch
 
 import seabiscuit_dask as sb
 from seabiscuit_dask.lower.blocks import BlockProgram, BlockSpec, block_specs, request_graph, task_name
-from seabiscuit_dask.plugins.state import (
+from seabiscuit_dask.placement import CapacityChanged, DeviceAdded, DeviceLost
+from seabiscuit_dask.runtime.state import (
+    DeviceDrained,
+    DeviceRestored,
+    ForModel,
     ModelDeployed,
     ModelReleased,
     Pin,
@@ -18,8 +22,6 @@ from seabiscuit_dask.plugins.state import (
     Stranded,
     TasksForgotten,
     TasksSubmitted,
-    WorkerJoined,
-    WorkerLeft,
     parse_key,
 )
 from seabiscuit_dask.weights import WeightStore
@@ -43,9 +45,9 @@ def deployed(graph, spec=None) -> tuple[PlacementState, sb.Plan]:
     spec = spec or cluster()
     state = PlacementState()
     for d in spec.devices:
-        state.handle(WorkerJoined(d.address))
+        state.handle(DeviceAdded(d))
     plan = sb.place(graph, spec)
-    assert state.handle(ModelDeployed("m1", plan)) == [PlanChanged("m1", 0, "deployed")]
+    assert state.handle(ModelDeployed("m1", plan, "secret")) == [PlanChanged("m1", 0, "deployed")]
     return state, plan
 
 
@@ -77,7 +79,7 @@ def test_losing_a_worker_replans_and_repins_its_tasks(gpt2) -> None:
     keys = tuple(("sb-m1", 0, 0, b) for b in range(len(plan.blocks)))
     pins = state.handle(TasksSubmitted(keys))
     victim = max({p.address for p in pins}, key=lambda a: sum(p.address == a for p in pins))
-    out = state.handle(WorkerLeft(victim))
+    out = state.handle(DeviceLost(victim))
     changed = [i for i in out if isinstance(i, PlanChanged)]
     assert len(changed) == 1 and changed[0].version == 1 and changed[0].moved_bytes > 0
     repins = [i for i in out if isinstance(i, Pin)]
@@ -100,7 +102,7 @@ def test_a_model_that_no_longer_fits_is_stranded(gpt2) -> None:
     w = sum(p.nbytes for p in graph.params.values())
     spec = cluster(2, memory=str(int(w * 0.8)))
     state, _ = deployed(graph, spec)
-    out = state.handle(WorkerLeft(spec.devices[0].address))
+    out = state.handle(DeviceLost(spec.devices[0].address))
     assert len(out) == 1 and isinstance(out[0], Stranded)
     assert "cannot hold model m1" in out[0].message and "1 worker(s)" in out[0].message
 
@@ -111,10 +113,9 @@ def test_a_joining_worker_takes_work_on_its_host(gpt2) -> None:
                                 for i, d in enumerate(cluster(2).devices)), cluster(2).links)
     state, _ = deployed(graph, spec)
     newcomer = replace(spec.devices[0], name="w9", address="tcp://a:9")
-    out = state.handle(WorkerJoined(newcomer.address, newcomer))
+    out = state.handle(DeviceAdded(newcomer))
     assert [type(i) for i in out] == [PlanChanged]
     assert "tcp://a:9" in {d.address for d in state.models["m1"].plan.spec.devices}
-    assert state.handle(WorkerJoined("tcp://b:1", None)) == []           # no report yet: not used
 
 
 def test_unknown_queries_say_what_is_there(gpt2) -> None:
@@ -130,6 +131,9 @@ def test_unknown_queries_say_what_is_there(gpt2) -> None:
     assert state.handle(TasksSubmitted((("sb-m1", 0, 0, 0),))) == []
     with pytest.raises(sb.SeaBiscuitError, match="whose workers are not in the cluster"):
         PlacementState().handle(ModelDeployed("m2", sb.place(graph, cluster())))
+    with pytest.raises(sb.AccessDenied, match="already deployed"):
+        state2, plan = deployed(graph)
+        state2.handle(ModelDeployed("m1", plan))
 
 
 def test_blocks_run_one_after_another_reproduce_the_model(gpt2) -> None:
@@ -152,8 +156,6 @@ def test_blocks_run_one_after_another_reproduce_the_model(gpt2) -> None:
 
 
 def test_a_drain_moves_models_off_a_live_worker_and_restore_brings_it_back(gpt2) -> None:
-    from seabiscuit_dask.plugins.state import WorkerDraining, WorkerRestored
-
     _, _, graph = gpt2
     spec = sb.ClusterSpec(tuple(replace(d, host="h0", address=f"tcp://a:{i}")
                                 for i, d in enumerate(cluster(3).devices)), cluster(3).links)
@@ -163,41 +165,37 @@ def test_a_drain_moves_models_off_a_live_worker_and_restore_brings_it_back(gpt2)
     state.handle(TasksSubmitted(keys))
     on_victim = {k for k, a in state.pinned.items() if a == victim}
     assert on_victim
-    out = state.handle(WorkerDraining(victim, "maintenance"))
+    out = state.handle(DeviceDrained(victim, "maintenance"))
     assert [type(i) for i in out] == [PlanChanged] and "maintenance" in out[0].reason
     assert out[0].replan_s < 0.025
     assert victim not in {d.address for d in state.models["m1"].plan.spec.devices}
     assert {k for k, a in state.pinned.items() if a == victim} == on_victim   # in flight: runs where it is
-    assert victim in state.draining
-    assert state.handle(WorkerJoined(victim, spec.devices[0])) == []       # a draining worker takes nothing
-    back = state.handle(WorkerRestored(victim, replace(spec.devices[0], address=victim, name="back")))
-    assert victim not in state.draining
+    assert victim in state.drained
+    assert state.handle(DeviceAdded(replace(spec.devices[0], address=victim))) == []  # drained: takes nothing
+    back = state.handle(DeviceRestored(replace(spec.devices[0], address=victim, name="back")))
+    assert victim not in state.drained
     assert [type(i) for i in back] == [PlanChanged]
     assert victim in {d.address for d in state.models["m1"].plan.spec.devices}
-    assert state.owned("m1", state.models["m1"].version, victim)          # it owns blocks again
+    assert state.owned("m1", victim)["blocks"]                             # it owns blocks again
 
 
 def test_a_drain_the_rest_cannot_absorb_is_refused_and_changes_nothing(gpt2) -> None:
-    from seabiscuit_dask.plugins.state import WorkerDraining
-
     _, _, graph = gpt2
     w = sum(p.nbytes for p in graph.params.values())
     spec = cluster(2, memory=str(int(w * 0.8)))
     state, _ = deployed(graph, spec)
     with pytest.raises(sb.SeaBiscuitError, match="cannot hold model m1"):
-        state.handle(WorkerDraining(spec.devices[0].address, "too hot"))
-    assert state.draining == {} and state.models["m1"].version == 0
+        state.handle(DeviceDrained(spec.devices[0].address, "too hot"))
+    assert state.drained == {} and state.models["m1"].version == 0
 
 
 def test_a_lowered_budget_replans_what_no_longer_fits(gpt2) -> None:
-    from seabiscuit_dask.plugins.state import BudgetChanged
-
     _, _, graph = gpt2
     state, plan = deployed(graph, cluster(4))
     d = int(plan.block_device[0])
     held = float(plan.weight_bytes[d])
     addr = plan.spec.devices[d].address
-    out = state.handle(BudgetChanged(addr, int(held * 0.5) + 64))
+    out = state.handle(CapacityChanged(addr, memory_bytes=int(held * 0.5) + 64))
     assert [type(i) for i in out] == [PlanChanged] and out[0].moved_bytes > 0
     new = state.models["m1"].plan
     assert new.weight_bytes[new.spec.index(plan.spec.devices[d].name)] < held
@@ -215,3 +213,66 @@ def test_a_chain_spreads_onto_a_device_that_joins_its_host() -> None:
     i = new.spec.index("w-new")
     assert (new.device_of == i).sum() > 0 and new.info["moved_ops"] > 0
     assert new.acyclic
+
+
+def test_only_the_deploying_client_may_change_a_model(gpt2) -> None:
+    _, _, graph = gpt2
+    state, _ = deployed(graph)
+    assert state.authorized("m1", "secret").model == "m1"
+    for forged in ("", "guess", None, 42, "secreT"):
+        with pytest.raises(sb.AccessDenied, match="token"):
+            state.authorized("m1", forged)
+
+
+def test_a_drain_for_one_model_leaves_the_others_where_they_are(gpt2) -> None:
+    _, _, graph = gpt2
+    spec = sb.ClusterSpec(tuple(replace(d, host="h0") for d in cluster(3).devices), cluster(3).links)
+    state, plan = deployed(graph, spec)
+    state.handle(ModelDeployed("m2", plan, "other"))
+    victim = plan.spec.devices[int(plan.block_device[0])].address
+    out = state.handle(ForModel("m1", DeviceDrained(victim, "mine")))
+    assert [(type(i), i.model) for i in out] == [(PlanChanged, "m1")]
+    assert victim not in state.models["m1"].addresses() and victim in state.models["m2"].addresses()
+    assert state.drained == {}
+    back = state.handle(ForModel("m1", DeviceRestored(state.devices[victim])))
+    assert [i.model for i in back] == ["m1"] and not state.models["m1"].excluded
+
+
+def test_a_stranded_model_serves_again_once_a_worker_returns(gpt2) -> None:
+    _, _, graph = gpt2
+    w = sum(p.nbytes for p in graph.params.values())
+    spec = sb.ClusterSpec(tuple(replace(d, host="h0") for d in cluster(2, memory=str(int(w * 0.8))).devices),
+                          cluster(2).links)
+    state, _ = deployed(graph, spec)
+    lost = spec.devices[0]
+    assert isinstance(state.handle(DeviceLost(lost.address))[0], Stranded)
+    assert state.models["m1"].stranded
+    out = state.handle(DeviceAdded(replace(lost, name="w9", address="tcp://10.0.0.9:4000")))
+    assert [type(i) for i in out] == [PlanChanged] and out[0].reason.startswith("recovered")
+    dep = state.models["m1"]
+    assert not dep.stranded and lost.address not in dep.addresses() and "tcp://10.0.0.9:4000" in dep.addresses()
+    assert dep.plan.feasible
+
+
+def test_old_plans_are_dropped_once_no_task_needs_them(gpt2) -> None:
+    _, _, graph = gpt2
+    spec = sb.ClusterSpec(tuple(replace(d, host="h0") for d in cluster(4).devices), cluster(4).links)
+    state, plan = deployed(graph, spec)
+    old = (("sb-m1", 0, 0, 0),)
+    state.handle(TasksSubmitted(old))
+    for d in spec.devices[:2]:
+        state.handle(DeviceLost(d.address))
+    dep = state.models["m1"]
+    assert dep.version == 2 and set(dep.history) == {0, 1}     # v0 has a task, v1 is the newest old plan
+    state.handle(TasksForgotten(old))
+    assert set(dep.history) == {1}
+
+
+def test_other_models_holdings_are_counted_per_worker(gpt2) -> None:
+    _, _, graph = gpt2
+    state, plan = deployed(graph)
+    addr = plan.spec.devices[0].address
+    assert state.held_bytes(addr) == int(plan.peak_bytes[0])
+    state.handle(ModelReleased("m1"))
+    assert state.held_bytes(addr) == 0
+    assert state.owned("m1", addr) == {"released": True, "version": -1, "blocks": []}

@@ -291,21 +291,6 @@ class ClusterSpec:
         return cls(devices, links, matrix)  # type: ignore[arg-type]
 
     @classmethod
-    def from_client(cls, client: Any, *, probe: bool = True) -> ClusterSpec:
-        """The live cluster behind a ``distributed.Client``: one device per worker.
-
-        Built from the reports of SeaBiscuit's worker agents (memory budget, measured
-        speeds, host) and, with ``probe``, links measured through Dask between two
-        workers of one host and of two hosts. Needs ``SeaBiscuitSchedulerPlugin``.
-
-        >>> spec = ClusterSpec.from_client(client)      # doctest: +SKIP
-        >>> print(spec.table())                          # doctest: +SKIP
-        """
-        from ..plugins.discover import cluster_from_client
-
-        return cluster_from_client(client, probe=probe)
-
-    @classmethod
     def from_yaml(cls, path: str | Path) -> ClusterSpec:
         """Read a cluster description (schema in this module's docstring)."""
         p = Path(path)
@@ -327,10 +312,15 @@ class ClusterSpec:
 
     # --- edits (each returns a new spec) ---------------------------------------------
     def index(self, name: str) -> int:
+        """Position of the device called ``name``, or whose worker address is ``name``."""
         try:
             return self.names.index(name)
         except ValueError:
-            raise SeaBiscuitError(f"no device {name!r} in the cluster; devices: {list(self.names)}") from None
+            pass
+        for i, d in enumerate(self.devices):
+            if d.address and d.address == name:
+                return i
+        raise SeaBiscuitError(f"no device {name!r} in the cluster; devices: {list(self.names)}")
 
     def without(self, name: str) -> ClusterSpec:
         i = self.index(name)

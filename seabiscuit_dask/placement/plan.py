@@ -18,11 +18,13 @@ JSON schema (``Plan.to_json``, ``schema`` = 1)::
       "assignment": {"<op name>": "<device name>", ...},
       "blocks": [{"name": "b12", "device": "h0-gpu1", "phase": 3,
                   "ops": ["<op name>", ...]}, ...],       # ops in execution order
-      "stats": {"makespan_s": 0.012, "cut_bytes": 3.1e8, "planning_s": 0.9,
+      "stats": {"makespan_s": 0.012, "cut_bytes": 3.1e8, "planning_s": 0.9,     # optional
                 "devices": {"h0-gpu0": {"weight_bytes": ..., "peak_bytes": ..., "memory_bytes": ...}}}
     }
 
-The graph itself is saved with ``OpGraph.to_json``; ``Plan.from_json(text, graph)``
+``stats`` is left out by ``to_json(stats=False)``: the form the client and the
+scheduler plugin exchange (deploy, and every plan change after). The graph itself
+is saved with ``OpGraph.to_json``; ``Plan.from_json(text, graph)``
 checks the fingerprint so a plan is never applied to the wrong graph.
 """
 
@@ -161,6 +163,11 @@ class Plan:
     @property
     def block_device(self) -> np.ndarray:
         return self._blocks[1]
+
+    @property
+    def block_phase(self) -> np.ndarray:
+        """[blocks] phase of each block (device changes on the longest path to it)."""
+        return self._blocks[2]
 
     @cached_property
     def blocks(self) -> tuple[Block, ...]:
@@ -333,10 +340,10 @@ class Plan:
         return "\n".join(lines)
 
     # --- serialisation --------------------------------------------------------------------
-    def to_dict(self) -> dict[str, Any]:
-        names = self.spec.names
-        mem = self.peak_bytes
-        return {
+    def to_dict(self, stats: bool = True) -> dict[str, Any]:
+        """The documented JSON document (module docstring); ``stats=False`` leaves out the
+        figures that need a simulation (the form sent between client and scheduler)."""
+        out = {
             "schema": PLAN_SCHEMA,
             "graph": {"name": self.graph.meta.get("name", "graph"), "ops": len(self.graph.ops),
                       "fingerprint": fingerprint(self.graph)},
@@ -345,16 +352,18 @@ class Plan:
             "assignment": dict(self.assignment),
             "blocks": [{"name": b.name, "device": b.device, "phase": b.phase, "ops": list(b.ops)}
                        for b in self.blocks],
-            "stats": {"makespan_s": self.makespan_s, "cut_bytes": self.cut_bytes,
-                      "planning_s": self.planning_s,
-                      "devices": {names[d]: {"weight_bytes": int(self.weight_bytes[d]),
-                                             "peak_bytes": int(mem[d]),
-                                             "memory_bytes": self.spec.devices[d].memory_bytes}
-                                  for d in range(len(names))}},
         }
+        if stats:
+            names, mem = self.spec.names, self.peak_bytes
+            out["stats"] = {
+                "makespan_s": self.makespan_s, "cut_bytes": self.cut_bytes, "planning_s": self.planning_s,
+                "devices": {names[d]: {"weight_bytes": int(self.weight_bytes[d]), "peak_bytes": int(mem[d]),
+                                       "memory_bytes": self.spec.devices[d].memory_bytes}
+                            for d in range(len(names))}}
+        return out
 
-    def to_json(self, indent: int | None = None) -> str:
-        return json.dumps(self.to_dict(), indent=indent)
+    def to_json(self, indent: int | None = None, stats: bool = True) -> str:
+        return json.dumps(self.to_dict(stats), indent=indent)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], graph: OpGraph) -> Plan:

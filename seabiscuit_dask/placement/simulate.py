@@ -14,14 +14,17 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..errors import SeaBiscuitError
 from ..ir import OpGraph
 from .cluster import ClusterSpec
-from .plan import Plan
 from .workload import workload
+
+if TYPE_CHECKING:    # NOTE: a Plan calls simulate(); the type alone comes from plan.py
+    from .plan import Plan
 
 
 @dataclass(frozen=True)
@@ -47,7 +50,7 @@ def simulate(plan: Plan) -> Schedule:
     dev = plan.device_of
     t_op = w.times(spec)[np.arange(w.n), dev]
     dur = np.bincount(block_of, weights=t_op, minlength=n_blocks)
-    phase = plan._blocks[2]
+    phase = plan.block_phase
     blk = block_of.tolist()
     devl = dev.tolist()
     bdevl = bdev.tolist()
@@ -156,10 +159,10 @@ def lower_bound_s(plan_or_graph: Plan | OpGraph, spec: ClusterSpec | None = None
     sum of each device's speed relative to that. The critical path takes each op
     at its fastest and every transfer as free.
     """
-    if isinstance(plan_or_graph, Plan):
-        graph, spec = plan_or_graph.graph, plan_or_graph.spec
-    else:
+    if isinstance(plan_or_graph, OpGraph):
         graph = plan_or_graph
+    else:
+        graph, spec = plan_or_graph.graph, plan_or_graph.spec
     if spec is None:
         raise SeaBiscuitError("lower_bound_s needs a cluster spec")
     w = workload(graph)

@@ -1,12 +1,13 @@
 """``SeaBiscuitSchedulerPlugin``: the Dask adapter that owns placement on the scheduler.
 
-It forwards hooks to ``PlacementState`` and carries out its instructions:
-pins ``sb-*`` tasks by setting worker restrictions in ``update_graph`` (tasks
-are still ``released`` there), replans on ``add_worker``/``remove_worker`` and
-re-pins tasks left without a worker, and publishes plan changes on the
-``seabiscuit`` event topic. In ``start()`` it registers its RPC handlers
-(``seabiscuit_*``) and installs ``SeaBiscuitWorkerPlugin`` on every worker, so a
-user registers one thing::
+It turns Dask hooks and RPCs into ``PlacementState`` events and carries out the
+instructions: pins ``sb-*`` tasks by worker restrictions in ``update_graph``
+(tasks are still ``released`` there), replans when workers leave or join,
+publishes plan changes on the ``seabiscuit`` topic and has the workers sync.
+RPCs (``seabiscuit_*``) validate what they receive (``runtime.access``): a model
+id it issued, the deploying client's token, paths inside the roots, budgets the
+machine can have. ``start()`` installs ``SeaBiscuitWorkerPlugin`` on every
+worker, so a user registers one thing::
 
     client.register_plugin(SeaBiscuitSchedulerPlugin())
     # or: dask scheduler --preload seabiscuit_dask.plugins.preload
@@ -14,24 +15,29 @@ user registers one thing::
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import replace
 from typing import Any
 
-import numpy as np
-from dask.utils import parse_timedelta
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.protocol.pickle import dumps
 
-from .. import config
-from ..errors import SeaBiscuitError
+from ..errors import AccessDenied, SeaBiscuitError
 from ..ir import OpGraph
 from ..lower.blocks import task_name
-from ..placement import ClusterSpec, Plan
-from .state import (
-    BudgetChanged,
+from ..lower.kernels import resolve_target
+from ..placement import CapacityChanged, DeviceAdded, DeviceLost, Plan
+from ..runtime import access, agent
+from ..runtime.discover import device_from_report, device_name
+from ..runtime.events import TOPIC
+from ..runtime.state import (
+    DeviceDrained,
+    DeviceRestored,
+    ForModel,
     Instruction,
     ModelDeployed,
     ModelReleased,
@@ -41,18 +47,12 @@ from .state import (
     Stranded,
     TasksForgotten,
     TasksSubmitted,
-    WorkerDraining,
-    WorkerJoined,
-    WorkerLeft,
-    WorkerRestored,
     parse_key,
 )
-from .worker import PLUGIN_NAME, SeaBiscuitWorkerPlugin
+from ..runtime.tasks import PLUGIN_NAME, RUNS_TOPIC
+from .worker import SeaBiscuitWorkerPlugin
 
 logger = logging.getLogger(__name__)
-
-TOPIC = "seabiscuit"
-RUNS_TOPIC = "seabiscuit-runs"
 
 
 class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
@@ -64,26 +64,19 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
     def __init__(self) -> None:
         self.state = PlacementState()
         self.scheduler: Any = None
-        self.events: list[dict[str, Any]] = []
-        self._background: set[Any] = set()
-        self.runs: dict[str, dict[Any, int]] = {}            # model -> live task key -> times computed
+        self.events: deque[dict[str, Any]] = deque(maxlen=1000)
+        self.owners: dict[str, str] = {}                     # model -> id of the client that deployed it
+        self.block_runs: dict[str, dict[Any, int]] = {}            # model -> live task key -> times computed
         self.run_totals: dict[str, dict[str, int]] = {}
+        self._background: set[Any] = set()
 
     async def start(self, scheduler: Any) -> None:
         self.scheduler = scheduler
-        scheduler.handlers.update({
-            "seabiscuit_deploy": self.deploy, "seabiscuit_release": self.release,
-            "seabiscuit_block": self.block, "seabiscuit_workers": self.workers,
-            "seabiscuit_plan": self.plan, "seabiscuit_owned": self.owned,
-            "seabiscuit_drain": self.drain, "seabiscuit_pressure": self.pressure,
-            "seabiscuit_budget": self.budget, "seabiscuit_restore": self.restore,
-            "seabiscuit_runs": self.run_counts,
-        })
-        if scheduler.no_workers_timeout is None:
-            # NOTE: a task pinned to a worker that never comes back must fail, not hang.
-            scheduler.no_workers_timeout = parse_timedelta(config.get("scheduler.no-workers-timeout"))
+        scheduler.handlers.update({f"seabiscuit_{n}": getattr(self, n) for n in (
+            "deploy", "release", "block", "owned", "workers", "plan", "drain", "restore", "budget",
+            "pressure", "runs")})
         for addr in scheduler.workers:
-            self.state.handle(WorkerJoined(addr))
+            self.add_worker(scheduler, addr)
         await scheduler.register_worker_plugin(None, dumps(SeaBiscuitWorkerPlugin()), PLUGIN_NAME,
                                                idempotent=True)
 
@@ -98,44 +91,48 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
             self.state.handle(TasksForgotten((key,)))
             parts = parse_key(key)
             if parts is not None:
-                self.runs.get(parts[0], {}).pop(key, None)
+                self.block_runs.get(parts[0], {}).pop(key, None)
 
     def log_event(self, topic: str, msg: Any) -> None:
-        """Count block executions reported by the workers (topic ``seabiscuit-runs``).
-
-        Per-block counts live only while the block's task does (see ``transition``);
-        the totals stay.
-        """
-        if topic != RUNS_TOPIC or not isinstance(msg, dict):
+        """Count block runs the workers report; per-block counts live as long as the block's task."""
+        if topic != RUNS_TOPIC or not isinstance(msg, dict) or str(msg.get("model")) not in self.state.models:
             return
-        model = str(msg.get("model"))
+        model = str(msg["model"])
         totals = self.run_totals.setdefault(model, {"computed": 0, "resumed": 0, "re_executed": 0})
         if msg.get("how") != "computed":
             totals["resumed"] += 1
             return
         key = (task_name(model), int(msg.get("version", 0)), int(msg.get("request", 0)),
                int(msg.get("block", 0)))
-        runs = self.runs.setdefault(model, {})
-        if runs.get(key, 0):
-            totals["re_executed"] += 1
+        runs = self.block_runs.setdefault(model, {})
+        totals["re_executed"] += bool(runs.get(key))
         runs[key] = runs.get(key, 0) + 1
         totals["computed"] += 1
 
     def add_worker(self, scheduler: Any = None, worker: str = "", **kwargs: Any) -> None:
-        self._apply(self.state.handle(WorkerJoined(worker, self._device_of(worker))))
+        device = self._device_of(worker)
+        if device is None:
+            logger.info("seabiscuit: worker %s has no agent report yet: not used for placement", worker)
+            return
+        self._apply(self.state.handle(DeviceAdded(device)))
 
     def remove_worker(self, scheduler: Any = None, worker: str = "", **kwargs: Any) -> None:
         if str(getattr(self.scheduler, "status", "")).endswith(("closing", "closed")):
             return      # NOTE: the cluster is shutting down: nothing to repair
-        self._apply(self.state.handle(WorkerLeft(worker)))
+        self._apply(self.state.handle(DeviceLost(worker)))
+
+    def remove_client(self, scheduler: Any = None, client: str = "", **kwargs: Any) -> None:
+        """A client that leaves without ``close()`` takes its models with it."""
+        for model in [m for m, c in self.owners.items() if c == client]:
+            logger.info("seabiscuit: client %s left: releasing model %s", client, model)
+            self._background_task(self._release(model))
 
     # --- carrying out instructions -----------------------------------------------------------
     def _apply(self, instructions: list[Instruction]) -> None:
-        s = self.scheduler
         retry: dict[Any, str] = {}
         for ins in instructions:
             if isinstance(ins, Pin):
-                ts = s.tasks.get(ins.key)
+                ts = self.scheduler.tasks.get(ins.key)
                 if ts is None:
                     continue
                 ts.worker_restrictions = {ins.address}
@@ -148,55 +145,52 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
                 if ins.repin and ts.state == "no-worker":
                     retry[ins.key] = "processing"
             elif isinstance(ins, PlanChanged):
-                dep = self.state.models[ins.model]
-                if ins.version > 0:
-                    logger.info("seabiscuit: model %s plan v%d (%s): replanned in %.2f ms, %.0f bytes "
-                                "of weights move", ins.model, ins.version, ins.reason, ins.replan_s * 1e3,
-                                ins.moved_bytes)
-                self._publish({"action": "plan", "model": ins.model, "version": ins.version,
-                               "reason": ins.reason, "moved_bytes": ins.moved_bytes,
-                               "replan_s": ins.replan_s,
-                               "device_of": dep.plan.device_of.tolist(),
-                               "cluster": dep.plan.spec.to_dict()})
-                if ins.version > 0:
-                    self._prefetch(ins.model, ins.version)
+                self._plan_changed(ins)
             elif isinstance(ins, Stranded):
                 logger.error("seabiscuit: %s", ins.message)
                 self._publish({"action": "stranded", "model": ins.model, "message": ins.message})
         if retry:
-            s.transitions(retry, stimulus_id="seabiscuit-repin")
+            self.scheduler.transitions(retry, stimulus_id="seabiscuit-repin")
 
-    def _prefetch(self, model: str, version: int) -> None:
-        """Have every worker load the blocks it now owns (and drop what it no longer does)."""
-        import asyncio
+    def _plan_changed(self, ins: PlanChanged) -> None:
+        plan = self.state.models[ins.model].plan
+        if ins.version > 0:
+            logger.info("seabiscuit: model %s plan v%d (%s): replanned in %.2f ms, %.0f bytes of weights "
+                        "move", ins.model, ins.version, ins.reason, ins.replan_s * 1e3, ins.moved_bytes)
+        self._publish({"action": "plan", "model": ins.model, "version": ins.version, "reason": ins.reason,
+                       "moved_bytes": ins.moved_bytes, "replan_s": ins.replan_s,
+                       "plan": plan.to_json(stats=False)})
+        if ins.version > 0:
+            self._background_task(self._sync_workers(ins.model))
 
-        budgets = {d.address: d.memory_bytes for d in self.state.models[model].plan.spec.devices}
-
+    async def _sync_workers(self, model: str) -> None:
+        """Have every worker hold what it now owns of ``model`` (and drop what it does not)."""
         async def one(addr: str) -> None:
             try:
-                await self.scheduler.rpc(addr).seabiscuit_prefetch(model=model, version=version,
-                                                                   budget_bytes=budgets.get(addr))
-            except Exception as e:  # noqa: BLE001 - the lazy path loads it on first use instead
-                logger.warning("seabiscuit: prefetch of model %s v%d on %s failed: %s", model, version,
-                               addr, e)
+                await self.scheduler.rpc(addr).seabiscuit_sync(model=model)
+            except Exception as e:  # noqa: BLE001 - a block not loaded now is loaded on first use
+                if addr in self.scheduler.workers and self.scheduler.status.name == "running":
+                    logger.warning("seabiscuit: worker %s could not sync model %s: %s", addr, model, e)
 
-        for addr in list(self.scheduler.workers):
-            task = asyncio.ensure_future(one(addr))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
+        await asyncio.gather(*(one(a) for a in list(self.scheduler.workers)))
+
+    def _background_task(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def _publish(self, msg: dict[str, Any]) -> None:
-        self.events.append({k: v for k, v in msg.items() if k not in ("device_of", "cluster")})
+        self.events.append({k: v for k, v in msg.items() if k != "plan"} | {"time": time.time()})
         self.scheduler.log_event(TOPIC, msg)
 
     def _device_of(self, address: str) -> Any:
-        """A DeviceSpec for a worker that joins (or is restored), None before any report on its host.
+        """A DeviceSpec for a worker from its agent's report (or a host peer's), None without one.
 
-        Its speeds are those its plan peers were placed with (same host, kind and
-        threads) when there are any, so a noisy measurement does not skew a repair.
+        Its speeds are those its plan peers were placed with (same host and kind) when
+        there are any, so a noisy measurement does not skew a repair.
         """
-        from .discover import device_from_report, device_name
-
+        if address in self.state.devices:
+            return self.state.devices[address]
         ws = self.scheduler.workers.get(address)
         if ws is None:
             return None
@@ -209,50 +203,11 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
         info = _worker_info(ws, report)
         taken = {d.name for dep in self.state.models.values() for d in dep.plan.spec.devices}
         device = device_from_report(info, device_name(info, taken))
-        placed = [d for dep in self.state.models.values() for d in dep.plan.spec.devices
-                  if d.host == device.host and d.kind == device.kind]
-        if placed:
-            like = placed[0]
-            device = replace(device, flops_per_s=dict(like.flops_per_s), mem_bytes_per_s=like.mem_bytes_per_s,
-                             op_overhead_s=like.op_overhead_s)
+        like = [d for d in self.state.devices.values() if d.host == device.host and d.kind == device.kind]
+        if like:
+            device = replace(device, flops_per_s=dict(like[0].flops_per_s),
+                             mem_bytes_per_s=like[0].mem_bytes_per_s, op_overhead_s=like[0].op_overhead_s)
         return device
-
-    # --- RPC handlers (first argument: the comm, unused) -------------------------------------
-    def deploy(self, comm: Any = None, model: str = "", graph: str = "", device_of: list[int] | None = None,
-               cluster: dict[str, Any] | None = None, checkpoint_dir: str = "",
-               verify_every: int = 0) -> dict[str, Any]:
-        g = OpGraph.from_json(graph)
-        plan = Plan(g, ClusterSpec.from_dict(cluster or {}), np.asarray(device_of, dtype=np.int64),
-                    method="deployed")
-        for addr in self.scheduler.workers:
-            self.state.workers.setdefault(addr, None)
-        ins = self.state.handle(ModelDeployed(model, plan, checkpoint_dir or "", int(verify_every or 0)))
-        self._apply(ins)
-        return {"version": self.state.models[model].version}
-
-    def release(self, comm: Any = None, model: str = "") -> bool:
-        existed = model in self.state.models
-        self.runs.pop(model, None)
-        self.run_totals.pop(model, None)
-        self.state.handle(ModelReleased(model))
-        return existed
-
-    def block(self, comm: Any = None, model: str = "", version: int = 0, block: int = 0) -> dict[str, Any]:
-        return self.state.block_spec(model, int(version), int(block))
-
-    def plan(self, comm: Any = None, model: str = "") -> dict[str, Any]:
-        dep = self.state.models.get(model)
-        if dep is None:
-            raise SeaBiscuitError(f"model {model} is not deployed on this cluster")
-        return {"version": dep.version, "device_of": dep.plan.device_of.tolist(),
-                "cluster": dep.plan.spec.to_dict()}
-
-    def run_counts(self, comm: Any = None, model: str = "") -> dict[str, int]:
-        """Blocks of ``model`` computed, read back from checkpoints, and computed more than once."""
-        return dict(self.run_totals.get(model, {"computed": 0, "resumed": 0, "re_executed": 0}))
-
-    def owned(self, comm: Any = None, model: str = "", version: int = 0, address: str = "") -> list[Any]:
-        return self.state.owned(model, int(version), address)
 
     def _event(self, event: Any) -> dict[str, Any]:
         t0 = time.perf_counter()
@@ -262,33 +217,104 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
         return {"handled_s": time.perf_counter() - t0, "replan_s": [i.replan_s for i in changed],
                 "versions": {i.model: i.version for i in changed}}
 
-    def drain(self, comm: Any = None, address: str = "", reason: str = "drained") -> dict[str, Any]:
-        """Move every model off ``address`` while it keeps serving what it already runs."""
-        return self._event(WorkerDraining(address, reason))
+    # --- RPC handlers for clients (first argument: the comm) -----------------------------------
+    def deploy(self, comm: Any = None, graph: str = "", plan: str = "", checkpoint_dir: str = "",
+               verify_every: int = 0, client: str = "") -> dict[str, Any]:
+        """Take a graph and its plan (``Plan.to_json``); returns the model's id, token and version."""
+        g = OpGraph.from_json(graph)
+        for op in g.ops:
+            resolve_target(op.target)           # NOTE: UnsupportedOp before any worker sees it
+        access.check_graph_paths(g)
+        if checkpoint_dir:
+            access.check_path(checkpoint_dir, "checkpoint folder")
+        p = Plan.from_json(plan, g)
+        for d in p.spec.devices:     # NOTE: workers that joined before the plugin reported
+            if d.address in self.scheduler.workers and d.address not in self.state.devices:
+                self._apply(self.state.handle(DeviceAdded(d)))
+        model, token = access.new_model_id(), access.new_token()
+        self._apply(self.state.handle(ModelDeployed(model, p, token, checkpoint_dir or "",
+                                                    max(0, int(verify_every or 0)))))
+        self.owners[model] = str(client)
+        return {"model": model, "token": token, "version": 0}
 
-    def restore(self, comm: Any = None, address: str = "") -> dict[str, Any]:
-        """A drained worker takes work again: models spread onto it as onto a worker that joins."""
-        return self._event(WorkerRestored(address, self._device_of(address)))
+    async def release(self, comm: Any = None, model: str = "", token: str = "") -> bool:
+        self.state.authorized(access.check_model_id(model), token)
+        await self._release(model)
+        return True
+
+    async def _release(self, model: str) -> None:
+        self.state.handle(ModelReleased(model))
+        for d in (self.block_runs, self.run_totals, self.owners):
+            d.pop(model, None)
+        await self._sync_workers(model)
+
+    def drain(self, comm: Any = None, model: str = "", token: str = "", address: str = "",
+              reason: str = "drained") -> dict[str, Any]:
+        """Move ``model`` off ``address`` while the worker finishes what it already runs."""
+        self.state.authorized(access.check_model_id(model), token)
+        return self._event(ForModel(model, DeviceDrained(address, str(reason)[:200])))
+
+    def restore(self, comm: Any = None, model: str = "", token: str = "", address: str = "") -> dict[str, Any]:
+        """``model`` may use a drained worker again: it spreads onto it as onto a worker that joins."""
+        self.state.authorized(access.check_model_id(model), token)
+        device = self._device_of(address)
+        if device is None:
+            raise SeaBiscuitError(f"no worker {address} with a SeaBiscuit agent in the cluster")
+        return self._event(ForModel(model, DeviceRestored(device)))
+
+    def budget(self, comm: Any = None, model: str = "", token: str = "", address: str = "",
+               memory_bytes: int = 0) -> dict[str, Any]:
+        """``model`` gets ``memory_bytes`` on ``address``: what no longer fits moves elsewhere."""
+        self.state.authorized(access.check_model_id(model), token)
+        ws = self.scheduler.workers.get(address)
+        if ws is None:
+            raise SeaBiscuitError(f"no worker {address} in the cluster")
+        machine = agent.machine_bytes(ws.metrics.get(PLUGIN_NAME) or {}) or int(ws.memory_limit or 0)
+        nbytes = access.check_budget(memory_bytes, machine, f"worker {address}")
+        return self._event(ForModel(model, CapacityChanged(address, memory_bytes=nbytes)))
+
+    def runs(self, comm: Any = None, model: str = "") -> dict[str, int]:
+        """Blocks of ``model`` computed, read back from checkpoints, and computed more than once."""
+        return dict(self.run_totals.get(model, {"computed": 0, "resumed": 0, "re_executed": 0}))
+
+    def plan(self, comm: Any = None, model: str = "") -> dict[str, Any]:
+        dep = self.state.deployment(access.check_model_id(model))
+        return {"version": dep.version, "plan": dep.plan.to_json(stats=False)}
+
+    async def workers(self, comm: Any = None, everyone: bool = False) -> list[dict[str, Any]]:
+        """Workers (drained ones only if ``everyone``) with fresh agent reports and the bytes models hold."""
+        wss = [ws for ws in self.scheduler.workers.values() if everyone or ws.address not in self.state.drained]
+
+        async def fresh(ws: Any) -> Any:
+            try:
+                return await asyncio.wait_for(self.scheduler.rpc(ws.address).seabiscuit_report(), 10)
+            except Exception:  # noqa: BLE001 - the last heartbeat's figures will do
+                return ws.metrics.get(PLUGIN_NAME)
+
+        reports = await asyncio.gather(*(fresh(ws) for ws in wss))
+        return [{**_worker_info(ws, r), "held_bytes": self.state.held_bytes(ws.address)}
+                for ws, r in zip(wss, reports)]
+
+    # --- RPC handlers for workers ----------------------------------------------------------------
+    def block(self, comm: Any = None, model: str = "", version: int = 0, block: int = 0) -> dict[str, Any]:
+        return self.state.block_spec(access.check_model_id(model), int(version), int(block))
+
+    def owned(self, comm: Any = None, model: str = "", address: str = "") -> dict[str, Any]:
+        return self.state.owned(access.check_model_id(model), str(address))
 
     def pressure(self, comm: Any = None, address: str = "", reason: str = "") -> dict[str, Any]:
         """A worker's agent reports memory pressure or an overheating GPU: drain it if the rest can."""
+        if address not in self.scheduler.workers:
+            raise AccessDenied(f"pressure report for {address!r}, which is no worker of this cluster")
+        reason = str(reason)[:200]
         logger.warning("seabiscuit: %s reports %s: moving its work away", address, reason)
         self._publish({"action": "pressure", "address": address, "reason": reason})
         try:
-            return self._event(WorkerDraining(address, reason))
+            return self._event(DeviceDrained(address, reason))
         except SeaBiscuitError as e:
             logger.error("seabiscuit: cannot move work off %s: %s", address, e)
             self._publish({"action": "pressure-unresolved", "address": address, "reason": str(e)})
             return {"handled_s": 0.0, "replan_s": [], "versions": {}, "error": str(e)}
-
-    def budget(self, comm: Any = None, address: str = "", memory_bytes: int = 0) -> dict[str, Any]:
-        """A worker's budget changed: shrink (or grow) what it holds."""
-        return self._event(BudgetChanged(address, int(memory_bytes)))
-
-    def workers(self, comm: Any = None) -> list[dict[str, Any]]:
-        """Every worker but drained ones, with its agent's last report (None before its first heartbeat)."""
-        return [_worker_info(ws, ws.metrics.get(PLUGIN_NAME)) for ws in self.scheduler.workers.values()
-                if ws.address not in self.state.draining]
 
 
 def _worker_info(ws: Any, report: dict[str, Any] | None) -> dict[str, Any]:

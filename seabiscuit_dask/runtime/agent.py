@@ -1,4 +1,4 @@
-"""The resource agent: what one worker has, measured on the worker itself.
+"""The resource agent: what one worker has, measured on the worker itself, and its budget.
 
 ``static_report()`` is gathered once (CPU, memory, caches and NUMA nodes from
 /sys, GPUs through pynvml, matmul FLOP/s and memory bandwidth measured with
@@ -12,10 +12,14 @@ import os
 import socket
 import statistics
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import psutil
+
+from .. import config
+from ..ir import fmt_bytes
 
 
 def _read(path: Path) -> str | None:
@@ -134,3 +138,69 @@ def live_report(process: psutil.Process) -> dict[str, Any]:
             "gpu_memory_used_bytes": [g["memory_used_bytes"] for g in gpus],
             "gpu_utilization": [g["utilization"] for g in gpus],
             "gpu_temperature_c": [g["temperature_c"] for g in gpus]}
+
+
+def worker_budget(resources: Mapping[str, float], memory_limit: int | None, gpu_bytes: int | None) -> int:
+    """Bytes of shards and activations a worker may hold.
+
+    The worker resource ``MEM`` (bytes), else config ``seabiscuit.worker.memory-budget``,
+    else ``seabiscuit.worker.memory-fraction`` of the worker's memory limit (or of its
+    GPU's memory).
+    """
+    if resources.get("MEM"):
+        return int(resources["MEM"])
+    configured = config.get("worker.memory-budget")
+    if configured:
+        return config.to_bytes(configured, "seabiscuit.worker.memory-budget")
+    fraction = float(config.get("worker.memory-fraction", 0.6))
+    base = gpu_bytes or memory_limit or psutil.virtual_memory().total
+    return int(base * fraction)
+
+
+def machine_bytes(report: Mapping[str, Any]) -> int:
+    """The most memory a worker can have: its GPU's, else its memory limit, else the host's."""
+    gpus = report.get("gpus") or []
+    if report.get("device") == "cuda" and gpus:
+        return int(gpus[0]["memory_total_bytes"])
+    return int(report.get("memory_limit_bytes") or report.get("memory_total_bytes") or 0)
+
+
+def pressure_reason(live: Mapping[str, Any], memory_limit: int) -> str | None:
+    """Why a worker should shed its work (memory or GPU heat over its limit), or None."""
+    reason = None
+    frac = float(config.get("worker.memory-pressure", 0.9))
+    if live.get("rss_bytes", 0) > frac * memory_limit:
+        reason = (f"memory pressure: {fmt_bytes(live['rss_bytes'])} in use, over {frac:.0%} of "
+                  f"{fmt_bytes(memory_limit)}")
+    hot = float(config.get("worker.gpu-temperature-limit", 85))
+    temps = [float(t) for t in live.get("gpu_temperature_c", ()) or ()]
+    if "gpu_temperature_c_max" in live:
+        temps.append(float(live["gpu_temperature_c_max"]))
+    if temps and max(temps) > hot:
+        reason = f"GPU at {max(temps):.0f} C, over the {hot:.0f} C limit"
+    return reason
+
+
+def tune_malloc() -> bool:
+    """Let glibc reuse freed activation buffers instead of mapping fresh pages for each.
+
+    Dask's nanny sets ``MALLOC_TRIM_THRESHOLD_``, which also freezes glibc's mmap
+    threshold at 128 KiB: every activation tensor is then a fresh ``mmap`` with page
+    faults, about 20% slower per block here. Buffers up to
+    ``seabiscuit.worker.malloc-mmap-threshold`` come from the heap again; memory above
+    ``malloc-trim-threshold`` still goes back to the system.
+    """
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if not name or "musl" in name:
+        return False
+    try:
+        libc = ctypes.CDLL(name)
+        mmap_max = config.to_bytes(config.get("worker.malloc-mmap-threshold"), "malloc-mmap-threshold")
+        trim = config.to_bytes(config.get("worker.malloc-trim-threshold"), "malloc-trim-threshold")
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        return bool(libc.mallopt(m_mmap_threshold, mmap_max)) and bool(libc.mallopt(m_trim_threshold, trim))
+    except (OSError, AttributeError):
+        return False

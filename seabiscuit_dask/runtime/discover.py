@@ -1,4 +1,4 @@
-"""A ``ClusterSpec`` of a live cluster, from the agents' reports and a short link probe.
+"""A ``ClusterSpec`` of a live cluster (``measure_cluster``), from the agents' reports and a short link probe.
 
 One worker is one device. Its memory budget comes from the agent (worker resource
 ``MEM``, config ``seabiscuit.worker.memory-budget``, or a fraction of its memory
@@ -15,7 +15,7 @@ import statistics
 import time
 from typing import Any
 
-from ..errors import SeaBiscuitError
+from ..errors import ClusterTooSmall, SeaBiscuitError
 from ..placement.cluster import DEFAULT_LINKS, ClusterSpec, DeviceSpec, LinkSpec
 
 PROBE_BYTES = 8 * 2**20
@@ -78,10 +78,14 @@ def probe_link(client: Any, a: str, b: str) -> LinkSpec:
     return LinkSpec(bandwidth, latency)
 
 
-def workers_info(client: Any) -> list[dict[str, Any]]:
-    """The scheduler plugin's view of every worker (drained ones left out), with fresh agent reports."""
+def workers_info(client: Any, everyone: bool = False) -> list[dict[str, Any]]:
+    """The scheduler plugin's view of every worker, with fresh agent reports.
+
+    Drained workers are left out unless ``everyone``. Each report's ``budget_bytes``
+    is what the worker has free: its budget less what other models' plans take there.
+    """
     try:
-        infos = client.sync(client.scheduler.seabiscuit_workers)
+        infos = client.sync(client.scheduler.seabiscuit_workers, everyone=everyone)
     except Exception as e:
         if "seabiscuit_workers" not in str(e) and "Unknown operation" not in str(e):
             raise
@@ -90,14 +94,6 @@ def workers_info(client: Any) -> list[dict[str, Any]]:
         raise PluginMissing(f"the cluster at {client.scheduler.address} has no SeaBiscuit plugin: "
                             + HOW_TO_INSTALL)
     infos = [dict(i) for i in infos]
-    from .worker import worker_report
-
-    # NOTE: ask the agents directly: a heartbeat's figures may be a second old (a budget just changed)
-    reports = client.run(worker_report, workers=[i["address"] for i in infos], on_error="return")
-    for i in infos:
-        r = reports.get(i["address"])
-        if isinstance(r, dict):
-            i["report"] = r
     absent = [i["address"] for i in infos if i["report"] is None]
     if absent:
         raise PluginMissing(f"workers {absent} have no SeaBiscuit agent: " + HOW_TO_INSTALL)
@@ -124,11 +120,27 @@ def same_speed(infos: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def cluster_from_client(client: Any, probe: bool = True) -> ClusterSpec:
-    """See ``ClusterSpec.from_client``."""
+def measure_cluster(client: Any, *, probe: bool = True) -> ClusterSpec:
+    """The live cluster behind a ``distributed.Client``: one device per worker.
+
+    Built from the reports of SeaBiscuit's worker agents (free memory budget,
+    measured speeds, host) and, with ``probe``, links measured through Dask between
+    two workers of one host and of two hosts. Needs ``SeaBiscuitSchedulerPlugin``.
+    A worker whose budget other models already fill is left out.
+
+    >>> spec = sb.measure_cluster(client)      # doctest: +SKIP
+    >>> print(spec.table())                     # doctest: +SKIP
+    """
     infos = sorted(workers_info(client), key=lambda i: (i["host"], i["address"]))
+    for i in infos:
+        i["report"] = {**i["report"], "budget_bytes": int(i["report"]["budget_bytes"]) - int(i["held_bytes"])}
     if not infos:
-        raise SeaBiscuitError(f"the cluster at {client.scheduler.address} has no workers")
+        raise ClusterTooSmall(f"the cluster at {client.scheduler.address} has no workers")
+    full = [i for i in infos if int(i["report"]["budget_bytes"]) <= 0]
+    infos = [i for i in infos if i not in full]
+    if not infos:
+        raise ClusterTooSmall(f"every worker's budget is taken by the models already deployed "
+                              f"({len(full)} workers): close one of them or add workers")
     taken: set[str] = set()
     devices = []
     for info in same_speed(infos):

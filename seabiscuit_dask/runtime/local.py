@@ -8,29 +8,56 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from .errors import BadInput
-from .ir import OpGraph, TensorSpec
-from .lower.kernels import execute_op
-from .weights import WeightStore
+from ..errors import BadInput
+from ..ir import OpGraph, TensorSpec
+from ..lower.kernels import execute_op, resolve_target
+from ..weights import WeightStore
+
+
+def bind_call(graph: OpGraph, inputs: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Match a call's positional and keyword inputs to the traced ones, as the signature allows.
+
+    ``meta["call"]`` names the traced positional parameters and keywords; a
+    positional parameter may be given by keyword and the other way round.
+    """
+    name = graph.meta.get("name", "graph")
+    call = graph.meta.get("call") or {}
+    positional, keywords = list(call.get("positional", ())), list(graph.meta.get("kwarg_order", ()))
+    if not call:
+        unknown = sorted(set(kwargs) - set(keywords))
+        if unknown:
+            raise BadInput(f"{name} was traced without keyword input(s) {unknown}; traced keywords: {keywords}")
+        return tuple(inputs), {k: kwargs[k] for k in keywords if k in kwargs}
+    if len(inputs) > len(positional):
+        raise BadInput(f"{name} was traced with {len(positional)} positional input(s) {positional}, "
+                       f"got {len(inputs)}")
+    args = list(inputs)
+    for p in positional[len(inputs):]:
+        if p not in kwargs:
+            raise BadInput(f"{name} needs input {p!r} (traced inputs: {positional + keywords})")
+        args.append(kwargs[p])
+    twice = sorted(set(positional[:len(inputs)]) & set(kwargs))
+    unknown = sorted(set(kwargs) - set(positional) - set(keywords))
+    if twice or unknown:
+        raise BadInput(f"{name}: input(s) {twice or unknown} " + ("given twice, by position and keyword"
+                       if twice else f"were not traced; traced inputs: {positional + keywords}"))
+    # NOTE: keywords are flattened in traced order, so same-shaped ones cannot swap silently.
+    return tuple(args), {k: kwargs[k] for k in keywords if k in kwargs}
 
 
 def flatten_inputs(graph: OpGraph, inputs: tuple[Any, ...],
                    kwargs: Mapping[str, Any] | None = None) -> list[torch.Tensor]:
-    """Tensors of a call, in graph-input order, checked against the traced shapes."""
-    kwargs = dict(kwargs or {})
-    order = list(graph.meta.get("kwarg_order", ()))
-    unknown = sorted(set(kwargs) - set(order))
-    if unknown:
-        raise BadInput(f"{graph.meta.get('name', 'graph')} was traced without keyword input(s) "
-                       f"{unknown}; traced keywords: {order}")
-    # NOTE: keywords are flattened in traced order, so same-shaped ones cannot swap silently.
-    ordered = {k: kwargs[k] for k in order if k in kwargs}
-    leaves = [x for x in pytree.tree_leaves((inputs, ordered)) if isinstance(x, torch.Tensor)]
+    """Tensors of a call, in graph-input order, checked against the traced shapes and ranges."""
+    args, ordered = bind_call(graph, inputs, dict(kwargs or {}))
+    leaves = [x for x in pytree.tree_leaves((args, ordered)) if isinstance(x, torch.Tensor)]
     if len(leaves) != len(graph.inputs):
         raise BadInput(f"{graph.meta.get('name', 'graph')} takes {len(graph.inputs)} tensor "
                        f"input(s) {list(graph.inputs)}, got {len(leaves)}")
+    ranges = graph.meta.get("index_ranges") or {}
     for name, x in zip(graph.inputs, leaves):
         check_input(name, graph.tensors[name], x)
+        if name in ranges:
+            check_ids(name, x, int(ranges[name]))
     return leaves
 
 
@@ -39,6 +66,15 @@ def check_input(name: str, spec: TensorSpec, x: torch.Tensor) -> None:
     if got != spec:
         raise BadInput(f"input {name!r} has shape {got.shape} and dtype {got.dtype}; the graph "
                        f"was traced for shape {spec.shape} and dtype {spec.dtype}")
+
+
+def check_ids(name: str, x: torch.Tensor, vocab: int) -> None:
+    """Indices into a table of ``vocab`` rows must be in ``[0, vocab)``, as eager torch demands."""
+    bad = (x < 0) | (x >= vocab)
+    if x.numel() and bool(bad.any()):
+        pos = tuple(int(i) for i in bad.nonzero()[0])
+        raise BadInput(f"input {name!r} holds id {int(x[pos])} at position {list(pos)}; it indexes a table "
+                       f"of {vocab} rows, so ids must be in 0..{vocab - 1}")
 
 
 def unflatten_outputs(graph: OpGraph, values: list[torch.Tensor]) -> Any:
@@ -83,6 +119,8 @@ def run_local(graph: OpGraph, *inputs: Any, weights: Any = None, device: str = "
     >>> g = sb.decompose(sb.trace(model, x), budget="1MiB")   # doctest: +SKIP
     >>> y = sb.run_local(g, x, weights=model)                  # doctest: +SKIP
     """
+    for op in graph.ops:        # NOTE: an op outside the registry is refused before any kernel runs
+        resolve_target(op.target)
     dev = torch.device(device)
     store = store if store is not None else WeightStore.from_weights(weights, dev)
     env: dict[str, torch.Tensor] = {}

@@ -1,27 +1,38 @@
 """What the scheduler decides, as plain Python: ``PlacementState.handle(event) -> instructions``.
 
-No cluster in here. The scheduler plugin turns Dask hooks into events and carries
-out the instructions; tests drive this class directly.
+No cluster in here. The scheduler plugin turns Dask hooks and RPCs into events
+and carries out the instructions; tests drive this class directly, and
+``PlacementState.log`` keeps every event so a failing cluster run replays
+without a cluster.
+
+One vocabulary: the device events are placement's own (``DeviceLost``,
+``DeviceAdded``, ``CapacityChanged``) plus ``DeviceDrained``/``DeviceRestored``,
+and a device is named by its worker's address (``ClusterSpec.index`` accepts a
+device's name or address). ``ForModel(model, event)`` scopes a device event to
+one model: what a client may ask for its own deployment.
 
 Task keys of a deployed model are ``("sb-<model>", version, request, block)``
 (``request`` is -1 for the task that loads a block's weights). A key is pinned
 to the worker that owns its block in the plan of its version; a key of an older
-version (a request that was in flight when the plan changed) goes to the worker
-that now owns most of that block's ops.
+version (a request in flight when the plan changed) goes to the worker that now
+owns most of that block's ops. Old plans are kept while a task needs them, and
+the newest old plan besides (a client may not have heard of the change yet).
 """
 
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from ..errors import SeaBiscuitError
+from ..errors import AccessDenied, SeaBiscuitError
 from ..lower.blocks import KEY_PREFIX, BlockSpec, block_specs
 from ..placement import CapacityChanged, DeviceAdded, DeviceLost, DeviceSpec, Plan, replan
+from . import access
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +44,7 @@ Key = Hashable
 class ModelDeployed:
     model: str
     plan: Plan                        # its devices carry their workers' addresses
+    token: str = ""                   # what the deploying client must show to change it
     checkpoint_dir: str = ""          # block outputs are checkpointed there ("" = not)
     verify_every: int = 0             # resident tiles are checked every N runs of a block
 
@@ -43,38 +55,29 @@ class ModelReleased:
 
 
 @dataclass(frozen=True)
-class WorkerJoined:
-    address: str
-    device: DeviceSpec | None = None  # None: not usable for placement (no report yet)
+class DeviceDrained:
+    """Move work off a device that stays up (by hand, or under memory or heat pressure)."""
 
-
-@dataclass(frozen=True)
-class WorkerLeft:
-    address: str
-
-
-@dataclass(frozen=True)
-class WorkerDraining:
-    """Move everything off a worker that stays up (drained by hand, or under pressure)."""
-
-    address: str
+    name: str
     reason: str = "drained"
 
 
 @dataclass(frozen=True)
-class WorkerRestored:
-    """A drained worker may take work again: models spread onto it as onto a worker that joins."""
+class DeviceRestored:
+    """A drained device may take work again: models spread onto it as onto one that joins."""
 
-    address: str
-    device: DeviceSpec | None = None
+    device: DeviceSpec
+
+
+DeviceEvent = DeviceLost | DeviceAdded | CapacityChanged | DeviceDrained | DeviceRestored
 
 
 @dataclass(frozen=True)
-class BudgetChanged:
-    """A worker's memory budget changed."""
+class ForModel:
+    """``event`` for one model only (a client drains, restores or re-budgets its own model)."""
 
-    address: str
-    memory_bytes: int
+    model: str
+    event: DeviceEvent
 
 
 @dataclass(frozen=True)
@@ -87,8 +90,7 @@ class TasksForgotten:
     keys: tuple[Key, ...]
 
 
-Event = (ModelDeployed | ModelReleased | WorkerJoined | WorkerLeft | WorkerDraining | WorkerRestored
-         | BudgetChanged | TasksSubmitted | TasksForgotten)
+Event = ModelDeployed | ModelReleased | DeviceEvent | ForModel | TasksSubmitted | TasksForgotten
 
 
 # --- instructions ----------------------------------------------------------------------
@@ -115,7 +117,7 @@ class PlanChanged:
 
 @dataclass(frozen=True)
 class Stranded:
-    """A model lost a worker and the rest of the cluster cannot hold it."""
+    """A model lost a worker and the rest of the cluster cannot hold it (until capacity returns)."""
 
     model: str
     message: str
@@ -137,14 +139,19 @@ def parse_key(key: Key) -> tuple[str, int, int, int] | None:
 
 @dataclass
 class Deployment:
-    """One model on the cluster: its current plan and the plans its in-flight tasks came from."""
+    """One model on the cluster: its current plan and the older plans tasks still need."""
 
     model: str
     plan: Plan
+    token: str = ""
     version: int = 0
     checkpoint_dir: str = ""
     verify_every: int = 0
     history: dict[int, Plan] = field(default_factory=dict)
+    excluded: dict[str, str] = field(default_factory=dict)     # address -> why (drained for this model)
+    lost: list[str] = field(default_factory=list)              # devices gone while stranded
+    stranded: str = ""
+    tasks: Counter[int] = field(default_factory=Counter)       # version -> pinned tasks
     _specs: dict[int, list[BlockSpec]] = field(default_factory=dict)
     _homes: dict[tuple[int, int], str] = field(default_factory=dict)
     _urgent: dict[int, list[bool]] = field(default_factory=dict)
@@ -158,6 +165,9 @@ class Deployment:
 
     def address_of_device(self, d: int) -> str:
         return self.plan.spec.devices[d].address or self.plan.spec.devices[d].name
+
+    def addresses(self) -> set[str]:
+        return {d.address for d in self.plan.spec.devices}
 
     def home(self, version: int, block: int) -> str | None:
         """Address that runs ``block`` of plan ``version`` under the current plan."""
@@ -201,57 +211,187 @@ class Deployment:
         self.history[self.version] = self.plan
         self.plan, self.version = plan, self.version + 1
         self._homes.clear()
+        self.prune()
         return self.version
+
+    def prune(self) -> None:
+        """Drop old plans no task needs, keeping the newest old one for late submissions."""
+        newest_old = self.version - 1
+        for v in [v for v in self.history if v != newest_old and not self.tasks[v]]:
+            del self.history[v]
+            self._specs.pop(v, None)
+            self._urgent.pop(v, None)
 
 
 class PlacementState:
-    """Deployed models, workers, and where every pinned task runs."""
+    """Deployed models, usable devices, and where every pinned task runs."""
 
     def __init__(self) -> None:
         self.models: dict[str, Deployment] = {}
-        self.workers: dict[str, DeviceSpec | None] = {}
-        self.draining: dict[str, str] = {}
+        self.devices: dict[str, DeviceSpec] = {}     # address -> the device its agent reported
+        self.drained: dict[str, str] = {}            # address -> why, drained for every model
         self.pinned: dict[Key, str] = {}
+        self.log: list[Event] = []
 
     def handle(self, event: Event) -> list[Instruction]:
+        self.log.append(event)
         if isinstance(event, TasksSubmitted):
             return self._pin(event.keys)
         if isinstance(event, TasksForgotten):
-            for k in event.keys:
-                self.pinned.pop(k, None)
-            return []
-        if isinstance(event, WorkerLeft):
-            return self._worker_left(event.address)
-        if isinstance(event, WorkerJoined):
-            return self._worker_joined(event.address, event.device)
-        if isinstance(event, WorkerDraining):
-            return self._drain(event.address, event.reason)
-        if isinstance(event, WorkerRestored):
-            self.draining.pop(event.address, None)
-            return self._worker_joined(event.address, event.device)
-        if isinstance(event, BudgetChanged):
-            return self._budget(event.address, event.memory_bytes)
+            return self._forget(event.keys)
         if isinstance(event, ModelDeployed):
-            return self._deployed(event.model, event.plan, event.checkpoint_dir, event.verify_every)
+            return self._deployed(event)
         if isinstance(event, ModelReleased):
             self.models.pop(event.model, None)
             return []
-        raise SeaBiscuitError(f"PlacementState does not know the event {event!r}")
+        if isinstance(event, ForModel):
+            return self._device_event(event.event, [self.deployment(event.model)])
+        return self._device_event(event, list(self.models.values()))
 
-    # --- handlers -----------------------------------------------------------------------
-    def _deployed(self, model: str, plan: Plan, checkpoint_dir: str = "",
-                  verify_every: int = 0) -> list[Instruction]:
-        missing = [d.name for d in plan.spec.devices if d.address not in self.workers]
-        if missing:
-            raise SeaBiscuitError(f"model {model}: the plan uses devices {missing} whose workers are "
-                                  f"not in the cluster (workers: {sorted(self.workers)})")
+    def deployment(self, model: str) -> Deployment:
         dep = self.models.get(model)
         if dep is None:
-            self.models[model] = Deployment(model, plan, checkpoint_dir=checkpoint_dir,
-                                            verify_every=verify_every)
-            return [PlanChanged(model, 0, "deployed")]
+            raise SeaBiscuitError(f"model {model!r} is not deployed on this cluster "
+                                  f"({len(self.models)} model(s) are)")
+        return dep
+
+    def authorized(self, model: str, token: Any) -> Deployment:
+        """The deployment of ``model``, for the client that deployed it (it shows the token) only."""
+        dep = self.deployment(model)
+        if not access.same_token(dep.token, token):
+            raise AccessDenied(f"model {model} belongs to the client that deployed it: the token "
+                               "given is not the one its deploy returned")
+        return dep
+
+    # --- device events ----------------------------------------------------------------------
+    def _device_event(self, event: DeviceEvent, deps: list[Deployment]) -> list[Instruction]:
+        everyone = len(deps) == len(self.models)
+        if isinstance(event, DeviceLost):
+            return self._lost(event.name, deps)
+        if isinstance(event, DeviceDrained):
+            return self._drain(event.name, event.reason, deps, everyone)
+        if isinstance(event, (DeviceAdded, DeviceRestored)):
+            return self._added(event.device, deps, restored=isinstance(event, DeviceRestored),
+                               everyone=everyone)
+        return self._capacity(event, deps)
+
+    def _lost(self, address: str, deps: list[Deployment]) -> list[Instruction]:
+        self.devices.pop(address, None)
+        self.drained.pop(address, None)
+        out: list[Instruction] = []
+        for dep in deps:
+            dep.excluded.pop(address, None)
+            out += self._move_off(dep, address, f"worker {address} left", stranded=True)
+        stuck = tuple(k for k, a in self.pinned.items() if a == address)
+        return out + self._pin(stuck, repin=True)
+
+    def _drain(self, address: str, reason: str, deps: list[Deployment], everyone: bool) -> list[Instruction]:
+        """Move models off a live worker; its in-flight tasks still run there. All or nothing."""
+        if address not in self.devices:
+            raise SeaBiscuitError(f"no worker {address} in the cluster (workers: {sorted(self.devices)})")
+        trial = {dep.model: dep.plan for dep in deps if address in dep.addresses()}
+        planned: dict[str, Plan] = {}
+        for model, plan in trial.items():
+            try:
+                planned[model] = replan(plan, DeviceLost(address))
+            except SeaBiscuitError as e:
+                raise SeaBiscuitError(f"worker {address} drained: {reason}; the remaining "
+                                      f"{len(plan.spec.devices) - 1} worker(s) cannot hold model "
+                                      f"{model}: {e}") from e
+        if everyone:
+            self.drained[address] = reason
+        out: list[Instruction] = []
+        for dep in deps:
+            dep.excluded[address] = reason
+            if dep.model in planned:
+                p = planned[dep.model]
+                v = dep.advance(p)
+                out.append(PlanChanged(dep.model, v, f"worker {address} drained: {reason}",
+                                       p.info["moved_bytes"], p.planning_s))
+        return out
+
+    def _move_off(self, dep: Deployment, address: str, why: str, stranded: bool) -> list[Instruction]:
+        if address not in dep.addresses():
+            return []
+        try:
+            plan = replan(dep.plan, DeviceLost(address))
+        except SeaBiscuitError as e:
+            msg = (f"{why}; the remaining {len(dep.plan.spec.devices) - 1} worker(s) cannot hold "
+                   f"model {dep.model}: {e}")
+            dep.stranded = msg
+            dep.lost.append(address)
+            return [Stranded(dep.model, msg)]
         v = dep.advance(plan)
-        return [PlanChanged(model, v, "redeployed")]
+        return [PlanChanged(dep.model, v, why, plan.info["moved_bytes"], plan.planning_s)]
+
+    def _capacity(self, event: CapacityChanged, deps: list[Deployment]) -> list[Instruction]:
+        out: list[Instruction] = []
+        for dep in deps:
+            if event.name not in dep.addresses():
+                continue
+            plan = replan(dep.plan, event)
+            v = dep.advance(plan)
+            out.append(PlanChanged(dep.model, v, f"worker {event.name} budget now {event.memory_bytes} bytes",
+                                   plan.info["moved_bytes"], plan.planning_s))
+        return out
+
+    def _added(self, device: DeviceSpec, deps: list[Deployment], restored: bool,
+               everyone: bool) -> list[Instruction]:
+        address = device.address
+        self.devices[address] = device
+        if restored and everyone:
+            self.drained.pop(address, None)
+        out: list[Instruction] = []
+        for dep in deps:
+            if restored:
+                dep.excluded.pop(address, None)
+            if address in self.drained or address in dep.excluded:
+                continue
+            if dep.stranded:
+                out += self._recover(dep, device)
+            elif address not in dep.addresses():
+                out += self._spread(dep, device)
+        return out
+
+    def _spread(self, dep: Deployment, device: DeviceSpec) -> list[Instruction]:
+        try:
+            plan = replan(dep.plan, DeviceAdded(device))
+        except SeaBiscuitError as e:
+            logger.info("model %s stays on its workers after %s joined: %s", dep.model, device.address, e)
+            return []
+        if not plan.info.get("moved_ops"):
+            return []
+        v = dep.advance(plan)
+        return [PlanChanged(dep.model, v, f"worker {device.address} joined", plan.info["moved_bytes"],
+                            plan.planning_s)]
+
+    def _recover(self, dep: Deployment, device: DeviceSpec) -> list[Instruction]:
+        """A stranded model takes the newcomer in place of the workers it lost, if it now fits."""
+        try:
+            plan = dep.plan if device.address in dep.addresses() else replan(dep.plan, DeviceAdded(device))
+            moved, took = 0.0, 0.0
+            for gone in dep.lost:
+                plan = replan(plan, DeviceLost(gone))
+                moved += plan.info["moved_bytes"]
+                took += plan.planning_s
+        except SeaBiscuitError as e:
+            logger.info("model %s is still stranded after %s joined: %s", dep.model, device.address, e)
+            return []
+        dep.stranded, dep.lost = "", []
+        v = dep.advance(plan)
+        return [PlanChanged(dep.model, v, f"recovered: worker {device.address} joined", moved, took)]
+
+    # --- models and tasks -----------------------------------------------------------------
+    def _deployed(self, e: ModelDeployed) -> list[Instruction]:
+        missing = [d.name for d in e.plan.spec.devices if d.address not in self.devices]
+        if missing:
+            raise SeaBiscuitError(f"model {e.model}: the plan uses devices {missing} whose workers are "
+                                  f"not in the cluster (workers: {sorted(self.devices)})")
+        if e.model in self.models:
+            raise AccessDenied(f"model id {e.model} is already deployed; ids are issued once")
+        self.models[e.model] = Deployment(e.model, e.plan, e.token, checkpoint_dir=e.checkpoint_dir,
+                                          verify_every=e.verify_every)
+        return [PlanChanged(e.model, 0, "deployed")]
 
     def _pin(self, keys: tuple[Key, ...], repin: bool = False) -> list[Instruction]:
         out: list[Instruction] = []
@@ -262,96 +402,49 @@ class PlacementState:
             model, version, request, block = parts
             dep = self.models.get(model)
             addr = dep.home(version, block) if dep is not None else None
-            if addr is None:
+            if dep is None or addr is None:
                 continue    # NOTE: an unknown model's task fails on its worker with a clear error
+            if key not in self.pinned:
+                dep.tasks[version] += 1
             self.pinned[key] = addr
-            urgent = dep.urgent(version) if dep is not None else []
+            urgent = dep.urgent(version)
             leaves = block < len(urgent) and urgent[block]
             out.append(Pin(key, addr, repin, (0 if leaves else 1, request, block)))
         return out
 
-    def _worker_left(self, address: str) -> list[Instruction]:
-        self.workers.pop(address, None)
-        self.draining.pop(address, None)
-        out = self._move_off(address, f"worker {address} left", stranded=True)
-        stuck = tuple(k for k, a in self.pinned.items() if a == address)
-        return out + self._pin(stuck, repin=True)
-
-    def _drain(self, address: str, reason: str) -> list[Instruction]:
-        """Move every model off a live worker; its in-flight tasks still run there."""
-        if address not in self.workers:
-            raise SeaBiscuitError(f"no worker {address} in the cluster (workers: {sorted(self.workers)})")
-        self.draining[address] = reason
-        try:
-            return self._move_off(address, f"worker {address} drained: {reason}", stranded=False)
-        except SeaBiscuitError:
-            self.draining.pop(address, None)     # NOTE: nothing could move: the worker stays in use
-            raise
-
-    def _move_off(self, address: str, why: str, stranded: bool) -> list[Instruction]:
-        out: list[Instruction] = []
-        for dep in list(self.models.values()):
-            lost = [d.name for d in dep.plan.spec.devices if d.address == address]
-            if not lost:
+    def _forget(self, keys: tuple[Key, ...]) -> list[Instruction]:
+        for key in keys:
+            if self.pinned.pop(key, None) is None:
                 continue
-            try:
-                plan = replan(dep.plan, DeviceLost(lost[0]))
-            except SeaBiscuitError as e:
-                msg = (f"{why}; the remaining {len(dep.plan.spec.devices) - 1} worker(s) cannot hold "
-                       f"model {dep.model}: {e}")
-                if stranded:
-                    out.append(Stranded(dep.model, msg))
-                    continue
-                raise SeaBiscuitError(msg) from e
-            v = dep.advance(plan)
-            out.append(PlanChanged(dep.model, v, why, plan.info["moved_bytes"], plan.planning_s))
-        return out
-
-    def _budget(self, address: str, memory_bytes: int) -> list[Instruction]:
-        out: list[Instruction] = []
-        for dep in list(self.models.values()):
-            names = [d.name for d in dep.plan.spec.devices if d.address == address]
-            if not names:
-                continue
-            plan = replan(dep.plan, CapacityChanged(names[0], memory_bytes=int(memory_bytes)))
-            v = dep.advance(plan)
-            out.append(PlanChanged(dep.model, v, f"worker {address} budget now {memory_bytes} bytes",
-                                   plan.info["moved_bytes"], plan.planning_s))
-        return out
-
-    def _worker_joined(self, address: str, device: DeviceSpec | None) -> list[Instruction]:
-        self.workers[address] = device
-        out: list[Instruction] = []
-        if device is None or address in self.draining:
-            return out
-        for dep in self.models.values():
-            if any(d.address == address for d in dep.plan.spec.devices):
-                continue
-            try:
-                plan = replan(dep.plan, DeviceAdded(device))
-            except SeaBiscuitError as e:
-                logger.info("model %s stays on its workers after %s joined: %s", dep.model, address, e)
-                continue
-            if not plan.info.get("moved_ops"):
-                continue
-            v = dep.advance(plan)
-            out.append(PlanChanged(dep.model, v, f"worker {address} joined", plan.info["moved_bytes"],
-                                   plan.planning_s))
-        return out
+            parts = parse_key(key)
+            dep = self.models.get(parts[0]) if parts is not None else None
+            if dep is not None and parts is not None:
+                dep.tasks[parts[1]] -= 1
+                if dep.tasks[parts[1]] <= 0:
+                    del dep.tasks[parts[1]]
+                    dep.prune()
+        return []
 
     # --- queries --------------------------------------------------------------------------
-    def owned(self, model: str, version: int, address: str) -> list[dict[str, Any]]:
-        """Specs of the blocks ``address`` owns in plan ``version`` of ``model`` (none if it is stale)."""
-        dep = self.models.get(model)
-        if dep is None or version != dep.version:
-            return []
-        return [s.to_dict() for s in dep.specs(version) if s.address == address]
+    def held_bytes(self, address: str) -> int:
+        """Bytes the deployed models' plans take on ``address`` (weights and activations)."""
+        total = 0.0
+        for dep in self.models.values():
+            for i, d in enumerate(dep.plan.spec.devices):
+                if d.address == address:
+                    total += float(dep.plan.peak_bytes[i])
+        return int(total)
 
-    def block_spec(self, model: str, version: int, block: int) -> dict[str, Any]:
+    def owned(self, model: str, address: str) -> dict[str, Any]:
+        """What ``address`` should hold of ``model``: its blocks in the current plan, or nothing."""
         dep = self.models.get(model)
         if dep is None:
-            raise SeaBiscuitError(f"model {model} is not deployed on this cluster "
-                                  f"(deployed: {sorted(self.models)})")
+            return {"released": True, "version": -1, "blocks": []}
+        blocks = [s.to_dict() for s in dep.specs(dep.version) if s.address == address]
+        return {"released": False, "version": dep.version, "blocks": blocks}
+
+    def block_spec(self, model: str, version: int, block: int) -> dict[str, Any]:
+        dep = self.deployment(model)
         if version != dep.version and version not in dep.history:
             raise SeaBiscuitError(f"model {model} has no plan version {version} "
                                   f"(current {dep.version})")

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..errors import UnsupportedModel
+from ..ir import OpGraph
 from .checkpoint import bind_checkpoint
 from .skeleton import build_empty, empty_weights, load_hf_skeleton
 
@@ -49,9 +50,46 @@ def trace(model_or_path: Any, example_inputs: Any, kwargs: Mapping[str, Any] | N
     args = as_example_tuple(example_inputs)
     kw = default_kwargs(model, kwargs)
     graph = cached_trace(model, args, kw, lambda: trace_module(model, args, kw))
+    graph = graph.with_meta(call=call_signature(model, len(args)), index_ranges=index_ranges(graph))
     if checkpoint is not None:
         graph = bind_checkpoint(graph, checkpoint)
     return graph
+
+
+def call_signature(model: Any, n_positional: int) -> dict[str, list[str]]:
+    """Names of the first ``n_positional`` parameters of ``model.forward`` (for keyword calls)."""
+    import inspect
+
+    try:
+        params = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        return {"positional": [f"arg{i}" for i in range(n_positional)]}
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    names = [p.name for p in params if p.kind in kinds]
+    if len(names) < n_positional:       # NOTE: *args: positional inputs have no names
+        names += [f"arg{i}" for i in range(len(names), n_positional)]
+    return {"positional": names[:n_positional]}
+
+
+def index_ranges(graph: OpGraph) -> dict[str, int]:
+    """Graph inputs used as embedding indices (directly or through views) -> rows of the table."""
+    out: dict[str, int] = {}
+    for op in graph.ops:
+        if op.kind != "embedding" or op.target != "aten.embedding.default":
+            continue
+        weight, idx = op.attrs["args"][0], op.attrs["args"][1]
+        if not (isinstance(weight, Mapping) and "p" in weight and isinstance(idx, Mapping) and "t" in idx):
+            continue
+        name = idx["t"]
+        while name in graph.producer:
+            src = graph.op_by_name[graph.producer[name]]
+            if src.kind != "view" or len(src.inputs) != 1:
+                break
+            name = src.inputs[0]
+        if name in graph.inputs:
+            rows = graph.params[weight["p"]].shape[0]
+            out[name] = min(rows, out.get(name, rows))
+    return out
 
 
 __all__ = ["bind_checkpoint", "build_empty", "empty_weights", "load_hf_skeleton", "trace"]

@@ -1,0 +1,83 @@
+"""What an RPC may name: ids SeaBiscuit issued, its deployer's token, paths inside roots, real budgets.
+
+RPC payloads are data from any peer of the cluster. Model ids are issued by the
+scheduler at deploy (16 hex digits) and a token goes back to the deploying
+client only; paths (weight files, checkpoint folders) must lie inside the
+folders of config ``seabiscuit.roots`` (plus the system's temporary folder, the
+template cache and the configured store and checkpoint folders); a budget must
+be one the machine can have.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+import re
+import secrets
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from .. import config
+from ..errors import AccessDenied
+from ..ir import OpGraph, fmt_bytes
+
+MODEL_ID = re.compile(r"[0-9a-f]{16}")
+
+
+def new_model_id() -> str:
+    return secrets.token_hex(8)
+
+
+def new_token() -> str:
+    return secrets.token_hex(16)
+
+
+def check_model_id(model: Any) -> str:
+    """``model`` if it has the form of an id SeaBiscuit issues, else ``AccessDenied``."""
+    if not isinstance(model, str) or not MODEL_ID.fullmatch(model):
+        raise AccessDenied(f"{model!r} is not a model id SeaBiscuit issued (16 hex digits, from deploy)")
+    return model
+
+
+def same_token(expected: str, given: Any) -> bool:
+    return bool(expected) and isinstance(given, str) and hmac.compare_digest(expected, given)
+
+
+def roots() -> list[Path]:
+    """Folders SeaBiscuit may read weights from and write checkpoints to, resolved."""
+    found = [tempfile.gettempdir(), config.cache_dir(), *(config.get("roots") or [])]
+    for key in ("runtime.store-directory", "checkpoint.directory"):
+        if config.get(key):
+            found.append(config.get(key))
+    return [Path(os.fspath(r)).expanduser().resolve() for r in dict.fromkeys(map(str, found))]
+
+
+def check_path(path: Any, what: str) -> Path:
+    """``path`` resolved, if it lies inside one of ``roots()``; else ``AccessDenied`` saying what to do."""
+    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+        raise AccessDenied(f"{what} must be a path, got {path!r}")
+    p = Path(os.fspath(path)).expanduser().resolve()
+    allowed = roots()
+    if not any(p == r or p.is_relative_to(r) for r in allowed):
+        raise AccessDenied(f"{what} {os.fspath(path)!r} is outside the folders SeaBiscuit may use "
+                           f"({', '.join(map(str, allowed))}); add its folder to the config list "
+                           "`seabiscuit.roots` of the scheduler and workers (e.g. "
+                           "DASK_SEABISCUIT__ROOTS='[\"/data/models\"]') or move it inside one")
+    return p
+
+
+def check_graph_paths(graph: OpGraph) -> None:
+    """Every weight file the graph names lies inside the roots."""
+    for f in sorted({p.source.file for p in graph.params.values() if p.source.file}):
+        check_path(f, "weights file")
+
+
+def check_budget(memory_bytes: Any, machine_bytes: int, where: str) -> int:
+    """A positive byte count no larger than the machine's memory."""
+    if isinstance(memory_bytes, bool) or not isinstance(memory_bytes, int) or memory_bytes <= 0:
+        raise AccessDenied(f"budget for {where} must be a positive byte count, got {memory_bytes!r}")
+    if machine_bytes and memory_bytes > machine_bytes:
+        raise AccessDenied(f"budget for {where} of {fmt_bytes(memory_bytes)} ({memory_bytes} bytes) is more "
+                           f"than the machine has ({fmt_bytes(machine_bytes)}, {machine_bytes} bytes)")
+    return memory_bytes

@@ -1,0 +1,286 @@
+"""A worker's resident blocks: compiled programs, their weight tiles, checksums and checkpoints.
+
+Plain Python, no Dask: the worker plugin wraps one ``ResidentBlocks`` and tests
+drive it directly. Tiles are counted once against the worker's budget (a tied
+embedding read by two blocks is one tile) and checked against their CRC-32 as
+they are read. The lock guards bookkeeping only and is never held while a tile
+is read, so the worker's event loop never waits on a load.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import BadCheckpoint, ClusterTooSmall
+from ..ir import ParamSpec, fmt_bytes
+from ..lower.blocks import BlockProgram, BlockSpec, run_block
+from ..weights import WeightStore
+from . import access
+from .integrity import crc32, load_checkpoint, save_checkpoint
+
+logger = logging.getLogger(__name__)
+
+FetchSpec = Callable[[str, int, int], Mapping[str, Any]]
+COUNTERS = ("block_runs", "resumed_from_checkpoint", "checkpoints_written", "checkpoint_write_failures",
+            "corrupt_tiles", "corrupt_checkpoints", "prefetched_blocks")
+
+
+def tile_key(p: ParamSpec) -> tuple[Any, ...]:
+    return (p.source.key, p.source.slices, p.source.file, p.dtype)
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class ResidentBlocks:
+    """Blocks of deployed models kept on one worker, within ``budget_bytes``."""
+
+    def __init__(self, budget_bytes: int, device: torch.device | str = "cpu", address: str = "") -> None:
+        self.budget_bytes = int(budget_bytes)
+        self.device = torch.device(device)
+        self.address = address
+        self.programs: dict[tuple[str, int], BlockProgram] = {}
+        self.tiles: dict[str, dict[tuple[Any, ...], torch.Tensor]] = {}
+        self.tile_crc: dict[str, dict[tuple[Any, ...], int]] = {}
+        self.versions: dict[str, int] = {}
+        self.released: set[str] = set()              # model ids are never reused
+        self.checkpoint_dirs: dict[str, Path] = {}
+        self.runs: dict[tuple[str, int], int] = {}
+        self.counters = dict.fromkeys(COUNTERS, 0)
+        self._stores: dict[str, WeightStore] = {}
+        self._reserved = 0                           # bytes of loads under way
+        self._lock = threading.Lock()
+
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes of weight tiles held for resident blocks, each tile once."""
+        return sum(tensor_bytes(t) for tiles in list(self.tiles.values()) for t in list(tiles.values()))
+
+    def bytes_by_model(self) -> dict[str, int]:
+        return {m: sum(tensor_bytes(t) for t in list(ts.values())) for m, ts in list(self.tiles.items())}
+
+    # --- loading -------------------------------------------------------------------------
+    def _store(self, model: str) -> WeightStore:
+        with self._lock:
+            return self._stores.setdefault(model, WeightStore(device=self.device))
+
+    def _read_tile(self, spec: BlockSpec, name: str, p: ParamSpec) -> tuple[torch.Tensor, int]:
+        """Read one tile and check it against its reference checksum (re-read once on a mismatch)."""
+        want = spec.checksums.get(name)
+        got = 0
+        for attempt in range(2):
+            if attempt:     # NOTE: a fresh handle maps the file again (tiles may share its pages)
+                with self._lock:
+                    self._stores.pop(spec.model, None)
+            t = self._store(spec.model).load(p)
+            got = crc32(t)
+            if want is None or got == want:
+                return t, got
+            self.counters["corrupt_tiles"] += 1
+            logger.warning("tile %s of model %s read with CRC-32 %d, expected %d: reading again",
+                           name, spec.model, got, want)
+        raise BadCheckpoint(f"tile {name!r} ({p.source.key}{list(p.source.slices or [])} in "
+                            f"{p.source.file}) has CRC-32 {got} twice, expected {want}: the weights on "
+                            "disk are corrupt")
+
+    def _check_spec(self, spec: BlockSpec) -> None:
+        access.check_model_id(spec.model)
+        for p in spec.params.values():
+            if p.source.file:
+                access.check_path(p.source.file, "weights file")
+        if spec.checkpoint_dir and spec.model not in self.checkpoint_dirs:
+            self.checkpoint_dirs[spec.model] = writable(spec.checkpoint_dir, self.address)
+
+    def load(self, spec: BlockSpec, keep: bool = True) -> BlockProgram:
+        """Compile ``spec`` and load its tiles; resident (counted) when ``keep``.
+
+        Tiles already resident are shared; the others are read outside the lock,
+        each checked against its checksum.
+        """
+        self._check_spec(spec)
+        with self._lock:
+            self._retire(spec.model, spec.version)
+            have = self.programs.get((spec.model, spec.index))
+            if have is not None and have.spec.version == spec.version:
+                return have
+            # NOTE: a load still running when its model is released must not bring it back
+            keep = keep and spec.version == self.versions.get(spec.model) and spec.model not in self.released
+            tiles = self.tiles.get(spec.model, {})
+            todo = {tile_key(p): (n, p) for n, p in spec.params.items() if tile_key(p) not in tiles}
+            need = sum(p.nbytes for _, p in todo.values())
+            held = self.resident_bytes + self._reserved
+            if keep and held + need > self.budget_bytes:
+                raise ClusterTooSmall(
+                    f"worker {self.address} cannot hold block b{spec.index} of model {spec.model}: it "
+                    f"holds {fmt_bytes(held)} of shards, the block needs {fmt_bytes(need)} more, and its "
+                    f"budget is {fmt_bytes(self.budget_bytes)} ({held} + {need} > {self.budget_bytes} bytes)")
+            reserved = need if keep else 0
+            self._reserved += reserved
+        try:
+            read = {k: self._read_tile(spec, n, p) for k, (n, p) in todo.items()}
+        finally:
+            with self._lock:
+                self._reserved -= reserved
+        with self._lock:
+            keep = keep and spec.version == self.versions.get(spec.model) and spec.model not in self.released
+            tiles = self.tiles.setdefault(spec.model, {}) if keep else dict(tiles)
+            crcs = self.tile_crc.setdefault(spec.model, {})
+            for k, (t, c) in read.items():
+                tiles.setdefault(k, t)
+                crcs.setdefault(k, c)
+            program = BlockProgram.load(spec, lambda p: tiles[tile_key(p)], self.device)
+            if keep:
+                self.programs[(spec.model, spec.index)] = program
+        return program
+
+    def program(self, model: str, version: int, block: int, fetch: FetchSpec) -> BlockProgram:
+        """The block to run: resident, or loaded now from the spec ``fetch`` returns.
+
+        A block of the current plan that this worker owns becomes resident; any
+        other (a request in flight when the plan changed, re-pinned here) is loaded
+        for this run only and not counted against the budget.
+        """
+        have = self.programs.get((model, block))
+        if have is not None and have.spec.version == version:
+            return have
+        spec = BlockSpec.from_dict(fetch(model, version, block))
+        owner = spec.address in ("", self.address)
+        return self.load(spec, keep=owner and version >= self.versions.get(model, -1))
+
+    def sync(self, owned: Mapping[str, Any], model: str) -> int:
+        """Hold what the scheduler says this worker owns of ``model`` (``PlacementState.owned``).
+
+        Loads the blocks of the current version, drops older ones, and forgets a
+        released model; returns how many blocks were loaded.
+        """
+        if owned.get("released"):
+            self.release(model)
+            return 0
+        version = int(owned["version"])
+        with self._lock:
+            self._retire(model, version)
+        n = 0
+        for d in owned.get("blocks", ()):
+            if model in self.released or self.versions.get(model) != version:
+                break
+            self.load(BlockSpec.from_dict(d))
+            n += 1
+        self.counters["prefetched_blocks"] += n
+        return n
+
+    # --- integrity -------------------------------------------------------------------------
+    def verify(self, program: BlockProgram) -> bool:
+        """Check a block's tiles every ``verify_every`` runs; on a mismatch drop the model's tiles.
+
+        Returns False when corruption was found (the block must be loaded again).
+        """
+        every = program.spec.verify_every
+        key = (program.spec.model, program.spec.index)
+        self.runs[key] = n = self.runs.get(key, 0) + 1
+        if every <= 0 or n % every:
+            return True
+        crcs = self.tile_crc.get(program.spec.model, {})
+        for name, p in program.spec.params.items():
+            want = crcs.get(tile_key(p))
+            if want is not None and crc32(program.weights[name]) != want:
+                self.counters["corrupt_tiles"] += 1
+                logger.warning("resident tile %s of model %s is corrupt: dropping the model's tiles on %s "
+                               "and reading them again", name, program.spec.model, self.address)
+                with self._lock:
+                    self._drop(program.spec.model)
+                    self._stores.pop(program.spec.model, None)   # NOTE: tiles may share the file's pages
+                return False
+        return True
+
+    # --- running ---------------------------------------------------------------------------
+    def checkpoint_path(self, model: str, version: int, request: int, block: int) -> Path | None:
+        d = self.checkpoint_dirs.get(model)
+        if d is None or request < 0:
+            return None
+        return d / access.check_model_id(model) / f"r{int(request)}" / f"v{int(version)}-b{int(block)}.safetensors"
+
+    def run(self, model: str, version: int, request: int, block: int, inputs: Mapping[str, torch.Tensor],
+            deps: Sequence[Mapping[str, torch.Tensor]], fetch: FetchSpec) -> tuple[dict[str, torch.Tensor], str]:
+        """One block of one request: ``(outputs, "computed" | "resumed")``.
+
+        Outputs come from an intact checkpoint when there is one; a failed
+        checkpoint write is logged and the outputs are returned all the same.
+        """
+        ckpt = self.checkpoint_path(model, version, request, block)
+        if ckpt is not None:
+            out, why = load_checkpoint(ckpt)
+            if out is not None:
+                self.counters["resumed_from_checkpoint"] += 1
+                return out, "resumed"
+            if why != "missing":
+                self.counters["corrupt_checkpoints"] += 1
+                logger.warning("checkpoint %s not used (%s): running the block again", ckpt, why)
+        program = self.program(model, version, block, fetch)
+        if not self.verify(program):
+            program = self.program(model, version, block, fetch)
+        out = run_block(program, inputs, deps)
+        self.counters["block_runs"] += 1
+        ckpt = ckpt or self.checkpoint_path(model, version, request, block)
+        if ckpt is not None:
+            try:
+                save_checkpoint(ckpt, out)
+                self.counters["checkpoints_written"] += 1
+            except (OSError, RuntimeError, ValueError) as e:
+                self.counters["checkpoint_write_failures"] += 1
+                logger.warning("checkpoint %s not written (%s): serving without it", ckpt, e)
+        return out, "computed"
+
+    # --- forgetting ------------------------------------------------------------------------
+    def _retire(self, model: str, version: int) -> None:
+        """Note ``version`` as seen; a newer version drops the older blocks (lock held)."""
+        if version > self.versions.get(model, -1) and model not in self.released:
+            self.versions[model] = version
+            self._drop(model)
+
+    def _drop(self, model: str) -> int:
+        """Forget ``model``'s blocks and tiles (lock held); returns the tile bytes freed."""
+        for k in [k for k in self.programs if k[0] == model]:
+            del self.programs[k]
+        return sum(tensor_bytes(t) for t in self.tiles.pop(model, {}).values())
+
+    def release(self, model: str) -> int:
+        """Drop every block and record of ``model``; returns the bytes freed."""
+        with self._lock:
+            self.released.add(model)
+            freed = self._drop(model)
+            self.versions.pop(model, None)
+            self._stores.pop(model, None)
+            self.tile_crc.pop(model, None)
+            self.checkpoint_dirs.pop(model, None)
+            for k in [k for k in self.runs if k[0] == model]:
+                del self.runs[k]
+        return freed
+
+    def clear(self) -> None:
+        with self._lock:
+            self.programs.clear()
+            self.tiles.clear()
+            self._stores.clear()
+
+
+def writable(folder: str, where: str = "") -> Path:
+    """``folder`` inside the roots and writable here, else ``BadCheckpoint`` naming the folder."""
+    import tempfile
+
+    p = access.check_path(folder, "checkpoint folder")
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=p, prefix=".probe-"):
+            pass
+    except OSError as e:
+        raise BadCheckpoint(f"checkpoint folder {folder} cannot be written{' on ' + where if where else ''}: "
+                            f"{e}; choose a folder every worker can write, or no checkpoint_dir") from e
+    return p
+

@@ -1,0 +1,71 @@
+"""Weights of a model given in memory, written once for the workers to read slice by slice."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import weakref
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import config
+from ..errors import SeaBiscuitError
+from ..ir import OpGraph
+from ..trace import bind_checkpoint
+from ..weights import WeightStore
+from .integrity import crc32
+
+
+def tile_checksums(model: torch.nn.Module, graph: OpGraph) -> dict[str, int]:
+    """CRC-32 of every weight tile ``graph`` reads from ``model``: the reference the workers check."""
+    store = WeightStore.from_weights(model)
+    return {name: crc32(store.load(p)) for name, p in graph.params.items() if p.source.kind == "model"}
+
+
+def write_store(model: torch.nn.Module, graph: OpGraph, folder: Path) -> Path:
+    """Save the tensors ``graph`` reads from ``model`` to ``folder/model.safetensors``."""
+    from safetensors.torch import save_file
+
+    named: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
+    named.update(model.named_buffers(remove_duplicate=False))
+    keys = sorted({p.source.key for p in graph.params.values() if p.source.kind == "model"})
+    missing = [k for k in keys if k not in named]
+    if missing:
+        raise SeaBiscuitError(f"the model has no tensors {missing[:5]} that its graph reads")
+    meta = [k for k in keys if named[k].is_meta]
+    if meta:
+        raise SeaBiscuitError(f"{len(meta)} tensor(s) of the model are on the meta device "
+                              f"({meta[:3]}): pass real weights or a checkpoint")
+    seen: set[int] = set()
+    tensors = {}
+    for k in keys:
+        t = named[k].detach().contiguous()
+        if t.data_ptr() in seen:        # NOTE: safetensors refuses two keys sharing memory
+            t = t.clone()
+        seen.add(t.data_ptr())
+        tensors[k] = t
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "model.safetensors"
+    save_file(tensors, os.fspath(path))
+    return path
+
+
+def stored(graph: OpGraph, weights: Any, owner: object) -> tuple[OpGraph, Path | None]:
+    """``graph`` bound to a store written from ``weights`` when it reads a model in memory.
+
+    The store folder goes away with ``owner`` (or at interpreter exit), so a client
+    that never calls ``close()`` leaves nothing behind.
+    """
+    if not any(p.source.kind == "model" for p in graph.params.values()):
+        return graph, None
+    if not isinstance(weights, torch.nn.Module):
+        raise SeaBiscuitError("the graph reads weights from a model in memory, but no module was given "
+                              "(pass weights=model)")
+    folder = Path(tempfile.mkdtemp(prefix="seabiscuit-store-", dir=config.get("runtime.store-directory")))
+    weakref.finalize(owner, shutil.rmtree, folder, ignore_errors=True)
+    crcs = tile_checksums(weights, graph)
+    bound = bind_checkpoint(graph, write_store(weights, graph, folder)).with_meta(tile_crc32=crcs)
+    return bound, folder

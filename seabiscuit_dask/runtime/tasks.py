@@ -1,0 +1,59 @@
+"""What Dask tasks run on a worker: load a block's weights, run one block of one request.
+
+They reach the worker's ``ResidentBlocks`` through the SeaBiscuit worker plugin
+(by name, so runtime/ never imports plugins/) and fetch block specs they do not
+hold from the scheduler plugin.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from distributed import get_worker
+from distributed.utils import sync
+
+from ..errors import SeaBiscuitError
+from ..lower.blocks import BlockSpec
+from .resident import ResidentBlocks
+
+PLUGIN_NAME = "seabiscuit"
+RUNS_TOPIC = "seabiscuit-runs"
+INSTALL = ("install it on the scheduler (client.register_plugin(SeaBiscuitSchedulerPlugin()) or "
+           "`dask scheduler --preload seabiscuit_dask.plugins.preload`)")
+
+
+def resident(worker: Any = None) -> ResidentBlocks:
+    """The ``ResidentBlocks`` of this worker's SeaBiscuit plugin."""
+    w = worker or get_worker()
+    blocks = getattr(w.plugins.get(PLUGIN_NAME), "resident", None)
+    if not isinstance(blocks, ResidentBlocks):
+        raise SeaBiscuitError(f"worker {w.address} has no SeaBiscuit plugin: {INSTALL}")
+    return blocks
+
+
+def load_block_json(spec: str) -> int:
+    """Task: make a block resident on this worker (spec as JSON text); returns its weight bytes."""
+    return resident().load(BlockSpec.from_dict(json.loads(spec))).nbytes
+
+
+def fetch_spec(model: str, version: int, block: int) -> Mapping[str, Any]:
+    """A block's spec from the scheduler plugin (called from a task thread)."""
+    w = get_worker()
+    try:
+        return sync(w.loop, w.scheduler.seabiscuit_block, model=model, version=version, block=block)
+    except Exception as e:
+        raise SeaBiscuitError(f"worker {w.address} could not get block b{block} of model {model} "
+                              f"plan {version} from the scheduler: {e}") from e
+
+
+def run_block_task(model: str, version: int, request: int, block: int, inputs: Mapping[str, Any],
+                   *deps: Any) -> Any:
+    """Task: run one block of one request, or take its outputs from an intact checkpoint."""
+    w = get_worker()
+    out, how = resident(w).run(model, version, request, block, inputs, deps, fetch_spec)
+    # NOTE: the scheduler plugin counts these to report blocks computed more than once.
+    w.log_event(RUNS_TOPIC, {"model": model, "version": version, "request": request, "block": block,
+                             "how": how})
+    return out
