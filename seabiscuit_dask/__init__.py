@@ -16,9 +16,9 @@ __version__ = "0.1.0"
 from . import config
 from .decompose import decompose
 from .errors import (
+    AccessDenied,
     BadCheckpoint,
     BadInput,
-    AccessDenied,
     BudgetTooSmall,
     ClusterTooSmall,
     InvalidGraph,

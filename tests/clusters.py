@@ -1,18 +1,26 @@
-"""Local Dask clusters for tests: worker processes x 1 thread, a budget each, SeaBiscuit installed."""
+"""Local Dask clusters for tests, and one way to wait for an event with a timeout."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import seabiscuit_dask as sb
+
+TIMEOUT_S = 60.0
 
 
 @contextlib.contextmanager
 def seabiscuit_cluster(n_workers: int, budget_bytes: int, *, processes: bool = True,
                        plugin: bool = True, **kwargs: Any) -> Iterator[Any]:
-    """A Client of a LocalCluster whose workers each have ``budget_bytes`` (resource MEM)."""
+    """A Client of a LocalCluster whose workers each have ``budget_bytes`` (resource MEM).
+
+    ``client.cluster`` is the LocalCluster; with ``processes=False`` its workers share
+    this process, so a test can reach their plugins.
+    """
     from distributed import Client, LocalCluster
 
     security = kwargs.get("security")
@@ -22,3 +30,46 @@ def seabiscuit_cluster(n_workers: int, budget_bytes: int, *, processes: bool = T
         if plugin:
             client.register_plugin(sb.SeaBiscuitSchedulerPlugin())
         yield client
+
+
+def wait_for(condition: Callable[[], Any], what: str, timeout_s: float = TIMEOUT_S) -> Any:
+    """Wait until ``condition()`` is truthy and return it; fail naming ``what`` after ``timeout_s``.
+
+    The condition is re-checked every few milliseconds: this waits for an event the
+    test cannot subscribe to, it does not stand in for one.
+    """
+    deadline = time.monotonic() + timeout_s
+    tick = threading.Event()
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+        tick.wait(0.005)
+
+
+def serve_until(dm, x, stop: threading.Event, callers: int = 3, after: int = 2):
+    """Callers send requests until ``stop`` is set, then ``after`` more each; (results, errors, threads)."""
+    results: list = []
+    errors: list = []
+
+    def body() -> None:
+        try:
+            while not stop.is_set():
+                results.append(dm(x).logits)
+            for _ in range(after):
+                results.append(dm(x).logits)
+        except BaseException as e:  # noqa: BLE001 - collected and asserted on
+            errors.append(e)
+
+    threads = [threading.Thread(target=body) for _ in range(callers)]
+    for t in threads:
+        t.start()
+    return results, errors, threads
+
+
+def running_on(client, dm, address: str) -> bool:
+    """Whether a block task of ``dm`` is running on ``address`` right now."""
+    keys = client.processing(workers=[address]).get(address, ())
+    return any(f"sb-{dm.model_id}" in str(k) for k in keys)

@@ -7,10 +7,10 @@ model's safetensors file.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +19,7 @@ import torch
 import seabiscuit_dask as sb
 
 from . import models as M
+from .clusters import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::ResourceWarning")]
 
@@ -27,7 +28,9 @@ WORKER_BUDGET = 60_000_000
 
 
 def _dask(*args: str, log: Path) -> subprocess.Popen:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    # NOTE: the operator lets the cluster read the MiniLM package's folder (config seabiscuit.roots).
+    roots = [str(M.minilm_dir())] if M.minilm_dir() is not None else []
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "DASK_SEABISCUIT__ROOTS": json.dumps(roots)}
     # NOTE: `dask` is the CLI an operator types; run through this interpreter to find it.
     return subprocess.Popen([sys.executable, "-c", "from dask.cli import run_cli; run_cli()", *args],
                             stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
@@ -42,10 +45,7 @@ def deployment(tmp_path_factory):
     procs = [_dask("scheduler", "--scheduler-file", str(sched_file), "--port", "0", "--no-dashboard",
                    "--preload", PRELOAD, log=d / "scheduler.log")]
     try:
-        for _ in range(300):
-            if sched_file.exists():
-                break
-            time.sleep(0.1)
+        wait_for(sched_file.exists, "the scheduler to write its file", 30)
         for i in range(2):
             procs.append(_dask("worker", "--scheduler-file", str(sched_file), "--nthreads", "1",
                                "--nworkers", "1", "--name", f"node{i}", "--no-dashboard",
@@ -89,7 +89,7 @@ def test_minilm_real_weights_from_its_folder(deployment) -> None:
         assert M.rel_err(M.first(dm(x)), expected) <= 1e-4
         held = deployment.run(lambda dask_worker: dask_worker.plugins["seabiscuit"].resident_bytes)
         assert all(0 < b <= WORKER_BUDGET for b in held.values())
-        assert dm._store_dir is None          # read from the model's own checkpoint, not a copy
+        assert dm._store is None              # read from the model's own checkpoint, not a copy
 
 
 def test_demo_runs_on_an_existing_cluster(deployment, capsys) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import time
 from pathlib import Path
 
 import dask.config
@@ -20,7 +19,7 @@ import torch
 import seabiscuit_dask as sb
 
 from . import models as M
-from .clusters import seabiscuit_cluster
+from .clusters import running_on, seabiscuit_cluster, serve_until, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::ResourceWarning")]
 
@@ -48,22 +47,6 @@ def busiest(dm) -> str:
     return dm.plan.spec.devices[dm.plan.spec.index(name)].address
 
 
-def run_threads(fn, n: int) -> tuple[list, list]:
-    results: list = []
-    errors: list = []
-
-    def body() -> None:
-        try:
-            results.extend(fn())
-        except BaseException as e:  # noqa: BLE001 - collected and asserted on
-            errors.append(e)
-
-    threads = [threading.Thread(target=body) for _ in range(n)]
-    for t in threads:
-        t.start()
-    return results, errors, threads
-
-
 def join(threads, timeout: float = 120) -> None:
     for t in threads:
         t.join(timeout)
@@ -80,15 +63,17 @@ def test_sigkill_mid_inference_with_checkpoints(client, llama, tmp_path) -> None
         assert M.rel_err(dm(x).logits, expected) <= 1e-4
         victim = busiest(dm)
         pid = client.run(os.getpid, workers=[victim])[victim]
-        results, errors, threads = run_threads(lambda: [dm(x).logits for _ in range(3)], 3)
-        time.sleep(0.05)
-        os.kill(pid, signal.SIGKILL)
+        stop = threading.Event()
+        results, errors, threads = serve_until(dm, x, stop)
+        try:
+            wait_for(lambda: running_on(client, dm, victim), "a block running on the victim")
+            os.kill(pid, signal.SIGKILL)
+        finally:
+            stop.set()
         join(threads)
         assert not errors, errors
-        assert len(results) == 9 and all(M.rel_err(r, expected) <= 1e-4 for r in results)
-        deadline = time.time() + 30
-        while dm.version == 0 and time.time() < deadline:
-            time.sleep(0.05)
+        assert len(results) >= 6 and all(M.rel_err(r, expected) <= 1e-4 for r in results)
+        wait_for(lambda: dm.version > 0, "the plan repaired after the kill")
         assert victim not in {d.address for d in dm.plan.spec.devices}
         assert any("left" in e.get("reason", "") for e in dm.events)
         assert M.rel_err(dm(x).logits, expected) <= 1e-4
@@ -103,22 +88,21 @@ def test_drain_under_load_moves_everything_and_loses_nothing(client, llama) -> N
     model, x, expected = llama
     with sb.distribute(model, client, (x,), budget="256KiB") as dm:
         victim = busiest(dm)
-        results, errors, threads = run_threads(lambda: [dm(x).logits for _ in range(4)], 3)
-        time.sleep(0.05)
-        report = dm.drain(victim, reason="maintenance")
+        stop = threading.Event()
+        results, errors, threads = serve_until(dm, x, stop)
+        try:
+            wait_for(lambda: running_on(client, dm, victim), "a block running on the worker to drain")
+            report = dm.drain(victim, reason="maintenance")
+        finally:
+            stop.set()
         join(threads)
         assert not errors, errors
-        assert len(results) == 12 and all(M.rel_err(r, expected) <= 1e-4 for r in results)
-        assert report["replan_s"] and max(report["replan_s"]) < 0.025
+        assert len(results) >= 6 and all(M.rel_err(r, expected) <= 1e-4 for r in results)
+        assert report["replan_s"] and report["versions"][dm.model_id] == dm.version
         assert victim not in {d.address for d in dm.plan.spec.devices}
         assert M.rel_err(dm(x).logits, expected) <= 1e-4
-        deadline = time.time() + 10
-        held = {}
-        while time.time() < deadline:       # the drained worker drops its shards
-            held = client.run(lambda dask_worker: dask_worker.plugins["seabiscuit"].resident_bytes)
-            if held[victim] == 0:
-                break
-            time.sleep(0.1)
+        # the drain returns once the workers hold the new plan: the drained worker dropped its shards
+        held = client.run(lambda dask_worker: dask_worker.plugins["seabiscuit"].resident_bytes)
         assert held[victim] == 0
         dm.restore(victim)
 
@@ -132,10 +116,7 @@ def test_an_overheating_gpu_report_drains_its_worker(client, llama) -> None:
             dask_worker.plugins["seabiscuit"].simulated["gpu_temperature_c_max"] = 97.0
 
         client.run(overheat, workers=[victim])
-        deadline = time.time() + 20
-        while victim in {d.address for d in dm.plan.spec.devices} and time.time() < deadline:
-            time.sleep(0.1)
-        assert victim not in {d.address for d in dm.plan.spec.devices}
+        wait_for(lambda: victim not in {d.address for d in dm.plan.spec.devices}, "the hot worker drained")
         assert any("GPU at 97 C" in e.get("reason", "") for e in dm.events)
         assert M.rel_err(dm(x).logits, expected) <= 1e-4
         client.run(lambda dask_worker: dask_worker.plugins["seabiscuit"].simulated.clear(), workers=[victim])
@@ -152,9 +133,10 @@ def test_a_lowered_budget_sheds_shards(client, llama) -> None:
         after = float(dm.plan.weight_bytes[dm.plan.spec.index(name)])
         assert after < before and after <= BUDGET // 2
         assert M.rel_err(dm(x).logits, expected) <= 1e-4
-        held = client.run(lambda dask_worker: (dask_worker.plugins["seabiscuit"].resident_bytes,
-                                               dask_worker.plugins["seabiscuit"].budget_bytes))
-        assert held[victim][1] == BUDGET // 2 and held[victim][0] <= BUDGET // 2
+        held = client.run(lambda dask_worker: dask_worker.plugins["seabiscuit"].resident_bytes)
+        assert held[victim] <= BUDGET // 2
+        with pytest.raises(sb.AccessDenied, match="more than the machine has"):
+            dm.set_budget(victim, "64TiB")
         dm.set_budget(victim, BUDGET)
 
 
@@ -172,8 +154,9 @@ def test_corrupted_resident_tiles_are_detected_and_reloaded(client, llama) -> No
 
         def debug(dask_worker):
             p = dask_worker.plugins["seabiscuit"]
-            return ({m: len(t) for m, t in p.resident.tiles.items()}, sorted(p.resident.programs)[:40], dict(p.resident.versions),
-                    p.resident.counters["corrupt_tiles"])
+            r = p.resident
+            return ({m: len(t) for m, t in r.tiles.items()}, sorted(r.programs)[:40], dict(r.versions),
+                    r.counters["corrupt_tiles"])
 
         before = total(dm.stats(), "corrupt_tiles")
         hit = client.run(corrupt)
@@ -218,26 +201,31 @@ def test_corrupt_weights_on_disk_fail_loudly(client, llama, tmp_path) -> None:
         data = bytearray(store.read_bytes())
         data[-100:] = bytes(100)            # zero the tail of the last tensor
         store.write_bytes(bytes(data))
-        from seabiscuit_dask.plugins.worker import release_model
-
-        client.run(release_model, dm.model_id)       # the next request reads every tile again
+        client.run(lambda dask_worker: dask_worker.plugins["seabiscuit"].resident.clear())  # read all again
         with pytest.raises(sb.BadCheckpoint, match="CRC-32 .* twice, expected"):
             dm(x)
 
 
-def test_a_model_the_rest_cannot_hold_fails_fast_with_the_reason(llama) -> None:
+def test_a_stranded_model_fails_fast_then_serves_again_when_a_worker_returns(llama) -> None:
     model, x, expected = llama
     with seabiscuit_cluster(3, BUDGET, processes=False) as c:
         with sb.distribute(model, c, (x,), budget="256KiB") as dm:
             assert M.rel_err(dm(x).logits, expected) <= 1e-4
             c.retire_workers([busiest(dm)], close_workers=True)
-            deadline = time.time() + 20
-            while dm._stranded is None and time.time() < deadline:
-                time.sleep(0.05)
-            t0 = time.time()
-            with pytest.raises(sb.WorkerLost, match="cannot hold model"):
-                dm(x)
-            assert time.time() - t0 < 1
+            wait_for(lambda: dm._stranded, "the model to be reported stranded")
+            submitted = []
+            real_get = c.get
+            c.get = lambda *a, **k: submitted.append(a) or real_get(*a, **k)
+            try:
+                with pytest.raises(sb.WorkerLost, match="cannot hold model"):
+                    dm(x)
+            finally:
+                c.get = real_get
+            assert submitted == []                     # refused at once, nothing waits on the cluster
+            c.cluster.scale(3)
+            wait_for(lambda: dm._stranded is None, "the model to be replanned onto the new worker")
+            assert any(e.get("reason", "").startswith("recovered") for e in dm.events)
+            assert M.rel_err(dm(x).logits, expected) <= 1e-4
 
 
 def test_tls_secured_cluster(llama) -> None:

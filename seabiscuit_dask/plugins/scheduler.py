@@ -128,8 +128,13 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
             self._background_task(self._release(model))
 
     # --- carrying out instructions -----------------------------------------------------------
-    def _apply(self, instructions: list[Instruction]) -> None:
+    def _apply(self, instructions: list[Instruction], wait: bool = False) -> list[str]:
+        """Carry out ``instructions``; returns the models whose workers must sync to a new plan.
+
+        Unless ``wait`` (the caller awaits ``_sync_workers`` itself), the syncs run in the background.
+        """
         retry: dict[Any, str] = {}
+        changed: list[str] = []
         for ins in instructions:
             if isinstance(ins, Pin):
                 ts = self.scheduler.tasks.get(ins.key)
@@ -146,11 +151,17 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
                     retry[ins.key] = "processing"
             elif isinstance(ins, PlanChanged):
                 self._plan_changed(ins)
+                if ins.version > 0:
+                    changed.append(ins.model)
             elif isinstance(ins, Stranded):
                 logger.error("seabiscuit: %s", ins.message)
                 self._publish({"action": "stranded", "model": ins.model, "message": ins.message})
         if retry:
             self.scheduler.transitions(retry, stimulus_id="seabiscuit-repin")
+        if not wait:
+            for model in changed:
+                self._background_task(self._sync_workers(model))
+        return changed
 
     def _plan_changed(self, ins: PlanChanged) -> None:
         plan = self.state.models[ins.model].plan
@@ -160,8 +171,6 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
         self._publish({"action": "plan", "model": ins.model, "version": ins.version, "reason": ins.reason,
                        "moved_bytes": ins.moved_bytes, "replan_s": ins.replan_s,
                        "plan": plan.to_json(stats=False)})
-        if ins.version > 0:
-            self._background_task(self._sync_workers(ins.model))
 
     async def _sync_workers(self, model: str) -> None:
         """Have every worker hold what it now owns of ``model`` (and drop what it does not)."""
@@ -209,12 +218,14 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
                              mem_bytes_per_s=like[0].mem_bytes_per_s, op_overhead_s=like[0].op_overhead_s)
         return device
 
-    def _event(self, event: Any) -> dict[str, Any]:
+    async def _event(self, event: Any) -> dict[str, Any]:
+        """Handle ``event``, and return once every worker holds what the new plans give it."""
         t0 = time.perf_counter()
         ins = self.state.handle(event)
-        self._apply(ins)
+        handled_s = time.perf_counter() - t0
+        await asyncio.gather(*(self._sync_workers(m) for m in self._apply(ins, wait=True)))
         changed = [i for i in ins if isinstance(i, PlanChanged)]
-        return {"handled_s": time.perf_counter() - t0, "replan_s": [i.replan_s for i in changed],
+        return {"handled_s": handled_s, "replan_s": [i.replan_s for i in changed],
                 "versions": {i.model: i.version for i in changed}}
 
     # --- RPC handlers for clients (first argument: the comm) -----------------------------------
@@ -248,21 +259,22 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
             d.pop(model, None)
         await self._sync_workers(model)
 
-    def drain(self, comm: Any = None, model: str = "", token: str = "", address: str = "",
+    async def drain(self, comm: Any = None, model: str = "", token: str = "", address: str = "",
               reason: str = "drained") -> dict[str, Any]:
         """Move ``model`` off ``address`` while the worker finishes what it already runs."""
         self.state.authorized(access.check_model_id(model), token)
-        return self._event(ForModel(model, DeviceDrained(address, str(reason)[:200])))
+        return await self._event(ForModel(model, DeviceDrained(address, str(reason)[:200])))
 
-    def restore(self, comm: Any = None, model: str = "", token: str = "", address: str = "") -> dict[str, Any]:
+    async def restore(self, comm: Any = None, model: str = "", token: str = "",
+                      address: str = "") -> dict[str, Any]:
         """``model`` may use a drained worker again: it spreads onto it as onto a worker that joins."""
         self.state.authorized(access.check_model_id(model), token)
         device = self._device_of(address)
         if device is None:
             raise SeaBiscuitError(f"no worker {address} with a SeaBiscuit agent in the cluster")
-        return self._event(ForModel(model, DeviceRestored(device)))
+        return await self._event(ForModel(model, DeviceRestored(device)))
 
-    def budget(self, comm: Any = None, model: str = "", token: str = "", address: str = "",
+    async def budget(self, comm: Any = None, model: str = "", token: str = "", address: str = "",
                memory_bytes: int = 0) -> dict[str, Any]:
         """``model`` gets ``memory_bytes`` on ``address``: what no longer fits moves elsewhere."""
         self.state.authorized(access.check_model_id(model), token)
@@ -271,7 +283,7 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
             raise SeaBiscuitError(f"no worker {address} in the cluster")
         machine = agent.machine_bytes(ws.metrics.get(PLUGIN_NAME) or {}) or int(ws.memory_limit or 0)
         nbytes = access.check_budget(memory_bytes, machine, f"worker {address}")
-        return self._event(ForModel(model, CapacityChanged(address, memory_bytes=nbytes)))
+        return await self._event(ForModel(model, CapacityChanged(address, memory_bytes=nbytes)))
 
     def runs(self, comm: Any = None, model: str = "") -> dict[str, int]:
         """Blocks of ``model`` computed, read back from checkpoints, and computed more than once."""
@@ -283,7 +295,8 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
 
     async def workers(self, comm: Any = None, everyone: bool = False) -> list[dict[str, Any]]:
         """Workers (drained ones only if ``everyone``) with fresh agent reports and the bytes models hold."""
-        wss = [ws for ws in self.scheduler.workers.values() if everyone or ws.address not in self.state.drained]
+        drained = self.state.drained
+        wss = [ws for ws in self.scheduler.workers.values() if everyone or ws.address not in drained]
 
         async def fresh(ws: Any) -> Any:
             try:
@@ -302,7 +315,7 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
     def owned(self, comm: Any = None, model: str = "", address: str = "") -> dict[str, Any]:
         return self.state.owned(access.check_model_id(model), str(address))
 
-    def pressure(self, comm: Any = None, address: str = "", reason: str = "") -> dict[str, Any]:
+    async def pressure(self, comm: Any = None, address: str = "", reason: str = "") -> dict[str, Any]:
         """A worker's agent reports memory pressure or an overheating GPU: drain it if the rest can."""
         if address not in self.scheduler.workers:
             raise AccessDenied(f"pressure report for {address!r}, which is no worker of this cluster")
@@ -310,7 +323,7 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
         logger.warning("seabiscuit: %s reports %s: moving its work away", address, reason)
         self._publish({"action": "pressure", "address": address, "reason": reason})
         try:
-            return self._event(DeviceDrained(address, reason))
+            return await self._event(DeviceDrained(address, reason))
         except SeaBiscuitError as e:
             logger.error("seabiscuit: cannot move work off %s: %s", address, e)
             self._publish({"action": "pressure-unresolved", "address": address, "reason": str(e)})

@@ -210,8 +210,8 @@ def _request_error(request: int, model_id: str, stranded: str | None, e: BaseExc
     return SeaBiscuitError(f"{where} failed in a block: {type(e).__name__}: {e}")
 
 
-def deploy(plan: Plan, client: Any, *, weights: Any = None, checkpoint_dir: str | os.PathLike[str] | None = None,
-           verify_every: int | None = None, progress: Progress | None = None) -> DistributedModel:
+def deploy(plan: Plan, client: Any, *, weights: Any = None,
+           checkpoint_dir: str | os.PathLike[str] | None = None, verify_every: int | None = None, progress: Progress | None = None) -> DistributedModel:
     """Put a ready ``plan`` onto the cluster behind ``client``; returns a callable ``DistributedModel``.
 
     Parameters
@@ -253,7 +253,7 @@ def deploy(plan: Plan, client: Any, *, weights: Any = None, checkpoint_dir: str 
                         client=client.id)
     dm = DistributedModel(client, plan, str(reply["model"]), str(reply["token"]), int(reply["version"]),
                           ckpt, every)
-    dm._store = holder         # NOTE: the weight store lives as long as the model
+    dm._store = holder if folder is not None else None    # NOTE: the store lives as long as the model
     try:
         _load(client, dm.specs, say)
     except BaseException:

@@ -14,7 +14,8 @@ from ..lower.kernels import execute_op, resolve_target
 from ..weights import WeightStore
 
 
-def bind_call(graph: OpGraph, inputs: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def bind_call(graph: OpGraph, inputs: tuple[Any, ...],
+              kwargs: Mapping[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """Match a call's positional and keyword inputs to the traced ones, as the signature allows.
 
     ``meta["call"]`` names the traced positional parameters and keywords; a
@@ -26,7 +27,8 @@ def bind_call(graph: OpGraph, inputs: tuple[Any, ...], kwargs: Mapping[str, Any]
     if not call:
         unknown = sorted(set(kwargs) - set(keywords))
         if unknown:
-            raise BadInput(f"{name} was traced without keyword input(s) {unknown}; traced keywords: {keywords}")
+            raise BadInput(f"{name} was traced without keyword input(s) {unknown}; "
+                           f"traced keywords: {keywords}")
         return tuple(inputs), {k: kwargs[k] for k in keywords if k in kwargs}
     if len(inputs) > len(positional):
         raise BadInput(f"{name} was traced with {len(positional)} positional input(s) {positional}, "

@@ -204,10 +204,12 @@ class ResidentBlocks:
         d = self.checkpoint_dirs.get(model)
         if d is None or request < 0:
             return None
-        return d / access.check_model_id(model) / f"r{int(request)}" / f"v{int(version)}-b{int(block)}.safetensors"
+        name = f"v{int(version)}-b{int(block)}.safetensors"
+        return d / access.check_model_id(model) / f"r{int(request)}" / name
 
     def run(self, model: str, version: int, request: int, block: int, inputs: Mapping[str, torch.Tensor],
-            deps: Sequence[Mapping[str, torch.Tensor]], fetch: FetchSpec) -> tuple[dict[str, torch.Tensor], str]:
+            deps: Sequence[Mapping[str, torch.Tensor]],
+            fetch: FetchSpec) -> tuple[dict[str, torch.Tensor], str]:
         """One block of one request: ``(outputs, "computed" | "resumed")``.
 
         Outputs come from an intact checkpoint when there is one; a failed

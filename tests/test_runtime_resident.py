@@ -1,0 +1,127 @@
+"""A worker's resident blocks (``ResidentBlocks``), driven without a cluster."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+import seabiscuit_dask as sb
+from seabiscuit_dask.lower.blocks import BlockSpec, block_specs
+from seabiscuit_dask.runtime.resident import ResidentBlocks
+from seabiscuit_dask.runtime.store import stored
+
+from . import models as M
+
+MODEL = "0123456789abcdef"
+
+
+class Owner:
+    """Keeps the test's weight store alive."""
+
+
+@pytest.fixture(scope="module")
+def blocks():
+    model, x = M.gpt2(), M.ids()
+    graph = sb.decompose(sb.trace(model, x), "64KiB")
+    owner = Owner()
+    graph, _ = stored(graph, model, owner)
+    spec = sb.ClusterSpec.synthetic("4xcpu", hosts=2, cpu_memory="64MiB")
+    spec = sb.ClusterSpec(tuple(replace(d, address=f"tcp://h:{i}") for i, d in enumerate(spec.devices)),
+                          spec.links)
+    plan = sb.place(graph, spec)
+    with torch.no_grad():
+        expected = model(x).logits
+    yield graph, plan, x, expected, owner
+
+
+def specs_of(plan, checkpoint_dir: str = "") -> list[BlockSpec]:
+    return block_specs(plan, MODEL, 0, checkpoint_dir)
+
+
+def run_all(r: ResidentBlocks, specs: list[BlockSpec], graph, x, request: int = 0) -> torch.Tensor:
+    outs: dict[int, dict[str, torch.Tensor]] = {}
+    by_index = {s.index: s for s in specs}
+
+    def fetch(model: str, version: int, block: int):
+        return by_index[block].to_dict()
+
+    for s in specs:
+        outs[s.index], _ = r.run(MODEL, 0, request, s.index, {graph.inputs[0]: x},
+                                 [outs[d] for d in s.deps], fetch)
+    return next(o[graph.outputs[0]] for o in outs.values() if graph.outputs[0] in o)
+
+
+def test_blocks_run_from_their_resident_tiles_within_the_budget(blocks) -> None:
+    graph, plan, x, expected, _ = blocks
+    specs = specs_of(plan)
+    r = ResidentBlocks(64 * 2**20)
+    for s in specs:
+        r.load(s)
+    assert r.resident_bytes == sum({(p.source.key, p.source.slices): p.nbytes
+                                    for s in specs for p in s.params.values()}.values())
+    assert M.rel_err(run_all(r, specs, graph, x), expected) <= 1e-4
+    assert r.counters["block_runs"] == len(specs)
+
+
+def test_a_load_past_the_budget_is_refused_with_the_numbers(blocks) -> None:
+    _, plan, _, _, _ = blocks
+    big = max(specs_of(plan), key=lambda s: s.weight_bytes)
+    r = ResidentBlocks(big.weight_bytes - 1, address="tcp://h:0")
+    with pytest.raises(sb.ClusterTooSmall, match=rf"tcp://h:0 cannot hold block b{big.index}.*"
+                                                 rf"0 \+ {big.weight_bytes} > {big.weight_bytes - 1} bytes"):
+        r.load(big)
+    assert r.resident_bytes == 0
+
+
+def test_release_forgets_the_model_and_a_late_load_does_not_bring_it_back(blocks) -> None:
+    _, plan, _, _, _ = blocks
+    specs = [s for s in specs_of(plan) if s.weight_bytes]
+    r = ResidentBlocks(64 * 2**20)
+    r.load(specs[0])
+    assert r.release(MODEL) > 0 and r.resident_bytes == 0
+    r.load(specs[1])                      # e.g. a sync that was still running
+    assert r.resident_bytes == 0 and not r.programs and not r.runs
+
+
+def test_sync_holds_what_the_scheduler_says_and_drops_the_rest(blocks) -> None:
+    _, plan, _, _, _ = blocks
+    specs = specs_of(plan)
+    r = ResidentBlocks(64 * 2**20)
+    r.load(specs[0])
+    newer = [replace(s, version=1) for s in specs[1:3]]
+    assert r.sync({"released": False, "version": 1, "blocks": [s.to_dict() for s in newer]}, MODEL) == 2
+    assert {k[1] for k in r.programs} == {s.index for s in newer}
+    assert r.sync({"released": True, "version": -1, "blocks": []}, MODEL) == 0
+    assert r.resident_bytes == 0
+
+
+def test_a_failed_checkpoint_write_is_logged_and_the_request_served(blocks, tmp_path, caplog) -> None:
+    graph, plan, x, expected, _ = blocks
+    specs = specs_of(plan, str(tmp_path))
+    r = ResidentBlocks(64 * 2**20)
+    r.load(specs[0])                                       # the folder is checked here
+    (tmp_path / MODEL).write_text("a file where the model's folder should be")
+    with caplog.at_level(logging.WARNING):
+        got = run_all(r, specs, graph, x)
+    assert M.rel_err(got, expected) <= 1e-4
+    assert r.counters["checkpoint_write_failures"] == len(specs) and r.counters["checkpoints_written"] == 0
+    assert "serving without it" in caplog.text
+
+
+def test_checkpoints_and_weights_must_lie_inside_the_roots(blocks, tmp_path) -> None:
+    _, plan, _, _, _ = blocks
+    s = next(s for s in specs_of(plan) if s.weight_bytes)
+    r = ResidentBlocks(64 * 2**20)
+    with pytest.raises(sb.AccessDenied, match="outside the folders SeaBiscuit may use"):
+        r.load(replace(s, checkpoint_dir="/etc/seabiscuit-ckpt"))
+    p = next(iter(s.params.values()))
+    forged = replace(p, source=replace(p.source, file="/etc/passwd"))
+    with pytest.raises(sb.AccessDenied, match="weights file '/etc/passwd'"):
+        r.load(replace(s, params={p.name: forged}))
+    with pytest.raises(sb.AccessDenied, match="not a model id"):
+        r.load(replace(s, model="../../etc"))
+    assert not Path("/etc/seabiscuit-ckpt").exists()
