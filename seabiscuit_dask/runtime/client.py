@@ -211,7 +211,8 @@ def _request_error(request: int, model_id: str, stranded: str | None, e: BaseExc
 
 
 def deploy(plan: Plan, client: Any, *, weights: Any = None,
-           checkpoint_dir: str | os.PathLike[str] | None = None, verify_every: int | None = None, progress: Progress | None = None) -> DistributedModel:
+           checkpoint_dir: str | os.PathLike[str] | None = None, verify_every: int | None = None,
+           progress: Progress | None = None) -> DistributedModel:
     """Put a ready ``plan`` onto the cluster behind ``client``; returns a callable ``DistributedModel``.
 
     Parameters
