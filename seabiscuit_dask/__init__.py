@@ -11,8 +11,6 @@ are the Dask adapters.
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
 from . import config
 from .decompose import decompose
 from .errors import (
@@ -42,6 +40,7 @@ from .placement import (
 )
 from .runtime import run_local
 from .trace import bind_checkpoint, build_empty, empty_weights, trace
+from .version import __version__ as __version__
 
 __all__ = [
     "AccessDenied", "BadCheckpoint", "BadInput", "BudgetTooSmall", "CapacityChanged", "ClusterSpec",
