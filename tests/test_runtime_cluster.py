@@ -6,7 +6,11 @@ One cluster for the module: 4 worker processes x 1 thread, each with a budget
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -188,3 +192,31 @@ def test_a_cluster_without_the_plugin_says_how_to_install_it() -> None:
             sb.distribute(M.gpt2(), c, (M.ids(),), budget=OP_BUDGET)
         with pytest.raises(PluginMissing, match="--preload seabiscuit_dask.plugins.preload"):
             sb.measure_cluster(c)
+
+
+SHUTDOWN = """
+import seabiscuit_dask as sb
+from tests import models as M
+from tests.clusters import seabiscuit_cluster
+
+if __name__ == "__main__":
+    model, x = M.llama(), M.ids()
+    with seabiscuit_cluster(3, 1_600_000) as c:
+        dm = sb.distribute(model, c, (x,), budget="256KiB")
+        dm(x)
+        print("served", flush=True)     # the cluster closes with the model still deployed
+"""
+
+
+@pytest.mark.slow
+def test_a_normal_shutdown_logs_no_warnings_or_tracebacks(tmp_path) -> None:
+    script = tmp_path / "shutdown.py"
+    script.write_text(SHUTDOWN)
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                          cwd=root, env={**os.environ, "PYTHONPATH": str(root)})
+    assert done.returncode == 0 and "served" in done.stdout, done.stderr[-3000:]
+    noisy = [line for line in done.stderr.splitlines()
+             if "Traceback" in line or " - ERROR - " in line or "Error:" in line
+             or (" - WARNING - " in line and "seabiscuit" in line.lower())]
+    assert noisy == [], done.stderr[-3000:]
