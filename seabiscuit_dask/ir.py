@@ -366,11 +366,9 @@ def iter_refs(value: Any) -> Iterator[Mapping[str, str]]:
         if len(value) == 1 and next(iter(value)) in ("t", "p"):
             yield value
         else:
-            for v in value.values():
-                yield from iter_refs(v)
+            yield from (r for v in value.values() for r in iter_refs(v))
     elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from iter_refs(v)
+        yield from (r for v in value for r in iter_refs(v))
 
 
 def _refs(value: Any, tag: str) -> Iterable[str]:

@@ -325,15 +325,10 @@ class PlacementState:
         return [PlanChanged(dep.model, v, why, plan.info["moved_bytes"], plan.planning_s)]
 
     def _capacity(self, event: CapacityChanged, deps: list[Deployment]) -> list[Instruction]:
-        out: list[Instruction] = []
-        for dep in deps:
-            if event.name not in dep.addresses():
-                continue
-            plan = replan(dep.plan, event)
-            v = dep.advance(plan)
-            out.append(PlanChanged(dep.model, v, f"worker {event.name} budget now {event.memory_bytes} bytes",
-                                   plan.info["moved_bytes"], plan.planning_s))
-        return out
+        plans = [(dep, replan(dep.plan, event)) for dep in deps if event.name in dep.addresses()]
+        why = f"worker {event.name} budget now {event.memory_bytes} bytes"
+        return [PlanChanged(dep.model, dep.advance(p), why, p.info["moved_bytes"], p.planning_s)
+                for dep, p in plans]
 
     def _added(self, device: DeviceSpec, deps: list[Deployment], restored: bool,
                everyone: bool) -> list[Instruction]:
