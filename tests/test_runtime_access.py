@@ -1,15 +1,17 @@
 """What a peer of the cluster may ask: ids, tokens, paths and ops are checked; models share workers.
 
-In-process clusters (one event loop for the scheduler and the workers), so a test
-can reach a worker's plugin and hold a load open.
+In-process clusters only: ``distributed.utils_test.gen_cluster`` for the RPCs, and a
+LocalCluster without processes where a test serves a model and holds a load open.
 """
 
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 
 import pytest
 import torch
+from distributed.utils_test import gen_cluster
 
 import seabiscuit_dask as sb
 from seabiscuit_dask.ir import OpGraph
@@ -35,64 +37,68 @@ def llama():
         return model, x, model(x).logits
 
 
-def test_only_the_deploying_client_may_release_drain_or_rebudget(client, llama) -> None:
-    from distributed import Client
-
-    model, x, expected = llama
-    with sb.distribute(model, client, (x,), budget="256KiB") as dm, \
-            Client(client.scheduler.address) as other:
-        worker = dm.plan.spec.devices[0].address
-        for op, extra in (("release", {}), ("drain", {"address": worker}), ("restore", {"address": worker}),
-                          ("budget", {"address": worker, "memory_bytes": 10**6})):
-            with pytest.raises(sb.AccessDenied, match="token"):
-                other.sync(getattr(other.scheduler, f"seabiscuit_{op}"), model=dm.model_id, token="forged",
-                           **extra)
-        assert M.rel_err(dm(x).logits, expected) <= 1e-4          # untouched
+@pytest.fixture(scope="module")
+def gpt2_graph():
+    return sb.decompose(sb.trace(M.gpt2(), M.ids()), "256KiB")
 
 
-def test_ids_paths_and_budgets_from_a_peer_are_checked(client, llama) -> None:
-    model, x, _ = llama
-    with sb.distribute(model, client, (x,), budget="256KiB") as dm:
-        for bad in ("../../etc", "0123456789ABCDEF", "", dm.model_id + "/.."):
-            with pytest.raises(sb.AccessDenied, match="not a model id"):
-                client.sync(client.scheduler.seabiscuit_block, model=bad, version=0, block=0)
-        worker = dm.plan.spec.devices[0].address
-        with pytest.raises(sb.AccessDenied, match="not a model id"):
-            client.sync(client.rpc(worker).seabiscuit_sync, model="../x")
-        for bad in (10**15, 0, -5, True):
-            with pytest.raises(sb.AccessDenied, match="budget"):
-                client.sync(client.scheduler.seabiscuit_budget, model=dm.model_id, token=dm._token,
-                            address=worker, memory_bytes=bad)
-        with pytest.raises(sb.AccessDenied, match="outside the folders"):
-            sb.distribute(model, client, (x,), budget="256KiB", checkpoint_dir="/etc/sb-checkpoints")
+def plan_on(graph: OpGraph, *workers) -> sb.Plan:
+    spec = sb.ClusterSpec.synthetic("4xcpu", hosts=len(workers), cpu_memory="64MiB")
+    return sb.place(graph, sb.ClusterSpec(tuple(replace(d, address=w.address)
+                                                for d, w in zip(spec.devices, workers)), spec.links))
 
 
-def _graph_with(graph: OpGraph, **changes) -> str:
+def _with_linear(graph: OpGraph, **changes) -> str:
     d = graph.to_dict()
-    for op in d["ops"]:
-        if op["kind"] == "linear":
-            op.update(changes)
-            break
+    next(op for op in d["ops"] if op["kind"] == "linear").update(changes)
     return OpGraph.from_dict(d).to_json()
 
 
-def test_a_graph_naming_an_unregistered_op_or_a_foreign_file_is_refused_at_deploy(client, tmp_path) -> None:
-    model, x = M.gpt2(), M.ids()
-    graph = sb.decompose(sb.trace(model, x), "256KiB")
-    plan = sb.place(graph, sb.measure_cluster(client, probe=False))
-    secret = tmp_path / "secret.txt"
-    for target in ("aten.from_file.default", "builtins.eval", "os.system"):
-        with pytest.raises(sb.UnsupportedOp, match=target.replace(".", r"\.")):
-            client.sync(client.scheduler.seabiscuit_deploy, graph=_graph_with(graph, target=target),
-                        plan=plan.to_json(stats=False))
-    d = graph.to_dict()
-    name = next(iter(d["params"]))
-    d["params"][name]["source"] = {"kind": "safetensors", "key": "x", "slices": None,
-                                   "file": "/etc/shadow", "data": None}
-    with pytest.raises(sb.AccessDenied, match="/etc/shadow"):
-        client.sync(client.scheduler.seabiscuit_deploy, graph=OpGraph.from_dict(d).to_json(),
-                    plan=plan.to_json(stats=False))
-    assert not secret.exists()
+def test_ids_tokens_budgets_and_payloads_from_a_peer_are_checked(gpt2_graph) -> None:
+    @gen_cluster(client=True, nthreads=[("127.0.0.1", 1)] * 2)
+    async def check(c, s, a, b) -> None:
+        await c.register_plugin(sb.SeaBiscuitSchedulerPlugin())
+        plan = plan_on(gpt2_graph, a, b).to_json(stats=False)
+        for bad in ("../../etc", "0123456789ABCDEF", "", "0123456789abcdef/.."):
+            with pytest.raises(sb.AccessDenied, match="not a model id"):
+                await c.scheduler.seabiscuit_block(model=bad, version=0, block=0)
+        with pytest.raises(sb.AccessDenied, match="not a model id"):
+            await c.rpc(a.address).seabiscuit_sync(model="../x")
+        for target in ("aten.from_file.default", "builtins.eval", "os.system"):
+            with pytest.raises(sb.UnsupportedOp, match=target.replace(".", r"\.")):
+                await c.scheduler.seabiscuit_deploy(graph=_with_linear(gpt2_graph, target=target), plan=plan)
+        d = gpt2_graph.to_dict()
+        d["params"][next(iter(d["params"]))]["source"] = {"kind": "safetensors", "key": "x", "slices": None,
+                                                          "file": "/etc/shadow", "data": None}
+        with pytest.raises(sb.AccessDenied, match="/etc/shadow"):
+            await c.scheduler.seabiscuit_deploy(graph=OpGraph.from_dict(d).to_json(), plan=plan)
+        with pytest.raises(sb.AccessDenied, match="checkpoint folder '/etc/ckpt' is outside"):
+            await c.scheduler.seabiscuit_deploy(graph=gpt2_graph.to_json(), plan=plan,
+                                                checkpoint_dir="/etc/ckpt")
+        assert s.plugins["seabiscuit"].state.models == {}             # nothing was deployed
+        reply = await c.scheduler.seabiscuit_deploy(graph=gpt2_graph.to_json(), plan=plan)
+        model, token = reply["model"], reply["token"]
+        for op, extra in (("release", {}), ("drain", {"address": a.address}),
+                          ("restore", {"address": a.address}),
+                          ("budget", {"address": a.address, "memory_bytes": 10**6})):
+            for forged in ("forged", "", None, token.upper()):
+                with pytest.raises(sb.AccessDenied, match="token"):
+                    await getattr(c.scheduler, f"seabiscuit_{op}")(model=model, token=forged, **extra)
+        for bad in (10**15, 0, -5, True):
+            with pytest.raises(sb.AccessDenied, match="budget"):
+                await c.scheduler.seabiscuit_budget(model=model, token=token, address=a.address,
+                                                    memory_bytes=bad)
+        assert model in s.plugins["seabiscuit"].state.models
+        assert await c.scheduler.seabiscuit_release(model=model, token=token)
+        assert s.plugins["seabiscuit"].state.models == {}
+
+    check()
+
+
+def test_a_checkpoint_folder_outside_the_roots_is_refused_before_anything_deploys(client, llama) -> None:
+    model, x, _ = llama
+    with pytest.raises(sb.AccessDenied, match="outside the folders"):
+        sb.distribute(model, client, (x,), budget="256KiB", checkpoint_dir="/etc/sb-checkpoints")
 
 
 def test_two_models_share_the_cluster_and_both_answer(client, llama) -> None:
