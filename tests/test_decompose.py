@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -10,6 +11,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import seabiscuit_dask as sb
+from seabiscuit_dask.decompose import Split
+from seabiscuit_dask.decompose.rules import RULES, register
+from seabiscuit_dask.decompose.split import frac
+from seabiscuit_dask.ir import TensorSpec, fmt_bytes
 
 from . import models as M
 
@@ -172,10 +177,72 @@ def test_hierarchy_is_readable_from_names() -> None:
 
 def test_budget_too_small_names_the_op_and_the_numbers() -> None:
     model = nn.Linear(64, 64)
+    graph = sb.trace(model, (torch.randn(8, 64),))
     with pytest.raises(sb.BudgetTooSmall) as e:
-        sb.decompose(sb.trace(model, (torch.randn(8, 64),)), "1KiB")
+        sb.decompose(graph, "1KiB")
     msg = str(e.value)
-    assert "linear" in msg and "KiB" in msg and "1.0 KiB" in msg
+    ws = (64 * 64 + 64 + 2 * 8 * 64) * 4
+    assert "budget of 1.0 KiB" in msg
+    assert f"op 'linear' (aten.linear.default, output (8, 64) float32, working set {fmt_bytes(ws)})" in msg
+    assert "cutting the output columns, the input rows or the reduction" in msg   # why, in words
+    assert re.search(r"Use a budget of at least [\d.]+ KiB \(\d+ bytes\)", msg)
+
+
+def suggested_budget(graph: sb.OpGraph, budget: str) -> tuple[int, str]:
+    """The budget (bytes, and as printed) that ``BudgetTooSmall`` suggests for ``graph``."""
+    with pytest.raises(sb.BudgetTooSmall) as e:
+        sb.decompose(graph, budget)
+    m = re.search(r"at least (\S+ \S+) \((\d+) bytes\)", str(e.value))
+    assert m, str(e.value)
+    return int(m.group(2)), m.group(1)
+
+
+@pytest.mark.parametrize("build, inputs, budget", [(M.gpt2, M.ids, "16KiB"), (M.convnet, M.image, "1KiB")])
+def test_the_suggested_budget_is_the_smallest_that_works(build, inputs, budget) -> None:
+    model, x = build(), inputs()
+    graph = sb.trace(model, x)
+    need, printed = suggested_budget(graph, budget)
+    assert need > sb.config.to_bytes(budget)
+    micro = sb.decompose(graph, need)
+    sb.verify(micro, budget=need)
+    with torch.no_grad():
+        expected = M.first(model(x))
+    assert M.rel_err(M.first(sb.run_local(micro, x, weights=model)), expected) <= 1e-4
+    assert sb.config.to_bytes(printed) >= need    # the rounded figure is enough too
+    sb.decompose(graph, printed)
+    with pytest.raises(sb.BudgetTooSmall):
+        sb.decompose(graph, need - 1)
+
+
+def product_of_kind(kind: str) -> tuple[tuple[torch.Tensor, torch.Tensor], sb.OpGraph]:
+    """A traced ``a * b`` whose op is relabelled with ``kind`` (no template key: not cached)."""
+    xs = (torch.randn(64, 64), torch.randn(64, 64))
+    g = sb.trace(Fn(lambda self, a, b: a * b), xs)
+    ops = tuple(dataclasses.replace(op, kind=kind) for op in g.ops)
+    meta = {k: v for k, v in g.meta.items() if k != "template_key"}
+    return xs, sb.OpGraph(ops, g.tensors, g.params, g.inputs, g.outputs, meta)
+
+
+def test_a_rule_registered_for_a_new_kind_is_used(monkeypatch) -> None:
+    xs, graph = product_of_kind("rows_only")
+    with pytest.raises(sb.BudgetTooSmall, match=r"no rule splits aten\.mul\.Tensor"):
+        sb.decompose(graph, "40KiB")
+    monkeypatch.setitem(RULES, "rows_only", [])
+
+    @register("rows_only")
+    def rows(d, op):
+        out = d.tensors[op.outputs[0]]
+        n, y = out.shape[0], out.nbytes
+
+        def piece(i, lo, hi, pieces):
+            args = [d.cut(a, 0, lo, hi, op.scope, pieces) for a in op.attrs["args"]]
+            return args, {}, op.target, TensorSpec((hi - lo, *out.shape[1:]), out.dtype)
+        return Split("w", "the rows", n, lambda k: 3 * y * frac(n, k), 2 * y, piece, "concat", 0)
+
+    micro = sb.decompose(graph, "40KiB")
+    sb.verify(micro, budget=40 * 1024)
+    assert tags(micro) == {"w"} and {op.kind for op in micro.ops} >= {"rows_only", "slice", "concat"}
+    assert torch.equal(sb.run_local(micro, *xs), xs[0] * xs[1])
 
 
 def test_allow_oversize_lists_what_does_not_fit() -> None:

@@ -1,0 +1,18 @@
+"""Decomposition rules, a table keyed by op kind (``ops.kind_of``).
+
+A rule is a function ``rule(d, op) -> Split | None``: one way to cut ``op``, with
+sizes read from the decomposer ``d`` and activations cut by ``d.cut``. Adding a
+rule is writing that function and registering it under the kinds it serves:
+
+>>> @register("pool")                                   # doctest: +SKIP
+... def pool_windows(d: Decomposer, op: Op) -> Split | None:
+...     ...
+
+The decomposer tries every rule of ``op.kind`` and takes the split needing the
+fewest pieces (ties: ``Split.tiebreak``, then registration order).
+"""
+
+from . import attention, conv, embedding, matmul, strips
+from .registry import RULES, RuleFn, register
+
+__all__ = ["RULES", "RuleFn", "attention", "conv", "embedding", "matmul", "register", "strips"]

@@ -1,0 +1,53 @@
+"""embedding: by vocabulary rows (masked lookups, summed) or embedding columns."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ...ir import Op, TensorSpec
+from ..split import Piece, Pieces, Split, frac
+from .registry import register
+
+if TYPE_CHECKING:
+    from ..decomposer import Decomposer
+
+ROWS = "sb.embedding_rows"   # lookup in rows [base, base + V) of a table; zero elsewhere
+
+
+@register("embedding")
+def vocabulary_rows(d: Decomposer, op: Op) -> Split | None:
+    """Rows of the table, each tile a masked lookup; tiles are summed.
+
+    Preferred over columns for tall tables (``V >= 4 D``).
+    """
+    if op.target == ROWS:
+        return None
+    args = list(op.attrs["args"])
+    W, idx = args[0], args[1]
+    V, D = d.shape(W)
+    out = d.tensors[op.outputs[0]]
+
+    def piece(i: int, lo: int, hi: int, pieces: Pieces) -> Piece:
+        return [d.cut(W, 0, lo, hi, op.scope, pieces), idx, lo], {}, ROWS, out
+
+    w, i_b, y = d.nbytes(W), d.nbytes(idx), out.nbytes
+    return Split("v", "the vocabulary rows", V, lambda k: w * frac(V, k) + i_b + y, 3 * y,
+                 piece, "sum", -1, tiebreak=0 if V >= 4 * D else 1)
+
+
+@register("embedding")
+def embedding_columns(d: Decomposer, op: Op) -> Split | None:
+    """Columns of the table; tiles are concatenated."""
+    args = list(op.attrs["args"])
+    W, idx = args[0], args[1]
+    _, D = d.shape(W)
+    out = d.tensors[op.outputs[0]]
+
+    def piece(i: int, lo: int, hi: int, pieces: Pieces) -> Piece:
+        new = list(args)
+        new[0] = d.cut(W, 1, lo, hi, op.scope, pieces)
+        return new, {}, op.target, TensorSpec((*out.shape[:-1], hi - lo), out.dtype)
+
+    w, i_b, y = d.nbytes(W), d.nbytes(idx), out.nbytes
+    return Split("d", "the embedding columns", D, lambda k: (w + y) * frac(D, k) + i_b, 2 * y,
+                 piece, "concat", -1)

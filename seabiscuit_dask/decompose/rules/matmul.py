@@ -1,0 +1,143 @@
+"""linear, addmm, mm, matmul, bmm: by output columns, input rows, or the reduction dim."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ... import ops as O
+from ...ir import Op, TensorSpec
+from ..split import Piece, Pieces, Split, frac
+from .registry import register
+
+if TYPE_CHECKING:
+    from ..decomposer import Decomposer
+
+# target -> (A position, B position, bias position, B stored as (N, K))
+LAYOUT: dict[str, tuple[int, int, int | None, bool]] = {
+    "aten.linear.default": (0, 1, 2, True),
+    "aten.addmm.default": (1, 2, 0, False),
+    "aten.mm.default": (0, 1, None, False),
+    "aten.matmul.default": (0, 1, None, False),
+    "aten.bmm.default": (0, 1, None, False),
+}
+
+
+@dataclass(frozen=True)
+class Matmul:
+    """``y = A @ B (+ bias)`` read from an op's arguments, with operand sizes in bytes."""
+
+    args: list[Any]
+    a_i: int
+    b_i: int
+    bias_i: int | None
+    sa: tuple[int, ...]
+    sb: tuple[int, ...]
+    n_dim: int
+    k_dim: int
+    a: int
+    b: int
+    bb: int
+    y: int
+    a_cut: int
+    out: TensorSpec
+
+    @property
+    def A(self) -> Any:
+        return self.args[self.a_i]
+
+    @property
+    def B(self) -> Any:
+        return self.args[self.b_i]
+
+    @property
+    def bias(self) -> Any:
+        return O.operand(self.args, self.bias_i) if self.bias_i is not None else None
+
+
+def read(d: Decomposer, op: Op) -> Matmul | None:
+    """The matmul in ``op``, or None when its layout is not one the rules cut."""
+    layout = LAYOUT.get(op.target)
+    args = list(op.attrs["args"])
+    if layout is None or (op.target == "aten.addmm.default"
+                          and (O.operand(args, 3, 1) != 1 or O.operand(args, 4, 1) != 1)):
+        return None
+    a_i, b_i, bias_i, b_nk = layout
+    A, B = args[a_i], args[b_i]
+    sa, sb = d.shape(A), d.shape(B)
+    if len(sa) < 2 or len(sb) < 2:
+        return None
+    bias = O.operand(args, bias_i) if bias_i is not None else None
+    a_ref = O.ref_name(A)
+    a_cut = d.nbytes(A) if a_ref is not None and a_ref[0] == "t" else 0
+    n_dim, k_dim = (0, 1) if b_nk else (len(sb) - 1, len(sb) - 2)
+    out = d.tensors[op.outputs[0]]
+    return Matmul(args, a_i, b_i, bias_i, sa, sb, n_dim, k_dim, d.nbytes(A), d.nbytes(B),
+                  d.nbytes(bias), out.nbytes, a_cut, out)
+
+
+@register("linear", "matmul")
+def output_columns(d: Decomposer, op: Op) -> Split | None:
+    """Columns of B (and of the bias); tiles are concatenated."""
+    m = d.read(op, read)
+    if m is None:
+        return None
+
+    def piece(i: int, lo: int, hi: int, pieces: Pieces) -> Piece:
+        new = list(m.args)
+        new[m.b_i] = d.cut(m.B, m.n_dim, lo, hi, op.scope, pieces)
+        if m.bias is not None and m.bias_i is not None:
+            new[m.bias_i] = d.cut(m.bias, -1, lo, hi, op.scope, pieces)
+        spec = TensorSpec((*m.out.shape[:-1], hi - lo), m.out.dtype)
+        return new, dict(op.attrs["kwargs"]), op.target, spec
+
+    a, b, bb, y, N = m.a, m.b, m.bb, m.y, m.sb[m.n_dim]
+    return Split("c", "the output columns", N,
+                 lambda k: a + (b + bb) * frac(N, k) + y * frac(N, k), 2 * y, piece, "concat", -1)
+
+
+@register("linear", "matmul")
+def input_rows(d: Decomposer, op: Op) -> Split | None:
+    """Rows of A (and of a 2-D bias); tiles are concatenated."""
+    m = d.read(op, read)
+    if m is None:
+        return None
+    M = m.sa[-2]
+
+    def piece(i: int, lo: int, hi: int, pieces: Pieces) -> Piece:
+        new = list(m.args)
+        new[m.a_i] = d.cut(m.A, len(m.sa) - 2, lo, hi, op.scope, pieces)
+        bias = m.bias
+        if bias is not None and m.bias_i is not None and len(d.shape(bias)) >= 2 \
+                and d.shape(bias)[-2] == M:
+            new[m.bias_i] = d.cut(bias, -2, lo, hi, op.scope, pieces)
+        shape = (*m.out.shape[:-2], hi - lo, m.out.shape[-1])
+        return new, dict(op.attrs["kwargs"]), op.target, TensorSpec(shape, m.out.dtype)
+
+    a, b, bb, y = m.a, m.b, m.bb, m.y
+    return Split("m", "the input rows", M, lambda k: a * frac(M, k) + b + bb + y * frac(M, k),
+                 max(2 * y, m.a_cut * 1.5), piece, "concat", -2)
+
+
+@register("linear", "matmul")
+def reduction(d: Decomposer, op: Op) -> Split | None:
+    """The reduction dim of A and B; partial products are summed, the bias added once."""
+    m = d.read(op, read)
+    if m is None or (op.target == "aten.matmul.default" and len(m.sa) != len(m.sb)):
+        return None   # NOTE: a broadcasting matmul keeps to the exact concat splits
+
+    def piece(i: int, lo: int, hi: int, pieces: Pieces) -> Piece:
+        new = list(m.args)
+        new[m.a_i] = d.cut(m.A, -1, lo, hi, op.scope, pieces)
+        new[m.b_i] = d.cut(m.B, m.k_dim, lo, hi, op.scope, pieces)
+        target = op.target
+        if m.bias is not None and m.bias_i is not None and i > 0:
+            if target == "aten.addmm.default":   # NOTE: no bias left: a plain mm
+                new, target = [new[1], new[2]], "aten.mm.default"
+            else:
+                new[m.bias_i] = None
+        return new, dict(op.attrs["kwargs"]), target, m.out
+
+    a, b, bb, y, K = m.a, m.b, m.bb, m.y, m.sa[-1]
+    return Split("r", "the reduction", K, lambda k: (a + b) * frac(K, k) + bb + y,
+                 max(3 * y, m.a_cut * 1.5), piece, "sum", -1)

@@ -1,0 +1,66 @@
+"""Elementwise, norm, pool and keep-dim reductions: strips along a dim the op does not mix."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ... import ops as O
+from ...ir import Op, TensorSpec, iter_refs
+from ..split import Piece, Pieces, Split, frac
+from .registry import register
+
+if TYPE_CHECKING:
+    from ..decomposer import Decomposer
+
+
+def strip_dim(op: Op, shape: tuple[int, ...]) -> int | None:
+    """The longest output dim ``op`` may be cut along (first on ties), or None."""
+    forbidden = O.row_split_forbidden_dims(op.target, list(op.attrs.get("args", ())), len(shape))
+    if forbidden is None or not shape:
+        return None
+    allowed = [d for d in range(len(shape)) if d not in forbidden and shape[d] > 1]
+    return max(allowed, key=lambda i: (shape[i], -i)) if allowed else None
+
+
+# NOTE: "sum" ops are the partial sums a split leaves behind (aten.add.Tensor).
+@register("elementwise", "norm", "reduction", "pool", "sum")
+def strips(d: Decomposer, op: Op) -> Split | None:
+    """Slices of every operand aligned with the cut dim (right-aligned broadcasting);
+    the strips are concatenated. Params are sliced only by elementwise ops."""
+    args = list(op.attrs.get("args", ()))
+    kwargs = dict(op.attrs.get("kwargs", {}))
+    out = d.tensors[op.outputs[0]]
+    r = len(out.shape)
+    dim = strip_dim(op, out.shape)
+    if dim is None:
+        return None
+    n = out.shape[dim]
+    slice_params = op.target in O.ELEMENTWISE
+
+    def aligned(ref: Any) -> int | None:
+        rr = O.ref_name(ref)
+        if rr is None or (rr[0] == "p" and not slice_params):
+            return None
+        s = d.shape(ref)
+        di = dim - (r - len(s))
+        return di if di >= 0 and s[di] == n else None
+
+    def piece(i: int, lo: int, hi: int, pieces: Pieces) -> Piece:
+        def sub(v: Any) -> Any:
+            if O.ref_name(v) is not None:
+                di = aligned(v)
+                return v if di is None else d.cut(v, di, lo, hi, op.scope, pieces)
+            if isinstance(v, (list, tuple)):
+                return [sub(x) for x in v]
+            return v
+        shape = (*out.shape[:dim], hi - lo, *out.shape[dim + 1:])
+        return [sub(a) for a in args], kwargs, op.target, TensorSpec(shape, out.dtype)
+
+    refs = list(iter_refs(args))
+    cut_bytes = sum(d.nbytes(a) for a in refs if aligned(a) is not None)
+    whole = sum(d.nbytes(a) for a in refs if aligned(a) is None)
+    biggest = max([d.nbytes(a) for a in refs if aligned(a) is not None] + [0])
+    y = out.nbytes
+    return Split("s", f"the output into strips along dim {dim}", n,
+                 lambda k: (cut_bytes + y) * frac(n, k) + whole, max(2 * y, 1.5 * biggest),
+                 piece, "concat", dim)
