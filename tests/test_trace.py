@@ -78,7 +78,7 @@ def test_wrong_input_shape_or_dtype_at_run() -> None:
         sb.run_local(g, torch.randn(3, 4), weights=model)
     with pytest.raises(sb.BadInput, match="dtype float64"):
         sb.run_local(g, torch.randn(2, 4, dtype=torch.float64), weights=model)
-    with pytest.raises(sb.BadInput, match="takes 1 tensor input"):
+    with pytest.raises(sb.BadInput, match=r"1 positional input\(s\) \[.input.\], got 2"):
         sb.run_local(g, torch.randn(2, 4), torch.randn(2, 4), weights=model)
 
 
@@ -112,5 +112,19 @@ def test_keyword_inputs_follow_the_traced_order() -> None:
         expected = model(x, attention_mask=mask, token_type_ids=types).last_hidden_state
     got = sb.run_local(g, x, attention_mask=mask, token_type_ids=types, weights=model)
     assert M.rel_err(got.last_hidden_state, expected) <= 1e-5
-    with pytest.raises(sb.BadInput, match=r"without keyword input\(s\) \['labels'\]"):
+    with pytest.raises(sb.BadInput, match=r"\['labels'\] were not traced; traced inputs: \['input_ids'"):
         sb.run_local(g, x, labels=mask, weights=model)
+
+
+def test_token_ids_outside_the_vocabulary_are_refused_split_or_not() -> None:
+    model, x = M.gpt2(), M.ids()
+    graph = sb.trace(model, x)
+    micro = sb.decompose(graph, "64KiB")
+    assert any(op.target == "sb.embedding_rows" for op in micro.ops)     # cut by vocabulary rows
+    for g in (graph, micro):
+        with pytest.raises(sb.BadInput, match=r"'input_ids' holds id 2048 at position \[0, 2\].*0\.\.2047"):
+            sb.run_local(g, torch.tensor([[1, 2, M.VOCAB, 3]]), weights=model)
+        with pytest.raises(sb.BadInput, match="id -3"):
+            sb.run_local(g, torch.tensor([[1, -3, 4, 5]]), weights=model)
+    with torch.no_grad():
+        assert M.rel_err(sb.run_local(micro, input_ids=x, weights=model).logits, model(x).logits) <= 1e-4
