@@ -21,9 +21,11 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from . import __version__, config
+from . import config
 from .errors import SeaBiscuitError
 from .ir import SCHEMA_VERSION, OpGraph
+from .lower.registry import require_registered
+from .version import __version__
 
 MEMORY_ENTRIES = 32
 _memory: OrderedDict[str, OpGraph] = OrderedDict()
@@ -74,18 +76,27 @@ def _path(key: str) -> str:
 
 
 def lookup(key: str) -> OpGraph | None:
+    """The template stored under ``key``, or ``None`` when there is none.
+
+    A cache file that is missing or unreadable is ``None`` (it only costs a fresh
+    trace); one that names an op outside the op registry raises ``UnsupportedOp``.
+    """
     if not _enabled():
         return None
     if key in _memory:
         _memory.move_to_end(key)
         stats["memory_hits"] += 1
         return _memory[key]
+    path = _path(key)
     try:
-        with open(_path(key)) as f:
+        with open(path) as f:
             graph = OpGraph.from_json(f.read())
     except (OSError, ValueError, KeyError, SeaBiscuitError):
         # NOTE: a missing, stale or damaged cache file only costs a fresh trace.
         return None
+    # NOTE: a well-formed file naming an op outside the registry was not written by SeaBiscuit
+    # (the key covers the versions): refuse it loudly rather than re-trace over the tampering.
+    require_registered(graph, where=f"template cache file {path} (tampered with? delete it to re-trace)")
     stats["disk_hits"] += 1
     _remember(key, graph)
     return graph

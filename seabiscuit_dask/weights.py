@@ -19,6 +19,7 @@ import torch
 
 from .errors import BadCheckpoint
 from .ir import DTYPE_BYTES, ParamSpec
+from .lower.registry import torch_dtype
 
 SAFETENSORS_DTYPES = {
     "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
@@ -148,7 +149,7 @@ class WeightStore:
     def load(self, spec: ParamSpec) -> torch.Tensor:
         src = spec.source
         index = tuple(slice(a, b) for a, b in src.slices) if src.slices is not None else ()
-        dtype = getattr(torch, spec.dtype)
+        dtype = torch_dtype(spec.dtype)
         if src.key in self.tensors:
             t = self.tensors[src.key]
             if t.is_meta:

@@ -1,17 +1,32 @@
-"""Kernels for IR targets: ATen ops by name, plus SeaBiscuit's own tile ops."""
+"""Kernels for IR targets: registered ATen ops, plus SeaBiscuit's own tile ops.
+
+Every target resolves through the op registry (``registry.py``); ``SUPPORTED``
+lists the targets a graph may name.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from functools import cache
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from ..errors import SeaBiscuitError
+from ..errors import UnsupportedOp
 from ..ir import Op
+from .registry import (
+    KERNELS,
+    SUPPORTED,
+    register_kernel,
+    require_registered,
+    resolve_target,
+    tagged_value,
+)
+
+__all__ = ["KERNELS", "SUPPORTED", "decode_args", "embedding_rows", "execute_op", "register_kernel",
+           "require_registered", "resolve_target"]
 
 
+@register_kernel("sb.embedding_rows")
 def embedding_rows(weight: torch.Tensor, indices: torch.Tensor, row_start: int) -> torch.Tensor:
     """Lookup in rows ``[row_start, row_start + len(weight))`` of a vocabulary.
 
@@ -24,43 +39,31 @@ def embedding_rows(weight: torch.Tensor, indices: torch.Tensor, row_start: int) 
     return out * hit.unsqueeze(-1).to(out.dtype)
 
 
-SB_KERNELS: dict[str, Callable[..., Any]] = {
-    "sb.embedding_rows": embedding_rows,
-}
-
-
-@cache
-def resolve_target(target: str) -> Callable[..., Any]:
-    """``"aten.linear.default"`` -> ``torch.ops.aten.linear.default``."""
-    if target in SB_KERNELS:
-        return SB_KERNELS[target]
+def _float(v: Any) -> float:
     try:
-        ns, name, overload = target.split(".")
-        return getattr(getattr(getattr(torch.ops, ns), name), overload)
-    except (ValueError, AttributeError) as e:
-        raise SeaBiscuitError(f"no kernel for target {target!r}") from e
+        return float(v)
+    except (TypeError, ValueError):
+        raise UnsupportedOp(f"tagged float {v!r} is not a number") from None
 
 
 def decode_args(value: Any, env: Mapping[str, torch.Tensor], device: torch.device) -> Any:
     """Replace operand references by tensors and tagged objects by torch objects.
 
-    Devices recorded at trace time (possibly ``meta``) become ``device``.
+    Devices recorded at trace time (possibly ``meta``) become ``device``; dtypes,
+    layouts and memory formats come from the registry's tables only.
     """
     if isinstance(value, Mapping):
-        if len(value) == 1:
-            (tag, v), = value.items()
+        tag, v = next(iter(value.items())) if len(value) == 1 else (None, None)
+        # NOTE: a tag holds a string; kwargs like {"dtype": {"dtype": "float16"}} are no tag.
+        if isinstance(v, str):
             if tag in ("t", "p"):
                 return env[v]
-            if tag == "dtype":
-                return getattr(torch, v)
+            if tag in ("dtype", "layout", "memory_format"):
+                return tagged_value(tag, v)
             if tag == "device":
                 return device
-            if tag == "layout":
-                return getattr(torch, v)
-            if tag == "memory_format":
-                return getattr(torch, v)
             if tag == "float":
-                return float(v)
+                return _float(v)
         return {k: decode_args(v, env, device) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [decode_args(v, env, device) for v in value]
@@ -69,7 +72,7 @@ def decode_args(value: Any, env: Mapping[str, torch.Tensor], device: torch.devic
 
 def execute_op(op: Op, env: Mapping[str, torch.Tensor], device: torch.device) -> list[torch.Tensor]:
     """Run one op, reading operands from ``env``; returns its outputs in order."""
-    fn = resolve_target(op.target)
+    fn = resolve_target(op.target, op)
     args = decode_args(op.attrs.get("args", ()), env, device)
     kwargs = decode_args(op.attrs.get("kwargs", {}), env, device)
     out = fn(*args, **kwargs)
