@@ -77,7 +77,7 @@ def _demo(args: argparse.Namespace) -> int:
     from .demo import run
 
     return run(args.model, args.workers, args.requests, args.concurrency, args.scheduler, args.budget,
-               args.seq)
+               args.seq, serve=args.serve)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -102,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--scheduler", default=None, help="use the cluster at this address instead")
     d.add_argument("--budget", default=None, help="per-micro-op memory budget (default from config)")
     d.add_argument("--seq", type=int, default=None, help="sequence length of the requests")
+    d.add_argument("--serve", action="store_true",
+                   help="afterwards keep the cluster, the model and the dashboard up until Ctrl-C")
     d.set_defaults(func=_demo)
     args = parser.parse_args(argv)
     try:

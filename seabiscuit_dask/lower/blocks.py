@@ -25,6 +25,7 @@ from dask.sizeof import sizeof
 from ..errors import SeaBiscuitError
 from ..ir import Op, ParamSpec, TensorSpec
 from .kernels import decode_args, resolve_target
+from .registry import require_registered
 
 KEY_PREFIX = "sb-"
 
@@ -145,6 +146,7 @@ class BlockProgram:
     """
 
     def __init__(self, spec: BlockSpec, weights: Mapping[str, torch.Tensor], device: torch.device) -> None:
+        require_registered(spec.ops, f"block b{spec.index} of model {spec.model}")
         self.spec = spec
         self.device = device
         self.weights = dict(weights)
@@ -157,7 +159,7 @@ class BlockProgram:
         for i, op in enumerate(spec.ops):
             frees = tuple(t for t in dict.fromkeys(op.inputs) if last.get(t) == i and t not in keep)
             frees += tuple(t for t in op.outputs if t not in last and t not in keep)
-            steps.append((resolve_target(op.target), op.attrs.get("args", ()),
+            steps.append((resolve_target(op.target, op), op.attrs.get("args", ()),
                           op.attrs.get("kwargs", {}), op.outputs, bool(op.attrs.get("multi")), frees))
         self.steps = steps
 

@@ -29,7 +29,7 @@ from distributed.protocol.pickle import dumps
 from ..errors import AccessDenied, SeaBiscuitError
 from ..ir import OpGraph
 from ..lower.blocks import task_name
-from ..lower.kernels import resolve_target
+from ..lower.registry import require_registered
 from ..placement import CapacityChanged, DeviceAdded, DeviceLost, Plan
 from ..runtime import access, agent
 from ..runtime.discover import device_from_report, device_name
@@ -233,8 +233,7 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
                verify_every: int = 0, client: str = "") -> dict[str, Any]:
         """Take a graph and its plan (``Plan.to_json``); returns the model's id, token and version."""
         g = OpGraph.from_json(graph)
-        for op in g.ops:
-            resolve_target(op.target)           # NOTE: UnsupportedOp before any worker sees it
+        require_registered(g, "deploy")          # NOTE: UnsupportedOp before any worker sees it
         access.check_graph_paths(g)
         if checkpoint_dir:
             access.check_path(checkpoint_dir, "checkpoint folder")

@@ -10,7 +10,8 @@ from torch.utils import _pytree as pytree
 
 from ..errors import BadInput
 from ..ir import OpGraph, TensorSpec
-from ..lower.kernels import execute_op, resolve_target
+from ..lower.kernels import execute_op
+from ..lower.registry import require_registered
 from ..weights import WeightStore
 
 
@@ -121,8 +122,7 @@ def run_local(graph: OpGraph, *inputs: Any, weights: Any = None, device: str = "
     >>> g = sb.decompose(sb.trace(model, x), budget="1MiB")   # doctest: +SKIP
     >>> y = sb.run_local(g, x, weights=model)                  # doctest: +SKIP
     """
-    for op in graph.ops:        # NOTE: an op outside the registry is refused before any kernel runs
-        resolve_target(op.target)
+    require_registered(graph)      # NOTE: an op outside the registry is refused before any kernel runs
     dev = torch.device(device)
     store = store if store is not None else WeightStore.from_weights(weights, dev)
     env: dict[str, torch.Tensor] = {}
