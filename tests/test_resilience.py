@@ -222,7 +222,7 @@ def test_a_stranded_model_fails_fast_then_serves_again_when_a_worker_returns(lla
             finally:
                 c.get = real_get
             assert submitted == []                     # refused at once, nothing waits on the cluster
-            c.cluster.scale(3)
+            c.cluster.scale(len(c.cluster.worker_spec) + 1)     # one fresh worker
             wait_for(lambda: dm._stranded is None, "the model to be replanned onto the new worker")
             assert any(e.get("reason", "").startswith("recovered") for e in dm.events)
             assert M.rel_err(dm(x).logits, expected) <= 1e-4
