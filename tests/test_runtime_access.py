@@ -19,7 +19,7 @@ from seabiscuit_dask.ir import OpGraph
 from . import models as M
 from .clusters import seabiscuit_cluster, wait_for
 
-pytestmark = pytest.mark.filterwarnings("ignore::ResourceWarning")
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::ResourceWarning")]
 
 BUDGET = 4_000_000
 

@@ -21,7 +21,7 @@ from seabiscuit_dask.plugins import PluginMissing
 from . import models as M
 from .clusters import seabiscuit_cluster
 
-pytestmark = pytest.mark.filterwarnings("ignore::ResourceWarning")
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::ResourceWarning")]
 
 WORKER_BUDGET = 1_200_000
 OP_BUDGET = "256KiB"
@@ -208,7 +208,6 @@ if __name__ == "__main__":
 """
 
 
-@pytest.mark.slow
 def test_a_normal_shutdown_logs_no_warnings_or_tracebacks(tmp_path) -> None:
     script = tmp_path / "shutdown.py"
     script.write_text(SHUTDOWN)

@@ -12,7 +12,7 @@ import seabiscuit_dask as sb
 from . import models as M
 from .clusters import running_on, seabiscuit_cluster, serve_until, wait_for
 
-pytestmark = pytest.mark.filterwarnings("ignore::ResourceWarning")
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::ResourceWarning")]
 
 
 def test_requests_survive_a_worker_leaving() -> None:
