@@ -271,7 +271,8 @@ def main() -> None:
         dr = drains(client, model, 10, expected, x)
         many = many_requests(client, model, 200, 8)
         cor = corruptions(client, model, 10, expected, x, tmp)
-        events = client.run_on_scheduler(lambda dask_scheduler: list(dask_scheduler.plugins["seabiscuit"].events))
+        events = client.run_on_scheduler(
+            lambda dask_scheduler: list(dask_scheduler.plugins["seabiscuit"].events))
         elapsed = time.perf_counter() - t0
     replans = [e["replan_s"] for e in events if e.get("action") == "plan" and e.get("version", 0) > 0]
 
