@@ -195,6 +195,8 @@ def test_a_cluster_without_the_plugin_says_how_to_install_it() -> None:
 
 
 SHUTDOWN = """
+import os
+
 import seabiscuit_dask as sb
 from tests import models as M
 from tests.clusters import seabiscuit_cluster
@@ -204,17 +206,22 @@ if __name__ == "__main__":
     with seabiscuit_cluster(3, 1_600_000) as c:
         dm = sb.distribute(model, c, (x,), budget="256KiB")
         dm(x)
-        print("served", flush=True)     # the cluster closes with the model still deployed
+        print("served from", os.listdir(sb.config.get("runtime.store-directory")), flush=True)
+        # the cluster closes with the model still deployed, and dm is never closed
 """
 
 
-def test_a_normal_shutdown_logs_no_warnings_or_tracebacks(tmp_path) -> None:
+def test_a_normal_shutdown_logs_no_warnings_or_tracebacks_and_leaves_no_store(tmp_path) -> None:
     script = tmp_path / "shutdown.py"
     script.write_text(SHUTDOWN)
     root = Path(__file__).resolve().parents[1]
+    stores = tmp_path / "stores"
+    stores.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(root), "DASK_SEABISCUIT__RUNTIME__STORE_DIRECTORY": str(stores)}
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
-                          cwd=root, env={**os.environ, "PYTHONPATH": str(root)})
-    assert done.returncode == 0 and "served" in done.stdout, done.stderr[-3000:]
+                          cwd=root, env=env)
+    assert done.returncode == 0 and "served from ['seabiscuit-store-" in done.stdout, done.stderr[-3000:]
+    assert list(stores.iterdir()) == []           # the weight store went with the process
     noisy = [line for line in done.stderr.splitlines()
              if "Traceback" in line or " - ERROR - " in line or "Error:" in line
              or (" - WARNING - " in line and "seabiscuit" in line.lower())]
