@@ -15,7 +15,7 @@ scheduler plugin can pin each one to the worker the plan chose.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +28,7 @@ from .kernels import decode_args, resolve_target
 from .registry import require_registered
 
 KEY_PREFIX = "sb-"
+Key = Hashable
 
 
 @sizeof.register(torch.Tensor)
@@ -35,6 +36,17 @@ def _sizeof_tensor(t: torch.Tensor) -> int:
     # NOTE: Dask has no sizeof for torch; without this a block's outputs count as ~80 bytes
     # in its memory accounting and transfer records.
     return int(t.numel() * t.element_size()) + 64
+
+
+def parse_key(key: Key) -> tuple[str, int, int, int] | None:
+    """``("sb-<model>", version, request, block)`` -> its parts; None for other keys."""
+    if (isinstance(key, tuple) and len(key) == 4 and isinstance(key[0], str)
+            and key[0].startswith(KEY_PREFIX)):
+        try:
+            return key[0][len(KEY_PREFIX):], int(key[1]), int(key[2]), int(key[3])
+        except (TypeError, ValueError):
+            return None
+    return None
 
 
 def task_name(model_id: str) -> str:

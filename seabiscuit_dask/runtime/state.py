@@ -23,21 +23,17 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from ..errors import AccessDenied, SeaBiscuitError
-from ..lower.blocks import KEY_PREFIX, BlockSpec, block_specs
-from ..placement import CapacityChanged, DeviceAdded, DeviceLost, DeviceSpec, Plan, replan
+from ..lower.blocks import BlockSpec, Key, block_specs, parse_key
+from ..placement import CapacityChanged, DeviceAdded, DeviceLost, DeviceSpec, Plan, place, replan
 from . import access
 
 logger = logging.getLogger(__name__)
-
-Key = Hashable
-
 
 # --- events ----------------------------------------------------------------------------
 @dataclass(frozen=True)
@@ -124,17 +120,6 @@ class Stranded:
 
 
 Instruction = Pin | PlanChanged | Stranded
-
-
-def parse_key(key: Key) -> tuple[str, int, int, int] | None:
-    """``("sb-<model>", version, request, block)`` -> its parts; None for other keys."""
-    if (isinstance(key, tuple) and len(key) == 4 and isinstance(key[0], str)
-            and key[0].startswith(KEY_PREFIX)):
-        try:
-            return key[0][len(KEY_PREFIX):], int(key[1]), int(key[2]), int(key[3])
-        except (TypeError, ValueError):
-            return None
-    return None
 
 
 @dataclass
@@ -361,20 +346,30 @@ class PlacementState:
                             plan.planning_s)]
 
     def _recover(self, dep: Deployment, device: DeviceSpec) -> list[Instruction]:
-        """A stranded model takes the newcomer in place of the workers it lost, if it now fits."""
+        """A stranded model takes the newcomer in place of the workers it lost, if it now fits.
+
+        The repair is incremental when it can be; else the model is placed afresh on
+        the workers it has left and the newcomer.
+        """
         try:
             plan = dep.plan if device.address in dep.addresses() else replan(dep.plan, DeviceAdded(device))
-            moved, took = 0.0, 0.0
             for gone in dep.lost:
                 plan = replan(plan, DeviceLost(gone))
-                moved += plan.info["moved_bytes"]
-                took += plan.planning_s
-        except SeaBiscuitError as e:
-            logger.info("model %s is still stranded after %s joined: %s", dep.model, device.address, e)
-            return []
+        except SeaBiscuitError:
+            spec = dep.plan.spec
+            for gone in dep.lost:
+                spec = spec.without(gone)
+            if device.address not in {d.address for d in spec.devices}:
+                spec = spec.with_device(device)
+            try:
+                plan = place(dep.plan.graph, spec)
+            except SeaBiscuitError as e:
+                logger.info("model %s is still stranded after %s joined: %s", dep.model, device.address, e)
+                return []
         dep.stranded, dep.lost = "", []
         v = dep.advance(plan)
-        return [PlanChanged(dep.model, v, f"recovered: worker {device.address} joined", moved, took)]
+        return [PlanChanged(dep.model, v, f"recovered: worker {device.address} joined",
+                            float(plan.info.get("moved_bytes", plan.weight_bytes.sum())), plan.planning_s)]
 
     # --- models and tasks -----------------------------------------------------------------
     def _deployed(self, e: ModelDeployed) -> list[Instruction]:
