@@ -76,6 +76,10 @@ def test_ids_tokens_budgets_and_payloads_from_a_peer_are_checked(gpt2_graph) -> 
             await c.scheduler.seabiscuit_deploy(graph=gpt2_graph.to_json(), plan=plan,
                                                 checkpoint_dir="/etc/ckpt")
         assert s.plugins["seabiscuit"].state.models == {}             # nothing was deployed
+        assert set(s.plugins["seabiscuit"].state.devices) == {a.address, b.address}   # agents said hello
+        assert not await c.scheduler.seabiscuit_hello(address="tcp://10.9.9.9:1", report={"budget_bytes": 1})
+        with pytest.raises(sb.AccessDenied, match="no worker of this cluster"):
+            await c.scheduler.seabiscuit_pressure(address="tcp://10.9.9.9:1", reason="forged")
         reply = await c.scheduler.seabiscuit_deploy(graph=gpt2_graph.to_json(), plan=plan)
         model, token = reply["model"], reply["token"]
         for op, extra in (("release", {}), ("drain", {"address": a.address}),

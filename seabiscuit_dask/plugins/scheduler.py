@@ -74,7 +74,7 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
         self.scheduler = scheduler
         scheduler.handlers.update({f"seabiscuit_{n}": getattr(self, n) for n in (
             "deploy", "release", "block", "owned", "workers", "plan", "drain", "restore", "budget",
-            "pressure", "runs")})
+            "pressure", "runs", "hello")})
         for addr in scheduler.workers:
             self.add_worker(scheduler, addr)
         await scheduler.register_worker_plugin(None, dumps(SeaBiscuitWorkerPlugin()), PLUGIN_NAME,
@@ -192,10 +192,10 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
         self.events.append({k: v for k, v in msg.items() if k != "plan"} | {"time": time.time()})
         self.scheduler.log_event(TOPIC, msg)
 
-    def _device_of(self, address: str) -> Any:
-        """A DeviceSpec for a worker from its agent's report (or a host peer's), None without one.
+    def _device_of(self, address: str, report: dict[str, Any] | None = None) -> Any:
+        """A DeviceSpec for a worker, from its agent's report (or a device of its host), else None.
 
-        Its speeds are those its plan peers were placed with (same host and kind) when
+        Its speeds are those of the devices of its host already known (same kind) when
         there are any, so a noisy measurement does not skew a repair.
         """
         if address in self.state.devices:
@@ -203,16 +203,20 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
         ws = self.scheduler.workers.get(address)
         if ws is None:
             return None
-        peers = [w.metrics[PLUGIN_NAME] for w in self.scheduler.workers.values()
-                 if w.host == ws.host and w.address != address and w.metrics.get(PLUGIN_NAME)]
-        report = ws.metrics.get(PLUGIN_NAME) or (dict(peers[0]) if peers else None)
-        if report is None:
+        report = report or ws.metrics.get(PLUGIN_NAME)
+        like = [d for d in self.state.devices.values() if d.host == ws.host]
+        if report is None and not like:
             return None
-        report = {**report, "budget_bytes": int(ws.resources.get("MEM") or report["budget_bytes"])}
         info = _worker_info(ws, report)
-        taken = {d.name for dep in self.state.models.values() for d in dep.plan.spec.devices}
-        device = device_from_report(info, device_name(info, taken))
-        like = [d for d in self.state.devices.values() if d.host == device.host and d.kind == device.kind]
+        taken = {d.name for d in self.state.devices.values()}
+        name = device_name(info, taken)
+        machine = agent.machine_bytes(report or {}) or int(ws.memory_limit or 0)
+        budget = int(ws.resources.get("MEM") or (report or {}).get("budget_bytes") or like[0].memory_bytes)
+        budget = min(budget, machine) if machine else budget
+        if report is None:
+            return replace(like[0], name=name, address=address, memory_bytes=budget)
+        device = replace(device_from_report(info, name), memory_bytes=budget)
+        like = [d for d in like if d.kind == device.kind]
         if like:
             device = replace(device, flops_per_s=dict(like[0].flops_per_s),
                              mem_bytes_per_s=like[0].mem_bytes_per_s, op_overhead_s=like[0].op_overhead_s)
@@ -313,6 +317,15 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
 
     def owned(self, comm: Any = None, model: str = "", address: str = "") -> dict[str, Any]:
         return self.state.owned(access.check_model_id(model), str(address))
+
+    def hello(self, comm: Any = None, address: str = "", report: dict[str, Any] | None = None) -> bool:
+        """A worker's agent reports for the first time: a worker not yet placed on becomes usable."""
+        if address not in self.scheduler.workers or address in self.state.devices:
+            return False
+        device = self._device_of(address, dict(report) if isinstance(report, dict) else None)
+        if device is not None:
+            self._apply(self.state.handle(DeviceAdded(device)))
+        return device is not None
 
     async def pressure(self, comm: Any = None, address: str = "", reason: str = "") -> dict[str, Any]:
         """A worker's agent reports memory pressure or an overheating GPU: drain it if the rest can."""

@@ -50,6 +50,15 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
         worker.metrics[PLUGIN_NAME] = self.metrics
         worker.handlers["seabiscuit_sync"] = self.sync
         worker.handlers["seabiscuit_report"] = self.report_now
+        worker.loop.add_callback(self._hello)
+
+    async def _hello(self) -> None:
+        """Tell the scheduler plugin this worker can be placed on (before any heartbeat carries it)."""
+        w = self.worker
+        try:
+            await w.scheduler.seabiscuit_hello(address=w.address, report=self.metrics())
+        except Exception as e:  # noqa: BLE001 - no SeaBiscuit scheduler plugin: the worker serves nothing
+            logger.info("seabiscuit: scheduler of %s did not take the agent's report: %s", w.address, e)
 
     def teardown(self, worker: Any) -> None:
         worker.metrics.pop(PLUGIN_NAME, None)
