@@ -42,9 +42,21 @@ def op_flops(target: str, args: Sequence[Any], out_shapes: Sequence[tuple[int, .
         return 4 * math.prod(q[:-1]) * k[-2] * q[-1]
     if target in O.NORM:
         return 5 * out_numel
+    if target in O.POOL:
+        return out_numel * pool_window(target, args, out, shape_of)
     if target in O.VIEW or target in O.CREATION:
         return 0
     return out_numel
+
+
+def pool_window(target: str, args: Sequence[Any], out: tuple[int, ...], shape_of: SpecOf) -> int:
+    """Input elements one output of a pooling op reads (one flop each)."""
+    nd = O.pool_nd(target, args)
+    if "adaptive" in target:
+        x = shape_of(args[0])
+        return math.prod(x[-nd:]) // max(math.prod(out[-nd:]), 1) if x else 1
+    sizes = [args[1]] if isinstance(args[1], int) else list(args[1])
+    return math.prod(sizes) ** (nd if len(sizes) == 1 else 1)   # NOTE: one size serves every dim
 
 
 def graph_flops(graph: OpGraph) -> int:

@@ -3,12 +3,15 @@
 Nothing here imports torch or dask. Ops refer to tensors and parameters by
 name; a graph saves to JSON and loads back equal.
 
-JSON schema (``OpGraph.to_json``, ``schema`` = 1)::
+JSON schema (``OpGraph.to_json``, ``schema`` = 2; schema 1 documents, which have
+no ``tilings``, still load)::
 
     {
-      "schema": 1,
+      "schema": 2,
       "inputs":  ["input_ids", ...],            # graph input tensor names, in call order
       "outputs": ["logits", ...],               # graph output tensor names (flattened)
+      "tilings": {"logits": [[[[0, 1], [0, 512], [0, 25000]], "logits.c0"],
+                             [[[0, 1], [0, 512], [25000, 50257]], "logits.c1"]]},
       "meta":    {...},                         # free-form: name, in_spec/out_spec, budget, ...
       "tensors": {"<name>": {"shape": [1, 8, 32], "dtype": "float32"}, ...},
       "params":  {"<name>": {"shape": [64, 32], "dtype": "float32",
@@ -23,6 +26,12 @@ JSON schema (``OpGraph.to_json``, ``schema`` = 1)::
                "attrs": {"args": [...], "kwargs": {...}, ...},
                "scope": "model.layers.0.mlp.up_proj.c1", "flops": 65536}, ...]
     }
+
+A tensor named in ``tilings`` exists only as its tiles: each entry is a region
+(``[start, stop)`` per dim) and the produced tensor holding exactly that region;
+the regions cover the tensor once. A graph input or output may be tiled (it is
+larger than the budget): the caller cuts such an input into its tiles
+(``split_inputs``) and assembles such an output from its tiles (``assemble_outputs``).
 
 Ops are listed in topological order. In ``attrs["args"]`` a tensor operand is
 ``{"t": name}``, a parameter ``{"p": name}``; dtypes, devices, layouts and memory
@@ -45,7 +54,13 @@ from typing import Any
 
 from .errors import InvalidGraph
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READABLE_SCHEMAS = (1, 2)
+
+Region = tuple[tuple[int, int], ...]
+"""``[start, stop)`` along each dim of a tensor."""
+Tiling = tuple[tuple[Region, str], ...]
+"""A tensor as tiles: (region of the tensor, name of the produced tensor holding it)."""
 
 DTYPE_BYTES = {
     "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
@@ -223,10 +238,28 @@ class OpCost:
     param_bytes: int
     input_bytes: int
     output_bytes: int
+    scratch_bytes: int = 0
 
     @property
     def working_set_bytes(self) -> int:
-        return self.param_bytes + self.input_bytes + self.output_bytes
+        return self.param_bytes + self.input_bytes + self.output_bytes + self.scratch_bytes
+
+
+ATTENTION_SCORES = 4   # NOTE: bytes per attention score: kernels compute scores in float32
+
+
+def scratch_bytes(op: Op, tensors: Mapping[str, TensorSpec]) -> int:
+    """Memory an op needs beyond its operands: the score matrix of an attention op."""
+    if op.kind != "attention" or len(op.inputs) < 2:
+        return 0
+    args = op.attrs.get("args", ())
+    refs = [r.get("t", "") for r in iter_refs(args[:2])]
+    if len(refs) != 2 or refs[0] not in tensors or refs[1] not in tensors:
+        return 0
+    q, k = tensors[refs[0]].shape, tensors[refs[1]].shape
+    if len(q) < 2 or len(k) < 2:
+        return 0
+    return math.prod(q[:-1]) * k[-2] * ATTENTION_SCORES
 
 
 @dataclass(frozen=True)
@@ -239,9 +272,13 @@ class OpGraph:
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
     meta: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    tilings: Mapping[str, Tiling] = field(default_factory=lambda: MappingProxyType({}))
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ops", tuple(self.ops))
+        object.__setattr__(self, "tilings", MappingProxyType({
+            k: tuple((tuple((int(a), int(b)) for a, b in r), str(t)) for r, t in v)
+            for k, v in self.tilings.items()}))
         object.__setattr__(self, "tensors", MappingProxyType(dict(self.tensors)))
         object.__setattr__(self, "params", MappingProxyType(dict(self.params)))
         object.__setattr__(self, "inputs", tuple(self.inputs))
@@ -272,13 +309,36 @@ class OpGraph:
                 out.setdefault(t, []).append(op.name)
         return MappingProxyType({k: tuple(v) for k, v in out.items()})
 
+    @cached_property
+    def leaf_inputs(self) -> tuple[str, ...]:
+        """The tensors a caller feeds: graph inputs, tiled ones replaced by their tiles."""
+        out: list[str] = []
+        for t in self.inputs:
+            if t in self.tilings:
+                out.extend(name for _, name in self.tilings[t])
+            else:
+                out.append(t)
+        return tuple(out)
+
+    @cached_property
+    def leaf_outputs(self) -> tuple[str, ...]:
+        """The tensors a caller fetches: graph outputs, tiled ones replaced by their tiles."""
+        out: list[str] = []
+        for t in self.outputs:
+            if t in self.tilings:
+                out.extend(name for _, name in self.tilings[t])
+            else:
+                out.append(t)
+        return tuple(dict.fromkeys(out))
+
     @property
     def param_bytes(self) -> int:
         return sum(p.nbytes for p in self.params.values())
 
     def with_meta(self, **updates: Any) -> OpGraph:
         meta = {**thaw(self.meta), **updates}
-        return OpGraph(self.ops, self.tensors, self.params, self.inputs, self.outputs, meta)
+        return OpGraph(self.ops, self.tensors, self.params, self.inputs, self.outputs, meta,
+                       self.tilings)
 
     def cost(self, op: Op) -> OpCost:
         """Flops and bytes of ``op``: params + distinct inputs + outputs."""
@@ -287,6 +347,7 @@ class OpGraph:
             param_bytes=sum(self.params[p].nbytes for p in dict.fromkeys(op.params)),
             input_bytes=sum(self.tensors[t].nbytes for t in dict.fromkeys(op.inputs)),
             output_bytes=sum(self.tensors[t].nbytes for t in op.outputs),
+            scratch_bytes=scratch_bytes(op, self.tensors),
         )
 
     def working_set(self, op: Op) -> int:
@@ -328,6 +389,7 @@ class OpGraph:
             "schema": SCHEMA_VERSION,
             "inputs": list(self.inputs),
             "outputs": list(self.outputs),
+            "tilings": {k: [[[list(a) for a in r], t] for r, t in v] for k, v in self.tilings.items()},
             "meta": thaw(self.meta),
             "tensors": {k: v.to_dict() for k, v in self.tensors.items()},
             "params": {k: v.to_dict() for k, v in self.params.items()},
@@ -339,9 +401,9 @@ class OpGraph:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> OpGraph:
-        if d.get("schema") != SCHEMA_VERSION:
+        if d.get("schema") not in READABLE_SCHEMAS:
             raise InvalidGraph(f"OpGraph schema {d.get('schema')!r} is not supported "
-                               f"(this version reads schema {SCHEMA_VERSION})")
+                               f"(this version reads schemas {list(READABLE_SCHEMAS)})")
         return cls(
             ops=tuple(Op.from_dict(o) for o in d["ops"]),
             tensors={k: TensorSpec.from_dict(v) for k, v in d["tensors"].items()},
@@ -349,6 +411,7 @@ class OpGraph:
             inputs=tuple(d["inputs"]),
             outputs=tuple(d["outputs"]),
             meta=d.get("meta", {}),
+            tilings=_read_tilings(d.get("tilings", {})),
         )
 
     @classmethod
@@ -358,6 +421,44 @@ class OpGraph:
         except json.JSONDecodeError as e:
             raise InvalidGraph(f"not an OpGraph JSON document: {e}") from e
         return cls.from_dict(d)
+
+
+def _read_tilings(value: Any) -> dict[str, Tiling]:
+    try:
+        return {str(k): tuple((tuple((int(a), int(b)) for a, b in r), str(t)) for r, t in v)
+                for k, v in value.items()}
+    except (TypeError, ValueError, AttributeError) as e:
+        raise InvalidGraph(f"graph 'tilings' must map a tensor name to [[region, tile], ...]: {e}") \
+            from None
+
+
+def check_tiling(graph: OpGraph, name: str, tiling: Tiling, available: set[str]) -> None:
+    """The tiles of ``name`` are produced, match their regions and cover it exactly once."""
+    spec = graph.tensors.get(name)
+    if spec is None:
+        raise InvalidGraph(f"tiled tensor {name!r} has no TensorSpec")
+    covered = 0
+    for region, tile in tiling:
+        if tile not in available:
+            raise InvalidGraph(f"tile {tile!r} of {name!r} is never produced")
+        extent = tuple(b - a for a, b in region)
+        if len(region) != len(spec.shape) or any(
+                a < 0 or b > n or a >= b for (a, b), n in zip(region, spec.shape)):
+            raise InvalidGraph(f"tile {tile!r} region {list(region)} lies outside {name!r} {spec.shape}")
+        t = graph.tensors[tile]
+        if t.shape != extent or t.dtype != spec.dtype:
+            raise InvalidGraph(f"tile {tile!r} is {t.shape} {t.dtype} but its region of {name!r} "
+                               f"is {extent} {spec.dtype}")
+        covered += math.prod(extent)
+    regions = sorted(r for r, _ in tiling)
+    for i, r in enumerate(regions):
+        for other in regions[i + 1:]:
+            if other[0][0] >= r[0][1]:
+                break
+            if all(a < d and c < b for (a, b), (c, d) in zip(r, other)):
+                raise InvalidGraph(f"tiles of {name!r} overlap at {list(r)} and {list(other)}")
+    if covered != spec.numel:
+        raise InvalidGraph(f"tiles of {name!r} cover {covered} of its {spec.numel} elements")
 
 
 def iter_refs(value: Any) -> Iterator[Mapping[str, str]]:
@@ -403,10 +504,10 @@ def verify(graph: OpGraph, budget: int | None = None) -> OpGraph:
     Topological order, every input produced exactly once before it is read,
     operand references in ``attrs`` consistent with ``inputs``/``params``, tile
     shapes consistent with their slices, and (when ``budget`` is given) every
-    op's working set within it. Returns the graph, so it chains.
+    op's working set within it, and tilings that cover their tensors. Returns the graph, so it chains.
     """
-    available = set(graph.inputs)
-    for name in graph.inputs:
+    available = set(graph.leaf_inputs)
+    for name in (*graph.inputs, *graph.leaf_inputs):
         if name not in graph.tensors:
             raise InvalidGraph(f"graph input {name!r} has no TensorSpec")
     names: set[str] = set()
@@ -438,8 +539,10 @@ def verify(graph: OpGraph, budget: int | None = None) -> OpGraph:
             if ws > budget:
                 raise InvalidGraph(f"op {op.name!r} needs {fmt_bytes(ws)} ({ws} bytes), "
                                    f"budget is {fmt_bytes(budget)} ({budget} bytes)")
+    for name, tiling in graph.tilings.items():
+        check_tiling(graph, name, tiling, available)
     for t in graph.outputs:
-        if t not in available and t not in graph.params:
+        if t not in available and t not in graph.params and t not in graph.tilings:
             raise InvalidGraph(f"graph output {t!r} is never produced")
     for spec in graph.params.values():
         if spec.source.slices is not None:

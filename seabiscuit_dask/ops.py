@@ -12,9 +12,12 @@ from typing import Any
 
 LINEAR = {"aten.linear.default", "aten.addmm.default"}
 MATMUL = {"aten.mm.default", "aten.matmul.default", "aten.bmm.default"}
-CONV = {"aten.conv1d.default", "aten.conv2d.default", "aten.conv3d.default"}
+# NOTE: ``.padding`` overloads take "same" / "valid"; ``sb.conv_strip`` takes explicit (before, after)
+# padding per spatial dim (a strip of a convolution, its halo cut from the input).
+CONV = {"aten.conv1d.default", "aten.conv2d.default", "aten.conv3d.default", "aten.conv1d.padding",
+        "aten.conv2d.padding", "aten.conv3d.padding", "sb.conv_strip"}
 EMBEDDING = {"aten.embedding.default", "sb.embedding_rows"}
-ATTENTION = {"aten.scaled_dot_product_attention.default"}
+ATTENTION = {"aten.scaled_dot_product_attention.default", "sb.attention", "sb.attention_part"}
 
 ELEMENTWISE = {
     f"aten.{n}"
@@ -47,6 +50,7 @@ POOL = {
     "aten.avg_pool1d.default", "aten.avg_pool2d.default", "aten.avg_pool3d.default",
     "aten.adaptive_avg_pool1d.default", "aten.adaptive_avg_pool2d.default",
     "aten.adaptive_avg_pool3d.default", "aten.adaptive_max_pool2d.default",
+    "sb.max_pool_strip", "sb.avg_pool_strip",
 }
 VIEW = {
     f"aten.{n}"
@@ -116,11 +120,19 @@ def row_split_forbidden_dims(target: str, args: Sequence[Any], out_rank: int) ->
         # NOTE: per-channel params are not right-aligned, so never cut the channel dim.
         return {1} | ({*range(2, out_rank)} if target == "aten.group_norm.default" else set())
     if target in POOL:
-        return set(range(2, out_rank))
+        return set(range(out_rank - pool_nd(target, args), out_rank))
     if target in {"aten.mean.dim", "aten.sum.dim_IntList", "aten.amax.default"}:
         keep = len(args) > 2 and bool(args[2])
         return _norm_dims(args[1], out_rank) if keep else None
     return None
+
+
+def pool_nd(target: str, args: Sequence[Any]) -> int:
+    """Spatial dims a pooling op slides over: the last 1, 2 or 3 dims of its input."""
+    for nd in (1, 2, 3):
+        if f"pool{nd}d" in target:
+            return nd
+    return len(args[1])   # NOTE: sb.*_pool_strip: kernel sizes, one per spatial dim
 
 
 def operand(args: Sequence[Any], i: int, default: Any = None) -> Any:

@@ -12,7 +12,7 @@ def test_plan_prints_the_decomposition_summary(capsys, tmp_path) -> None:
     assert cli.main(["plan", "--model", "gpt2-tiny", "--budget", "64KiB", "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "micro-ops:" in text and "over budget (64.0 KiB): 0" in text
-    assert json.loads(out.read_text())["schema"] == 1
+    assert json.loads(out.read_text())["schema"] == 2
 
 
 def test_plan_reports_bad_input_without_a_traceback(capsys) -> None:

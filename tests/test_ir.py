@@ -26,8 +26,8 @@ def test_json_round_trip_is_exact(graphs) -> None:
         assert back == g
         assert back.to_json() == text
         d = json.loads(text)
-        assert d["schema"] == 1 and set(d) == {"schema", "inputs", "outputs", "meta", "tensors",
-                                               "params", "ops"}
+        assert d["schema"] == 2 and set(d) == {"schema", "inputs", "outputs", "tilings", "meta",
+                                               "tensors", "params", "ops"}
 
 
 def test_graph_and_ops_are_frozen(graphs) -> None:

@@ -9,6 +9,8 @@ tile 0). Rules are a table keyed by op kind (``rules.RULES``), one function each
 linear/matmul  output columns (concat, exact) | rows of the input (concat, exact)
                | reduction dim (partial sums; bias on the first tile)
 conv           output channels | input channels (partial sums) | whole groups | batch
+               | spatial strips, each reading its input rows and a halo
+pool           spatial strips with halos (max; average where exact)
 embedding      vocabulary rows (masked lookups, summed) | embedding columns (concat)
 attention      heads (GQA-aware) | query rows
 elementwise,   strips along a dim the op does not reduce over (concat, exact)
@@ -27,7 +29,7 @@ from collections.abc import Sequence
 
 from .. import config
 from ..errors import BudgetTooSmall
-from ..ir import Op, OpGraph, fmt_bytes
+from ..ir import OpGraph, fmt_bytes
 from .decomposer import Decomposer
 from .report import Oversize, describe, fmt_bytes_up
 from .rules import RULES, register
@@ -76,8 +78,11 @@ def _decompose(graph: OpGraph, budget_bytes: int, allow_oversize: bool) -> OpGra
 
 def budget_error(graph: OpGraph, budget: int, oversize: Sequence[Oversize]) -> BudgetTooSmall:
     """The error for ``oversize``: the ops at fault, why, and the budget that would do."""
-    listed = sorted(oversize, key=lambda o: -o.ws)
-    head = "; ".join(describe(o) for o in listed[:3])
+    worst: dict[str, Oversize] = {}
+    for o in sorted(oversize, key=lambda o: -o.ws):
+        worst.setdefault(o.root.name, o)
+    listed = list(worst.values())
+    head = "; ".join(describe(o, graph) for o in listed[:3])
     more = f"; and {len(listed) - 3} more" if len(listed) > 3 else ""
     need = smallest_budget(graph, budget, oversize)
     return BudgetTooSmall(
@@ -89,25 +94,15 @@ def budget_error(graph: OpGraph, budget: int, oversize: Sequence[Oversize]) -> B
 def smallest_budget(graph: OpGraph, budget: int, oversize: Sequence[Oversize]) -> int:
     """The least budget (bytes) at which ``graph`` decomposes with every op within it.
 
-    Searches above ``budget`` for the ops whose pieces did not fit there, then
-    decomposes the whole graph at the answer to confirm it, searching on if it fails.
+    Above ``budget`` (which fails), doubles from the largest oversize op until the
+    whole graph decomposes, then bisects; each try stops at its first op that cannot fit.
     """
-    while oversize:
-        roots = list({o.root.name: o.root for o in oversize}.values())
-        budget = _search(graph, budget, roots)
-        d = Decomposer(graph, budget)
-        d.run()
-        oversize = d.oversize
-    return budget
-
-
-def _search(graph: OpGraph, lo: int, roots: list[Op]) -> int:
-    """Least ``hi > lo`` at which every op of ``roots`` fits, given that some fail at ``lo``."""
-    hi = max(Decomposer(graph, lo).ws(op) for op in roots)   # NOTE: an op that fits stays whole
+    lo, hi = budget, max(budget + 1, max(o.ws for o in oversize))
+    while not Decomposer(graph, hi).succeeds():
+        lo, hi = hi, 2 * hi
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        d = Decomposer(graph, mid)
-        if all(d.fits(op) for op in roots):
+        if Decomposer(graph, mid).succeeds():
             hi = mid
         else:
             lo = mid

@@ -1,4 +1,10 @@
-"""The recursion: cut an op by the best rule, cut its pieces again until they fit."""
+"""The recursion: cut an op by the best rule, cut its pieces again until they fit.
+
+Tensors stay tiled between ops: a split op's output is recorded as the grid of its
+tiles (``tiling.Entry``), and a consumer's tile reads only the tiles it overlaps.
+Ops that slice or join tiles are emitted only where a micro-op reads a region that
+no single tile holds; partial sums are added as a tree of (tiled) adds.
+"""
 
 from __future__ import annotations
 
@@ -7,13 +13,17 @@ from typing import Any, TypeVar
 
 from .. import ops as O
 from ..cost import op_flops
-from ..ir import Op, OpGraph, ParamSpec, TensorSpec, operand_names
+from ..ir import Op, OpGraph, ParamSpec, Region, TensorSpec, fmt_bytes, operand_names, scratch_bytes
+from . import tiling as T
 from .report import Oversize, why_unsplit
 from .rules import RULES, RuleFn
 from .split import Pieces, Split, bounds_for, min_pieces
 
 MAX_DEPTH = 8
-T = TypeVar("T")
+R = TypeVar("R")
+REGION = "sb.region"       # x[region]: a multi-dim slice
+ASSEMBLE = "sb.assemble"   # tiles placed at their regions of a new tensor
+WINDOWS = {"aten.slice.Tensor", "aten.split.Tensor", "aten.split_with_sizes.default"}
 
 
 class Decomposer:
@@ -31,9 +41,12 @@ class Decomposer:
         self.params: dict[str, ParamSpec] = dict(graph.params)
         self.ops: list[Op] = []
         self.oversize: list[Oversize] = []
-        self.slices: dict[tuple[str, int, int, int], str] = {}
+        self.virtual: dict[str, tuple[T.Entry, ...]] = {}   # tensors that exist as tiles only
+        self.views: dict[tuple[str, int, int, int], str] = {}
+        self.made: dict[str, str] = {}                       # virtual or leaf region -> produced
         self.root: Op | None = None
         self.last_read: tuple[Op, Callable[..., Any], Any] | None = None
+        self.input_tilings = self.tile_inputs()
 
     # --- sizes -------------------------------------------------------------------------------
     def shape(self, ref: Any) -> tuple[int, ...]:
@@ -50,9 +63,33 @@ class Decomposer:
     def ws(self, op: Op) -> int:
         return (sum(self.params[p].nbytes for p in op.params)
                 + sum(self.tensors[t].nbytes for t in op.inputs)
-                + sum(self.tensors[t].nbytes for t in op.outputs))
+                + sum(self.tensors[t].nbytes for t in op.outputs)
+                + scratch_bytes(op, self.tensors))
 
-    def read(self, op: Op, reader: Callable[[Decomposer, Op], T]) -> T:
+    def glue_ws(self, op: Op) -> int:
+        """The largest working set among the ops that would gather ``op``'s tiled inputs."""
+        return max((self.gather_ws(t) for t in op.inputs if t in self.virtual), default=0)
+
+    def gather_ws(self, name: str) -> int:
+        if name in self.made:
+            return 0
+        entries = self.virtual[name]
+        spec = self.tensors[name]
+        itemsize = spec.nbytes // max(spec.numel, 1)
+        cuts = [self.tensors[leaf].nbytes + _numel(T.extent(src)) * itemsize
+                for _, leaf, src in entries if src != T.full(self.tensors[leaf].shape)]
+        joined = 2 * spec.nbytes if len(entries) > 1 else 0
+        return max([joined, *cuts])
+
+    def held_whole(self, op: Op) -> str | None:
+        """A tensor over the budget that ``op`` reads a part of, if any."""
+        for t in op.inputs:
+            for _, leaf, src in self.virtual.get(t, ()):
+                if self.tensors[leaf].nbytes >= self.budget and src != T.full(self.tensors[leaf].shape):
+                    return leaf
+        return None
+
+    def read(self, op: Op, reader: Callable[[Decomposer, Op], R]) -> R:
         """``reader(self, op)``, computed once for the rules of a family trying one op."""
         last = self.last_read
         if last is None or last[0] is not op or last[1] is not reader:
@@ -68,8 +105,9 @@ class Decomposer:
         return Op(name, kind or O.kind_of(target), target, inputs, (out,), params,
                   {"args": args, "kwargs": kwargs}, scope, flops)
 
-    def cut(self, ref: Any, dim: int, a: int, b: int, scope: str, pieces: Pieces) -> Any:
-        """``ref[..., a:b, ...]`` along ``dim``: a param tile, or a slice op on an activation."""
+    def cut(self, ref: Any, dim: int, a: int, b: int, scope: str = "", pieces: Pieces | None = None) -> Any:
+        """``ref[..., a:b, ...]`` along ``dim``: a param tile, or a tensor that is a window of
+        ``ref``'s tiles (nothing is emitted until a micro-op reads it)."""
         tag, name = O.ref_name(ref) or ("", "")
         shape = self.shape(ref)
         dim %= len(shape)
@@ -84,46 +122,76 @@ class Decomposer:
                                               p.source.sliced(dim, a, b, p.shape))
             return {"p": tile}
         key = (name, dim, a, b)
-        if key not in self.slices:
-            out = f"{name}@{dim}[{a}:{b}]"
-            spec = TensorSpec(new_shape, self.tensors[name].dtype)
-            op = self.make(f"{scope}.slice:{out}" if scope else f"slice:{out}",
-                           "aten.slice.Tensor", [{"t": name}, dim, a, b, 1], {}, out, spec,
-                           scope, "slice")
-            pieces.append((op, False))
-            self.slices[key] = out
-        return {"t": self.slices[key]}
+        if key not in self.views:
+            view = f"{name}@{dim}[{a}:{b}]"
+            self.tensors[view] = TensorSpec(new_shape, self.tensors[name].dtype)
+            self.virtual[view] = T.window(self.entries(name), dim, a, b)
+            self.views[key] = view
+        return {"t": self.views[key]}
 
-    def join(self, op: Op, parts: list[str], how: str, dim: int) -> list[Op]:
-        """Ops joining tile outputs ``parts`` into ``op``'s output: one concat, or a sum chain."""
-        out = op.outputs[0]
-        spec = self.tensors[out]
-        if how == "concat":
-            return [self.make(f"{op.name}.cat", "aten.cat.default", [[{"t": p} for p in parts], dim],
-                              {}, out, spec, op.scope, "concat")]
-        chain: list[Op] = []
-        acc = parts[0]
-        for i, p in enumerate(parts[1:], 1):
-            dst = out if i == len(parts) - 1 else f"{out}.sum{i}"
-            chain.append(self.make(f"{op.name}.sum{i}", "aten.add.Tensor",
-                                   [{"t": acc}, {"t": p}], {}, dst, spec, op.scope, "sum"))
-            acc = dst
-        return chain
+    def entries(self, name: str) -> tuple[T.Entry, ...]:
+        """Where the parts of tensor ``name`` live: its tiles, or itself."""
+        if name in self.virtual:
+            return self.virtual[name]
+        whole = T.full(self.tensors[name].shape)
+        return ((whole, name, whole),)
 
-    def tiles(self, op: Op, split: Split, bounds: list[int]) -> Pieces:
-        """One tile of ``op`` per ``[bounds[i], bounds[i+1])``, the slices they read, the join."""
-        pieces: Pieces = []
-        parts: list[str] = []
-        for i in range(len(bounds) - 1):
-            name = f"{split.tag}{i}"
-            scope = f"{op.scope}.{name}" if op.scope else name
-            args, kwargs, target, spec = split.piece(i, bounds[i], bounds[i + 1], pieces)
-            out = f"{op.outputs[0]}.{name}"
-            pieces.append((self.make(f"{op.name}.{name}", target, args, kwargs, out, spec,
-                                     scope, op.kind), True))
-            parts.append(out)
-        pieces.extend((j, False) for j in self.join(op, parts, split.join, split.dim))
-        return pieces
+    def gather(self, name: str, scope: str) -> str:
+        """A produced tensor equal to ``name``: slices of its tiles, joined where needed."""
+        if name not in self.virtual:
+            return name
+        if name not in self.made:
+            parts = [(region, self.region_of(leaf, src, scope)) for region, leaf, src in self.virtual[name]]
+            self.made[name] = parts[0][1] if len(parts) == 1 else self.join_parts(name, parts, scope)
+        return self.made[name]
+
+    def region_of(self, leaf: str, src: Region, scope: str) -> str:
+        """``leaf[src]`` as a produced tensor (a slice op unless ``src`` is all of it)."""
+        spec = self.tensors[leaf]
+        if src == T.full(spec.shape):
+            return leaf
+        out = f"{leaf}{T.tag(src)}"
+        if out not in self.made:
+            cut = [d for d in range(len(src)) if src[d] != (0, spec.shape[d])]
+            new = TensorSpec(T.extent(src), spec.dtype)
+            if len(cut) == 1:
+                (a, b), d = src[cut[0]], cut[0]
+                op = self.make(f"{scope}.slice:{out}", "aten.slice.Tensor", [{"t": leaf}, d, a, b, 1],
+                               {}, out, new, scope, "slice")
+            else:
+                op = self.make(f"{scope}.slice:{out}", REGION, [{"t": leaf}, [list(r) for r in src]],
+                               {}, out, new, scope, "slice")
+            self.append_glue(op)
+            self.made[out] = out
+        return self.made[out]
+
+    def join_parts(self, name: str, parts: list[tuple[Region, str]], scope: str) -> str:
+        """One op joining ``parts`` (placed at their regions) into tensor ``name``."""
+        spec = self.tensors[name]
+        regions = [r for r, _ in parts]
+        dim = T.concat_dim(regions)
+        out = f"{name}.joined"
+        if dim is not None:
+            ordered = [p for _, p in sorted(zip(regions, (p for _, p in parts)), key=lambda x: x[0][dim])]
+            op = self.make(f"{scope}.cat:{out}", "aten.cat.default", [[{"t": p} for p in ordered], dim], {},
+                           out, spec, scope, "concat")
+        else:
+            op = self.make(f"{scope}.assemble:{out}", ASSEMBLE,
+                           [[{"t": p} for _, p in parts], [[list(a) for a in r] for r in regions],
+                            list(spec.shape)], {}, out, spec, scope, "concat")
+        self.append_glue(op)
+        return out
+
+    def bind(self, op: Op) -> Op:
+        """``op`` reading produced tensors: its tiled inputs gathered first."""
+        names = {t: self.gather(t, op.scope) for t in op.inputs if t in self.virtual}
+        if not names:
+            return op
+        args = _rename(op.attrs["args"], names)
+        kwargs = _rename(op.attrs.get("kwargs", {}), names)
+        inputs, params = operand_names(args, kwargs)
+        attrs = {**dict(op.attrs), "args": args, "kwargs": kwargs}
+        return Op(op.name, op.kind, op.target, inputs, op.outputs, params, attrs, op.scope, op.flops)
 
     # --- the recursion -----------------------------------------------------------------------
     def splits(self, op: Op) -> list[Split]:
@@ -134,10 +202,18 @@ class Decomposer:
         return sorted(found, key=lambda s: s.tiebreak)
 
     def emit(self, op: Op, depth: int = 0) -> None:
-        """Append ``op`` if it fits, else its pieces by the best split, cut again as needed."""
-        ws = self.ws(op)
+        """Append ``op`` if it fits, else its tiles by the best split, cut again as needed."""
+        if self.as_windows(op):
+            return
+        own = self.ws(op)
+        ws = max(own, self.glue_ws(op))
         if ws <= self.budget:
-            self.ops.append(op)
+            self.ops.append(self.bind(op))
+            return
+        held = self.held_whole(op) if own <= self.budget else None
+        if held is not None:   # NOTE: cutting cannot help: a slice reads a tensor over the budget
+            self.keep_oversize(op, ws, f"it reads part of {held!r} ({fmt_bytes(self.tensors[held].nbytes)}), "
+                                       "a tensor held whole that is larger than the budget")
             return
         splits = self.splits(op) if depth < MAX_DEPTH and len(op.outputs) == 1 else []
         choice = self.choose(splits)
@@ -145,13 +221,85 @@ class Decomposer:
             self.keep_oversize(op, ws, why_unsplit(op, splits, self.budget, depth, MAX_DEPTH))
             return
         split, k = choice
-        for piece, is_tile in self.tiles(op, split, bounds_for(split.n, k)):
-            if is_tile and self.ws(piece) < ws:
-                self.emit(piece, depth + 1)
+        bounds = bounds_for(split.n, k)
+        parts: list[str] = []
+        for i in range(k):
+            name = f"{split.tag}{i}"
+            scope = f"{op.scope}.{name}" if op.scope else name
+            args, kwargs, target, spec = split.piece(i, bounds[i], bounds[i + 1], [])
+            if spec is None:   # NOTE: a tile that contributes nothing (fully masked)
+                continue
+            out = f"{op.outputs[0]}.{name}"
+            kind = split.kind or op.kind
+            tile = self.make(f"{op.name}.{name}", target, args, kwargs, out, spec, scope, kind)
+            if self.ws(tile) < self.ws(op):
+                self.emit(tile, depth + 1)
             else:
-                self.emit_glue(piece)
+                self.keep_oversize(tile, self.ws(tile), why_unsplit(tile, [], self.budget, depth, MAX_DEPTH))
+            parts.append(out)
+        self.join(op, split, parts)
 
-    def emit_glue(self, op: Op) -> None:
+    def as_windows(self, op: Op) -> bool:
+        """Record a slice or split of a tiled tensor as windows of its tiles, emitting nothing."""
+        args = op.attrs.get("args", ())
+        src = O.ref_name(args[0]) if args else None
+        if op.target not in WINDOWS or src is None or src[0] != "t" or src[1] not in self.virtual:
+            return False
+        shape = self.tensors[src[1]].shape
+        dim = int(O.operand(args, 1, 0)) % len(shape)
+        if op.target == "aten.slice.Tensor":
+            if O.operand(args, 4, 1) != 1:
+                return False
+            lo, hi = O.operand(args, 2), O.operand(args, 3)
+            lo = 0 if lo is None else max(0, min(shape[dim], lo + shape[dim] if lo < 0 else lo))
+            hi = shape[dim] if hi is None else max(lo, min(shape[dim], hi + shape[dim] if hi < 0 else hi))
+            spans = [(lo, hi)]
+        else:
+            sizes = args[1] if op.target == "aten.split_with_sizes.default" else \
+                [min(int(args[1]), shape[dim] - a) for a in range(0, shape[dim], int(args[1]))]
+            dim = int(O.operand(args, 2, 0)) % len(shape)
+            starts = [sum(sizes[:i]) for i in range(len(sizes))]
+            spans = [(a, a + n) for a, n in zip(starts, sizes)]
+        if len(spans) != len(op.outputs):
+            return False
+        for out, (lo, hi) in zip(op.outputs, spans):
+            self.virtual[out] = T.window(self.virtual[src[1]], dim, lo, hi)
+        return True
+
+    def join(self, op: Op, split: Split, parts: list[str]) -> None:
+        """Make ``op``'s output from its tiles: a tiling, or a tree of adds or merges."""
+        out = op.outputs[0]
+        if split.join == "concat":
+            dim = split.dim % len(self.tensors[out].shape)
+            starts = [0]
+            for p in parts:
+                starts.append(starts[-1] + self.tensors[p].shape[dim])
+            self.virtual[out] = tuple(e for p, lo in zip(parts, starts) for e in
+                                      T.shifted(self.entries(p), dim, lo))
+            return
+        target, kind = ("aten.add.Tensor", "sum") if split.join == "sum" else (split.join, "merge")
+        level, depth = parts, 0
+        while len(level) > 1:
+            depth += 1
+            nxt = []
+            for j in range(0, len(level) - 1, 2):
+                last = len(level) == 2 and split.finish is None
+                dst = out if last else f"{out}.{kind}{depth}.{j // 2}"
+                spec = self.tensors[out] if split.join == "sum" else self.tensors[level[j]]
+                self.emit(self.make(f"{op.name}.{kind}{depth}.{j // 2}", target, [{"t": level[j]},
+                                    {"t": level[j + 1]}], {}, dst, spec, op.scope, kind))
+                nxt.append(dst)
+            if len(level) % 2:
+                nxt.append(level[-1])
+            level = nxt
+        if split.finish is not None:
+            spec = self.tensors[out]
+            self.emit(self.make(f"{op.name}.finish", split.finish, [{"t": level[0]}, {"dtype": spec.dtype}],
+                                {}, out, spec, op.scope, "merge"))
+        elif level[0] != out:   # NOTE: one part only: it is the output
+            self.virtual[out] = self.entries(level[0])
+
+    def append_glue(self, op: Op) -> None:
         """Append a slicing or joining op, which is never cut."""
         ws = self.ws(op)
         if ws > self.budget:
@@ -164,7 +312,7 @@ class Decomposer:
         """Append ``op`` whole although it does not fit, noting why."""
         outputs = tuple(self.tensors[t] for t in op.outputs)
         self.oversize.append(Oversize(op, ws, why, self.root or op, outputs))
-        self.ops.append(op)
+        self.ops.append(self.bind(op))
 
     def choose(self, splits: list[Split]) -> tuple[Split, int] | None:
         """The split needing the fewest pieces to fit (ties: ``tiebreak``, then rule order)."""
@@ -186,21 +334,84 @@ class Decomposer:
         return s, k
 
     # --- result ------------------------------------------------------------------------------
+    def tile_inputs(self) -> dict[str, tuple[tuple[Region, str], ...]]:
+        """Cut each graph input over a quarter of the budget into row chunks the caller feeds."""
+        tilings = {}
+        for name in self.graph.inputs:
+            spec = self.tensors[name]
+            region, grid = T.full(spec.shape), [T.full(spec.shape)]
+            itemsize = spec.nbytes // max(spec.numel, 1)
+            for dim in range(len(spec.shape)):
+                row = _numel(T.extent(region)[dim + 1:]) * itemsize
+                if _numel(T.extent(grid[0])) * itemsize <= self.budget // 4:
+                    break
+                k = -(-spec.shape[dim] * row // max(self.budget // 4, 1))
+                bounds = bounds_for(spec.shape[dim], min(k, spec.shape[dim]))
+                grid = [T.replace(r, dim, a, b) for r in grid for a, b in zip(bounds, bounds[1:])]
+            if len(grid) > 1:
+                tiles = tuple((r, f"{name}{T.tag(r)}") for r in grid)
+                for r, tile in tiles:
+                    self.tensors[tile] = TensorSpec(T.extent(r), spec.dtype)
+                self.virtual[name] = tuple((r, tile, T.full(T.extent(r))) for r, tile in tiles)
+                tilings[name] = tiles
+        return tilings
+
     def run(self) -> OpGraph:
         for op in self.graph.ops:
             self.root = op
             self.emit(op)
-        used = {p for op in self.ops for p in op.params} | set(self.graph.outputs)
+        self.root = None
+        outputs, tilings = self.deliver()
+        tilings.update(self.input_tilings)
+        used = {p for op in self.ops for p in op.params} | set(outputs)
         params = {k: v for k, v in self.params.items() if k in used}
-        live = set(self.graph.inputs) | {t for op in self.ops for t in op.outputs}
+        tiles = {t for tiling in tilings.values() for _, t in tiling}
+        live = set(self.graph.inputs) | {t for op in self.ops for t in op.outputs} | set(tilings) | tiles
         tensors = {k: v for k, v in self.tensors.items() if k in live}
         meta = {**dict(self.graph.meta), "budget_bytes": self.budget}
-        return OpGraph(tuple(self.ops), tensors, params, self.graph.inputs,
-                       self.graph.outputs, meta)
+        return OpGraph(tuple(self.ops), tensors, params, self.graph.inputs, outputs, meta, tilings)
 
-    def fits(self, op: Op) -> bool:
-        """Whether ``op`` (an op of the graph) can be cut into pieces that all fit."""
-        self.root = op
-        self.emit(op)
+    def deliver(self) -> tuple[tuple[str, ...], dict[str, tuple[tuple[Region, str], ...]]]:
+        """Graph outputs: gathered into one tensor where that fits, else left as tiles."""
+        outputs: list[str] = []
+        tilings: dict[str, tuple[tuple[Region, str], ...]] = {}
+        for t in self.graph.outputs:
+            if t not in self.virtual:
+                outputs.append(t)
+            elif self.gather_ws(t) <= self.budget:
+                outputs.append(self.gather(t, "output"))
+            else:
+                tilings[t] = tuple((r, self.region_of(leaf, src, "output"))
+                                   for r, leaf, src in self.virtual[t])
+                outputs.append(t)
+        return tuple(outputs), tilings
+
+    def succeeds(self) -> bool:
+        """Whether every op of the graph can be cut into pieces that fit (stops at the first not)."""
+        for op in self.graph.ops:
+            self.root = op
+            self.emit(op)
+            if self.oversize:
+                return False
+        self.root = None
+        self.deliver()
         return not self.oversize
 
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _rename(value: Any, names: Mapping[str, str]) -> Any:
+    """``value`` with tensor references renamed by ``names``."""
+    if isinstance(value, Mapping):
+        ref = O.ref_name(value)
+        if ref is not None:
+            return {"t": names.get(ref[1], ref[1])} if ref[0] == "t" else dict(value)
+        return {k: _rename(v, names) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_rename(v, names) for v in value]
+    return value

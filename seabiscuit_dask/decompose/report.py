@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-from ..ir import Op, TensorSpec, fmt_bytes
+from ..ir import Op, OpGraph, TensorSpec, fmt_bytes
 from .split import Split
 
 
@@ -22,10 +22,17 @@ class Oversize(NamedTuple):
     outputs: tuple[TensorSpec, ...]
 
 
-def describe(o: Oversize) -> str:
-    """``op 'name' (target, output (8, 64) float32, working set 20.0 KiB): why``."""
-    outs = ", ".join(f"{tuple(s.shape)} {s.dtype}" for s in o.outputs)
-    return f"op {o.op.name!r} ({o.op.target}, output {outs}, working set {fmt_bytes(o.ws)}): {o.why}"
+def describe(o: Oversize, graph: OpGraph | None = None) -> str:
+    """``op 'name' (target, output (8, 64) float32, working set 20.0 KiB): why``; for a piece
+    of an op of ``graph``, that op, then the piece."""
+    if graph is None or o.root is o.op or o.root.name not in graph.op_by_name:
+        outs = ", ".join(f"{tuple(s.shape)} {s.dtype}" for s in o.outputs)
+        return f"op {o.op.name!r} ({o.op.target}, output {outs}, working set {fmt_bytes(o.ws)}): {o.why}"
+    root = o.root
+    outs = ", ".join(f"{tuple(graph.tensors[t].shape)} {graph.tensors[t].dtype}" for t in root.outputs)
+    return (f"op {root.name!r} ({root.target}, output {outs}, working set "
+            f"{fmt_bytes(graph.working_set(root))}): its piece {o.op.name!r} needs {fmt_bytes(o.ws)}: "
+            f"{o.why}")
 
 
 def why_unsplit(op: Op, splits: list[Split], budget: int, depth: int, max_depth: int) -> str:

@@ -12,8 +12,8 @@ from ..ir import Op, TensorSpec
 Pieces = list[tuple[Op, bool]]
 """Ops made by a split, each with ``is_tile``: tiles may be cut again, glue is kept as is."""
 
-Piece = tuple[list[Any], dict[str, Any], str, TensorSpec]
-"""Args, kwargs, target and output spec of one tile."""
+Piece = tuple[list[Any], dict[str, Any], str, "TensorSpec | None"]
+"""Args, kwargs, target and output spec of one tile (None: the tile adds nothing; skip it)."""
 
 PieceFn = Callable[[int, int, int, Pieces], Piece]
 """``piece(i, lo, hi, pieces)``: tile ``i`` over ``[lo, hi)``; slices it needs go to ``pieces``."""
@@ -34,15 +34,21 @@ class Split:
     ws : callable
         ``ws(k)``: the largest piece's working set for ``k`` pieces (non-increasing).
     glue : float
-        Bytes the joining (and slicing) ops need.
+        Bytes the joining ops need (a concatenation needs none: the output stays tiled;
+        partial sums are added by a tree of adds that are cut like any op).
     piece : PieceFn
         Makes one tile.
     join : str
-        ``"concat"`` (exact) or ``"sum"`` (partial sums).
+        ``"concat"`` (the tiles are the output), ``"sum"`` (partial sums, added as a
+        tree) or the target of a binary merge applied as a tree (``sb.attention_merge``).
     dim : int
         Output dim the tiles are concatenated along.
     tiebreak : int
         Among splits needing equally many pieces, the smaller wins (then rule order).
+    kind : str or None
+        Kind of the tiles when it differs from the op's.
+    finish : str or None
+        Target applied to the merged tiles (with the output dtype) to give the output.
     """
 
     tag: str
@@ -54,6 +60,8 @@ class Split:
     join: str = "concat"
     dim: int = -1
     tiebreak: int = 0
+    kind: str | None = None
+    finish: str | None = None
 
 
 def frac(n: int, k: int) -> float:

@@ -132,7 +132,7 @@ def block_specs(plan: Any, model_id: str, version: int = 0, checkpoint_dir: str 
                 imports[b][t] = src
                 if src >= 0:
                     exported[src][t] = None
-    for t in graph.outputs:
+    for t in graph.leaf_outputs:
         if t in made_in:
             exported[made_in[t]][t] = None
     out = []

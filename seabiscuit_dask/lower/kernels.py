@@ -39,6 +39,21 @@ def embedding_rows(weight: torch.Tensor, indices: torch.Tensor, row_start: int) 
     return out * hit.unsqueeze(-1).to(out.dtype)
 
 
+@register_kernel("sb.region")
+def region(x: torch.Tensor, bounds: list[list[int]]) -> torch.Tensor:
+    """``x[a0:b0, a1:b1, ...]``: the part of a tile another tile reads."""
+    return x[tuple(slice(int(a), int(b)) for a, b in bounds)]
+
+
+@register_kernel("sb.assemble")
+def assemble(parts: list[torch.Tensor], regions: list[list[list[int]]], shape: list[int]) -> torch.Tensor:
+    """A tensor of ``shape`` made of ``parts``, each placed at its region (which cover it)."""
+    out = parts[0].new_empty([int(n) for n in shape])
+    for part, bounds in zip(parts, regions):
+        out[tuple(slice(int(a), int(b)) for a, b in bounds)] = part
+    return out
+
+
 def _float(v: Any) -> float:
     try:
         return float(v)
@@ -79,3 +94,7 @@ def execute_op(op: Op, env: Mapping[str, torch.Tensor], device: torch.device) ->
     if op.attrs.get("multi"):
         return list(out)
     return [out]
+
+
+from . import attention as _attention  # noqa: E402,F401  (registers the attention tile kernels)
+from . import spatial  # noqa: E402,F401  (registers sb.conv_strip and the pooling strips)

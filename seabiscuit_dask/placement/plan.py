@@ -221,7 +221,7 @@ class Plan:
         per_block = np.bincount(ins[1], weights=w.t_bytes[ins[0]], minlength=nb).astype(np.float64)
         per_block += np.bincount(block_of[w.t_src[outs]], weights=w.t_bytes[outs], minlength=nb)
         sent = {w.t_names[t] for t in outs.tolist()}
-        for t in dict.fromkeys(self.graph.outputs):
+        for t in self.graph.leaf_outputs:
             if t in self.graph.producer and t not in sent:
                 per_block[block_of[w.index[self.graph.producer[t]]]] += self.graph.tensors[t].nbytes
         ws_max = np.zeros(nb)

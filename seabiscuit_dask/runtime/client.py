@@ -31,7 +31,7 @@ from ..lower.blocks import BlockSpec, block_specs, request_graph, task_name
 from ..placement import Plan, place
 from . import events
 from .discover import measure_cluster, workers_info
-from .local import flatten_inputs, unflatten_outputs
+from .local import assemble_outputs, flatten_inputs, split_inputs, unflatten_outputs
 from .resident import writable
 from .store import stored
 from .tasks import load_block_json, run_block_task
@@ -67,7 +67,8 @@ class DistributedModel:
     # --- plan ------------------------------------------------------------------------------
     def _set_plan(self, plan: Plan, version: int) -> None:
         specs = block_specs(plan, self.model_id, version, self.checkpoint_dir, self.verify_every)
-        out = {t: s.index for s in specs for t in s.exports if t in self.graph.outputs}
+        leaves = set(self.graph.leaf_outputs)
+        out = {t: s.index for s in specs for t in s.exports if t in leaves}
         with self._lock:
             self._plan, self.version, self.specs, self._out_blocks = plan, version, specs, out
 
@@ -95,7 +96,7 @@ class DistributedModel:
         if self._stranded:
             raise WorkerLost(self._stranded)
         flat = flatten_inputs(self.graph, inputs, kwargs)
-        feed = {name: x.cpu() for name, x in zip(self.graph.inputs, flat)}
+        feed = split_inputs(self.graph, {name: x.cpu() for name, x in zip(self.graph.inputs, flat)})
         with self._lock:
             specs, out_blocks = self.specs, self._out_blocks
         request = next(self._requests)
@@ -115,8 +116,9 @@ class DistributedModel:
                 f.release()
             if self.checkpoint_dir:
                 shutil.rmtree(Path(self.checkpoint_dir) / self.model_id / f"r{request}", ignore_errors=True)
-        values = [results[out_blocks[t]][t] if t in out_blocks else feed[t] for t in self.graph.outputs]
-        return unflatten_outputs(self.graph, values)
+        values = {t: results[out_blocks[t]][t] if t in out_blocks else feed[t]
+                  for t in self.graph.leaf_outputs}
+        return unflatten_outputs(self.graph, assemble_outputs(self.graph, values))
 
     # --- operations on this model ------------------------------------------------------------
     def _address(self, worker: str) -> str:

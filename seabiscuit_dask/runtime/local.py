@@ -80,6 +80,36 @@ def check_ids(name: str, x: torch.Tensor, vocab: int) -> None:
                        f"of {vocab} rows, so ids must be in 0..{vocab - 1}")
 
 
+def split_inputs(graph: OpGraph, feed: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``feed`` (graph input -> value) with each tiled input replaced by its tiles."""
+    out = {}
+    for name, x in feed.items():
+        tiling = graph.tilings.get(name)
+        if tiling is None:
+            out[name] = x
+            continue
+        for region, tile in tiling:
+            out[tile] = x[tuple(slice(a, b) for a, b in region)].contiguous()
+    return out
+
+
+def assemble_outputs(graph: OpGraph, values: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
+    """The graph outputs from ``values`` of its ``leaf_outputs``: tiled ones put together."""
+    out = []
+    for name in graph.outputs:
+        tiling = graph.tilings.get(name)
+        if tiling is None:
+            out.append(values[name])
+            continue
+        spec = graph.tensors[name]
+        first = values[tiling[0][1]]
+        whole = first.new_empty(spec.shape)
+        for region, tile in tiling:
+            whole[tuple(slice(a, b) for a, b in region)] = values[tile]
+        out.append(whole)
+    return out
+
+
 def unflatten_outputs(graph: OpGraph, values: list[torch.Tensor]) -> Any:
     spec = graph.meta.get("out_spec")
     if spec:
@@ -96,7 +126,7 @@ def last_uses(graph: OpGraph) -> dict[str, int]:
     for i, op in enumerate(graph.ops):
         for name in (*op.inputs, *op.params):
             last[name] = i
-    for name in graph.outputs:
+    for name in graph.leaf_outputs:
         last[name] = len(graph.ops)
     return last
 
@@ -126,7 +156,8 @@ def run_local(graph: OpGraph, *inputs: Any, weights: Any = None, device: str = "
     dev = torch.device(device)
     store = store if store is not None else WeightStore.from_weights(weights, dev)
     env: dict[str, torch.Tensor] = {}
-    for name, x in zip(graph.inputs, flatten_inputs(graph, inputs, kwargs)):
+    feed = dict(zip(graph.inputs, flatten_inputs(graph, inputs, kwargs)))
+    for name, x in split_inputs(graph, feed).items():
         env[name] = x.to(dev)
     last = last_uses(graph)
     loaded: set[str] = set()
@@ -141,4 +172,4 @@ def run_local(graph: OpGraph, *inputs: Any, weights: Any = None, device: str = "
             for name in (*op.inputs, *op.params, *op.outputs):
                 if last.get(name, -1) <= i:
                     env.pop(name, None)
-    return unflatten_outputs(graph, [env[o] for o in graph.outputs])
+    return unflatten_outputs(graph, assemble_outputs(graph, env))

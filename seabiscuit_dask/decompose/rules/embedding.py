@@ -31,7 +31,7 @@ def vocabulary_rows(d: Decomposer, op: Op) -> Split | None:
         return [d.cut(W, 0, lo, hi, op.scope, pieces), idx, lo], {}, ROWS, out
 
     w, i_b, y = d.nbytes(W), d.nbytes(idx), out.nbytes
-    return Split("v", "the vocabulary rows", V, lambda k: w * frac(V, k) + i_b + y, 3 * y,
+    return Split("v", "the vocabulary rows", V, lambda k: w * frac(V, k) + i_b + y, 0,
                  piece, "sum", -1, tiebreak=0 if V >= 4 * D else 1)
 
 
@@ -49,5 +49,5 @@ def embedding_columns(d: Decomposer, op: Op) -> Split | None:
         return new, {}, op.target, TensorSpec((*out.shape[:-1], hi - lo), out.dtype)
 
     w, i_b, y = d.nbytes(W), d.nbytes(idx), out.nbytes
-    return Split("d", "the embedding columns", D, lambda k: (w + y) * frac(D, k) + i_b, 2 * y,
+    return Split("d", "the embedding columns", D, lambda k: (w + y) * frac(D, k) + i_b, 0,
                  piece, "concat", -1)

@@ -39,7 +39,6 @@ class Matmul:
     b: int
     bb: int
     y: int
-    a_cut: int
     out: TensorSpec
 
     @property
@@ -68,12 +67,10 @@ def read(d: Decomposer, op: Op) -> Matmul | None:
     if len(sa) < 2 or len(sb) < 2:
         return None
     bias = O.operand(args, bias_i) if bias_i is not None else None
-    a_ref = O.ref_name(A)
-    a_cut = d.nbytes(A) if a_ref is not None and a_ref[0] == "t" else 0
     n_dim, k_dim = (0, 1) if b_nk else (len(sb) - 1, len(sb) - 2)
     out = d.tensors[op.outputs[0]]
     return Matmul(args, a_i, b_i, bias_i, sa, sb, n_dim, k_dim, d.nbytes(A), d.nbytes(B),
-                  d.nbytes(bias), out.nbytes, a_cut, out)
+                  d.nbytes(bias), out.nbytes, out)
 
 
 @register("linear", "matmul")
@@ -93,7 +90,7 @@ def output_columns(d: Decomposer, op: Op) -> Split | None:
 
     a, b, bb, y, N = m.a, m.b, m.bb, m.y, m.sb[m.n_dim]
     return Split("c", "the output columns", N,
-                 lambda k: a + (b + bb) * frac(N, k) + y * frac(N, k), 2 * y, piece, "concat", -1)
+                 lambda k: a + (b + bb) * frac(N, k) + y * frac(N, k), 0, piece, "concat", -1)
 
 
 @register("linear", "matmul")
@@ -116,7 +113,7 @@ def input_rows(d: Decomposer, op: Op) -> Split | None:
 
     a, b, bb, y = m.a, m.b, m.bb, m.y
     return Split("m", "the input rows", M, lambda k: a * frac(M, k) + b + bb + y * frac(M, k),
-                 max(2 * y, m.a_cut * 1.5), piece, "concat", -2)
+                 0, piece, "concat", -2)
 
 
 @register("linear", "matmul")
@@ -140,4 +137,4 @@ def reduction(d: Decomposer, op: Op) -> Split | None:
 
     a, b, bb, y, K = m.a, m.b, m.bb, m.y, m.sa[-1]
     return Split("r", "the reduction", K, lambda k: (a + b) * frac(K, k) + bb + y,
-                 max(3 * y, m.a_cut * 1.5), piece, "sum", -1)
+                 0, piece, "sum", -1)

@@ -59,8 +59,7 @@ def strips(d: Decomposer, op: Op) -> Split | None:
     refs = list(iter_refs(args))
     cut_bytes = sum(d.nbytes(a) for a in refs if aligned(a) is not None)
     whole = sum(d.nbytes(a) for a in refs if aligned(a) is None)
-    biggest = max([d.nbytes(a) for a in refs if aligned(a) is not None] + [0])
     y = out.nbytes
     return Split("s", f"the output into strips along dim {dim}", n,
-                 lambda k: (cut_bytes + y) * frac(n, k) + whole, max(2 * y, 1.5 * biggest),
+                 lambda k: (cut_bytes + y) * frac(n, k) + whole, 0,
                  piece, "concat", dim)

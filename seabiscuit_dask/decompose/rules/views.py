@@ -1,0 +1,106 @@
+"""Views and joins (reshape, permute, expand, slice, cat, ...): strips that map to input strips.
+
+An output dim ``d`` maps to an input dim ``j`` with a ratio ``r`` when output rows
+``[lo, hi)`` along ``d`` are exactly input rows ``[lo * r, hi * r)`` along ``j`` with
+every other input dim whole. Each strip is the same view of its input strip; the
+strips are the output's tiles.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+from ... import ops as O
+from ...ir import Op, TensorSpec
+from ..split import Piece, Pieces, Split, frac
+from .registry import register
+
+if TYPE_CHECKING:
+    from ..decomposer import Decomposer
+
+RESHAPES = {"aten.view.default", "aten.reshape.default", "aten._unsafe_view.default",
+            "aten.flatten.using_ints", "aten.unflatten.int", "aten.unsqueeze.default",
+            "aten.squeeze.dim", "aten.squeeze.default"}
+DimMap = dict[int, tuple[int, int]]
+"""output dim -> (input dim, ratio)."""
+
+
+def reshape_map(si: tuple[int, ...], so: tuple[int, ...]) -> DimMap:
+    """Output dims of a reshape ``si -> so`` whose strips are input strips."""
+    out: DimMap = {}
+    for d in range(len(so)):
+        outer, inner = math.prod(so[:d]), math.prod(so[d + 1:])
+        for j in range(len(si)):
+            inner_i = math.prod(si[j + 1:])
+            if math.prod(si[:j]) == outer and inner % max(inner_i, 1) == 0 \
+                    and so[d] * inner == si[j] * inner_i:
+                out[d] = (j, inner // max(inner_i, 1))
+                break
+    return out
+
+
+def dim_map(op: Op, args: list[Any], si: tuple[int, ...], so: tuple[int, ...]) -> DimMap:
+    """How ``op``'s output dims map to its (first) input's dims."""
+    t = op.target
+    if t in RESHAPES:
+        return reshape_map(si, so)
+    if t == "aten.permute.default":
+        return {d: (int(p) % len(si), 1) for d, p in enumerate(args[1])}
+    if t in ("aten.transpose.int", "aten.t.default"):
+        a, b = (int(args[1]) % len(si), int(args[2]) % len(si)) if t == "aten.transpose.int" else (0, 1)
+        perm = list(range(len(si)))
+        perm[a], perm[b] = perm[b], perm[a]
+        return {d: (perm[d], 1) for d in range(len(so))}
+    if t == "aten.expand.default":
+        lead = len(so) - len(si)
+        return {d: (d - lead, 1) for d in range(lead, len(so)) if si[d - lead] == so[d]}
+    if t in ("aten.slice.Tensor", "aten.cat.default"):
+        dim = int(O.operand(args, 1, 0)) % len(so)
+        return {d: (d, 1) for d in range(len(so)) if d != dim}
+    if t == "aten.select.int":
+        dim = int(args[1]) % len(si)
+        return {d: (d if d < dim else d + 1, 1) for d in range(len(so))}
+    return {}
+
+
+def first_input(op: Op, args: list[Any]) -> Any:
+    return args[0][0] if op.target == "aten.cat.default" else args[0]
+
+
+@register("view", "concat")
+def view_strips(d: Decomposer, op: Op) -> Split | None:
+    """Strips of the output along its longest dim that maps to an input dim."""
+    args = list(op.attrs["args"])
+    if op.target == "aten.cat.default" and not all(O.ref_name(a) for a in args[0]):
+        return None
+    x = first_input(op, args)
+    if O.ref_name(x) is None or O.ref_name(x)[0] != "t":   # type: ignore[index]
+        return None
+    out = d.tensors[op.outputs[0]]
+    so, si = out.shape, d.shape(x)
+    dims = dim_map(op, args, si, so)
+    dims = {k: v for k, v in dims.items() if so[k] > 1}
+    if not dims:
+        return None
+    dim = max(dims, key=lambda k: (so[k], -k))
+    j, r = dims[dim]
+    n = so[dim]
+
+    def piece(i: int, lo: int, hi: int, pieces: Pieces) -> Piece:
+        shape = (*so[:dim], hi - lo, *so[dim + 1:])
+        spec = TensorSpec(shape, out.dtype)
+        if op.target == "aten.cat.default":
+            parts = [d.cut(a, dim, lo, hi, op.scope) for a in args[0]]
+            return [parts, *args[1:]], {}, op.target, spec
+        cut = d.cut(x, j, lo * r, hi * r, op.scope)
+        if op.target in RESHAPES:
+            return [cut, list(shape)], {}, "aten.reshape.default", spec
+        if op.target == "aten.expand.default":
+            return [cut, list(shape)], {}, op.target, spec
+        return [cut, *args[1:]], dict(op.attrs.get("kwargs", {})), op.target, spec
+
+    xin = sum(d.nbytes(a) for a in (args[0] if op.target == "aten.cat.default" else [x]))
+    y = out.nbytes
+    return Split("s", f"the output into strips along dim {dim}", n, lambda k: (xin + y) * frac(n, k), 0,
+                 piece, "concat", dim)
