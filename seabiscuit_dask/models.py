@@ -26,9 +26,9 @@ class DemoModel:
     seq_len: int
     vocab: int
 
-    def example_inputs(self, batch: int = 1, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    def example_inputs(self, batch: int = 1, seed: int = 0, seq: int | None = None) -> tuple[torch.Tensor, ...]:
         g = torch.Generator().manual_seed(seed)
-        return (torch.randint(0, self.vocab, (batch, self.seq_len), generator=g),)
+        return (torch.randint(0, self.vocab, (batch, seq or self.seq_len), generator=g),)
 
 
 def _gpt2(**kw: Any) -> Callable[[], torch.nn.Module]:
@@ -65,8 +65,9 @@ MODELS: dict[str, DemoModel] = {
 
 
 def demo_model(name: str, *, materialize: bool = True, seed: int = 0,
-               dtype: torch.dtype | None = None) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
-    """Build a named model and its example inputs.
+               dtype: torch.dtype | None = None, seq: int | None = None,
+               ) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
+    """Build a named model and its example inputs (``seq`` tokens, default the model's own).
 
     ``materialize=False`` builds it without weights (large tensors on ``meta``),
     which is how a 40 GB model is planned on a laptop.
@@ -78,4 +79,4 @@ def demo_model(name: str, *, materialize: bool = True, seed: int = 0,
     model = spec.build() if materialize else build_empty(spec.build)
     if dtype is not None:
         model = model.to(dtype)
-    return model.eval(), spec.example_inputs(seed=seed)
+    return model.eval(), spec.example_inputs(seed=seed, seq=seq)

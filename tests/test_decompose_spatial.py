@@ -103,7 +103,7 @@ def test_conv_net_2d_in_strips_fits_and_is_exact() -> None:
 @pytest.mark.parametrize("model, shape", [(Net1d, (1, 1, 4096)), (Net3d, (1, 1, 8, 32, 32))])
 def test_conv_nets_1d_and_3d_in_strips(model, shape) -> None:
     g = decomposed(seeded(model()), torch.randn(*shape))
-    assert {"sb.conv_strip", "sb.max_pool_strip"} <= targets(g)
+    assert "sb.conv_strip" in targets(g)   # pools may go by channels, aligned with the conv tiles
 
 
 def test_strips_too_big_for_their_weights_are_cut_again_by_channels() -> None:

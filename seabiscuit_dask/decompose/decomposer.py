@@ -23,6 +23,7 @@ MAX_DEPTH = 8
 R = TypeVar("R")
 REGION = "sb.region"       # x[region]: a multi-dim slice
 ASSEMBLE = "sb.assemble"   # tiles placed at their regions of a new tensor
+SAMPLE_K = 16       # pieces a split is judged at when none fits in one level
 WINDOWS = {"aten.slice.Tensor", "aten.split.Tensor", "aten.split_with_sizes.default"}
 
 
@@ -216,14 +217,14 @@ class Decomposer:
                                        "a tensor held whole that is larger than the budget")
             return
         splits = self.splits(op) if depth < MAX_DEPTH and len(op.outputs) == 1 else []
-        choice = self.choose(splits)
+        choice = self.choose(op, splits)
         if choice is None:
             self.keep_oversize(op, ws, why_unsplit(op, splits, self.budget, depth, MAX_DEPTH))
             return
         split, k = choice
-        bounds = bounds_for(split.n, k)
+        bounds = self.aligned(split, k) or bounds_for(split.n, k)
         parts: list[str] = []
-        for i in range(k):
+        for i in range(len(bounds) - 1):
             name = f"{split.tag}{i}"
             scope = f"{op.scope}.{name}" if op.scope else name
             args, kwargs, target, spec = split.piece(i, bounds[i], bounds[i + 1], [])
@@ -238,6 +239,40 @@ class Decomposer:
                 self.keep_oversize(tile, self.ws(tile), why_unsplit(tile, [], self.budget, depth, MAX_DEPTH))
             parts.append(out)
         self.join(op, split, parts)
+
+    def aligned(self, split: Split, k: int) -> list[int] | None:
+        """Bounds of at least ``k`` pieces, none larger than ``n / k``, that never cross a tile
+        boundary of the operand the split cuts (None when it is not tiled along that dim)."""
+        if split.along is None:
+            return None
+        ref, dim, ratio = split.along
+        r = O.ref_name(ref)
+        if r is None or r[0] != "t" or r[1] not in self.virtual:
+            return None
+        dim %= len(self.tensors[r[1]].shape)
+        edges = {e for region, _, _ in self.virtual[r[1]] for e in region[dim]}
+        cuts = sorted(e // ratio for e in edges if e % ratio == 0)
+        if len(cuts) <= 2 or cuts[0] != 0 or cuts[-1] != split.n:
+            return None
+        most = -(-split.n // k)
+        # NOTE: tiles much smaller than a piece merge (a join per piece beats many tiny ops)
+        # while gathering them (twice the window) fits; a larger tile is cut evenly.
+        unit = self.nbytes(ref) / split.n
+        merge = max(1, min(most, int(self.budget / (2 * unit)) if unit else most))
+        tiny = max(b - a for a, b in zip(cuts, cuts[1:])) * 4 <= most
+        bounds = [0]
+        for a, b in zip(cuts, cuts[1:]):
+            if tiny and b - bounds[-1] <= merge and bounds[-1] >= a - merge:
+                if b == split.n or b - bounds[-1] == merge:
+                    bounds.append(b)
+                continue
+            if a > bounds[-1]:
+                bounds.append(a)
+            m = -(-(b - a) // most)
+            bounds.extend(a + round(i * (b - a) / m) for i in range(1, m + 1))
+        if bounds[-1] != split.n:
+            bounds.append(split.n)
+        return bounds
 
     def as_windows(self, op: Op) -> bool:
         """Record a slice or split of a tiled tensor as windows of its tiles, emitting nothing."""
@@ -314,24 +349,59 @@ class Decomposer:
         self.oversize.append(Oversize(op, ws, why, self.root or op, outputs))
         self.ops.append(self.bind(op))
 
-    def choose(self, splits: list[Split]) -> tuple[Split, int] | None:
-        """The split needing the fewest pieces to fit (ties: ``tiebreak``, then rule order)."""
+    def choose(self, op: Op, splits: list[Split]) -> tuple[Split, int] | None:
+        """The split needing the fewest pieces to fit, reading their tiled inputs included
+        (ties: ``tiebreak``, then rule order)."""
         usable = [s for s in splits if s.n >= 2 and s.glue <= self.budget]
         best: tuple[int, int, Split] | None = None
         for rank, s in enumerate(usable):
             k = min_pieces(s, self.budget)
+            k = self.fitting_k(op, s, k) if k is not None else None
             if k is not None and (best is None or (k, rank) < best[:2]):
                 best = (k, rank, s)
         if best is not None:
             return best[2], best[0]
-        # Nothing fits in one level: cut along the most reducible dim until what is left
-        # of it takes at most half the budget; the pieces are then cut along another dim.
+        # Nothing fits in one level: cut along the dim that shrinks the op most, reading
+        # included, until what is left of it takes at most half the budget; the pieces are
+        # then cut along another dim.
         shrinking = [s for s in usable if s.ws(s.n) < s.ws(1)]
         if not shrinking:
             return None
-        s = min(shrinking, key=lambda s: s.ws(s.n))
-        k = min_pieces(s, s.ws(s.n) + self.budget / 2) or s.n
+        # NOTE: cutting along the tiles of a tiled input first costs no joins, and its pieces
+        # then need no partial sums: rows x columns before any reduction.
+        tiled = [s for s in shrinking if s.join == "concat" and self.aligned(s, 2) is not None]
+        if tiled:
+            s = min(tiled, key=lambda s: s.ws(s.n))
+            bounds = self.aligned(s, 2) or []
+            return s, len(bounds) - 1
+        least = {id(s): max(s.ws(s.n), self.piece_ws(op, s, min(s.n, SAMPLE_K), gather_only=True))
+                 for s in shrinking}
+        s = min(shrinking, key=lambda s: least[id(s)])
+        k = min_pieces(s, least[id(s)] + self.budget / 2) or s.n
         return s, k
+
+    def fitting_k(self, op: Op, split: Split, k: int) -> int | None:
+        """The fewest pieces from ``k`` on whose tiles, and what they read, fit the budget."""
+        tried = 0
+        while k <= split.n and tried < 12:
+            if self.piece_ws(op, split, k, gather_only=True) <= self.budget:
+                return k
+            k = k + 1 if tried < 4 else min(2 * k, split.n) if k < split.n else split.n + 1
+            tried += 1
+        return None
+
+    def piece_ws(self, op: Op, split: Split, k: int, gather_only: bool = False) -> int:
+        """The most that gathering the inputs of sampled tiles of ``k`` pieces takes."""
+        bounds = bounds_for(split.n, k)
+        picks = range(k) if k <= 4 else sorted({0, k // 3, (2 * k) // 3, k - 1})
+        worst = 0
+        for i in picks:
+            args, kwargs, _, spec = split.piece(i, bounds[i], bounds[i + 1], [])
+            if spec is None:
+                continue
+            inputs, _ = operand_names(args, kwargs)
+            worst = max(worst, max((self.gather_ws(t) for t in inputs if t in self.virtual), default=0))
+        return worst
 
     # --- result ------------------------------------------------------------------------------
     def tile_inputs(self) -> dict[str, tuple[tuple[Region, str], ...]]:

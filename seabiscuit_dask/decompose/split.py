@@ -49,6 +49,9 @@ class Split:
         Kind of the tiles when it differs from the op's.
     finish : str or None
         Target applied to the merged tiles (with the output dtype) to give the output.
+    along : (ref, dim, ratio) or None
+        The activation operand the split cuts, its dim, and elements per unit: pieces
+        are aligned with that operand's tiles, so they read whole tiles where they can.
     """
 
     tag: str
@@ -62,6 +65,7 @@ class Split:
     tiebreak: int = 0
     kind: str | None = None
     finish: str | None = None
+    along: tuple[Any, int, int] | None = None
 
 
 def frac(n: int, k: int) -> float:

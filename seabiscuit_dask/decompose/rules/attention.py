@@ -109,7 +109,7 @@ def heads(d: Decomposer, op: Op) -> Split | None:
         return args, {}, target, spec
 
     total = sum(a.sizes)
-    return Split("h", "the heads", n, lambda k: total * frac(n, k), 0, piece, "concat", 1)
+    return Split("h", "the heads", n, lambda k: total * frac(n, k), 0, piece, "concat", 1, along=(a.q, 1, g))
 
 
 @register("attention")
@@ -133,7 +133,7 @@ def query_rows(d: Decomposer, op: Op) -> Split | None:
         return args, {}, target, spec
 
     return Split("q", "the query rows", L, lambda k: (q_b + m + y + sc) * frac(L, k) + kv, 0, piece,
-                 "concat", 2)
+                 "concat", 2, along=(a.q, 2, 1))
 
 
 @register("attention")
@@ -157,4 +157,4 @@ def key_chunks(d: Decomposer, op: Op) -> Split | None:
 
     return Split("k", "the keys", S, lambda k: q_b + part.nbytes + (kv + m + sc) * frac(S, k),
                  3 * part.nbytes,
-                 piece, MERGE, 2, kind="attention", finish=None if a.part else FINISH)
+                 piece, MERGE, 2, kind="attention", finish=None if a.part else FINISH, along=(a.k, 2, 1))

@@ -1,4 +1,4 @@
-"""embedding: by vocabulary rows (masked lookups, summed) or embedding columns."""
+"""embedding: by token rows, vocabulary rows (masked lookups, summed) or embedding columns."""
 
 from __future__ import annotations
 
@@ -51,3 +51,25 @@ def embedding_columns(d: Decomposer, op: Op) -> Split | None:
     w, i_b, y = d.nbytes(W), d.nbytes(idx), out.nbytes
     return Split("d", "the embedding columns", D, lambda k: (w + y) * frac(D, k) + i_b, 0,
                  piece, "concat", -1)
+
+
+@register("embedding")
+def token_rows(d: Decomposer, op: Op) -> Split | None:
+    """Rows of the indices (the last dim): each tile looks up its own tokens; the tiles are the output."""
+    args = list(op.attrs["args"])
+    W, idx = args[0], args[1]
+    si = d.shape(idx)
+    if not si:
+        return None
+    out = d.tensors[op.outputs[0]]
+    n, dim = si[-1], len(si) - 1
+
+    def piece(i: int, lo: int, hi: int, pieces: Pieces) -> Piece:
+        new = list(args)
+        new[1] = d.cut(idx, dim, lo, hi, op.scope)
+        shape = (*out.shape[:dim], hi - lo, out.shape[-1])
+        return new, {}, op.target, TensorSpec(shape, out.dtype)
+
+    w, i_b, y = d.nbytes(W), d.nbytes(idx), out.nbytes
+    return Split("t", "the token rows", n, lambda k: w + (i_b + y) * frac(n, k), 0, piece, "concat", dim,
+                 along=(idx, dim, 1))

@@ -113,7 +113,7 @@ def input_rows(d: Decomposer, op: Op) -> Split | None:
 
     a, b, bb, y = m.a, m.b, m.bb, m.y
     return Split("m", "the input rows", M, lambda k: a * frac(M, k) + b + bb + y * frac(M, k),
-                 0, piece, "concat", -2)
+                 0, piece, "concat", -2, along=(m.A, len(m.sa) - 2, 1))
 
 
 @register("linear", "matmul")
@@ -137,4 +137,4 @@ def reduction(d: Decomposer, op: Op) -> Split | None:
 
     a, b, bb, y, K = m.a, m.b, m.bb, m.y, m.sa[-1]
     return Split("r", "the reduction", K, lambda k: (a + b) * frac(K, k) + bb + y,
-                 0, piece, "sum", -1)
+                 0, piece, "sum", -1, along=(m.A, -1, 1))

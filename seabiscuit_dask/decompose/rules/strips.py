@@ -19,7 +19,8 @@ def strip_dim(op: Op, shape: tuple[int, ...]) -> int | None:
     if forbidden is None or not shape:
         return None
     allowed = [d for d in range(len(shape)) if d not in forbidden and shape[d] > 1]
-    return max(allowed, key=lambda i: (shape[i], -i)) if allowed else None
+    # NOTE: rows first: the ops around (norms, softmax, matmul) keep their last dim whole
+    return max(allowed, key=lambda i: (i != len(shape) - 1, shape[i], -i)) if allowed else None
 
 
 # NOTE: "sum" ops are the partial sums a split leaves behind (aten.add.Tensor).
@@ -57,9 +58,12 @@ def strips(d: Decomposer, op: Op) -> Split | None:
         return [sub(a) for a in args], kwargs, op.target, TensorSpec(shape, out.dtype)
 
     refs = list(iter_refs(args))
+    cut_refs = [a for a in refs if aligned(a) is not None and O.ref_name(a)[0] == "t"]  # type: ignore[index]
+    big = max(cut_refs, key=d.nbytes, default=None)
+    main = (big, aligned(big), 1) if big is not None else None
     cut_bytes = sum(d.nbytes(a) for a in refs if aligned(a) is not None)
     whole = sum(d.nbytes(a) for a in refs if aligned(a) is None)
     y = out.nbytes
     return Split("s", f"the output into strips along dim {dim}", n,
                  lambda k: (cut_bytes + y) * frac(n, k) + whole, 0,
-                 piece, "concat", dim)
+                 piece, "concat", dim, along=main)

@@ -103,4 +103,4 @@ def view_strips(d: Decomposer, op: Op) -> Split | None:
     xin = sum(d.nbytes(a) for a in (args[0] if op.target == "aten.cat.default" else [x]))
     y = out.nbytes
     return Split("s", f"the output into strips along dim {dim}", n, lambda k: (xin + y) * frac(n, k), 0,
-                 piece, "concat", dim)
+                 piece, "concat", dim, along=(x, j, r))
