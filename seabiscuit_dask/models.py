@@ -26,7 +26,8 @@ class DemoModel:
     seq_len: int
     vocab: int
 
-    def example_inputs(self, batch: int = 1, seed: int = 0, seq: int | None = None) -> tuple[torch.Tensor, ...]:
+    def example_inputs(self, batch: int = 1, seed: int = 0,
+                       seq: int | None = None) -> tuple[torch.Tensor, ...]:
         g = torch.Generator().manual_seed(seed)
         return (torch.randint(0, self.vocab, (batch, seq or self.seq_len), generator=g),)
 

@@ -60,7 +60,8 @@ def strips(d: Decomposer, op: Op) -> Split | None:
     refs = list(iter_refs(args))
     cut_refs = [a for a in refs if aligned(a) is not None and O.ref_name(a)[0] == "t"]  # type: ignore[index]
     big = max(cut_refs, key=d.nbytes, default=None)
-    main = (big, aligned(big), 1) if big is not None else None
+    big_dim = aligned(big) if big is not None else None
+    main = (big, big_dim, 1) if big_dim is not None else None
     cut_bytes = sum(d.nbytes(a) for a in refs if aligned(a) is not None)
     whole = sum(d.nbytes(a) for a in refs if aligned(a) is None)
     y = out.nbytes
