@@ -16,6 +16,7 @@ import tempfile
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from functools import cache
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -41,6 +42,24 @@ def _class_source_hash(cls: Any) -> str:
     return hashlib.sha256(src.encode()).hexdigest()[:16]
 
 
+@cache
+def _decomposer_hash() -> str:
+    """A hash of the decomposition code: a cached decomposition is reused only by the same rules."""
+    root = Path(__file__).parent
+    h = hashlib.sha256()
+    for path in sorted([*root.joinpath("decompose").rglob("*.py"), root / "ir.py", root / "ops.py"]):
+        h.update(path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _settings(module: torch.nn.Module) -> list[tuple[str, str]]:
+    """A module's plain settings (``count_include_pad``, ``ceil_mode``...), which its repr may omit."""
+    plain = (int, float, bool, str, type(None))
+    return sorted((k, repr(v)) for k, v in vars(module).items()
+                  if not k.startswith("_") and (isinstance(v, plain) or (
+                      isinstance(v, (tuple, list)) and all(isinstance(x, plain) for x in v))))
+
+
 def architecture_key(model: torch.nn.Module, args: tuple[Any, ...],
                      kwargs: Mapping[str, Any]) -> str:
     """A key that changes whenever tracing could produce a different graph."""
@@ -53,6 +72,8 @@ def architecture_key(model: torch.nn.Module, args: tuple[Any, ...],
 
     put(__version__, SCHEMA_VERSION, torch.__version__, type(model).__module__,
         type(model).__qualname__, repr(model))
+    for name, m in model.named_modules():
+        put(name, _settings(m))
     for cls in sorted({type(m) for m in model.modules()}, key=lambda c: c.__qualname__):
         put(cls.__qualname__, _class_source_hash(cls))  # type: ignore[arg-type]
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -145,7 +166,7 @@ def cached_decompose(graph: OpGraph, budget: int, allow_oversize: bool,
     if base is None:
         return fn(graph, budget, allow_oversize)
     parts = (base, budget, allow_oversize, graph.meta.get("budget_bytes"),
-             graph.meta.get("checkpoint"))
+             graph.meta.get("checkpoint"), _decomposer_hash())
     key = "d-" + hashlib.sha256(repr(parts).encode()).hexdigest()[:32]
     result = lookup(key)
     if result is None:

@@ -73,7 +73,7 @@ def test_distributed_matches_the_model(client, name: str) -> None:
         with torch.no_grad():
             assert M.rel_err(M.first(dm(x2)), M.first(model(x2))) <= 1e-4
         # one task per block per request (blocks no output needs are culled), each computed once
-        needed, todo = set(), [s.index for s in dm.specs if set(s.exports) & set(dm.graph.outputs)]
+        needed, todo = set(), [s.index for s in dm.specs if set(s.exports) & set(dm.graph.leaf_outputs)]
         while todo:
             b = todo.pop()
             if b not in needed:
@@ -82,6 +82,18 @@ def test_distributed_matches_the_model(client, name: str) -> None:
         assert dm.run_counts() == {"computed": 2 * len(needed), "resumed": 0, "re_executed": 0}
     # closed: the shards are gone from every worker
     assert all(held == 0 for held, _ in shard_accounting(client).values())
+
+
+def test_long_prompt_with_activations_over_the_budget() -> None:
+    model, x = M.llama(), M.ids(seq=64)          # logits 512 KiB: 16 times the budget
+    with torch.no_grad():
+        expected = model(x).logits
+    with seabiscuit_cluster(2, 3_000_000) as client, \
+            sb.distribute(model, client, (x,), budget="32KiB") as dm:
+        assert len(set(dm.plan.block_device.tolist())) == 2
+        assert dm.graph.tilings, "the logits travel as tiles"
+        assert max(dm.graph.working_set(op) for op in dm.graph.ops) <= 32 * 1024
+        assert M.rel_err(dm(x).logits, expected) <= 1e-4
 
 
 def test_model_three_times_a_worker_runs_within_every_budget(client) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dask.config
 import torch
+import torch.nn as nn
 
 import seabiscuit_dask as sb
 from seabiscuit_dask import config, templates
@@ -60,3 +61,12 @@ def test_cache_can_be_disabled() -> None:
     with dask.config.set({"seabiscuit.cache.enabled": False}):
         sb.trace(M.bert(), M.ids())
     assert not (config.cache_dir() / "templates").exists()
+
+
+def test_module_settings_missing_from_repr_change_the_key() -> None:
+    x = torch.randn(1, 1, 8, 8)
+    a = sb.trace(nn.AvgPool2d(3, 2, 1), (x,))
+    b = sb.trace(nn.AvgPool2d(3, 2, 1, count_include_pad=False), (x,))
+    assert a.meta["template_key"] != b.meta["template_key"]
+    model = nn.AvgPool2d(3, 2, 1, count_include_pad=False)
+    assert torch.equal(sb.run_local(b, x, weights=model), model(x))

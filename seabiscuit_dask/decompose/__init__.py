@@ -1,26 +1,31 @@
-"""Hierarchical decomposition: split ops until every working set fits a budget.
+"""Hierarchical decomposition on tiled tensors: split ops until every working set fits.
 
-An op whose working set (params + inputs + outputs) exceeds the budget is cut by
-the rule that makes its pieces fit in the fewest pieces, and the pieces are cut
-again if they still do not (``up_proj.linear_4.c1.r0``: column tile 1, reduction
-tile 0). Rules are a table keyed by op kind (``rules.RULES``), one function each:
+An op whose working set (params + inputs + outputs, and an attention's scores)
+exceeds the budget is cut by the rule that makes its pieces fit in the fewest
+pieces, counting what gathering their inputs takes, and the pieces are cut again
+if they still do not (``up_proj.linear_4.m1.c0``: row tile 1, column tile 0).
+Rules are a table keyed by op kind (``rules.RULES``), one function each:
 
 =============  ==================================================================
-linear/matmul  output columns (concat, exact) | rows of the input (concat, exact)
-               | reduction dim (partial sums; bias on the first tile)
+linear/matmul  output columns | rows of the input | reduction dim (partial sums
+               added as a tree; bias on the first tile)
 conv           output channels | input channels (partial sums) | whole groups | batch
                | spatial strips, each reading its input rows and a halo
 pool           spatial strips with halos (max; average where exact)
-embedding      vocabulary rows (masked lookups, summed) | embedding columns (concat)
-attention      heads (GQA-aware) | query rows
-elementwise,   strips along a dim the op does not reduce over (concat, exact)
+embedding      token rows | vocabulary rows (masked lookups, summed) | columns
+attention      heads (GQA-aware) | query chunks (causal: only the keys they see)
+               | key chunks (parts merged exactly by log-sum-exp)
+elementwise,   strips along a dim the op does not reduce over
 norm, pool,
 reduction
+view, concat   strips that map to strips of the input (reshape, permute, expand, cat)
 =============  ==================================================================
 
-Each tile's weight is a ``ParamSpec`` slice of the original weight; activations
-are cut by ``aten.slice.Tensor`` ops. The pass returns a new graph and never
-edits its input.
+Tiles are the output (``tiling``): a split op's output is recorded as the grid of
+its tiles, and a consumer's piece reads only the tiles it overlaps; slices and
+joins are emitted only where a piece straddles tiles, and pieces are aligned with
+the tiles of the input they cut. Each tile's weight is a ``ParamSpec`` slice of
+the original weight. The pass returns a new graph and never edits its input.
 """
 
 from __future__ import annotations

@@ -45,6 +45,7 @@ class Decomposer:
         self.virtual: dict[str, tuple[T.Entry, ...]] = {}   # tensors that exist as tiles only
         self.views: dict[tuple[str, int, int, int], str] = {}
         self.made: dict[str, str] = {}                       # virtual or leaf region -> produced
+        self.param_edges: dict[tuple[str, int], set[int]] = {}   # where params were cut
         self.root: Op | None = None
         self.last_read: tuple[Op, Callable[..., Any], Any] | None = None
         self.input_tilings = self.tile_inputs()
@@ -117,6 +118,7 @@ class Decomposer:
         new_shape = (*shape[:dim], b - a, *shape[dim + 1:])
         if tag == "p":
             p = self.params[name]
+            self.param_edges.setdefault((name, dim), {0, shape[dim]}).update((a, b))
             tile = f"{name}@{dim}[{a}:{b}]"
             if tile not in self.params:
                 self.params[tile] = ParamSpec(tile, new_shape, p.dtype,
@@ -247,9 +249,14 @@ class Decomposer:
             return None
         ref, dim, ratio = split.along
         r = O.ref_name(ref)
-        if r is None or r[0] != "t" or r[1] not in self.virtual:
+        if r is None:
             return None
-        dim %= len(self.tensors[r[1]].shape)
+        dim %= len(self.shape(ref))
+        if r[0] == "p":
+            edges = self.param_edges.get((r[1], dim), set())
+            return self.reused(split, k, sorted(e // ratio for e in edges if e % ratio == 0))
+        if r[1] not in self.virtual:
+            return None
         edges = {e for region, _, _ in self.virtual[r[1]] for e in region[dim]}
         cuts = sorted(e // ratio for e in edges if e % ratio == 0)
         if len(cuts) <= 2 or cuts[0] != 0 or cuts[-1] != split.n:
@@ -273,6 +280,16 @@ class Decomposer:
         if bounds[-1] != split.n:
             bounds.append(split.n)
         return bounds
+
+    def reused(self, split: Split, k: int, cuts: list[int]) -> list[int] | None:
+        """The bounds a weight was cut at before, if they serve ``split`` as well as ``k`` pieces
+        would (so a weight is not held twice in tiles that overlap)."""
+        if len(cuts) <= 2 or cuts[0] != 0 or cuts[-1] != split.n:
+            return None
+        most = max(b - a for a, b in zip(cuts, cuts[1:]))
+        if most > -(-split.n // k) and split.ws(max(1, split.n // most)) > self.budget:
+            return None
+        return cuts
 
     def as_windows(self, op: Op) -> bool:
         """Record a slice or split of a tiled tensor as windows of its tiles, emitting nothing."""
@@ -353,14 +370,15 @@ class Decomposer:
         """The split needing the fewest pieces to fit, reading their tiled inputs included
         (ties: ``tiebreak``, then rule order)."""
         usable = [s for s in splits if s.n >= 2 and s.glue <= self.budget]
-        best: tuple[int, int, Split] | None = None
+        best: tuple[int, int, int, Split] | None = None
         for rank, s in enumerate(usable):
             k = min_pieces(s, self.budget)
             k = self.fitting_k(op, s, k) if k is not None else None
-            if k is not None and (best is None or (k, rank) < best[:2]):
-                best = (k, rank, s)
+            key = (s.prefer, k or 0, rank)
+            if k is not None and (best is None or key < best[:3]):
+                best = (*key, s)
         if best is not None:
-            return best[2], best[0]
+            return best[3], best[1]
         # Nothing fits in one level: cut along the dim that shrinks the op most, reading
         # included, until what is left of it takes at most half the budget; the pieces are
         # then cut along another dim.

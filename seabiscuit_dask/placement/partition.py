@@ -35,7 +35,7 @@ from .capacity import check_fits, weight_capacity
 from .cluster import ClusterSpec
 from .levels import LevelGraph, coarsen
 from .plan import Plan, make_plan
-from .workload import workload
+from .workload import Workload, workload
 
 
 def place(graph: OpGraph, spec: ClusterSpec, *, refine_passes: int = 4) -> Plan:
@@ -67,6 +67,26 @@ def place(graph: OpGraph, spec: ClusterSpec, *, refine_passes: int = 4) -> Plan:
     w = workload(graph)
     cap = weight_capacity(spec)
     check_fits(w, spec, cap)
+    mem = np.array([d.memory_bytes for d in spec.devices], dtype=np.float64)
+    best = plan = _place(graph, spec, w, cap, refine_passes)
+    # NOTE: long inputs can need more activation memory than the reserve: a device over its
+    # memory gets that much less room for weights, and the cluster is placed again.
+    for _ in range(4):
+        over = np.maximum(plan.peak_bytes - mem, 0)
+        if not over.any() or float(w.weight_bytes.sum()) > (cap - over).sum():
+            break
+        cap = np.maximum(cap - 1.1 * over, 0)
+        try:
+            plan = _place(graph, spec, w, cap, refine_passes)
+        except ClusterTooSmall:
+            break
+        best = min((best, plan), key=lambda p: float(np.maximum(p.peak_bytes - mem, 0).sum()))
+    return make_plan(graph, spec, best.device_of, "multilevel", _time.perf_counter() - t0,
+                     levels=best.info.get("levels"), tier=best.info.get("tier")).check()
+
+
+def _place(graph: OpGraph, spec: ClusterSpec, w: Workload, cap: np.ndarray, refine_passes: int) -> Plan:
+    """One multilevel placement with ``cap`` bytes of weights per device."""
     times = w.times(spec)
     g0 = LevelGraph.from_workload(w, times)
     width = max(len(grp) for grp in spec.groups)
@@ -77,15 +97,16 @@ def place(graph: OpGraph, spec: ClusterSpec, *, refine_passes: int = 4) -> Plan:
     host = initial_hosts(levels[-1][0], spec, host_cap)
     for g, node_of in reversed(levels[:-1]):
         host = refine_hosts(g, spec, host_cap, host[node_of], passes=refine_passes)
-    staged = make_plan(graph, spec, assign_devices(g0, spec, cap, host), "multilevel")
+    shared = shared_params(w)
+    staged = make_plan(graph, spec, assign_devices(g0, spec, cap, host, shared=shared), "multilevel")
     # A small graph may gain more from parallel work across hosts than it pays in slow
     # links: schedule it on the whole cluster too, and keep the faster by simulation.
-    flat = make_plan(graph, spec, _list_schedule(g0, spec, cap, [list(range(len(cap)))] * g0.k),
-                     "multilevel")
+    flat = make_plan(graph, spec, _list_schedule(g0, spec, cap, [list(range(len(cap)))] * g0.k,
+                                                 shared=shared), "multilevel")
     # NOTE: a feasible plan beats an infeasible one; on a tie (within 0.1%) the staged one wins.
     best = min((staged, flat), key=lambda p: (not p.feasible, p.makespan_s * (1.0 if p is staged else 1.001)))
-    return make_plan(graph, spec, best.device_of, "multilevel", _time.perf_counter() - t0,
-                     levels=[g.k for g, _ in levels], tier="hosts" if best is staged else "flat").check()
+    return make_plan(graph, spec, best.device_of, "multilevel", levels=[g.k for g, _ in levels],
+                     tier="hosts" if best is staged else "flat")
 
 
 def contiguous_split(weight: np.ndarray, src_pos: np.ndarray, last_pos: np.ndarray, nbytes: np.ndarray,
@@ -216,8 +237,21 @@ def refine_hosts(g: LevelGraph, spec: ClusterSpec, host_cap: np.ndarray, host: n
     return np.array(h, dtype=np.int64)
 
 
+Shared = list[list[tuple[int, int, int]]]
+"""Per op: the weight tiles it shares with other ops, as (tile id, bytes, first user)."""
+
+
+def shared_params(w: Workload) -> Shared:
+    """The weight tiles several ops read, listed under each of those ops."""
+    out: Shared = [[] for _ in range(w.n)]
+    for pid, (nbytes, users) in enumerate(w.shared):
+        for u in users:
+            out[u].append((pid, int(nbytes), min(users)))
+    return out
+
+
 def assign_devices(g: LevelGraph, spec: ClusterSpec, cap: np.ndarray, host: np.ndarray,
-                   slack: float = 0.05) -> np.ndarray:
+                   slack: float = 0.05, shared: Shared | None = None) -> np.ndarray:
     """Device of each node: list scheduling inside the node's host.
 
     Each device first takes at most its share (by speed) of its host's work, plus
@@ -231,7 +265,7 @@ def assign_devices(g: LevelGraph, spec: ClusterSpec, cap: np.ndarray, host: np.n
         work = g.time[mine][:, grp].sum(axis=0)                 # the host's work, in each device's time
         speed = 1.0 / np.maximum(g.time[:, grp].sum(axis=0), 1e-30)
         share[grp] = speed / speed.sum() * (1 + slack) * np.maximum(work, 1e-30)
-    return _list_schedule(g, spec, cap, [groups[s] for s in host.tolist()], share)
+    return _list_schedule(g, spec, cap, [groups[s] for s in host.tolist()], share, shared)
 
 
 def upward_rank(g: LevelGraph, comm_s_per_byte: float, comm_latency_s: float) -> np.ndarray:
@@ -251,12 +285,14 @@ def upward_rank(g: LevelGraph, comm_s_per_byte: float, comm_latency_s: float) ->
 
 
 def _list_schedule(g: LevelGraph, spec: ClusterSpec, cap: np.ndarray, allowed: list[list[int]],
-                   busy_limit_s: np.ndarray | None = None) -> np.ndarray:
+                   busy_limit_s: np.ndarray | None = None,
+                   shared: Shared | None = None) -> np.ndarray:
     """Earliest-finish-time list scheduling by upward rank.
 
     Node v may go to a device of ``allowed[v]`` with memory for it and busy time
     under ``busy_limit_s``, else one of ``allowed[v]`` with memory, else anywhere
-    with memory. A tensor is sent once to each device that reads it.
+    with memory. A tensor is sent once to each device that reads it. A weight tile
+    several ops read (``shared``, per node) costs memory once per device holding it.
     """
     import heapq
 
@@ -276,17 +312,46 @@ def _list_schedule(g: LevelGraph, spec: ClusterSpec, cap: np.ndarray, allowed: l
     nbytes = g.t_bytes.tolist()
     times = g.time.tolist()
     weight = g.weight.tolist()
+    tiles = shared if shared is not None and len(shared) == g.k else [[] for _ in range(g.k)]
+    for v, ts in enumerate(tiles):              # NOTE: a first user's weight counted its shared tiles
+        weight[v] -= sum(b for _, b, first in ts if first == v)
+    holders: dict[int, set[int]] = {}           # shared tile -> devices holding it
+    left = [float(sum(weight)) + float(sum({pid: b for ts in tiles for pid, b, _ in ts}.values()))]
+
+    def new_tiles(v: int, d: int) -> tuple[float, float]:
+        """Bytes of ``v``'s shared tiles ``d`` lacks: (held nowhere yet, copies of held ones)."""
+        first = copy = 0.0
+        for pid, b, _ in tiles[v]:
+            where = holders.get(pid)
+            if not where:
+                first += b
+            elif d not in where:
+                copy += b
+        return first, copy
+
+    def room(v: int, d: int) -> bool:
+        first, copy = new_tiles(v, d)
+        n = weight[v] + first + copy
+        # NOTE: a second copy of a tile only while the weights still to place keep fitting
+        return free[d] >= n and (copy == 0 or sum(free) - n >= 1.05 * (left[0] - weight[v] - first))
+
     arrived: dict[tuple[int, int], float] = {}
     indeg = [len(p) for p in g.preds]
     ready = [(-rank[v], v) for v in range(g.k) if indeg[v] == 0]
     heapq.heapify(ready)
     while ready:
         _, v = heapq.heappop(ready)
-        cands = [d for d in allowed[v] if free[d] >= weight[v] and busy[d] + times[v][d] <= limit[d]]
+        cands = []
+        if tiles[v] and sum(free) < 1.5 * left[0]:   # NOTE: memory is tight: go where the tiles are
+            cands = [d for d in allowed[v] if new_tiles(v, d)[1] == 0 and room(v, d)]
         if not cands:
-            cands = [d for d in allowed[v] if free[d] >= weight[v]]
+            cands = [d for d in allowed[v] if room(v, d) and busy[d] + times[v][d] <= limit[d]]
         if not cands:
-            cands = [d for d in range(n_dev) if free[d] >= weight[v]]
+            cands = [d for d in allowed[v] if room(v, d)]
+        if not cands:
+            cands = [d for d in range(n_dev) if room(v, d)]
+        if not cands:
+            cands = [d for d in range(n_dev) if free[d] >= weight[v] + sum(new_tiles(v, d))]
         best, best_d = float("inf"), -1
         for d in cands:
             est = avail[d]
@@ -315,7 +380,11 @@ def _list_schedule(g: LevelGraph, spec: ClusterSpec, cap: np.ndarray, allowed: l
             if x != d and (t, d) not in arrived:
                 arrived[(t, d)] = finish[src[t]] + lat[x][d] + nbytes[t] * inv_bw[x][d]
         dev[v], finish[v], avail[d] = d, best, best
-        free[d] -= weight[v]
+        first, copy = new_tiles(v, d)
+        free[d] -= weight[v] + first + copy
+        left[0] -= weight[v] + first
+        for pid, _, _ in tiles[v]:
+            holders.setdefault(pid, set()).add(d)
         busy[d] += times[v][d]
         for s in g.succs[v]:
             indeg[s] -= 1

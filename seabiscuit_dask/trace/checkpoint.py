@@ -70,4 +70,4 @@ def bind_checkpoint(graph: OpGraph, path: str | os.PathLike[str]) -> OpGraph:
         raise BadCheckpoint(f"checkpoint {os.fspath(path)} does not match "
                             f"{graph.meta.get('name', 'the model')}: " + "; ".join(parts))
     return OpGraph(graph.ops, graph.tensors, params, graph.inputs, graph.outputs,
-                   {**dict(graph.meta), "checkpoint": os.fspath(path)})
+                   {**dict(graph.meta), "checkpoint": os.fspath(path)}, graph.tilings)

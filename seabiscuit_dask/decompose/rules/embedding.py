@@ -32,7 +32,7 @@ def vocabulary_rows(d: Decomposer, op: Op) -> Split | None:
 
     w, i_b, y = d.nbytes(W), d.nbytes(idx), out.nbytes
     return Split("v", "the vocabulary rows", V, lambda k: w * frac(V, k) + i_b + y, 0,
-                 piece, "sum", -1, tiebreak=0 if V >= 4 * D else 1)
+                 piece, "sum", -1, tiebreak=0 if V >= 4 * D else 1, along=(W, 0, 1))
 
 
 @register("embedding")
@@ -50,7 +50,7 @@ def embedding_columns(d: Decomposer, op: Op) -> Split | None:
 
     w, i_b, y = d.nbytes(W), d.nbytes(idx), out.nbytes
     return Split("d", "the embedding columns", D, lambda k: (w + y) * frac(D, k) + i_b, 0,
-                 piece, "concat", -1)
+                 piece, "concat", -1, along=(W, 1, 1))
 
 
 @register("embedding")

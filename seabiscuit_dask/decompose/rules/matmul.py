@@ -90,7 +90,8 @@ def output_columns(d: Decomposer, op: Op) -> Split | None:
 
     a, b, bb, y, N = m.a, m.b, m.bb, m.y, m.sb[m.n_dim]
     return Split("c", "the output columns", N,
-                 lambda k: a + (b + bb) * frac(N, k) + y * frac(N, k), 0, piece, "concat", -1)
+                 lambda k: a + (b + bb) * frac(N, k) + y * frac(N, k), 0, piece, "concat", -1,
+                 along=(m.B, m.n_dim, 1))
 
 
 @register("linear", "matmul")
@@ -136,5 +137,8 @@ def reduction(d: Decomposer, op: Op) -> Split | None:
         return new, dict(op.attrs["kwargs"]), target, m.out
 
     a, b, bb, y, K = m.a, m.b, m.bb, m.y, m.sa[-1]
+    b_ref = O.ref_name(m.B)
+    weight_cut = b_ref is not None and b_ref[0] == "p" and (b_ref[1], m.k_dim % len(m.sb)) in d.param_edges
+    along = (m.B, m.k_dim, 1) if weight_cut else (m.A, -1, 1)   # NOTE: a weight is cut one way only
     return Split("r", "the reduction", K, lambda k: (a + b) * frac(K, k) + bb + y,
-                 0, piece, "sum", -1, along=(m.A, -1, 1))
+                 0, piece, "sum", -1, along=along)
