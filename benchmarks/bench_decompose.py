@@ -6,7 +6,12 @@ Cold runs start from an empty template cache; warm runs are fresh processes
 that find the templates on disk. Each run is its own process, so peak RSS is
 that run's alone.
 
-    python benchmarks/bench_decompose.py [--model llama-20b] [--budget 16MiB]
+Then long prompts (--long, default 2048 and 8192 tokens), one cold process each:
+trace + decompose time, peak RSS, op count and largest working set; for the first
+of them also ``place`` on the 16-device synthetic cluster (feasible, acyclic) and
+``replan`` after the loss of each device (median).
+
+    python benchmarks/bench_decompose.py [--model llama-20b] [--budget 16MiB] [--long 2048 8192]
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import tempfile
 import time
 
 
-def child(model_name: str, budget: str) -> dict:
+def child(model_name: str, budget: str, seq: int | None = None, do_place: bool = False) -> dict:
     import torch
 
     import seabiscuit_dask as sb
@@ -30,7 +35,7 @@ def child(model_name: str, budget: str) -> dict:
     from seabiscuit_dask.models import demo_model
 
     t0 = time.perf_counter()
-    model, x = demo_model(model_name, materialize=False, dtype=torch.bfloat16)
+    model, x = demo_model(model_name, materialize=False, dtype=torch.bfloat16, seq=seq)
     t1 = time.perf_counter()
     graph = sb.trace(model, x)
     t2 = time.perf_counter()
@@ -39,19 +44,38 @@ def child(model_name: str, budget: str) -> dict:
     budget_bytes = sb.config.to_bytes(budget)
     over = sum(1 for op in micro.ops if micro.working_set(op) > budget_bytes)
     name, ws = largest_working_set(micro)
-    return {
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+    placed = place_and_replan(sb, micro) if do_place else {}
+    return {**placed,
         "param_gb": graph.param_bytes / 1e9, "params_b": graph.param_bytes / 2 / 1e9,
         "traced_ops": len(graph.ops), "micro_ops": len(micro.ops), "largest_ws": ws,
         "largest_op": name, "over_budget": over, "build_s": t1 - t0, "trace_s": t2 - t1,
-        "decompose_s": t3 - t2, "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        * 1024 / 1e9,
+        "decompose_s": t3 - t2, "peak_rss_gb": rss, "seq": int(x[0].shape[-1]),
     }
 
 
-def run(model_name: str, budget: str, cache: str) -> dict:
+def place_and_replan(sb, graph) -> dict:
+    from seabiscuit_dask.placement import DeviceLost, place, replan
+
+    spec = sb.ClusterSpec.synthetic("4x(3gpu+cpu)")
+    t = time.perf_counter()
+    plan = place(graph, spec)
+    place_s = time.perf_counter() - t
+    times, ok = [], plan.feasible and plan.acyclic
+    for dev in spec.names:
+        t = time.perf_counter()
+        new = replan(plan, DeviceLost(dev))
+        times.append(time.perf_counter() - t)
+        ok = ok and new.feasible and new.acyclic
+    return {"place_s": place_s, "replan_ms": statistics.median(times) * 1e3, "plans_ok": ok,
+            "devices": len(spec.devices)}
+
+
+def run(model_name: str, budget: str, cache: str, seq: int | None = None, do_place: bool = False) -> dict:
     env = dict(os.environ, DASK_SEABISCUIT__CACHE__DIRECTORY=cache)
+    extra = (["--seq", str(seq)] if seq else []) + (["--place"] if do_place else [])
     out = subprocess.run([sys.executable, __file__, "--child", "--model", model_name,
-                          "--budget", budget], env=env, check=True, capture_output=True, text=True)
+                          "--budget", budget, *extra], env=env, check=True, capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -61,10 +85,13 @@ def main() -> None:
     ap.add_argument("--budget", default="16MiB")
     ap.add_argument("--cold", type=int, default=2, help="cold runs (empty cache)")
     ap.add_argument("--warm", type=int, default=3, help="warm runs (templates on disk)")
+    ap.add_argument("--long", type=int, nargs="*", default=[2048, 8192], help="long prompt lengths")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--seq", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--place", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
-        print(json.dumps(child(a.model, a.budget)))
+        print(json.dumps(child(a.model, a.budget, a.seq, a.place)))
         return
     rows = []
     for i in range(a.cold):
@@ -89,6 +116,17 @@ def main() -> None:
         if sel:
             med = statistics.median(r["trace_s"] + r["decompose_s"] for r in sel)
             print(f"median {kind} trace+decompose: {med:.2f} s over {len(sel)} run(s)")
+    if a.long:
+        print(f"\nlong prompts (cold, one process each), budget {a.budget}:")
+        print(f"{'seq':>6} {'micro-ops':>10} {'largest MiB':>12} {'trace+decomp s':>15} {'peak RSS GB':>12} "
+              f"{'place s':>8} {'replan ms':>10} {'plans ok':>9}")
+        for i, seq in enumerate(a.long):
+            with tempfile.TemporaryDirectory() as d:
+                r = run(a.model, a.budget, d, seq, do_place=i == 0)
+            placed = (f"{r['place_s']:>8.2f} {r['replan_ms']:>10.1f} {r['plans_ok']!s:>9}"
+                      if "place_s" in r else f"{'-':>8} {'-':>10} {'-':>9}")
+            print(f"{r['seq']:>6} {r['micro_ops']:>10} {r['largest_ws'] / 2**20:>12.2f} "
+                  f"{r['trace_s'] + r['decompose_s']:>15.2f} {r['peak_rss_gb']:>12.2f} {placed}")
 
 
 if __name__ == "__main__":

@@ -253,10 +253,10 @@ def scratch_bytes(op: Op, tensors: Mapping[str, TensorSpec]) -> int:
     if op.kind != "attention" or len(op.inputs) < 2:
         return 0
     args = op.attrs.get("args", ())
-    refs = [r.get("t", "") for r in iter_refs(args[:2])]
-    if len(refs) != 2 or refs[0] not in tensors or refs[1] not in tensors:
+    refs = list(iter_refs(args[:2]))
+    if len(refs) != 2 or any(r.get("t") not in tensors for r in refs):
         return 0
-    q, k = tensors[refs[0]].shape, tensors[refs[1]].shape
+    q, k = (view_shape(r, tensors[r["t"]].shape) for r in refs)
     if len(q) < 2 or len(k) < 2:
         return 0
     return math.prod(q[:-1]) * k[-2] * ATTENTION_SCORES
@@ -341,14 +341,28 @@ class OpGraph:
                        self.tilings)
 
     def cost(self, op: Op) -> OpCost:
-        """Flops and bytes of ``op``: params + distinct inputs + outputs."""
+        """Flops and bytes of ``op``: params + distinct inputs (or the views it reads of them)
+        + outputs."""
         return OpCost(
             flops=op.flops,
             param_bytes=sum(self.params[p].nbytes for p in dict.fromkeys(op.params)),
-            input_bytes=sum(self.tensors[t].nbytes for t in dict.fromkeys(op.inputs)),
+            input_bytes=self.input_bytes(op),
             output_bytes=sum(self.tensors[t].nbytes for t in op.outputs),
             scratch_bytes=scratch_bytes(op, self.tensors),
         )
+
+    def input_bytes(self, op: Op) -> int:
+        """Bytes of the distinct tensors ``op`` reads; a view counts its own region."""
+        if "args" not in op.attrs:
+            return sum(self.tensors[t].nbytes for t in dict.fromkeys(op.inputs))
+        seen: dict[tuple[str, str], int] = {}
+        for r in iter_refs((op.attrs["args"], op.attrs.get("kwargs", {}))):
+            if "t" in r:
+                spec = self.tensors[r["t"]]
+                key = (r["t"], repr(r.get("view")))
+                if key not in seen:
+                    seen[key] = math.prod(view_shape(r, spec.shape)) * DTYPE_BYTES.get(spec.dtype, 4)
+        return sum(seen.values())
 
     def working_set(self, op: Op) -> int:
         return self.cost(op).working_set_bytes
@@ -461,10 +475,23 @@ def check_tiling(graph: OpGraph, name: str, tiling: Tiling, available: set[str])
         raise InvalidGraph(f"tiles of {name!r} cover {covered} of its {spec.numel} elements")
 
 
-def iter_refs(value: Any) -> Iterator[Mapping[str, str]]:
-    """Every operand reference (``{"t": name}`` or ``{"p": name}``) inside ``value``."""
+def is_ref(value: Mapping[str, Any]) -> bool:
+    """``{"t": name}``, ``{"t": name, "view": region}`` or ``{"p": name}``."""
+    keys = set(value)
+    return keys in ({"t"}, {"p"}, {"t", "view"})
+
+
+def view_shape(ref: Mapping[str, Any], shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape of what ``ref`` reads of a tensor of ``shape``: all of it, or its view."""
+    view = ref.get("view")
+    return shape if view is None else tuple(int(b) - int(a) for a, b in view)
+
+
+def iter_refs(value: Any) -> Iterator[Mapping[str, Any]]:
+    """Every operand reference inside ``value``: ``{"t": name}`` or ``{"p": name}``, or
+    ``{"t": name, "view": [[start, stop], ...]}`` (a region of a tensor, read in place)."""
     if isinstance(value, Mapping):
-        if len(value) == 1 and next(iter(value)) in ("t", "p"):
+        if is_ref(value):
             yield value
         else:
             yield from (r for v in value.values() for r in iter_refs(v))
@@ -483,14 +510,26 @@ def operand_names(args: Any, kwargs: Any) -> tuple[tuple[str, ...], tuple[str, .
             tuple(dict.fromkeys(r["p"] for r in refs if "p" in r)))
 
 
+def _check_views(graph: OpGraph, op: Op) -> None:
+    """Every view an op reads lies inside its tensor."""
+    for r in iter_refs((op.attrs.get("args", ()), op.attrs.get("kwargs", {}))):
+        view = r.get("view")
+        if view is None:
+            continue
+        shape = graph.tensors[r["t"]].shape
+        if len(view) != len(shape) or any(not (0 <= int(a) < int(b) <= n) for (a, b), n in zip(view, shape)):
+            raise InvalidGraph(f"op {op.name!r} reads view {view} of {r['t']!r}, which is {shape}")
+
+
 def _check_join_shapes(graph: OpGraph, op: Op) -> None:
     """Shapes of the ops that join tiles: partial sums match, concatenations add up."""
     if op.kind == "sum":
-        shapes = {graph.tensors[t].shape for t in (*op.inputs, *op.outputs)}
+        shapes = {view_shape(r, graph.tensors[r["t"]].shape) for r in iter_refs(op.attrs.get("args", ()))}
+        shapes |= {graph.tensors[t].shape for t in op.outputs}
         if len(shapes) != 1:
             raise InvalidGraph(f"sum {op.name!r} adds tensors of shapes {sorted(shapes)}")
     elif op.kind == "concat" and op.target == "aten.cat.default":
-        parts = [graph.tensors[t].shape for t in _refs(op.attrs["args"][0], "t")]
+        parts = [view_shape(r, graph.tensors[r["t"]].shape) for r in iter_refs(op.attrs["args"][0])]
         out = graph.tensors[op.outputs[0]].shape
         dim = int(op.attrs["args"][1]) % len(out)
         rest = {p[:dim] + p[dim + 1:] for p in parts} | {out[:dim] + out[dim + 1:]}
@@ -527,6 +566,7 @@ def verify(graph: OpGraph, budget: int | None = None) -> OpGraph:
             if ts != set(op.inputs) or ps != set(op.params):
                 raise InvalidGraph(f"op {op.name!r}: operands in args {sorted(ts | ps)} differ "
                                    f"from declared inputs/params {sorted(op.inputs + op.params)}")
+        _check_views(graph, op)
         _check_join_shapes(graph, op)
         for t in op.outputs:
             if t in available:

@@ -146,4 +146,6 @@ def ref_name(value: Any) -> tuple[str, str] | None:
         (tag, name), = value.items()
         if tag in ("t", "p"):
             return tag, name
+    elif isinstance(value, Mapping) and set(value) == {"t", "view"}:
+        return "t", value["t"]
     return None

@@ -13,7 +13,17 @@ from typing import Any, TypeVar
 
 from .. import ops as O
 from ..cost import op_flops
-from ..ir import Op, OpGraph, ParamSpec, Region, TensorSpec, fmt_bytes, operand_names, scratch_bytes
+from ..ir import (
+    Op,
+    OpGraph,
+    ParamSpec,
+    Region,
+    TensorSpec,
+    iter_refs,
+    operand_names,
+    scratch_bytes,
+    view_shape,
+)
 from . import tiling as T
 from .report import Oversize, why_unsplit
 from .rules import RULES, RuleFn
@@ -44,7 +54,8 @@ class Decomposer:
         self.oversize: list[Oversize] = []
         self.virtual: dict[str, tuple[T.Entry, ...]] = {}   # tensors that exist as tiles only
         self.views: dict[tuple[str, int, int, int], str] = {}
-        self.made: dict[str, str] = {}                       # virtual or leaf region -> produced
+        self.made: dict[str, dict[str, Any]] = {}            # virtual tensor -> its reference
+        self.sliced: set[str] = set()                        # leaf regions made into tensors
         self.param_edges: dict[tuple[str, int], set[int]] = {}   # where params were cut
         self.root: Op | None = None
         self.last_read: tuple[Op, Callable[..., Any], Any] | None = None
@@ -63,8 +74,15 @@ class Decomposer:
         return self.tensors[name].nbytes if tag == "t" else self.params[name].nbytes
 
     def ws(self, op: Op) -> int:
-        return (sum(self.params[p].nbytes for p in op.params)
-                + sum(self.tensors[t].nbytes for t in op.inputs)
+        """Working set of ``op``: params, inputs (a view counts its region), outputs, scratch."""
+        seen: dict[tuple[str, str], int] = {}
+        for r in iter_refs((op.attrs.get("args", ()), op.attrs.get("kwargs", {}))):
+            if "t" in r and (key := (r["t"], repr(r.get("view")))) not in seen:
+                spec = self.tensors[r["t"]]
+                seen[key] = spec.nbytes if "view" not in r else \
+                    _numel(view_shape(r, spec.shape)) * (spec.nbytes // max(spec.numel, 1))
+        inputs = sum(seen.values()) if "args" in op.attrs else sum(self.tensors[t].nbytes for t in op.inputs)
+        return (sum(self.params[p].nbytes for p in op.params) + inputs
                 + sum(self.tensors[t].nbytes for t in op.outputs)
                 + scratch_bytes(op, self.tensors))
 
@@ -73,23 +91,10 @@ class Decomposer:
         return max((self.gather_ws(t) for t in op.inputs if t in self.virtual), default=0)
 
     def gather_ws(self, name: str) -> int:
-        if name in self.made:
+        """What reading tensor ``name`` takes beyond the op: joining its tiles (views are free)."""
+        if name in self.made or len(self.virtual[name]) == 1:
             return 0
-        entries = self.virtual[name]
-        spec = self.tensors[name]
-        itemsize = spec.nbytes // max(spec.numel, 1)
-        cuts = [self.tensors[leaf].nbytes + _numel(T.extent(src)) * itemsize
-                for _, leaf, src in entries if src != T.full(self.tensors[leaf].shape)]
-        joined = 2 * spec.nbytes if len(entries) > 1 else 0
-        return max([joined, *cuts])
-
-    def held_whole(self, op: Op) -> str | None:
-        """A tensor over the budget that ``op`` reads a part of, if any."""
-        for t in op.inputs:
-            for _, leaf, src in self.virtual.get(t, ()):
-                if self.tensors[leaf].nbytes >= self.budget and src != T.full(self.tensors[leaf].shape):
-                    return leaf
-        return None
+        return 2 * self.tensors[name].nbytes
 
     def read(self, op: Op, reader: Callable[[Decomposer, Op], R]) -> R:
         """``reader(self, op)``, computed once for the rules of a family trying one op."""
@@ -139,14 +144,25 @@ class Decomposer:
         whole = T.full(self.tensors[name].shape)
         return ((whole, name, whole),)
 
-    def gather(self, name: str, scope: str) -> str:
-        """A produced tensor equal to ``name``: slices of its tiles, joined where needed."""
+    def gather(self, name: str, scope: str) -> dict[str, Any]:
+        """A reference equal to tensor ``name``: a produced tensor, a view of one (read in
+        place), or the join of the views of several tiles."""
         if name not in self.virtual:
-            return name
+            return {"t": name}
         if name not in self.made:
-            parts = [(region, self.region_of(leaf, src, scope)) for region, leaf, src in self.virtual[name]]
-            self.made[name] = parts[0][1] if len(parts) == 1 else self.join_parts(name, parts, scope)
+            entries = self.virtual[name]
+            if len(entries) == 1:
+                self.made[name] = self.view_of(entries[0][1], entries[0][2])
+            else:
+                parts = [(region, self.view_of(leaf, src)) for region, leaf, src in entries]
+                self.made[name] = {"t": self.join_parts(name, parts, scope)}
         return self.made[name]
+
+    def view_of(self, leaf: str, src: Region) -> dict[str, Any]:
+        """``{"t": leaf}``, or ``{"t": leaf, "view": src}`` for a part of it."""
+        if src == T.full(self.tensors[leaf].shape):
+            return {"t": leaf}
+        return {"t": leaf, "view": [list(r) for r in src]}
 
     def region_of(self, leaf: str, src: Region, scope: str) -> str:
         """``leaf[src]`` as a produced tensor (a slice op unless ``src`` is all of it)."""
@@ -154,44 +170,38 @@ class Decomposer:
         if src == T.full(spec.shape):
             return leaf
         out = f"{leaf}{T.tag(src)}"
-        if out not in self.made:
-            cut = [d for d in range(len(src)) if src[d] != (0, spec.shape[d])]
+        if out not in self.sliced:
             new = TensorSpec(T.extent(src), spec.dtype)
-            if len(cut) == 1:
-                (a, b), d = src[cut[0]], cut[0]
-                op = self.make(f"{scope}.slice:{out}", "aten.slice.Tensor", [{"t": leaf}, d, a, b, 1],
-                               {}, out, new, scope, "slice")
-            else:
-                op = self.make(f"{scope}.slice:{out}", REGION, [{"t": leaf}, [list(r) for r in src]],
-                               {}, out, new, scope, "slice")
+            op = self.make(f"{scope}.slice:{out}", REGION, [{"t": leaf}, [list(r) for r in src]],
+                           {}, out, new, scope, "slice")
             self.append_glue(op)
-            self.made[out] = out
-        return self.made[out]
+            self.sliced.add(out)
+        return out
 
-    def join_parts(self, name: str, parts: list[tuple[Region, str]], scope: str) -> str:
-        """One op joining ``parts`` (placed at their regions) into tensor ``name``."""
+    def join_parts(self, name: str, parts: list[tuple[Region, dict[str, Any]]], scope: str) -> str:
+        """One op joining ``parts`` (references placed at their regions) into tensor ``name``."""
         spec = self.tensors[name]
         regions = [r for r, _ in parts]
         dim = T.concat_dim(regions)
         out = f"{name}.joined"
         if dim is not None:
-            ordered = [p for _, p in sorted(zip(regions, (p for _, p in parts)), key=lambda x: x[0][dim])]
-            op = self.make(f"{scope}.cat:{out}", "aten.cat.default", [[{"t": p} for p in ordered], dim], {},
+            ordered = [ref for _, ref in sorted(parts, key=lambda x: x[0][dim])]
+            op = self.make(f"{scope}.cat:{out}", "aten.cat.default", [ordered, dim], {},
                            out, spec, scope, "concat")
         else:
             op = self.make(f"{scope}.assemble:{out}", ASSEMBLE,
-                           [[{"t": p} for _, p in parts], [[list(a) for a in r] for r in regions],
+                           [[ref for _, ref in parts], [[list(a) for a in r] for r in regions],
                             list(spec.shape)], {}, out, spec, scope, "concat")
         self.append_glue(op)
         return out
 
     def bind(self, op: Op) -> Op:
         """``op`` reading produced tensors: its tiled inputs gathered first."""
-        names = {t: self.gather(t, op.scope) for t in op.inputs if t in self.virtual}
-        if not names:
+        refs = {t: self.gather(t, op.scope) for t in op.inputs if t in self.virtual}
+        if not refs:
             return op
-        args = _rename(op.attrs["args"], names)
-        kwargs = _rename(op.attrs.get("kwargs", {}), names)
+        args = _rename(op.attrs["args"], refs)
+        kwargs = _rename(op.attrs.get("kwargs", {}), refs)
         inputs, params = operand_names(args, kwargs)
         attrs = {**dict(op.attrs), "args": args, "kwargs": kwargs}
         return Op(op.name, op.kind, op.target, inputs, op.outputs, params, attrs, op.scope, op.flops)
@@ -212,11 +222,6 @@ class Decomposer:
         ws = max(own, self.glue_ws(op))
         if ws <= self.budget:
             self.ops.append(self.bind(op))
-            return
-        held = self.held_whole(op) if own <= self.budget else None
-        if held is not None:   # NOTE: cutting cannot help: a slice reads a tensor over the budget
-            self.keep_oversize(op, ws, f"it reads part of {held!r} ({fmt_bytes(self.tensors[held].nbytes)}), "
-                                       "a tensor held whole that is larger than the budget")
             return
         splits = self.splits(op) if depth < MAX_DEPTH and len(op.outputs) == 1 else []
         choice = self.choose(op, splits)
@@ -467,7 +472,10 @@ class Decomposer:
             if t not in self.virtual:
                 outputs.append(t)
             elif self.gather_ws(t) <= self.budget:
-                outputs.append(self.gather(t, "output"))
+                ref = self.gather(t, "output")
+                view = ref.get("view")
+                outputs.append(ref["t"] if view is None else
+                               self.region_of(ref["t"], tuple((a, b) for a, b in view), "output"))
             else:
                 tilings[t] = tuple((r, self.region_of(leaf, src, "output"))
                                    for r, leaf, src in self.virtual[t])
@@ -493,13 +501,13 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def _rename(value: Any, names: Mapping[str, str]) -> Any:
-    """``value`` with tensor references renamed by ``names``."""
+def _rename(value: Any, refs: Mapping[str, dict[str, Any]]) -> Any:
+    """``value`` with references to the tensors in ``refs`` replaced by their references."""
     if isinstance(value, Mapping):
         ref = O.ref_name(value)
         if ref is not None:
-            return {"t": names.get(ref[1], ref[1])} if ref[0] == "t" else dict(value)
-        return {k: _rename(v, names) for k, v in value.items()}
+            return dict(refs.get(ref[1], value)) if ref[0] == "t" and "view" not in value else dict(value)
+        return {k: _rename(v, refs) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_rename(v, names) for v in value]
+        return [_rename(v, refs) for v in value]
     return value

@@ -68,6 +68,8 @@ def decode_args(value: Any, env: Mapping[str, torch.Tensor], device: torch.devic
     layouts and memory formats come from the registry's tables only.
     """
     if isinstance(value, Mapping):
+        if set(value) == {"t", "view"}:   # NOTE: a region of a tile, read in place
+            return env[value["t"]][tuple(slice(int(a), int(b)) for a, b in value["view"])]
         tag, v = next(iter(value.items())) if len(value) == 1 else (None, None)
         # NOTE: a tag holds a string; kwargs like {"dtype": {"dtype": "float16"}} are no tag.
         if isinstance(v, str):

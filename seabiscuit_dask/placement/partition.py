@@ -85,6 +85,9 @@ def place(graph: OpGraph, spec: ClusterSpec, *, refine_passes: int = 4) -> Plan:
                      levels=best.info.get("levels"), tier=best.info.get("tier")).check()
 
 
+FLAT_MAX_OPS = 20_000   # NOTE: past this, a layer is wide enough to keep a host busy alone
+
+
 def _place(graph: OpGraph, spec: ClusterSpec, w: Workload, cap: np.ndarray, refine_passes: int) -> Plan:
     """One multilevel placement with ``cap`` bytes of weights per device."""
     times = w.times(spec)
@@ -99,6 +102,9 @@ def _place(graph: OpGraph, spec: ClusterSpec, w: Workload, cap: np.ndarray, refi
         host = refine_hosts(g, spec, host_cap, host[node_of], passes=refine_passes)
     shared = shared_params(w)
     staged = make_plan(graph, spec, assign_devices(g0, spec, cap, host, shared=shared), "multilevel")
+    if g0.k > FLAT_MAX_OPS and staged.feasible:
+        return make_plan(graph, spec, staged.device_of, "multilevel", levels=[g.k for g, _ in levels],
+                         tier="hosts")
     # A small graph may gain more from parallel work across hosts than it pays in slow
     # links: schedule it on the whole cluster too, and keep the faster by simulation.
     flat = make_plan(graph, spec, _list_schedule(g0, spec, cap, [list(range(len(cap)))] * g0.k,
@@ -330,6 +336,8 @@ def _list_schedule(g: LevelGraph, spec: ClusterSpec, cap: np.ndarray, allowed: l
         return first, copy
 
     def room(v: int, d: int) -> bool:
+        if not tiles[v]:
+            return free[d] >= weight[v]
         first, copy = new_tiles(v, d)
         n = weight[v] + first + copy
         # NOTE: a second copy of a tile only while the weights still to place keep fitting
