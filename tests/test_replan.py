@@ -136,3 +136,21 @@ def test_weights_that_fit_in_total_but_not_in_pieces():
     spec = three_devices(mib=80)
     with pytest.raises(sb.ClusterTooSmall, match="not in pieces|memory is"):
         place(chain([40 * 1024] * 5), spec)
+
+
+def test_a_repaired_plan_cuts_the_same_blocks_at_both_ends_of_the_wire(plan):
+    for name in plan.spec.names[:4]:
+        new = replan(plan, DeviceLost(name))
+        assert block_graph_acyclic(new)
+        back = sb.Plan.from_json(new.to_json(stats=False), new.graph)
+        assert np.array_equal(back.block_of, new.block_of)
+        assert np.array_equal(back.phases, new.phases)
+
+
+def test_blocks_out_of_phase_order_are_refused(plan):
+    doc = plan.to_dict(stats=False)
+    first = max(doc["blocks"], key=lambda b: b["phase"])
+    for b in doc["blocks"]:
+        b["phase"] = first["phase"] - b["phase"]       # reversed: every dependency goes backwards
+    with pytest.raises(sb.SeaBiscuitError, match="phase order"):
+        sb.Plan.from_dict(doc, plan.graph)

@@ -57,24 +57,38 @@ class Block:
     ops: tuple[str, ...]
 
 
-def phases(w: Workload, dev: np.ndarray, prior: np.ndarray | None = None, start: int = 0) -> np.ndarray:
+def phases(w: Workload, dev: np.ndarray, prior: np.ndarray | None = None, start: int = 0,
+           end: int | None = None) -> np.ndarray:
     """Largest number of device changes on any path from a source to each op.
 
-    With ``prior`` (the phases of a plan that agrees with ``dev`` on every op before
-    ``start``) only ops from ``start`` on are recomputed: a repair that moves ops late
-    in the graph leaves the early phases as they were.
+    With ``prior`` (the phases of a plan that agrees with ``dev`` on every op outside
+    ``[start, end)``, up to renumbering devices) only the ops in that window are
+    recomputed exactly; every op after it keeps its prior phase shifted by the one
+    amount that keeps all edges into it ordered. The shift keeps the blocks acyclic
+    (along every edge the phase still grows by at least the device change) and costs
+    the repair of one device's stretch, not of the whole graph.
     """
     eu, ev = w.edges
-    first = int(np.searchsorted(ev, start)) if prior is not None else 0
-    ph = prior[:start].tolist() + [0] * (w.n - start) if prior is not None else [0] * w.n
-    eu, ev = eu[first:], ev[first:]
-    change = (dev[eu] != dev[ev]).tolist()
+    if prior is None:
+        start, end = 0, w.n
+    end = w.n if end is None else max(start, min(end, w.n))
+    first, last = int(np.searchsorted(ev, start)), int(np.searchsorted(ev, end))
+    ph = prior[:start].tolist() + [0] * (end - start) if prior is not None else [0] * w.n
+    wu, wv = eu[first:last], ev[first:last]
+    change = (dev[wu] != dev[wv]).tolist()
     # NOTE: edges are sorted by consumer and producers come first, so ph[u] is final when read.
-    for u, v, c in zip(eu.tolist(), ev.tolist(), change):
+    for u, v, c in zip(wu.tolist(), wv.tolist(), change):
         x = ph[u] + c
         if x > ph[v]:
             ph[v] = x
-    return np.array(ph, dtype=np.int64)
+    out = np.empty(w.n, dtype=np.int64)
+    out[:end] = ph[:end]
+    if end < w.n and prior is not None:
+        tu, tv = eu[last:], ev[last:]
+        into = tu < end                       # edges from the window or before into the tail
+        need = out[tu[into]] + (dev[tu[into]] != dev[tv[into]]) - prior[tv[into]]
+        out[end:] = prior[end:] + max(0, int(need.max()) if len(need) else 0)
+    return out
 
 
 def blocks_for(w: Workload, dev: np.ndarray, n_devices: int,
@@ -148,8 +162,8 @@ class Plan:
         """[n ops] device changes on the longest path to each op (see ``phases``)."""
         hint = self.info.get("phases_from")
         if hint is not None:
-            prior, start = hint
-            return phases(self.workload, self.device_of, prior, start)
+            prior, start, end = hint
+            return phases(self.workload, self.device_of, prior, start, end)
         return phases(self.workload, self.device_of)
 
     @cached_property
@@ -193,11 +207,13 @@ class Plan:
     def weight_bytes(self) -> np.ndarray:
         """[D] bytes of weights resident on each device (a shared weight once per device)."""
         w = self.workload
-        out = np.bincount(self.device_of, weights=w.weight_bytes, minlength=len(self.spec.devices))
-        for nbytes, users in w.shared:
-            devs = set(self.device_of[list(users)].tolist())
-            for d in devs - {int(self.device_of[users[0]])}:
-                out[d] += nbytes
+        n_dev = len(self.spec.devices)
+        out = np.bincount(self.device_of, weights=w.weight_bytes, minlength=n_dev)
+        tile, user, nbytes, first = w.shared_arrays
+        if len(tile):   # NOTE: each (tile, device) pair once, less the copy its first user counted
+            held = np.unique(tile * n_dev + self.device_of[user])
+            out += np.bincount(held % n_dev, weights=nbytes[held // n_dev], minlength=n_dev)
+            out -= np.bincount(self.device_of[first], weights=nbytes, minlength=n_dev)
         return out
 
     @cached_property
@@ -392,8 +408,10 @@ class Plan:
         except KeyError as e:
             raise SeaBiscuitError(f"plan names device {e.args[0]!r}, not in its cluster") from None
         stats = d.get("stats", {})
+        info = {"phases_from": (ph, len(graph.ops), len(graph.ops))} \
+            if (ph := _block_phases(d.get("blocks"), graph, workload(graph), dev)) is not None else {}
         return cls(graph, spec, dev, method=str(d.get("method", "loaded")),
-                   planning_s=float(stats.get("planning_s", 0.0)))
+                   planning_s=float(stats.get("planning_s", 0.0)), info=info)
 
     @classmethod
     def from_json(cls, text: str | bytes, graph: OpGraph) -> Plan:
@@ -402,6 +420,23 @@ class Plan:
         except json.JSONDecodeError as e:
             raise SeaBiscuitError(f"plan is not valid JSON: {e}") from e
         return cls.from_dict(data, graph)
+
+
+def _block_phases(blocks: Any, graph: OpGraph, w: Workload, dev: np.ndarray) -> np.ndarray | None:
+    """The phase of each op from a plan document's blocks, so that both ends of the wire cut
+    the same blocks; None when the document lists none. Phases that do not order every
+    edge (a device change must raise the phase) are refused."""
+    if not blocks:
+        return None
+    index = {op.name: i for i, op in enumerate(graph.ops)}
+    ph = np.full(len(graph.ops), -1, dtype=np.int64)
+    for b in blocks:
+        ph[[index[name] for name in b["ops"]]] = int(b["phase"])
+    eu, ev = w.edges
+    if (ph < 0).any() or (ph[ev] < ph[eu] + (dev[eu] != dev[ev])).any():
+        raise SeaBiscuitError("plan blocks do not cover every op in phase order: a block would wait "
+                              "on a later one")
+    return ph
 
 
 def make_plan(graph: OpGraph, spec: ClusterSpec, device_of: Sequence[int] | np.ndarray, method: str,

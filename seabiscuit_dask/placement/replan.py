@@ -98,7 +98,7 @@ def replan(plan: Plan, event: Event) -> Plan:
     moved = float(w.weight_bytes[moving].sum()) if len(moving) else 0.0
     info = {k: v for k, v in plan.info.items() if k != "phases_from"}
     info.update(event=repr(event), moved_bytes=moved, moved_ops=len(moving),
-                phases_from=(plan.phases, int(moving.min()) if len(moving) else w.n))
+                phases_from=(plan.phases, *_window(w, moving)))
     new = Plan(plan.graph, spec, dev, plan.method, plan.planning_s, info)
     _ = new.block_of  # NOTE: blocks are part of the repair: the runtime needs them at once.
     cap = weight_capacity(spec)
@@ -110,6 +110,15 @@ def replan(plan: Plan, event: Event) -> Plan:
                               f"{fmt_bytes(cap[d])}")
     object.__setattr__(new, "planning_s", time.perf_counter() - t0)
     return new
+
+
+def _window(w: Any, moving: np.ndarray) -> tuple[int, int]:
+    """The ops whose phases a move can change directly: from the first moved op to the
+    last consumer of a moved op."""
+    if not len(moving):
+        return w.n, w.n
+    ends = [int(moving.max()) + 1] + [max(w.succs[v]) + 1 for v in moving.tolist() if w.succs[v]]
+    return int(moving.min()), max(ends)
 
 
 def _nearby(spec: ClusterSpec, like: DeviceSpec) -> list[list[int]]:

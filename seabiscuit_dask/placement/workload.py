@@ -108,6 +108,16 @@ class Workload:
         return {}
 
     @cached_property
+    def shared_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Weights several ops read: (tile id per (tile, user) pair, user op, bytes per tile,
+        first user per tile)."""
+        tile = np.fromiter((i for i, (_, u) in enumerate(self.shared) for _ in u), dtype=np.int64)
+        user = np.fromiter((x for _, u in self.shared for x in u), dtype=np.int64)
+        nbytes = np.array([b for b, _ in self.shared], dtype=np.float64)
+        first = np.array([u[0] for _, u in self.shared], dtype=np.int64)
+        return tile, user, nbytes, first
+
+    @cached_property
     def lists(self) -> tuple[list[int], list[float]]:
         """``t_src`` and ``t_bytes`` as Python lists, for tight loops."""
         return self.t_src.tolist(), self.t_bytes.tolist()
