@@ -51,9 +51,14 @@ def concurrent_rps(call, n: int, rounds: int) -> float:
     return n * rounds / (time.perf_counter() - t)
 
 
-def transfer_bytes(client) -> int:
+def transfer_bytes(client, since: float) -> int:
+    """Bytes the workers received from each other in transfers that started after ``since``.
+
+    (Their transfer logs are capped deques, so totals of a whole log do not subtract.)
+    """
     def total(dask_worker) -> int:
-        return int(sum(e.get("total", 0) for e in dask_worker.transfer_incoming_log))
+        log = list(dask_worker.transfer_incoming_log)
+        return int(sum(e.get("total", 0) for e in log if e["start"] >= since))
 
     return sum(client.run(total).values())
 
@@ -108,9 +113,9 @@ def main() -> None:
               f"{err <= 1e-4} (rel err {err:.1e})")
         print(dm.plan)
         dist_1 = median_s(lambda: dm(x), args.reps)
-        b0, c0 = transfer_bytes(client), scheduler_cpu_s(client)
+        t0, c0 = time.time(), scheduler_cpu_s(client)
         dm(x)
-        moved, sched_s = transfer_bytes(client) - b0, scheduler_cpu_s(client) - c0
+        moved, sched_s = transfer_bytes(client, t0), scheduler_cpu_s(client) - c0
         dist_rps = concurrent_rps(lambda: dm(x), 8, args.rounds)
         blocks = len(dm.specs)
         cut = dm.plan.cut_bytes

@@ -70,20 +70,35 @@ DTYPE_BYTES = {
 }
 
 
+MAPPINGS = (dict, MappingProxyType)
+"""The mapping types op attributes hold (JSON objects, frozen): checked without the slow
+``Mapping`` ABC, which the passes over 100k-op graphs would pay for millions of times."""
+SEQUENCES = (list, tuple)
+
+
+PLAIN = (str, int, float, bool, type(None), *SEQUENCES)
+
+
+def is_mapping(value: Any) -> bool:
+    if isinstance(value, MAPPINGS):
+        return True
+    return not isinstance(value, PLAIN) and isinstance(value, Mapping)
+
+
 def freeze(value: Any) -> Any:
     """Recursively turn dicts into read-only mappings and lists into tuples."""
-    if isinstance(value, Mapping):
+    if is_mapping(value):
         return MappingProxyType({k: freeze(v) for k, v in value.items()})
-    if isinstance(value, (list, tuple)):
+    if isinstance(value, SEQUENCES):
         return tuple(freeze(v) for v in value)
     return value
 
 
 def thaw(value: Any) -> Any:
     """Inverse of ``freeze`` for JSON output: mappings -> dicts, tuples -> lists."""
-    if isinstance(value, Mapping):
+    if is_mapping(value):
         return {k: thaw(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
+    if isinstance(value, SEQUENCES):
         return [thaw(v) for v in value]
     return value
 
@@ -490,13 +505,17 @@ def view_shape(ref: Mapping[str, Any], shape: tuple[int, ...]) -> tuple[int, ...
 def iter_refs(value: Any) -> Iterator[Mapping[str, Any]]:
     """Every operand reference inside ``value``: ``{"t": name}`` or ``{"p": name}``, or
     ``{"t": name, "view": [[start, stop], ...]}`` (a region of a tensor, read in place)."""
-    if isinstance(value, Mapping):
+    if isinstance(value, SEQUENCES):
+        for v in value:
+            if isinstance(v, (*MAPPINGS, *SEQUENCES)):
+                yield from iter_refs(v)
+    elif isinstance(value, MAPPINGS):
         if is_ref(value):
             yield value
         else:
-            yield from (r for v in value.values() for r in iter_refs(v))
-    elif isinstance(value, (list, tuple)):
-        yield from (r for v in value for r in iter_refs(v))
+            for v in value.values():
+                if isinstance(v, (*MAPPINGS, *SEQUENCES)):
+                    yield from iter_refs(v)
 
 
 def _refs(value: Any, tag: str) -> Iterable[str]:

@@ -7,7 +7,8 @@ may be cut into independent strips (``None``: it may not).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
+from types import MappingProxyType
 from typing import Any
 
 LINEAR = {"aten.linear.default", "aten.addmm.default"}
@@ -142,10 +143,12 @@ def operand(args: Sequence[Any], i: int, default: Any = None) -> Any:
 
 def ref_name(value: Any) -> tuple[str, str] | None:
     """``("t", name)`` / ``("p", name)`` when ``value`` is an operand reference."""
-    if isinstance(value, Mapping) and len(value) == 1:
+    if not isinstance(value, (dict, MappingProxyType)):
+        return None
+    if len(value) == 1:
         (tag, name), = value.items()
         if tag in ("t", "p"):
             return tag, name
-    elif isinstance(value, Mapping) and set(value) == {"t", "view"}:
+    elif len(value) == 2 and "t" in value and "view" in value:
         return "t", value["t"]
     return None

@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from .. import config
 from ..errors import BudgetTooSmall
 from ..ir import OpGraph, fmt_bytes
+from ..pauses import no_gc
 from .decomposer import Decomposer
 from .report import Oversize, describe, fmt_bytes_up
 from .rules import RULES, register
@@ -72,7 +73,8 @@ def decompose(graph: OpGraph, budget: int | str | None = None, *,
 
 def _decompose(graph: OpGraph, budget_bytes: int, allow_oversize: bool) -> OpGraph:
     d = Decomposer(graph, budget_bytes)
-    result = d.run()
+    with no_gc():
+        result = d.run()
     if not d.oversize:
         return result
     if not allow_oversize:

@@ -31,6 +31,7 @@ import numpy as np
 
 from ..errors import ClusterTooSmall, SeaBiscuitError
 from ..ir import OpGraph
+from ..pauses import no_gc
 from .capacity import check_fits, weight_capacity
 from .cluster import ClusterSpec
 from .levels import LevelGraph, coarsen
@@ -64,6 +65,11 @@ def place(graph: OpGraph, spec: ClusterSpec, *, refine_passes: int = 4) -> Plan:
     t0 = _time.perf_counter()
     if not graph.ops:
         raise SeaBiscuitError("the graph has no ops to place")
+    with no_gc():
+        return _place_all(graph, spec, refine_passes, t0)
+
+
+def _place_all(graph: OpGraph, spec: ClusterSpec, refine_passes: int, t0: float) -> Plan:
     w = workload(graph)
     cap = weight_capacity(spec)
     check_fits(w, spec, cap)
