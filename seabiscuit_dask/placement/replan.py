@@ -121,6 +121,9 @@ def _window(w: Any, moving: np.ndarray) -> tuple[int, int]:
     return int(moving.min()), max(ends)
 
 
+LIGHT_S = 1e-5   # an op this quick and without weights is glue: it follows its input
+
+
 def _nearby(spec: ClusterSpec, like: DeviceSpec) -> list[list[int]]:
     """Device indices of ``spec`` in rings around ``like``: same host, same rack, the rest."""
     rings: list[list[int]] = [[], [], []]
@@ -158,18 +161,24 @@ def _rehome(plan: Plan, spec: ClusterSpec, dev: np.ndarray, moving: np.ndarray,
         cands += ring
         if float(np.maximum(free[cands], 0).sum()) >= need:
             break
-    times = w.times(spec)
+    # NOTE: time columns per device, not the [ops x devices] matrix: a repair reads few of them.
+    cols = [w.device_times(d) for d in spec.devices]
     # Devices far slower than the best for this work (a CPU beside GPUs) are a last resort.
-    work = times[moving][:, cands].sum(axis=0)
+    work = np.array([cols[d][moving].sum() for d in cands])
     quick = [d for d, x in zip(cands, work.tolist()) if x <= 4 * work.min()]
     if float(np.maximum(free[quick], 0).sum()) >= need:
         cands = quick
     cand = np.array(cands, dtype=np.int64)
     depth = w.depth
-    loads = np.bincount(depth[staying] * n_dev + dev[staying], weights=times[staying, dev[staying]],
+    own = np.zeros(w.n)
+    for d in range(n_dev):
+        mine = dev == d
+        own[mine] = cols[d][mine]
+    loads = np.bincount(depth[staying] * n_dev + dev[staying], weights=own[staying],
                         minlength=(int(depth.max()) + 1) * n_dev)
     base = loads[depth[moving][:, None] * n_dev + cand[None, :]].tolist()
-    t_mv = times[moving[:, None], cand[None, :]].tolist()
+    t_mv_a = np.stack([cols[d][moving] for d in cands], axis=1)
+    t_mv = t_mv_a.tolist()
     lat = spec.latency[:, cand].tolist()
     inv = (1.0 / spec.bandwidth[:, cand]).tolist()
     wb = w.weight_bytes[moving].tolist()
@@ -178,8 +187,15 @@ def _rehome(plan: Plan, spec: ClusterSpec, dev: np.ndarray, moving: np.ndarray,
     free_l = free.tolist()
     extra: dict[int, float] = {}
     d_list = dev.tolist()
+    light = ((w.weight_bytes[moving] == 0) & (t_mv_a.max(axis=1) <= LIGHT_S)).tolist()
+    slot = {d: j for j, d in enumerate(cands)}
     for i, v in enumerate(moving.tolist()):
         ins = [(d_list[t_src[t]], t_bytes[t]) for t in w.op_in[v]]
+        if light[i] and ins:   # NOTE: glue (a join, a view) goes where its largest input is
+            d = max(ins, key=lambda x: x[1])[0]
+            if d in slot:
+                d_list[v] = d
+                continue
         best, best_j = float("inf"), -1
         for j, d in enumerate(cands):
             if free_l[d] < wb[i]:
