@@ -74,11 +74,12 @@ def phases(w: Workload, dev: np.ndarray, prior: np.ndarray | None = None, start:
     end = w.n if end is None else max(start, min(end, w.n))
     first, last = int(np.searchsorted(ev, start)), int(np.searchsorted(ev, end))
     ph = prior[:start].tolist() + [0] * (end - start) if prior is not None else [0] * w.n
-    wu, wv = eu[first:last], ev[first:last]
-    change = (dev[wu] != dev[wv]).tolist()
+    eu_l, ev_l = w.edge_lists
+    dl = dev.tolist()
     # NOTE: edges are sorted by consumer and producers come first, so ph[u] is final when read.
-    for u, v, c in zip(wu.tolist(), wv.tolist(), change):
-        x = ph[u] + c
+    for i in range(first, last):
+        u, v = eu_l[i], ev_l[i]
+        x = ph[u] + (dl[u] != dl[v])
         if x > ph[v]:
             ph[v] = x
     out = np.empty(w.n, dtype=np.int64)

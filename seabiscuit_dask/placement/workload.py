@@ -108,6 +108,11 @@ class Workload:
         return {}
 
     @cached_property
+    def edge_lists(self) -> tuple[list[int], list[int]]:
+        """``edges`` as Python lists, for tight loops."""
+        return self.edges[0].tolist(), self.edges[1].tolist()
+
+    @cached_property
     def shared_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Weights several ops read: (tile id per (tile, user) pair, user op, bytes per tile,
         first user per tile)."""
