@@ -287,3 +287,13 @@ def test_bad_budget_is_rejected(bad) -> None:
     graph = sb.trace(nn.Linear(4, 4), (torch.randn(1, 4),))
     with pytest.raises(sb.SeaBiscuitError, match="budget"):
         sb.decompose(graph, bad)
+
+
+def test_a_tied_weight_is_held_in_one_set_of_tiles() -> None:
+    model = M.gpt2()                        # the embedding and the output projection share a table
+    x = M.ids(seq=32)
+    graph = sb.trace(model, (x,))
+    micro = sb.decompose(graph, "32KiB")
+    assert micro.param_bytes == graph.param_bytes
+    with torch.no_grad():
+        assert M.rel_err(M.first(sb.run_local(micro, x, weights=model)), model(x).logits) <= 1e-5

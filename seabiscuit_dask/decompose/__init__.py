@@ -30,6 +30,7 @@ the original weight. The pass returns a new graph and never edits its input.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 
 from .. import config
@@ -71,8 +72,25 @@ def decompose(graph: OpGraph, budget: int | str | None = None, *,
     return cached_decompose(graph, budget_bytes, allow_oversize, _decompose)
 
 
+def shared_weight_cuts(graph: OpGraph, budget: int) -> dict[tuple[str, int], set[int]] | None:
+    """How to cut each weight several ops read (tied embeddings): as the op with the largest
+    working set among them cuts it on its own, so the weight is held in one set of tiles."""
+    users = Counter(p for op in graph.ops for p in dict.fromkeys(op.params))
+    shared = {p for p, n in users.items() if n > 1}
+    if not shared:
+        return None
+    first = Decomposer(graph, budget)
+    with no_gc():
+        first.run()
+    best: dict[str, tuple[int, int]] = {}
+    for (name, dim), ws in first.edge_ws.items():
+        if name in shared and ws > best.get(name, (-1, 0))[0]:
+            best[name] = (ws, dim)
+    return {(name, dim): first.param_edges[(name, dim)] for name, (_, dim) in best.items()}
+
+
 def _decompose(graph: OpGraph, budget_bytes: int, allow_oversize: bool) -> OpGraph:
-    d = Decomposer(graph, budget_bytes)
+    d = Decomposer(graph, budget_bytes, weight_cuts=shared_weight_cuts(graph, budget_bytes))
     with no_gc():
         result = d.run()
     if not d.oversize:

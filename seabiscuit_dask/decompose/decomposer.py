@@ -44,7 +44,8 @@ class Decomposer:
     """
 
     def __init__(self, graph: OpGraph, budget: int,
-                 rules: Mapping[str, Sequence[RuleFn]] = RULES) -> None:
+                 rules: Mapping[str, Sequence[RuleFn]] = RULES,
+                 weight_cuts: Mapping[tuple[str, int], set[int]] | None = None) -> None:
         self.graph = graph
         self.budget = budget
         self.rules = rules
@@ -56,7 +57,13 @@ class Decomposer:
         self.views: dict[tuple[str, int, int, int], str] = {}
         self.made: dict[str, dict[str, Any]] = {}            # virtual tensor -> its reference
         self.sliced: set[str] = set()                        # leaf regions made into tensors
-        self.param_edges: dict[tuple[str, int], set[int]] = {}   # where params were cut
+        # NOTE: where params were cut; ``weight_cuts`` seeds it with the cuts of a weight that
+        # several ops share, so the first of them cuts it as the largest one will.
+        seeds = weight_cuts or {}
+        self.param_edges: dict[tuple[str, int], set[int]] = {k: set(v) for k, v in seeds.items()}
+        self.seeded = {name: dim for name, dim in seeds}
+        self.edge_ws: dict[tuple[str, int], int] = {}            # largest op that cut each
+        self.root_ws = 0
         self.root: Op | None = None
         self.last_read: tuple[Op, Callable[..., Any], Any] | None = None
         self.input_tilings = self.tile_inputs()
@@ -124,6 +131,8 @@ class Decomposer:
         if tag == "p":
             p = self.params[name]
             self.param_edges.setdefault((name, dim), {0, shape[dim]}).update((a, b))
+            if self.root is not None:
+                self.edge_ws[(name, dim)] = max(self.edge_ws.get((name, dim), 0), self.root_ws)
             tile = f"{name}@{dim}[{a}:{b}]"
             if tile not in self.params:
                 self.params[tile] = ParamSpec(tile, new_shape, p.dtype,
@@ -379,7 +388,7 @@ class Decomposer:
         for rank, s in enumerate(usable):
             k = min_pieces(s, self.budget)
             k = self.fitting_k(op, s, k) if k is not None else None
-            key = (s.prefer, k or 0, rank)
+            key = (s.prefer + self.crosses_seeded_cut(s), k or 0, rank)
             if k is not None and (best is None or key < best[:3]):
                 best = (*key, s)
         if best is not None:
@@ -402,6 +411,13 @@ class Decomposer:
         s = min(shrinking, key=lambda s: least[id(s)])
         k = min_pieces(s, least[id(s)] + self.budget / 2) or s.n
         return s, k
+
+    def crosses_seeded_cut(self, split: Split) -> int:
+        """1 when ``split`` cuts a shared weight along another dim than its seeded cut."""
+        r = O.ref_name(split.along[0]) if split.along is not None else None
+        if r is None or r[0] != "p" or r[1] not in self.seeded or split.along is None:
+            return 0
+        return int(split.along[1] % len(self.params[r[1]].shape) != self.seeded[r[1]])
 
     def fitting_k(self, op: Op, split: Split, k: int) -> int | None:
         """The fewest pieces from ``k`` on whose tiles, and what they read, fit the budget."""
@@ -452,6 +468,7 @@ class Decomposer:
     def run(self) -> OpGraph:
         for op in self.graph.ops:
             self.root = op
+            self.root_ws = self.ws(op)
             self.emit(op)
         self.root = None
         outputs, tilings = self.deliver()
@@ -486,6 +503,7 @@ class Decomposer:
         """Whether every op of the graph can be cut into pieces that fit (stops at the first not)."""
         for op in self.graph.ops:
             self.root = op
+            self.root_ws = self.ws(op)
             self.emit(op)
             if self.oversize:
                 return False
