@@ -327,23 +327,18 @@ class OpGraph:
     @cached_property
     def leaf_inputs(self) -> tuple[str, ...]:
         """The tensors a caller feeds: graph inputs, tiled ones replaced by their tiles."""
-        out: list[str] = []
-        for t in self.inputs:
-            if t in self.tilings:
-                out.extend(name for _, name in self.tilings[t])
-            else:
-                out.append(t)
-        return tuple(out)
+        return self.leaves(self.inputs)
 
     @cached_property
     def leaf_outputs(self) -> tuple[str, ...]:
         """The tensors a caller fetches: graph outputs, tiled ones replaced by their tiles."""
+        return self.leaves(self.outputs)
+
+    def leaves(self, names: Iterable[str]) -> tuple[str, ...]:
+        """``names`` with each tiled tensor replaced by its tiles (each name once)."""
         out: list[str] = []
-        for t in self.outputs:
-            if t in self.tilings:
-                out.extend(name for _, name in self.tilings[t])
-            else:
-                out.append(t)
+        for t in names:
+            out.extend(n for _, n in self.tilings.get(t, ((None, t),)))
         return tuple(dict.fromkeys(out))
 
     @property
