@@ -388,7 +388,7 @@ class Decomposer:
         for rank, s in enumerate(usable):
             k = min_pieces(s, self.budget)
             k = self.fitting_k(op, s, k) if k is not None else None
-            key = (s.prefer + self.crosses_seeded_cut(s), k or 0, rank)
+            key = (self.crosses_seeded_cut(s), k or 0, rank)
             if k is not None and (best is None or key < best[:3]):
                 best = (*key, s)
         if best is not None:
@@ -406,7 +406,7 @@ class Decomposer:
             s = min(tiled, key=lambda s: s.ws(s.n))
             bounds = self.aligned(s, 2) or []
             return s, len(bounds) - 1
-        least = {id(s): max(s.ws(s.n), self.piece_ws(op, s, min(s.n, SAMPLE_K), gather_only=True))
+        least = {id(s): max(s.ws(s.n), self.piece_ws(op, s, min(s.n, SAMPLE_K)))
                  for s in shrinking}
         s = min(shrinking, key=lambda s: least[id(s)])
         k = min_pieces(s, least[id(s)] + self.budget / 2) or s.n
@@ -423,13 +423,13 @@ class Decomposer:
         """The fewest pieces from ``k`` on whose tiles, and what they read, fit the budget."""
         tried = 0
         while k <= split.n and tried < 12:
-            if self.piece_ws(op, split, k, gather_only=True) <= self.budget:
+            if self.piece_ws(op, split, k) <= self.budget:
                 return k
             k = k + 1 if tried < 4 else min(2 * k, split.n) if k < split.n else split.n + 1
             tried += 1
         return None
 
-    def piece_ws(self, op: Op, split: Split, k: int, gather_only: bool = False) -> int:
+    def piece_ws(self, op: Op, split: Split, k: int) -> int:
         """The most that gathering the inputs of sampled tiles of ``k`` pieces takes."""
         bounds = bounds_for(split.n, k)
         picks = range(k) if k <= 4 else sorted({0, k // 3, (2 * k) // 3, k - 1})

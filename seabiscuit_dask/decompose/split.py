@@ -52,9 +52,6 @@ class Split:
     along : (ref, dim, ratio) or None
         The activation operand the split cuts, its dim, and elements per unit: pieces
         are aligned with that operand's tiles, so they read whole tiles where they can.
-    prefer : int
-        Splits with a smaller ``prefer`` win before pieces are counted (a weight shared
-        by several ops is cut along one dim only, so it is never held twice).
     """
 
     tag: str
@@ -69,7 +66,6 @@ class Split:
     kind: str | None = None
     finish: str | None = None
     along: tuple[Any, int, int] | None = None
-    prefer: int = 0
 
 
 def frac(n: int, k: int) -> float:
