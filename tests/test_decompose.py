@@ -297,3 +297,26 @@ def test_a_tied_weight_is_held_in_one_set_of_tiles() -> None:
     assert micro.param_bytes == graph.param_bytes
     with torch.no_grad():
         assert M.rel_err(M.first(sb.run_local(micro, x, weights=model)), model(x).logits) <= 1e-5
+
+
+@pytest.mark.parametrize("fn", [
+    lambda self, x: [t + 1 for t in x.split(3, dim=2)],             # sizes along the split dim
+    lambda self, x: [t * 2 for t in x.split([2, 4], dim=2)],
+    lambda self, x: x[:, 5:2] + 0,                                   # an empty slice
+    lambda self, x: x[:, -4:] - 1,
+])
+def test_slices_and_splits_of_tiled_tensors(fn) -> None:
+    x = torch.randn(6, 8, 6)
+    model = Fn(fn)
+    micro = sb.decompose(sb.trace(model, (x,)), "1KiB")
+    assert micro.tilings                                           # the input arrives as tiles
+    got, expected = sb.run_local(micro, x, weights=model), model(x)
+    for g, e in zip(got if isinstance(got, (list, tuple)) else [got], expected if isinstance(expected, list)
+                    else [expected]):
+        assert g.shape == e.shape and torch.allclose(g, e)
+
+
+def test_a_decomposed_graph_is_not_decomposed_again() -> None:
+    micro = sb.decompose(sb.trace(M.gpt2(), (M.ids(seq=32),)), "32KiB")
+    with pytest.raises(sb.InvalidGraph, match="already decomposed"):
+        sb.decompose(micro, "16KiB")

@@ -34,8 +34,8 @@ from collections import Counter
 from collections.abc import Sequence
 
 from .. import config
-from ..errors import BudgetTooSmall
-from ..ir import OpGraph, fmt_bytes
+from ..errors import BudgetTooSmall, InvalidGraph
+from ..ir import OpGraph, fmt_bytes, iter_refs
 from ..pauses import no_gc
 from .decomposer import Decomposer
 from .report import Oversize, describe, fmt_bytes_up
@@ -69,6 +69,9 @@ def decompose(graph: OpGraph, budget: int | str | None = None, *,
     from ..templates import cached_decompose
 
     budget_bytes = config.to_bytes(budget if budget is not None else config.get("budget"))
+    if graph.tilings or any("view" in r for op in graph.ops for r in iter_refs(op.attrs.get("args", ()))):
+        raise InvalidGraph(f"{graph.meta.get('name', 'the graph')} is already decomposed into tiles; "
+                           "decompose the traced graph with the new budget instead")
     return cached_decompose(graph, budget_bytes, allow_oversize, _decompose)
 
 

@@ -64,6 +64,7 @@ class Decomposer:
         self.seeded = {name: dim for name, dim in seeds}
         self.edge_ws: dict[tuple[str, int], int] = {}            # largest op that cut each
         self.root_ws = 0
+        self.sampling = False
         self.root: Op | None = None
         self.last_read: tuple[Op, Callable[..., Any], Any] | None = None
         self.input_tilings = self.tile_inputs()
@@ -130,9 +131,10 @@ class Decomposer:
         new_shape = (*shape[:dim], b - a, *shape[dim + 1:])
         if tag == "p":
             p = self.params[name]
-            self.param_edges.setdefault((name, dim), {0, shape[dim]}).update((a, b))
-            if self.root is not None:
-                self.edge_ws[(name, dim)] = max(self.edge_ws.get((name, dim), 0), self.root_ws)
+            if not self.sampling:   # NOTE: a trial cut while choosing a split is no cut
+                self.param_edges.setdefault((name, dim), {0, shape[dim]}).update((a, b))
+                if self.root is not None:
+                    self.edge_ws[(name, dim)] = max(self.edge_ws.get((name, dim), 0), self.root_ws)
             tile = f"{name}@{dim}[{a}:{b}]"
             if tile not in self.params:
                 self.params[tile] = ParamSpec(tile, new_shape, p.dtype,
@@ -166,6 +168,12 @@ class Decomposer:
                 parts = [(region, self.view_of(leaf, src)) for region, leaf, src in entries]
                 self.made[name] = {"t": self.join_parts(name, parts, scope)}
         return self.made[name]
+
+    def produced(self, name: str, scope: str) -> str:
+        """A tensor some op produces (or the caller feeds) equal to tensor ``name``."""
+        ref = self.gather(name, scope)
+        view = ref.get("view")
+        return ref["t"] if view is None else self.region_of(ref["t"], tuple((a, b) for a, b in view), scope)
 
     def view_of(self, leaf: str, src: Region) -> dict[str, Any]:
         """``{"t": leaf}``, or ``{"t": leaf, "view": src}`` for a part of it."""
@@ -209,6 +217,10 @@ class Decomposer:
         refs = {t: self.gather(t, op.scope) for t in op.inputs if t in self.virtual}
         if not refs:
             return op
+        if "args" not in op.attrs:   # NOTE: an op without operands to rename reads whole tensors
+            names = {t: self.produced(t, op.scope) for t in refs}
+            return Op(op.name, op.kind, op.target, tuple(names.get(t, t) for t in op.inputs),
+                      op.outputs, op.params, op.attrs, op.scope, op.flops)
         args = _rename(op.attrs["args"], refs)
         kwargs = _rename(op.attrs.get("kwargs", {}), refs)
         inputs, params = operand_names(args, kwargs)
@@ -312,22 +324,26 @@ class Decomposer:
         if op.target not in WINDOWS or src is None or src[0] != "t" or src[1] not in self.virtual:
             return False
         shape = self.tensors[src[1]].shape
-        dim = int(O.operand(args, 1, 0)) % len(shape)
+        kwargs = op.attrs.get("kwargs", {})
         if op.target == "aten.slice.Tensor":
-            if O.operand(args, 4, 1) != 1:
+            dim = int(O.operand(args, 1, kwargs.get("dim", 0))) % len(shape)
+            if O.operand(args, 4, kwargs.get("step", 1)) != 1:
                 return False
-            lo, hi = O.operand(args, 2), O.operand(args, 3)
+            lo, hi = O.operand(args, 2, kwargs.get("start")), O.operand(args, 3, kwargs.get("end"))
             lo = 0 if lo is None else max(0, min(shape[dim], lo + shape[dim] if lo < 0 else lo))
             hi = shape[dim] if hi is None else max(lo, min(shape[dim], hi + shape[dim] if hi < 0 else hi))
             spans = [(lo, hi)]
         else:
-            sizes = args[1] if op.target == "aten.split_with_sizes.default" else \
-                [min(int(args[1]), shape[dim] - a) for a in range(0, shape[dim], int(args[1]))]
-            dim = int(O.operand(args, 2, 0)) % len(shape)
+            dim = int(O.operand(args, 2, kwargs.get("dim", 0))) % len(shape)
+            size = args[1]
+            sizes = [int(n) for n in size] if isinstance(size, (list, tuple)) else \
+                [min(int(size), shape[dim] - a) for a in range(0, shape[dim], max(int(size), 1))]
+            if sum(sizes) != shape[dim]:
+                return False
             starts = [sum(sizes[:i]) for i in range(len(sizes))]
             spans = [(a, a + n) for a, n in zip(starts, sizes)]
-        if len(spans) != len(op.outputs):
-            return False
+        if len(spans) != len(op.outputs) or any(hi <= lo for lo, hi in spans):
+            return False   # NOTE: an empty piece is left to the op itself
         for out, (lo, hi) in zip(op.outputs, spans):
             self.virtual[out] = T.window(self.virtual[src[1]], dim, lo, hi)
         return True
@@ -434,12 +450,16 @@ class Decomposer:
         bounds = bounds_for(split.n, k)
         picks = range(k) if k <= 4 else sorted({0, k // 3, (2 * k) // 3, k - 1})
         worst = 0
-        for i in picks:
-            args, kwargs, _, spec = split.piece(i, bounds[i], bounds[i + 1], [])
-            if spec is None:
-                continue
-            inputs, _ = operand_names(args, kwargs)
-            worst = max(worst, max((self.gather_ws(t) for t in inputs if t in self.virtual), default=0))
+        self.sampling = True
+        try:
+            for i in picks:
+                args, kwargs, _, spec = split.piece(i, bounds[i], bounds[i + 1], [])
+                if spec is None:
+                    continue
+                inputs, _ = operand_names(args, kwargs)
+                worst = max(worst, max((self.gather_ws(t) for t in inputs if t in self.virtual), default=0))
+        finally:
+            self.sampling = False
         return worst
 
     # --- result ------------------------------------------------------------------------------
@@ -452,7 +472,7 @@ class Decomposer:
             itemsize = spec.nbytes // max(spec.numel, 1)
             for dim in range(len(spec.shape)):
                 row = _numel(T.extent(region)[dim + 1:]) * itemsize
-                if _numel(T.extent(grid[0])) * itemsize <= self.budget // 4:
+                if max(_numel(T.extent(r)) for r in grid) * itemsize <= self.budget // 4:
                     break
                 k = -(-spec.shape[dim] * row // max(self.budget // 4, 1))
                 bounds = bounds_for(spec.shape[dim], min(k, spec.shape[dim]))
@@ -489,10 +509,7 @@ class Decomposer:
             if t not in self.virtual:
                 outputs.append(t)
             elif self.gather_ws(t) <= self.budget:
-                ref = self.gather(t, "output")
-                view = ref.get("view")
-                outputs.append(ref["t"] if view is None else
-                               self.region_of(ref["t"], tuple((a, b) for a, b in view), "output"))
+                outputs.append(self.produced(t, "output"))
             else:
                 tilings[t] = tuple((r, self.region_of(leaf, src, "output"))
                                    for r, leaf, src in self.virtual[t])

@@ -288,6 +288,13 @@ def _shrink(plan: Plan, spec: ClusterSpec, i: int) -> tuple[np.ndarray, np.ndarr
     order = mine[np.argsort(-ratio, kind="stable")]
     cum = np.cumsum(w.weight_bytes[order])
     k = int(np.searchsorted(cum, held - cap[i], side="left")) + 1
+    # NOTE: tiles the device shares with ops that stay are still held: leave until they are not.
+    while k < len(order):
+        left = dev.copy()
+        left[order[:k]] = (i + 1) % len(spec.devices)
+        if Plan(plan.graph, spec, left).weight_bytes[i] <= cap[i]:
+            break
+        k += max(1, k // 4)
     moving = np.sort(order[:k])
     dev[moving] = -1
     return _rehome(plan, spec, dev, moving, spec.devices[i], exclude=i), moving
