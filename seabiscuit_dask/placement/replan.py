@@ -170,13 +170,11 @@ def _rehome(plan: Plan, spec: ClusterSpec, dev: np.ndarray, moving: np.ndarray,
         cands = quick
     cand = np.array(cands, dtype=np.int64)
     depth = w.depth
-    own = np.zeros(w.n)
-    for d in range(n_dev):
-        mine = dev == d
-        own[mine] = cols[d][mine]
-    loads = np.bincount(depth[staying] * n_dev + dev[staying], weights=own[staying],
-                        minlength=(int(depth.max()) + 1) * n_dev)
-    base = loads[depth[moving][:, None] * n_dev + cand[None, :]].tolist()
+    levels = int(depth.max()) + 1
+    # NOTE: the work already at each depth level of each candidate, for evening out
+    loads = np.stack([np.bincount(depth[dev == d], weights=cols[d][dev == d], minlength=levels)
+                      for d in cands], axis=1)
+    base = loads[depth[moving]].tolist()
     t_mv_a = np.stack([cols[d][moving] for d in cands], axis=1)
     t_mv = t_mv_a.tolist()
     lat = spec.latency[:, cand].tolist()
