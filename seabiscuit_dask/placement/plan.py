@@ -77,8 +77,7 @@ def phases(w: Workload, dev: np.ndarray, prior: np.ndarray | None = None, start:
     eu_l, ev_l = w.edge_lists
     dl = dev.tolist()
     # NOTE: edges are sorted by consumer and producers come first, so ph[u] is final when read.
-    for i in range(first, last):
-        u, v = eu_l[i], ev_l[i]
+    for u, v in zip(eu_l[first:last], ev_l[first:last]):
         x = ph[u] + (dl[u] != dl[v])
         if x > ph[v]:
             ph[v] = x
@@ -112,13 +111,22 @@ def blocks_for(w: Workload, dev: np.ndarray, n_devices: int,
     cs = np.cumsum(s_sorted) - s_sorted                     # senders strictly before, overall
     starts = np.flatnonzero(np.r_[True, g_sorted[1:] != g_sorted[:-1]])
     first = np.repeat(starts, np.diff(np.r_[starts, w.n]))
-    sub = np.empty(w.n, dtype=np.int64)
-    sub[order] = cs - cs[first]
-    key = (ph * (int(sub.max()) + 1 if w.n else 1) + sub) * n_devices + dev
-    uniq, block_of = np.unique(key, return_inverse=True)
-    n_sub = int(sub.max()) + 1 if w.n else 1
-    return (block_of.reshape(-1).astype(np.int64), (uniq % n_devices).astype(np.int64),
-            (uniq // n_devices // n_sub).astype(np.int64))
+    sub_sorted = cs - cs[first]
+    n_sub = int(sub_sorted.max()) + 1 if w.n else 1
+    # NOTE: blocks are the runs of equal (group, sub) along ``order``; they are numbered in
+    # (phase, sub, device) order, a topological order of the blocks.
+    head = np.r_[True, (g_sorted[1:] != g_sorted[:-1]) | (sub_sorted[1:] != sub_sorted[:-1])] if w.n \
+        else np.zeros(0, dtype=bool)
+    run = np.cumsum(head) - 1
+    lead = order[head]
+    bkey = (ph[lead] * n_sub + sub_sorted[head]) * n_devices + dev[lead]
+    by_key = np.argsort(bkey, kind="stable")
+    rank = np.empty(len(bkey), dtype=np.int64)
+    rank[by_key] = np.arange(len(bkey))
+    block_of = np.empty(w.n, dtype=np.int64)
+    block_of[order] = rank[run]
+    uniq = bkey[by_key]
+    return block_of, (uniq % n_devices).astype(np.int64), (uniq // n_devices // n_sub).astype(np.int64)
 
 
 def fingerprint(graph: OpGraph) -> str:

@@ -113,15 +113,14 @@ def replan(plan: Plan, event: Event) -> Plan:
 
 
 def _window(w: Any, moving: np.ndarray) -> tuple[int, int]:
-    """The ops whose phases a move can change directly: from the first moved op to the
-    last consumer of a moved op."""
+    """The ops whose phases are recomputed exactly: from the first moved op to the last (after
+    it, phases shift as one, which also orders the edges out of moved ops; see ``phases``)."""
     if not len(moving):
         return w.n, w.n
-    ends = [int(moving.max()) + 1] + [max(w.succs[v]) + 1 for v in moving.tolist() if w.succs[v]]
-    return int(moving.min()), max(ends)
+    return int(moving.min()), int(moving.max()) + 1
 
 
-LIGHT_S = 1e-5   # an op this quick and without weights is glue: it follows its input
+LIGHT_FLOPS_PER_BYTE = 4   # an op without weights doing less per byte it moves follows its input
 
 
 def _nearby(spec: ClusterSpec, like: DeviceSpec) -> list[list[int]]:
@@ -181,14 +180,25 @@ def _rehome(plan: Plan, spec: ClusterSpec, dev: np.ndarray, moving: np.ndarray,
     inv = (1.0 / spec.bandwidth[:, cand]).tolist()
     wb = w.weight_bytes[moving].tolist()
     dv = depth[moving].tolist()
-    t_src, t_bytes = w.lists
+    in_pairs = w.in_pairs
     free_l = free.tolist()
     extra: dict[int, float] = {}
     d_list = dev.tolist()
-    light = ((w.weight_bytes[moving] == 0) & (t_mv_a.max(axis=1) <= LIGHT_S)).tolist()
+    # NOTE: memory-bound ops without weights (joins, views, elementwise) go where their largest
+    # input is: moving them elsewhere would only move that input too.
+    light = ((w.weight_bytes[moving] == 0)
+             & (w.flops[moving] < LIGHT_FLOPS_PER_BYTE * w.moved_bytes[moving])).tolist()
     slot = {d: j for j, d in enumerate(cands)}
+    holder = _tile_holders(w, dev)
+    tiles_of = w.tiles_of
     for i, v in enumerate(moving.tolist()):
-        ins = [(d_list[t_src[t]], t_bytes[t]) for t in w.op_in[v]]
+        # NOTE: an op reading a weight tile a candidate already holds goes there: no second copy
+        held = next((holder[t] for t in tiles_of[v] if holder.get(t, -1) in slot), -1)
+        if held >= 0 and free_l[held] >= wb[i]:
+            d_list[v] = held
+            free_l[held] -= wb[i]
+            continue
+        ins = [(d_list[s], nb) for s, nb in in_pairs[v]]
         if light[i] and ins:   # NOTE: glue (a join, a view) goes where its largest input is
             d = max(ins, key=lambda x: x[1])[0]
             if d in slot:
@@ -215,7 +225,17 @@ def _rehome(plan: Plan, spec: ClusterSpec, dev: np.ndarray, moving: np.ndarray,
                                       f"once {home.name!r} is gone; most free: {fmt_bytes(max(free_l))}")
         d_list[v] = d
         free_l[d] -= wb[i]
+        for t in tiles_of[v]:
+            holder.setdefault(t, d)
     return np.array(d_list, dtype=np.int64)
+
+
+def _tile_holders(w: Any, dev: np.ndarray) -> dict[int, int]:
+    """Shared weight tile -> a device (``dev`` >= 0) already holding it."""
+    tile, user, _, _ = w.shared_arrays
+    placed = dev[user] >= 0
+    tiles, first = np.unique(tile[placed], return_index=True)
+    return dict(zip(tiles.tolist(), dev[user[placed]][first].tolist()))
 
 
 def _adopt(plan: Plan, spec: ClusterSpec, dev: np.ndarray, new: int) -> np.ndarray:

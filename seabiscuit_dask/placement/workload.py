@@ -108,6 +108,21 @@ class Workload:
         return {}
 
     @cached_property
+    def in_pairs(self) -> list[list[tuple[int, float]]]:
+        """Per op: (producing op, bytes) for each tensor it reads from another op."""
+        src, nbytes = self.lists
+        return [[(src[t], nbytes[t]) for t in ts] for ts in self.op_in]
+
+    @cached_property
+    def tiles_of(self) -> list[tuple[int, ...]]:
+        """Per op: the ids of the shared weight tiles it reads (see ``shared``)."""
+        out: list[list[int]] = [[] for _ in range(self.n)]
+        for i, (_, users) in enumerate(self.shared):
+            for u in users:
+                out[u].append(i)
+        return [tuple(x) for x in out]
+
+    @cached_property
     def edge_lists(self) -> tuple[list[int], list[int]]:
         """``edges`` as Python lists, for tight loops."""
         return self.edges[0].tolist(), self.edges[1].tolist()
