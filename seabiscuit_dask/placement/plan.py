@@ -68,24 +68,28 @@ def phases(w: Workload, dev: np.ndarray, prior: np.ndarray | None = None, start:
     (along every edge the phase still grows by at least the device change) and costs
     the repair of one device's stretch, not of the whole graph.
     """
-    eu, ev = w.edges
+    ev = w.edges[1]
     if prior is None:
-        start, end = 0, w.n
+        start, end, prior = 0, w.n, np.zeros(w.n, dtype=np.int64)
     end = w.n if end is None else max(start, min(end, w.n))
     first, last = int(np.searchsorted(ev, start)), int(np.searchsorted(ev, end))
-    ph = prior[:start].tolist() + [0] * (end - start) if prior is not None else [0] * w.n
+    ph = prior[:end].tolist()
+    ph[start:end] = [0] * (end - start)
     eu_l, ev_l = w.edge_lists
-    dl = dev.tolist()
+    dl = dev[:end].tolist()
     # NOTE: edges are sorted by consumer and producers come first, so ph[u] is final when read.
     for u, v in zip(eu_l[first:last], ev_l[first:last]):
         x = ph[u] + (dl[u] != dl[v])
         if x > ph[v]:
             ph[v] = x
-    out = np.empty(w.n, dtype=np.int64)
-    out[:end] = ph[:end]
-    if end < w.n and prior is not None:
-        tu, tv = eu[last:], ev[last:]
-        into = tu < end                       # edges from the window or before into the tail
+    out = prior.astype(np.int64, copy=True)
+    out[start:end] = ph[start:end]
+    if end < w.n:
+        # NOTE: only edges out of the window can need the shift: before it, phases are prior's
+        pu, pv = w.edges_by_producer
+        a, b = int(np.searchsorted(pu, start)), int(np.searchsorted(pu, end))
+        tu, tv = pu[a:b], pv[a:b]
+        into = tv >= end
         need = out[tu[into]] + (dev[tu[into]] != dev[tv[into]]) - prior[tv[into]]
         out[end:] = prior[end:] + max(0, int(need.max()) if len(need) else 0)
     return out
@@ -221,8 +225,9 @@ class Plan:
         out = np.bincount(self.device_of, weights=w.weight_bytes, minlength=n_dev)
         tile, user, nbytes, first = w.shared_arrays
         if len(tile):   # NOTE: each (tile, device) pair once, less the copy its first user counted
-            held = np.unique(tile * n_dev + self.device_of[user])
-            out += np.bincount(held % n_dev, weights=nbytes[held // n_dev], minlength=n_dev)
+            held = np.zeros((len(nbytes), n_dev), dtype=bool)
+            held[tile, self.device_of[user]] = True
+            out += nbytes @ held
             out -= np.bincount(self.device_of[first], weights=nbytes, minlength=n_dev)
         return out
 

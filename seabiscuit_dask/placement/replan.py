@@ -27,12 +27,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Any
 
 import numpy as np
 
 from ..errors import ClusterTooSmall, SeaBiscuitError
 from ..ir import fmt_bytes
+from ..pauses import no_gc
 from .capacity import weight_capacity
 from .cluster import ClusterSpec, DeviceSpec
 from .plan import Plan
@@ -71,7 +73,11 @@ def replan(plan: Plan, event: Event) -> Plan:
     >>> plan2 = sb.replan(plan, sb.DeviceLost("h0-gpu1"))      # doctest: +SKIP
     >>> plan2.info["moved_bytes"]                               # doctest: +SKIP
     """
-    t0 = time.perf_counter()
+    with no_gc():
+        return _replan(plan, event, time.perf_counter())
+
+
+def _replan(plan: Plan, event: Event, t0: float) -> Plan:
     if isinstance(event, DeviceLost):
         spec = plan.spec.without(event.name)
         lost = plan.spec.index(event.name)
@@ -193,14 +199,15 @@ def _rehome(plan: Plan, spec: ClusterSpec, dev: np.ndarray, moving: np.ndarray,
     tiles_of = w.tiles_of
     for i, v in enumerate(moving.tolist()):
         # NOTE: an op reading a weight tile a candidate already holds goes there: no second copy
-        held = next((holder[t] for t in tiles_of[v] if holder.get(t, -1) in slot), -1)
-        if held >= 0 and free_l[held] >= wb[i]:
-            d_list[v] = held
-            free_l[held] -= wb[i]
-            continue
+        if tiles_of[v]:
+            held = next((holder[t] for t in tiles_of[v] if holder.get(t, -1) in slot), -1)
+            if held >= 0 and free_l[held] >= wb[i]:
+                d_list[v] = held
+                free_l[held] -= wb[i]
+                continue
         ins = [(d_list[s], nb) for s, nb in in_pairs[v]]
         if light[i] and ins:   # NOTE: glue (a join, a view) goes where its largest input is
-            d = max(ins, key=lambda x: x[1])[0]
+            d = max(ins, key=itemgetter(1))[0]
             if d in slot:
                 d_list[v] = d
                 continue
@@ -232,10 +239,12 @@ def _rehome(plan: Plan, spec: ClusterSpec, dev: np.ndarray, moving: np.ndarray,
 
 def _tile_holders(w: Any, dev: np.ndarray) -> dict[int, int]:
     """Shared weight tile -> a device (``dev`` >= 0) already holding it."""
-    tile, user, _, _ = w.shared_arrays
+    tile, user, nbytes, _ = w.shared_arrays
     placed = dev[user] >= 0
-    tiles, first = np.unique(tile[placed], return_index=True)
-    return dict(zip(tiles.tolist(), dev[user[placed]][first].tolist()))
+    held = np.zeros((len(nbytes), int(dev.max()) + 2), dtype=bool)
+    held[tile[placed], dev[user[placed]]] = True
+    some = held.any(axis=1)
+    return dict(zip(np.flatnonzero(some).tolist(), held[some].argmax(axis=1).tolist()))
 
 
 def _adopt(plan: Plan, spec: ClusterSpec, dev: np.ndarray, new: int) -> np.ndarray:

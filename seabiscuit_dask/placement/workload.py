@@ -123,6 +123,13 @@ class Workload:
         return [tuple(x) for x in out]
 
     @cached_property
+    def edges_by_producer(self) -> tuple[np.ndarray, np.ndarray]:
+        """``edges`` sorted by producer."""
+        u, v = self.edges
+        order = np.argsort(u, kind="stable")
+        return u[order], v[order]
+
+    @cached_property
     def edge_lists(self) -> tuple[list[int], list[int]]:
         """``edges`` as Python lists, for tight loops."""
         return self.edges[0].tolist(), self.edges[1].tolist()
