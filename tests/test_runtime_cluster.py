@@ -142,7 +142,7 @@ def test_only_activations_travel(client) -> None:
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
         bound = task_transfer_bound(dm)
         # NOTE: a result may be fetched again (Dask re-fetches data a worker released early)
-        assert 0 < moved <= 2 * bound, f"moved {moved} bytes; one fetch of each block per other worker is {bound}"
+        assert 0 < moved <= 2 * bound, f"moved {moved} bytes; a fetch of each block per other worker: {bound}"
         assert moved < weights / 20          # no weight ever travels: they are ten times this
 
 
