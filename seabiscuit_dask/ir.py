@@ -260,6 +260,18 @@ class OpCost:
         return self.param_bytes + self.input_bytes + self.output_bytes + self.scratch_bytes
 
 
+def input_bytes(op: Op, tensors: Mapping[str, TensorSpec]) -> int:
+    """Bytes of the distinct tensors ``op`` reads (specs from ``tensors``); a view counts its region."""
+    if "args" not in op.attrs:
+        return sum(tensors[t].nbytes for t in dict.fromkeys(op.inputs))
+    seen: dict[tuple[str, str], int] = {}
+    for r in iter_refs((op.attrs["args"], op.attrs.get("kwargs", {}))):
+        if "t" in r and (key := (r["t"], repr(r.get("view")))) not in seen:
+            spec = tensors[r["t"]]
+            seen[key] = math.prod(view_shape(r, spec.shape)) * DTYPE_BYTES.get(spec.dtype, 4)
+    return sum(seen.values())
+
+
 ATTENTION_SCORES = 4   # NOTE: bytes per attention score: kernels compute scores in float32
 
 
@@ -363,16 +375,7 @@ class OpGraph:
 
     def input_bytes(self, op: Op) -> int:
         """Bytes of the distinct tensors ``op`` reads; a view counts its own region."""
-        if "args" not in op.attrs:
-            return sum(self.tensors[t].nbytes for t in dict.fromkeys(op.inputs))
-        seen: dict[tuple[str, str], int] = {}
-        for r in iter_refs((op.attrs["args"], op.attrs.get("kwargs", {}))):
-            if "t" in r:
-                spec = self.tensors[r["t"]]
-                key = (r["t"], repr(r.get("view")))
-                if key not in seen:
-                    seen[key] = math.prod(view_shape(r, spec.shape)) * DTYPE_BYTES.get(spec.dtype, 4)
-        return sum(seen.values())
+        return input_bytes(op, self.tensors)
 
     def working_set(self, op: Op) -> int:
         return self.cost(op).working_set_bytes

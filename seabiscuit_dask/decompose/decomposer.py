@@ -8,6 +8,7 @@ no single tile holds; partial sums are added as a tree of (tiled) adds.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -19,10 +20,9 @@ from ..ir import (
     ParamSpec,
     Region,
     TensorSpec,
-    iter_refs,
+    input_bytes,
     operand_names,
     scratch_bytes,
-    view_shape,
 )
 from . import tiling as T
 from .report import Oversize, why_unsplit
@@ -83,14 +83,7 @@ class Decomposer:
 
     def ws(self, op: Op) -> int:
         """Working set of ``op``: params, inputs (a view counts its region), outputs, scratch."""
-        seen: dict[tuple[str, str], int] = {}
-        for r in iter_refs((op.attrs.get("args", ()), op.attrs.get("kwargs", {}))):
-            if "t" in r and (key := (r["t"], repr(r.get("view")))) not in seen:
-                spec = self.tensors[r["t"]]
-                seen[key] = spec.nbytes if "view" not in r else \
-                    _numel(view_shape(r, spec.shape)) * (spec.nbytes // max(spec.numel, 1))
-        inputs = sum(seen.values()) if "args" in op.attrs else sum(self.tensors[t].nbytes for t in op.inputs)
-        return (sum(self.params[p].nbytes for p in op.params) + inputs
+        return (sum(self.params[p].nbytes for p in op.params) + input_bytes(op, self.tensors)
                 + sum(self.tensors[t].nbytes for t in op.outputs)
                 + scratch_bytes(op, self.tensors))
 
@@ -471,8 +464,8 @@ class Decomposer:
             region, grid = T.full(spec.shape), [T.full(spec.shape)]
             itemsize = spec.nbytes // max(spec.numel, 1)
             for dim in range(len(spec.shape)):
-                row = _numel(T.extent(region)[dim + 1:]) * itemsize
-                if max(_numel(T.extent(r)) for r in grid) * itemsize <= self.budget // 4:
+                row = math.prod(T.extent(region)[dim + 1:]) * itemsize
+                if max(math.prod(T.extent(r)) for r in grid) * itemsize <= self.budget // 4:
                     break
                 k = -(-spec.shape[dim] * row // max(self.budget // 4, 1))
                 bounds = bounds_for(spec.shape[dim], min(k, spec.shape[dim]))
@@ -527,13 +520,6 @@ class Decomposer:
         self.root = None
         self.deliver()
         return not self.oversize
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def _rename(value: Any, refs: Mapping[str, dict[str, Any]]) -> Any:
