@@ -19,13 +19,16 @@ from seabiscuit_dask.placement import (
     simulate,
 )
 from seabiscuit_dask.placement.workload import workload
+from seabiscuit_dask.placement.cluster import NO_DASK, DaskSpec
 from tests.dags import chain, random_dag
 from tests.models import gpt2, ids
 
 
-def small_spec(hosts: int = 2, gpus: int = 2, gpu_mem: str = "64MiB", cpu_mem: str = "256MiB") -> ClusterSpec:
-    return ClusterSpec.synthetic(None, hosts=hosts, gpus_per_host=gpus, cpus_per_host=1, hosts_per_rack=1,
+def small_spec(hosts: int = 2, gpus: int = 2, gpu_mem: str = "64MiB", cpu_mem: str = "256MiB",
+               dask: DaskSpec | None = None) -> ClusterSpec:
+    spec = ClusterSpec.synthetic(None, hosts=hosts, gpus_per_host=gpus, cpus_per_host=1, hosts_per_rack=1,
                                  gpu_memory=gpu_mem, cpu_memory=cpu_mem)
+    return spec if dask is None else spec.with_dask(dask)
 
 
 def block_graph_acyclic(plan: Plan) -> bool:
@@ -171,7 +174,7 @@ def test_place_beats_every_baseline_on_a_real_model(gpt2_graph):
 def test_place_spreads_a_layer_over_one_host_first():
     # Wide, parallel work with big tensors: the fast links inside a host carry it.
     g = random_dag(300, seed=3, window=30, out_kib=(64, 256))
-    spec = small_spec(hosts=2, gpus=3, gpu_mem="1GiB")
+    spec = small_spec(hosts=2, gpus=3, gpu_mem="1GiB", dask=NO_DASK)
     plan = place(g, spec)
     bb = plan.bytes_between
     same_host = np.array([[a.host == b.host for b in spec.devices] for a in spec.devices])
@@ -200,7 +203,7 @@ def test_simulator_chain_across_two_devices_is_exact():
     g = chain([0, 0, 0], out_kib=1000, flops=10**6)   # each op 1 ms at 1 GFLOP/s
     spec = two_devices()
     plan = Plan(g, spec, np.array([0, 1, 1]))
-    s = simulate(plan)
+    s = simulate(plan, dask=NO_DASK)
     transfer = 1e-4 + 1000 * 1024 / 1e9
     assert s.makespan_s == pytest.approx(3e-3 + transfer)
     assert s.op_start[1] == pytest.approx(1e-3 + transfer)
@@ -220,13 +223,13 @@ def test_simulator_link_contention_serialises_transfers_leaving_a_host():
     spec = ClusterSpec.synthetic(None, hosts=2, gpus_per_host=2, cpus_per_host=0, hosts_per_rack=1)
     # p0, p1 on host0's two GPUs; c0, c1 on host1's two GPUs: both transfers share h0's egress.
     plan = Plan(g, spec, np.array([0, 1, 2, 3]))
-    s = simulate(plan)
+    s = simulate(plan, dask=NO_DASK)
     (_, _, _, s0, _), (_, _, _, s1, _) = sorted(s.transfers, key=lambda x: x[3])
     busy = 1000 * 1024 / spec.bandwidth[0, 2]
     assert s1 == pytest.approx(s0 + busy)             # the second waits for the NIC
     # Inside a host each pair has its own channel: no waiting.
     spec1 = ClusterSpec.synthetic(None, hosts=1, gpus_per_host=4, cpus_per_host=0)
-    s = simulate(Plan(g, spec1, np.array([0, 1, 2, 3])))
+    s = simulate(Plan(g, spec1, np.array([0, 1, 2, 3])), dask=NO_DASK)
     starts = sorted(x[3] for x in s.transfers)
     assert starts[0] == pytest.approx(starts[1])
 

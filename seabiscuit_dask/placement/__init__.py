@@ -7,14 +7,14 @@ against.
 """
 
 from .baselines import BASELINES, heft, metis, pipeline, round_robin
-from .cluster import PRESETS, PROFILES, ClusterSpec, DeviceSpec, LinkSpec
+from .cluster import NO_DASK, PRESETS, PROFILES, ClusterSpec, DaskSpec, DeviceSpec, LinkSpec
 from .partition import place
 from .plan import Block, Plan
 from .replan import CapacityChanged, DeviceAdded, DeviceLost, replan
 from .simulate import Schedule, lower_bound_s, simulate
 
 __all__ = [
-    "BASELINES", "PRESETS", "PROFILES", "Block", "CapacityChanged", "ClusterSpec", "DeviceAdded",
+    "BASELINES", "NO_DASK", "PRESETS", "PROFILES", "Block", "CapacityChanged", "ClusterSpec", "DaskSpec", "DeviceAdded",
     "DeviceLost", "DeviceSpec", "LinkSpec", "Plan", "Schedule", "heft", "lower_bound_s", "metis",
     "pipeline", "place", "replan", "round_robin", "simulate",
 ]

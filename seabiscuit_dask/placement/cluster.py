@@ -25,6 +25,15 @@ YAML schema (``ClusterSpec.from_yaml``)::
     matrix:                              # optional, measured: overrides links
       bandwidth: [[...], ...]            # bytes/s, device order as listed
       latency: [[...], ...]
+    dask:                                # optional: what Dask itself costs (DaskSpec)
+      task: 2.0e-4                       # scheduler time per task, s (one scheduler, serial)
+      hop: 1.0e-3                        # a task's end to its dependent's start, s
+      submit: 1.0e-3                     # client: send one request's graph, s
+      gather: 1.0e-3                     # client: receive its results, s
+      client_bandwidth: 1.0e9            # bytes/s between the client and the workers
+
+A device may carry ``scale: {matmul: 1.1, other: 0.9}``: measured over modelled time
+per op class, learned from observed block runs (``placement.learn``).
 
 ``preset: "4x(3gpu+cpu)"`` in place of ``devices`` builds a synthetic cluster.
 """
@@ -80,6 +89,62 @@ class LinkSpec:
         return cls(bw, lat)
 
 
+DASK_FIELDS = {"task": "task_s", "hop": "hop_s", "submit": "submit_s", "gather": "gather_s",
+               "client_bandwidth": "client_bytes_per_s"}
+
+
+@dataclass(frozen=True)
+class DaskSpec:
+    """What Dask itself costs per request: the terms the simulator adds to compute and transfers.
+
+    ``task_s`` is scheduler time per task, spent serially (one scheduler for the whole
+    cluster); ``hop_s`` is the delay from a task's end to the start of a task that depends
+    on it (the worker tells the scheduler, which sends the next task: a round trip),
+    besides the scheduler's own time and any data transfer; ``submit_s`` and ``gather_s``
+    are the client's fixed costs of sending one request and receiving its results,
+    whose bytes travel at ``client_bytes_per_s``. Defaults are typical of a cluster on
+    a data-centre network; ``measure_cluster`` measures them on the live cluster.
+    """
+
+    task_s: float = 2e-4
+    hop_s: float = 1e-3
+    submit_s: float = 1e-3
+    gather_s: float = 1e-3
+    client_bytes_per_s: float = 1e9
+
+    def __post_init__(self) -> None:
+        for k in ("task_s", "hop_s", "submit_s", "gather_s"):
+            v = getattr(self, k)
+            if not (isinstance(v, (int, float)) and 0 <= v < math.inf):
+                raise SeaBiscuitError(f"dask.{k} must be a time in seconds >= 0, got {v!r}")
+        if not self.client_bytes_per_s > 0:
+            raise SeaBiscuitError(f"dask.client_bandwidth must be > 0 bytes/s, got {self.client_bytes_per_s}")
+
+    @property
+    def cut_s(self) -> float:
+        """What one more dependent task costs on a path: the hop and the scheduler's time."""
+        return self.hop_s + self.task_s
+
+    def to_dict(self) -> dict[str, float]:
+        return {k: float(getattr(self, a)) for k, a in DASK_FIELDS.items()}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> DaskSpec:
+        if not isinstance(d, Mapping):
+            raise SeaBiscuitError(f"'dask' must map {sorted(DASK_FIELDS)} to numbers, got {d!r}")
+        unknown = set(d) - set(DASK_FIELDS)
+        if unknown:
+            raise SeaBiscuitError(f"dask: unknown fields {sorted(unknown)}; known: {sorted(DASK_FIELDS)}")
+        try:
+            return cls(**{DASK_FIELDS[k]: float(v) for k, v in d.items()})
+        except (TypeError, ValueError) as e:
+            raise SeaBiscuitError(f"dask: every field must be a number: {e}") from e
+
+
+NO_DASK = DaskSpec(0.0, 0.0, 0.0, 0.0, math.inf)
+"""No Dask costs at all: what an in-process run pays."""
+
+
 @dataclass(frozen=True)
 class DeviceSpec:
     """One device (one Dask worker): memory budget, speed per op class, place in the topology."""
@@ -93,6 +158,7 @@ class DeviceSpec:
     host: str = "host0"
     rack: str = "rack0"
     address: str = ""                 # the Dask worker's address, for a cluster seen from a Client
+    scale: Mapping[str, float] = field(default_factory=dict)   # measured / modelled time per op class
 
     def __post_init__(self) -> None:
         if not self.name or not isinstance(self.name, str):
@@ -116,6 +182,15 @@ class DeviceSpec:
             raise SeaBiscuitError(f"device {self.name!r}: op_overhead_s must be >= 0, "
                                   f"got {self.op_overhead_s}")
         object.__setattr__(self, "flops_per_s", {c: float(v) for c, v in self.flops_per_s.items()})
+        bad = {c: v for c, v in dict(self.scale).items() if c not in OP_CLASSES or not 0 < float(v) < math.inf}
+        if bad:
+            raise SeaBiscuitError(f"device {self.name!r}: scale must map op classes {list(OP_CLASSES)} to "
+                                  f"positive factors, got {bad}")
+        object.__setattr__(self, "scale", {c: float(v) for c, v in self.scale.items() if float(v) != 1.0})
+
+    def time_scale(self, op_class: str) -> float:
+        """Measured over modelled time for ``op_class`` (1.0 until runs are observed)."""
+        return float(self.scale.get(op_class, 1.0))
 
     @property
     def where(self) -> tuple[str, str]:
@@ -126,7 +201,8 @@ class DeviceSpec:
         return {"name": self.name, "kind": self.kind, "memory": self.memory_bytes,
                 "flops_per_s": dict(self.flops_per_s), "mem_bytes_per_s": self.mem_bytes_per_s,
                 "op_overhead_s": self.op_overhead_s, "host": self.host, "rack": self.rack,
-                **({"address": self.address} if self.address else {})}
+                **({"address": self.address} if self.address else {}),
+                **({"scale": dict(self.scale)} if self.scale else {})}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> DeviceSpec:
@@ -140,7 +216,7 @@ class DeviceSpec:
             base = PROFILES[profile].to_dict()
         base.update(d)
         unknown = set(base) - {"name", "kind", "memory", "flops_per_s", "mem_bytes_per_s",
-                               "op_overhead_s", "host", "rack", "address"}
+                               "op_overhead_s", "host", "rack", "address", "scale"}
         if unknown:
             raise SeaBiscuitError(f"device {base.get('name')!r}: unknown fields {sorted(unknown)}")
         need = [k for k in ("name", "kind", "memory", "flops_per_s", "mem_bytes_per_s") if k not in base]
@@ -154,7 +230,8 @@ class DeviceSpec:
                        mem_bytes_per_s=float(base["mem_bytes_per_s"]),
                        op_overhead_s=float(base.get("op_overhead_s", 0.0)),
                        host=str(base.get("host", "host0")), rack=str(base.get("rack", "rack0")),
-                       address=str(base.get("address", "")))
+                       address=str(base.get("address", "")),
+                       scale={k: float(v) for k, v in dict(base.get("scale") or {}).items()})
         except (TypeError, ValueError) as e:
             raise SeaBiscuitError(f"device {base.get('name')!r}: {e}") from e
 
@@ -188,9 +265,12 @@ class ClusterSpec:
     devices: tuple[DeviceSpec, ...]
     links: Mapping[str, LinkSpec] = field(default_factory=lambda: dict(DEFAULT_LINKS))
     matrix: tuple[tuple[tuple[float, ...], ...], tuple[tuple[float, ...], ...]] | None = None
+    dask: DaskSpec = field(default_factory=DaskSpec)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "devices", tuple(self.devices))
+        if not isinstance(self.dask, DaskSpec):
+            raise SeaBiscuitError(f"ClusterSpec.dask must be a DaskSpec, got {type(self.dask).__name__}")
         if not self.devices:
             raise SeaBiscuitError("a cluster needs at least one device, got none")
         names = [d.name for d in self.devices]
@@ -265,8 +345,9 @@ class ClusterSpec:
     def from_dict(cls, d: Mapping[str, Any]) -> ClusterSpec:
         if not isinstance(d, Mapping):
             raise SeaBiscuitError(f"a cluster description must be a mapping, got {type(d).__name__}")
+        dask = DaskSpec.from_dict(d["dask"]) if d.get("dask") is not None else DaskSpec()
         if "preset" in d:
-            return cls.synthetic(str(d["preset"]))
+            return replace(cls.synthetic(str(d["preset"])), dask=dask)
         devs = d.get("devices")
         if not isinstance(devs, Sequence) or isinstance(devs, str) or not all(
                 isinstance(x, Mapping) for x in devs):
@@ -288,7 +369,7 @@ class ClusterSpec:
                                for k in ("bandwidth", "latency"))
             except (KeyError, TypeError, ValueError) as e:
                 raise SeaBiscuitError(f"matrix needs numeric 'bandwidth' and 'latency' lists: {e}") from e
-        return cls(devices, links, matrix)  # type: ignore[arg-type]
+        return cls(devices, links, matrix, dask)  # type: ignore[arg-type]
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> ClusterSpec:
@@ -304,7 +385,8 @@ class ClusterSpec:
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"devices": [d.to_dict() for d in self.devices],
-                               "links": {k: v.to_dict() for k, v in self.links.items()}}
+                               "links": {k: v.to_dict() for k, v in self.links.items()},
+                               "dask": self.dask.to_dict()}
         if self.matrix is not None:
             out["matrix"] = {"bandwidth": [list(r) for r in self.matrix[0]],
                              "latency": [list(r) for r in self.matrix[1]]}
@@ -329,18 +411,46 @@ class ClusterSpec:
         matrix = None
         if self.matrix is not None:
             matrix = tuple(tuple(r[:i] + r[i + 1:] for j, r in enumerate(m) if j != i) for m in self.matrix)
-        return ClusterSpec(self.devices[:i] + self.devices[i + 1:], self.links, matrix)  # type: ignore[arg-type]
+        return ClusterSpec(self.devices[:i] + self.devices[i + 1:], self.links, matrix,  # type: ignore[arg-type]
+                           self.dask)
 
     def with_device(self, device: DeviceSpec) -> ClusterSpec:
-        if self.matrix is not None:
-            raise SeaBiscuitError(f"cannot add {device.name!r} to a cluster described by a measured "
-                                  "matrix; measure again with the new device")
-        return ClusterSpec((*self.devices, device), self.links)
+        """A new spec with ``device`` added. With a measured matrix, the newcomer's links are
+        those of a device on its host (the median of the measured ones elsewhere) until measured."""
+        devices = (*self.devices, device)
+        if self.matrix is None:
+            return ClusterSpec(devices, self.links, None, self.dask)
+        return ClusterSpec(devices, self.links, self._matrix_with(device), self.dask)
+
+    def _matrix_with(self, device: DeviceSpec) -> Any:
+        n = len(self.devices)
+        peer = next((i for i, d in enumerate(self.devices) if d.where == device.where), -1)
+        out = []
+        for m, diag in zip(self.matrix or (), (math.inf, 0.0)):
+            a = np.array(m, dtype=float)
+            off = ~np.eye(n, dtype=bool)
+            if peer >= 0:
+                row, col = a[peer].copy(), a[:, peer].copy()
+                # NOTE: to and from the peer itself: as between the peer and another device of its host
+                mates = [j for j, d in enumerate(self.devices) if d.where == device.where and j != peer]
+                inner = float(np.median(a[peer, mates])) if mates else float(np.median(a[off])) if n > 1 else 0.0
+                row[peer] = col[peer] = inner
+            else:
+                fill = float(np.median(a[off])) if n > 1 else (1e9 if diag else 1e-4)
+                row, col = np.full(n, fill), np.full(n, fill)
+            grown = np.zeros((n + 1, n + 1))
+            grown[:n, :n], grown[n, :n], grown[:n, n] = a, row, col
+            grown[n, n] = diag if not math.isinf(diag) else 0.0
+            out.append(tuple(tuple(float(x) for x in r) for r in grown))
+        return tuple(out)
 
     def with_changes(self, name: str, **changes: Any) -> ClusterSpec:
         i = self.index(name)
         dev = replace(self.devices[i], **changes)
-        return ClusterSpec((*self.devices[:i], dev, *self.devices[i + 1:]), self.links, self.matrix)
+        return ClusterSpec((*self.devices[:i], dev, *self.devices[i + 1:]), self.links, self.matrix, self.dask)
+
+    def with_dask(self, dask: DaskSpec) -> ClusterSpec:
+        return replace(self, dask=dask)
 
     # --- derived views ----------------------------------------------------------------
     @cached_property
@@ -379,6 +489,15 @@ class ClusterSpec:
     def latency(self) -> np.ndarray:
         """``[a, b]`` -> seconds from device a to device b (0 on the diagonal)."""
         return self._link_matrix(1, 0.0)
+
+    @cached_property
+    def cut_latency(self) -> np.ndarray:
+        """``[a, b]`` -> what a cut from a to b costs before its bytes: the link's latency plus a
+        Dask hop and the scheduler's time for the task on the far side (0 on the diagonal).
+        The partitioners weigh cuts with it; ``simulate`` models the terms one by one."""
+        out = self.latency + self.dask.cut_s
+        np.fill_diagonal(out, 0.0)
+        return out
 
     def transfer_s(self, a: int, b: int, nbytes: float) -> float:
         if a == b:

@@ -16,8 +16,16 @@ fast ones. The partitioner follows it in two tiers.
    the device of its host with the earliest estimated finish, memory permitting.
    Fast links inside a host carry the parallel work (tiles, heads).
 5. The same list scheduling over the whole cluster, ignoring stages, is the
-   fallback; ``simulate`` picks the faster of the two (small graphs can gain
-   from spreading one layer over hosts; large ones never do on real links).
+   fallback (small graphs can gain from spreading one layer over hosts; large ones
+   never do on real links).
+6. ``fewest_devices``: contiguous stages on the k fastest devices that hold the
+   weights, for the smallest few k; a model that fits one device is one block.
+
+Every cut is priced with what Dask charges for it (``ClusterSpec.cut_latency``: a
+hop and the scheduler's time for the task on the far side, besides the link), and
+``simulate``, which models Dask's costs one by one, picks among the candidates, each
+with its blocks cut where outputs leave a device or fused to one block per device
+and phase: more parallelism is taken only where it pays for its hops.
 
 The result is a ``Plan`` whose blocks form an acyclic graph.
 """
@@ -88,7 +96,8 @@ def _place_all(graph: OpGraph, spec: ClusterSpec, refine_passes: int, t0: float)
             break
         best = min((best, plan), key=lambda p: float(np.maximum(p.peak_bytes - mem, 0).sum()))
     return make_plan(graph, spec, best.device_of, "multilevel", _time.perf_counter() - t0,
-                     levels=best.info.get("levels"), tier=best.info.get("tier")).check()
+                     levels=best.info.get("levels"), tier=best.info.get("tier"),
+                     fused=bool(best.info.get("fused"))).check()
 
 
 FLAT_MAX_OPS = 20_000   # NOTE: past this, a layer is wide enough to keep a host busy alone
@@ -107,18 +116,57 @@ def _place(graph: OpGraph, spec: ClusterSpec, w: Workload, cap: np.ndarray, refi
     for g, node_of in reversed(levels[:-1]):
         host = refine_hosts(g, spec, host_cap, host[node_of], passes=refine_passes)
     shared = shared_params(w)
-    staged = make_plan(graph, spec, assign_devices(g0, spec, cap, host, shared=shared), "multilevel")
-    if g0.k > FLAT_MAX_OPS and staged.feasible:
-        return make_plan(graph, spec, staged.device_of, "multilevel", levels=[g.k for g, _ in levels],
-                         tier="hosts")
-    # A small graph may gain more from parallel work across hosts than it pays in slow
-    # links: schedule it on the whole cluster too, and keep the faster by simulation.
-    flat = make_plan(graph, spec, _list_schedule(g0, spec, cap, [list(range(len(cap)))] * g0.k,
-                                                 shared=shared), "multilevel")
-    # NOTE: a feasible plan beats an infeasible one; on a tie (within 0.1%) the staged one wins.
-    best = min((staged, flat), key=lambda p: (not p.feasible, p.makespan_s * (1.0 if p is staged else 1.001)))
+    cands = {"hosts": assign_devices(g0, spec, cap, host, shared=shared)}
+    if g0.k <= FLAT_MAX_OPS:
+        # A small graph may gain more from parallel work across hosts than it pays in slow
+        # links: schedule it on the whole cluster too, and keep the faster by simulation.
+        cands["flat"] = _list_schedule(g0, spec, cap, [list(range(len(cap)))] * g0.k, shared=shared)
+    for k, dev in fewest_devices(w, spec, cap).items():
+        cands[f"stages{k}"] = dev
+    best = choose(graph, spec, cands)
     return make_plan(graph, spec, best.device_of, "multilevel", levels=[g.k for g, _ in levels],
-                     tier="hosts" if best is staged else "flat")
+                     tier=best.info["tier"], fused=best.info["fused"])
+
+
+def choose(graph: OpGraph, spec: ClusterSpec, cands: dict[str, np.ndarray]) -> Plan:
+    """The candidate placement (each with blocks cut at senders, and fused) that the
+    simulator finds fastest. A feasible plan beats an infeasible one; within 0.1%, the
+    earlier candidate and then the fused blocks win (fewer tasks for the same time)."""
+    best, best_key = None, None
+    for i, (tier, dev) in enumerate(cands.items()):
+        for fused in (True, False):
+            plan = make_plan(graph, spec, dev, "multilevel", tier=tier, fused=fused)
+            key = (not plan.feasible, plan.makespan_s * (1 + 1e-3 * (2 * i + (not fused))))
+            if best_key is None or key < best_key:
+                best, best_key = plan, key
+    assert best is not None
+    return best
+
+
+def fewest_devices(w: Workload, spec: ClusterSpec, cap: np.ndarray, tries: int = 3) -> dict[int, np.ndarray]:
+    """Placements on few devices: for the smallest ``tries`` counts k that can hold the
+    weights, contiguous stages of the topological order on the k fastest devices (kept
+    host by host), each stage's weights by its device's speed, never past its memory."""
+    times_sum = np.array([w.device_times(d).sum() for d in spec.devices])
+    host_rank = {d: i for i, grp in enumerate(spec.groups) for d in grp}
+    by_speed = sorted(range(len(cap)), key=lambda d: (times_sum[d], host_rank[d], d))
+    total = float(w.weight_bytes.sum())
+    last = np.fromiter((max(d) for d in w.t_dst), dtype=np.int64, count=len(w.t_dst))
+    out: dict[int, np.ndarray] = {}
+    for k in range(1, len(cap) + 1):
+        chosen = sorted(by_speed[:k], key=lambda d: (host_rank[d], d))
+        if cap[chosen].sum() < total:
+            continue
+        speed = 1.0 / np.maximum(times_sum[chosen], 1e-30)
+        order = np.array(chosen, dtype=np.int64)
+        stage = contiguous_split(w.weight_bytes.astype(np.float64), w.t_src, last, w.t_bytes,
+                                 speed / speed.sum(), cap[order])
+        dev = order[stage]
+        if (np.bincount(dev, weights=w.weight_bytes, minlength=len(cap)) <= cap + 0.5).all():
+            out[k] = dev
+        if len(out) >= tries:
+            break
+    return out
 
 
 def contiguous_split(weight: np.ndarray, src_pos: np.ndarray, last_pos: np.ndarray, nbytes: np.ndarray,
@@ -171,9 +219,9 @@ def initial_hosts(g: LevelGraph, spec: ClusterSpec, host_cap: np.ndarray) -> np.
 
 
 def host_links(spec: ClusterSpec) -> tuple[list[list[float]], list[list[float]]]:
-    """Latency and seconds per byte between host groups (their first devices' link)."""
+    """Cost of a cut and seconds per byte between host groups (their first devices' link)."""
     first = [grp[0] for grp in spec.groups]
-    lat = [[float(spec.latency[a, b]) if a != b else 0.0 for b in first] for a in first]
+    lat = [[float(spec.cut_latency[a, b]) if a != b else 0.0 for b in first] for a in first]
     inv = [[float(1.0 / spec.bandwidth[a, b]) if a != b else 0.0 for b in first] for a in first]
     return lat, inv
 
@@ -309,7 +357,7 @@ def _list_schedule(g: LevelGraph, spec: ClusterSpec, cap: np.ndarray, allowed: l
     import heapq
 
     n_dev = len(cap)
-    lat, inv_bw = spec.latency.tolist(), (1.0 / spec.bandwidth).tolist()
+    lat, inv_bw = spec.cut_latency.tolist(), (1.0 / spec.bandwidth).tolist()
     inner = [(a, b) for grp in spec.groups for a in grp for b in grp if a != b]
     per_byte = float(np.mean([inv_bw[a][b] for a, b in inner])) if inner else 0.0
     latency = float(np.mean([lat[a][b] for a, b in inner])) if inner else 0.0

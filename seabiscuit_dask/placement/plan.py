@@ -6,7 +6,9 @@ waits for all of its inputs, so the blocks must form an acyclic quotient graph.
 ``blocks_for`` guarantees that: an op's *phase* is the largest number of device
 changes on any path from a source to it, and a block is the ops of one device
 with one phase. Every edge between blocks goes from a lower phase to a higher
-one, so blocks cannot form a cycle.
+one, so blocks cannot form a cycle. Unless the plan is *fused*, a device's ops of
+one phase are cut again after each op whose output another device reads, so that
+output leaves as soon as it exists; fused, they stay one task (one Dask hop less).
 
 JSON schema (``Plan.to_json``, ``schema`` = 1)::
 
@@ -15,6 +17,7 @@ JSON schema (``Plan.to_json``, ``schema`` = 1)::
       "graph": {"name": "...", "ops": 7334, "fingerprint": "<sha1 of op names>"},
       "cluster": {...ClusterSpec.to_dict()...},
       "method": "multilevel",
+      "fused": true,                                       # optional: one block per device and phase
       "assignment": {"<op name>": "<device name>", ...},
       "blocks": [{"name": "b12", "device": "h0-gpu1", "phase": 3,
                   "ops": ["<op name>", ...]}, ...],       # ops in execution order
@@ -96,18 +99,19 @@ def phases(w: Workload, dev: np.ndarray, prior: np.ndarray | None = None, start:
 
 
 def blocks_for(w: Workload, dev: np.ndarray, n_devices: int,
-               ph: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+               ph: np.ndarray | None = None, split: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Group ops into blocks: returns (block of each op, device of each block, phase of each block).
 
-    Ops of one device and phase are cut after every op whose output another device
-    reads, so that output leaves as soon as it exists. Along every edge the key
-    (phase, cut index) grows, so the blocks stay acyclic.
+    With ``split``, ops of one device and phase are cut after every op whose output
+    another device reads, so that output leaves as soon as it exists. Along every edge
+    the key (phase, cut index) grows, so the blocks stay acyclic.
     """
     ph = phases(w, dev) if ph is None else ph
     t_idx, c_op = w.pairs
     src = w.t_src[t_idx]
     sender = np.zeros(w.n, dtype=np.int64)
-    sender[src[dev[src] != dev[c_op]]] = 1
+    if split:
+        sender[src[dev[src] != dev[c_op]]] = 1
     group = ph * n_devices + dev
     # NOTE: small keys sort as int16, which numpy sorts stably by radix, in linear time
     order = np.argsort(group.astype(np.int16) if w.n and group.max() < 2**15 else group, kind="stable")
@@ -182,7 +186,13 @@ class Plan:
 
     @cached_property
     def _blocks(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        return blocks_for(self.workload, self.device_of, len(self.spec.devices), self.phases)
+        return blocks_for(self.workload, self.device_of, len(self.spec.devices), self.phases,
+                          split=not self.fused)
+
+    @property
+    def fused(self) -> bool:
+        """One block per device and phase (else also cut where an output leaves its device)."""
+        return bool(self.info.get("fused"))
 
     @property
     def block_of(self) -> np.ndarray:
@@ -380,6 +390,7 @@ class Plan:
                       "fingerprint": fingerprint(self.graph)},
             "cluster": self.spec.to_dict(),
             "method": self.method,
+            **({"fused": True} if self.fused else {}),
             "assignment": dict(self.assignment),
             "blocks": [{"name": b.name, "device": b.device, "phase": b.phase, "ops": list(b.ops)}
                        for b in self.blocks],
@@ -423,8 +434,10 @@ class Plan:
         except KeyError as e:
             raise SeaBiscuitError(f"plan names device {e.args[0]!r}, not in its cluster") from None
         stats = d.get("stats", {})
-        info = {"phases_from": (ph, len(graph.ops), len(graph.ops))} \
+        info: dict[str, Any] = {"phases_from": (ph, len(graph.ops), len(graph.ops))} \
             if (ph := _block_phases(d.get("blocks"), graph, workload(graph), dev)) is not None else {}
+        if d.get("fused"):
+            info["fused"] = True
         return cls(graph, spec, dev, method=str(d.get("method", "loaded")),
                    planning_s=float(stats.get("planning_s", 0.0)), info=info)
 

@@ -182,7 +182,7 @@ def _rehome(plan: Plan, spec: ClusterSpec, dev: np.ndarray, moving: np.ndarray,
     base = loads[depth[moving]].tolist()
     t_mv_a = np.stack([cols[d][moving] for d in cands], axis=1)
     t_mv = t_mv_a.tolist()
-    lat = spec.latency[:, cand].tolist()
+    lat = spec.cut_latency[:, cand].tolist()
     inv = (1.0 / spec.bandwidth[:, cand]).tolist()
     wb = w.weight_bytes[moving].tolist()
     dv = depth[moving].tolist()

@@ -1,18 +1,29 @@
-"""Event-driven simulation of one request through a plan, with link contention.
+"""Event-driven simulation of one request through a plan: compute, links and Dask itself.
 
-The simulation follows how the runtime executes: a block (one Dask task) starts
-when every tensor it reads from other blocks is on its device and its device is
-free; it runs its ops back to back; its outputs are available when it ends.
-A device runs one block at a time, the ready block of lowest phase first (list
-scheduling). A tensor goes once to each other device that reads it. A transfer
-holds the shared resources on its route (a host's NIC for traffic leaving or
-entering a host; a device pair's channel inside a host) for bytes / bandwidth,
-first come first served, and arrives one latency after it leaves.
+The simulation follows how Dask runs a request (one task per block):
+
+- the client sends the request's graph (``dask.submit_s`` plus the inputs' bytes at
+  the client's bandwidth); the blocks that need no other block are then ready;
+- a ready block waits for the scheduler, one shared serial resource that spends
+  ``dask.task_s`` on each task; the task reaches its worker half a hop later;
+- the worker fetches the tensors it reads from other devices (a tensor goes once to
+  each device that reads it; a transfer holds the shared resources on its route, a
+  host's NIC for traffic leaving or entering a host, a device pair's channel inside
+  a host, for bytes / bandwidth, first come first served, and arrives one latency
+  after it leaves); a device runs one block at a time, the ready block of lowest
+  phase first, its ops back to back;
+- a finished block tells the scheduler (half a hop), which may make its dependents
+  ready; when every block with graph outputs is done, the client gathers them
+  (``dask.gather_s`` plus their bytes).
+
+A dependent task thus costs a hop and the scheduler's time even on the same device:
+that is what makes fusing blocks pay. ``simulate(plan, dask=NO_DASK)`` leaves Dask out.
 """
 
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -20,7 +31,7 @@ import numpy as np
 
 from ..errors import SeaBiscuitError
 from ..ir import OpGraph
-from .cluster import ClusterSpec
+from .cluster import ClusterSpec, DaskSpec
 from .workload import workload
 
 if TYPE_CHECKING:    # NOTE: a Plan calls simulate(); the type alone comes from plan.py
@@ -39,106 +50,143 @@ class Schedule:
     busy_s: np.ndarray               # [devices] time spent computing
     arrivals: dict[tuple[int, int], float]   # (tensor id, device) -> time it is there
     transfers: tuple[tuple[int, int, int, float, float], ...]  # (tensor, src, dst, start, end)
+    scheduler_s: float = 0.0         # scheduler time spent on the request's tasks
+    client_s: float = 0.0            # client time: submit, gather and their bytes
+
+    @property
+    def tasks(self) -> int:
+        return len(self.block_start)
 
 
-def simulate(plan: Plan) -> Schedule:
-    """Simulate one request through ``plan``; see the module docstring for the model."""
+def _block_links(plan: Plan) -> tuple[list[list[int]], list[list[int]], list[list[tuple[int, int]]]]:
+    """Per block: the blocks it waits for, the blocks that wait for it, and the
+    (tensor, source device) pairs it fetches from other devices."""
+    w = plan.workload
+    blk, devl = plan.block_of.tolist(), plan.device_of.tolist()
+    n_blocks = len(plan.block_device)
+    deps: list[dict[int, None]] = [{} for _ in range(n_blocks)]
+    fetch: list[dict[int, int]] = [{} for _ in range(n_blocks)]
+    for t, (src, dsts) in enumerate(zip(w.t_src.tolist(), w.t_dst)):
+        sb, sd = blk[src], devl[src]
+        for c in dsts:
+            cb = blk[c]
+            if cb == sb:
+                continue
+            deps[cb][sb] = None
+            if devl[c] != sd:
+                fetch[cb][t] = sd
+    users: list[list[int]] = [[] for _ in range(n_blocks)]
+    for b, ds in enumerate(deps):
+        for a in ds:
+            users[a].append(b)
+    return [list(d) for d in deps], users, [list(f.items()) for f in fetch]
+
+
+def _output_bytes(plan: Plan) -> float:
+    """Bytes of the graph's outputs: what the client gathers."""
+    g = plan.graph
+    return float(sum(g.tensors[t].nbytes for t in g.leaf_outputs if t in g.tensors))
+
+
+def simulate(plan: Plan, dask: DaskSpec | None = None) -> Schedule:
+    """Simulate one request through ``plan``; see the module docstring for the model.
+
+    ``dask`` replaces the cluster's Dask costs (``plan.spec.dask``).
+    """
     w, spec = plan.workload, plan.spec
+    dk = spec.dask if dask is None else dask
     n_dev = len(spec.devices)
     block_of, bdev = plan.block_of, plan.block_device
     n_blocks = len(bdev)
     dev = plan.device_of
     t_op = w.times(spec)[np.arange(w.n), dev]
-    dur = np.bincount(block_of, weights=t_op, minlength=n_blocks)
-    phase = plan.block_phase
-    blk = block_of.tolist()
-    devl = dev.tolist()
+    dur = np.bincount(block_of, weights=t_op, minlength=n_blocks).tolist()
+    phase = plan.block_phase.tolist()
     bdevl = bdev.tolist()
-
-    # Which blocks wait for which tensors, and where each block's outputs must go.
-    pending = [0] * n_blocks
-    waiting: dict[tuple[int, int], list[int]] = {}     # (tensor, device) -> blocks there that read it
-    sends: list[list[tuple[int, int]]] = [[] for _ in range(n_blocks)]  # block -> (tensor, device)
-    for t, (src, dsts) in enumerate(zip(w.t_src.tolist(), w.t_dst)):
-        sb = blk[src]
-        seen_dev: set[int] = set()
-        seen_blk: set[int] = set()
-        for c in dsts:
-            cb = blk[c]
-            if cb == sb or cb in seen_blk:
-                continue
-            seen_blk.add(cb)
-            e = devl[c]
-            pending[cb] += 1
-            waiting.setdefault((t, e), []).append(cb)
-            if e not in seen_dev:
-                seen_dev.add(e)
-                sends[sb].append((t, e))
+    deps, users, fetch = _block_links(plan)
+    pending = [len(d) for d in deps]
+    out_bytes = _output_bytes(plan)
+    g = plan.graph
+    in_bytes = float(sum(g.tensors[t].nbytes for t in g.inputs if t in g.tensors))
+    client_bw = dk.client_bytes_per_s
+    t0 = dk.submit_s + (in_bytes / client_bw if math.isfinite(client_bw) else 0.0)
+    half_hop = dk.hop_s / 2
 
     bw, lat, routes = spec.bandwidth, spec.latency, spec.routes
     t_bytes = w.t_bytes.tolist()
     link_free: dict[int, float] = {}
     ready: list[list[tuple[int, int]]] = [[] for _ in range(n_dev)]
-    dev_free_at = [0.0] * n_dev
     dev_busy = [False] * n_dev
     start = np.zeros(n_blocks)
-    finish = np.zeros(n_blocks)
+    finish = np.full(n_blocks, -1.0)
     arrivals: dict[tuple[int, int], float] = {}
     transfers: list[tuple[int, int, int, float, float]] = []
-    events: list[tuple[float, int, int, int, int]] = []   # (time, seq, kind, a, b)
+    events: list[tuple[float, int, int, int]] = []   # (time, seq, kind, block)
     seq = 0
-    FINISH, ARRIVE = 0, 1
+    sched_free = 0.0
+    FINISH, SCHED, FETCH, READY = 0, 1, 2, 3
+
+    def push(t: float, kind: int, b: int) -> None:
+        nonlocal seq
+        seq += 1
+        heapq.heappush(events, (t, seq, kind, b))
 
     def dispatch(d: int, now: float) -> None:
-        nonlocal seq
         if dev_busy[d] or not ready[d]:
             return
         _, b = heapq.heappop(ready[d])
-        s = max(now, dev_free_at[d])
-        start[b], finish[b] = s, s + dur[b]
+        start[b] = now
         dev_busy[d] = True
-        seq += 1
-        heapq.heappush(events, (finish[b], seq, FINISH, b, 0))
+        push(now + dur[b], FINISH, b)
+
+    def fetch_inputs(b: int, now: float) -> float:
+        """Start the transfers block ``b`` needs on its device; when the last one arrives."""
+        e, done = bdevl[b], now
+        for t, src in fetch[b]:
+            arr = arrivals.get((t, e))
+            if arr is None:
+                route = routes[src][e]
+                s = max([now] + [link_free.get(r, 0.0) for r in route])
+                busy = t_bytes[t] / bw[src, e]
+                for r in route:
+                    link_free[r] = s + busy
+                arr = arrivals[(t, e)] = s + busy + lat[src, e]
+                transfers.append((t, src, e, s, arr))
+            done = max(done, arr)
+        return done
 
     for b in range(n_blocks):
         if pending[b] == 0:
-            heapq.heappush(ready[bdevl[b]], (int(phase[b]), b))
-    for d in range(n_dev):
-        dispatch(d, 0.0)
-
+            push(t0, SCHED, b)
     while events:
-        now, _, kind, a, e = heapq.heappop(events)
-        if kind == FINISH:
-            d = bdevl[a]
-            dev_busy[d] = False
-            dev_free_at[d] = now
-            for t, dst in sends[a]:
-                if dst == d:
-                    seq += 1
-                    heapq.heappush(events, (now, seq, ARRIVE, t, dst))
-                    continue
-                route = routes[d][dst]
-                s = max([now] + [link_free.get(r, 0.0) for r in route])
-                busy = t_bytes[t] / bw[d, dst]
-                for r in route:
-                    link_free[r] = s + busy
-                end = s + busy + lat[d, dst]
-                transfers.append((t, d, dst, s, end))
-                seq += 1
-                heapq.heappush(events, (end, seq, ARRIVE, t, dst))
-            dispatch(d, now)
+        now, _, kind, b = heapq.heappop(events)
+        if kind == SCHED:                       # NOTE: the scheduler is one serial resource
+            s = max(now, sched_free)
+            sched_free = s + dk.task_s
+            push(sched_free + half_hop, FETCH, b)
+        elif kind == FETCH:
+            push(fetch_inputs(b, now), READY, b)
+        elif kind == READY:
+            heapq.heappush(ready[bdevl[b]], (phase[b], b))
+            dispatch(bdevl[b], now)
         else:
-            arrivals[(a, e)] = now
-            for b in waiting.get((a, e), ()):
-                pending[b] -= 1
-                if pending[b] == 0:
-                    heapq.heappush(ready[e], (int(phase[b]), b))
-            dispatch(e, now)
+            finish[b] = now
+            d = bdevl[b]
+            dev_busy[d] = False
+            for c in users[b]:
+                pending[c] -= 1
+                if pending[c] == 0:
+                    push(now + half_hop, SCHED, c)
+            dispatch(d, now)
 
-    if n_blocks and not (finish > 0).sum() + (dur == 0).sum() >= n_blocks:
-        stuck = [b for b in range(n_blocks) if pending[b] > 0]
+    if n_blocks and (finish < 0).any():
+        stuck = [b for b in range(n_blocks) if finish[b] < 0]
         raise SeaBiscuitError(f"plan deadlocks: {len(stuck)} block(s) wait for inputs that never come "
                               f"(first: block {stuck[0]} on {spec.names[bdevl[stuck[0]]]!r})")
+    # NOTE: every block counts, not only those with graph outputs: the runtime runs them all
+    last = float(finish.max()) if n_blocks else t0
+    gather = dk.gather_s + (out_bytes / client_bw if math.isfinite(client_bw) else 0.0)
+    makespan = last + half_hop + gather if n_blocks else 0.0
     # Op times inside blocks: back to back, in topological order.
     order = np.argsort(block_of, kind="stable")
     csum = np.cumsum(t_op[order])
@@ -148,8 +196,8 @@ def simulate(plan: Plan) -> Schedule:
     op_finish[order] = start[block_of[order]] + csum - base[block_of[order]]
     op_start = op_finish - t_op
     busy = np.bincount(dev, weights=t_op, minlength=n_dev)
-    return Schedule(float(finish.max()) if n_blocks else 0.0, start, finish, op_start, op_finish, busy,
-                    arrivals, tuple(transfers))
+    return Schedule(float(makespan), start, finish, op_start, op_finish, busy, arrivals, tuple(transfers),
+                    scheduler_s=n_blocks * dk.task_s, client_s=t0 + gather)
 
 
 def lower_bound_s(plan_or_graph: Plan | OpGraph, spec: ClusterSpec | None = None) -> float:

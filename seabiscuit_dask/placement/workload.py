@@ -86,18 +86,22 @@ class Workload:
         """``[n, D]`` roofline time of each op on each device, in seconds.
 
         Time = max(flops / the device's flops/s for the op's class, bytes streamed /
-        memory bandwidth) + the device's per-op overhead. Views and slices only
+        memory bandwidth) + the device's per-op overhead, times the device's learned
+        ``scale`` for the op's class. Views and slices only
         re-describe memory: they launch no kernel and cost nothing.
         """
         return np.stack([self.device_times(d) for d in spec.devices], axis=1)
 
     def device_times(self, d: DeviceSpec) -> np.ndarray:
         """``[n]`` time of each op on device ``d`` (cached per device description)."""
-        key = (d.kind, d.flops_per_s["matmul"], d.flops_per_s["other"], d.mem_bytes_per_s, d.op_overhead_s)
+        mm, other = d.time_scale("matmul"), d.time_scale("other")
+        key = (d.kind, d.flops_per_s["matmul"], d.flops_per_s["other"], d.mem_bytes_per_s, d.op_overhead_s,
+               mm, other)
         col = self._times_cache.get(key)
         if col is None:
             fps = np.where(self.is_matmul, d.flops_per_s["matmul"], d.flops_per_s["other"])
             col = np.maximum(self.flops / fps, self.moved_bytes / d.mem_bytes_per_s) + d.op_overhead_s
+            col *= np.where(self.is_matmul, mm, other)      # NOTE: learned from observed runs
             col[self.is_view] = 0.0
             col.flags.writeable = False
             self._times_cache[key] = col
