@@ -18,8 +18,8 @@ from seabiscuit_dask.placement import (
     place,
     simulate,
 )
-from seabiscuit_dask.placement.workload import workload
 from seabiscuit_dask.placement.cluster import NO_DASK, DaskSpec
+from seabiscuit_dask.placement.workload import workload
 from tests.dags import chain, random_dag
 from tests.models import gpt2, ids
 

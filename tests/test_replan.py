@@ -97,13 +97,20 @@ def test_capacity_shrink_moves_just_enough(plan):
     assert all(plan.assignment[op] == name for op in changed)
 
 
-def test_capacity_growth_or_speed_change_moves_nothing(plan):
+def test_capacity_growth_moves_nothing_and_a_slowdown_sheds_work(plan):
     name = "h0-gpu2"
     grown = replan(plan, CapacityChanged(name, memory_bytes=2**34))
     assert grown.info["moved_bytes"] == 0 and grown.assignment == plan.assignment
-    slower = replan(plan, CapacityChanged(name, mem_bytes_per_s=1e9))
-    assert slower.info["moved_bytes"] == 0
-    assert slower.makespan_s > plan.makespan_s
+    faster = replan(plan, CapacityChanged(name, scale={"matmul": 0.5, "other": 0.5}))
+    assert faster.info["moved_ops"] == 0
+    slow = {"matmul": 4.0, "other": 4.0}
+    slower = replan(plan, CapacityChanged(name, scale=slow))
+    assert slower.spec.devices[plan.spec.index(name)].scale == slow
+    changed = [op for op in plan.assignment if plan.assignment[op] != slower.assignment[op]]
+    assert changed and all(plan.assignment[op] == name for op in changed)
+    assert len(changed) < len(plan.ops_on(name))          # it keeps part of its work
+    stay = sb.Plan(plan.graph, slower.spec, plan.device_of)
+    assert slower.makespan_s < stay.makespan_s and slower.feasible and block_graph_acyclic(slower)
 
 
 def three_devices(mib: int = 100, hosts: tuple[str, str, str] = ("s0", "s0", "s1")) -> sb.ClusterSpec:

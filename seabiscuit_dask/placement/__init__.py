@@ -7,7 +7,15 @@ against.
 """
 
 from .baselines import BASELINES, heft, metis, pipeline, round_robin
-from .cluster import NO_DASK, PRESETS, PROFILES, ClusterSpec, DaskSpec, DeviceSpec, LinkSpec
+from .cluster import (
+    NO_DASK,
+    PRESETS,
+    PROFILES,
+    ClusterSpec,
+    DaskSpec,
+    DeviceSpec,
+    LinkSpec,
+)
 from .partition import place
 from .plan import Block, Plan
 from .replan import CapacityChanged, DeviceAdded, DeviceLost, replan

@@ -182,7 +182,8 @@ class DeviceSpec:
             raise SeaBiscuitError(f"device {self.name!r}: op_overhead_s must be >= 0, "
                                   f"got {self.op_overhead_s}")
         object.__setattr__(self, "flops_per_s", {c: float(v) for c, v in self.flops_per_s.items()})
-        bad = {c: v for c, v in dict(self.scale).items() if c not in OP_CLASSES or not 0 < float(v) < math.inf}
+        bad = {c: v for c, v in dict(self.scale).items()
+               if c not in OP_CLASSES or not 0 < float(v) < math.inf}
         if bad:
             raise SeaBiscuitError(f"device {self.name!r}: scale must map op classes {list(OP_CLASSES)} to "
                                   f"positive factors, got {bad}")
@@ -433,7 +434,8 @@ class ClusterSpec:
                 row, col = a[peer].copy(), a[:, peer].copy()
                 # NOTE: to and from the peer itself: as between the peer and another device of its host
                 mates = [j for j, d in enumerate(self.devices) if d.where == device.where and j != peer]
-                inner = float(np.median(a[peer, mates])) if mates else float(np.median(a[off])) if n > 1 else 0.0
+                inner = (float(np.median(a[peer, mates])) if mates
+                         else float(np.median(a[off])) if n > 1 else 0.0)
                 row[peer] = col[peer] = inner
             else:
                 fill = float(np.median(a[off])) if n > 1 else (1e9 if diag else 1e-4)
@@ -447,7 +449,8 @@ class ClusterSpec:
     def with_changes(self, name: str, **changes: Any) -> ClusterSpec:
         i = self.index(name)
         dev = replace(self.devices[i], **changes)
-        return ClusterSpec((*self.devices[:i], dev, *self.devices[i + 1:]), self.links, self.matrix, self.dask)
+        return ClusterSpec((*self.devices[:i], dev, *self.devices[i + 1:]), self.links, self.matrix,
+                           self.dask)
 
     def with_dask(self, dask: DaskSpec) -> ClusterSpec:
         return replace(self, dask=dask)

@@ -146,8 +146,9 @@ def choose(graph: OpGraph, spec: ClusterSpec, cands: dict[str, np.ndarray]) -> P
 def fewest_devices(w: Workload, spec: ClusterSpec, cap: np.ndarray, tries: int = 3) -> dict[int, np.ndarray]:
     """Placements on few devices: for the smallest ``tries`` counts k that can hold the
     weights, contiguous stages of the topological order on the k fastest devices (kept
-    host by host), each stage's weights by its device's speed, never past its memory."""
+    host by host), each stage's work by its device's speed, never past its memory."""
     times_sum = np.array([w.device_times(d).sum() for d in spec.devices])
+    fastest = np.min([w.device_times(d) for d in spec.devices], axis=0)
     host_rank = {d: i for i, grp in enumerate(spec.groups) for d in grp}
     by_speed = sorted(range(len(cap)), key=lambda d: (times_sum[d], host_rank[d], d))
     total = float(w.weight_bytes.sum())
@@ -160,7 +161,7 @@ def fewest_devices(w: Workload, spec: ClusterSpec, cap: np.ndarray, tries: int =
         speed = 1.0 / np.maximum(times_sum[chosen], 1e-30)
         order = np.array(chosen, dtype=np.int64)
         stage = contiguous_split(w.weight_bytes.astype(np.float64), w.t_src, last, w.t_bytes,
-                                 speed / speed.sum(), cap[order])
+                                 speed / speed.sum(), cap[order], load=fastest)
         dev = order[stage]
         if (np.bincount(dev, weights=w.weight_bytes, minlength=len(cap)) <= cap + 0.5).all():
             out[k] = dev
@@ -170,13 +171,15 @@ def fewest_devices(w: Workload, spec: ClusterSpec, cap: np.ndarray, tries: int =
 
 
 def contiguous_split(weight: np.ndarray, src_pos: np.ndarray, last_pos: np.ndarray, nbytes: np.ndarray,
-                     share: np.ndarray, cap: np.ndarray, window: float = 0.05) -> np.ndarray:
+                     share: np.ndarray, cap: np.ndarray, window: float = 0.05,
+                     load: np.ndarray | None = None) -> np.ndarray:
     """Cut a topological order into ``len(share)`` contiguous stages.
 
     ``weight`` is in order; a tensor made at position ``src_pos`` and last read at
     ``last_pos`` crosses every boundary in between. Stage k aims at ``share[k]`` of
-    the weight; each boundary moves within ``window`` of the ops to where the fewest
-    bytes cross, never past ``cap[k]``. Returns the stage of each position.
+    the weight (of ``load`` if given); each boundary moves within ``window`` of the
+    ops to where the fewest bytes cross, never past ``cap[k]`` of weight. Returns the
+    stage of each position.
     """
     n, k = len(weight), len(share)
     diff = np.zeros(n + 2)
@@ -184,12 +187,13 @@ def contiguous_split(weight: np.ndarray, src_pos: np.ndarray, last_pos: np.ndarr
     np.add.at(diff, last_pos + 1, -nbytes)
     cut = np.cumsum(diff)[: n + 1]
     cum = np.concatenate([[0.0], np.cumsum(weight)])
+    lcum = cum if load is None else np.concatenate([[0.0], np.cumsum(load)])
     total = cum[-1]
     span = max(1, int(window * n))
     bounds = [0]
     for s in range(k - 1):
         lo = bounds[-1]
-        target = int(np.searchsorted(cum, total * share[: s + 1].sum()))
+        target = int(np.searchsorted(lcum, lcum[-1] * share[: s + 1].sum()))
         hi = int(np.searchsorted(cum, cum[lo] + cap[s], side="right")) - 1
         need_rest = int(np.searchsorted(cum, total - cap[s + 1:].sum(), side="left"))
         a, b = max(lo, target - span, need_rest), min(n, target + span, hi)

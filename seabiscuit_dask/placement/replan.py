@@ -12,9 +12,11 @@ the new cluster and records what moved in ``plan.info`` (``moved_bytes``,
 - ``DeviceAdded(device)``: a device joining a host takes over part of its peers'
   ops (up to its share of the host's speed) where that evens out a depth level.
   A device on a new host is spare capacity until the next ``place``.
-- ``CapacityChanged(name, ...)``: new memory or speed figures. If the device no
-  longer holds its weights, its ops leave (most bytes per second of work first) as
-  on a loss until they fit.
+- ``CapacityChanged(name, ...)``: new memory or speed figures (or learned time
+  ``scale`` s). If the device no longer holds its weights, its ops leave (most bytes
+  per second of work first) as on a loss until they fit. If it became slower by a
+  factor f, the last (1 - 1/f) of its work in topological order leaves as on a loss,
+  so it is back to its old time; kept only if the simulator finds the repair faster.
 
 A repair keeps every device's weights within its memory less the activation
 reserve, or raises ``ClusterTooSmall`` naming the device; ``plan.check()`` adds
@@ -62,6 +64,7 @@ class CapacityChanged:
     memory_bytes: int | None = None
     flops_per_s: dict[str, float] | None = None
     mem_bytes_per_s: float | None = None
+    scale: dict[str, float] | None = None       # measured / modelled time per op class (learned)
 
 
 Event = DeviceLost | DeviceAdded | CapacityChanged
@@ -93,7 +96,8 @@ def _replan(plan: Plan, event: Event, t0: float) -> Plan:
     elif isinstance(event, CapacityChanged):
         changes: dict[str, Any] = {k: v for k, v in (("memory_bytes", event.memory_bytes),
                                                        ("flops_per_s", event.flops_per_s),
-                                                       ("mem_bytes_per_s", event.mem_bytes_per_s))
+                                                       ("mem_bytes_per_s", event.mem_bytes_per_s),
+                                                       ("scale", event.scale))
                                    if v is not None}
         spec = plan.spec.with_changes(event.name, **changes)
         dev, moving = _shrink(plan, spec, plan.spec.index(event.name))
@@ -300,15 +304,49 @@ def _take_tail(w: Any, times: np.ndarray, dev: np.ndarray, peers: list[int], new
     return taken
 
 
+SLOWER = 1.2          # NOTE: a device this much slower than planned sheds work
+SIMULATE_MAX_OPS = 20_000
+
+
+def _slowed(plan: Plan, spec: ClusterSpec, i: int) -> tuple[np.ndarray, np.ndarray]:
+    """After a speed change: a device that became slower by f sheds the last (1 - 1/f) of its work."""
+    w = plan.workload
+    dev = plan.device_of.copy()
+    mine = np.flatnonzero(dev == i)
+    none = np.zeros(0, dtype=np.int64)
+    if not len(mine) or len(spec.devices) < 2:
+        return dev, none
+    new_t = w.device_times(spec.devices[i])[mine]
+    old_t = float(w.device_times(plan.spec.devices[i])[mine].sum())
+    f = float(new_t.sum()) / max(old_t, 1e-30)
+    if f < SLOWER:
+        return dev, none
+    tail = np.cumsum(new_t[::-1])
+    k = int(np.searchsorted(tail, (1 - 1 / f) * float(new_t.sum()))) + 1
+    moving = np.sort(mine[::-1][:k])
+    dev[moving] = -1
+    try:
+        dev = _rehome(plan, spec, dev, moving, spec.devices[i], exclude=i)
+    except ClusterTooSmall:
+        return plan.device_of.copy(), none
+    if w.n <= SIMULATE_MAX_OPS:
+        stay = Plan(plan.graph, spec, plan.device_of, plan.method, info={"fused": plan.fused})
+        moved = Plan(plan.graph, spec, dev, plan.method, info={"fused": plan.fused})
+        if not moved.makespan_s < stay.makespan_s:
+            return plan.device_of.copy(), none
+    return dev, moving
+
+
 def _shrink(plan: Plan, spec: ClusterSpec, i: int) -> tuple[np.ndarray, np.ndarray]:
-    """After a capacity change: if device i's weights no longer fit, move ops off it."""
+    """After a capacity change: if device i's weights no longer fit, move ops off it;
+    if it became slower, move part of its work (``_slowed``)."""
     w = plan.workload
     dev = plan.device_of.copy()
     cap = weight_capacity(spec)
     mine = np.flatnonzero(dev == i)
     held = float(w.weight_bytes[mine].sum())
     if held <= cap[i]:
-        return dev, np.zeros(0, dtype=np.int64)
+        return _slowed(plan, spec, i)
     times = w.times(spec)
     # Leave first the ops that hold the most bytes per second of work here.
     ratio = w.weight_bytes[mine] / np.maximum(times[mine, i], 1e-12)

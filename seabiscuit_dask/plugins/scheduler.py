@@ -35,6 +35,7 @@ from ..runtime import access, agent
 from ..runtime.discover import device_from_report, device_name
 from ..runtime.events import TOPIC
 from ..runtime.state import (
+    BlockObserved,
     DeviceDrained,
     DeviceRestored,
     ForModel,
@@ -74,7 +75,7 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
         self.scheduler = scheduler
         scheduler.handlers.update({f"seabiscuit_{n}": getattr(self, n) for n in (
             "deploy", "release", "block", "owned", "workers", "plan", "drain", "restore", "budget",
-            "pressure", "runs", "hello")})
+            "pressure", "runs", "hello", "learned")})
         for addr in scheduler.workers:
             self.add_worker(scheduler, addr)
         await scheduler.register_worker_plugin(None, dumps(SeaBiscuitWorkerPlugin()), PLUGIN_NAME,
@@ -108,6 +109,13 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
         totals["re_executed"] += bool(runs.get(key))
         runs[key] = runs.get(key, 0) + 1
         totals["computed"] += 1
+        if isinstance(msg.get("compute_s"), (int, float)) and int(msg.get("request", -1)) >= 0:
+            try:
+                seen = BlockObserved(model, int(msg.get("version", 0)), int(msg.get("block", 0)),
+                                     float(msg["compute_s"]))
+                self._apply(self.state.handle(seen))
+            except SeaBiscuitError as e:       # NOTE: a repair that cannot be made leaves the plan
+                logger.warning("seabiscuit: %s", e)
 
     def add_worker(self, scheduler: Any = None, worker: str = "", **kwargs: Any) -> None:
         device = self._device_of(worker)
@@ -291,6 +299,10 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
     def runs(self, comm: Any = None, model: str = "") -> dict[str, int]:
         """Blocks of ``model`` computed, read back from checkpoints, and computed more than once."""
         return dict(self.run_totals.get(model, {"computed": 0, "resumed": 0, "re_executed": 0}))
+
+    def learned(self, comm: Any = None, model: str = "") -> dict[str, Any]:
+        """Per worker of ``model``: measured over modelled time per op class, learned from its runs."""
+        return self.state.learned(access.check_model_id(model))
 
     def plan(self, comm: Any = None, model: str = "") -> dict[str, Any]:
         dep = self.state.deployment(access.check_model_id(model))

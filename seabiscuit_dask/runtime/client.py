@@ -164,6 +164,24 @@ class DistributedModel:
         """Blocks computed, read back from checkpoints, and computed more than once, for this model."""
         return dict(self.client.sync(self.client.scheduler.seabiscuit_runs, model=self.model_id))
 
+    def learned(self) -> dict[str, Any]:
+        """What the scheduler learned from this model's block runs: per worker, measured over
+        modelled time per op class (``scales``), and the recent prediction error per block."""
+        return dict(self.client.sync(self.client.scheduler.seabiscuit_learned, model=self.model_id))
+
+    def predicted_s(self, learned: bool = True) -> float:
+        """The simulated latency of one request on the current plan, with the learned scales
+        (``learned()``) applied to its devices, or as first modelled."""
+        plan = self._plan
+        if learned:
+            scales = self.learned()["scales"]
+            spec = plan.spec
+            for d in spec.devices:
+                if d.address in scales:
+                    spec = spec.with_changes(d.name, scale=dict(scales[d.address]))
+            plan = Plan(plan.graph, spec, plan.device_of, plan.method, plan.planning_s, dict(plan.info))
+        return plan.makespan_s
+
     def stats(self) -> dict[str, dict[str, Any]]:
         """Per worker: block runs, checkpoint resumes and writes, corruptions found, resident bytes."""
         keys = ("block_runs", "resumed_from_checkpoint", "checkpoints_written", "checkpoint_write_failures",

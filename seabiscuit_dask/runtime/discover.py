@@ -1,24 +1,32 @@
-"""A ``ClusterSpec`` of a live cluster (``measure_cluster``), from the agents' reports and a short link probe.
+"""A ``ClusterSpec`` of a live cluster (``measure_cluster``), from the agents' reports and short probes.
 
 One worker is one device. Its memory budget comes from the agent (worker resource
 ``MEM``, config ``seabiscuit.worker.memory-budget``, or a fraction of its memory
 limit); its speeds were measured on the worker. Workers are grouped into hosts by
-address. Links are measured through Dask itself: the time to move a small and a
-large payload between two workers of one host, and of two hosts, gives each
-level's latency (a whole Dask hop, task dispatch included: the real cost of a
-cut) and bandwidth.
+address. Everything else is measured through Dask itself, with tasks that do nothing:
+
+- ``measure_dask``: the scheduler's time per task (a wide graph), the hop from a
+  task's end to its dependent's start (a chain on one worker), the client's submit
+  and gather (one task's round trip) and the client's bandwidth (a large result);
+- ``probe_links``: for each pair of hosts and inside each host, the latency and
+  bandwidth of moving a small and a large result from one worker to a task on
+  another, less the same hop without the move. The result is a measured matrix, so
+  a slow link between two hosts is seen as slow.
 """
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
+import uuid
 from typing import Any
 
 from ..errors import ClusterTooSmall, SeaBiscuitError
-from ..placement.cluster import DEFAULT_LINKS, ClusterSpec, DeviceSpec, LinkSpec
+from ..placement.cluster import DEFAULT_LINKS, ClusterSpec, DaskSpec, DeviceSpec, LinkSpec
 
 PROBE_BYTES = 8 * 2**20
+FLOOR_S = 1e-5          # NOTE: a measured time below this is noise, not a cost
 
 
 class PluginMissing(SeaBiscuitError):
@@ -54,8 +62,12 @@ def _size(x: bytes) -> int:
     return len(x)
 
 
+def _noop(*deps: Any) -> int:
+    return 0
+
+
 def _hop_s(client: Any, a: str, b: str, nbytes: int, reps: int = 3) -> float:
-    """Median time to make ``nbytes`` on ``a`` and read it on ``b``, less the time with no hop."""
+    """Median time to read on ``b``, from the client, a result of ``nbytes`` already on ``a``."""
     times = []
     for _ in range(reps):
         src = client.submit(_payload, nbytes, workers=[a], allow_other_workers=False, pure=False)
@@ -68,14 +80,78 @@ def _hop_s(client: Any, a: str, b: str, nbytes: int, reps: int = 3) -> float:
 
 
 def probe_link(client: Any, a: str, b: str) -> LinkSpec:
-    """Latency and bandwidth of the Dask path from worker ``a`` to worker ``b``."""
+    """Latency and bandwidth of moving a task's result from worker ``a`` to a task on ``b``.
+
+    The same hop without the move (``b`` = ``a``) is taken off: the task and its
+    dispatch are Dask's own costs (``measure_dask``), not the link's.
+    """
+    stay = _hop_s(client, a, a, 1)
     small = _hop_s(client, a, b, 1)
     large = _hop_s(client, a, b, PROBE_BYTES)
-    # NOTE: the latency is the whole hop, task dispatch included: every cut between
-    # workers costs a Dask task on the far side, which is what placement must weigh.
-    latency = max(small, 1e-5)
-    bandwidth = PROBE_BYTES / max(large - small, 1e-6)
-    return LinkSpec(bandwidth, latency)
+    return LinkSpec(PROBE_BYTES / max(large - small, 1e-6), max(small - stay, FLOOR_S))
+
+
+def _median_run_s(fn: Any, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_dask(client: Any, worker: str, *, chain: int = 12, wide: int = 48, reps: int = 5) -> DaskSpec:
+    """What Dask costs on this cluster, measured with tasks that do nothing (see the module doc).
+
+    A round trip of one task is the client's submit and gather, one task of the
+    scheduler's and one hop; a chain of ``chain`` tasks on ``worker`` adds a hop and a
+    task per link; ``wide`` independent tasks add the scheduler's time per task.
+    """
+    def graph(n: int, dependent: bool) -> tuple[dict[str, Any], list[str]]:
+        tag = uuid.uuid4().hex[:12]
+        keys = [f"seabiscuit-probe-{tag}-{i}" for i in range(n)]
+        dsk = {k: (_noop, keys[i - 1]) if dependent and i else (_noop,) for i, k in enumerate(keys)}
+        return dsk, keys[-1:] if dependent else keys
+
+    def run(n: int, dependent: bool) -> None:
+        dsk, want = graph(n, dependent)
+        client.gather(client.get(dsk, want, sync=False, workers=[worker] if dependent else None,
+                                 allow_other_workers=not dependent))
+
+    run(2, True)                                           # NOTE: warm the path once
+    trip = _median_run_s(lambda: client.submit(_noop, workers=[worker], pure=False).result(), reps * 2)
+    per_link = (_median_run_s(lambda: run(chain, True), reps) - trip) / (chain - 1)
+    task = max((_median_run_s(lambda: run(wide, False), reps) - trip) / (wide - 1), FLOOR_S)
+    hop = max(per_link - task, FLOOR_S)
+    ends = max(trip - task - hop, 2 * FLOOR_S)
+    big = _median_run_s(lambda: client.submit(_payload, PROBE_BYTES, workers=[worker], pure=False).result(),
+                        reps)
+    bandwidth = PROBE_BYTES / max(big - trip, 1e-6)
+    return DaskSpec(task_s=task, hop_s=hop, submit_s=ends / 2, gather_s=ends / 2,
+                    client_bytes_per_s=bandwidth)
+
+
+def probe_links(client: Any, infos: list[dict[str, Any]]) -> tuple[Any, dict[tuple[str, str], LinkSpec]]:
+    """The measured link matrix between the workers of ``infos`` (bandwidth, latency), and the
+    link measured for each host pair (``(h, h)``: inside host h). One pair of workers stands
+    for each pair of hosts; workers alone on their host have no inner link to measure."""
+    by_host: dict[str, list[str]] = {}
+    for i in infos:
+        by_host.setdefault(str(i["host"]), []).append(str(i["address"]))
+    measured: dict[tuple[str, str], LinkSpec] = {}
+    for h, addrs in by_host.items():
+        if len(addrs) > 1:
+            measured[(h, h)] = probe_link(client, addrs[0], addrs[1])
+    for h1, h2 in itertools.combinations(sorted(by_host), 2):
+        measured[(h1, h2)] = measured[(h2, h1)] = probe_link(client, by_host[h1][0], by_host[h2][0])
+    inner = [v for (a, b), v in measured.items() if a == b]
+    fallback = inner[0] if inner else DEFAULT_LINKS["pcie"]
+    hosts = [str(i["host"]) for i in infos]
+    bw = tuple(tuple(0.0 if a == b else measured.get((ha, hb), fallback).bandwidth_bytes_per_s
+                     for b, hb in enumerate(hosts)) for a, ha in enumerate(hosts))
+    lat = tuple(tuple(0.0 if a == b else measured.get((ha, hb), fallback).latency_s
+                      for b, hb in enumerate(hosts)) for a, ha in enumerate(hosts))
+    return (bw, lat), measured
 
 
 def workers_info(client: Any, everyone: bool = False) -> list[dict[str, Any]]:
@@ -124,8 +200,9 @@ def measure_cluster(client: Any, *, probe: bool = True) -> ClusterSpec:
     """The live cluster behind a ``distributed.Client``: one device per worker.
 
     Built from the reports of SeaBiscuit's worker agents (free memory budget,
-    measured speeds, host) and, with ``probe``, links measured through Dask between
-    two workers of one host and of two hosts. Needs ``SeaBiscuitSchedulerPlugin``.
+    measured speeds, host) and, with ``probe``, what Dask itself costs (``measure_dask``)
+    and the links between every pair of hosts and inside each host, measured through
+    Dask (``probe_links``). Needs ``SeaBiscuitSchedulerPlugin``.
     A worker whose budget other models already fill is left out.
 
     >>> spec = sb.measure_cluster(client)      # doctest: +SKIP
@@ -148,14 +225,17 @@ def measure_cluster(client: Any, *, probe: bool = True) -> ClusterSpec:
         taken.add(name)
         devices.append(device_from_report(info, name))
     links = dict(DEFAULT_LINKS)
-    if probe and len(infos) > 1:
-        by_host: dict[str, list[str]] = {}
-        for i in infos:
-            by_host.setdefault(i["host"], []).append(i["address"])
-        same = next((v for v in by_host.values() if len(v) > 1), None)
-        if same:
-            links["pcie"] = links["nvlink"] = probe_link(client, same[0], same[1])
-        hosts = list(by_host.values())
-        if len(hosts) > 1:
-            links["rack"] = links["network"] = probe_link(client, hosts[0][0], hosts[1][0])
-    return ClusterSpec(tuple(devices), links)
+    if not probe:
+        return ClusterSpec(tuple(devices), links)
+    dask = measure_dask(client, str(infos[0]["address"]))
+    if len(infos) == 1:
+        return ClusterSpec(tuple(devices), links, None, dask)
+    matrix, measured = probe_links(client, infos)
+    # NOTE: the levels stay as the measured links too, for a device that joins a new host
+    same = [v for (a, b), v in measured.items() if a == b]
+    across = [v for (a, b), v in measured.items() if a != b]
+    if same:
+        links["pcie"] = links["nvlink"] = same[0]
+    if across:
+        links["rack"] = links["network"] = min(across, key=lambda v: v.bandwidth_bytes_per_s)
+    return ClusterSpec(tuple(devices), links, matrix, dask)

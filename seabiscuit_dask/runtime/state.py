@@ -22,8 +22,8 @@ the newest old plan besides (a client may not have heard of the change yet).
 from __future__ import annotations
 
 import logging
-from collections import Counter
-from dataclasses import dataclass, field
+from collections import Counter, deque
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -31,9 +31,26 @@ import numpy as np
 from ..errors import AccessDenied, SeaBiscuitError
 from ..lower.blocks import BlockSpec, Key, block_specs, parse_key
 from ..placement import CapacityChanged, DeviceAdded, DeviceLost, DeviceSpec, Plan, place, replan
+from ..placement.cluster import OP_CLASSES
+from ..placement.learn import CostLearner
 from . import access
 
 logger = logging.getLogger(__name__)
+
+def modelled_block_times(plan: Plan) -> list[tuple[str, dict[str, float]]]:
+    """Per block: its device's address and its modelled time per op class at scale 1."""
+    w = plan.workload
+    out = []
+    cols = np.stack([w.device_times(replace(dev, scale={})) for dev in plan.spec.devices], axis=1)
+    t = cols[np.arange(w.n), plan.device_of]
+    n_blocks = len(plan.block_device)
+    per = {c: np.bincount(plan.block_of, weights=np.where(w.is_matmul == (c == "matmul"), t, 0.0),
+                          minlength=n_blocks) for c in OP_CLASSES}
+    for b, d in enumerate(plan.block_device.tolist()):
+        dev = plan.spec.devices[d]
+        out.append((dev.address or dev.name, {c: float(per[c][b]) for c in OP_CLASSES}))
+    return out
+
 
 # --- events ----------------------------------------------------------------------------
 @dataclass(frozen=True)
@@ -77,6 +94,16 @@ class ForModel:
 
 
 @dataclass(frozen=True)
+class BlockObserved:
+    """A worker ran a block of a request in ``compute_s`` seconds (its own clock)."""
+
+    model: str
+    version: int
+    block: int
+    compute_s: float
+
+
+@dataclass(frozen=True)
 class TasksSubmitted:
     keys: tuple[Key, ...]
 
@@ -86,7 +113,8 @@ class TasksForgotten:
     keys: tuple[Key, ...]
 
 
-Event = ModelDeployed | ModelReleased | DeviceEvent | ForModel | TasksSubmitted | TasksForgotten
+Event = (ModelDeployed | ModelReleased | DeviceEvent | ForModel | TasksSubmitted | TasksForgotten
+         | BlockObserved)
 
 
 # --- instructions ----------------------------------------------------------------------
@@ -140,6 +168,17 @@ class Deployment:
     _specs: dict[int, list[BlockSpec]] = field(default_factory=dict)
     _homes: dict[tuple[int, int], str] = field(default_factory=dict)
     _urgent: dict[int, list[bool]] = field(default_factory=dict)
+    _modelled: dict[int, list[tuple[str, dict[str, float]]]] = field(default_factory=dict)
+
+    def modelled(self, version: int) -> list[tuple[str, dict[str, float]]]:
+        """Per block of plan ``version``: its worker's address and its modelled time per op
+        class before any learned correction (what ``CostLearner`` compares runs with)."""
+        if version not in self._modelled:
+            plan = self.plan if version == self.version else self.history.get(version)
+            if plan is None:
+                return []
+            self._modelled[version] = modelled_block_times(plan)
+        return self._modelled[version]
 
     def specs(self, version: int) -> list[BlockSpec]:
         if version not in self._specs:
@@ -206,6 +245,7 @@ class Deployment:
             del self.history[v]
             self._specs.pop(v, None)
             self._urgent.pop(v, None)
+            self._modelled.pop(v, None)
 
 
 class PlacementState:
@@ -216,10 +256,13 @@ class PlacementState:
         self.devices: dict[str, DeviceSpec] = {}     # address -> the device its agent reported
         self.drained: dict[str, str] = {}            # address -> why, drained for every model
         self.pinned: dict[Key, str] = {}
-        self.log: list[Event] = []
+        self.log: deque[Event] = deque(maxlen=100_000)
+        self.learner = CostLearner()
 
     def handle(self, event: Event) -> list[Instruction]:
         self.log.append(event)
+        if isinstance(event, BlockObserved):
+            return self._observed(event)
         if isinstance(event, TasksSubmitted):
             return self._pin(event.keys)
         if isinstance(event, TasksForgotten):
@@ -311,9 +354,38 @@ class PlacementState:
 
     def _capacity(self, event: CapacityChanged, deps: list[Deployment]) -> list[Instruction]:
         plans = [(dep, replan(dep.plan, event)) for dep in deps if event.name in dep.addresses()]
-        why = f"worker {event.name} budget now {event.memory_bytes} bytes"
+        if event.scale is not None:
+            why = (f"worker {event.name} runs at " + ", ".join(f"{v:.2f}x" for v in event.scale.values())
+                   + " the modelled time (" + ", ".join(event.scale) + ")")
+            if event.name in self.devices:
+                self.devices[event.name] = replace(self.devices[event.name], scale=dict(event.scale))
+        else:
+            why = f"worker {event.name} budget now {event.memory_bytes} bytes"
         return [PlanChanged(dep.model, dep.advance(p), why, p.info["moved_bytes"], p.planning_s)
                 for dep, p in plans]
+
+    def _observed(self, e: BlockObserved) -> list[Instruction]:
+        """Learn from a block's run; a worker whose speed changed gets a repair (all its models)."""
+        dep = self.models.get(e.model)
+        blocks = dep.modelled(e.version) if dep is not None else []
+        if not 0 <= e.block < len(blocks):
+            return []
+        address, modelled = blocks[e.block]
+        scale = self.learner.observe(address, modelled, float(e.compute_s))
+        if scale is None or address not in self.devices:
+            return []
+        logger.info("seabiscuit: worker %s runs at %s of its modelled time: repairing", address, scale)
+        try:
+            return self._capacity(CapacityChanged(address, scale=scale), list(self.models.values()))
+        except SeaBiscuitError as e2:
+            logger.warning("seabiscuit: no repair for the speed change of %s: %s", address, e2)
+            return []
+
+    def learned(self, model: str) -> dict[str, Any]:
+        """The learned scales of ``model``'s workers and the recent prediction error."""
+        dep = self.deployment(model)
+        return {"scales": {d.address: self.learner.scale(d.address) for d in dep.plan.spec.devices},
+                "error": self.learner.mean_error(100), "observed": len(self.learner.errors)}
 
     def _added(self, device: DeviceSpec, deps: list[Deployment], restored: bool,
                everyone: bool) -> list[Instruction]:

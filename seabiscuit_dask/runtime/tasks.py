@@ -8,6 +8,7 @@ hold from the scheduler plugin.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -52,8 +53,10 @@ def run_block_task(model: str, version: int, request: int, block: int, inputs: M
                    *deps: Any) -> Any:
     """Task: run one block of one request, or take its outputs from an intact checkpoint."""
     w = get_worker()
+    t0 = time.perf_counter()
     out, how = resident(w).run(model, version, request, block, inputs, deps, fetch_spec)
-    # NOTE: the scheduler plugin counts these to report blocks computed more than once.
+    # NOTE: the scheduler plugin counts these to report blocks computed more than once, and
+    # learns each worker's speed from the times of the computed ones.
     w.log_event(RUNS_TOPIC, {"model": model, "version": version, "request": request, "block": block,
-                             "how": how})
+                             "how": how, "compute_s": time.perf_counter() - t0})
     return out

@@ -1,0 +1,103 @@
+"""Costs learned from observed runs, and the speed-change repair they trigger: no cluster."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+import seabiscuit_dask as sb
+from seabiscuit_dask.placement import DeviceAdded
+from seabiscuit_dask.placement.learn import CostLearner
+from seabiscuit_dask.runtime.state import BlockObserved, ModelDeployed, PlacementState, PlanChanged
+
+from . import models as M
+
+TRUE = {"matmul": 1.8, "other": 0.6}
+
+
+def trace(rng: np.random.Generator, n: int, true: dict[str, float] = TRUE, noise: float = 0.03):
+    """Blocks with random mixes of op classes and their observed times under ``true`` scales."""
+    for _ in range(n):
+        modelled = {"matmul": float(rng.uniform(1e-3, 1e-2)), "other": float(rng.uniform(1e-4, 5e-3))}
+        observed = sum(true[c] * modelled[c] for c in modelled) * float(rng.normal(1.0, noise))
+        yield modelled, observed
+
+
+def test_corrections_converge_and_the_error_falls():
+    errors = []
+    for seed in range(20):
+        learner = CostLearner()
+        for modelled, observed in trace(np.random.default_rng(seed), 40):
+            learner.observe("w0", modelled, observed)
+        errors.append(list(learner.errors))
+        s = learner.scale("w0")
+        assert s["matmul"] == pytest.approx(TRUE["matmul"], rel=0.1)
+        assert s["other"] == pytest.approx(TRUE["other"], rel=0.25)
+    e = np.mean(errors, axis=0)
+    assert e[0] > e[4] > e[19]                         # after 1, 5 and 20 observations
+    assert e[19] < 0.1
+    # A device never seen keeps the model's own figures.
+    assert learner.scale("w9") == {"matmul": 1.0, "other": 1.0}
+
+
+def test_a_device_that_slows_down_is_detected_within_a_few_runs():
+    rng = np.random.default_rng(1)
+    learner = CostLearner()
+    for modelled, observed in trace(rng, 30):
+        assert learner.observe("w0", modelled, observed) in (None, pytest.approx(learner.scale("w0")))
+    learner.applied("w0", learner.scale("w0"))         # the plan now runs with what was learned
+    before = learner.scale("w0")
+    slower = {c: 3 * v for c, v in TRUE.items()}
+    runs, changed = 0, None
+    for modelled, observed in trace(rng, 10, slower):
+        runs += 1
+        changed = learner.observe("w0", modelled, observed)
+        if changed is not None:
+            break
+    assert changed is not None and runs <= 5, "not detected within five runs"
+    assert changed["matmul"] > 1.5 * before["matmul"]
+    # Steady runs after that raise nothing.
+    learner.applied("w0", learner.scale("w0"))
+    assert all(learner.observe("w0", m, o) is None for m, o in trace(rng, 5, slower))
+
+
+def test_bad_observations_are_ignored():
+    learner = CostLearner()
+    assert learner.observe("w0", {"matmul": 0.0, "other": 0.0}, 1.0) is None
+    assert learner.observe("w0", {"matmul": 1e-3}, float("nan")) is None
+    assert not learner.errors
+
+
+def test_the_scheduler_repairs_the_plan_of_a_slowed_worker():
+    model, x = M.gpt2(), M.ids()
+    g = sb.decompose(sb.trace(model, x), "64KiB")
+    base = sb.ClusterSpec.synthetic("4xcpu", hosts=3, cpu_memory="64MiB")
+    slow_cpu = dict(flops_per_s={"matmul": 2e8, "other": 2e8}, mem_bytes_per_s=2e9)
+    spec = sb.ClusterSpec(tuple(replace(d, address=f"tcp://10.0.0.{i}:4000", **slow_cpu)
+                                for i, d in enumerate(base.devices)), base.links)
+    state = PlacementState()
+    for d in spec.devices:
+        state.handle(DeviceAdded(d))
+    plan = sb.place(g, spec)
+    state.handle(ModelDeployed("m1", plan, "secret"))
+    victim = plan.spec.devices[int(plan.block_device[0])].address
+    modelled = state.models["m1"].modelled(0)
+    out: list = []
+    requests = 0
+    while not out and requests < 6:
+        requests += 1
+        for b, (address, m) in enumerate(modelled):
+            factor = 4.0 if address == victim else 1.0
+            out += state.handle(BlockObserved("m1", 0, b, factor * sum(m.values())))
+    changed = [i for i in out if isinstance(i, PlanChanged)]
+    assert changed and requests <= 3, "the slowdown was not acted on within three requests"
+    assert "runs at" in changed[0].reason and victim in changed[0].reason
+    new = state.models["m1"].plan
+    i = new.spec.index(victim)
+    assert new.spec.devices[i].scale["matmul"] > 2
+    # Work left the slowed worker, and the repaired plan beats keeping the old one there.
+    assert (new.device_of == i).sum() < (plan.device_of == plan.spec.index(victim)).sum()
+    assert new.makespan_s < sb.Plan(g, new.spec, plan.device_of, info=dict(plan.info)).makespan_s
+    assert state.learned("m1")["scales"][victim]["matmul"] > 2
