@@ -22,7 +22,8 @@ from .replan import CapacityChanged, DeviceAdded, DeviceLost, replan
 from .simulate import Schedule, lower_bound_s, simulate
 
 __all__ = [
-    "BASELINES", "NO_DASK", "PRESETS", "PROFILES", "Block", "CapacityChanged", "ClusterSpec", "DaskSpec", "DeviceAdded",
+    "BASELINES", "NO_DASK", "PRESETS", "PROFILES", "Block", "CapacityChanged", "ClusterSpec", "DaskSpec",
+    "DeviceAdded",
     "DeviceLost", "DeviceSpec", "LinkSpec", "Plan", "Schedule", "heft", "lower_bound_s", "metis",
     "pipeline", "place", "replan", "round_robin", "simulate",
 ]
