@@ -70,10 +70,8 @@ def test_bad_observations_are_ignored():
     assert not learner.errors
 
 
-def test_the_scheduler_repairs_the_plan_of_a_slowed_worker():
-    model, x = M.gpt2(), M.ids()
-    g = sb.decompose(sb.trace(model, x), "64KiB")
-    base = sb.ClusterSpec.synthetic("4xcpu", hosts=3, cpu_memory="64MiB")
+def slow_cluster_state(g) -> tuple[PlacementState, sb.Plan]:
+    base = sb.ClusterSpec.synthetic("4xcpu", hosts=3, cpu_memory="2MiB")   # no one device holds it
     slow_cpu = dict(flops_per_s={"matmul": 2e8, "other": 2e8}, mem_bytes_per_s=2e9)
     spec = sb.ClusterSpec(tuple(replace(d, address=f"tcp://10.0.0.{i}:4000", **slow_cpu)
                                 for i, d in enumerate(base.devices)), base.links)
@@ -82,6 +80,27 @@ def test_the_scheduler_repairs_the_plan_of_a_slowed_worker():
         state.handle(DeviceAdded(d))
     plan = sb.place(g, spec)
     state.handle(ModelDeployed("m1", plan, "secret"))
+    return state, plan
+
+
+@pytest.fixture(scope="module")
+def graph():
+    return sb.decompose(sb.trace(M.gpt2(), M.ids()), "64KiB")
+
+
+def test_a_machine_busy_everywhere_changes_no_plan(graph):
+    state, plan = slow_cluster_state(graph)
+    assert len(set(plan.device_of.tolist())) > 1
+    out = []
+    for _ in range(8):
+        for b, (_, m) in enumerate(state.models["m1"].modelled(0)):
+            out += state.handle(BlockObserved("m1", 0, b, 3.0 * sum(m.values())))
+    assert out == [] and state.models["m1"].version == 0
+
+
+def test_the_scheduler_repairs_the_plan_of_a_slowed_worker(graph):
+    g = graph
+    state, plan = slow_cluster_state(g)
     victim = plan.spec.devices[int(plan.block_device[0])].address
     modelled = state.models["m1"].modelled(0)
     out: list = []

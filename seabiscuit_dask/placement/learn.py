@@ -6,7 +6,10 @@ which each op class's modelled time must be scaled to match (recursive least
 squares with forgetting, pulled toward 1 until there is evidence), and watches a
 short-window ratio of observed to predicted time to detect a device whose speed
 changed (a competing process, thermal throttling): ``observe`` then returns the new
-scales, which the scheduler turns into a ``CapacityChanged`` repair.
+scales, which the scheduler turns into a ``CapacityChanged`` repair. A change counts
+only against the device's peers: when every device slows down alike (the whole
+machine is busy) no plan would do better, so none is asked for; after a change, a
+device is left alone for ``cooldown`` runs, so a noisy device cannot churn the plan.
 
 Plain Python and numpy; the scheduler plugin feeds it, tests drive it with
 synthetic traces.
@@ -40,6 +43,7 @@ class DeviceFit:
     fast_ratio: float = 1.0          # short-window observed / predicted by the plan's scales
     fast_learned: float = 1.0        # short-window observed / predicted by the learned scales
     off_for: int = 0                 # observations in a row the fast ratio is off
+    quiet_for: int = 0               # observations left before another change may be raised
     applied: dict[str, float] = field(default_factory=dict)   # the scales the plan now uses
     count: int = 0
     recent: deque[tuple[np.ndarray, float]] = field(default_factory=lambda: deque(maxlen=8))
@@ -59,6 +63,7 @@ class CostLearner:
     prior: float = 0.05
     change: float = 1.5
     patience: int = 3
+    cooldown: int = 12
     fast: float = 0.5
     fits: dict[str, DeviceFit] = field(default_factory=dict)
     errors: deque[float] = field(default_factory=lambda: deque(maxlen=10_000))
@@ -105,10 +110,16 @@ class CostLearner:
         planned = sum(applied.get(c, 1.0) * float(modelled.get(c, 0.0)) for c in OP_CLASSES)
         r = observed_s / max(planned, 1e-12)
         fit.fast_ratio = self.fast * r + (1 - self.fast) * fit.fast_ratio
-        off = abs(math.log(max(fit.fast_ratio, 1e-12))) > math.log(self.change)
+        fit.quiet_for = max(0, fit.quiet_for - 1)
+        limit = math.log(self.change)
+        peers = [f.fast_ratio for d, f in self.fits.items() if d != device and f.count]
+        # NOTE: relative to its peers: a device slower only because all are is no reason to move
+        rel = fit.fast_ratio / float(np.median(peers)) if peers else fit.fast_ratio
+        off = abs(math.log(max(fit.fast_ratio, 1e-12))) > limit and abs(math.log(max(rel, 1e-12))) > limit
         fit.off_for = fit.off_for + 1 if off else 0
-        if fit.off_for < self.patience:
+        if fit.off_for < self.patience or fit.quiet_for:
             return None
+        fit.quiet_for = self.cooldown
         if abs(math.log(max(fit.fast_learned, 1e-12))) > math.log(self.change) / 2:
             # NOTE: the fit lags too: the speed changed, and what came before says nothing of
             # now. Refit on the runs since the change only.

@@ -300,9 +300,9 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
         """Blocks of ``model`` computed, read back from checkpoints, and computed more than once."""
         return dict(self.run_totals.get(model, {"computed": 0, "resumed": 0, "re_executed": 0}))
 
-    def learned(self, comm: Any = None, model: str = "") -> dict[str, Any]:
+    def learned(self, comm: Any = None, model: str = "", last: int = 100) -> dict[str, Any]:
         """Per worker of ``model``: measured over modelled time per op class, learned from its runs."""
-        return self.state.learned(access.check_model_id(model))
+        return self.state.learned(access.check_model_id(model), min(max(1, int(last)), 10_000))
 
     def plan(self, comm: Any = None, model: str = "") -> dict[str, Any]:
         dep = self.state.deployment(access.check_model_id(model))

@@ -164,10 +164,12 @@ class DistributedModel:
         """Blocks computed, read back from checkpoints, and computed more than once, for this model."""
         return dict(self.client.sync(self.client.scheduler.seabiscuit_runs, model=self.model_id))
 
-    def learned(self) -> dict[str, Any]:
+    def learned(self, last: int = 100) -> dict[str, Any]:
         """What the scheduler learned from this model's block runs: per worker, measured over
-        modelled time per op class (``scales``), and the recent prediction error per block."""
-        return dict(self.client.sync(self.client.scheduler.seabiscuit_learned, model=self.model_id))
+        modelled time per op class (``scales``), and the mean relative error of the last
+        ``last`` block-time predictions (``error``)."""
+        return dict(self.client.sync(self.client.scheduler.seabiscuit_learned, model=self.model_id,
+                                     last=last))
 
     def predicted_s(self, learned: bool = True) -> float:
         """The simulated latency of one request on the current plan, with the learned scales

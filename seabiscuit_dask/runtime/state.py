@@ -355,8 +355,7 @@ class PlacementState:
     def _capacity(self, event: CapacityChanged, deps: list[Deployment]) -> list[Instruction]:
         plans = [(dep, replan(dep.plan, event)) for dep in deps if event.name in dep.addresses()]
         if event.scale is not None:
-            why = (f"worker {event.name} runs at " + ", ".join(f"{v:.2f}x" for v in event.scale.values())
-                   + " the modelled time (" + ", ".join(event.scale) + ")")
+            why = self._speed_reason(event.name, event.scale)
             if event.name in self.devices:
                 self.devices[event.name] = replace(self.devices[event.name], scale=dict(event.scale))
         else:
@@ -374,18 +373,35 @@ class PlacementState:
         scale = self.learner.observe(address, modelled, float(e.compute_s))
         if scale is None or address not in self.devices:
             return []
-        logger.info("seabiscuit: worker %s runs at %s of its modelled time: repairing", address, scale)
-        try:
-            return self._capacity(CapacityChanged(address, scale=scale), list(self.models.values()))
-        except SeaBiscuitError as e2:
-            logger.warning("seabiscuit: no repair for the speed change of %s: %s", address, e2)
-            return []
+        logger.info("seabiscuit: worker %s runs at %s of its modelled time", address, scale)
+        event = CapacityChanged(address, scale=scale)
+        self.devices[address] = replace(self.devices[address], scale=dict(scale))
+        out: list[Instruction] = []
+        for d in self.models.values():
+            if address not in d.addresses():
+                continue
+            try:
+                plan = replan(d.plan, event)
+            except SeaBiscuitError as e2:
+                logger.warning("seabiscuit: no repair of model %s for the speed of %s: %s",
+                               d.model, address, e2)
+                continue
+            if plan.info.get("moved_ops"):      # NOTE: a repair that moves nothing is no new plan
+                out.append(PlanChanged(d.model, d.advance(plan), self._speed_reason(address, scale),
+                                       plan.info["moved_bytes"], plan.planning_s))
+        return out
 
-    def learned(self, model: str) -> dict[str, Any]:
-        """The learned scales of ``model``'s workers and the recent prediction error."""
+    @staticmethod
+    def _speed_reason(address: str, scale: dict[str, float]) -> str:
+        return (f"worker {address} runs at " + ", ".join(f"{v:.2f}x" for v in scale.values())
+                + " the modelled time (" + ", ".join(scale) + ")")
+
+    def learned(self, model: str, last: int = 100) -> dict[str, Any]:
+        """The learned scales of ``model``'s workers, and the mean relative error of the last
+        ``last`` block-time predictions (each made before its run was seen)."""
         dep = self.deployment(model)
         return {"scales": {d.address: self.learner.scale(d.address) for d in dep.plan.spec.devices},
-                "error": self.learner.mean_error(100), "observed": len(self.learner.errors)}
+                "error": self.learner.mean_error(max(1, int(last))), "observed": len(self.learner.errors)}
 
     def _added(self, device: DeviceSpec, deps: list[Deployment], restored: bool,
                everyone: bool) -> list[Instruction]:

