@@ -14,8 +14,12 @@ import shutil
 import subprocess
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
+
+import numpy as np
+
+import seabiscuit_dask as sb
 
 SUBNET = "10.213.0"
 
@@ -132,3 +136,24 @@ def dask_on_hosts(hosts: NamespaceHosts, per_host: int, mem_bytes: int, folder: 
                 p.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 p.kill()
+
+
+def blind(spec: sb.ClusterSpec) -> sb.ClusterSpec:
+    """The same workers as a placement that knows nothing of hosts sees them: each its own host,
+    one uniform link (the median measured), listed as the hosts take turns."""
+    off = ~np.eye(len(spec.devices), dtype=bool)
+    bw, lat = float(np.median(spec.bandwidth[off])), float(np.median(spec.latency[off]))
+    by_host: dict[str, list[sb.DeviceSpec]] = {}
+    for d in spec.devices:
+        by_host.setdefault(d.host, []).append(d)
+    turns = [d for group in zip(*by_host.values()) for d in group]
+    devices = tuple(replace(d, host=f"solo{i}") for i, d in enumerate(turns))
+    link = sb.LinkSpec(bw, lat)
+    return sb.ClusterSpec(devices, dict.fromkeys(("nvlink", "pcie", "rack", "network"), link), dask=spec.dask)
+
+
+def cross_host_bytes(plan: sb.Plan, hosts: dict[str, str]) -> float:
+    """Bytes per request between devices of different real hosts (``hosts``: address -> host)."""
+    where = [hosts[d.address] for d in plan.spec.devices]
+    bb = plan.bytes_between
+    return float(sum(bb[a, b] for a in range(len(where)) for b in range(len(where)) if where[a] != where[b]))

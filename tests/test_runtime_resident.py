@@ -29,7 +29,7 @@ def blocks():
     graph = sb.decompose(sb.trace(model, x), "64KiB")
     owner = Owner()
     graph, _ = stored(graph, model, owner)
-    spec = sb.ClusterSpec.synthetic("4xcpu", hosts=2, cpu_memory="64MiB")
+    spec = sb.ClusterSpec.synthetic("4xcpu", hosts=3, cpu_memory="2MiB")    # no one device holds it
     spec = sb.ClusterSpec(tuple(replace(d, address=f"tcp://h:{i}") for i, d in enumerate(spec.devices)),
                           spec.links)
     plan = sb.place(graph, spec)

@@ -46,6 +46,7 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
         self.process = psutil.Process()
         self.process.cpu_percent()
         self.simulated: dict[str, float] = {}       # readings injected by tests and drills
+        self.forecast = agent.AvailabilityForecast()
         self.pressure_sent: str | None = None
         worker.metrics[PLUGIN_NAME] = self.metrics
         worker.handlers["seabiscuit_sync"] = self.sync
@@ -79,7 +80,10 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
         live = {**agent.live_report(self.process), **self.simulated}
         self._check_pressure(live)
         r = self.resident
-        return {**self.report, **live, "budget_bytes": r.budget_bytes, "resident_bytes": r.resident_bytes,
+        self.forecast.update(memory_available_bytes=live["memory_available_bytes"],
+                             host_cpu_idle=live["host_cpu_idle"])
+        return {**self.report, **live, **self.forecast.report(),
+                "budget_bytes": r.budget_bytes, "resident_bytes": r.resident_bytes,
                 "blocks": len(r.programs), "models": dict(r.versions), **r.counters}
 
     def report_now(self, comm: Any = None) -> dict[str, Any]:

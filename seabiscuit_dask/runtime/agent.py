@@ -135,9 +135,50 @@ def live_report(process: psutil.Process) -> dict[str, Any]:
     gpus = gpu_report()
     return {"cpu_percent": process.cpu_percent(), "rss_bytes": int(process.memory_info().rss),
             "memory_available_bytes": int(psutil.virtual_memory().available),
+            "host_cpu_idle": max(0.0, 1.0 - psutil.cpu_percent() / 100.0),
             "gpu_memory_used_bytes": [g["memory_used_bytes"] for g in gpus],
             "gpu_utilization": [g["utilization"] for g in gpus],
             "gpu_temperature_c": [g["temperature_c"] for g in gpus]}
+
+
+class AvailabilityForecast:
+    """What a worker can count on next, from the history of its heartbeats.
+
+    Free memory and idle CPU are smoothed exponentially (weight ``alpha`` for each
+    new reading) with their spread; the forecast is the smoothed value less
+    ``k`` spreads, so a host whose free memory swings is planned on its lows, not on
+    whatever the last heartbeat happened to read.
+    """
+
+    def __init__(self, alpha: float = 0.2, k: float = 2.0) -> None:
+        self.alpha, self.k = alpha, k
+        self.stats: dict[str, tuple[float, float]] = {}     # name -> (mean, variance)
+        self.readings = 0
+
+    def update(self, **values: float) -> None:
+        a = self.alpha
+        for name, x in values.items():
+            if name not in self.stats:
+                self.stats[name] = (float(x), 0.0)
+                continue
+            mean, var = self.stats[name]
+            d = float(x) - mean
+            mean += a * d
+            self.stats[name] = (mean, (1 - a) * (var + a * d * d))
+        self.readings += 1
+
+    def low(self, name: str) -> float | None:
+        """The smoothed value less ``k`` spreads (never below 0), or None before any reading."""
+        if name not in self.stats:
+            return None
+        mean, var = self.stats[name]
+        return max(0.0, mean - self.k * var ** 0.5)
+
+    def report(self) -> dict[str, float]:
+        out: dict[str, float] = {"forecast_readings": float(self.readings)}
+        for name in self.stats:
+            out[f"forecast_{name}"] = float(self.low(name) or 0.0)
+        return out
 
 
 def worker_budget(resources: Mapping[str, float], memory_limit: int | None, gpu_bytes: int | None) -> int:

@@ -176,6 +176,19 @@ def workers_info(client: Any, everyone: bool = False) -> list[dict[str, Any]]:
     return infos
 
 
+def forecast_budget(info: dict[str, Any], infos: list[dict[str, Any]]) -> int:
+    """A worker's free budget for a new model: its budget less what deployed models hold there,
+    and no more than its share of the memory its host is forecast to have free (the agent's
+    smoothed low of free memory, split among the host's workers)."""
+    r = info["report"]
+    free = int(r["budget_bytes"]) - int(info["held_bytes"])
+    low = r.get("forecast_memory_available_bytes")
+    if low is None:
+        return free
+    peers = sum(1 for i in infos if i["host"] == info["host"])
+    return min(free, int(float(low) / max(peers, 1)))
+
+
 SPEED_KEYS = ("matmul_flops_per_s", "other_flops_per_s", "mem_bytes_per_s", "op_overhead_s")
 
 
@@ -210,7 +223,7 @@ def measure_cluster(client: Any, *, probe: bool = True) -> ClusterSpec:
     """
     infos = sorted(workers_info(client), key=lambda i: (i["host"], i["address"]))
     for i in infos:
-        i["report"] = {**i["report"], "budget_bytes": int(i["report"]["budget_bytes"]) - int(i["held_bytes"])}
+        i["report"] = {**i["report"], "budget_bytes": forecast_budget(i, infos)}
     if not infos:
         raise ClusterTooSmall(f"the cluster at {client.scheduler.address} has no workers")
     full = [i for i in infos if int(i["report"]["budget_bytes"]) <= 0]

@@ -55,7 +55,7 @@ class ResidentBlocks:
         self.runs: dict[tuple[str, int], int] = {}
         self.counters = dict.fromkeys(COUNTERS, 0)
         self._stores: dict[str, WeightStore] = {}
-        self._reserved = 0                           # bytes of loads under way
+        self._loading: dict[tuple[str, Any], list[int]] = {}   # tile being read -> [bytes, loads]
         self._lock = threading.Lock()
 
     @property
@@ -114,20 +114,27 @@ class ResidentBlocks:
             keep = keep and spec.version == self.versions.get(spec.model) and spec.model not in self.released
             tiles = self.tiles.get(spec.model, {})
             todo = {tile_key(p): (n, p) for n, p in spec.params.items() if tile_key(p) not in tiles}
-            need = sum(p.nbytes for _, p in todo.values())
-            held = self.resident_bytes + self._reserved
+            # NOTE: a tile another load is reading now is counted once, not once per load
+            need = sum(p.nbytes for k, (_, p) in todo.items() if (spec.model, k) not in self._loading)
+            held = self.resident_bytes + sum(b for b, _ in self._loading.values())
             if keep and held + need > self.budget_bytes:
                 raise ClusterTooSmall(
                     f"worker {self.address} cannot hold block b{spec.index} of model {spec.model}: it "
                     f"holds {fmt_bytes(held)} of shards, the block needs {fmt_bytes(need)} more, and its "
                     f"budget is {fmt_bytes(self.budget_bytes)} ({held} + {need} > {self.budget_bytes} bytes)")
-            reserved = need if keep else 0
-            self._reserved += reserved
+            mine = [(spec.model, k) for k in todo] if keep else []
+            for k in mine:
+                entry = self._loading.setdefault(k, [todo[k[1]][1].nbytes, 0])
+                entry[1] += 1
         try:
             read = {k: self._read_tile(spec, n, p) for k, (n, p) in todo.items()}
         finally:
             with self._lock:
-                self._reserved -= reserved
+                for k in mine:
+                    entry = self._loading[k]
+                    entry[1] -= 1
+                    if not entry[1]:
+                        del self._loading[k]
         with self._lock:
             keep = keep and spec.version == self.versions.get(spec.model) and spec.model not in self.released
             tiles = self.tiles.setdefault(spec.model, {}) if keep else dict(tiles)

@@ -33,6 +33,7 @@ from ..lower.blocks import BlockSpec, Key, block_specs, parse_key
 from ..placement import CapacityChanged, DeviceAdded, DeviceLost, DeviceSpec, Plan, place, replan
 from ..placement.cluster import OP_CLASSES
 from ..placement.learn import CostLearner
+from .. import config
 from . import access
 
 logger = logging.getLogger(__name__)
@@ -257,7 +258,9 @@ class PlacementState:
         self.drained: dict[str, str] = {}            # address -> why, drained for every model
         self.pinned: dict[Key, str] = {}
         self.log: deque[Event] = deque(maxlen=100_000)
-        self.learner = CostLearner()
+        self.learner = CostLearner(change=float(config.get("learn.speed-change", 1.5)),
+                                   patience=int(config.get("learn.patience", 4)),
+                                   cooldown=int(config.get("learn.cooldown", 40)))
 
     def handle(self, event: Event) -> list[Instruction]:
         self.log.append(event)
@@ -371,7 +374,7 @@ class PlacementState:
             return []
         address, modelled = blocks[e.block]
         scale = self.learner.observe(address, modelled, float(e.compute_s))
-        if scale is None or address not in self.devices:
+        if scale is None or address not in self.devices or not config.get("learn.repair", True):
             return []
         logger.info("seabiscuit: worker %s runs at %s of its modelled time", address, scale)
         event = CapacityChanged(address, scale=scale)
