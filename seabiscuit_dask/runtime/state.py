@@ -28,12 +28,12 @@ from typing import Any
 
 import numpy as np
 
+from .. import config
 from ..errors import AccessDenied, SeaBiscuitError
 from ..lower.blocks import BlockSpec, Key, block_specs, parse_key
 from ..placement import CapacityChanged, DeviceAdded, DeviceLost, DeviceSpec, Plan, place, replan
 from ..placement.cluster import OP_CLASSES
 from ..placement.learn import CostLearner
-from .. import config
 from . import access
 
 logger = logging.getLogger(__name__)
