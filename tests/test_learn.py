@@ -111,7 +111,7 @@ def test_the_scheduler_repairs_the_plan_of_a_slowed_worker(graph):
             factor = 4.0 if address == victim else 1.0
             out += state.handle(BlockObserved("m1", 0, b, factor * sum(m.values())))
     changed = [i for i in out if isinstance(i, PlanChanged)]
-    patience = state.learner.patience
+    patience = state.learner.patience + 1      # NOTE: a block's first run is not learned from
     assert changed and requests <= patience, f"the slowdown was not acted on within {patience} requests"
     assert "runs at" in changed[0].reason and victim in changed[0].reason
     new = state.models["m1"].plan

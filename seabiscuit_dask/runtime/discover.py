@@ -116,19 +116,27 @@ def measure_dask(client: Any, worker: str, *, chain: int = 12, wide: int = 48, r
     scheduler's and one hop; a chain of ``chain`` tasks on ``worker`` adds a hop and a
     task per link; ``wide`` independent tasks add the scheduler's time per task.
     """
+    import torch
+
+    token = torch.zeros(16)      # NOTE: requests carry their inputs inside the graph
+
     def graph(n: int, dependent: bool) -> tuple[dict[str, Any], list[str]]:
         tag = uuid.uuid4().hex[:12]
         keys = [f"seabiscuit-probe-{tag}-{i}" for i in range(n)]
-        dsk = {k: (_noop, keys[i - 1]) if dependent and i else (_noop,) for i, k in enumerate(keys)}
+        dsk = {k: (_noop, keys[i - 1]) if dependent and i else (_noop, token) for i, k in enumerate(keys)}
         return dsk, keys[-1:] if dependent else keys
 
     def run(n: int, dependent: bool) -> None:
+        # NOTE: the way a request goes: one graph, futures gathered, then released
         dsk, want = graph(n, dependent)
-        client.gather(client.get(dsk, want, sync=False, workers=[worker] if dependent else None,
-                                 allow_other_workers=not dependent))
+        futures = client.get(dsk, want, sync=False, workers=[worker] if dependent else None,
+                             allow_other_workers=not dependent)
+        client.gather(futures)
+        for f in futures:
+            f.release()
 
     run(2, True)                                           # NOTE: warm the path once
-    trip = _median_run_s(lambda: client.submit(_noop, workers=[worker], pure=False).result(), reps * 2)
+    trip = _median_run_s(lambda: run(1, True), reps * 2)
     per_link = (_median_run_s(lambda: run(chain, True), reps) - trip) / (chain - 1)
     task = max((_median_run_s(lambda: run(wide, False), reps) - trip) / (wide - 1), FLOOR_S)
     hop = max(per_link - task, FLOOR_S)

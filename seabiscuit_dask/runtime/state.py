@@ -170,6 +170,7 @@ class Deployment:
     _homes: dict[tuple[int, int], str] = field(default_factory=dict)
     _urgent: dict[int, list[bool]] = field(default_factory=dict)
     _modelled: dict[int, list[tuple[str, dict[str, float]]]] = field(default_factory=dict)
+    warm: set[tuple[int, int]] = field(default_factory=set)       # (version, block) run at least once
 
     def modelled(self, version: int) -> list[tuple[str, dict[str, float]]]:
         """Per block of plan ``version``: its worker's address and its modelled time per op
@@ -371,6 +372,9 @@ class PlacementState:
         dep = self.models.get(e.model)
         blocks = dep.modelled(e.version) if dep is not None else []
         if not 0 <= e.block < len(blocks):
+            return []
+        if (e.version, e.block) not in dep.warm:      # NOTE: a first run pays first touches of its tiles
+            dep.warm.add((e.version, e.block))
             return []
         address, modelled = blocks[e.block]
         scale = self.learner.observe(address, modelled, float(e.compute_s))
