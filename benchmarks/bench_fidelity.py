@@ -45,11 +45,11 @@ class ConvNet(torch.nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        c = [3, 64, 128, 256]
+        c = [3, 64, 256, 512]
         self.stages = torch.nn.ModuleList(torch.nn.Sequential(
             torch.nn.Conv2d(c[i], c[i + 1], 3, padding=1), torch.nn.BatchNorm2d(c[i + 1]), torch.nn.ReLU(),
             torch.nn.MaxPool2d(2)) for i in range(3))
-        self.head = torch.nn.Linear(256, 100)
+        self.head = torch.nn.Linear(512, 100)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for s in self.stages:
@@ -63,6 +63,8 @@ class Config:
     workers: int
     share: float                   # each worker's budget as a fraction of the weights
     build: Callable[[], tuple[Any, tuple[torch.Tensor, ...], float]]   # model or folder, inputs, bytes
+    budget: str = ""               # per-op budget ("" = --budget)
+    room_bytes: int = 0            # each worker's memory for activations, besides its share
 
 
 def tiny() -> tuple[Any, tuple[torch.Tensor, ...], float]:
@@ -97,7 +99,7 @@ def minilm() -> tuple[Any, tuple[torch.Tensor, ...], float]:
 def convnet() -> tuple[Any, tuple[torch.Tensor, ...], float]:
     torch.manual_seed(0)
     model = ConvNet().eval()
-    x = torch.randn(4, 3, 64, 64, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(1, 3, 64, 64, generator=torch.Generator().manual_seed(0))
     return model, (x,), sum(p.numel() * 4 for p in model.parameters())
 
 
@@ -106,8 +108,8 @@ CONFIGS = [
     Config("tiny-2", 2, 0.7, tiny),
     Config("gpt2m-2", 2, 0.7, gpt2_medium),
     Config("minilm-2", 2, 0.7, minilm),
-    Config("convnet-4", 4, 0.4, convnet),
-    Config("tiny-4", 4, 0.4, tiny),
+    Config("convnet-4", 4, 0.3, convnet, "256KiB", 4 * 2**20),
+    Config("tiny-4", 4, 0.5, tiny),
 ]
 
 
@@ -117,11 +119,11 @@ def run_config(cfg: Config, reps: int, budget: str) -> dict[str, Any]:
     import seabiscuit_dask as sb
 
     model, x, weight_bytes = cfg.build()
-    mem = max(int(weight_bytes * cfg.share), 64 * 2**20 if cfg.share > 1 else 0)
+    mem = max(int(weight_bytes * cfg.share), 64 * 2**20 if cfg.share > 1 else 0) + cfg.room_bytes
     with LocalCluster(n_workers=cfg.workers, threads_per_worker=1, processes=True, dashboard_address=None,
                       resources={"MEM": mem}) as cluster, Client(cluster) as client:
         client.register_plugin(sb.SeaBiscuitSchedulerPlugin())
-        dm = sb.distribute(model, client, x, budget=budget)
+        dm = sb.distribute(model, client, x, budget=cfg.budget or budget)
         for _ in range(3):                      # warm-up: the learner sees these runs too
             dm(*x)
         predicted = dm.predicted_s(learned=False)

@@ -128,6 +128,15 @@ def _place(graph: OpGraph, spec: ClusterSpec, w: Workload, cap: np.ndarray, refi
                      tier=best.info["tier"], fused=best.info["fused"])
 
 
+def _join_shared(w: Workload, dev: np.ndarray) -> np.ndarray:
+    """Every op reading a weight tile that an op of another stage reads too goes to the stage of
+    the tile's first user (a tied embedding's lm_head joins the embedding): no tile held twice."""
+    dev = dev.copy()
+    for _, users in w.shared:
+        dev[list(users)] = dev[users[0]]
+    return dev
+
+
 def choose(graph: OpGraph, spec: ClusterSpec, cands: dict[str, np.ndarray]) -> Plan:
     """The candidate placement (each with blocks cut at senders, and fused) that the
     simulator finds fastest. A feasible plan beats an infeasible one; within 0.1%, the
@@ -153,6 +162,7 @@ def fewest_devices(w: Workload, spec: ClusterSpec, cap: np.ndarray, tries: int =
     by_speed = sorted(range(len(cap)), key=lambda d: (times_sum[d], host_rank[d], d))
     total = float(w.weight_bytes.sum())
     last = np.fromiter((max(d) for d in w.t_dst), dtype=np.int64, count=len(w.t_dst))
+    mem = np.array([d.memory_bytes for d in spec.devices], dtype=np.float64)
     out: dict[int, np.ndarray] = {}
     for k in range(1, len(cap) + 1):
         chosen = sorted(by_speed[:k], key=lambda d: (host_rank[d], d))
@@ -160,11 +170,20 @@ def fewest_devices(w: Workload, spec: ClusterSpec, cap: np.ndarray, tries: int =
             continue
         speed = 1.0 / np.maximum(times_sum[chosen], 1e-30)
         order = np.array(chosen, dtype=np.int64)
-        stage = contiguous_split(w.weight_bytes.astype(np.float64), w.t_src, last, w.t_bytes,
-                                 speed / speed.sum(), cap[order], load=fastest)
-        dev = order[stage]
-        if (np.bincount(dev, weights=w.weight_bytes, minlength=len(cap)) <= cap + 0.5).all():
-            out[k] = dev
+        room = cap.copy()
+        for _ in range(4):      # NOTE: a stage whose activations overflow gets less weight room
+            stage = contiguous_split(w.weight_bytes.astype(np.float64), w.t_src, last, w.t_bytes,
+                                     speed / speed.sum(), room[order], load=fastest)
+            dev = _join_shared(w, order[stage])
+            if not (np.bincount(dev, weights=w.weight_bytes, minlength=len(cap)) <= room + 0.5).all():
+                break
+            over = np.maximum(make_plan(w.graph, spec, dev, "stages", fused=True).peak_bytes - mem, 0)
+            if not over.any():
+                out[k] = dev
+                break
+            room = np.maximum(room - 1.1 * over, 0)
+            if room[order].sum() < total:
+                break
         if len(out) >= tries:
             break
     return out
