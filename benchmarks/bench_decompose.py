@@ -8,8 +8,9 @@ that run's alone.
 
 Then long prompts (--long, default 2048 and 8192 tokens), one cold process each:
 trace + decompose time, peak RSS, op count and largest working set; for the first
-of them also ``place`` on the 16-device synthetic cluster (feasible, acyclic) and
-``replan`` after the loss of each device (median).
+of them up to 2048 tokens also ``place`` on the 16-device synthetic cluster (feasible,
+acyclic; Dask tasks per request, devices used and the predicted latency, Dask's costs
+included) and ``replan`` after the loss of each device (median).
 
     python benchmarks/bench_decompose.py [--model llama-20b] [--budget 16MiB] [--long 2048 8192]
 """
@@ -68,7 +69,9 @@ def place_and_replan(sb, graph) -> dict:
         times.append(time.perf_counter() - t)
         ok = ok and new.feasible and new.acyclic
     return {"place_s": place_s, "replan_ms": statistics.median(times) * 1e3, "plans_ok": ok,
-            "devices": len(spec.devices)}
+            "devices": len(spec.devices), "tasks": len(plan.block_device),
+            "used": len(set(plan.device_of.tolist())), "makespan_ms": plan.makespan_s * 1e3,
+            "tier": f"{plan.info.get('tier')}{', fused' if plan.fused else ''}"}
 
 
 def run(model_name: str, budget: str, cache: str, seq: int | None = None, do_place: bool = False) -> dict:
@@ -100,33 +103,40 @@ def main() -> None:
             if i == 0:
                 for _ in range(a.warm):
                     rows.append(("warm", run(a.model, a.budget, d)))
-    r0 = rows[0][1]
-    print(f"model {a.model}: {r0['params_b']:.1f}B params, {r0['param_gb']:.1f} GB in bf16; "
-          f"budget {a.budget}")
-    print(f"traced ops {r0['traced_ops']}, micro-ops {r0['micro_ops']}, largest working set "
-          f"{r0['largest_ws'] / 2**20:.2f} MiB ({r0['largest_op']}), over budget {r0['over_budget']}")
-    print()
-    print(f"{'run':<6} {'build s':>8} {'trace s':>8} {'decomp s':>9} {'trace+decomp s':>15} "
-          f"{'peak RSS GB':>12}")
-    for kind, r in rows:
-        print(f"{kind:<6} {r['build_s']:>8.2f} {r['trace_s']:>8.2f} {r['decompose_s']:>9.2f} "
-              f"{r['trace_s'] + r['decompose_s']:>15.2f} {r['peak_rss_gb']:>12.2f}")
-    for kind in ("cold", "warm"):
-        sel = [r for k, r in rows if k == kind]
-        if sel:
-            med = statistics.median(r["trace_s"] + r["decompose_s"] for r in sel)
-            print(f"median {kind} trace+decompose: {med:.2f} s over {len(sel)} run(s)")
+    if rows:
+        r0 = rows[0][1]
+        print(f"model {a.model}: {r0['params_b']:.1f}B params, {r0['param_gb']:.1f} GB in bf16; "
+              f"budget {a.budget}")
+        print(f"traced ops {r0['traced_ops']}, micro-ops {r0['micro_ops']}, largest working set "
+              f"{r0['largest_ws'] / 2**20:.2f} MiB ({r0['largest_op']}), over budget {r0['over_budget']}")
+        print()
+        print(f"{'run':<6} {'build s':>8} {'trace s':>8} {'decomp s':>9} {'trace+decomp s':>15} "
+              f"{'peak RSS GB':>12}")
+        for kind, r in rows:
+            print(f"{kind:<6} {r['build_s']:>8.2f} {r['trace_s']:>8.2f} {r['decompose_s']:>9.2f} "
+                  f"{r['trace_s'] + r['decompose_s']:>15.2f} {r['peak_rss_gb']:>12.2f}")
+        for kind in ("cold", "warm"):
+            sel = [r for k, r in rows if k == kind]
+            if sel:
+                med = statistics.median(r["trace_s"] + r["decompose_s"] for r in sel)
+                print(f"median {kind} trace+decompose: {med:.2f} s over {len(sel)} run(s)")
     if a.long:
         print(f"\nlong prompts (cold, one process each), budget {a.budget}:")
         print(f"{'seq':>6} {'micro-ops':>10} {'largest MiB':>12} {'trace+decomp s':>15} {'peak RSS GB':>12} "
               f"{'place s':>8} {'replan ms':>10} {'plans ok':>9}")
-        for i, seq in enumerate(a.long):
+        placed_rows: list[dict] = []
+        for seq in a.long:
             with tempfile.TemporaryDirectory() as d:
-                r = run(a.model, a.budget, d, seq, do_place=i == 0)
+                r = run(a.model, a.budget, d, seq, do_place=seq <= 2048)
             placed = (f"{r['place_s']:>8.2f} {r['replan_ms']:>10.1f} {r['plans_ok']!s:>9}"
                       if "place_s" in r else f"{'-':>8} {'-':>10} {'-':>9}")
             print(f"{r['seq']:>6} {r['micro_ops']:>10} {r['largest_ws'] / 2**20:>12.2f} "
                   f"{r['trace_s'] + r['decompose_s']:>15.2f} {r['peak_rss_gb']:>12.2f} {placed}")
+            if "tasks" in r:
+                placed_rows.append(r)
+        for r in placed_rows:
+            print(f"  seq {r['seq']}: {r['tasks']} Dask tasks per request on {r['used']}/{r['devices']} "
+                  f"devices ({r['tier']}), predicted {r['makespan_ms']:.1f} ms per request")
 
 
 if __name__ == "__main__":

@@ -137,8 +137,10 @@ def run_config(cfg: Config, reps: int, budget: str) -> dict[str, Any]:
     return out
 
 
-def learning_curve(reps: int, budget: str) -> list[tuple[int, float]]:
-    """The learner's block-time prediction error on requests 1, 5 and 20 of a fresh deployment."""
+def learning_curve(reps: int, budget: str) -> list[tuple[int, float, float, float]]:
+    """A fresh deployment, learning as it serves. After 1, 5 and 20 learned requests (a block's
+    first run is not learned from): the learner's block-time error on that request, and the
+    predicted latency with what was learned; then the measured median latency."""
     from distributed import Client, LocalCluster
 
     import seabiscuit_dask as sb
@@ -149,13 +151,16 @@ def learning_curve(reps: int, budget: str) -> list[tuple[int, float]]:
                       resources={"MEM": int(weight_bytes * 0.7)}) as cluster, Client(cluster) as client:
         client.register_plugin(sb.SeaBiscuitSchedulerPlugin())
         dm = sb.distribute(model, client, x, budget=budget)
-        blocks = len(dm.plan.block_device)
+        out.append((0, float("nan"), dm.predicted_s(learned=False)))
+        dm(*x)                                   # NOTE: first runs: not learned from
         for r in range(1, 21):
             dm(*x)
             if r in (1, 5, 20):
-                out.append((r, float(dm.learned(last=blocks)["error"])))
+                blocks = len(dm.plan.block_device)
+                out.append((r, float(dm.learned(last=blocks)["error"]), dm.predicted_s()))
+        measured = median_s(lambda: dm(*x), reps)
         dm.close()
-    return out
+    return [(r, e, p, measured) for r, e, p in out]
 
 
 def slow_links(reps: int) -> None:
@@ -224,9 +229,11 @@ def main() -> None:
               f"{r['predicted'] * 1e3:>13.1f} {r['learned'] * 1e3:>11.1f} {r['measured'] * 1e3:>12.1f} "
               f"{err:>+7.1%} {lerr:>+12.1%}")
     if not args.no_curve:
-        print("\nblock-time prediction error of the learner (GPT-2 medium, 2 workers):")
-        for r, e in learning_curve(args.reps, args.budget):
-            print(f"  after request {r:>2}: {e:.1%}")
+        print("\nlearning while serving (GPT-2 medium, 2 workers):")
+        print(f"{'learned requests':>16} {'block-time error':>17} {'predicted ms':>13} {'measured ms':>12} "
+              f"{'error':>7}")
+        for r, e, p, m in learning_curve(args.reps, args.budget):
+            print(f"{r:>16} {e:>17.1%} {p * 1e3:>13.1f} {m * 1e3:>12.1f} {p / m - 1:>+7.1%}")
     if args.slow_links:
         slow_links(args.reps)
 

@@ -142,8 +142,10 @@ def choose(graph: OpGraph, spec: ClusterSpec, cands: dict[str, np.ndarray]) -> P
     simulator finds fastest. A feasible plan beats an infeasible one; within 0.1%, the
     earlier candidate and then the fused blocks win (fewer tasks for the same time)."""
     best, best_key = None, None
+    # NOTE: past FLAT_MAX_OPS blocks are large and many: a cut at every send never pays there
+    variants = (True,) if len(graph.ops) > FLAT_MAX_OPS else (True, False)
     for i, (tier, dev) in enumerate(cands.items()):
-        for fused in (True, False):
+        for fused in variants:
             plan = make_plan(graph, spec, dev, "multilevel", tier=tier, fused=fused)
             key = (not plan.feasible, plan.makespan_s * (1 + 1e-3 * (2 * i + (not fused))))
             if best_key is None or key < best_key:

@@ -120,15 +120,15 @@ def measure_dask(client: Any, worker: str, *, chain: int = 12, wide: int = 48, r
 
     token = torch.zeros(16)      # NOTE: requests carry their inputs inside the graph
 
-    def graph(n: int, dependent: bool) -> tuple[dict[str, Any], list[str]]:
+    def graph(n: int, dependent: bool, first: Any) -> tuple[dict[str, Any], list[str]]:
         tag = uuid.uuid4().hex[:12]
         keys = [f"seabiscuit-probe-{tag}-{i}" for i in range(n)]
-        dsk = {k: (_noop, keys[i - 1]) if dependent and i else (_noop, token) for i, k in enumerate(keys)}
+        dsk = {k: (_noop, keys[i - 1]) if dependent and i else first for i, k in enumerate(keys)}
         return dsk, keys[-1:] if dependent else keys
 
-    def run(n: int, dependent: bool) -> None:
+    def run(n: int, dependent: bool, first: Any = (_noop, token)) -> None:
         # NOTE: the way a request goes: one graph, futures gathered, then released
-        dsk, want = graph(n, dependent)
+        dsk, want = graph(n, dependent, first)
         futures = client.get(dsk, want, sync=False, workers=[worker] if dependent else None,
                              allow_other_workers=not dependent)
         client.gather(futures)
@@ -141,8 +141,7 @@ def measure_dask(client: Any, worker: str, *, chain: int = 12, wide: int = 48, r
     task = max((_median_run_s(lambda: run(wide, False), reps) - trip) / (wide - 1), FLOOR_S)
     hop = max(per_link - task, FLOOR_S)
     ends = max(trip - task - hop, 2 * FLOOR_S)
-    big = _median_run_s(lambda: client.submit(_payload, PROBE_BYTES, workers=[worker], pure=False).result(),
-                        reps)
+    big = _median_run_s(lambda: run(1, True, (_payload, PROBE_BYTES)), reps)
     bandwidth = PROBE_BYTES / max(big - trip, 1e-6)
     return DaskSpec(task_s=task, hop_s=hop, submit_s=ends / 2, gather_s=ends / 2,
                     client_bytes_per_s=bandwidth)
