@@ -121,7 +121,16 @@ def main() -> None:
         dist_rps = concurrent_rps(lambda: dm(x), 8, args.rounds)
         blocks = len(dm.specs)
         cut = dm.plan.cut_bytes
+        plan, graph = dm.plan, dm.graph
         dm.close()
+        # What a planner blind to Dask's costs would run: the parallel plan of a Dask-free model.
+        from seabiscuit_dask.placement import NO_DASK
+
+        blind = sb.place(graph, plan.spec.with_dask(NO_DASK))
+        blind = sb.Plan(graph, plan.spec, blind.device_of, info={"fused": blind.fused})
+        with sb.deploy(blind, client, weights=model) as dm2:
+            dm2(x)
+            blind_s = median_s(lambda: dm2(x), args.reps)
 
     print(f"\ndeploy {deploy_s:.1f} s (trace, decompose, place, write store, load); max rel err {err:.1e}")
     print(f"{'figure':<44} {'distributed':>12} {'torch':>10} {'ratio':>7} {'target':>8}")
@@ -130,6 +139,11 @@ def main() -> None:
     print(f"{'latency vs torch with all the cores (ms)':<44} {dist_1 * 1e3:>12.1f} {local_2t * 1e3:>10.1f} "
           f"{dist_1 / local_2t:>7.3f} {'<= 1.1':>8}")
     print(f"{'predicted latency (ms), learned costs':<44} {predicted * 1e3:>12.1f}")
+    print(f"{'a Dask-blind parallel plan, latency (ms)':<44} {blind_s * 1e3:>12.1f} {local_2t * 1e3:>10.1f} "
+          f"{blind_s / local_2t:>7.3f}   ({len(blind.block_device)} tasks, predicted "
+          f"{blind.makespan_s * 1e3:.0f} ms with Dask's costs)")
+    print("candidates place weighed (predicted ms): " + ", ".join(
+        f"{k} {v * 1e3:.0f}" for k, v in plan.info.get("candidates", {}).items()))
     print(f"{'throughput, 8 concurrent (req/s)':<44} {dist_rps:>12.2f} {local_2t_rps:>10.2f} "
           f"{dist_rps / local_2t_rps:>7.3f} {'>= 0.9':>8}")
     print(f"{'bytes moved between workers per request':<44} {moved / 2**20:>10.2f} MiB "

@@ -97,7 +97,7 @@ def _place_all(graph: OpGraph, spec: ClusterSpec, refine_passes: int, t0: float)
         best = min((best, plan), key=lambda p: float(np.maximum(p.peak_bytes - mem, 0).sum()))
     return make_plan(graph, spec, best.device_of, "multilevel", _time.perf_counter() - t0,
                      levels=best.info.get("levels"), tier=best.info.get("tier"),
-                     fused=bool(best.info.get("fused"))).check()
+                     fused=bool(best.info.get("fused")), candidates=best.info.get("candidates")).check()
 
 
 FLAT_MAX_OPS = 20_000   # NOTE: past this, a layer is wide enough to keep a host busy alone
@@ -125,7 +125,7 @@ def _place(graph: OpGraph, spec: ClusterSpec, w: Workload, cap: np.ndarray, refi
         cands[f"stages{k}"] = dev
     best = choose(graph, spec, cands)
     return make_plan(graph, spec, best.device_of, "multilevel", levels=[g.k for g, _ in levels],
-                     tier=best.info["tier"], fused=best.info["fused"])
+                     tier=best.info["tier"], fused=best.info["fused"], candidates=best.info["candidates"])
 
 
 def _join_shared(w: Workload, dev: np.ndarray) -> np.ndarray:
@@ -144,13 +144,16 @@ def choose(graph: OpGraph, spec: ClusterSpec, cands: dict[str, np.ndarray]) -> P
     best, best_key = None, None
     # NOTE: past FLAT_MAX_OPS blocks are large and many: a cut at every send never pays there
     variants = (True,) if len(graph.ops) > FLAT_MAX_OPS else (True, False)
+    tried: dict[str, float] = {}
     for i, (tier, dev) in enumerate(cands.items()):
         for fused in variants:
             plan = make_plan(graph, spec, dev, "multilevel", tier=tier, fused=fused)
             key = (not plan.feasible, plan.makespan_s * (1 + 1e-3 * (2 * i + (not fused))))
+            tried[f"{tier}{'' if fused else '-cut'}"] = plan.makespan_s if plan.feasible else float("inf")
             if best_key is None or key < best_key:
                 best, best_key = plan, key
     assert best is not None
+    best.info["candidates"] = tried      # type: ignore[index]
     return best
 
 
@@ -160,6 +163,9 @@ def fewest_devices(w: Workload, spec: ClusterSpec, cap: np.ndarray, tries: int =
     host by host), each stage's work by its device's speed, never past its memory."""
     times_sum = np.array([w.device_times(d).sum() for d in spec.devices])
     fastest = np.min([w.device_times(d) for d in spec.devices], axis=0)
+    for _, users in w.shared:       # NOTE: ops that join a shared tile's first user count there
+        fastest[users[0]] += fastest[list(users[1:])].sum()
+        fastest[list(users[1:])] = 0.0
     host_rank = {d: i for i, grp in enumerate(spec.groups) for d in grp}
     by_speed = sorted(range(len(cap)), key=lambda d: (times_sum[d], host_rank[d], d))
     total = float(w.weight_bytes.sum())

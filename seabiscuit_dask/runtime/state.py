@@ -371,7 +371,7 @@ class PlacementState:
         """Learn from a block's run; a worker whose speed changed gets a repair (all its models)."""
         dep = self.models.get(e.model)
         blocks = dep.modelled(e.version) if dep is not None else []
-        if not 0 <= e.block < len(blocks):
+        if dep is None or not 0 <= e.block < len(blocks):
             return []
         if (e.version, e.block) not in dep.warm:      # NOTE: a first run pays first touches of its tiles
             dep.warm.add((e.version, e.block))
