@@ -121,6 +121,7 @@ def main() -> None:
         dist_rps = concurrent_rps(lambda: dm(x), 8, args.rounds)
         blocks = len(dm.specs)
         cut = dm.plan.cut_bytes
+        repairs = [e.get("reason", "") for e in dm.events if e.get("action") == "plan" and e.get("version")]
         plan, graph = dm.plan, dm.graph
         dm.close()
         # What a planner blind to Dask's costs would run: the parallel plan of a Dask-free model.
@@ -149,6 +150,7 @@ def main() -> None:
     print(f"{'bytes moved between workers per request':<44} {moved / 2**20:>10.2f} MiB "
           f"(plan cut {cut / 2**20:.2f} MiB, ratio {moved / max(cut, 1):.2f}, {blocks} blocks)")
     print(f"{'scheduler CPU time per request (ms)':<44} {sched_s * 1e3:>12.2f}")
+    print(f"plan repairs while serving: {len(repairs)}" + "".join(f"\n  {r}" for r in repairs))
 
 
 if __name__ == "__main__":
