@@ -13,10 +13,11 @@ over --reps requests after a warm-up:
 - measured latency, and the error of each prediction.
 
 Then, for one configuration, the learner's block-time prediction error after 1, 5 and
-20 requests, and (with --slow-links, as root where network namespaces work) the
-topology test's two plans on hosts joined by a slow link.
+20 requests; with --slow-links (as root, where network namespaces work) the topology
+test's two plans on hosts joined by a slow link; with --slowdown, a busy loop pinned
+to one worker's core until the scheduler repairs the plan.
 
-    python benchmarks/bench_fidelity.py [--reps 7] [--only tiny-1,gpt2m-2] [--slow-links]
+    python benchmarks/bench_fidelity.py [--reps 7] [--only tiny-1,gpt2m-2] [--slow-links] [--slowdown]
 """
 
 from __future__ import annotations
@@ -106,6 +107,7 @@ def convnet() -> tuple[Any, tuple[torch.Tensor, ...], float]:
 CONFIGS = [
     Config("tiny-1", 1, 4.0, tiny),
     Config("tiny-2", 2, 0.7, tiny),
+    Config("tiny-3", 3, 0.6, tiny),          # a 2 MB decoder on 3 workers that each hold 60% of it
     Config("gpt2m-2", 2, 0.7, gpt2_medium),
     Config("minilm-2", 2, 0.7, minilm),
     Config("convnet-4", 4, 0.3, convnet, "256KiB", 4 * 2**20),
@@ -175,13 +177,14 @@ def slow_links(reps: int) -> None:
     import seabiscuit_dask as sb
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from tests import netns
+    from tests import models, netns
 
     why = netns.unavailable()
     if why:
         print(f"\nslow links: skipped ({why})")
         return
-    model, x, weight_bytes = tiny()
+    model, x = models.llama(), (models.ids(seq=16),)
+    weight_bytes = sum(p.numel() * 4 for p in model.parameters())
     with tempfile.TemporaryDirectory() as tmp, netns.namespace_hosts(2, "100mbit") as hosts, \
             netns.dask_on_hosts(hosts, 2, int(weight_bytes * 0.45), tmp) as sched, \
             Client(scheduler_file=sched, timeout="60s") as client:
@@ -190,7 +193,8 @@ def slow_links(reps: int) -> None:
         spec = sb.measure_cluster(client)
         g = sb.decompose(sb.trace(model, x), "64KiB")
         host_of = {d.address: d.host for d in spec.devices}
-        print(f"\nslow links: 2 hosts x 2 workers, {hosts.rate} between hosts; measured {spec.dask}")
+        print(f"\nslow links: a small Llama on 2 hosts x 2 workers (45% of it each), {hosts.rate} between "
+              f"hosts; measured {spec.dask}")
         print(f"{'plan':<16} {'tasks':>6} {'cross-host KiB':>15} {'predicted ms':>13} {'measured ms':>12}")
         for name, plan in (("topology-aware", sb.place(g, spec)),
                            ("topology-blind", sb.place(g, netns.blind(spec)))):
@@ -205,6 +209,61 @@ def slow_links(reps: int) -> None:
                   f"{real.makespan_s * 1e3:>13.1f} {measured * 1e3:>12.1f}")
 
 
+def _pin(cores: set[int]) -> int:
+    """Pin every thread of this (worker) process to ``cores``; returns how many were pinned."""
+    import os
+
+    tids = [int(t) for t in os.listdir("/proc/self/task")]
+    for tid in tids:
+        os.sched_setaffinity(tid, cores)
+    return len(tids)
+
+
+def slowdown(reps: int, budget: str) -> None:
+    """A competing process pinned to one worker's core: requests until the scheduler repairs the
+    plan, and the latency before the competitor, with it, and after the repair."""
+    import os
+    import subprocess
+    import sys
+
+    from distributed import Client, LocalCluster
+
+    import seabiscuit_dask as sb
+
+    if len(os.sched_getaffinity(0)) < 2:
+        print("\nslowdown: skipped (needs two cores)")
+        return
+    model, x, weight_bytes = minilm()
+    with LocalCluster(n_workers=3, threads_per_worker=1, processes=True, dashboard_address=None,
+                      resources={"MEM": int(weight_bytes * 0.7)}) as cluster, Client(cluster) as client:
+        client.register_plugin(sb.SeaBiscuitSchedulerPlugin())
+        dm = sb.distribute(model, client, x, budget=budget)
+        victim = dm.plan.spec.devices[int(dm.plan.block_device[0])].address
+        for addr in client.scheduler_info()["workers"]:
+            client.run(_pin, {0} if addr == victim else {1}, workers=[addr])
+        for _ in range(3):
+            dm(*x)
+        before = median_s(lambda: dm(*x), reps)
+        v0 = dm.version
+        hog = subprocess.Popen(["taskset", "-c", "0", sys.executable, "-c", "while True: pass"])
+        try:
+            slowed, n = [], 0
+            while dm.version == v0 and n < 40:
+                t = time.perf_counter()
+                dm(*x)
+                slowed.append(time.perf_counter() - t)
+                n += 1
+            after = median_s(lambda: dm(*x), reps)
+        finally:
+            hog.kill()
+        why = next((e.get("reason", "") for e in dm.events if e.get("version") == v0 + 1), "none")
+        print(f"\nslowdown: a busy loop pinned to the core of {victim} (MiniLM, 3 workers)")
+        print(f"  latency before {before * 1e3:.1f} ms; with the competitor, before any repair "
+              f"{statistics.median(slowed) * 1e3:.1f} ms; repaired after {n} request(s): {why}")
+        print(f"  latency after the repair, competitor still running: {after * 1e3:.1f} ms")
+        dm.close()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=7)
@@ -212,6 +271,7 @@ def main() -> None:
     ap.add_argument("--only", default="", help="comma-separated configuration names")
     ap.add_argument("--no-curve", action="store_true", help="skip the learning curve")
     ap.add_argument("--slow-links", action="store_true", help="the namespace topology (root only)")
+    ap.add_argument("--slowdown", action="store_true", help="a competing process on one worker's core")
     args = ap.parse_args()
     torch.set_num_threads(1)
     chosen = [c for c in CONFIGS if not args.only or c.name in args.only.split(",")]
@@ -236,6 +296,8 @@ def main() -> None:
             print(f"{r:>16} {e:>17.1%} {p * 1e3:>13.1f} {m * 1e3:>12.1f} {p / m - 1:>+7.1%}")
     if args.slow_links:
         slow_links(args.reps)
+    if args.slowdown:
+        slowdown(args.reps, args.budget)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ The result is a ``Plan`` whose blocks form an acyclic graph.
 from __future__ import annotations
 
 import time as _time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -100,7 +100,8 @@ def _place_all(graph: OpGraph, spec: ClusterSpec, refine_passes: int, t0: float)
                      fused=bool(best.info.get("fused")), candidates=best.info.get("candidates")).check()
 
 
-FLAT_MAX_OPS = 20_000   # NOTE: past this, a layer is wide enough to keep a host busy alone
+FLAT_MAX_OPS = 20_000
+SLOW_CUT_WINDOW = 0.25   # NOTE: past this, a layer is wide enough to keep a host busy alone
 
 
 def _place(graph: OpGraph, spec: ClusterSpec, w: Workload, cap: np.ndarray, refine_passes: int) -> Plan:
@@ -178,10 +179,13 @@ def fewest_devices(w: Workload, spec: ClusterSpec, cap: np.ndarray, tries: int =
             continue
         speed = 1.0 / np.maximum(times_sum[chosen], 1e-30)
         order = np.array(chosen, dtype=np.int64)
+        # NOTE: a boundary between hosts looks farther for a cheap cut: it is the slow link
+        windows = [SLOW_CUT_WINDOW if spec.devices[a].where != spec.devices[b].where else 0.05
+                   for a, b in zip(chosen, chosen[1:])]
         room = cap.copy()
         for _ in range(4):      # NOTE: a stage whose activations overflow gets less weight room
             stage = contiguous_split(w.weight_bytes.astype(np.float64), w.t_src, last, w.t_bytes,
-                                     speed / speed.sum(), room[order], load=fastest)
+                                     speed / speed.sum(), room[order], window=windows, load=fastest)
             dev = _join_shared(w, order[stage])
             if not (np.bincount(dev, weights=w.weight_bytes, minlength=len(cap)) <= room + 0.5).all():
                 break
@@ -198,15 +202,16 @@ def fewest_devices(w: Workload, spec: ClusterSpec, cap: np.ndarray, tries: int =
 
 
 def contiguous_split(weight: np.ndarray, src_pos: np.ndarray, last_pos: np.ndarray, nbytes: np.ndarray,
-                     share: np.ndarray, cap: np.ndarray, window: float = 0.05,
+                     share: np.ndarray, cap: np.ndarray, window: float | Sequence[float] = 0.05,
                      load: np.ndarray | None = None) -> np.ndarray:
     """Cut a topological order into ``len(share)`` contiguous stages.
 
     ``weight`` is in order; a tensor made at position ``src_pos`` and last read at
     ``last_pos`` crosses every boundary in between. Stage k aims at ``share[k]`` of
     the weight (of ``load`` if given); each boundary moves within ``window`` of the
-    ops to where the fewest bytes cross, never past ``cap[k]`` of weight. Returns the
-    stage of each position.
+    ops (one figure, or one per boundary: a wider one where a slow link is cut) to where
+    the fewest bytes cross, never past ``cap[k]`` of weight. Returns the stage of each
+    position.
     """
     n, k = len(weight), len(share)
     diff = np.zeros(n + 2)
@@ -216,9 +221,10 @@ def contiguous_split(weight: np.ndarray, src_pos: np.ndarray, last_pos: np.ndarr
     cum = np.concatenate([[0.0], np.cumsum(weight)])
     lcum = cum if load is None else np.concatenate([[0.0], np.cumsum(load)])
     total = cum[-1]
-    span = max(1, int(window * n))
+    windows = [float(window)] * (k - 1) if isinstance(window, (int, float)) else [float(x) for x in window]
     bounds = [0]
     for s in range(k - 1):
+        span = max(1, int(windows[s] * n))
         lo = bounds[-1]
         target = int(np.searchsorted(lcum, lcum[-1] * share[: s + 1].sum()))
         hi = int(np.searchsorted(cum, cum[lo] + cap[s], side="right")) - 1

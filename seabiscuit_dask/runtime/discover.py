@@ -141,8 +141,9 @@ def measure_dask(client: Any, worker: str, *, chain: int = 12, wide: int = 48, r
     task = max((_median_run_s(lambda: run(wide, False), reps) - trip) / (wide - 1), FLOOR_S)
     hop = max(per_link - task, FLOOR_S)
     ends = max(trip - task - hop, 2 * FLOOR_S)
+    small = _median_run_s(lambda: run(1, True, (_payload, 1)), reps)
     big = _median_run_s(lambda: run(1, True, (_payload, PROBE_BYTES)), reps)
-    bandwidth = PROBE_BYTES / max(big - trip, 1e-6)
+    bandwidth = PROBE_BYTES / max(big - small, PROBE_BYTES / 1e11)     # NOTE: at most 100 GB/s
     return DaskSpec(task_s=task, hop_s=hop, submit_s=ends / 2, gather_s=ends / 2,
                     client_bytes_per_s=bandwidth)
 
