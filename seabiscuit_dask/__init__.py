@@ -29,6 +29,7 @@ from .ir import Op, OpCost, OpGraph, ParamSource, ParamSpec, TensorSpec, verify
 from .placement import (
     CapacityChanged,
     ClusterSpec,
+    DaskSpec,
     DeviceAdded,
     DeviceLost,
     DeviceSpec,
@@ -44,9 +45,9 @@ from .version import __version__ as __version__
 
 __all__ = [
     "AccessDenied", "BadCheckpoint", "BadInput", "BudgetTooSmall", "CapacityChanged", "ClusterSpec",
-    "ClusterTooSmall", "DeviceAdded", "DeviceLost", "DeviceSpec", "DistributedModel", "InvalidGraph",
-    "LinkSpec", "Op", "OpCost", "OpGraph", "ParamSource", "ParamSpec", "PlacementState", "Plan",
-    "SeaBiscuitError", "SeaBiscuitSchedulerPlugin", "SeaBiscuitWorkerPlugin", "TensorSpec",
+    "ClusterTooSmall", "DaskSpec", "DeviceAdded", "DeviceLost", "DeviceSpec", "DistributedModel",
+    "InvalidGraph", "LinkSpec", "Op", "OpCost", "OpGraph", "ParamSource", "ParamSpec", "PlacementState",
+    "Plan", "SeaBiscuitError", "SeaBiscuitSchedulerPlugin", "SeaBiscuitWorkerPlugin", "TensorSpec",
     "UnsupportedModel", "UnsupportedOp", "WorkerLost", "bind_checkpoint", "build_empty", "config",
     "decompose", "deploy", "distribute", "empty_weights", "measure_cluster", "place", "replan",
     "run_local", "simulate", "trace", "verify",

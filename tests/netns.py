@@ -140,14 +140,18 @@ def dask_on_hosts(hosts: NamespaceHosts, per_host: int, mem_bytes: int, folder: 
 
 def blind(spec: sb.ClusterSpec) -> sb.ClusterSpec:
     """The same workers as a placement that knows nothing of hosts sees them: each its own host,
-    one uniform link (the median measured), listed as the hosts take turns."""
+    one uniform link (the median measured), one speed (the first worker's: speeds measured on
+    shared cores differ by noise), listed as the hosts take turns."""
     off = ~np.eye(len(spec.devices), dtype=bool)
     bw, lat = float(np.median(spec.bandwidth[off])), float(np.median(spec.latency[off]))
     by_host: dict[str, list[sb.DeviceSpec]] = {}
     for d in spec.devices:
         by_host.setdefault(d.host, []).append(d)
     turns = [d for group in zip(*by_host.values()) for d in group]
-    devices = tuple(replace(d, host=f"solo{i}") for i, d in enumerate(turns))
+    first = spec.devices[0]
+    devices = tuple(replace(d, host=f"solo{i}", flops_per_s=dict(first.flops_per_s),
+                            mem_bytes_per_s=first.mem_bytes_per_s, op_overhead_s=first.op_overhead_s)
+                    for i, d in enumerate(turns))
     link = sb.LinkSpec(bw, lat)
     return sb.ClusterSpec(devices, dict.fromkeys(("nvlink", "pcie", "rack", "network"), link), dask=spec.dask)
 

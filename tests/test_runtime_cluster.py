@@ -13,6 +13,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -213,6 +214,12 @@ def test_cluster_spec_from_client_reports_the_workers(client) -> None:
     link = spec.links["pcie"]
     assert 0 < link.latency_s < 1 and link.bandwidth_bytes_per_s > 1e6     # measured, not the defaults
     assert link != sb.LinkSpec(2.5e10, 1e-5)
+    # Every pair of workers has its measured link, and Dask's own costs were measured too.
+    off = ~np.eye(len(spec.devices), dtype=bool)
+    assert spec.matrix is not None and (spec.bandwidth[off] == link.bandwidth_bytes_per_s).all()
+    d = spec.dask
+    assert d != sb.DaskSpec() and all(0 < t < 1 for t in (d.task_s, d.hop_s, d.submit_s, d.gather_s))
+    assert d.client_bytes_per_s > 1e6
     reports = client.run(lambda dask_worker: dask_worker.plugins["seabiscuit"].metrics(dask_worker))
     for r in reports.values():
         assert r["cpu_count"] >= 1 and r["memory_total_bytes"] > 0

@@ -134,6 +134,12 @@ class CostLearner:
         """Note the scales the current plan uses for ``device`` (as after a repair)."""
         self.fits.setdefault(device, DeviceFit()).applied = {c: float(scale.get(c, 1.0)) for c in OP_CLASSES}
 
+    def settle(self, device: str) -> None:
+        """The change raised for ``device`` moved nothing: no cool-down is needed."""
+        fit = self.fits.get(device)
+        if fit is not None:
+            fit.quiet_for = 0
+
     def forget_device(self, device: str) -> None:
         self.fits.pop(device, None)
 

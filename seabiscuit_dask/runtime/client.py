@@ -18,9 +18,12 @@ import itertools
 import json
 import os
 import shutil
+import statistics
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +64,7 @@ class DistributedModel:
         self._closed = False
         self.events: list[dict[str, Any]] = []
         self._store: object | None = None            # keeps a weight store folder alive
+        self._client_s: deque[tuple[float, float]] = deque(maxlen=64)   # (submit, after gather) per request
         self._set_plan(plan, version)
         events.listen(client, model_id, self._on_event)
 
@@ -95,6 +99,7 @@ class DistributedModel:
             raise SeaBiscuitError(f"distributed model {self.model_id} is closed")
         if self._stranded:
             raise WorkerLost(self._stranded)
+        t0 = time.perf_counter()
         flat = flatten_inputs(self.graph, inputs, kwargs)
         feed = split_inputs(self.graph, {name: x.cpu() for name, x in zip(self.graph.inputs, flat)})
         with self._lock:
@@ -103,9 +108,11 @@ class DistributedModel:
         dsk, keys = request_graph(specs, request, feed, run_block_task)
         wanted = sorted(set(out_blocks.values()))
         futures = self.client.get(dsk, [keys[b] for b in wanted], sync=False)
+        t1 = time.perf_counter()
         self._inflight[request] = futures
         try:
             results = dict(zip(wanted, self.client.gather(futures)))
+            t2 = time.perf_counter()
         except SeaBiscuitError:
             raise
         except Exception as e:
@@ -118,7 +125,10 @@ class DistributedModel:
                 shutil.rmtree(Path(self.checkpoint_dir) / self.model_id / f"r{request}", ignore_errors=True)
         values = {t: results[out_blocks[t]][t] if t in out_blocks else feed[t]
                   for t in self.graph.leaf_outputs}
-        return unflatten_outputs(self.graph, assemble_outputs(self.graph, values))
+        out = unflatten_outputs(self.graph, assemble_outputs(self.graph, values))
+        # NOTE: what this client spends on a request besides waiting: part of Dask's cost
+        self._client_s.append((t1 - t0, time.perf_counter() - t2))
+        return out
 
     # --- operations on this model ------------------------------------------------------------
     def _address(self, worker: str) -> str:
@@ -172,8 +182,12 @@ class DistributedModel:
                                      last=last))
 
     def predicted_s(self, learned: bool = True) -> float:
-        """The simulated latency of one request on the current plan, with the learned scales
-        (``learned()``) applied to its devices, or as first modelled."""
+        """The simulated latency of one request on the current plan, or as first modelled.
+
+        ``learned``: with the scales the scheduler learned (``learned()``) on its devices,
+        and with this client's own submit and post-gather times, measured on its
+        requests, in place of the probes' (the graph of a real request is larger).
+        """
         plan = self._plan
         if learned:
             scales = self.learned()["scales"]
@@ -181,6 +195,11 @@ class DistributedModel:
             for d in spec.devices:
                 if d.address in scales:
                     spec = spec.with_changes(d.name, scale=dict(scales[d.address]))
+            if self._client_s:
+                submit = statistics.median(s for s, _ in self._client_s)
+                after = statistics.median(a for _, a in self._client_s)
+                spec = spec.with_dask(replace(spec.dask, submit_s=max(spec.dask.submit_s, submit),
+                                              gather_s=spec.dask.gather_s + after))
             plan = Plan(plan.graph, spec, plan.device_of, plan.method, plan.planning_s, dict(plan.info))
         return plan.makespan_s
 

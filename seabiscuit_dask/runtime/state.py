@@ -396,6 +396,8 @@ class PlacementState:
             if plan.info.get("moved_ops"):      # NOTE: a repair that moves nothing is no new plan
                 out.append(PlanChanged(d.model, d.advance(plan), self._speed_reason(address, scale),
                                        plan.info["moved_bytes"], plan.planning_s))
+        if not out:
+            self.learner.settle(address)       # NOTE: nothing churned: the next change may act at once
         return out
 
     @staticmethod
