@@ -219,9 +219,13 @@ def _pin(cores: set[int]) -> int:
     return len(tids)
 
 
-def slowdown(reps: int, budget: str) -> None:
-    """A competing process pinned to one worker's core: requests until the scheduler repairs the
-    plan, and the latency before the competitor, with it, and after the repair."""
+def slowdown(reps: int, budget: str, hogs: int = 3) -> None:
+    """Competing processes pinned to one worker's core: requests until the scheduler repairs the
+    plan, and the latency before the competitors, with them, and after the repair.
+
+    The victim has core 0 to itself, everything else (the other workers, this process with
+    the scheduler) shares core 1; ``hogs`` busy loops then join the victim on core 0.
+    """
     import os
     import subprocess
     import sys
@@ -241,11 +245,13 @@ def slowdown(reps: int, budget: str) -> None:
         victim = dm.plan.spec.devices[int(dm.plan.block_device[0])].address
         for addr in client.scheduler_info()["workers"]:
             client.run(_pin, {0} if addr == victim else {1}, workers=[addr])
+        _pin({1})
         for _ in range(3):
             dm(*x)
         before = median_s(lambda: dm(*x), reps)
         v0 = dm.version
-        hog = subprocess.Popen(["taskset", "-c", "0", sys.executable, "-c", "while True: pass"])
+        hog = [subprocess.Popen(["taskset", "-c", "0", sys.executable, "-c", "while True: pass"])
+               for _ in range(hogs)]
         try:
             slowed, n = [], 0
             while dm.version == v0 and n < 40:
@@ -255,9 +261,10 @@ def slowdown(reps: int, budget: str) -> None:
                 n += 1
             after = median_s(lambda: dm(*x), reps)
         finally:
-            hog.kill()
+            for h in hog:
+                h.kill()
         why = next((e.get("reason", "") for e in dm.events if e.get("version") == v0 + 1), "none")
-        print(f"\nslowdown: a busy loop pinned to the core of {victim} (MiniLM, 3 workers)")
+        print(f"\nslowdown: {hogs} busy loops pinned to the core of {victim} (MiniLM, 3 workers)")
         print(f"  latency before {before * 1e3:.1f} ms; with the competitor, before any repair "
               f"{statistics.median(slowed) * 1e3:.1f} ms; repaired after {n} request(s): {why}")
         print(f"  latency after the repair, competitor still running: {after * 1e3:.1f} ms")
