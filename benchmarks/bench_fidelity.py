@@ -31,14 +31,7 @@ from typing import Any
 
 import torch
 
-
-def median_s(fn: Callable[[], Any], reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+from seabiscuit_dask.runtime.agent import median_s
 
 
 class ConvNet(torch.nn.Module):

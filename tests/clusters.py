@@ -73,3 +73,16 @@ def running_on(client, dm, address: str) -> bool:
     """Whether a block task of ``dm`` is running on ``address`` right now."""
     keys = client.processing(workers=[address]).get(address, ())
     return any(f"sb-{dm.model_id}" in str(k) for k in keys)
+
+
+def stop(procs: list[Any]) -> None:
+    """Terminate subprocesses (last started first), killing any that do not end in 20 s."""
+    import subprocess
+
+    for p in reversed(procs):
+        p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            p.kill()

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 import seabiscuit_dask as sb
+from tests.clusters import stop, wait_for
 
 SUBNET = "10.213.0"
 
@@ -116,8 +117,6 @@ def dask_on_hosts(hosts: NamespaceHosts, per_host: int, mem_bytes: int, folder: 
                                         "--preload", PRELOAD),
                               stdout=(folder / "scheduler.log").open("w"), stderr=subprocess.STDOUT, env=env)]
     try:
-        from tests.clusters import wait_for
-
         wait_for(sched_file.exists, "the scheduler to write its file", 60)
         for h, addr in enumerate(hosts.addresses):
             for k in range(per_host):
@@ -129,13 +128,7 @@ def dask_on_hosts(hosts: NamespaceHosts, per_host: int, mem_bytes: int, folder: 
                                          stderr=subprocess.STDOUT, env=env))
         yield str(sched_file)
     finally:
-        for p in reversed(procs):
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop(procs)
 
 
 def blind(spec: sb.ClusterSpec) -> sb.ClusterSpec:

@@ -19,7 +19,7 @@ import torch
 import seabiscuit_dask as sb
 
 from . import models as M
-from .clusters import wait_for
+from .clusters import stop, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::ResourceWarning")]
 
@@ -55,13 +55,7 @@ def deployment(tmp_path_factory):
             client.wait_for_workers(2, timeout=120)
             yield client
     finally:
-        for p in reversed(procs):
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop(procs)
 
 
 def test_preloaded_cluster_reports_its_workers(deployment) -> None:

@@ -76,7 +76,8 @@ def gpu_report() -> list[dict[str, Any]]:
     return out
 
 
-def _median_s(fn: Any, reps: int) -> float:
+def median_s(fn: Any, reps: int) -> float:
+    """Median wall time of ``reps`` calls of ``fn``."""
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
@@ -111,7 +112,7 @@ def measure_speed(device: str = "cpu", n: int = 384, reps: int = 5) -> dict[str,
 
     for f in (mm, copy, tiny):
         f()
-    mm_s, copy_s, tiny_s = _median_s(mm, reps), _median_s(copy, reps), _median_s(tiny, reps)
+    mm_s, copy_s, tiny_s = median_s(mm, reps), median_s(copy, reps), median_s(tiny, reps)
     bytes_moved = 2 * big.numel() * 4
     return {"matmul_flops_per_s": 2 * n**3 / mm_s, "other_flops_per_s": big.numel() / copy_s,
             "mem_bytes_per_s": bytes_moved / copy_s, "op_overhead_s": tiny_s / 50}

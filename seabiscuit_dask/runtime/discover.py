@@ -24,6 +24,7 @@ from typing import Any
 
 from ..errors import ClusterTooSmall, SeaBiscuitError
 from ..placement.cluster import DEFAULT_LINKS, ClusterSpec, DaskSpec, DeviceSpec, LinkSpec
+from .agent import median_s
 
 PROBE_BYTES = 8 * 2**20
 FLOOR_S = 1e-5          # NOTE: a measured time below this is noise, not a cost
@@ -100,15 +101,6 @@ def probe_link(client: Any, a: str, b: str) -> LinkSpec:
     return LinkSpec(PROBE_BYTES / max(large - small, 1e-6), max(small - stay, FLOOR_S))
 
 
-def _median_run_s(fn: Any, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def measure_dask(client: Any, worker: str, *, chain: int = 12, wide: int = 48, reps: int = 5) -> DaskSpec:
     """What Dask costs on this cluster, measured with tasks that do nothing (see the module doc).
 
@@ -136,13 +128,13 @@ def measure_dask(client: Any, worker: str, *, chain: int = 12, wide: int = 48, r
             f.release()
 
     run(2, True)                                           # NOTE: warm the path once
-    trip = _median_run_s(lambda: run(1, True), reps * 2)
-    per_link = (_median_run_s(lambda: run(chain, True), reps) - trip) / (chain - 1)
-    task = max((_median_run_s(lambda: run(wide, False), reps) - trip) / (wide - 1), FLOOR_S)
+    trip = median_s(lambda: run(1, True), reps * 2)
+    per_link = (median_s(lambda: run(chain, True), reps) - trip) / (chain - 1)
+    task = max((median_s(lambda: run(wide, False), reps) - trip) / (wide - 1), FLOOR_S)
     hop = max(per_link - task, FLOOR_S)
     ends = max(trip - task - hop, 2 * FLOOR_S)
-    small = _median_run_s(lambda: run(1, True, (_payload, 1)), reps)
-    big = _median_run_s(lambda: run(1, True, (_payload, PROBE_BYTES)), reps)
+    small = median_s(lambda: run(1, True, (_payload, 1)), reps)
+    big = median_s(lambda: run(1, True, (_payload, PROBE_BYTES)), reps)
     bandwidth = PROBE_BYTES / max(big - small, PROBE_BYTES / 1e11)     # NOTE: at most 100 GB/s
     return DaskSpec(task_s=task, hop_s=hop, submit_s=ends / 2, gather_s=ends / 2,
                     client_bytes_per_s=bandwidth)
