@@ -412,16 +412,13 @@ class ClusterSpec:
         matrix = None
         if self.matrix is not None:
             matrix = tuple(tuple(r[:i] + r[i + 1:] for j, r in enumerate(m) if j != i) for m in self.matrix)
-        return ClusterSpec(self.devices[:i] + self.devices[i + 1:], self.links, matrix,  # type: ignore[arg-type]
-                           self.dask)
+        return replace(self, devices=self.devices[:i] + self.devices[i + 1:], matrix=matrix)  # type: ignore[arg-type]
 
     def with_device(self, device: DeviceSpec) -> ClusterSpec:
         """A new spec with ``device`` added. With a measured matrix, the newcomer's links are
         those of a device on its host (the median of the measured ones elsewhere) until measured."""
-        devices = (*self.devices, device)
-        if self.matrix is None:
-            return ClusterSpec(devices, self.links, None, self.dask)
-        return ClusterSpec(devices, self.links, self._matrix_with(device), self.dask)
+        return replace(self, devices=(*self.devices, device),
+                       matrix=None if self.matrix is None else self._matrix_with(device))
 
     def _matrix_with(self, device: DeviceSpec) -> Any:
         n = len(self.devices)
@@ -449,8 +446,7 @@ class ClusterSpec:
     def with_changes(self, name: str, **changes: Any) -> ClusterSpec:
         i = self.index(name)
         dev = replace(self.devices[i], **changes)
-        return ClusterSpec((*self.devices[:i], dev, *self.devices[i + 1:]), self.links, self.matrix,
-                           self.dask)
+        return replace(self, devices=(*self.devices[:i], dev, *self.devices[i + 1:]))
 
     def with_dask(self, dask: DaskSpec) -> ClusterSpec:
         return replace(self, dask=dask)

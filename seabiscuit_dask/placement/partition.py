@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import time as _time
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -96,12 +97,11 @@ def _place_all(graph: OpGraph, spec: ClusterSpec, refine_passes: int, t0: float)
             break
         best = min((best, plan), key=lambda p: float(np.maximum(p.peak_bytes - mem, 0).sum()))
     return make_plan(graph, spec, best.device_of, "multilevel", _time.perf_counter() - t0,
-                     levels=best.info.get("levels"), tier=best.info.get("tier"),
-                     fused=bool(best.info.get("fused")), candidates=best.info.get("candidates")).check()
+                     **best.info).check()
 
 
-FLAT_MAX_OPS = 20_000
-SLOW_CUT_WINDOW = 0.25   # NOTE: past this, a layer is wide enough to keep a host busy alone
+FLAT_MAX_OPS = 20_000   # NOTE: past this, a layer is wide enough to keep a host busy alone
+SLOW_CUT_WINDOW = 0.25   # NOTE: how far (share of the ops) a stage boundary between hosts looks
 
 
 def _place(graph: OpGraph, spec: ClusterSpec, w: Workload, cap: np.ndarray, refine_passes: int) -> Plan:
@@ -124,9 +124,7 @@ def _place(graph: OpGraph, spec: ClusterSpec, w: Workload, cap: np.ndarray, refi
         cands["flat"] = _list_schedule(g0, spec, cap, [list(range(len(cap)))] * g0.k, shared=shared)
     for k, dev in fewest_devices(w, spec, cap).items():
         cands[f"stages{k}"] = dev
-    best = choose(graph, spec, cands)
-    return make_plan(graph, spec, best.device_of, "multilevel", levels=[g.k for g, _ in levels],
-                     tier=best.info["tier"], fused=best.info["fused"], candidates=best.info["candidates"])
+    return choose(graph, spec, cands, levels=[g.k for g, _ in levels])
 
 
 def _join_shared(w: Workload, dev: np.ndarray) -> np.ndarray:
@@ -138,23 +136,24 @@ def _join_shared(w: Workload, dev: np.ndarray) -> np.ndarray:
     return dev
 
 
-def choose(graph: OpGraph, spec: ClusterSpec, cands: dict[str, np.ndarray]) -> Plan:
+def choose(graph: OpGraph, spec: ClusterSpec, cands: dict[str, np.ndarray], **info: Any) -> Plan:
     """The candidate placement (each with blocks cut at senders, and fused) that the
     simulator finds fastest. A feasible plan beats an infeasible one; within 0.1%, the
-    earlier candidate and then the fused blocks win (fewer tasks for the same time)."""
-    best, best_key = None, None
+    earlier candidate and then the fused blocks win (fewer tasks for the same time).
+    Its ``info`` holds ``info``, ``tier``, ``fused`` and every candidate's latency."""
+    best: Plan | None = None
+    best_key: tuple[bool, float] | None = None
     # NOTE: past FLAT_MAX_OPS blocks are large and many: a cut at every send never pays there
     variants = (True,) if len(graph.ops) > FLAT_MAX_OPS else (True, False)
     tried: dict[str, float] = {}
     for i, (tier, dev) in enumerate(cands.items()):
         for fused in variants:
-            plan = make_plan(graph, spec, dev, "multilevel", tier=tier, fused=fused)
+            plan = make_plan(graph, spec, dev, "multilevel", tier=tier, fused=fused, candidates=tried, **info)
             key = (not plan.feasible, plan.makespan_s * (1 + 1e-3 * (2 * i + (not fused))))
             tried[f"{tier}{'' if fused else '-cut'}"] = plan.makespan_s if plan.feasible else float("inf")
             if best_key is None or key < best_key:
                 best, best_key = plan, key
     assert best is not None
-    best.info["candidates"] = tried      # type: ignore[index]
     return best
 
 

@@ -15,8 +15,9 @@ the new cluster and records what moved in ``plan.info`` (``moved_bytes``,
 - ``CapacityChanged(name, ...)``: new memory or speed figures (or learned time
   ``scale`` s). If the device no longer holds its weights, its ops leave (most bytes
   per second of work first) as on a loss until they fit. If it became slower by a
-  factor f, the last (1 - 1/f) of its work in topological order leaves as on a loss,
-  so it is back to its old time; kept only if the simulator finds the repair faster.
+  factor f, the last (1 - 1/f) of its work in topological order moves whole to the
+  nearest, fastest device with room (less of it where it does not fit), so it is back
+  to its old time; kept only if the simulator finds the repair faster.
 
 A repair keeps every device's weights within its memory less the activation
 reserve, or raises ``ClusterTooSmall`` naming the device; ``plan.check()`` adds

@@ -13,7 +13,7 @@ The simulation follows how Dask runs a request (one task per block):
   after it leaves); a device runs one block at a time, the ready block of lowest
   phase first, its ops back to back;
 - a finished block tells the scheduler (half a hop), which may make its dependents
-  ready; when every block with graph outputs is done, the client gathers them
+  ready; when every block is done, the client gathers the graph's outputs
   (``dask.gather_s`` plus their bytes).
 
 A dependent task thus costs a hop and the scheduler's time even on the same device:

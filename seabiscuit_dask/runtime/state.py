@@ -38,6 +38,7 @@ from . import access
 
 logger = logging.getLogger(__name__)
 
+
 def modelled_block_times(plan: Plan) -> list[tuple[str, dict[str, float]]]:
     """Per block: its device's address and its modelled time per op class at scale 1."""
     w = plan.workload
@@ -248,6 +249,7 @@ class Deployment:
             self._specs.pop(v, None)
             self._urgent.pop(v, None)
             self._modelled.pop(v, None)
+        self.warm = {k for k in self.warm if k[0] == self.version or k[0] in self.history}
 
 
 class PlacementState:
@@ -310,6 +312,8 @@ class PlacementState:
     def _lost(self, address: str, deps: list[Deployment]) -> list[Instruction]:
         self.devices.pop(address, None)
         self.drained.pop(address, None)
+        if len(deps) == len(self.models):   # NOTE: a gone worker is no peer to compare speeds with
+            self.learner.forget_device(address)
         out: list[Instruction] = []
         for dep in deps:
             dep.excluded.pop(address, None)
@@ -357,15 +361,29 @@ class PlacementState:
         return [PlanChanged(dep.model, v, why, plan.info["moved_bytes"], plan.planning_s)]
 
     def _capacity(self, event: CapacityChanged, deps: list[Deployment]) -> list[Instruction]:
-        plans = [(dep, replan(dep.plan, event)) for dep in deps if event.name in dep.addresses()]
-        if event.scale is not None:
-            why = self._speed_reason(event.name, event.scale)
-            if event.name in self.devices:
-                self.devices[event.name] = replace(self.devices[event.name], scale=dict(event.scale))
-        else:
-            why = f"worker {event.name} budget now {event.memory_bytes} bytes"
-        return [PlanChanged(dep.model, dep.advance(p), why, p.info["moved_bytes"], p.planning_s)
-                for dep, p in plans]
+        """Repair every model on the worker. A new budget that cannot be met raises; a speed
+        change (learned ``scale``) is best effort: a model it cannot move, or need not, keeps
+        its plan (a repair that moves nothing is no new plan)."""
+        speed = event.scale is not None
+        if speed and event.name in self.devices:
+            self.devices[event.name] = replace(self.devices[event.name], scale=dict(event.scale or {}))
+        why = (self._speed_reason(event.name, event.scale or {}) if speed
+               else f"worker {event.name} budget now {event.memory_bytes} bytes")
+        out: list[Instruction] = []
+        for dep in deps:
+            if event.name not in dep.addresses():
+                continue
+            try:
+                p = replan(dep.plan, event)
+            except SeaBiscuitError as e:
+                if not speed:
+                    raise
+                logger.warning("seabiscuit: no repair of model %s for the speed of %s: %s",
+                               dep.model, event.name, e)
+                continue
+            if not speed or p.info.get("moved_ops"):
+                out.append(PlanChanged(dep.model, dep.advance(p), why, p.info["moved_bytes"], p.planning_s))
+        return out
 
     def _observed(self, e: BlockObserved) -> list[Instruction]:
         """Learn from a block's run; a worker whose speed changed gets a repair (all its models)."""
@@ -381,21 +399,7 @@ class PlacementState:
         if scale is None or address not in self.devices or not config.get("learn.repair", True):
             return []
         logger.info("seabiscuit: worker %s runs at %s of its modelled time", address, scale)
-        event = CapacityChanged(address, scale=scale)
-        self.devices[address] = replace(self.devices[address], scale=dict(scale))
-        out: list[Instruction] = []
-        for d in self.models.values():
-            if address not in d.addresses():
-                continue
-            try:
-                plan = replan(d.plan, event)
-            except SeaBiscuitError as e2:
-                logger.warning("seabiscuit: no repair of model %s for the speed of %s: %s",
-                               d.model, address, e2)
-                continue
-            if plan.info.get("moved_ops"):      # NOTE: a repair that moves nothing is no new plan
-                out.append(PlanChanged(d.model, d.advance(plan), self._speed_reason(address, scale),
-                                       plan.info["moved_bytes"], plan.planning_s))
+        out = self._capacity(CapacityChanged(address, scale=scale), list(self.models.values()))
         if not out:
             self.learner.settle(address)       # NOTE: nothing churned: the next change may act at once
         return out
