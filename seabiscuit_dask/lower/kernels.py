@@ -100,3 +100,4 @@ def execute_op(op: Op, env: Mapping[str, torch.Tensor], device: torch.device) ->
 
 from . import attention as _attention  # noqa: E402,F401  (registers the attention tile kernels)
 from . import spatial  # noqa: E402,F401  (registers sb.conv_strip and the pooling strips)
+from . import kvcache  # noqa: E402,F401  (registers sb.kv_attention)

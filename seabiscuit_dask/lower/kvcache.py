@@ -1,0 +1,188 @@
+"""The KV cache: per session and layer, the keys and values of every token seen so far.
+
+``KVStore`` holds the caches of one process (a worker, or a local run); the
+``sb.kv_attention`` kernel reaches the store of the block it runs in through
+``using(store, model)``. A cache grows in steps of ``GROW_TOKENS`` (each growth
+is asked of the store's ``reserve`` callback, which a worker uses to keep caches
+and weights within its budget), and is written only at its end: a step whose
+tokens are already cached (a step run again, or a replay) reads them and writes
+nothing, and a step that starts past the end (history lost with a worker) raises
+``CacheLost`` naming the session, so the caller can replay the session's tokens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import BadInput, WorkerLost
+from .registry import register_kernel
+
+GROW_TOKENS = 64
+SCORE_BYTES = 4 << 20     # a query chunk's score matrix stays under this
+
+
+class CacheLost(WorkerLost):
+    """A step reached a worker that lacks the start of its session's cache (it moved there)."""
+
+    def __init__(self, message: str, model: str = "", session: int = -1, have: int = 0) -> None:
+        super().__init__(message)
+        self.model, self.session, self.have = model, session, have
+
+    def __reduce__(self) -> Any:     # NOTE: crosses processes with its fields
+        return (CacheLost, (str(self), self.model, self.session, self.have))
+
+
+@dataclass
+class LayerCache:
+    k: torch.Tensor          # (Hk, capacity, E)
+    v: torch.Tensor          # (Hk, capacity, Ev)
+    length: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+
+
+class KVStore:
+    """The KV caches of one process: ``(model, session) -> {layer: LayerCache}``.
+
+    ``reserve(nbytes, what)`` is called before a cache grows (it raises to refuse);
+    the lock guards the table, never a computation.
+    """
+
+    def __init__(self, reserve: Callable[[int, str], None] | None = None) -> None:
+        self.reserve = reserve
+        self.caches: dict[tuple[str, int], dict[int, LayerCache]] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def nbytes(self) -> int:
+        with self._lock:
+            return sum(c.nbytes for layers in self.caches.values() for c in layers.values())
+
+    def bytes_by_model(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        with self._lock:
+            for (model, _), layers in self.caches.items():
+                out[model] = out.get(model, 0) + sum(c.nbytes for c in layers.values())
+        return out
+
+    def sessions(self, model: str) -> dict[int, int]:
+        """Session -> tokens cached (the longest of its layers here)."""
+        with self._lock:
+            return {s: max((c.length for c in layers.values()), default=0)
+                    for (m, s), layers in self.caches.items() if m == model}
+
+    def drop(self, model: str, sessions: Any = None) -> int:
+        """Forget the caches of ``sessions`` of ``model`` (all when None); returns bytes freed."""
+        with self._lock:
+            keys = [k for k in self.caches if k[0] == model and (sessions is None or k[1] in sessions)]
+            return sum(c.nbytes for k in keys for c in self.caches.pop(k).values())
+
+    def write(self, model: str, session: int, layer: int, start: int, k: torch.Tensor,
+              v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cache ``k``, ``v`` ((Hk, n, E)) at slots ``start..start+n-1``; returns all keys and values
+        up to the last of them. Slots already cached are read, not written."""
+        n = k.shape[1]
+        with self._lock:
+            layers = self.caches.setdefault((model, session), {})
+            c = layers.get(layer)
+        have = c.length if c is not None else 0
+        if start > have:
+            raise CacheLost(f"session {session} of model {model}: layer {layer} holds {have} cached "
+                            f"token(s) here, the step starts at token {start} (its cache was lost with "
+                            "a worker; replay the session's tokens)", model, session, have)
+        end = start + n
+        if c is None or end > c.k.shape[1]:
+            c = self._grow(model, session, layer, c, end, k, v)
+        if end > c.length:
+            first = c.length - start
+            c.k[:, c.length:end] = k[:, first:]
+            c.v[:, c.length:end] = v[:, first:]
+            c.length = end
+        return c.k[:, :end], c.v[:, :end]
+
+    def _grow(self, model: str, session: int, layer: int, c: LayerCache | None, end: int,
+              k: torch.Tensor, v: torch.Tensor) -> LayerCache:
+        old = c.k.shape[1] if c is not None else 0
+        cap = max(end, 2 * old, GROW_TOKENS)
+        cap = -(-cap // GROW_TOKENS) * GROW_TOKENS
+        per_token = k.shape[0] * k.shape[2] * k.element_size() + v.shape[0] * v.shape[2] * v.element_size()
+        if self.reserve is not None:
+            self.reserve((cap - old) * per_token,
+                         f"the KV cache of session {session} of model {model} (layer {layer}) to "
+                         f"{cap} tokens")
+        new = LayerCache(k.new_zeros((k.shape[0], cap, k.shape[2])), v.new_zeros((v.shape[0], cap, v.shape[2])))
+        if c is not None:
+            new.k[:, :c.length] = c.k[:, :c.length]
+            new.v[:, :c.length] = c.v[:, :c.length]
+            new.length = c.length
+        with self._lock:
+            self.caches.setdefault((model, session), {})[layer] = new
+        return new
+
+
+_current: contextvars.ContextVar[tuple[KVStore, str] | None] = contextvars.ContextVar("sb_kv", default=None)
+
+
+@contextlib.contextmanager
+def using(store: KVStore, model: str) -> Iterator[None]:
+    """Run blocks of ``model`` with ``store`` as their KV cache."""
+    token = _current.set((store, model))
+    try:
+        yield
+    finally:
+        _current.reset(token)
+
+
+@register_kernel("sb.kv_attention")
+def kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sessions: torch.Tensor,
+                 start: torch.Tensor, valid: torch.Tensor, layer: int, scale: float | None) -> torch.Tensor:
+    """Causal attention of each row's new tokens over its session's cache, after caching them.
+
+    ``q`` is (B, H, L, E), ``k``/``v`` (B, Hk, L, E) with H a multiple of Hk. Row b's
+    real tokens (``valid[b]``) take cache slots ``start[b]`` on, in order; real token r
+    sees slots ``0..start[b] + r``. Padding and empty rows (session -1) give zeros.
+    """
+    ctx = _current.get()
+    if ctx is None:
+        raise BadInput("sb.kv_attention runs only inside a generation step (a KV store is needed)")
+    store, model = ctx
+    out = q.new_zeros(q.shape[:3] + (v.shape[3],))
+    group = q.shape[1] // k.shape[1]
+    for b in range(q.shape[0]):
+        s = int(sessions[b])
+        idx = valid[b].nonzero().flatten()
+        if s < 0 or not len(idx):
+            continue
+        st = int(start[b])
+        keys, values = store.write(model, s, int(layer), st, k[b][:, idx], v[b][:, idx])
+        out[b][:, idx] = _attend(q[b][:, idx], keys, values, st, scale, group)
+    return out
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float | None,
+            group: int) -> torch.Tensor:
+    """(H, n, E) queries at slots start.. against (Hk, S, E) keys, causal, in chunks of queries."""
+    n, total = q.shape[1], k.shape[1]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)
+    rows = max(1, SCORE_BYTES // max(1, 4 * q.shape[0] * total))
+    parts = []
+    for a in range(0, n, rows):
+        b = min(n, a + rows)
+        if b - a == 1 and a == n - 1:
+            mask = None               # NOTE: the last token sees every cached slot
+        else:
+            seen = torch.arange(total).unsqueeze(0) <= (start + torch.arange(a, b)).unsqueeze(1)
+            mask = seen.unsqueeze(0)
+        parts.append(torch.nn.functional.scaled_dot_product_attention(
+            q[:, a:b].unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, scale=scale)[0])
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)

@@ -1,0 +1,516 @@
+"""Text generation: sessions over a KV cache, continuous batching, streaming, replay.
+
+``Engine`` turns generate calls into steps of the model's step programs
+(``trace.decoder``): each prompt is one session whose tokens are cached on the
+workers that own its attention blocks; a prompt is prefilled in chunks of a few
+bucketed lengths (``seabiscuit.generate.prefill-buckets``), so any prompt length
+reuses a handful of programs; then the live sessions of every call decode
+together, one step a token, batched into the same block tasks (rows padded to a
+bucket of ``seabiscuit.generate.batch-buckets``). A call admitted while others
+decode joins at the next step.
+
+A step that finds a session's cache missing (its worker was lost and the blocks
+moved) raises ``CacheLost``; the engine waits for the new plan, replays the
+session's tokens (cached slots are read, missing ones rebuilt) and runs the step
+again, so the answer is the one an undisturbed run gives.
+
+The engine is independent of Dask: a ``Runner`` runs one step program (locally
+in tests, on the cluster for a ``DistributedModel``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from .. import config
+from ..errors import BadInput, SeaBiscuitError, WorkerLost
+
+logger = logging.getLogger(__name__)
+
+
+class Runner(Protocol):
+    """What the engine needs of a deployment."""
+
+    def run_step(self, batch: int, length: int, feed: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Logits (batch, vocab) of the last position of each row."""
+
+    def end_sessions(self, sessions: Sequence[int]) -> None:
+        """Free the cache of ``sessions`` everywhere."""
+
+    def recover(self, error: BaseException) -> None:
+        """Return once a step may be tried again after ``error`` (a worker loss), else raise."""
+
+
+def buckets(key: str, default: Sequence[int]) -> tuple[int, ...]:
+    value = config.get(f"generate.{key}", None) or default
+    out = tuple(sorted({int(v) for v in value}))
+    if not out or out[0] < 1:
+        raise BadInput(f"seabiscuit.generate.{key} must list positive sizes, got {value!r}")
+    return out
+
+
+def bucket(n: int, sizes: Sequence[int]) -> int:
+    """The smallest size that holds ``n``, else the largest."""
+    return next((s for s in sizes if s >= n), sizes[-1])
+
+
+# --- sampling ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Sampling:
+    """How a call picks its next tokens: greedy, or sampled after temperature, top-k and top-p."""
+
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    generator: torch.Generator | None = None
+
+    def __post_init__(self) -> None:
+        if self.do_sample and not self.temperature > 0:
+            raise BadInput(f"temperature must be > 0 to sample, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise BadInput(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise BadInput(f"top_k must be >= 0 (0: off), got {self.top_k}")
+
+    def pick(self, logits: torch.Tensor) -> torch.Tensor:
+        """(rows, vocab) float logits -> (rows,) token ids."""
+        if not self.do_sample:
+            return logits.argmax(dim=-1)
+        scores = logits.float() / self.temperature
+        if self.top_k and self.top_k < scores.shape[-1]:
+            kth = torch.topk(scores, self.top_k, dim=-1).values[:, -1:]
+            scores = scores.masked_fill(scores < kth, float("-inf"))
+        if self.top_p < 1.0:
+            ordered, idx = torch.sort(scores, descending=False, dim=-1)
+            cum = ordered.softmax(dim=-1).cumsum(dim=-1)
+            drop = cum <= (1 - self.top_p)
+            drop[:, -1] = False                   # NOTE: the likeliest token always stays
+            scores = scores.masked_fill(drop.scatter(1, idx, drop), float("-inf"))
+        probs = scores.softmax(dim=-1)
+        return torch.multinomial(probs, 1, generator=self.generator).squeeze(1)
+
+
+# --- sessions and calls --------------------------------------------------------------------
+@dataclass(eq=False)
+class Session:
+    """One sequence: its tokens so far, and how many of them are cached on the workers."""
+
+    sid: int
+    tokens: list[int]
+    cached: int = 0
+    done: bool = False
+
+
+@dataclass(eq=False)
+class Call:
+    """One generate call: its sessions (rows), how to pick tokens, and where they go."""
+
+    sessions: list[Session]
+    max_new: int
+    sampling: Sampling
+    eos: frozenset[int]
+    pad: int
+    out: queue.Queue[Any] = field(default_factory=queue.Queue)
+    produced: int = 0
+    keep: bool = False          # a caller-held session stays cached after the call
+
+    @property
+    def live(self) -> list[Session]:
+        return [s for s in self.sessions if not s.done]
+
+
+@dataclass
+class EngineStats:
+    """What the engine did: steps and tasks by kind, tokens produced, seconds in steps."""
+
+    prefill_steps: int = 0
+    decode_steps: int = 0
+    replays: int = 0
+    tokens: int = 0
+    rows: int = 0
+    decode_s: float = 0.0
+    prefill_s: float = 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return dict(vars(self))
+
+
+class Engine:
+    """Runs the generate calls of one deployment on a background thread (see module doc)."""
+
+    def __init__(self, runner: Runner, *, max_sessions: int | None = None, context: int | None = None,
+                 name: str = "model") -> None:
+        self.runner = runner
+        self.name = name
+        self.max_sessions = int(max_sessions if max_sessions is not None
+                                else config.get("generate.max-sessions", 16))
+        self.context = context
+        self.prefill_sizes = buckets("prefill-buckets", (16, 64, 256))
+        self.batch_sizes = buckets("batch-buckets", (1, 2, 4, 8))
+        self.stats = EngineStats()
+        self._ids = itertools.count()
+        self._pending: list[Call] = []
+        self._active: list[Call] = []
+        self._open = 0
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    # --- calls --------------------------------------------------------------------------
+    def submit(self, prompts: Sequence[Sequence[int]], max_new: int, sampling: Sampling,
+               eos: Sequence[int], pad: int, sessions: Sequence[Session] | None = None) -> Call:
+        """Queue a call; its ``out`` queue gets a (rows,) tensor per step, then None (or an error)."""
+        if max_new < 1:
+            raise BadInput(f"max_new_tokens must be >= 1, got {max_new}")
+        if sessions is None:
+            longest = max(len(p) for p in prompts)
+            if self.context is not None and longest + max_new > self.context:
+                raise BadInput(f"{self.name}: a prompt of {longest} tokens plus max_new_tokens={max_new} "
+                               f"exceeds the context of {self.context} tokens; shorten the prompt or "
+                               "ask for fewer tokens")
+            with self._cond:
+                if self._open + len(prompts) > self.max_sessions:
+                    raise BadInput(f"{self.name} has {self._open} session(s) open and this call asks for "
+                                   f"{len(prompts)} more; the limit is {self.max_sessions} "
+                                   "(seabiscuit.generate.max-sessions): wait for calls to finish or "
+                                   "raise the limit")
+                self._open += len(prompts)
+            sessions = [Session(next(self._ids), list(p)) for p in prompts]
+            call = Call(sessions, max_new, sampling, frozenset(eos), pad)
+        else:
+            for s, p in zip(sessions, prompts):
+                s.tokens.extend(p)
+                s.done = False
+                if self.context is not None and len(s.tokens) + max_new > self.context:
+                    raise BadInput(f"{self.name}: session {s.sid} would hold {len(s.tokens) + max_new} "
+                                   f"tokens, more than the context of {self.context}")
+            call = Call(list(sessions), max_new, sampling, frozenset(eos), pad, keep=True)
+        with self._cond:
+            if self._closed:
+                raise SeaBiscuitError(f"{self.name}: generation is closed")
+            self._pending.append(call)
+            self._cond.notify()
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="seabiscuit-generate", daemon=True)
+                self._thread.start()
+        return call
+
+    def open_session(self) -> Session:
+        """A session kept across calls (``DistributedModel.session``); counted until ``close_session``."""
+        with self._cond:
+            if self._open + 1 > self.max_sessions:
+                raise BadInput(f"{self.name} has {self._open} session(s) open; the limit is "
+                               f"{self.max_sessions} (seabiscuit.generate.max-sessions)")
+            self._open += 1
+        return Session(next(self._ids), [])
+
+    def close_session(self, session: Session) -> None:
+        with self._cond:
+            self._open -= 1
+        self.runner.end_sessions([session.sid])
+
+    @staticmethod
+    def results(call: Call) -> Iterator[torch.Tensor]:
+        """The call's tokens, a (rows,) tensor per step, as they come."""
+        while True:
+            item = call.out.get()
+            if item is None:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+
+    # --- the loop -------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._pending or self._active or self._closed):
+                    self._cond.wait()
+                if self._closed and not (self._pending or self._active):
+                    return
+                new, self._pending = self._pending, []
+            for call in new:
+                self._guard(call, self._admit)
+            if self._active:
+                self._decode_round()
+
+    def _guard(self, call: Call, fn: Any) -> None:
+        try:
+            fn(call)
+        except BaseException as e:  # noqa: BLE001 - the caller gets it; other calls go on
+            self._finish(call, e)
+
+    def _admit(self, call: Call) -> None:
+        logits = []
+        for s in call.sessions:
+            logits.append(self._prefill(s))
+        self._emit(call, torch.stack(logits))
+        if call.live:
+            self._active.append(call)
+
+    def _decode_round(self) -> None:
+        rows = [(c, s) for c in self._active for s in c.live]
+        got: dict[int, torch.Tensor] = {}
+        failed: dict[int, BaseException] = {}
+        for i in range(0, len(rows), self.batch_sizes[-1]):
+            part = rows[i:i + self.batch_sizes[-1]]
+            try:
+                logits = self._decode([s for _, s in part])
+            except BaseException as e:  # noqa: BLE001 - fails the calls of these rows only
+                for c, _ in part:
+                    failed[id(c)] = e
+                continue
+            for (_, s), row in zip(part, logits):
+                got[s.sid] = row
+        for c in list(self._active):
+            if id(c) in failed:
+                self._finish(c, failed[id(c)])
+                continue
+            self._guard(c, lambda c: self._emit(c, torch.stack([got[s.sid] for s in c.live])))
+
+    # --- steps -----------------------------------------------------------------------------
+    def _prefill(self, s: Session) -> torch.Tensor:
+        """Cache the session's uncached tokens in bucketed chunks; logits of its last token."""
+        t0 = time.perf_counter()
+        todo = s.tokens[s.cached:]
+        if not todo:
+            raise BadInput(f"session {s.sid}: nothing to prefill (an empty prompt?)")
+        logits = self._chunks(s, s.cached, todo)
+        s.cached = len(s.tokens)
+        self.stats.prefill_s += time.perf_counter() - t0
+        return logits
+
+    def _chunks(self, s: Session, start: int, todo: list[int]) -> torch.Tensor:
+        top = self.prefill_sizes[-1]
+        logits = torch.empty(0)
+        while todo:
+            n = min(len(todo), top)
+            chunk, todo = todo[:n], todo[n:]
+            length = bucket(n, self.prefill_sizes)
+            feed = _feed([(s.sid, start, chunk)], 1, length)
+            logits = self._run([s], 1, length, feed)[0]
+            start += n
+            self.stats.prefill_steps += 1
+        return logits
+
+    def _decode(self, sessions: list[Session]) -> torch.Tensor:
+        t0 = time.perf_counter()
+        batch = bucket(len(sessions), self.batch_sizes)
+        feed = _feed([(s.sid, s.cached, s.tokens[s.cached:]) for s in sessions], batch, 1)
+        logits = self._run(sessions, batch, 1, feed)[:len(sessions)]
+        for s in sessions:
+            s.cached = len(s.tokens)
+        self.stats.decode_steps += 1
+        self.stats.rows += len(sessions)
+        self.stats.decode_s += time.perf_counter() - t0
+        return logits
+
+    def _run(self, sessions: list[Session], batch: int, length: int, feed: dict[str, torch.Tensor],
+             tries: int = 3) -> torch.Tensor:
+        """One step; after a worker loss, replay the sessions' cached tokens and try again."""
+        for attempt in range(tries):
+            try:
+                return self.runner.run_step(batch, length, feed)
+            except WorkerLost as e:
+                if attempt == tries - 1:
+                    raise
+                self.runner.recover(e)
+                for s in sessions:
+                    self._replay(s, int(feed["sb_start"][sessions.index(s)]))
+        raise AssertionError("unreachable")   # pragma: no cover
+
+    def _replay(self, s: Session, upto: int) -> None:
+        """Rebuild what workers lost of ``s``'s cache: its first ``upto`` tokens, again."""
+        if upto <= 0:
+            return
+        self.stats.replays += 1
+        top = self.prefill_sizes[-1]
+        start = 0
+        while start < upto:
+            n = min(upto - start, top)
+            length = bucket(n, self.prefill_sizes)
+            self.runner.run_step(1, length, _feed([(s.sid, start, s.tokens[start:start + n])], 1, length))
+            start += n
+
+    # --- results ---------------------------------------------------------------------------
+    def _emit(self, call: Call, logits: torch.Tensor) -> None:
+        """Pick the next token of every live row of ``call`` and hand the step to its caller."""
+        live = call.live
+        picked = call.sampling.pick(logits).tolist()
+        row = torch.full((len(call.sessions),), call.pad, dtype=torch.long)
+        for s, t in zip(live, picked):
+            s.tokens.append(int(t))
+            row[call.sessions.index(s)] = int(t)
+            if int(t) in call.eos:
+                s.done = True
+        call.produced += 1
+        self.stats.tokens += len(live)
+        if call.produced >= call.max_new:
+            for s in call.sessions:
+                s.done = True
+        call.out.put(row)
+        if not call.live:
+            self._finish(call, None)
+
+    def _finish(self, call: Call, error: BaseException | None) -> None:
+        if call in self._active:
+            self._active.remove(call)
+        for s in call.sessions:
+            s.done = True
+        if not call.keep:
+            with self._cond:
+                self._open -= len(call.sessions)
+            try:
+                self.runner.end_sessions([s.sid for s in call.sessions])
+            except Exception as e:  # noqa: BLE001 - freeing is best effort; the answer stands
+                logger.warning("%s: caches of sessions %s not freed: %s", self.name,
+                               [s.sid for s in call.sessions], e)
+        call.out.put(error if error is not None else None)
+
+
+def _feed(rows: list[tuple[int, int, list[int]]], batch: int, length: int) -> dict[str, torch.Tensor]:
+    """Step inputs for ``rows`` of (session, first slot, new tokens), left-padded to ``length``."""
+    ids = torch.zeros((batch, length), dtype=torch.long)
+    pos = torch.zeros((batch, length), dtype=torch.long)
+    valid = torch.zeros((batch, length), dtype=torch.bool)
+    sessions = torch.full((batch,), -1, dtype=torch.long)
+    start = torch.zeros((batch,), dtype=torch.long)
+    for b, (sid, first, toks) in enumerate(rows):
+        n = len(toks)
+        if n > length:
+            raise BadInput(f"{n} tokens do not fit a step of {length}")
+        ids[b, length - n:] = torch.tensor(toks, dtype=torch.long)
+        pos[b, length - n:] = torch.arange(first, first + n)
+        valid[b, length - n:] = True
+        sessions[b], start[b] = sid, first
+    return {"input_ids": ids, "position_ids": pos, "sb_sessions": sessions, "sb_start": start,
+            "sb_valid": valid}
+
+
+# --- the Hugging Face face ---------------------------------------------------------------------
+def prompts_of(input_ids: Any, attention_mask: Any = None) -> list[list[int]]:
+    """The real tokens of each row (those the mask keeps; every token without a mask)."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
+        got = f"{type(input_ids).__name__} {getattr(input_ids, 'shape', '')} {getattr(input_ids, 'dtype', '')}"
+        raise BadInput(f"input_ids must be a (batch, length) LongTensor, got {got.strip()}")
+    if attention_mask is None:
+        rows = [r.tolist() for r in input_ids]
+    else:
+        if tuple(attention_mask.shape) != tuple(input_ids.shape):
+            raise BadInput(f"attention_mask has shape {tuple(attention_mask.shape)}, input_ids "
+                           f"{tuple(input_ids.shape)}: they must match")
+        rows = [r[m.bool()].tolist() for r, m in zip(input_ids, attention_mask)]
+    empty = [i for i, r in enumerate(rows) if not r]
+    if empty:
+        raise BadInput(f"row(s) {empty} of input_ids have no tokens the attention mask keeps")
+    return rows
+
+
+@dataclass(frozen=True)
+class GenerateArgs:
+    """A generate call's settings, with Hugging Face's defaults from the model's generation config."""
+
+    max_new: int
+    sampling: Sampling
+    eos: tuple[int, ...]
+    pad: int
+
+    @classmethod
+    def make(cls, gen_config: Any, length: int, max_new_tokens: int | None = None, do_sample: bool | None = None,
+             temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
+             eos_token_id: int | Sequence[int] | None = None, pad_token_id: int | None = None,
+             generator: torch.Generator | None = None) -> GenerateArgs:
+        def pick(value: Any, name: str, default: Any) -> Any:
+            if value is not None:
+                return value
+            got = getattr(gen_config, name, None) if gen_config is not None else None
+            return default if got is None else got
+
+        if max_new_tokens is None:
+            max_new_tokens = pick(None, "max_new_tokens", None)
+            if max_new_tokens is None:
+                max_new_tokens = max(1, int(pick(None, "max_length", 20)) - length)
+        eos = pick(eos_token_id, "eos_token_id", ())
+        eos_t = tuple(int(e) for e in ([eos] if isinstance(eos, int) else eos))
+        pad = pick(pad_token_id, "pad_token_id", None)
+        pad = int(pad) if pad is not None else (eos_t[0] if eos_t else 0)
+        sampling = Sampling(bool(pick(do_sample, "do_sample", False)), float(pick(temperature, "temperature", 1.0)),
+                            int(pick(top_k, "top_k", 50) or 0), float(pick(top_p, "top_p", 1.0)), generator)
+        return cls(int(max_new_tokens), sampling, eos_t, pad)
+
+
+def stream_tokens(engine: Engine, input_ids: torch.Tensor, args: GenerateArgs, attention_mask: Any = None,
+                  streamer: Any = None, session: Session | None = None) -> Iterator[torch.Tensor]:
+    """The tokens of one call, a (batch,) tensor per step, as they come; ``streamer`` is fed too."""
+    prompts = prompts_of(input_ids, attention_mask)
+    call = engine.submit(prompts, args.max_new, args.sampling, args.eos, args.pad,
+                         sessions=[session] if session is not None else None)
+    if streamer is not None:
+        streamer.put(input_ids.cpu())
+    try:
+        for row in engine.results(call):
+            if streamer is not None:
+                streamer.put(row)
+            yield row
+    finally:
+        if streamer is not None:
+            streamer.end()
+
+
+def generate_tokens(engine: Engine, input_ids: torch.Tensor, args: GenerateArgs, attention_mask: Any = None,
+                    streamer: Any = None, session: Session | None = None) -> torch.Tensor:
+    """What Hugging Face ``generate`` returns: the prompt then the new tokens (``pad`` after EOS)."""
+    rows = list(stream_tokens(engine, input_ids, args, attention_mask, streamer, session))
+    return torch.cat([input_ids.cpu(), torch.stack(rows, dim=1)], dim=1)
+
+
+class LocalRunner:
+    """Step programs run in this process, with a KV store of its own: the reference of a
+    distributed run, and what ``bench_generate`` compares Dask's cost with."""
+
+    def __init__(self, model: Any, budget: int | str | None = None) -> None:
+        from ..lower.kvcache import KVStore
+
+        self.model = model
+        self.budget = budget
+        self.store = KVStore()
+        self.programs: dict[tuple[int, int], Any] = {}
+
+    def program(self, batch: int, length: int) -> Any:
+        from ..decompose import decompose
+        from ..trace.decoder import trace_step
+
+        key = (batch, length)
+        if key not in self.programs:
+            self.programs[key] = decompose(trace_step(self.model, batch, length), self.budget)
+        return self.programs[key]
+
+    def run_step(self, batch: int, length: int, feed: dict[str, torch.Tensor]) -> torch.Tensor:
+        from ..lower.kvcache import using
+        from .local import run_local
+
+        graph = self.program(batch, length)
+        with using(self.store, "local"):
+            out = run_local(graph, *[feed[n] for n in graph.inputs], weights=self.model)
+        return out[:, -1]
+
+    def end_sessions(self, sessions: Sequence[int]) -> None:
+        self.store.drop("local", set(sessions))
+
+    def recover(self, error: BaseException) -> None:
+        raise error

@@ -1,0 +1,189 @@
+"""Decoder steps: a causal language model traced as one step over its KV cache.
+
+``trace_step(model, batch, length)`` traces the model for ``length`` new tokens
+in each of ``batch`` rows, with explicit ``position_ids`` and the logits of the
+last position only, then turns every causal self-attention into
+``sb.kv_attention`` (``lower/kvcache.py``): that op writes the new keys and
+values into the session's cache on its worker and attends over the whole cache.
+Three graph inputs say what a step is:
+
+``sb_sessions`` (B,) int64
+    the session of each row (-1: an empty row, computed and ignored);
+``sb_start`` (B,) int64
+    the cache slot of the row's first real new token;
+``sb_valid`` (B, L) bool
+    which new tokens are real; padding is never cached, so it may sit anywhere.
+
+Nothing in the graph depends on how long the cache already is, so one decode
+program serves every step of every session, and a prefill program of ``L``
+tokens serves every prompt chunk of up to ``L`` tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from ..errors import UnsupportedModel
+from ..ir import Op, OpGraph, TensorSpec
+
+SDPA = "aten.scaled_dot_product_attention.default"
+KV_ATTENTION = "sb.kv_attention"
+STEP_INPUTS = ("sb_sessions", "sb_start", "sb_valid")
+_REPEAT_VIEWS = {"aten.reshape.default", "aten.view.default", "aten.expand.default",
+                 "aten.unsqueeze.default", "aten.slice.Tensor", "aten.alias.default",
+                 "aten._unsafe_view.default"}
+
+
+def trace_step(model: Any, batch: int, length: int) -> OpGraph:
+    """The step program of ``model`` for ``batch`` rows of ``length`` new tokens.
+
+    Parameters
+    ----------
+    model : nn.Module
+        A Hugging Face causal LM (``...ForCausalLM``) whose ``forward`` takes
+        ``position_ids``; its parameters may live on the ``meta`` device.
+    batch, length : int
+        Rows per step and new tokens per row.
+
+    Examples
+    --------
+    >>> g = trace_step(model, 1, 1)                      # the decode program  # doctest: +SKIP
+    >>> [op.target for op in g.ops if op.kind == "kv_attention"][:1]           # doctest: +SKIP
+    ['sb.kv_attention']
+    """
+    import inspect
+
+    import torch
+
+    from . import trace
+
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        params = {}  # type: ignore[assignment]
+    if "position_ids" not in params or getattr(model, "config", None) is None:
+        raise UnsupportedModel(f"{type(model).__name__} cannot generate through SeaBiscuit: its forward "
+                               "takes no position_ids (a Hugging Face ...ForCausalLM is expected)")
+    ids = torch.zeros((batch, length), dtype=torch.long)
+    pos = torch.arange(length).repeat(batch, 1)
+    kwargs: dict[str, Any] = {"input_ids": ids, "position_ids": pos}
+    if "logits_to_keep" in params:
+        kwargs["logits_to_keep"] = 1
+    graph = trace(model, (), kwargs)
+    return kv_program(graph, batch, length)
+
+
+def kv_program(graph: OpGraph, batch: int, length: int) -> OpGraph:
+    """``graph`` (a traced causal LM step) with its attentions reading and writing the KV cache."""
+    name = graph.meta.get("name", "model")
+    attn = [op for op in graph.ops if op.target == SDPA]
+    if not attn:
+        raise UnsupportedModel(f"{name} has no scaled_dot_product_attention to keep a KV cache for")
+    tensors = dict(graph.tensors)
+    tensors["sb_sessions"] = TensorSpec((batch,), "int64")
+    tensors["sb_start"] = TensorSpec((batch,), "int64")
+    tensors["sb_valid"] = TensorSpec((batch, length), "bool")
+    ops: list[Op] = []
+    layers: list[dict[str, Any]] = []
+    for op in graph.ops:
+        if op.target != SDPA:
+            ops.append(op)
+            continue
+        ops.append(_cached(graph, op, len(layers), tensors))
+        k = ops[-1].inputs[1]
+        layers.append({"op": op.name, "heads": tensors[k].shape[1], "dim": tensors[k].shape[3],
+                       "value_dim": tensors[ops[-1].inputs[2]].shape[3], "dtype": tensors[k].dtype})
+    ops = _live(ops, graph.outputs)
+    used = {t for op in ops for t in op.inputs}
+    inputs = tuple(t for t in graph.inputs if t in used) + STEP_INPUTS
+    kept = {t for op in ops for t in (*op.inputs, *op.outputs)} | set(inputs)
+    params = {p for op in ops for p in op.params}
+    meta = dict(graph.meta)
+    meta.update(out_spec=None, kv_layers=layers, step={"batch": batch, "length": length},
+                call={"positional": list(inputs)}, kwarg_order=[])
+    meta["index_ranges"] = {k: v for k, v in dict(meta.get("index_ranges") or {}).items() if k in inputs}
+    base = meta.get("template_key")
+    if base:    # NOTE: the rewritten graph has a template key of its own (decomposition is cached)
+        meta["template_key"] = f"{base}-kv{batch}x{length}-{_source_hash()}"
+    return OpGraph(tuple(ops), {t: s for t, s in tensors.items() if t in kept},
+                   {p: s for p, s in graph.params.items() if p in params}, inputs, graph.outputs, meta)
+
+
+def _source_hash() -> str:
+    import hashlib
+    from pathlib import Path
+
+    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]
+
+
+def _cached(graph: OpGraph, op: Op, layer: int, tensors: Mapping[str, TensorSpec]) -> Op:
+    """The ``sb.kv_attention`` op in place of one SDPA (dropout-free, causal self-attention)."""
+    from .. import ops as O
+
+    args = list(op.attrs["args"])
+    kwargs = dict(op.attrs.get("kwargs", {}))
+    if float(O.operand(args, 4, kwargs.get("dropout_p", 0.0)) or 0.0) != 0.0:
+        raise UnsupportedModel(f"attention {op.name!r} uses dropout; trace the model in eval mode")
+    q, k, v = (O.ref_name(a)[1] for a in args[:3])   # type: ignore[index]
+    scale = O.operand(args, 6, kwargs.get("scale"))
+    qs = tensors[q].shape
+    k, v = _unrepeated(graph, k, qs), _unrepeated(graph, v, qs)
+    new_args = [{"t": q}, {"t": k}, {"t": v}, {"t": "sb_sessions"}, {"t": "sb_start"}, {"t": "sb_valid"},
+                layer, None if scale is None else float(scale)]
+    return Op(op.name, "kv_attention", KV_ATTENTION, (q, k, v, *STEP_INPUTS), op.outputs, (),
+              {"args": new_args, "kwargs": {}}, op.scope, op.flops)
+
+
+def _unrepeated(graph: OpGraph, name: str, q_shape: tuple[int, ...]) -> str:
+    """The keys (values) before grouped-query attention repeated their heads, so the cache holds
+    each KV head once; ``name`` itself when it was not repeated."""
+    b, h, n, e = graph.tensors[name].shape
+    cur = name
+    for _ in range(8):
+        src = graph.producer.get(cur)
+        if src is None:
+            return name
+        op = graph.op_by_name[src]
+        if op.target not in _REPEAT_VIEWS or len(op.inputs) != 1:
+            return name
+        cur = op.inputs[0]
+        shape = graph.tensors[cur].shape
+        if len(shape) == 4 and shape[0] == b and shape[2] == n and shape[3] == e and shape[1] < h \
+                and h % shape[1] == 0 and q_shape[1] == h:
+            return cur if _is_repeat(graph, name, cur) else name
+    return name
+
+
+def _is_repeat(graph: OpGraph, out: str, src: str) -> bool:
+    """Is ``out`` (B, H, L, E) ``src`` (B, Hk, L, E) with each head repeated H/Hk times in a row?
+
+    Checked on numbers: the chain of views is run on a tensor of distinct values.
+    """
+    import torch
+
+    from ..lower.kernels import execute_op
+
+    chain: list[Op] = []
+    cur = out
+    while cur != src:
+        op = graph.op_by_name[graph.producer[cur]]
+        chain.append(op)
+        cur = op.inputs[0]
+    shape = graph.tensors[src].shape
+    env = {src: torch.arange(float(torch.Size(shape).numel())).reshape(shape)}
+    for op in reversed(chain):
+        env.update(zip(op.outputs, execute_op(op, env, torch.device("cpu"))))
+    want = env[src].repeat_interleave(graph.tensors[out].shape[1] // shape[1], dim=1)
+    return bool(env[out].shape == want.shape and torch.equal(env[out], want))
+
+
+def _live(ops: list[Op], outputs: tuple[str, ...]) -> list[Op]:
+    """``ops`` less those whose outputs nothing reads (the causal mask the cache replaces)."""
+    need = set(outputs)
+    keep: list[Op] = []
+    for op in reversed(ops):
+        if any(t in need for t in op.outputs):
+            keep.append(op)
+            need.update(op.inputs)
+    return keep[::-1]
