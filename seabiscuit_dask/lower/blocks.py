@@ -16,7 +16,7 @@ scheduler plugin can pin each one to the worker the plan chose.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -29,6 +29,19 @@ from .registry import require_registered
 
 KEY_PREFIX = "sb-"
 Key = Hashable
+# NOTE: the blocks of a model's other programs (generation steps) are numbered from p * STRIDE,
+# so one (model, version, block) names a block of any program and the model's tiles are shared.
+PROGRAM_STRIDE = 1 << 20
+
+
+def program_block(program: int, block: int) -> int:
+    """The block number, in keys and specs, of ``block`` of program ``program`` (0: the model's)."""
+    return program * PROGRAM_STRIDE + block
+
+
+def split_block(block: int) -> tuple[int, int]:
+    """``program_block``'s inverse: (program, block within it)."""
+    return divmod(int(block), PROGRAM_STRIDE)
 
 
 @sizeof.register(torch.Tensor)
@@ -77,6 +90,10 @@ class BlockSpec:
         return sum(p.nbytes for p in self.params.values())
 
     @property
+    def program(self) -> int:
+        return split_block(self.index)[0]
+
+    @property
     def deps(self) -> tuple[int, ...]:
         """Blocks this one reads from, each once."""
         return tuple(dict.fromkeys(s for s in self.sources if s >= 0))
@@ -106,12 +123,17 @@ class BlockSpec:
 
 
 def block_specs(plan: Any, model_id: str, version: int = 0, checkpoint_dir: str = "",
-                verify_every: int = 0) -> list[BlockSpec]:
+                verify_every: int = 0, program: int = 0) -> list[BlockSpec]:
     """Cut ``plan`` (a ``Plan``) into self-contained block specs, in block order.
 
     Tile checksums come from ``graph.meta["tile_crc32"]`` when the weights were
-    written by SeaBiscuit (``deploy.write_store``).
+    written by SeaBiscuit (``deploy.write_store``). ``program`` > 0 numbers the
+    blocks of another program of the model (``program_block``).
     """
+    if program:
+        first = program_block(program, 0)
+        return [replace(s, index=s.index + first, sources=tuple(x + first if x >= 0 else x for x in s.sources))
+                for s in block_specs(plan, model_id, version, checkpoint_dir, verify_every)]
     graph = plan.graph
     crcs = graph.meta.get("tile_crc32") or {}
     block_of = plan.block_of.tolist()
@@ -228,8 +250,9 @@ def request_graph(specs: Sequence[BlockSpec], request: int, inputs: Mapping[str,
     imports. Returns the graph and the key of every block, in block order.
     """
     keys = [(task_name(s.model), s.version, request, s.index) for s in specs]
+    by_index = {s.index: key for s, key in zip(specs, keys)}
     dsk: dict[Any, Any] = {}
     for s, key in zip(specs, keys):
         mine = {t: inputs[t] for t, src in zip(s.imports, s.sources) if src < 0 and t in inputs}
-        dsk[key] = (fn, s.model, s.version, request, s.index, mine, *[keys[d] for d in s.deps])
+        dsk[key] = (fn, s.model, s.version, request, s.index, mine, *[by_index[d] for d in s.deps])
     return dsk, keys

@@ -4,9 +4,10 @@ A model that generates runs several programs on one deployment: the forward
 pass it was placed for, and the prefill and decode steps of each shape. Weights
 never move for a new program: ``follow(plan, graph)`` puts every op of ``graph``
 that reads a weight tile on the device that holds that tile in ``plan`` (a tile
-cut differently goes with the tile it overlaps most), every KV-cache attention
-with the attention ops of its layer, and every other op with the op that made
-its first input. The result is a fused plan (one task per device and phase):
+cut differently goes with the tile it overlaps most), every op the model's graph
+has too (by name) where the plan put it, every KV-cache attention with the
+attention ops of its layer, and every other op with the op that made its first
+input. The result is a fused plan (one task per device and phase):
 a decode step is latency-bound, so it runs as few Dask tasks as the weights allow.
 The function is pure and deterministic, so the client and the scheduler derive
 the same program plan from the same model plan.
@@ -59,10 +60,13 @@ def follow(plan: Plan, graph: OpGraph) -> Plan:
     fallback = Counter(dev_of).most_common(1)[0][0] if dev_of else 0
     made: dict[str, int] = {}
     out = np.full(len(graph.ops), -1, dtype=np.int64)
+    same = {op.name: d for op, d in zip(base.ops, dev_of)}
     for i, op in enumerate(graph.ops):
         d = -1
         if op.params:
             d = _param_device(graph.params[op.params[0]], owner, by_key)
+        elif op.name in same:
+            d = same[op.name]
         elif op.kind == "kv_attention":
             d = attn.get(_layer(op.scope or op.name), -1)
         if d < 0:

@@ -43,6 +43,7 @@ from ..runtime.state import (
     ModelDeployed,
     ModelReleased,
     Pin,
+    ProgramAdded,
     PlacementState,
     PlanChanged,
     Stranded,
@@ -75,7 +76,7 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
         self.scheduler = scheduler
         scheduler.handlers.update({f"seabiscuit_{n}": getattr(self, n) for n in (
             "deploy", "release", "block", "owned", "workers", "plan", "drain", "restore", "budget",
-            "pressure", "runs", "hello", "learned")})
+            "pressure", "runs", "hello", "learned", "program", "end_sessions")})
         for addr in scheduler.workers:
             self.add_worker(scheduler, addr)
         await scheduler.register_worker_plugin(None, dumps(SeaBiscuitWorkerPlugin()), PLUGIN_NAME,
@@ -258,6 +259,33 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
                                                     max(0, int(verify_every or 0)))))
         self.owners[model] = str(client)
         return {"model": model, "token": token, "version": 0}
+
+    def program(self, comm: Any = None, model: str = "", token: str = "", graph: str = "") -> dict[str, Any]:
+        """Another program of ``model`` (a generation step, ``trace.decoder``): returns its number.
+
+        Its blocks run where the model's weights are, in this plan and every later one.
+        """
+        dep = self.state.authorized(access.check_model_id(model), token)
+        g = OpGraph.from_json(graph)
+        require_registered(g, f"step program of model {model}")
+        access.check_graph_paths(g)
+        self._apply(self.state.handle(ProgramAdded(model, g)))
+        return {"program": len(dep.programs), "version": dep.version}
+
+    async def end_sessions(self, comm: Any = None, model: str = "", token: str = "",
+                           sessions: list[int] | None = None) -> int:
+        """Every worker frees the KV caches of ``sessions`` of ``model``; returns the bytes freed."""
+        self.state.authorized(access.check_model_id(model), token)
+        ids = [int(s) for s in sessions or ()]
+
+        async def one(addr: str) -> int:
+            try:
+                return int(await self.scheduler.rpc(addr).seabiscuit_drop_sessions(model=model, sessions=ids))
+            except Exception as e:  # noqa: BLE001 - a worker gone took its caches with it
+                logger.info("seabiscuit: worker %s did not free sessions of %s: %s", addr, model, e)
+                return 0
+
+        return sum(await asyncio.gather(*(one(a) for a in list(self.scheduler.workers))))
 
     async def release(self, comm: Any = None, model: str = "", token: str = "") -> bool:
         self.state.authorized(access.check_model_id(model), token)

@@ -51,6 +51,7 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
         worker.metrics[PLUGIN_NAME] = self.metrics
         worker.handlers["seabiscuit_sync"] = self.sync
         worker.handlers["seabiscuit_report"] = self.report_now
+        worker.handlers["seabiscuit_drop_sessions"] = self.drop_sessions
         worker.loop.add_callback(self._hello)
 
     async def _hello(self) -> None:
@@ -65,6 +66,7 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
         worker.metrics.pop(PLUGIN_NAME, None)
         worker.handlers.pop("seabiscuit_sync", None)
         worker.handlers.pop("seabiscuit_report", None)
+        worker.handlers.pop("seabiscuit_drop_sessions", None)
         self.resident.clear()
 
     @property
@@ -84,6 +86,7 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
                              host_cpu_idle=live["host_cpu_idle"])
         return {**self.report, **live, **self.forecast.report(),
                 "budget_bytes": r.budget_bytes, "resident_bytes": r.resident_bytes,
+                "kv_cache_bytes": r.kv.nbytes, "kv_sessions": r.kv_sessions(),
                 "blocks": len(r.programs), "models": dict(r.versions), **r.counters}
 
     def report_now(self, comm: Any = None) -> dict[str, Any]:
@@ -100,6 +103,10 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
             w.loop.add_callback(w.scheduler.seabiscuit_pressure, address=w.address, reason=reason)
 
     # --- RPC ------------------------------------------------------------------------------
+    def drop_sessions(self, comm: Any = None, model: str = "", sessions: list[int] | None = None) -> int:
+        """Free the KV caches of ``sessions`` of ``model`` here; returns the bytes freed."""
+        return self.resident.kv.drop(access.check_model_id(model), {int(s) for s in sessions or ()})
+
     async def sync(self, comm: Any = None, model: str = "") -> int:
         """Hold what the scheduler says this worker owns of ``model``; loads run off the event loop."""
         access.check_model_id(model)

@@ -27,11 +27,14 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from .. import config
-from ..errors import SeaBiscuitError, WorkerLost
+from ..errors import BadInput, SeaBiscuitError, WorkerLost
 from ..ir import fmt_bytes
 from ..lower.blocks import BlockSpec, block_specs, request_graph, task_name
 from ..placement import Plan, place
+from ..placement.follow import follow
 from . import events
 from .discover import measure_cluster, workers_info
 from .local import assemble_outputs, flatten_inputs, split_inputs, unflatten_outputs
@@ -65,6 +68,12 @@ class DistributedModel:
         self.events: list[dict[str, Any]] = []
         self._store: object | None = None            # keeps a weight store folder alive
         self._client_s: deque[tuple[float, float]] = deque(maxlen=64)   # (submit, after gather) per request
+        self._source: Any = None                     # the module or folder step programs are traced from
+        self._weights_path: str | None = None        # where those programs read the weights
+        self._budget: int | None = None
+        self._programs: dict[tuple[int, int], StepProgram] = {}
+        self._program_lock = threading.Lock()
+        self._engine: Any = None
         self._set_plan(plan, version)
         events.listen(client, model_id, self._on_event)
 
@@ -75,6 +84,8 @@ class DistributedModel:
         out = {t: s.index for s in specs for t in s.exports if t in leaves}
         with self._lock:
             self._plan, self.version, self.specs, self._out_blocks = plan, version, specs, out
+            for prog in self._programs.values():
+                prog.follow(plan, self.model_id, version, verify_every=self.verify_every)
 
     @property
     def plan(self) -> Plan:
@@ -129,6 +140,157 @@ class DistributedModel:
         # NOTE: what this client spends on a request besides waiting: part of Dask's cost
         self._client_s.append((t1 - t0, time.perf_counter() - t2))
         return out
+
+    # --- generation -----------------------------------------------------------------------------
+    def generate(self, input_ids: Any, max_new_tokens: int | None = None, *, attention_mask: Any = None,
+                 do_sample: bool | None = None, temperature: float | None = None, top_k: int | None = None,
+                 top_p: float | None = None, eos_token_id: Any = None, pad_token_id: int | None = None,
+                 generator: Any = None, streamer: Any = None) -> Any:
+        """Generate as Hugging Face ``model.generate`` does, on the cluster: returns the prompt
+        followed by the new tokens ((batch, length + new) LongTensor, ``pad_token_id`` after EOS).
+
+        Greedy decoding gives Hugging Face's tokens; sampling (``do_sample=True`` with
+        ``temperature``, ``top_k``, ``top_p``) is reproducible from a seeded ``generator``.
+        Defaults come from the model's generation config. Every row is a session whose
+        KV cache lives on the workers that own its attention blocks; rows of different
+        lengths (left padding and an ``attention_mask``) are fine. ``streamer``: a Hugging
+        Face streamer (``TextStreamer``), fed the prompt and then each new token.
+
+        Examples
+        --------
+        >>> ids = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt")  # doctest: +SKIP
+        >>> out = dm.generate(ids, max_new_tokens=32)                                            # doctest: +SKIP
+        >>> print(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))                   # doctest: +SKIP
+        """
+        from .generate import generate_tokens
+
+        engine, args = self._generation_args(input_ids, max_new_tokens, do_sample, temperature, top_k, top_p,
+                                             eos_token_id, pad_token_id, generator)
+        return generate_tokens(engine, input_ids, args, attention_mask, streamer)
+
+    def stream(self, input_ids: Any, max_new_tokens: int | None = None, *, attention_mask: Any = None,
+               do_sample: bool | None = None, temperature: float | None = None, top_k: int | None = None,
+               top_p: float | None = None, eos_token_id: Any = None, pad_token_id: int | None = None,
+               generator: Any = None, streamer: Any = None) -> Any:
+        """``generate``, yielding the new tokens as they come: a (batch,) LongTensor per step.
+
+        Examples
+        --------
+        >>> for t in dm.stream(ids, max_new_tokens=32):                    # doctest: +SKIP
+        ...     print(tok.decode(t[0]), end="", flush=True)
+        """
+        from .generate import stream_tokens
+
+        engine, args = self._generation_args(input_ids, max_new_tokens, do_sample, temperature, top_k, top_p,
+                                             eos_token_id, pad_token_id, generator)
+        return stream_tokens(engine, input_ids, args, attention_mask, streamer)
+
+    def generation_stats(self) -> dict[str, Any]:
+        """Steps, tokens and seconds of generation so far, and the step programs built:
+        per (batch, tokens) shape its Dask tasks per step and what building it cost."""
+        stats = self._engine.stats.as_dict() if self._engine is not None else {}
+        stats["programs"] = {f"{b}x{n}": {"tasks": len(p.specs), "build_s": p.build_s, "micro_ops": len(p.graph.ops)}
+                             for (b, n), p in sorted(self._programs.items())}
+        return stats
+
+    def _generation_args(self, input_ids: Any, max_new_tokens: Any, do_sample: Any, temperature: Any,
+                         top_k: Any, top_p: Any, eos: Any, pad: Any, generator: Any) -> tuple[Any, Any]:
+        from .generate import Engine, GenerateArgs
+
+        if self._closed:
+            raise SeaBiscuitError(f"distributed model {self.model_id} is closed")
+        if self._source is None:
+            raise BadInput(f"model {self.model_id} was deployed from a plan alone: generation traces its "
+                           "step programs from the model, so deploy with weights=model or use sb.distribute")
+        model = self._source_module()
+        cfg = getattr(model, "config", None)
+        if self._engine is None:
+            context = getattr(cfg, "max_position_embeddings", None)
+            first = self.graph.tensors[self.graph.inputs[0]].shape if self.graph.inputs else ()
+            self._engine = Engine(self, context=int(context) if context else None,
+                                  max_chunk=int(first[-1]) if len(first) == 2 else None,
+                                  name=f"model {self.model_id}")
+        length = int(input_ids.shape[-1]) if hasattr(input_ids, "shape") else 0
+        args = GenerateArgs.make(getattr(model, "generation_config", None), length, max_new_tokens, do_sample,
+                                 temperature, top_k, top_p, eos, pad, generator)
+        return self._engine, args
+
+    def _source_module(self) -> Any:
+        if isinstance(self._source, (str, os.PathLike)):
+            from ..trace import load_hf_skeleton
+
+            self._source = (load_hf_skeleton(self._source), self._source)
+        return self._source[0] if isinstance(self._source, tuple) else self._source
+
+    def _step_program(self, batch: int, length: int) -> StepProgram:
+        """The step program of this shape: traced, decomposed and registered once, then reused."""
+        key = (batch, length)
+        with self._program_lock:
+            prog = self._programs.get(key)
+            if prog is not None:
+                return prog
+            from ..decompose import decompose
+            from ..trace import bind_checkpoint
+            from ..trace.decoder import trace_step
+
+            t0 = time.perf_counter()
+            graph = decompose(trace_step(self._source_module(), batch, length), self._budget, like=self.graph)
+            if any(p.source.kind == "model" for p in graph.params.values()):
+                if self._weights_path is None:
+                    raise BadInput(f"model {self.model_id}: no weights file to bind step programs to")
+                graph = bind_checkpoint(graph, self._weights_path)
+            graph = _with_checksums(graph, self.graph)
+            reply = self.client.sync(self.client.scheduler.seabiscuit_program, model=self.model_id,
+                                     token=self._token, graph=graph.to_json())
+            prog = StepProgram(graph, int(reply["program"]))
+            with self._lock:
+                prog.follow(self._plan, self.model_id, self.version, verify_every=self.verify_every)
+            prog.build_s = time.perf_counter() - t0
+            self._programs[key] = prog
+            return prog
+
+    def run_step(self, batch: int, length: int, feed: dict[str, Any]) -> Any:
+        """One step of generation on the cluster: logits (batch, vocab) of each row's last token."""
+        if self._closed:
+            raise SeaBiscuitError(f"distributed model {self.model_id} is closed")
+        if self._stranded:
+            raise WorkerLost(self._stranded)
+        prog = self._step_program(batch, length)
+        with self._lock:
+            specs, out_at = prog.specs, prog.out_at
+        request = next(self._requests)
+        dsk, keys = request_graph(specs, request, split_inputs(prog.graph, feed), run_block_task)
+        wanted = sorted(set(out_at.values()))
+        futures = self.client.get(dsk, [keys[i] for i in wanted], sync=False)
+        self._inflight[request] = futures
+        try:
+            results = dict(zip(wanted, self.client.gather(futures)))
+        except SeaBiscuitError:
+            raise
+        except Exception as e:
+            raise _request_error(request, self.model_id, self._stranded, e) from e
+        finally:
+            self._inflight.pop(request, None)
+            for f in futures:
+                f.release()
+        values = {t: results[out_at[t]][t] for t in prog.graph.leaf_outputs}
+        logits = assemble_outputs(prog.graph, values)[0]
+        return logits[:, -1]
+
+    def end_sessions(self, sessions: Any) -> None:
+        """Free the KV caches of ``sessions`` on every worker."""
+        if self.client.status == "running" and not self._closed:
+            self.client.sync(self.client.scheduler.seabiscuit_end_sessions, model=self.model_id,
+                             token=self._token, sessions=[int(s) for s in sessions])
+
+    def recover(self, error: BaseException) -> None:
+        """After a worker loss in a step: wait (up to 30 s) for the repaired plan, unless stranded."""
+        seen = self.version
+        deadline = time.perf_counter() + 30.0
+        while self.version == seen and not self._stranded and time.perf_counter() < deadline:
+            time.sleep(0.02)
+        if self._stranded:
+            raise WorkerLost(self._stranded) from error
 
     # --- operations on this model ------------------------------------------------------------
     def _address(self, worker: str) -> str:
@@ -216,6 +378,8 @@ class DistributedModel:
         if self._closed:
             return
         self._closed = True
+        if self._engine is not None:
+            self._engine.close()
         try:
             events.unlisten(self.client, self.model_id)
             if self.client.status == "running":
@@ -235,6 +399,31 @@ class DistributedModel:
         return (f"<DistributedModel {self.graph.meta.get('name', 'model')} {self.model_id}: "
                 f"{len(self.graph.ops)} micro-ops in {len(self.specs)} blocks on "
                 f"{len(self._plan.spec.devices)} workers, plan v{self.version}>")
+
+
+class StepProgram:
+    """A generation step program of a deployment: its graph, number and current block specs."""
+
+    def __init__(self, graph: Any, number: int) -> None:
+        self.graph = graph
+        self.number = number
+        self.specs: list[BlockSpec] = []
+        self.out_at: dict[str, int] = {}       # graph output tile -> position of its block in specs
+        self.build_s = 0.0
+
+    def follow(self, plan: Plan, model_id: str, version: int, verify_every: int = 0) -> None:
+        """Re-derive the blocks where ``plan`` holds the weights (as the scheduler does)."""
+        specs = block_specs(follow(plan, self.graph), model_id, version, "", verify_every, self.number)
+        leaves = set(self.graph.leaf_outputs)
+        self.specs, self.out_at = specs, {t: i for i, s in enumerate(specs) for t in s.exports if t in leaves}
+
+
+def _with_checksums(graph: Any, model_graph: Any) -> Any:
+    """``graph`` with the tile checksums of the model's graph, for the tiles both read."""
+    crcs = model_graph.meta.get("tile_crc32") or {}
+    same = {n: crcs[n] for n, p in graph.params.items() if n in crcs and n in model_graph.params
+            and model_graph.params[n].source == p.source}
+    return graph.with_meta(tile_crc32=same) if same else graph
 
 
 def _request_error(request: int, model_id: str, stranded: str | None, e: BaseException) -> SeaBiscuitError:
@@ -296,6 +485,11 @@ def deploy(plan: Plan, client: Any, *, weights: Any = None,
     dm = DistributedModel(client, plan, str(reply["model"]), str(reply["token"]), int(reply["version"]),
                           ckpt, every)
     dm._store = holder if folder is not None else None    # NOTE: the store lives as long as the model
+    if isinstance(weights, torch.nn.Module):
+        dm._source = weights
+    if folder is not None:
+        dm._weights_path = os.fspath(folder / "model.safetensors")
+    dm._budget = plan.graph.meta.get("budget_bytes")
     try:
         _load(client, dm.specs, say)
     except BaseException:
@@ -353,8 +547,12 @@ def distribute(model_or_path: Any, client: Any, example_inputs: Any, budget: int
     plan = place(micro, spec)
     say(f"placed in {plan.planning_s:.2f} s: {len(plan.blocks)} blocks")
     weights = model_or_path if not isinstance(model_or_path, (str, os.PathLike)) else None
-    return deploy(plan, client, weights=weights, checkpoint_dir=checkpoint_dir, verify_every=verify_every,
-                  progress=say)
+    dm = deploy(plan, client, weights=weights, checkpoint_dir=checkpoint_dir, verify_every=verify_every,
+                progress=say)
+    dm._source, dm._budget = model_or_path, nbytes
+    if checkpoint is not None or isinstance(model_or_path, (str, os.PathLike)):
+        dm._weights_path = os.fspath(checkpoint if checkpoint is not None else model_or_path)
+    return dm
 
 
 def _load(client: Any, specs: list[BlockSpec], say: Progress) -> None:

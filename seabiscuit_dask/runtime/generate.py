@@ -149,13 +149,17 @@ class Engine:
     """Runs the generate calls of one deployment on a background thread (see module doc)."""
 
     def __init__(self, runner: Runner, *, max_sessions: int | None = None, context: int | None = None,
-                 name: str = "model") -> None:
+                 max_chunk: int | None = None, name: str = "model") -> None:
         self.runner = runner
         self.name = name
         self.max_sessions = int(max_sessions if max_sessions is not None
                                 else config.get("generate.max-sessions", 16))
         self.context = context
-        self.prefill_sizes = buckets("prefill-buckets", (16, 64, 256))
+        sizes = buckets("prefill-buckets", (16, 32, 64, 128, 256))
+        # NOTE: chunks no longer than the deployment's own input: its weight tiles fit them too,
+        # so every step program reads the tiles the workers already hold
+        fit = tuple(b for b in sizes if max_chunk is None or b <= max_chunk)
+        self.prefill_sizes = fit or (max(1, int(max_chunk or 1)),)
         self.batch_sizes = buckets("batch-buckets", (1, 2, 4, 8))
         self.stats = EngineStats()
         self._ids = itertools.count()
@@ -295,13 +299,22 @@ class Engine:
         self.stats.prefill_s += time.perf_counter() - t0
         return logits
 
+    def chunking(self, n: int) -> list[tuple[int, int]]:
+        """(tokens, program length) of the chunks ``n`` tokens are prefilled in: the longest
+        bucket that holds no padding while one does, then the shortest that holds the rest."""
+        out = []
+        while n:
+            whole = [b for b in self.prefill_sizes if b <= n]
+            take = whole[-1] if whole and (whole[-1] == n or len(whole) > 1 or n > self.prefill_sizes[-1]) \
+                else min(n, self.prefill_sizes[-1])
+            out.append((take, bucket(take, self.prefill_sizes)))
+            n -= take
+        return out
+
     def _chunks(self, s: Session, start: int, todo: list[int]) -> torch.Tensor:
-        top = self.prefill_sizes[-1]
         logits = torch.empty(0)
-        while todo:
-            n = min(len(todo), top)
+        for n, length in self.chunking(len(todo)):
             chunk, todo = todo[:n], todo[n:]
-            length = bucket(n, self.prefill_sizes)
             feed = _feed([(s.sid, start, chunk)], 1, length)
             logits = self._run([s], 1, length, feed)[0]
             start += n
@@ -339,11 +352,8 @@ class Engine:
         if upto <= 0:
             return
         self.stats.replays += 1
-        top = self.prefill_sizes[-1]
         start = 0
-        while start < upto:
-            n = min(upto - start, top)
-            length = bucket(n, self.prefill_sizes)
+        for n, length in self.chunking(upto):
             self.runner.run_step(1, length, _feed([(s.sid, start, s.tokens[start:start + n])], 1, length))
             start += n
 

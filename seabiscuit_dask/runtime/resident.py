@@ -20,6 +20,7 @@ import torch
 from ..errors import BadCheckpoint, ClusterTooSmall
 from ..ir import ParamSpec, fmt_bytes
 from ..lower.blocks import BlockProgram, BlockSpec, run_block
+from ..lower.kvcache import KVStore, using
 from ..weights import WeightStore
 from . import access
 from .integrity import crc32, load_checkpoint, save_checkpoint
@@ -57,11 +58,35 @@ class ResidentBlocks:
         self._stores: dict[str, WeightStore] = {}
         self._loading: dict[tuple[str, Any], list[int]] = {}   # tile being read -> [bytes, loads]
         self._lock = threading.Lock()
+        self.kv = KVStore(self._reserve_cache)         # generation sessions' KV caches
+
+    def _reserve_cache(self, nbytes: int, what: str) -> None:
+        """Room for ``nbytes`` more of KV cache, within the budget next to the weight tiles."""
+        weights = self.weight_bytes
+        cache = self.kv.nbytes
+        if weights + cache + nbytes > self.budget_bytes:
+            raise ClusterTooSmall(
+                f"worker {self.address} cannot grow {what}: it holds {fmt_bytes(weights)} of weights and "
+                f"{fmt_bytes(cache)} of KV cache, {fmt_bytes(nbytes)} more exceeds its budget of "
+                f"{fmt_bytes(self.budget_bytes)} ({weights} + {cache} + {nbytes} > {self.budget_bytes} "
+                "bytes); close sessions, lower max_new_tokens, or give the model more workers")
+
+    def kv_sessions(self) -> dict[str, int]:
+        """Per model: sessions with a KV cache here."""
+        out: dict[str, int] = {}
+        for model, _ in list(self.kv.caches):
+            out[model] = out.get(model, 0) + 1
+        return out
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of weight tiles held for resident blocks, each tile once."""
+        return sum(tensor_bytes(t) for tiles in list(self.tiles.values()) for t in list(tiles.values()))
 
     @property
     def resident_bytes(self) -> int:
-        """Bytes of weight tiles held for resident blocks, each tile once."""
-        return sum(tensor_bytes(t) for tiles in list(self.tiles.values()) for t in list(tiles.values()))
+        """Bytes held for deployed models: weight tiles (each once) and KV caches."""
+        return self.weight_bytes + self.kv.nbytes
 
     def bytes_by_model(self) -> dict[str, int]:
         return {m: sum(tensor_bytes(t) for t in list(ts.values())) for m, ts in list(self.tiles.items())}
@@ -116,7 +141,7 @@ class ResidentBlocks:
             todo = {tile_key(p): (n, p) for n, p in spec.params.items() if tile_key(p) not in tiles}
             # NOTE: a tile another load is reading now is counted once, not once per load
             need = sum(p.nbytes for k, (_, p) in todo.items() if (spec.model, k) not in self._loading)
-            held = self.resident_bytes + sum(b for b, _ in self._loading.values())
+            held = self.resident_bytes + sum(b for b, _ in self._loading.values())   # NOTE: caches count too
             if keep and held + need > self.budget_bytes:
                 raise ClusterTooSmall(
                     f"worker {self.address} cannot hold block b{spec.index} of model {spec.model}: it "
@@ -234,7 +259,8 @@ class ResidentBlocks:
         program = self.program(model, version, block, fetch)
         if not self.verify(program):
             program = self.program(model, version, block, fetch)
-        out = run_block(program, inputs, deps)
+        with using(self.kv, model):
+            out = run_block(program, inputs, deps)
         self.counters["block_runs"] += 1
         ckpt = ckpt or self.checkpoint_path(model, version, request, block)
         if ckpt is not None:
@@ -263,7 +289,7 @@ class ResidentBlocks:
         """Drop every block and record of ``model``; returns the bytes freed."""
         with self._lock:
             self.released.add(model)
-            freed = self._drop(model)
+            freed = self._drop(model) + self.kv.drop(model)
             self.versions.pop(model, None)
             self._stores.pop(model, None)
             self.tile_crc.pop(model, None)
@@ -276,6 +302,7 @@ class ResidentBlocks:
         with self._lock:
             self.programs.clear()
             self.tiles.clear()
+            self.kv.caches.clear()
             self._stores.clear()
 
 

@@ -30,8 +30,10 @@ import numpy as np
 
 from .. import config
 from ..errors import AccessDenied, SeaBiscuitError
-from ..lower.blocks import BlockSpec, Key, block_specs, parse_key
+from ..ir import OpGraph
+from ..lower.blocks import BlockSpec, Key, block_specs, parse_key, split_block
 from ..placement import CapacityChanged, DeviceAdded, DeviceLost, DeviceSpec, Plan, place, replan
+from ..placement.follow import follow
 from ..placement.cluster import OP_CLASSES
 from ..placement.learn import CostLearner
 from . import access
@@ -106,6 +108,14 @@ class BlockObserved:
 
 
 @dataclass(frozen=True)
+class ProgramAdded:
+    """Another program of a deployed model (a generation step): placed where its weights are."""
+
+    model: str
+    graph: OpGraph
+
+
+@dataclass(frozen=True)
 class TasksSubmitted:
     keys: tuple[Key, ...]
 
@@ -116,7 +126,7 @@ class TasksForgotten:
 
 
 Event = (ModelDeployed | ModelReleased | DeviceEvent | ForModel | TasksSubmitted | TasksForgotten
-         | BlockObserved)
+         | BlockObserved | ProgramAdded)
 
 
 # --- instructions ----------------------------------------------------------------------
@@ -172,6 +182,33 @@ class Deployment:
     _urgent: dict[int, list[bool]] = field(default_factory=dict)
     _modelled: dict[int, list[tuple[str, dict[str, float]]]] = field(default_factory=dict)
     warm: set[tuple[int, int]] = field(default_factory=set)       # (version, block) run at least once
+    programs: dict[int, OpGraph] = field(default_factory=dict)    # program >= 1 -> its graph
+    _program_plans: dict[tuple[int, int], Plan] = field(default_factory=dict)
+    _program_specs: dict[tuple[int, int], list[BlockSpec]] = field(default_factory=dict)
+
+    def plan_at(self, version: int) -> Plan | None:
+        return self.plan if version == self.version else self.history.get(version)
+
+    def program_plan(self, program: int, version: int) -> Plan | None:
+        """Plan ``version`` of another program: where the model's plan of that version has its weights."""
+        key = (program, version)
+        if key not in self._program_plans:
+            base = self.plan_at(version)
+            if base is None or program not in self.programs:
+                return None
+            self._program_plans[key] = follow(base, self.programs[program])
+        return self._program_plans[key]
+
+    def program_specs(self, program: int, version: int) -> list[BlockSpec]:
+        if not program:
+            return self.specs(version)
+        key = (program, version)
+        if key not in self._program_specs:
+            plan = self.program_plan(program, version)
+            if plan is None:
+                return []
+            self._program_specs[key] = block_specs(plan, self.model, version, "", self.verify_every, program)
+        return self._program_specs[key]
 
     def modelled(self, version: int) -> list[tuple[str, dict[str, float]]]:
         """Per block of plan ``version``: its worker's address and its modelled time per op
@@ -201,6 +238,9 @@ class Deployment:
         cached = self._homes.get((version, block))
         if cached is not None:
             return cached
+        program, local = split_block(block)
+        if program:
+            return self._program_home(version, block, program, local)
         if version == self.version:
             if block >= len(self.plan.block_device):
                 return None
@@ -211,6 +251,19 @@ class Deployment:
                 return None
             ops = np.flatnonzero(old.block_of == block)
             addr = self.address_of_device(int(np.bincount(self.plan.device_of[ops]).argmax()))
+        self._homes[(version, block)] = addr
+        return addr
+
+    def _program_home(self, version: int, block: int, program: int, local: int) -> str | None:
+        now = self.program_plan(program, self.version)
+        then = self.program_plan(program, version)
+        if now is None or then is None or local >= len(then.block_device):
+            return None
+        if version == self.version:
+            addr = self.address_of_device(int(now.block_device[local]))
+        else:
+            ops = np.flatnonzero(then.block_of == local)
+            addr = self.address_of_device(int(np.bincount(now.device_of[ops]).argmax()))
         self._homes[(version, block)] = addr
         return addr
 
@@ -249,6 +302,9 @@ class Deployment:
             self._specs.pop(v, None)
             self._urgent.pop(v, None)
             self._modelled.pop(v, None)
+        for cache in (self._program_plans, self._program_specs):
+            for k in [k for k in cache if k[1] != self.version and k[1] not in self.history]:
+                del cache[k]
         self.warm = {k for k in self.warm if k[0] == self.version or k[0] in self.history}
 
 
@@ -275,6 +331,8 @@ class PlacementState:
             return self._forget(event.keys)
         if isinstance(event, ModelDeployed):
             return self._deployed(event)
+        if isinstance(event, ProgramAdded):
+            return self._program(event)
         if isinstance(event, ModelReleased):
             self.models.pop(event.model, None)
             return []
@@ -484,6 +542,19 @@ class PlacementState:
                                           verify_every=e.verify_every)
         return [PlanChanged(e.model, 0, "deployed")]
 
+    def _program(self, e: ProgramAdded) -> list[Instruction]:
+        """Number the new program; its blocks follow the model's weights in every plan version."""
+        dep = self.deployment(e.model)
+        base = dep.plan.graph.params
+        foreign = sorted(p.source.key for p in e.graph.params.values()
+                         if p.source.kind != "inline" and p.source.key not in
+                         {q.source.key for q in base.values()})
+        if foreign:
+            raise SeaBiscuitError(f"model {e.model}: the new program reads weights {foreign[:3]} that the "
+                                  "deployed model does not have; a program may only reuse the model's weights")
+        dep.programs[len(dep.programs) + 1] = e.graph
+        return []
+
     def _pin(self, keys: tuple[Key, ...], repin: bool = False) -> list[Instruction]:
         out: list[Instruction] = []
         for key in keys:
@@ -499,7 +570,7 @@ class PlacementState:
                 dep.tasks[version] += 1
             self.pinned[key] = addr
             urgent = dep.urgent(version)
-            leaves = block < len(urgent) and urgent[block]
+            leaves = block >= len(urgent) or urgent[block]    # NOTE: a step program's blocks hand on at once
             out.append(Pin(key, addr, repin, (0 if leaves else 1, request, block)))
         return out
 
@@ -539,7 +610,10 @@ class PlacementState:
         if version != dep.version and version not in dep.history:
             raise SeaBiscuitError(f"model {model} has no plan version {version} "
                                   f"(current {dep.version})")
-        specs = dep.specs(version)
-        if not 0 <= block < len(specs):
+        program, local = split_block(block)
+        if program and program not in dep.programs:
+            raise SeaBiscuitError(f"model {model} has {len(dep.programs)} step program(s), not program {program}")
+        specs = dep.program_specs(program, version)
+        if not 0 <= local < len(specs):
             raise SeaBiscuitError(f"model {model} plan {version} has {len(specs)} blocks, not block {block}")
-        return specs[block].to_dict()
+        return specs[local].to_dict()
