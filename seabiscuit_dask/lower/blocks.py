@@ -24,7 +24,7 @@ from dask.sizeof import sizeof
 
 from ..errors import SeaBiscuitError
 from ..ir import Op, ParamSpec, TensorSpec
-from .kernels import decode_args, resolve_target
+from .kernels import compile_args, resolve_target
 from .registry import require_registered
 
 KEY_PREFIX = "sb-"
@@ -193,8 +193,9 @@ class BlockProgram:
         for i, op in enumerate(spec.ops):
             frees = tuple(t for t in dict.fromkeys(op.inputs) if last.get(t) == i and t not in keep)
             frees += tuple(t for t in op.outputs if t not in last and t not in keep)
-            steps.append((resolve_target(op.target, op), op.attrs.get("args", ()),
-                          op.attrs.get("kwargs", {}), op.outputs, bool(op.attrs.get("multi")), frees))
+            steps.append((resolve_target(op.target, op), compile_args(op.attrs.get("args", ()), device),
+                          compile_args(op.attrs.get("kwargs", {}), device), op.outputs,
+                          bool(op.attrs.get("multi")), frees))
         self.steps = steps
 
     @property
@@ -219,7 +220,7 @@ class BlockProgram:
             env[name] = x.to(dev) if x.device != dev else x
         with torch.no_grad():
             for fn, args, kwargs, outs, multi, frees in self.steps:
-                out = fn(*decode_args(args, env, dev), **decode_args(kwargs, env, dev))
+                out = fn(*args(env), **kwargs(env))
                 if multi:
                     env.update(zip(outs, out))
                 else:

@@ -6,7 +6,8 @@ lists the targets a graph may name.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import operator
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -22,7 +23,7 @@ from .registry import (
     tagged_value,
 )
 
-__all__ = ["KERNELS", "SUPPORTED", "decode_args", "embedding_rows", "execute_op", "register_kernel",
+__all__ = ["KERNELS", "SUPPORTED", "compile_args", "decode_args", "embedding_rows", "execute_op", "register_kernel",
            "require_registered", "resolve_target"]
 
 
@@ -85,6 +86,59 @@ def decode_args(value: Any, env: Mapping[str, torch.Tensor], device: torch.devic
     if isinstance(value, (list, tuple)):
         return [decode_args(v, env, device) for v in value]
     return value
+
+
+def compile_args(value: Any, device: torch.device) -> Callable[[Mapping[str, torch.Tensor]], Any]:
+    """``decode_args(value, env, device)`` as a function of ``env``: references become lookups,
+    and the constant parts (shapes, dtypes, scalars) are decoded once, not on every run."""
+    const, got = _compile(value, device)
+    if const:
+        return lambda env: got
+    return got  # type: ignore[no-any-return]
+
+
+def _compile(value: Any, device: torch.device) -> tuple[bool, Any]:
+    """(True, the decoded constant) or (False, a function of ``env``)."""
+    if isinstance(value, Mapping):
+        if set(value) == {"t", "view"}:
+            name, window = value["t"], tuple(slice(int(a), int(b)) for a, b in value["view"])
+            return False, lambda env: env[name][window]
+        tag, v = next(iter(value.items())) if len(value) == 1 else (None, None)
+        if isinstance(v, str):
+            if tag in ("t", "p"):
+                return False, operator.itemgetter(v)
+            if tag in ("dtype", "layout", "memory_format"):
+                return True, tagged_value(tag, v)
+            if tag == "device":
+                return True, device
+            if tag == "float":
+                return True, _float(v)
+        items = {k: _compile(x, device) for k, x in value.items()}
+        if all(c for c, _ in items.values()):
+            return True, {k: x for k, (_, x) in items.items()}
+        fixed = {k: x for k, (c, x) in items.items() if c}
+        read = [(k, f) for k, (c, f) in items.items() if not c]
+
+        def mapping(env: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+            out = dict(fixed)
+            for k, f in read:
+                out[k] = f(env)
+            return out
+        return False, mapping
+    if isinstance(value, (list, tuple)):
+        parts = [_compile(x, device) for x in value]
+        if all(c for c, _ in parts):
+            return True, [x for _, x in parts]
+        template = [x if c else None for c, x in parts]
+        reads = [(i, f) for i, (c, f) in enumerate(parts) if not c]
+
+        def sequence(env: Mapping[str, torch.Tensor]) -> list[Any]:
+            out = template.copy()
+            for i, f in reads:
+                out[i] = f(env)
+            return out
+        return False, sequence
+    return True, value
 
 
 def execute_op(op: Op, env: Mapping[str, torch.Tensor], device: torch.device) -> list[torch.Tensor]:
