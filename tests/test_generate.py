@@ -1,0 +1,264 @@
+"""Generation: step programs over a KV cache, the same tokens as Hugging Face, sessions and limits.
+
+In-process tests run the step programs with ``LocalRunner``; the cluster tests
+serve seeded decoders and SmolLM2-135M-Instruct with its real weights.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import seabiscuit_dask as sb
+from seabiscuit_dask.errors import BadInput, ClusterTooSmall
+from seabiscuit_dask.lower.kvcache import CacheLost, KVStore
+from seabiscuit_dask.placement.follow import follow
+from seabiscuit_dask.runtime.generate import Engine, GenerateArgs, LocalRunner, generate_tokens
+from seabiscuit_dask.trace.decoder import trace_step
+
+from .clusters import seabiscuit_cluster
+
+VOCAB = 512
+
+
+def decoder(family: str, seed: int = 0) -> torch.nn.Module:
+    """A seeded 2-layer decoder; large initial weights make its greedy tokens vary."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    common = {"vocab_size": VOCAB, "initializer_range": 0.3}
+    if family == "gpt2":
+        cfg = tf.GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=128, bos_token_id=1,
+                            eos_token_id=2, **common)
+        return tf.GPT2LMHeadModel(cfg).eval()
+    cls = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM), "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM)}
+    config, model = cls[family]
+    cfg = config(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=family == "llama",
+                 **common)
+    return model(cfg).eval()
+
+
+def padded_batch(lengths: tuple[int, ...], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts of ``lengths`` left-padded into one batch, with their attention mask."""
+    g = torch.Generator().manual_seed(seed)
+    n = max(lengths)
+    ids = torch.zeros((len(lengths), n), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for r, k in enumerate(lengths):
+        ids[r, n - k:] = torch.randint(3, VOCAB, (k,), generator=g)
+        mask[r, n - k:] = 1
+    return ids, mask
+
+
+def hf_greedy(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, new: int) -> torch.Tensor:
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0)
+
+
+def local_greedy(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor | None, new: int,
+                 engine: Engine | None = None) -> torch.Tensor:
+    engine = engine or Engine(LocalRunner(model, "64KiB"))
+    args = GenerateArgs.make(model.generation_config, ids.shape[1], max_new_tokens=new, pad_token_id=0)
+    return generate_tokens(engine, ids, args, mask)
+
+
+# --- step programs --------------------------------------------------------------------------
+def test_step_program_caches_each_kv_head_once() -> None:
+    g = trace_step(decoder("llama"), 2, 3)
+    assert g.inputs == ("input_ids", "position_ids", "sb_sessions", "sb_start", "sb_valid")
+    kv = [op for op in g.ops if op.kind == "kv_attention"]
+    assert [op.attrs["args"][6] for op in kv] == [0, 1]
+    for op in kv:
+        q, k = g.tensors[op.inputs[0]].shape, g.tensors[op.inputs[1]].shape
+        assert (q[1], k[1]) == (4, 2)          # GQA: the cache holds the 2 KV heads, not 4 repeats
+    assert not any(op.target == "aten.scaled_dot_product_attention.default" for op in g.ops)
+    assert g.tensors[g.outputs[0]].shape == (2, 1, VOCAB)    # logits of the last position only
+    assert [layer["heads"] for layer in g.meta["kv_layers"]] == [2, 2]
+    # the graph round-trips as data, like every graph
+    assert sb.OpGraph.from_json(g.to_json()).ops == g.ops
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen2"])
+def test_greedy_tokens_match_hugging_face(family: str) -> None:
+    model = decoder(family)
+    ids, mask = padded_batch((11, 5))
+    want = hf_greedy(model, ids, mask, 10)
+    engine = Engine(LocalRunner(model, "64KiB"))
+    assert torch.equal(local_greedy(model, ids, mask, 10, engine), want)
+    one = ids[:1]
+    assert torch.equal(local_greedy(model, one, None, 10, engine), hf_greedy(model, one, torch.ones_like(one), 10))
+    # every prompt chunk and decode step ran on a few bucketed programs, none per length
+    assert set(engine.runner.programs) <= {(1, 16), (2, 1), (1, 1)}
+    assert engine.runner.store.nbytes == 0      # sessions freed their caches
+
+
+def test_long_prompt_is_prefilled_in_chunks() -> None:
+    model = decoder("llama")
+    ids, mask = padded_batch((75,), seed=3)
+    engine = Engine(LocalRunner(model, "64KiB"))
+    assert torch.equal(local_greedy(model, ids, None, 6, engine), hf_greedy(model, ids, mask, 6))
+    assert engine.stats.prefill_steps == 2      # 64 tokens, then 11 in the program of 16
+    assert engine.chunking(75) == [(64, 64), (11, 16)]
+    assert Engine(engine.runner, max_chunk=16).chunking(40) == [(16, 16), (16, 16), (8, 16)]
+
+
+def test_sampling_is_reproducible_from_a_seeded_generator() -> None:
+    model = decoder("llama")
+    ids, _ = padded_batch((7,))
+    engine = Engine(LocalRunner(model, "64KiB"))
+
+    def sample(seed: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(seed)
+        args = GenerateArgs.make(model.generation_config, 7, max_new_tokens=12, do_sample=True,
+                                 temperature=0.8, top_k=40, top_p=0.9, generator=g)
+        return generate_tokens(engine, ids, args)
+
+    a, b, c = sample(5), sample(5), sample(6)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    greedy = local_greedy(model, ids, None, 12, engine)
+    assert not torch.equal(a, greedy)
+
+
+def test_top_k_and_top_p_keep_only_the_likeliest_tokens() -> None:
+    from seabiscuit_dask.runtime.generate import Sampling
+
+    logits = torch.tensor([[4.0, 3.0, 1.0, -2.0, 0.0]])
+    g = torch.Generator().manual_seed(0)
+    picks = {int(Sampling(True, 1.0, 2, 1.0, g).pick(logits)) for _ in range(200)}
+    assert picks == {0, 1}
+    picks = {int(Sampling(True, 1.0, 0, 0.5, g).pick(logits)) for _ in range(200)}
+    assert picks == {0}                          # the top token alone holds more than half
+    with pytest.raises(BadInput, match="top_p"):
+        Sampling(True, 1.0, 0, 1.5)
+
+
+# --- the KV store -----------------------------------------------------------------------------
+def test_kv_store_writes_once_reads_again_and_refuses_a_gap() -> None:
+    asked: list[int] = []
+    store = KVStore(lambda n, what: asked.append(n))
+    k = torch.arange(2 * 3 * 4, dtype=torch.float32).reshape(2, 3, 4)
+    keys, _ = store.write("m", 0, 0, 0, k, k)
+    assert keys.shape == (2, 3, 4) and asked == [2 * 64 * 4 * 4 * 2]
+    again, _ = store.write("m", 0, 0, 0, k + 100, k)      # a replay: cached slots are read, not written
+    assert torch.equal(again, k)
+    with pytest.raises(CacheLost, match="holds 3 cached token"):
+        store.write("m", 0, 0, 5, k, k)
+    assert store.sessions("m") == {0: 3}
+    assert store.drop("m", {0}) == asked[0] and store.nbytes == 0
+
+
+def test_a_full_worker_refuses_to_grow_a_cache() -> None:
+    from seabiscuit_dask.runtime.resident import ResidentBlocks
+
+    r = ResidentBlocks(10_000, address="w9")
+    k = torch.zeros(2, 1, 64)
+    with pytest.raises(ClusterTooSmall, match="w9 cannot grow the KV cache of session 4"):
+        r.kv.write("m", 4, 0, 0, k, k)
+
+
+def test_limits_are_clear_errors() -> None:
+    model = decoder("llama")
+    engine = Engine(LocalRunner(model, "64KiB"), max_sessions=2, context=32)
+    args = GenerateArgs.make(model.generation_config, 4, max_new_tokens=4)
+    with pytest.raises(BadInput, match="limit is 2"):
+        engine.submit([[5, 6]] * 3, 4, args.sampling, args.eos, args.pad)
+    with pytest.raises(BadInput, match="context of 32"):
+        engine.submit([[5] * 30], 4, args.sampling, args.eos, args.pad)
+    with pytest.raises(BadInput, match="LongTensor"):
+        generate_tokens(engine, torch.zeros(2, 3), args)
+    with pytest.raises(BadInput, match="no tokens"):
+        generate_tokens(engine, torch.ones(1, 3, dtype=torch.long), args, torch.zeros(1, 3))
+
+
+def test_step_programs_follow_the_weights_of_the_deployment() -> None:
+    model = decoder("llama")
+    graph = sb.decompose(sb.trace(model, torch.zeros(1, 16, dtype=torch.long)), "64KiB")
+    spec = sb.ClusterSpec.synthetic(None, hosts=1, gpus_per_host=0, cpus_per_host=3, cpu_memory=300_000)
+    plan = sb.place(graph, spec)
+    owner = {(p.source.key, p.source.slices): int(d) for op, d in zip(graph.ops, plan.device_of)
+             for p in (graph.params[n] for n in op.params)}
+    for shape in ((1, 1), (4, 1), (1, 16)):
+        step = sb.decompose(trace_step(model, *shape), "64KiB", like=graph)
+        placed = follow(plan, step)
+        for op, d in zip(step.ops, placed.device_of):
+            for n in op.params:
+                p = step.params[n]
+                assert owner[(p.source.key, p.source.slices)] == int(d), (shape, op.name)
+        assert placed.fused and len(placed.blocks) <= 2 * len(plan.blocks)
+
+
+# --- on a cluster -----------------------------------------------------------------------------
+@pytest.mark.slow
+def test_generate_on_a_cluster_matches_hugging_face_and_frees_its_caches() -> None:
+    model = decoder("llama")
+    ids, mask = padded_batch((9, 4), seed=1)
+    want = hf_greedy(model, ids, mask, 12)
+    with seabiscuit_cluster(2, 500_000) as client:
+        with sb.distribute(model, client, torch.zeros(1, 16, dtype=torch.long), budget="64KiB") as dm:
+            assert max(d.memory_bytes for d in dm.plan.spec.devices) < sum(p.nbytes for p in dm.graph.params.values())
+            assert torch.equal(dm.generate(ids, 12, attention_mask=mask, pad_token_id=0), want)
+            streamed = []
+            stream = dm.stream(ids[:1], 12, pad_token_id=0)
+            streamed.append(next(stream))
+            during = client.run(lambda dask_worker: dask_worker.plugins["seabiscuit"].metrics())
+            assert sum(r["kv_cache_bytes"] for r in during.values()) > 0
+            assert all(r["resident_bytes"] <= r["budget_bytes"] for r in during.values())
+            streamed.extend(stream)
+            assert torch.equal(torch.cat([ids[:1], torch.stack(streamed, 1)], 1),
+                               hf_greedy(model, ids[:1], mask[:1], 12))
+            after = client.run(lambda dask_worker: dask_worker.plugins["seabiscuit"].resident.kv.nbytes)
+            assert sum(after.values()) == 0
+            stats = dm.generation_stats()
+            assert stats["decode_steps"] >= 11 and all(p["tasks"] >= 1 for p in stats["programs"].values())
+
+
+@pytest.mark.slow
+def test_concurrent_calls_batch_into_the_same_steps() -> None:
+    model = decoder("gpt2")
+    prompts = [padded_batch((k,), seed=k)[0] for k in (3, 6, 9, 12)]
+    want = [hf_greedy(model, p, torch.ones_like(p), 10) for p in prompts]
+    with seabiscuit_cluster(2, 600_000) as client:
+        with sb.distribute(model, client, torch.zeros(1, 16, dtype=torch.long), budget="64KiB") as dm:
+            got: dict[int, torch.Tensor] = {}
+            start = threading.Barrier(len(prompts))
+
+            def call(i: int) -> None:
+                start.wait()
+                got[i] = dm.generate(prompts[i], 10, pad_token_id=0)
+
+            threads = [threading.Thread(target=call, args=(i,)) for i in range(len(prompts))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=300)
+            assert all(torch.equal(got[i], want[i]) for i in range(len(prompts)))
+            stats = dm.generation_stats()
+            assert stats["rows"] > stats["decode_steps"]       # some steps served several sessions
+
+
+@pytest.mark.slow
+def test_a_worker_killed_mid_answer_changes_no_token() -> None:
+    import os
+    import signal
+
+    import dask.config
+
+    model = decoder("llama", seed=2)
+    ids, mask = padded_batch((6,), seed=4)
+    want = hf_greedy(model, ids, mask, 24)
+    with dask.config.set({"seabiscuit.learn.repair": False}), seabiscuit_cluster(3, 400_000) as client:
+        with sb.distribute(model, client, torch.zeros(1, 16, dtype=torch.long), budget="64KiB") as dm:
+            prog = dm._step_program(1, 1)
+            victim = next(s.address for s in prog.specs if any(op.kind == "kv_attention" for op in s.ops))
+            pid = client.run(os.getpid, workers=[victim])[victim]
+            out = []
+            for i, row in enumerate(dm.stream(ids, 24, pad_token_id=0)):
+                out.append(row)
+                if i == 8:
+                    os.kill(pid, signal.SIGKILL)
+            assert torch.equal(torch.cat([ids, torch.stack(out, 1)], 1), want)
+            assert dm.version > 0 and victim not in {d.address for d in dm.plan.spec.devices}
+            assert dm.generation_stats()["replays"] >= 1
