@@ -24,7 +24,7 @@ import torch
 from ..errors import BadInput, WorkerLost
 from .registry import register_kernel
 
-GROW_TOKENS = 64
+GROW_TOKENS = 16
 SCORE_BYTES = 4 << 20     # a query chunk's score matrix stays under this
 
 

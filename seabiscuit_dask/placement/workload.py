@@ -27,7 +27,8 @@ class Workload:
 
     graph: OpGraph
     names: tuple[str, ...]          # op names, topological order
-    weight_bytes: np.ndarray        # [n] bytes of params first used by each op (shared params once)
+    weight_bytes: np.ndarray        # [n] bytes of params first used by each op (shared params once),
+                                    # plus the KV-cache room of its layer (``kv_reserve_bytes``)
     moved_bytes: np.ndarray         # [n] params + inputs + outputs: what a memory-bound op streams
     flops: np.ndarray               # [n]
     is_matmul: np.ndarray           # [n] bool: dense-math op class
@@ -175,6 +176,9 @@ def _build(graph: OpGraph) -> Workload:
     is_mm = np.fromiter((op.kind in MATMUL_KINDS for op in ops), dtype=bool, count=n)
     layer = np.full(n, -1, dtype=np.int64)
     seen_params: set[str] = set()
+    # NOTE: room kept for generation's KV cache, charged to the first attention op of each layer
+    reserve = int(graph.meta.get("kv_reserve_bytes", 0) or 0)
+    reserved: set[int] = set()
     users: dict[str, list[int]] = {}
     outb = np.zeros(n, dtype=np.float64)
     pall = np.zeros(n, dtype=np.float64)
@@ -199,6 +203,9 @@ def _build(graph: OpGraph) -> Workload:
         m = _LAYER.search(op.scope or op.name)
         if m:
             layer[i] = int(m.group(1))
+        if reserve and op.kind in ("attention", "kv_attention") and int(layer[i]) not in reserved:
+            reserved.add(int(layer[i]))
+            weight[i] += reserve
         reads = []
         for t in ins:
             src = producer.get(t)

@@ -74,6 +74,7 @@ class DistributedModel:
         self._programs: dict[tuple[int, int], StepProgram] = {}
         self._program_lock = threading.Lock()
         self._engine: Any = None
+        self._limits: tuple[int | None, int | None] = (None, None)    # (sessions, context) reserved
         self._set_plan(plan, version)
         events.listen(client, model_id, self._on_event)
 
@@ -205,9 +206,10 @@ class DistributedModel:
         model = self._source_module()
         cfg = getattr(model, "config", None)
         if self._engine is None:
-            context = getattr(cfg, "max_position_embeddings", None)
+            sessions, context = self._limits
+            context = context or getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
             first = self.graph.tensors[self.graph.inputs[0]].shape if self.graph.inputs else ()
-            self._engine = Engine(self, context=int(context) if context else None,
+            self._engine = Engine(self, max_sessions=sessions, context=int(context) if context else None,
                                   max_chunk=int(first[-1]) if len(first) == 2 else None,
                                   name=f"model {self.model_id}")
         length = int(input_ids.shape[-1]) if hasattr(input_ids, "shape") else 0
@@ -505,6 +507,7 @@ class _StoreOwner:
 def distribute(model_or_path: Any, client: Any, example_inputs: Any, budget: int | str | None = None, *,
                kwargs: Mapping[str, Any] | None = None, checkpoint: str | os.PathLike[str] | None = None,
                checkpoint_dir: str | os.PathLike[str] | None = None, verify_every: int | None = None,
+               sessions: int | None = None, context: int | None = None,
                progress: Progress | None = None) -> DistributedModel:
     """Trace, decompose, place and deploy a model on the cluster behind ``client``.
 
@@ -519,6 +522,12 @@ def distribute(model_or_path: Any, client: Any, example_inputs: Any, budget: int
         Inputs of the shape and dtype every request will have.
     budget : bytes or str, optional
         Per-micro-op memory budget (default: config ``seabiscuit.budget``).
+    sessions, context : int, optional
+        Generation: keep room on the workers for the KV caches of ``sessions``
+        sessions of ``context`` tokens each (defaults: config
+        ``seabiscuit.generate.reserve-sessions``, 0, and the model's maximum
+        positions), next to the attention blocks that will hold them; at most
+        ``sessions`` may be open at once (else ``seabiscuit.generate.max-sessions``).
     checkpoint_dir, verify_every, progress
         As for ``deploy``.
 
@@ -544,15 +553,45 @@ def distribute(model_or_path: Any, client: Any, example_inputs: Any, budget: int
     say(f"decomposing {len(graph.ops)} ops at {fmt_bytes(nbytes)} per op ...")
     micro = decompose(graph, nbytes)
     say(f"{len(micro.ops)} micro-ops in {time.perf_counter() - t0:.2f} s; placing ...")
+    n_sessions = int(sessions if sessions is not None else config.get("generate.reserve-sessions", 0) or 0)
+    reserve, limit = kv_reserve(model_or_path, n_sessions, context)
+    if reserve:
+        micro = micro.with_meta(kv_reserve_bytes=reserve)
+        say(f"keeping {fmt_bytes(reserve)} per attention layer for {n_sessions} session(s) of {limit} tokens")
     plan = place(micro, spec)
     say(f"placed in {plan.planning_s:.2f} s: {len(plan.blocks)} blocks")
     weights = model_or_path if not isinstance(model_or_path, (str, os.PathLike)) else None
     dm = deploy(plan, client, weights=weights, checkpoint_dir=checkpoint_dir, verify_every=verify_every,
                 progress=say)
     dm._source, dm._budget = model_or_path, nbytes
+    dm._limits = (n_sessions or None, limit if reserve else context)
     if checkpoint is not None or isinstance(model_or_path, (str, os.PathLike)):
         dm._weights_path = os.fspath(checkpoint if checkpoint is not None else model_or_path)
     return dm
+
+
+def kv_reserve(model_or_path: Any, sessions: int, context: int | None) -> tuple[int, int]:
+    """KV-cache bytes per attention layer for ``sessions`` of ``context`` tokens, and the context
+    (default the model's maximum positions); (0, 0) when not a decoder with a config."""
+    cfg = getattr(model_or_path, "config", None)
+    if isinstance(model_or_path, (str, os.PathLike)):
+        from ..trace import load_hf_skeleton
+
+        cfg = getattr(load_hf_skeleton(model_or_path), "config", None)
+    if cfg is None or sessions <= 0:
+        return 0, 0
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    heads = getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_head", None)
+    hidden = getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd", None)
+    if not heads or not hidden:
+        return 0, 0
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or hidden // heads
+    limit = int(context or getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", 0) or 0)
+    if limit <= 0:
+        raise BadInput("context: the model has no maximum positions in its config; give context=")
+    itemsize = 2 if str(getattr(cfg, "dtype", "") or "").endswith(("float16", "bfloat16")) else 4
+    return int(sessions * limit * 2 * kv_heads * head_dim * itemsize), limit
 
 
 def _load(client: Any, specs: list[BlockSpec], say: Progress) -> None:
