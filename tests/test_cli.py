@@ -48,7 +48,7 @@ def test_demo_serves_a_model_bigger_than_each_worker(capsys) -> None:
 
 def test_demo_rejects_an_unknown_model(capsys) -> None:
     assert cli.main(["demo", "--model", "llama-20b"]) == 2
-    assert "choose one of gpt2-medium, gpt2-tiny, minilm" in capsys.readouterr().err
+    assert "choose one of smollm2, gpt2-medium, gpt2-tiny, minilm" in capsys.readouterr().err
 
 
 def test_demo_serve_keeps_the_dashboard_up_until_ctrl_c(capsys, monkeypatch) -> None:

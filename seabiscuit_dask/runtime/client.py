@@ -251,6 +251,10 @@ class DistributedModel:
             self._programs[key] = prog
             return prog
 
+    def prepare(self, batch: int, length: int) -> None:
+        """Build the step program of this shape (if not yet) before a step is timed."""
+        self._step_program(batch, length)
+
     def run_step(self, batch: int, length: int, feed: dict[str, Any]) -> Any:
         """One step of generation on the cluster: logits (batch, vocab) of each row's last token."""
         if self._closed:

@@ -290,10 +290,12 @@ class Engine:
     # --- steps -----------------------------------------------------------------------------
     def _prefill(self, s: Session) -> torch.Tensor:
         """Cache the session's uncached tokens in bucketed chunks; logits of its last token."""
-        t0 = time.perf_counter()
         todo = s.tokens[s.cached:]
         if not todo:
             raise BadInput(f"session {s.sid}: nothing to prefill (an empty prompt?)")
+        for _, length in self.chunking(len(todo)):
+            self._prepare(1, length)
+        t0 = time.perf_counter()
         logits = self._chunks(s, s.cached, todo)
         s.cached = len(s.tokens)
         self.stats.prefill_s += time.perf_counter() - t0
@@ -311,6 +313,12 @@ class Engine:
             n -= take
         return out
 
+    def _prepare(self, batch: int, length: int) -> None:
+        """Build the step program of this shape now, so step times leave its one-off cost out."""
+        prepare = getattr(self.runner, "prepare", None)
+        if prepare is not None:
+            prepare(batch, length)
+
     def _chunks(self, s: Session, start: int, todo: list[int]) -> torch.Tensor:
         logits = torch.empty(0)
         for n, length in self.chunking(len(todo)):
@@ -322,8 +330,9 @@ class Engine:
         return logits
 
     def _decode(self, sessions: list[Session]) -> torch.Tensor:
-        t0 = time.perf_counter()
         batch = bucket(len(sessions), self.batch_sizes)
+        self._prepare(batch, 1)
+        t0 = time.perf_counter()
         feed = _feed([(s.sid, s.cached, s.tokens[s.cached:]) for s in sessions], batch, 1)
         logits = self._run(sessions, batch, 1, feed)[:len(sessions)]
         for s in sessions:
