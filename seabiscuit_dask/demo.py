@@ -287,8 +287,10 @@ def run_generate(model_path: str | None, gguf: str | None, prompt: str, chat: bo
             local_cluster(workers, worker_budget_bytes(weight_bytes, workers) + reserve * layers // workers))
         t = time.perf_counter()
         example = torch.zeros((1, min(256, context)), dtype=torch.long)
-        dm = stack.enter_context(sb.distribute(model, client, example, budget=budget, sessions=sessions,
-                                               context=context, progress=say))
+        # NOTE: generation reads the logits of the last position only: so does the deployment
+        keep = {"logits_to_keep": 1} if accepts(weights, "logits_to_keep") else None
+        dm = stack.enter_context(sb.distribute(model, client, example, budget=budget, kwargs=keep,
+                                               sessions=sessions, context=context, progress=say))
         say(f"deployed in {time.perf_counter() - t:.1f} s\n")
         say(str(dm.plan))
         largest = max(d.memory_bytes for d in dm.plan.spec.devices)
@@ -324,6 +326,15 @@ def run_generate(model_path: str | None, gguf: str | None, prompt: str, chat: bo
         else:
             say(f"dashboard    {client.dashboard_link} (closes when this ends; --serve keeps it open)")
     return 0 if ok else 1
+
+
+def accepts(model: Any, name: str) -> bool:
+    import inspect
+
+    try:
+        return name in inspect.signature(model.forward).parameters
+    except (AttributeError, TypeError, ValueError):
+        return False
 
 
 def local_model_lm(model: Any) -> Any:

@@ -65,8 +65,10 @@ def trace_step(model: Any, batch: int, length: int) -> OpGraph:
     if "position_ids" not in params or getattr(model, "config", None) is None:
         raise UnsupportedModel(f"{type(model).__name__} cannot generate through SeaBiscuit: its forward "
                                "takes no position_ids (a Hugging Face ...ForCausalLM is expected)")
-    ids = torch.zeros((batch, length), dtype=torch.long)
-    pos = torch.arange(length).repeat(batch, 1)
+    # NOTE: a model built without weights traces on meta inputs (its buffers are on meta too)
+    device = next(model.parameters()).device
+    ids = torch.zeros((batch, length), dtype=torch.long, device=device)
+    pos = torch.arange(length, device=device).repeat(batch, 1)
     kwargs: dict[str, Any] = {"input_ids": ids, "position_ids": pos}
     if "logits_to_keep" in params:
         kwargs["logits_to_keep"] = 1

@@ -1,0 +1,89 @@
+"""SmolLM2-135M-Instruct with its real weights (GGUF, de-quantised): the README's main job.
+
+The model is loaded once for the module (about 20 s); every answer is checked
+token for token against Hugging Face ``generate`` on the same model.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import seabiscuit_dask as sb
+from seabiscuit_dask import cli
+from seabiscuit_dask.demo import prompt_ids
+from seabiscuit_dask.models import load_gguf
+
+from .clusters import seabiscuit_cluster
+
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::ResourceWarning")]
+
+NEW = 12
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    pytest.importorskip("gguf")
+    return load_gguf()
+
+
+def hf(model, ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=torch.ones_like(ids) if mask is None else mask,
+                              max_new_tokens=NEW, do_sample=False)
+
+
+def test_chat_answers_match_hugging_face_on_workers_that_cannot_hold_the_model(smollm2) -> None:
+    model, tok = smollm2
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    short = prompt_ids(tok, "What is the capital of France?", chat=True)
+    long = prompt_ids(tok, "Name three rivers of Europe and the seas they flow into, in one sentence each.",
+                      chat=True)
+    assert short.shape[1] != long.shape[1]
+    with seabiscuit_cluster(2, 420_000_000) as client:
+        with sb.distribute(model, client, torch.zeros(1, 64, dtype=torch.long), sessions=2,
+                           context=256) as dm:
+            assert all(d.memory_bytes < weights for d in dm.plan.spec.devices)
+            answer = dm.generate(short, NEW)
+            assert torch.equal(answer, hf(model, short))
+            assert "Paris" in tok.decode(answer[0, short.shape[1]:])
+            assert torch.equal(dm.generate(long, NEW), hf(model, long))
+            tok.padding_side = "left"
+            batch = tok([tok.decode(short[0]), tok.decode(long[0])], return_tensors="pt", padding=True,
+                        add_special_tokens=False)
+            got = dm.generate(batch["input_ids"], NEW, attention_mask=batch["attention_mask"])
+            assert torch.equal(got, hf(model, batch["input_ids"], batch["attention_mask"]))
+            stats = dm.generation_stats()
+            # one deployment, a few step programs: decode at batch 1 and 2, prefill chunks of two lengths
+            assert set(stats["programs"]) <= {"1x1", "2x1", "1x16", "1x32", "1x64"}
+            assert stats["programs"]["1x1"]["tasks"] <= len(dm.specs)
+            held = client.run(lambda dask_worker: dask_worker.plugins["seabiscuit"].metrics())
+            assert all(r["resident_bytes"] <= r["budget_bytes"] and r["kv_cache_bytes"] == 0
+                       for r in held.values())
+
+
+def test_generate_command_streams_a_checked_answer(smollm2, tmp_path, capsys) -> None:
+    """``seabiscuit generate --model FOLDER``: a seeded Llama with SmolLM2's tokenizer, saved as a folder."""
+    import transformers as tf
+
+    _, tok = smollm2
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    tf.LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    code = cli.main(["generate", "--model", str(tmp_path), "--prompt", "Hello there", "--chat", "--workers", "2",
+                     "--max-new-tokens", "6", "--budget", "4MiB"])
+    captured = capsys.readouterr()
+    out = captured.out
+    assert code == 0, out + captured.err
+    assert "check        OK: the same tokens as Hugging Face generate" in out
+    assert "Dask tasks per token" in out and "smaller than the model" in out and "dashboard    http" in out
+
+
+def test_demo_is_smollm2_answering_a_chat_prompt(capsys) -> None:
+    assert cli.main(["demo"]) == 0
+    out = capsys.readouterr().out
+    assert "SmolLM2-135M-Instruct" in out and "Paris" in out
+    assert "check        OK" in out and "smaller than the model" in out
