@@ -4,10 +4,10 @@ A model that generates runs several programs on one deployment: the forward
 pass it was placed for, and the prefill and decode steps of each shape. Weights
 never move for a new program: ``follow(plan, graph)`` puts every op of ``graph``
 that reads a weight tile on the device that holds that tile in ``plan`` (a tile
-cut differently goes with the tile it overlaps most), every op the model's graph
-has too (by name) where the plan put it, every KV-cache attention with the
-attention ops of its layer, and every other op with the op that made its first
-input. The result is a fused plan (one task per device and phase):
+cut differently goes with the tile it overlaps most), every KV-cache attention
+with the attention ops of its layer, and any other op with the op that made its
+largest input, the newest of equals (so a residual add stays in the stage that
+made its branch, and a rotation stays with its queries, not its angles). The result is a fused plan (one task per device and phase):
 a decode step is latency-bound, so it runs as few Dask tasks as the weights allow.
 The function is pure and deterministic, so the client and the scheduler derive
 the same program plan from the same model plan.
@@ -58,23 +58,22 @@ def follow(plan: Plan, graph: OpGraph) -> Plan:
             attn_votes.setdefault(_layer(op.scope or op.name), Counter())[d] += 1
     attn = {layer: votes.most_common(1)[0][0] for layer, votes in attn_votes.items()}
     fallback = Counter(dev_of).most_common(1)[0][0] if dev_of else 0
-    made: dict[str, int] = {}
     out = np.full(len(graph.ops), -1, dtype=np.int64)
-    same = {op.name: d for op, d in zip(base.ops, dev_of)}
+    made_at: dict[str, int] = {}
     for i, op in enumerate(graph.ops):
         d = -1
         if op.params:
             d = _param_device(graph.params[op.params[0]], owner, by_key)
-        elif op.name in same:
-            d = same[op.name]
-        elif op.kind == "kv_attention":
+        elif op.kind in ("kv_attention", "attention"):
             d = attn.get(_layer(op.scope or op.name), -1)
-        if d < 0:
-            d = next((made[t] for t in op.inputs if t in made), -1)
+        if d < 0:       # NOTE: with its largest input, the newest of equals: a stage keeps its work
+            src = max(((graph.tensors[t].nbytes, made_at[t]) for t in op.inputs if t in made_at),
+                      default=(0, -1))[1]
+            d = int(out[src]) if src >= 0 else -1
         out[i] = d
         if d >= 0:
             for t in op.outputs:
-                made[t] = d
+                made_at[t] = i
     # NOTE: ops that read only graph inputs (positions, constants) go with their first reader
     index = {op.name: i for i, op in enumerate(graph.ops)}
     for i in range(len(graph.ops) - 1, -1, -1):

@@ -100,6 +100,37 @@ def _place_all(graph: OpGraph, spec: ClusterSpec, refine_passes: int, t0: float)
                      **best.info).check()
 
 
+def place_stages(graph: OpGraph, spec: ClusterSpec) -> Plan:
+    """Contiguous stages on the fewest devices that hold ``graph`` (``fewest_devices``), the
+    fastest by simulation: for a step run over and over whose latency is mostly Dask's cost per
+    task (a decode step moves kilobytes and computes milliseconds), fewest tasks first.
+
+    Raises ``ClusterTooSmall`` as ``place`` does.
+    """
+    t0 = _time.perf_counter()
+    w = workload(graph)
+    cap = weight_capacity(spec)
+    check_fits(w, spec, cap)
+    cands = {f"stages{k}": dev for k, dev in fewest_devices(w, spec, cap).items()}
+    if not cands:
+        return place(graph, spec)
+    best = choose(graph, spec, {k: _settle(w, dev) for k, dev in cands.items()})
+    return make_plan(graph, spec, best.device_of, "stages", _time.perf_counter() - t0, **best.info).check()
+
+
+def _settle(w: Workload, dev: np.ndarray) -> np.ndarray:
+    """Ops that hold no weights and read from one device only run on that device (a join of
+    tiles stays where its tiles are, instead of costing a task of its own)."""
+    out = dev.copy()
+    ops = w.graph.ops
+    for i, preds in enumerate(w.preds):
+        if preds and not ops[i].params and not w.weight_bytes[i]:
+            where = {int(out[u]) for u in preds}
+            if len(where) == 1:
+                out[i] = where.pop()
+    return out
+
+
 FLAT_MAX_OPS = 20_000   # NOTE: past this, a layer is wide enough to keep a host busy alone
 SLOW_CUT_WINDOW = 0.25   # NOTE: how far (share of the ops) a stage boundary between hosts looks
 

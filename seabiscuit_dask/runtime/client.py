@@ -562,7 +562,9 @@ def distribute(model_or_path: Any, client: Any, example_inputs: Any, budget: int
     if reserve:
         micro = micro.with_meta(kv_reserve_bytes=reserve)
         say(f"keeping {fmt_bytes(reserve)} per attention layer for {n_sessions} session(s) of {limit} tokens")
-    plan = place(micro, spec)
+        plan = place_for_decode(model_or_path, micro, spec, nbytes, say)
+    else:
+        plan = place(micro, spec)
     say(f"placed in {plan.planning_s:.2f} s: {len(plan.blocks)} blocks")
     weights = model_or_path if not isinstance(model_or_path, (str, os.PathLike)) else None
     dm = deploy(plan, client, weights=weights, checkpoint_dir=checkpoint_dir, verify_every=verify_every,
@@ -572,6 +574,35 @@ def distribute(model_or_path: Any, client: Any, example_inputs: Any, budget: int
     if checkpoint is not None or isinstance(model_or_path, (str, os.PathLike)):
         dm._weights_path = os.fspath(checkpoint if checkpoint is not None else model_or_path)
     return dm
+
+
+def place_for_decode(model_or_path: Any, micro: Any, spec: Any, budget: int, say: Progress) -> Plan:
+    """A generation deployment's plan: its weights placed for the decode step (one token, the
+    step generation repeats most), the model's own graph following them.
+
+    Falls back to placing the model's graph itself when its activations would not fit so.
+    """
+    from ..decompose import decompose
+    from ..errors import ClusterTooSmall
+    from ..trace import load_hf_skeleton
+    from ..trace.decoder import trace_step
+
+    module = load_hf_skeleton(model_or_path) if isinstance(model_or_path, (str, os.PathLike)) else model_or_path
+    t0 = time.perf_counter()
+    step = decompose(trace_step(module, 1, 1), budget, like=micro).with_meta(
+        kv_reserve_bytes=micro.meta["kv_reserve_bytes"])
+    from ..placement.partition import place_stages
+
+    decode = place_stages(step, spec)
+    plan = follow(decode, micro)
+    try:
+        plan.check()
+    except ClusterTooSmall as e:
+        say(f"the model's graph does not fit where the decode step puts the weights ({e}): placing it")
+        return place(micro, spec)
+    say(f"weights placed for the decode step in {time.perf_counter() - t0:.2f} s: {len(decode.blocks)} "
+        "task(s) per token")
+    return Plan(micro, spec, plan.device_of, "follow-decode", time.perf_counter() - t0, dict(plan.info))
 
 
 def kv_reserve(model_or_path: Any, sessions: int, context: int | None) -> tuple[int, int]:

@@ -123,6 +123,7 @@ class Call:
     out: queue.Queue[Any] = field(default_factory=queue.Queue)
     produced: int = 0
     keep: bool = False          # a caller-held session stays cached after the call
+    cancelled: bool = False     # the caller stopped reading: end at the next step
 
     @property
     def live(self) -> list[Session]:
@@ -234,10 +235,16 @@ class Engine:
                 raise item
             yield item
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Stop taking calls, end those running at their next step, and wait for the loop."""
         with self._cond:
             self._closed = True
+            for call in self._pending + self._active:
+                call.cancelled = True
             self._cond.notify()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout_s)
 
     # --- the loop -------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -249,6 +256,9 @@ class Engine:
                     return
                 new, self._pending = self._pending, []
             for call in new:
+                if call.cancelled:
+                    self._finish(call, SeaBiscuitError(f"{self.name}: generation was closed"))
+                    continue
                 self._guard(call, self._admit)
             if self._active:
                 self._decode_round()
@@ -268,6 +278,8 @@ class Engine:
             self._active.append(call)
 
     def _decode_round(self) -> None:
+        for c in [c for c in self._active if c.cancelled]:
+            self._finish(c, None)
         rows = [(c, s) for c in self._active for s in c.live]
         got: dict[int, torch.Tensor] = {}
         failed: dict[int, BaseException] = {}
@@ -487,6 +499,7 @@ def stream_tokens(engine: Engine, input_ids: torch.Tensor, args: GenerateArgs, a
                 streamer.put(row)
             yield row
     finally:
+        call.cancelled = True          # NOTE: a caller that stops reading frees its sessions
         if streamer is not None:
             streamer.end()
 

@@ -1,0 +1,222 @@
+"""Text generation with SmolLM2-135M-Instruct (real weights, GGUF) on a LocalCluster.
+
+Measured in one run: the cluster (--workers processes x 1 thread, neither able to
+hold the model) against Hugging Face ``generate`` in this process on the same
+cores (1 thread, and 2 threads), medians over --reps:
+
+- prefill latency of a --prompt-tokens chat prompt (time to the first new token);
+- decode tokens/s of one session (steady state: new tokens after the first, over
+  their time);
+- aggregate decode tokens/s of --sessions concurrent sessions (each a thread calling
+  ``generate``; continuous batching puts their steps into the same block tasks);
+- Dask tasks per token, and Dask's cost per decode step (a step on the cluster less
+  the same step program run in this process, 1 thread);
+- KV-cache bytes per session per token, and the cost of building a new step shape.
+
+    python benchmarks/bench_generate.py [--workers 2] [--new 32] [--sessions 8] [--reps 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def chat_prompt(tok, n_tokens: int) -> torch.Tensor:
+    """A chat prompt of exactly ``n_tokens`` tokens (a question padded with context sentences)."""
+    from seabiscuit_dask.demo import prompt_ids
+
+    context = "France is a country in western Europe with a long history. "
+    k = 0
+    while prompt_ids(tok, context * k + "What is the capital of France?", True).shape[1] < n_tokens:
+        k += 1
+    ids = prompt_ids(tok, context * k + "What is the capital of France?", True)
+    return torch.cat([ids[:, :1], ids[:, ids.shape[1] - n_tokens + 1:]], dim=1)   # BOS, then the last tokens
+
+
+def hf_timings(model, ids: torch.Tensor, new: int, reps: int, threads: int) -> tuple[float, float]:
+    """(prefill s, decode tokens/s) of Hugging Face generate with ``threads`` threads."""
+    from transformers import TextStreamer
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        prefill, rate = [], []
+        for _ in range(reps + 1):
+            stamps: list[float] = []
+
+            class Clock(TextStreamer):
+                def __init__(self) -> None:
+                    pass
+
+                def put(self, value: torch.Tensor) -> None:
+                    stamps.append(time.perf_counter())
+
+                def end(self) -> None:
+                    pass
+
+            t = time.perf_counter()
+            with torch.no_grad():
+                model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                               min_new_tokens=new, do_sample=False, streamer=Clock())
+            prefill.append(stamps[1] - t)
+            rate.append((len(stamps) - 2) / (stamps[-1] - stamps[1]))
+        return statistics.median(prefill[1:]), statistics.median(rate[1:])
+    finally:
+        torch.set_num_threads(old)
+
+
+def sb_single(dm, ids: torch.Tensor, new: int, reps: int) -> tuple[float, float]:
+    """(prefill s, decode tokens/s) of one session on the cluster."""
+    prefill, rate = [], []
+    for _ in range(reps + 1):
+        stamps = []
+        t = time.perf_counter()
+        for _tok in dm.stream(ids, new, eos_token_id=[]):
+            stamps.append(time.perf_counter())
+        prefill.append(stamps[0] - t)
+        rate.append((len(stamps) - 1) / (stamps[-1] - stamps[0]))
+    return statistics.median(prefill[1:]), statistics.median(rate[1:])
+
+
+def sb_concurrent(dm, prompts: list[torch.Tensor], new: int) -> tuple[float, float]:
+    """(aggregate decode tokens/s, seconds) of ``len(prompts)`` sessions generating at once."""
+    done: list[tuple[float, float, int]] = []
+    barrier = threading.Barrier(len(prompts))
+
+    def one(ids: torch.Tensor) -> None:
+        barrier.wait()
+        stamps = [time.perf_counter() for _ in dm.stream(ids, new, eos_token_id=[])]
+        done.append((stamps[0], stamps[-1], len(stamps) - 1))
+
+    threads = [threading.Thread(target=one, args=(p,)) for p in prompts]
+    t = time.perf_counter()
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    first = max(a for a, _, _ in done)      # NOTE: steady state: after every session's first token
+    last = max(b for _, b, _ in done)
+    tokens = sum(n for _, _, n in done)
+    return tokens / (last - min(a for a, _, _ in done)), last - t if first else 0.0
+
+
+def local_step_s(model, lead, reps: int) -> float:
+    """One decode step of the same step program in this process, 1 thread (no Dask)."""
+    import seabiscuit_dask as sb
+    from seabiscuit_dask.lower.kvcache import KVStore, using
+    from seabiscuit_dask.runtime.generate import _feed
+    from seabiscuit_dask.trace.decoder import trace_step
+
+    graph = sb.decompose(trace_step(model, 1, 1), lead.meta.get("budget_bytes") or None, like=lead)
+    store = KVStore()
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        from seabiscuit_dask.weights import WeightStore
+
+        weights = WeightStore.from_weights(model)
+        times = []
+        for i in range(reps + 3):
+            feed = _feed([(0, i, [1])], 1, 1)
+            t = time.perf_counter()
+            with using(store, "m"):
+                sb.run_local(graph, *[feed[n] for n in graph.inputs], store=weights)
+            times.append(time.perf_counter() - t)
+        return statistics.median(times[3:])
+    finally:
+        torch.set_num_threads(old)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--prompt-tokens", type=int, default=145)
+    ap.add_argument("--new", type=int, default=32, help="new tokens per session")
+    ap.add_argument("--sessions", type=int, default=8)
+    ap.add_argument("--reps", type=int, default=3)
+    args = ap.parse_args()
+
+    import seabiscuit_dask as sb
+    from seabiscuit_dask.demo import worker_budget_bytes
+    from seabiscuit_dask.models import load_gguf
+    from seabiscuit_dask.runtime.client import kv_reserve
+    from tests.clusters import seabiscuit_cluster
+
+    model, tok = load_gguf()
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    ids = chat_prompt(tok, args.prompt_tokens)
+    prompts = [chat_prompt(tok, 20 + 7 * i) for i in range(args.sessions)]
+    context = args.prompt_tokens + args.new + 16
+    reserve, _ = kv_reserve(model, args.sessions, context)
+    budget = worker_budget_bytes(weights, args.workers) + reserve * model.config.num_hidden_layers // args.workers
+    rows = []
+    hf1 = hf_timings(model, ids, args.new, args.reps, 1)
+    hf2 = hf_timings(model, ids, args.new, args.reps, 2)
+    with seabiscuit_cluster(args.workers, budget) as client:
+        dm = sb.distribute(model, client, torch.zeros(1, 256, dtype=torch.long), kwargs={"logits_to_keep": 1},
+                           sessions=args.sessions, context=context)
+        t = time.perf_counter()
+        dm.generate(ids, 2, eos_token_id=[])              # NOTE: builds the prefill and decode programs
+        first_build_s = time.perf_counter() - t
+        prefill_s, decode_tps = sb_single(dm, ids, args.new, args.reps)
+        for p in prompts:                                 # NOTE: their prefill chunk programs, built once
+            dm.generate(p, 1, eos_token_id=[])
+        batch = 2
+        while batch <= args.sessions:                     # the batch programs
+            dm.generate(torch.cat([prompts[0]] * batch), 2, eos_token_id=[])
+            batch *= 2
+        agg_tps, agg_s = sb_concurrent(dm, prompts, args.new)
+        stats = dm.generation_stats()
+        step_local = local_step_s(model, dm.graph, 5)
+        probe = dm.stream(ids, args.new, eos_token_id=[])
+        for _ in range(8):
+            next(probe)
+        kv = client.run(lambda dask_worker: dask_worker.plugins["seabiscuit"].resident.kv.nbytes)
+        cached = ids.shape[1] + 7
+        probe.close()
+        tasks = stats["programs"]["1x1"]["tasks"]
+        dm.close()
+    dist_step = 1.0 / decode_tps
+    rows += [
+        ("prefill, %d-token prompt" % ids.shape[1], f"{prefill_s * 1e3:.0f} ms", f"{hf1[0] * 1e3:.0f} ms",
+         f"{hf2[0] * 1e3:.0f} ms", f"{hf1[0] / prefill_s:.2f}x"),
+        ("decode, 1 session", f"{decode_tps:.1f} tok/s", f"{hf1[1]:.1f} tok/s", f"{hf2[1]:.1f} tok/s",
+         f"{decode_tps / hf1[1]:.2f}x"),
+        (f"decode, {args.sessions} sessions (aggregate)", f"{agg_tps:.1f} tok/s", f"{hf1[1]:.1f} tok/s",
+         f"{hf2[1]:.1f} tok/s", f"{agg_tps / hf1[1]:.2f}x"),
+    ]
+    print(f"\nSmolLM2-135M-Instruct ({weights / 2**20:.0f} MiB fp32) on {args.workers} workers x 1 thread "
+          f"(budget {budget / 2**20:.0f} MiB each) vs Hugging Face generate in one process\n")
+    print(f"{'measure':<34} {'SeaBiscuit':>12} {'HF 1 thread':>12} {'HF 2 threads':>13} {'vs HF 1 thr':>12}")
+    for r in rows:
+        print(f"{r[0]:<34} {r[1]:>12} {r[2]:>12} {r[3]:>13} {r[4]:>12}")
+    print(f"\nDask tasks per decode step    {tasks} (1 session: {tasks} per token; {args.sessions} sessions: "
+          f"{tasks / args.sessions:.2f} per token)")
+    print(f"decode step                   {dist_step * 1e3:.1f} ms on the cluster, {step_local * 1e3:.1f} ms "
+          f"the same program in one process: Dask costs {max(0.0, dist_step - step_local) * 1e3:.1f} ms "
+          "per step")
+    per_token = 2 * model.config.num_hidden_layers * model.config.num_key_value_heads \
+        * (model.config.hidden_size // model.config.num_attention_heads) * 4
+    print(f"KV cache per session          {per_token / 1024:.1f} KiB per token; {sum(kv.values()) / 2**20:.2f} "
+          f"MiB held for a session of {cached} tokens (grown in 16-token steps)")
+    print("step programs (built once)    " + ", ".join(
+        f"{k}: {v['build_s']:.1f} s" for k, v in stats["programs"].items())
+        + f"; first call with new shapes {first_build_s:.1f} s")
+    print(f"{args.sessions} sessions                    {stats['rows'] / max(1, stats['decode_steps']):.2f} "
+          f"rows per decode step on average, {agg_s:.1f} s in all")
+
+
+if __name__ == "__main__":
+    main()
