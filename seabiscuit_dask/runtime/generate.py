@@ -26,6 +26,7 @@ import queue
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -162,6 +163,8 @@ class Engine:
         fit = tuple(b for b in sizes if max_chunk is None or b <= max_chunk)
         self.prefill_sizes = fit or (max(1, int(max_chunk or 1)),)
         self.batch_sizes = buckets("batch-buckets", (1, 2, 4, 8))
+        self.pipeline = max(1, int(config.get("generate.pipeline", 2)))
+        self._pool = ThreadPoolExecutor(max(1, self.pipeline - 1), thread_name_prefix="seabiscuit-step")
         self.stats = EngineStats()
         self._ids = itertools.count()
         self._pending: list[Call] = []
@@ -245,6 +248,7 @@ class Engine:
             thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout_s)
+        self._pool.shutdown(wait=False)
 
     # --- the loop -------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -283,16 +287,27 @@ class Engine:
         rows = [(c, s) for c in self._active for s in c.live]
         got: dict[int, torch.Tensor] = {}
         failed: dict[int, BaseException] = {}
-        for i in range(0, len(rows), self.batch_sizes[-1]):
-            part = rows[i:i + self.batch_sizes[-1]]
+        parts = self._groups(rows)
+        t0 = time.perf_counter()
+        # NOTE: groups in flight together fill the pipeline: one runs on a stage while another
+        # runs on the next (each session stays in one group, so its tokens stay in order)
+        runs = [self._pool.submit(self._decode, [s for _, s in part]) for part in parts[1:]]
+        results: list[Any] = []
+        for part, fut in zip(parts, [None, *runs]):
             try:
-                logits = self._decode([s for _, s in part])
+                results.append(self._decode([s for _, s in part]) if fut is None else fut.result())
             except BaseException as e:  # noqa: BLE001 - fails the calls of these rows only
+                results.append(e)
+        for part, res in zip(parts, results):
+            if isinstance(res, BaseException):
                 for c, _ in part:
-                    failed[id(c)] = e
+                    failed[id(c)] = res
                 continue
-            for (_, s), row in zip(part, logits):
+            for (_, s), row in zip(part, res):
                 got[s.sid] = row
+            self.stats.decode_steps += 1
+            self.stats.rows += len(part)
+        self.stats.decode_s += time.perf_counter() - t0
         for c in list(self._active):
             if id(c) in failed:
                 self._finish(c, failed[id(c)])
@@ -344,15 +359,20 @@ class Engine:
     def _decode(self, sessions: list[Session]) -> torch.Tensor:
         batch = bucket(len(sessions), self.batch_sizes)
         self._prepare(batch, 1)
-        t0 = time.perf_counter()
         feed = _feed([(s.sid, s.cached, s.tokens[s.cached:]) for s in sessions], batch, 1)
         logits = self._run(sessions, batch, 1, feed)[:len(sessions)]
         for s in sessions:
             s.cached = len(s.tokens)
-        self.stats.decode_steps += 1
-        self.stats.rows += len(sessions)
-        self.stats.decode_s += time.perf_counter() - t0
         return logits
+
+    def _groups(self, rows: list[Any]) -> list[list[Any]]:
+        """Rows in ``pipeline`` groups at least (when there are that many), none over the largest batch."""
+        if not rows:
+            return []
+        top = self.batch_sizes[-1]
+        n = max(-(-len(rows) // top), min(self.pipeline, len(rows)))
+        size = -(-len(rows) // max(1, n))
+        return [rows[i:i + size] for i in range(0, len(rows), size)]
 
     def _run(self, sessions: list[Session], batch: int, length: int, feed: dict[str, torch.Tensor],
              tries: int = 3) -> torch.Tensor:
