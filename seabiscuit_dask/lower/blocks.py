@@ -132,7 +132,8 @@ def block_specs(plan: Any, model_id: str, version: int = 0, checkpoint_dir: str 
     """
     if program:
         first = program_block(program, 0)
-        return [replace(s, index=s.index + first, sources=tuple(x + first if x >= 0 else x for x in s.sources))
+        return [replace(s, index=s.index + first,
+                        sources=tuple(x + first if x >= 0 else x for x in s.sources))
                 for s in block_specs(plan, model_id, version, checkpoint_dir, verify_every)]
     graph = plan.graph
     crcs = graph.meta.get("tile_crc32") or {}

@@ -23,7 +23,8 @@ from .registry import (
     tagged_value,
 )
 
-__all__ = ["KERNELS", "SUPPORTED", "compile_args", "decode_args", "embedding_rows", "execute_op", "register_kernel",
+__all__ = ["KERNELS", "SUPPORTED", "compile_args", "decode_args", "embedding_rows", "execute_op",
+           "register_kernel",
            "require_registered", "resolve_target"]
 
 
@@ -153,5 +154,5 @@ def execute_op(op: Op, env: Mapping[str, torch.Tensor], device: torch.device) ->
 
 
 from . import attention as _attention  # noqa: E402,F401  (registers the attention tile kernels)
+from . import kvcache as _kvcache  # noqa: E402,F401  (registers sb.kv_attention)
 from . import spatial  # noqa: E402,F401  (registers sb.conv_strip and the pooling strips)
-from . import kvcache  # noqa: E402,F401  (registers sb.kv_attention)

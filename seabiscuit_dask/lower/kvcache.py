@@ -119,7 +119,8 @@ class KVStore:
             self.reserve((cap - old) * per_token,
                          f"the KV cache of session {session} of model {model} (layer {layer}) to "
                          f"{cap} tokens")
-        new = LayerCache(k.new_zeros((k.shape[0], cap, k.shape[2])), v.new_zeros((v.shape[0], cap, v.shape[2])))
+        new = LayerCache(k.new_zeros((k.shape[0], cap, k.shape[2])),
+                         v.new_zeros((v.shape[0], cap, v.shape[2])))
         if c is not None:
             new.k[:, :c.length] = c.k[:, :c.length]
             new.v[:, :c.length] = c.v[:, :c.length]
@@ -155,7 +156,7 @@ def kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sessions: to
     if ctx is None:
         raise BadInput("sb.kv_attention runs only inside a generation step (a KV store is needed)")
     store, model = ctx
-    out = q.new_zeros(q.shape[:3] + (v.shape[3],))
+    out = q.new_zeros((*q.shape[:3], v.shape[3]))
     group = q.shape[1] // k.shape[1]
     for b in range(q.shape[0]):
         s = int(sessions[b])

@@ -7,7 +7,8 @@ that reads a weight tile on the device that holds that tile in ``plan`` (a tile
 cut differently goes with the tile it overlaps most), every KV-cache attention
 with the attention ops of its layer, and any other op with the op that made its
 largest input, the newest of equals (so a residual add stays in the stage that
-made its branch, and a rotation stays with its queries, not its angles). The result is a fused plan (one task per device and phase):
+made its branch, and a rotation stays with its queries, not its angles). The
+result is a fused plan (one task per device and phase):
 a decode step is latency-bound, so it runs as few Dask tasks as the weights allow.
 The function is pure and deterministic, so the client and the scheduler derive
 the same program plan from the same model plan.

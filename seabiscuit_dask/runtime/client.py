@@ -159,9 +159,10 @@ class DistributedModel:
 
         Examples
         --------
-        >>> ids = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt")  # doctest: +SKIP
-        >>> out = dm.generate(ids, max_new_tokens=32)                                            # doctest: +SKIP
-        >>> print(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))                   # doctest: +SKIP
+        >>> ids = tok.apply_chat_template(msgs, add_generation_prompt=True,
+        ...                               return_tensors="pt")["input_ids"]   # doctest: +SKIP
+        >>> out = dm.generate(ids, max_new_tokens=32)                         # doctest: +SKIP
+        >>> print(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))  # doctest: +SKIP
         """
         from .generate import generate_tokens
 
@@ -190,7 +191,8 @@ class DistributedModel:
         """Steps, tokens and seconds of generation so far, and the step programs built:
         per (batch, tokens) shape its Dask tasks per step and what building it cost."""
         stats = self._engine.stats.as_dict() if self._engine is not None else {}
-        stats["programs"] = {f"{b}x{n}": {"tasks": len(p.specs), "build_s": p.build_s, "micro_ops": len(p.graph.ops)}
+        stats["programs"] = {f"{b}x{n}": {"tasks": len(p.specs), "build_s": p.build_s,
+                                          "micro_ops": len(p.graph.ops)}
                              for (b, n), p in sorted(self._programs.items())}
         return stats
 
@@ -207,7 +209,7 @@ class DistributedModel:
         cfg = getattr(model, "config", None)
         if self._engine is None:
             sessions, context = self._limits
-            context = context or getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+            context = context or max_positions(cfg)
             first = self.graph.tensors[self.graph.inputs[0]].shape if self.graph.inputs else ()
             self._engine = Engine(self, max_sessions=sessions, context=int(context) if context else None,
                                   max_chunk=int(first[-1]) if len(first) == 2 else None,
@@ -587,7 +589,8 @@ def place_for_decode(model_or_path: Any, micro: Any, spec: Any, budget: int, say
     from ..trace import load_hf_skeleton
     from ..trace.decoder import trace_step
 
-    module = load_hf_skeleton(model_or_path) if isinstance(model_or_path, (str, os.PathLike)) else model_or_path
+    path = isinstance(model_or_path, (str, os.PathLike))
+    module = load_hf_skeleton(model_or_path) if path else model_or_path
     t0 = time.perf_counter()
     step = decompose(trace_step(module, 1, 1), budget, like=micro).with_meta(
         kv_reserve_bytes=micro.meta["kv_reserve_bytes"])
@@ -603,6 +606,12 @@ def place_for_decode(model_or_path: Any, micro: Any, spec: Any, budget: int, say
     say(f"weights placed for the decode step in {time.perf_counter() - t0:.2f} s: {len(decode.blocks)} "
         "task(s) per token")
     return Plan(micro, spec, plan.device_of, "follow-decode", time.perf_counter() - t0, dict(plan.info))
+
+
+def max_positions(cfg: Any) -> int | None:
+    """The longest sequence a model's config allows (None when it says nothing)."""
+    n = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+    return int(n) if n else None
 
 
 def kv_reserve(model_or_path: Any, sessions: int, context: int | None) -> tuple[int, int]:
@@ -622,7 +631,7 @@ def kv_reserve(model_or_path: Any, sessions: int, context: int | None) -> tuple[
         return 0, 0
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     head_dim = getattr(cfg, "head_dim", None) or hidden // heads
-    limit = int(context or getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", 0) or 0)
+    limit = int(context or max_positions(cfg) or 0)
     if limit <= 0:
         raise BadInput("context: the model has no maximum positions in its config; give context=")
     itemsize = 2 if str(getattr(cfg, "dtype", "") or "").endswith(("float16", "bfloat16")) else 4

@@ -457,7 +457,8 @@ def _feed(rows: list[tuple[int, int, list[int]]], batch: int, length: int) -> di
 def prompts_of(input_ids: Any, attention_mask: Any = None) -> list[list[int]]:
     """The real tokens of each row (those the mask keeps; every token without a mask)."""
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
-        got = f"{type(input_ids).__name__} {getattr(input_ids, 'shape', '')} {getattr(input_ids, 'dtype', '')}"
+        shape, dtype = getattr(input_ids, "shape", ""), getattr(input_ids, "dtype", "")
+        got = f"{type(input_ids).__name__} {shape} {dtype}"
         raise BadInput(f"input_ids must be a (batch, length) LongTensor, got {got.strip()}")
     if attention_mask is None:
         rows = [r.tolist() for r in input_ids]
@@ -482,8 +483,9 @@ class GenerateArgs:
     pad: int
 
     @classmethod
-    def make(cls, gen_config: Any, length: int, max_new_tokens: int | None = None, do_sample: bool | None = None,
-             temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
+    def make(cls, gen_config: Any, length: int, max_new_tokens: int | None = None,
+             do_sample: bool | None = None, temperature: float | None = None, top_k: int | None = None,
+             top_p: float | None = None,
              eos_token_id: int | Sequence[int] | None = None, pad_token_id: int | None = None,
              generator: torch.Generator | None = None) -> GenerateArgs:
         def pick(value: Any, name: str, default: Any) -> Any:
@@ -500,8 +502,9 @@ class GenerateArgs:
         eos_t = tuple(int(e) for e in ([eos] if isinstance(eos, int) else eos))
         pad = pick(pad_token_id, "pad_token_id", None)
         pad = int(pad) if pad is not None else (eos_t[0] if eos_t else 0)
-        sampling = Sampling(bool(pick(do_sample, "do_sample", False)), float(pick(temperature, "temperature", 1.0)),
-                            int(pick(top_k, "top_k", 50) or 0), float(pick(top_p, "top_p", 1.0)), generator)
+        sampling = Sampling(bool(pick(do_sample, "do_sample", False)),
+                            float(pick(temperature, "temperature", 1.0)), int(pick(top_k, "top_k", 50) or 0),
+                            float(pick(top_p, "top_p", 1.0)), generator)
         return cls(int(max_new_tokens), sampling, eos_t, pad)
 
 

@@ -33,8 +33,8 @@ from ..errors import AccessDenied, SeaBiscuitError
 from ..ir import OpGraph
 from ..lower.blocks import BlockSpec, Key, block_specs, parse_key, split_block
 from ..placement import CapacityChanged, DeviceAdded, DeviceLost, DeviceSpec, Plan, place, replan
-from ..placement.follow import follow
 from ..placement.cluster import OP_CLASSES
+from ..placement.follow import follow
 from ..placement.learn import CostLearner
 from . import access
 
@@ -551,7 +551,7 @@ class PlacementState:
                          {q.source.key for q in base.values()})
         if foreign:
             raise SeaBiscuitError(f"model {e.model}: the new program reads weights {foreign[:3]} that the "
-                                  "deployed model does not have; a program may only reuse the model's weights")
+                                  "deployed model does not have; a program may only reuse its weights")
         dep.programs[len(dep.programs) + 1] = e.graph
         return []
 
@@ -612,7 +612,8 @@ class PlacementState:
                                   f"(current {dep.version})")
         program, local = split_block(block)
         if program and program not in dep.programs:
-            raise SeaBiscuitError(f"model {model} has {len(dep.programs)} step program(s), not program {program}")
+            raise SeaBiscuitError(f"model {model} has {len(dep.programs)} step program(s), "
+                                  f"not program {program}")
         specs = dep.program_specs(program, version)
         if not 0 <= local < len(specs):
             raise SeaBiscuitError(f"model {model} plan {version} has {len(specs)} blocks, not block {block}")
