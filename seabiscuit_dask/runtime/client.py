@@ -259,6 +259,13 @@ class DistributedModel:
 
     def run_step(self, batch: int, length: int, feed: dict[str, Any]) -> Any:
         """One step of generation on the cluster: logits (batch, vocab) of each row's last token."""
+        return self.step_result(self.submit_step(batch, length, feed))
+
+    def submit_step(self, batch: int, length: int, feed: dict[str, Any], after: StepHandle | None = None
+                    ) -> StepHandle:
+        """Submit one step without waiting; ``after``: a step of the same program whose greedy
+        tokens are this step's ``input_ids`` (picked on the worker, so the step is queued before
+        the one it follows has finished: Dask's cost per step overlaps the computing)."""
         if self._closed:
             raise SeaBiscuitError(f"distributed model {self.model_id} is closed")
         if self._stranded:
@@ -267,23 +274,44 @@ class DistributedModel:
         with self._lock:
             specs, out_at = prog.specs, prog.out_at
         request = next(self._requests)
-        dsk, keys = request_graph(specs, request, split_inputs(prog.graph, feed), run_block_task)
+        inputs = split_inputs(prog.graph, feed)
+        keys = [(task_name(s.model), s.version, request, s.index) for s in specs]
+        by_index = {s.index: k for s, k in zip(specs, keys)}
+        dsk: dict[Any, Any] = {}
+        for s, key in zip(specs, keys):
+            mine: dict[str, Any] = {t: inputs[t] for t, src in zip(s.imports, s.sources) if src < 0 and t in inputs}
+            extra: tuple[Any, ...] = ()
+            if after is not None and "input_ids" in mine:
+                del mine["input_ids"]
+                mine[PICK] = {"logits": after.logits, "rows": batch}
+                extra = (after.out,)
+            dsk[key] = (run_block_task, s.model, s.version, request, s.index, mine,
+                        *[by_index[d] for d in s.deps], *extra)
         wanted = sorted(set(out_at.values()))
         futures = self.client.get(dsk, [keys[i] for i in wanted], sync=False)
         self._inflight[request] = futures
+        return StepHandle(prog, request, wanted, futures)
+
+    def step_result(self, handle: StepHandle) -> Any:
+        """The logits (batch, vocab) of a submitted step's last position."""
+        prog, out_at = handle.program, handle.program.out_at
         try:
-            results = dict(zip(wanted, self.client.gather(futures)))
+            results = dict(zip(handle.wanted, self.client.gather(handle.futures)))
         except SeaBiscuitError:
             raise
         except Exception as e:
-            raise _request_error(request, self.model_id, self._stranded, e) from e
+            raise _request_error(handle.request, self.model_id, self._stranded, e) from e
         finally:
-            self._inflight.pop(request, None)
-            for f in futures:
-                f.release()
+            self.discard(handle)
         values = {t: results[out_at[t]][t] for t in prog.graph.leaf_outputs}
         logits = assemble_outputs(prog.graph, values)[0]
         return logits[:, -1]
+
+    def discard(self, handle: StepHandle) -> None:
+        """Let go of a submitted step (one read ahead that is not needed runs out unseen)."""
+        self._inflight.pop(handle.request, None)
+        for f in handle.futures:
+            f.release()
 
     def end_sessions(self, sessions: Any) -> None:
         """Free the KV caches of ``sessions`` on every worker."""
@@ -407,6 +435,20 @@ class DistributedModel:
         return (f"<DistributedModel {self.graph.meta.get('name', 'model')} {self.model_id}: "
                 f"{len(self.graph.ops)} micro-ops in {len(self.specs)} blocks on "
                 f"{len(self._plan.spec.devices)} workers, plan v{self.version}>")
+
+
+PICK = "sb_pick"     # NOTE: a step's input_ids are the greedy tokens of the step it follows
+
+
+class StepHandle:
+    """A submitted step: its futures, and what a step that follows it reads of it."""
+
+    def __init__(self, program: StepProgram, request: int, wanted: list[int], futures: list[Any]) -> None:
+        self.program, self.request, self.wanted, self.futures = program, request, wanted, futures
+        chainable = len(program.graph.leaf_outputs) == 1 and len(wanted) == 1 \
+            and "input_ids" not in program.graph.tilings
+        self.logits = program.graph.leaf_outputs[0] if chainable else ""
+        self.out = futures[0] if chainable else None
 
 
 class StepProgram:

@@ -164,6 +164,10 @@ class Engine:
         self.prefill_sizes = fit or (max(1, int(max_chunk or 1)),)
         self.batch_sizes = buckets("batch-buckets", (1, 2, 4, 8))
         self.pipeline = max(1, int(config.get("generate.pipeline", 2)))
+        # NOTE: greedy groups queue their next step behind the current one (see ``_decode``)
+        self.lookahead = bool(config.get("generate.lookahead", True)) and hasattr(runner, "submit_step")
+        self._ahead: dict[tuple[int, ...], tuple[Any, tuple[int, ...]]] = {}
+        self._ahead_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max(1, self.pipeline - 1), thread_name_prefix="seabiscuit-step")
         self.stats = EngineStats()
         self._ids = itertools.count()
@@ -248,6 +252,7 @@ class Engine:
             thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout_s)
+        self._drop_ahead()
         self._pool.shutdown(wait=False)
 
     # --- the loop -------------------------------------------------------------------------
@@ -266,6 +271,8 @@ class Engine:
                 self._guard(call, self._admit)
             if self._active:
                 self._decode_round()
+            if not self._active:
+                self._drop_ahead()
 
     def _guard(self, call: Call, fn: Any) -> None:
         try:
@@ -288,14 +295,16 @@ class Engine:
         got: dict[int, torch.Tensor] = {}
         failed: dict[int, BaseException] = {}
         parts = self._groups(rows)
+        self._drop_ahead(keep={tuple(s.sid for _, s in part) for part in parts})
         t0 = time.perf_counter()
         # NOTE: groups in flight together fill the pipeline: one runs on a stage while another
         # runs on the next (each session stays in one group, so its tokens stay in order)
-        runs = [self._pool.submit(self._decode, [s for _, s in part]) for part in parts[1:]]
+        greedy = [all(not c.sampling.do_sample and not c.cancelled for c, _ in part) for part in parts]
+        runs = [self._pool.submit(self._decode, [s for _, s in part], g) for part, g in zip(parts[1:], greedy[1:])]
         results: list[Any] = []
-        for part, fut in zip(parts, [None, *runs]):
+        for part, g, fut in zip(parts, greedy, [None, *runs]):
             try:
-                results.append(self._decode([s for _, s in part]) if fut is None else fut.result())
+                results.append(self._decode([s for _, s in part], g) if fut is None else fut.result())
             except BaseException as e:  # noqa: BLE001 - fails the calls of these rows only
                 results.append(e)
         for part, res in zip(parts, results):
@@ -356,14 +365,49 @@ class Engine:
             self.stats.prefill_steps += 1
         return logits
 
-    def _decode(self, sessions: list[Session]) -> torch.Tensor:
+    def _decode(self, sessions: list[Session], greedy: bool = False) -> torch.Tensor:
+        """One decode step of ``sessions``. A greedy group with the same sessions as last step
+        finds this step queued already, and queues the next one behind it: its tokens are picked
+        on the worker from this step's logits, as ``pick`` picks them here."""
         batch = bucket(len(sessions), self.batch_sizes)
         self._prepare(batch, 1)
         feed = _feed([(s.sid, s.cached, s.tokens[s.cached:]) for s in sessions], batch, 1)
-        logits = self._run(sessions, batch, 1, feed)[:len(sessions)]
+        key, starts = tuple(s.sid for s in sessions), tuple(s.cached for s in sessions)
+        with self._ahead_lock:
+            ahead = self._ahead.pop(key, None)
+        if not (self.lookahead and greedy):
+            if ahead is not None:
+                self.runner.discard(ahead[0])
+            logits = self._run(sessions, batch, 1, feed)
+        else:
+            handle = ahead[0] if ahead is not None and ahead[1] == starts else None
+            if handle is None:
+                if ahead is not None:
+                    self.runner.discard(ahead[0])
+                handle = self.runner.submit_step(batch, 1, feed)
+            nxt = _feed([(s.sid, s.cached + 1, [0]) for s in sessions], batch, 1)
+            queued = self.runner.submit_step(batch, 1, nxt, after=handle)
+            with self._ahead_lock:
+                self._ahead[key] = (queued, tuple(n + 1 for n in starts))
+            try:
+                logits = self.runner.step_result(handle)
+            except WorkerLost as e:
+                self._drop_ahead()
+                self.runner.recover(e)
+                for s in sessions:
+                    self._replay(s, s.cached)
+                logits = self._run(sessions, batch, 1, feed)
         for s in sessions:
             s.cached = len(s.tokens)
-        return logits
+        return logits[:len(sessions)]
+
+    def _drop_ahead(self, keep: set[tuple[int, ...]] | None = None) -> None:
+        """Let go of the queued steps of groups that changed (their work was never needed)."""
+        with self._ahead_lock:
+            gone = [k for k in self._ahead if keep is None or k not in keep]
+            handles = [self._ahead.pop(k)[0] for k in gone]
+        for h in handles:
+            self.runner.discard(h)
 
     def _groups(self, rows: list[Any]) -> list[list[Any]]:
         """Rows in ``pipeline`` groups at least (when there are that many), none over the largest batch."""
@@ -545,15 +589,17 @@ class LocalRunner:
         self.budget = budget
         self.store = KVStore()
         self.programs: dict[tuple[int, int], Any] = {}
+        self._lock = threading.Lock()           # NOTE: torch.export is not thread-safe
 
     def program(self, batch: int, length: int) -> Any:
         from ..decompose import decompose
         from ..trace.decoder import trace_step
 
         key = (batch, length)
-        if key not in self.programs:
-            self.programs[key] = decompose(trace_step(self.model, batch, length), self.budget)
-        return self.programs[key]
+        with self._lock:
+            if key not in self.programs:
+                self.programs[key] = decompose(trace_step(self.model, batch, length), self.budget)
+            return self.programs[key]
 
     def run_step(self, batch: int, length: int, feed: dict[str, torch.Tensor]) -> torch.Tensor:
         from ..lower.kvcache import using

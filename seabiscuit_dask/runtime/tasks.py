@@ -49,10 +49,19 @@ def fetch_spec(model: str, version: int, block: int) -> Mapping[str, Any]:
                               f"plan {version} from the scheduler: {e}") from e
 
 
+PICK = "sb_pick"
+
+
 def run_block_task(model: str, version: int, request: int, block: int, inputs: Mapping[str, Any],
                    *deps: Any) -> Any:
-    """Task: run one block of one request, or take its outputs from an intact checkpoint."""
+    """Task: run one block of one request, or take its outputs from an intact checkpoint.
+
+    A generation step queued behind the one before it carries ``inputs["sb_pick"]``: its
+    ``input_ids`` are the greedy tokens of that step's logits, its last dependency.
+    """
     w = get_worker()
+    if PICK in inputs:
+        inputs, deps = _picked(inputs, deps)
     t0 = time.perf_counter()
     out, how = resident(w).run(model, version, request, block, inputs, deps, fetch_spec)
     # NOTE: the scheduler plugin counts these to report blocks computed more than once, and
@@ -60,3 +69,15 @@ def run_block_task(model: str, version: int, request: int, block: int, inputs: M
     w.log_event(RUNS_TOPIC, {"model": model, "version": version, "request": request, "block": block,
                              "how": how, "compute_s": time.perf_counter() - t0})
     return out
+
+
+def _picked(inputs: Mapping[str, Any], deps: tuple[Any, ...]) -> tuple[dict[str, Any], tuple[Any, ...]]:
+    import torch
+
+    pick = inputs[PICK]
+    if not deps or not isinstance(pick, Mapping) or str(pick.get("logits")) not in deps[-1]:
+        raise SeaBiscuitError(f"a chained step names logits {pick!r} that its last dependency lacks")
+    logits = deps[-1][str(pick["logits"])]
+    out = {k: v for k, v in inputs.items() if k != PICK}
+    out["input_ids"] = logits[:, -1].argmax(dim=-1).reshape(-1, 1).to(torch.long)
+    return out, deps[:-1]
