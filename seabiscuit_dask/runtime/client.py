@@ -279,7 +279,8 @@ class DistributedModel:
         by_index = {s.index: k for s, k in zip(specs, keys)}
         dsk: dict[Any, Any] = {}
         for s, key in zip(specs, keys):
-            mine: dict[str, Any] = {t: inputs[t] for t, src in zip(s.imports, s.sources) if src < 0 and t in inputs}
+            mine: dict[str, Any] = {t: inputs[t] for t, src in zip(s.imports, s.sources)
+                                    if src < 0 and t in inputs}
             extra: tuple[Any, ...] = ()
             if after is not None and "input_ids" in mine:
                 del mine["input_ids"]

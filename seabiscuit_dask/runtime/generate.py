@@ -51,6 +51,19 @@ class Runner(Protocol):
         """Return once a step may be tried again after ``error`` (a worker loss), else raise."""
 
 
+class QueueingRunner(Runner, Protocol):
+    """A runner that can queue a step behind another (``DistributedModel``): see ``Engine._decode``."""
+
+    def submit_step(self, batch: int, length: int, feed: dict[str, torch.Tensor], after: Any = None) -> Any:
+        """Submit a step; with ``after``, its input_ids are the greedy tokens of that step."""
+
+    def step_result(self, handle: Any) -> torch.Tensor:
+        """The logits of a submitted step."""
+
+    def discard(self, handle: Any) -> None:
+        """Let go of a submitted step."""
+
+
 def buckets(key: str, default: Sequence[int]) -> tuple[int, ...]:
     value = config.get(f"generate.{key}", None) or default
     out = tuple(sorted({int(v) for v in value}))
@@ -166,6 +179,7 @@ class Engine:
         self.pipeline = max(1, int(config.get("generate.pipeline", 2)))
         # NOTE: greedy groups queue their next step behind the current one (see ``_decode``)
         self.lookahead = bool(config.get("generate.lookahead", True)) and hasattr(runner, "submit_step")
+        self._queueing: QueueingRunner = runner  # type: ignore[assignment]   # NOTE: used if lookahead
         self._ahead: dict[tuple[int, ...], tuple[Any, tuple[int, ...]]] = {}
         self._ahead_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max(1, self.pipeline - 1), thread_name_prefix="seabiscuit-step")
@@ -300,7 +314,8 @@ class Engine:
         # NOTE: groups in flight together fill the pipeline: one runs on a stage while another
         # runs on the next (each session stays in one group, so its tokens stay in order)
         greedy = [all(not c.sampling.do_sample and not c.cancelled for c, _ in part) for part in parts]
-        runs = [self._pool.submit(self._decode, [s for _, s in part], g) for part, g in zip(parts[1:], greedy[1:])]
+        runs = [self._pool.submit(self._decode, [s for _, s in part], g)
+                for part, g in zip(parts[1:], greedy[1:])]
         results: list[Any] = []
         for part, g, fut in zip(parts, greedy, [None, *runs]):
             try:
@@ -377,20 +392,20 @@ class Engine:
             ahead = self._ahead.pop(key, None)
         if not (self.lookahead and greedy):
             if ahead is not None:
-                self.runner.discard(ahead[0])
+                self._queueing.discard(ahead[0])
             logits = self._run(sessions, batch, 1, feed)
         else:
             handle = ahead[0] if ahead is not None and ahead[1] == starts else None
             if handle is None:
                 if ahead is not None:
-                    self.runner.discard(ahead[0])
-                handle = self.runner.submit_step(batch, 1, feed)
+                    self._queueing.discard(ahead[0])
+                handle = self._queueing.submit_step(batch, 1, feed)
             nxt = _feed([(s.sid, s.cached + 1, [0]) for s in sessions], batch, 1)
-            queued = self.runner.submit_step(batch, 1, nxt, after=handle)
+            queued = self._queueing.submit_step(batch, 1, nxt, after=handle)
             with self._ahead_lock:
                 self._ahead[key] = (queued, tuple(n + 1 for n in starts))
             try:
-                logits = self.runner.step_result(handle)
+                logits = self._queueing.step_result(handle)
             except WorkerLost as e:
                 self._drop_ahead()
                 self.runner.recover(e)
@@ -407,7 +422,7 @@ class Engine:
             gone = [k for k in self._ahead if keep is None or k not in keep]
             handles = [self._ahead.pop(k)[0] for k in gone]
         for h in handles:
-            self.runner.discard(h)
+            self._queueing.discard(h)
 
     def _groups(self, rows: list[Any]) -> list[list[Any]]:
         """Rows in ``pipeline`` groups at least (when there are that many), none over the largest batch."""
