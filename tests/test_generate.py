@@ -213,6 +213,13 @@ def test_generate_on_a_cluster_matches_hugging_face_and_frees_its_caches() -> No
                                hf_greedy(model, ids[:1], mask[:1], 12))
             after = client.run(lambda dask_worker: dask_worker.plugins["seabiscuit"].resident.kv.nbytes)
             assert sum(after.values()) == 0
+            with dm.session() as chat:                      # a conversation: the cache stays between turns
+                one = chat.generate(ids[:1], 4, pad_token_id=0, eos_token_id=[])
+                two = chat.generate(ids[1:, 4:], 4, pad_token_id=0, eos_token_id=[])
+                whole = torch.cat([one, ids[1:, 4:]], 1)
+                assert torch.equal(two[:, -4:], hf_greedy(model, whole, torch.ones_like(whole), 4)[:, -4:])
+            after = client.run(lambda dask_worker: dask_worker.plugins["seabiscuit"].resident.kv.nbytes)
+            assert sum(after.values()) == 0
             stats = dm.generation_stats()
             assert stats["decode_steps"] >= 11 and all(p["tasks"] >= 1 for p in stats["programs"].values())
 
@@ -265,3 +272,24 @@ def test_a_worker_killed_mid_answer_changes_no_token() -> None:
             assert torch.equal(torch.cat([ids, torch.stack(out, 1)], 1), want)
             assert dm.version > 0 and victim not in {d.address for d in dm.plan.spec.devices}
             assert dm.generation_stats()["replays"] >= 1
+
+
+def test_a_session_keeps_its_cache_between_turns() -> None:
+    from seabiscuit_dask.runtime.generate import stream_tokens
+
+    model = decoder("llama")
+    engine = Engine(LocalRunner(model, "64KiB"))
+    turn1, _ = padded_batch((6,), seed=7)
+    turn2, _ = padded_batch((4,), seed=8)
+    args = GenerateArgs.make(model.generation_config, 6, max_new_tokens=5, pad_token_id=0, eos_token_id=[])
+    s = engine.open_session()
+    first = torch.stack(list(stream_tokens(engine, turn1, args, session=s)), 1)
+    cached = engine.runner.store.sessions("local")[s.sid]
+    second = torch.stack(list(stream_tokens(engine, turn2, args, session=s)), 1)
+    whole = torch.cat([turn1, first, turn2], 1)
+    want = hf_greedy(model, whole, torch.ones_like(whole), 5)[:, whole.shape[1]:]
+    assert torch.equal(second, want)
+    assert cached == 6 + 4                       # the answer's last token is cached by the next turn
+    assert engine.stats.prefill_steps == 2       # each turn prefilled its own tokens only
+    engine.close_session(s)
+    assert engine.runner.store.nbytes == 0

@@ -187,6 +187,20 @@ class DistributedModel:
                                              eos_token_id, pad_token_id, generator)
         return stream_tokens(engine, input_ids, args, attention_mask, streamer)
 
+    def session(self) -> ChatSession:
+        """A conversation whose KV cache stays on the workers between calls: each ``generate``
+        prefills only the new turn's tokens (one prompt per call).
+
+        Examples
+        --------
+        >>> with dm.session() as chat:                                      # doctest: +SKIP
+        ...     first = chat.generate(turn1, 32)
+        ...     second = chat.generate(turn2, 32)    # turn1, its answer and turn2 are cached
+        """
+        engine, _ = self._generation_args(torch.zeros((1, 1), dtype=torch.long), 1, None, None, None, None,
+                                          None, None, None)
+        return ChatSession(self, engine.open_session())
+
     def generation_stats(self) -> dict[str, Any]:
         """Steps, tokens and seconds of generation so far, and the step programs built:
         per (batch, tokens) shape its Dask tasks per step and what building it cost."""
@@ -439,6 +453,52 @@ class DistributedModel:
 
 
 PICK = "sb_pick"     # NOTE: a step's input_ids are the greedy tokens of the step it follows
+
+
+class ChatSession:
+    """A session of a ``DistributedModel`` kept across calls (``dm.session()``)."""
+
+    def __init__(self, dm: DistributedModel, session: Any) -> None:
+        self.dm, self._session, self._closed = dm, session, False
+
+    @property
+    def tokens(self) -> list[int]:
+        """Every token of the conversation so far (prompts and answers)."""
+        return list(self._session.tokens)
+
+    def stream(self, input_ids: Any, max_new_tokens: int | None = None, **kwargs: Any) -> Any:
+        """``DistributedModel.stream`` for this conversation's next turn (a (1, n) LongTensor)."""
+        from .generate import stream_tokens
+
+        if self._closed:
+            raise SeaBiscuitError(f"session {self._session.sid} of model {self.dm.model_id} is closed")
+        if getattr(input_ids, "shape", (0,))[0] != 1:
+            raise BadInput(f"a session takes one prompt per turn, got input_ids of shape "
+                           f"{tuple(getattr(input_ids, 'shape', ()))}")
+        streamer = kwargs.pop("streamer", None)
+        mask = kwargs.pop("attention_mask", None)
+        names = ("do_sample", "temperature", "top_k", "top_p", "eos_token_id", "pad_token_id", "generator")
+        engine, args = self.dm._generation_args(input_ids, max_new_tokens, *[kwargs.pop(n, None) for n in names])
+        if kwargs:
+            raise BadInput(f"unknown generate arguments {sorted(kwargs)}")
+        return stream_tokens(engine, input_ids, args, mask, streamer, session=self._session)
+
+    def generate(self, input_ids: Any, max_new_tokens: int | None = None, **kwargs: Any) -> Any:
+        """This turn's prompt followed by its answer, as ``DistributedModel.generate`` returns it."""
+        rows = list(self.stream(input_ids, max_new_tokens, **kwargs))
+        return torch.cat([input_ids.cpu(), torch.stack(rows, dim=1)], dim=1)
+
+    def close(self) -> None:
+        """Free the conversation's KV cache on every worker."""
+        if not self._closed:
+            self._closed = True
+            self.dm._engine.close_session(self._session)
+
+    def __enter__(self) -> ChatSession:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
 
 class StepHandle:
