@@ -478,7 +478,8 @@ class ChatSession:
         streamer = kwargs.pop("streamer", None)
         mask = kwargs.pop("attention_mask", None)
         names = ("do_sample", "temperature", "top_k", "top_p", "eos_token_id", "pad_token_id", "generator")
-        engine, args = self.dm._generation_args(input_ids, max_new_tokens, *[kwargs.pop(n, None) for n in names])
+        picked = [kwargs.pop(n, None) for n in names]
+        engine, args = self.dm._generation_args(input_ids, max_new_tokens, *picked)
         if kwargs:
             raise BadInput(f"unknown generate arguments {sorted(kwargs)}")
         return stream_tokens(engine, input_ids, args, mask, streamer, session=self._session)
