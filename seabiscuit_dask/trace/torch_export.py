@@ -11,6 +11,7 @@ from __future__ import annotations
 import inspect
 import math
 import operator
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -66,12 +67,17 @@ def default_kwargs(model: torch.nn.Module, kwargs: Mapping[str, Any] | None) -> 
     return kw
 
 
+# NOTE: torch.export keeps its tracing state in process globals: one export at a time
+# (generation builds step programs on its own threads).
+_EXPORT_LOCK = threading.Lock()
+
+
 def export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Run non-strict ``torch.export``; any failure becomes ``UnsupportedModel``."""
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad():
+        with _EXPORT_LOCK, torch.no_grad():
             return torch.export.export(model, args, kwargs=kwargs, strict=False)
     except Exception as e:
         shapes = [tuple(a.shape) if isinstance(a, torch.Tensor) else type(a).__name__
