@@ -146,7 +146,7 @@ class Call:
 
 @dataclass
 class EngineStats:
-    """What the engine did: steps and tasks by kind, tokens produced, seconds in steps."""
+    """What the engine did: steps by kind, replays, tokens and rows produced, seconds in steps."""
 
     prefill_steps: int = 0
     decode_steps: int = 0
