@@ -40,7 +40,7 @@ from .discover import measure_cluster, workers_info
 from .local import assemble_outputs, flatten_inputs, split_inputs, unflatten_outputs
 from .resident import writable
 from .store import stored
-from .tasks import load_block_json, run_block_task
+from .tasks import PICK, load_block_json, run_block_task
 
 Progress = Callable[[str], None]
 
@@ -123,16 +123,9 @@ class DistributedModel:
         t1 = time.perf_counter()
         self._inflight[request] = futures
         try:
-            results = dict(zip(wanted, self.client.gather(futures)))
+            results = dict(zip(wanted, self._gather(request, futures)))
             t2 = time.perf_counter()
-        except SeaBiscuitError:
-            raise
-        except Exception as e:
-            raise _request_error(request, self.model_id, self._stranded, e) from e
         finally:
-            self._inflight.pop(request, None)
-            for f in futures:
-                f.release()
             if self.checkpoint_dir:
                 shutil.rmtree(Path(self.checkpoint_dir) / self.model_id / f"r{request}", ignore_errors=True)
         values = {t: results[out_blocks[t]][t] if t in out_blocks else feed[t]
@@ -197,9 +190,7 @@ class DistributedModel:
         ...     first = chat.generate(turn1, 32)
         ...     second = chat.generate(turn2, 32)    # turn1, its answer and turn2 are cached
         """
-        engine, _ = self._generation_args(torch.zeros((1, 1), dtype=torch.long), 1, None, None, None, None,
-                                          None, None, None)
-        return ChatSession(self, engine.open_session())
+        return ChatSession(self, self._generation_engine().open_session())
 
     def generation_stats(self) -> dict[str, Any]:
         """Steps, tokens and seconds of generation so far, and the step programs built:
@@ -212,26 +203,31 @@ class DistributedModel:
 
     def _generation_args(self, input_ids: Any, max_new_tokens: Any, do_sample: Any, temperature: Any,
                          top_k: Any, top_p: Any, eos: Any, pad: Any, generator: Any) -> tuple[Any, Any]:
-        from .generate import Engine, GenerateArgs
+        from .generate import GenerateArgs
+
+        engine = self._generation_engine()
+        length = int(input_ids.shape[-1]) if hasattr(input_ids, "shape") else 0
+        args = GenerateArgs.make(getattr(self._source_module(), "generation_config", None), length,
+                                 max_new_tokens, do_sample, temperature, top_k, top_p, eos, pad, generator)
+        return engine, args
+
+    def _generation_engine(self) -> Any:
+        """The engine of this deployment's generate calls, made on first use."""
+        from .generate import Engine
 
         if self._closed:
             raise SeaBiscuitError(f"distributed model {self.model_id} is closed")
         if self._source is None:
             raise BadInput(f"model {self.model_id} was deployed from a plan alone: generation traces its "
                            "step programs from the model, so deploy with weights=model or use sb.distribute")
-        model = self._source_module()
-        cfg = getattr(model, "config", None)
         if self._engine is None:
             sessions, context = self._limits
-            context = context or max_positions(cfg)
+            context = context or max_positions(getattr(self._source_module(), "config", None))
             first = self.graph.tensors[self.graph.inputs[0]].shape if self.graph.inputs else ()
             self._engine = Engine(self, max_sessions=sessions, context=int(context) if context else None,
                                   max_chunk=int(first[-1]) if len(first) == 2 else None,
                                   name=f"model {self.model_id}")
-        length = int(input_ids.shape[-1]) if hasattr(input_ids, "shape") else 0
-        args = GenerateArgs.make(getattr(model, "generation_config", None), length, max_new_tokens, do_sample,
-                                 temperature, top_k, top_p, eos, pad, generator)
-        return self._engine, args
+        return self._engine
 
     def _source_module(self) -> Any:
         if isinstance(self._source, (str, os.PathLike)):
@@ -310,22 +306,29 @@ class DistributedModel:
     def step_result(self, handle: StepHandle) -> Any:
         """The logits (batch, vocab) of a submitted step's last position."""
         prog, out_at = handle.program, handle.program.out_at
-        try:
-            results = dict(zip(handle.wanted, self.client.gather(handle.futures)))
-        except SeaBiscuitError:
-            raise
-        except Exception as e:
-            raise _request_error(handle.request, self.model_id, self._stranded, e) from e
-        finally:
-            self.discard(handle)
+        results = dict(zip(handle.wanted, self._gather(handle.request, handle.futures)))
         values = {t: results[out_at[t]][t] for t in prog.graph.leaf_outputs}
         logits = assemble_outputs(prog.graph, values)[0]
         return logits[:, -1]
 
     def discard(self, handle: StepHandle) -> None:
         """Let go of a submitted step (one read ahead that is not needed runs out unseen)."""
-        self._inflight.pop(handle.request, None)
-        for f in handle.futures:
+        self._release(handle.request, handle.futures)
+
+    def _gather(self, request: int, futures: list[Any]) -> list[Any]:
+        """The results of a request's futures, which are then let go; a failure as a SeaBiscuitError."""
+        try:
+            return list(self.client.gather(futures))
+        except SeaBiscuitError:
+            raise
+        except Exception as e:
+            raise _request_error(request, self.model_id, self._stranded, e) from e
+        finally:
+            self._release(request, futures)
+
+    def _release(self, request: int, futures: list[Any]) -> None:
+        self._inflight.pop(request, None)
+        for f in futures:
             f.release()
 
     def end_sessions(self, sessions: Any) -> None:
@@ -450,9 +453,6 @@ class DistributedModel:
         return (f"<DistributedModel {self.graph.meta.get('name', 'model')} {self.model_id}: "
                 f"{len(self.graph.ops)} micro-ops in {len(self.specs)} blocks on "
                 f"{len(self._plan.spec.devices)} workers, plan v{self.version}>")
-
-
-PICK = "sb_pick"     # NOTE: a step's input_ids are the greedy tokens of the step it follows
 
 
 class ChatSession:
@@ -664,11 +664,17 @@ def distribute(model_or_path: Any, client: Any, example_inputs: Any, budget: int
     micro = decompose(graph, nbytes)
     say(f"{len(micro.ops)} micro-ops in {time.perf_counter() - t0:.2f} s; placing ...")
     n_sessions = int(sessions if sessions is not None else config.get("generate.reserve-sessions", 0) or 0)
-    reserve, limit = kv_reserve(model_or_path, n_sessions, context)
+    reserve, limit, module = 0, 0, model_or_path
+    if n_sessions > 0:
+        if isinstance(model_or_path, (str, os.PathLike)):
+            from ..trace import load_hf_skeleton
+
+            module = load_hf_skeleton(model_or_path)     # NOTE: its architecture, for the cache sizes
+        reserve, limit = kv_reserve(module, n_sessions, context)
     if reserve:
         micro = micro.with_meta(kv_reserve_bytes=reserve)
         say(f"keeping {fmt_bytes(reserve)} per attention layer for {n_sessions} session(s) of {limit} tokens")
-        plan = place_for_decode(model_or_path, micro, spec, nbytes, say)
+        plan = place_for_decode(module, micro, spec, nbytes, say)
     else:
         plan = place(micro, spec)
     say(f"placed in {plan.planning_s:.2f} s: {len(plan.blocks)} blocks")
@@ -682,7 +688,7 @@ def distribute(model_or_path: Any, client: Any, example_inputs: Any, budget: int
     return dm
 
 
-def place_for_decode(model_or_path: Any, micro: Any, spec: Any, budget: int, say: Progress) -> Plan:
+def place_for_decode(module: Any, micro: Any, spec: Any, budget: int, say: Progress) -> Plan:
     """A generation deployment's plan: its weights placed for the decode step (one token, the
     step generation repeats most), the model's own graph following them.
 
@@ -690,11 +696,8 @@ def place_for_decode(model_or_path: Any, micro: Any, spec: Any, budget: int, say
     """
     from ..decompose import decompose
     from ..errors import ClusterTooSmall
-    from ..trace import load_hf_skeleton
     from ..trace.decoder import trace_step
 
-    path = isinstance(model_or_path, (str, os.PathLike))
-    module = load_hf_skeleton(model_or_path) if path else model_or_path
     t0 = time.perf_counter()
     step = decompose(trace_step(module, 1, 1), budget, like=micro).with_meta(
         kv_reserve_bytes=micro.meta["kv_reserve_bytes"])
@@ -718,14 +721,11 @@ def max_positions(cfg: Any) -> int | None:
     return int(n) if n else None
 
 
-def kv_reserve(model_or_path: Any, sessions: int, context: int | None) -> tuple[int, int]:
-    """KV-cache bytes per attention layer for ``sessions`` of ``context`` tokens, and the context
-    (default the model's maximum positions); (0, 0) when not a decoder with a config."""
-    cfg = getattr(model_or_path, "config", None)
-    if isinstance(model_or_path, (str, os.PathLike)):
-        from ..trace import load_hf_skeleton
-
-        cfg = getattr(load_hf_skeleton(model_or_path), "config", None)
+def kv_reserve(model: Any, sessions: int, context: int | None) -> tuple[int, int]:
+    """KV-cache bytes per attention layer of ``model`` (a module, weights optional) for
+    ``sessions`` of ``context`` tokens, and the context (default the model's maximum positions);
+    (0, 0) when it is not a decoder with a config."""
+    cfg = getattr(model, "config", None)
     if cfg is None or sessions <= 0:
         return 0, 0
     cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg

@@ -370,14 +370,15 @@ class Engine:
         if prepare is not None:
             prepare(batch, length)
 
-    def _chunks(self, s: Session, start: int, todo: list[int]) -> torch.Tensor:
+    def _chunks(self, s: Session, start: int, todo: list[int], replay: bool = False) -> torch.Tensor:
+        """Cache ``todo`` at slots ``start``.. in prefill chunks; the logits of its last token.
+        A ``replay`` is part of a recovery already, so its steps are not retried."""
         logits = torch.empty(0)
         for n, length in self.chunking(len(todo)):
-            chunk, todo = todo[:n], todo[n:]
-            feed = _feed([(s.sid, start, chunk)], 1, length)
-            logits = self._run([s], 1, length, feed)[0]
-            start += n
-            self.stats.prefill_steps += 1
+            feed = _feed([(s.sid, start, todo[:n])], 1, length)
+            logits = (self.runner.run_step(1, length, feed) if replay else self._run([s], 1, length, feed))[0]
+            todo, start = todo[n:], start + n
+            self.stats.prefill_steps += not replay
         return logits
 
     def _decode(self, sessions: list[Session], greedy: bool = False) -> torch.Tensor:
@@ -408,9 +409,7 @@ class Engine:
                 logits = self._queueing.step_result(handle)
             except WorkerLost as e:
                 self._drop_ahead()
-                self.runner.recover(e)
-                for s in sessions:
-                    self._replay(s, s.cached)
+                self._recover(e, sessions, starts)
                 logits = self._run(sessions, batch, 1, feed)
         for s in sessions:
             s.cached = len(s.tokens)
@@ -442,20 +441,17 @@ class Engine:
             except WorkerLost as e:
                 if attempt == tries - 1:
                     raise
-                self.runner.recover(e)
-                for s in sessions:
-                    self._replay(s, int(feed["sb_start"][sessions.index(s)]))
+                self._recover(e, sessions, feed["sb_start"][:len(sessions)].tolist())
         raise AssertionError("unreachable")   # pragma: no cover
 
-    def _replay(self, s: Session, upto: int) -> None:
-        """Rebuild what workers lost of ``s``'s cache: its first ``upto`` tokens, again."""
-        if upto <= 0:
-            return
-        self.stats.replays += 1
-        start = 0
-        for n, length in self.chunking(upto):
-            self.runner.run_step(1, length, _feed([(s.sid, start, s.tokens[start:start + n])], 1, length))
-            start += n
+    def _recover(self, error: WorkerLost, sessions: list[Session], starts: Sequence[int]) -> None:
+        """Wait for the repaired plan, then rebuild what workers lost of each session's cache:
+        its tokens before the step that failed, replayed (slots still cached are only read)."""
+        self.runner.recover(error)
+        for s, upto in zip(sessions, starts):
+            if upto > 0:
+                self.stats.replays += 1
+                self._chunks(s, 0, s.tokens[:upto], replay=True)
 
     # --- results ---------------------------------------------------------------------------
     def _emit(self, call: Call, logits: torch.Tensor) -> None:

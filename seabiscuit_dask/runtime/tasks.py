@@ -49,7 +49,7 @@ def fetch_spec(model: str, version: int, block: int) -> Mapping[str, Any]:
                               f"plan {version} from the scheduler: {e}") from e
 
 
-PICK = "sb_pick"
+PICK = "sb_pick"     # NOTE: a step's input_ids are the greedy tokens of the step it follows
 
 
 def run_block_task(model: str, version: int, request: int, block: int, inputs: Mapping[str, Any],
