@@ -26,6 +26,8 @@ from typing import Any
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.protocol.pickle import dumps
 
+from ..dashboard import Activity
+from ..dashboard import install as install_dashboard
 from ..errors import AccessDenied, SeaBiscuitError
 from ..ir import OpGraph
 from ..lower.blocks import task_name
@@ -70,6 +72,7 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
         self.owners: dict[str, str] = {}                     # model -> id of the client that deployed it
         self.block_runs: dict[str, dict[Any, int]] = {}            # model -> live task key -> times computed
         self.run_totals: dict[str, dict[str, int]] = {}
+        self.activity = Activity()                           # block runs and request latencies, for the page
         self._background: set[Any] = set()
 
     async def start(self, scheduler: Any) -> None:
@@ -79,14 +82,16 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
             "pressure", "runs", "hello", "learned", "program", "end_sessions")})
         for addr in scheduler.workers:
             self.add_worker(scheduler, addr)
+        install_dashboard(scheduler, self)
         await scheduler.register_worker_plugin(None, dumps(SeaBiscuitWorkerPlugin()), PLUGIN_NAME,
                                                idempotent=True)
 
     # --- hooks ------------------------------------------------------------------------------
     def update_graph(self, scheduler: Any, *, tasks: Iterable[Any] = (), **kwargs: Any) -> None:
-        keys = tuple(k for k in tasks if parse_key(k) is not None)
-        if keys:
-            self._apply(self.state.handle(TasksSubmitted(keys)))
+        parsed = [(k, p) for k in tasks if (p := parse_key(k)) is not None]
+        if parsed:
+            self._apply(self.state.handle(TasksSubmitted(tuple(k for k, _ in parsed))))
+            self.activity.submitted([p for _, p in parsed])
 
     def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
         if finish == "forgotten" and key in self.state.pinned:
@@ -100,6 +105,7 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
         if topic != RUNS_TOPIC or not isinstance(msg, dict) or str(msg.get("model")) not in self.state.models:
             return
         model = str(msg["model"])
+        self.activity.ran(msg)
         totals = self.run_totals.setdefault(model, {"computed": 0, "resumed": 0, "re_executed": 0})
         if msg.get("how") != "computed":
             totals["resumed"] += 1
@@ -296,6 +302,7 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
         self.state.handle(ModelReleased(model))
         for d in (self.block_runs, self.run_totals, self.owners):
             d.pop(model, None)
+        self.activity.forget(model)
         await self._sync_workers(model)
 
     async def drain(self, comm: Any = None, model: str = "", token: str = "", address: str = "",

@@ -62,12 +62,13 @@ def run_block_task(model: str, version: int, request: int, block: int, inputs: M
     w = get_worker()
     if PICK in inputs:
         inputs, deps = _picked(inputs, deps)
-    t0 = time.perf_counter()
+    started, t0 = time.time(), time.perf_counter()
     out, how = resident(w).run(model, version, request, block, inputs, deps, fetch_spec)
     # NOTE: the scheduler plugin counts these to report blocks computed more than once, and
     # learns each worker's speed from the times of the computed ones.
     w.log_event(RUNS_TOPIC, {"model": model, "version": version, "request": request, "block": block,
-                             "how": how, "compute_s": time.perf_counter() - t0})
+                             "how": how, "compute_s": time.perf_counter() - t0, "start": started,
+                             "worker": w.address})
     return out
 
 

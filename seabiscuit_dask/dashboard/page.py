@@ -1,0 +1,263 @@
+"""The ``/seabiscuit`` page of the scheduler's dashboard (Bokeh), refreshed every second.
+
+Per worker: memory (weights, activations, KV cache, free) and GPUs; per model (a
+selector): devices x blocks, bytes between devices, predicted vs measured latency;
+a timeline of block runs per worker coloured by model and layer; replans and drains.
+Every figure reads ``dashboard.data``, as the JSON routes do.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime
+from typing import Any
+
+from bokeh.layouts import column, row
+from bokeh.models import ColumnDataSource, FactorRange, HoverTool, NumeralTickFormatter
+from bokeh.models.annotations import Title
+from bokeh.models.widgets.inputs import Select
+from bokeh.models.widgets.markups import Div
+from bokeh.models.widgets.tables import DataTable, NumberFormatter, TableColumn
+from bokeh.palettes import Category20, Greys256
+from bokeh.plotting import figure
+from bokeh.transform import linear_cmap
+
+from ..ir import fmt_bytes
+from . import data
+
+REFRESH_MS = 1000
+TIMELINE_S = 60.0          # seconds of block runs the timeline keeps
+MEMORY_PARTS = ("weight_bytes", "activation_bytes", "kv_cache_bytes", "free_bytes")
+MEMORY_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d9d9d9")
+TITLES = {"memory": "Worker memory: weights, activations, KV cache, free",
+          "gpu": "GPU memory used per worker (temperature in the tooltip)",
+          "bytes": "Bytes between devices per request",
+          "latency": "Request latency: predicted vs measured (ms)",
+          "timeline": "Block runs per worker (colour: model and layer)"}
+
+
+def run_color(model_index: int, layers: str) -> str:
+    """A model's pair of shades from Category20, alternating by the block's first layer."""
+    first = int(layers.split("-")[0]) if layers[:1].isdigit() else 0
+    return Category20[20][(2 * model_index) % 20 + first % 2]
+
+
+class SeaBiscuitPage:
+    """The figures and tables of one browser session of the page."""
+
+    def __init__(self, plugin: Any) -> None:
+        self.plugin = plugin
+        self.since = time.time() - TIMELINE_S
+        self.model_order: list[str] = []
+        self.header = Div(text="<h2>SeaBiscuit</h2>")
+        self._memory_figure()
+        self._gpu_figure()
+        self._plan_views()
+        self._timeline_figure()
+        self._events_table()
+        self.root = column(
+            self.header, row(self.memory, self.gpu, sizing_mode="stretch_width"),
+            row(self.select, self.plan_summary, sizing_mode="stretch_width"),
+            row(self.devices, self.bytes, self.latency, sizing_mode="stretch_width"),
+            self.timeline, Div(text="<h3>Replans and drains</h3>"), self.events, sizing_mode="stretch_width")
+        self.update()
+
+    # --- construction ------------------------------------------------------------------------
+    def _memory_figure(self) -> None:
+        self.memory_source = ColumnDataSource({"name": [], **{k: [] for k in MEMORY_PARTS}, "text": []})
+        self.memory_y = FactorRange(factors=[])
+        f = figure(title=TITLES["memory"], y_range=self.memory_y, height=260,
+                   sizing_mode="stretch_width", tools="", toolbar_location=None)
+        f.hbar_stack(list(MEMORY_PARTS), y="name", height=0.7, color=list(MEMORY_COLORS),
+                     source=self.memory_source,
+                     legend_label=["weights", "activations", "KV cache", "free"])
+        f.xaxis.formatter = NumeralTickFormatter(format="0.0 b")
+        f.legend.location = "bottom_right"
+        f.legend.orientation = "horizontal"
+        f.add_tools(HoverTool(tooltips=[("worker", "@name"), ("", "@text")]))
+        self.memory = f
+
+    def _gpu_figure(self) -> None:
+        self.gpu_source = ColumnDataSource({k: [] for k in ("gpu", "used", "total", "temperature", "text")})
+        self.gpu_y, self.gpu_title = FactorRange(factors=["none"]), Title(text=TITLES["gpu"])
+        f = figure(title=self.gpu_title, y_range=self.gpu_y, height=260,
+                   sizing_mode="stretch_width", tools="", toolbar_location=None)
+        f.hbar(y="gpu", right="total", height=0.7, color="#e5e5e5", source=self.gpu_source)
+        f.hbar(y="gpu", right="used", height=0.7, source=self.gpu_source,
+               color=linear_cmap("temperature", "Turbo256", 30, 90))
+        f.xaxis.formatter = NumeralTickFormatter(format="0.0 b")
+        f.add_tools(HoverTool(tooltips=[("GPU", "@gpu"), ("", "@text")]))
+        self.gpu = f
+
+    def _plan_views(self) -> None:
+        self.select = Select(title="model", options=[], width=320)
+        self.select.on_change("value", lambda attr, old, new: self.update())
+        self.plan_summary = Div(text="no model deployed")
+        self.devices_source = ColumnDataSource({k: [] for k in (
+            "name", "address", "kind", "blocks", "ops", "weights", "peak", "budget")})
+        cols = [TableColumn(field="name", title="device"), TableColumn(field="address", title="address"),
+                TableColumn(field="kind", title="kind"),
+                TableColumn(field="blocks", title="blocks", formatter=NumberFormatter(format="0")),
+                TableColumn(field="ops", title="micro-ops", formatter=NumberFormatter(format="0")),
+                TableColumn(field="weights", title="weights"), TableColumn(field="peak", title="peak"),
+                TableColumn(field="budget", title="budget")]
+        self.devices = DataTable(source=self.devices_source, columns=cols, height=240, width=560,
+                                 index_position=None)
+        self.bytes_source = ColumnDataSource({"src": [], "dst": [], "nbytes": [], "text": []})
+        self.bytes_x, self.bytes_y = FactorRange(factors=[]), FactorRange(factors=[])
+        f = figure(title=TITLES["bytes"], x_range=self.bytes_x, y_range=self.bytes_y,
+                   height=280, width=340, tools="", toolbar_location=None, x_axis_label="from",
+                   y_axis_label="to")
+        f.rect(x="src", y="dst", width=0.95, height=0.95, source=self.bytes_source,
+               color=linear_cmap("nbytes", Greys256[::-1], 0, 1))
+        f.add_tools(HoverTool(tooltips=[("from", "@src"), ("to", "@dst"), ("bytes", "@text")]))
+        self.bytes = f
+        self.latency_source = ColumnDataSource({"program": [], "kind": [], "ms": [], "text": []})
+        self.latency_x = FactorRange(factors=[])
+        f = figure(title=TITLES["latency"], x_range=self.latency_x, height=280,
+                   sizing_mode="stretch_width", tools="", toolbar_location=None)
+        f.vbar(x="program", top="ms", width=0.8, source=self.latency_source,
+               color=linear_cmap("kind", ["#9ecae1", "#08519c"], 0, 1))
+        f.add_tools(HoverTool(tooltips=[("", "@program"), ("ms", "@ms{0.0}"), ("", "@text")]))
+        self.latency = f
+
+    def _timeline_figure(self) -> None:
+        self.timeline_source = ColumnDataSource({k: [] for k in (
+            "x", "width", "worker", "color", "model", "layers", "block", "request", "ms", "how")})
+        self.timeline_y = FactorRange(factors=[])
+        f = figure(title=TITLES["timeline"], x_axis_type="datetime", y_range=self.timeline_y,
+                   height=240, sizing_mode="stretch_width", tools="xpan,xwheel_zoom,reset")
+        f.rect(x="x", y="worker", width="width", height=0.8, color="color", source=self.timeline_source)
+        f.add_tools(HoverTool(tooltips=[("model", "@model"), ("block", "@block"), ("layers", "@layers"),
+                                        ("request", "@request"), ("ms", "@ms{0.00}"), ("", "@how")]))
+        self.timeline = f
+
+    def _events_table(self) -> None:
+        self.events_source = ColumnDataSource({k: [] for k in (
+            "when", "model", "action", "reason", "replan_ms", "moved")})
+        cols = [TableColumn(field="when", title="when"), TableColumn(field="model", title="model"),
+                TableColumn(field="action", title="what"),
+                TableColumn(field="reason", title="why", width=480),
+                TableColumn(field="replan_ms", title="replan ms", formatter=NumberFormatter(format="0.00")),
+                TableColumn(field="moved", title="bytes moved")]
+        self.events = DataTable(source=self.events_source, columns=cols, height=200,
+                                sizing_mode="stretch_width", index_position=None)
+
+    # --- refresh -----------------------------------------------------------------------------
+    def update(self) -> None:
+        p = self.plugin
+        self._update_workers(data.workers_data(p.scheduler, p.state))
+        plans = data.plans_data(p.state, p.activity)
+        self._update_plan(plans)
+        self._update_timeline(data.timeline_data(p.state, p.activity, self.since))
+        self._update_events(data.events_data(p.events))
+
+    def _update_workers(self, workers: list[dict[str, Any]]) -> None:
+        names = [w["name"] for w in workers]
+        self.memory_y.factors = names
+        self.memory_source.data = {
+            "name": names, **{k: [w[k] for w in workers] for k in MEMORY_PARTS},
+            "text": [" ".join(f"{k.split('_')[0]} {fmt_bytes(w[k])}" for k in MEMORY_PARTS)
+                     + f" of {fmt_bytes(w['budget_bytes'])}"
+                     + (f" (drained: {w['drained']})" if w["drained"] else "") for w in workers]}
+        gpus = [(w, g) for w in workers for g in w["gpus"]]
+        labels = [f"{w['name']}:{g['index']}" for w, g in gpus]
+        self.gpu_y.factors = labels or ["none"]
+        self.gpu_title.text = TITLES["gpu"] if labels else TITLES["gpu"] + ": no worker reports a GPU"
+        self.gpu_source.data = {
+            "gpu": labels, "used": [g["memory_used_bytes"] for _, g in gpus],
+            "total": [g["memory_total_bytes"] for _, g in gpus],
+            "temperature": [g["temperature_c"] if g["temperature_c"] is not None else 0.0 for _, g in gpus],
+            "text": [f"{g['name']} {fmt_bytes(g['memory_used_bytes'])} of "
+                     f"{fmt_bytes(g['memory_total_bytes'])}, {g['temperature_c'] or 0:.0f} °C"
+                     for _, g in gpus]}
+
+    def _update_plan(self, plans: list[dict[str, Any]]) -> None:
+        self.model_order = [pl["model"] for pl in plans]
+        self.select.options = [(pl["model"], f"{pl['name']} ({pl['model']})") for pl in plans]  # type: ignore[assignment]
+        if plans and self.select.value not in self.model_order:
+            self.select.value = plans[-1]["model"]
+        pl = next((x for x in plans if x["model"] == self.select.value), None)
+        if pl is None:
+            self.plan_summary.text = "no model deployed"
+            for s in (self.devices_source, self.bytes_source, self.latency_source):
+                s.data = {k: [] for k in s.data}
+            return
+        self.plan_summary.text = (
+            f"<b>{pl['name']}</b> plan v{pl['version']} by {pl['method']}: {len(pl['devices'])} devices, "
+            f"{sum(d['blocks'] for d in pl['devices'])} blocks, {fmt_bytes(pl['cut_bytes'])} between devices "
+            f"per request" + (f"; <b>stranded</b>: {pl['stranded']}" if pl["stranded"] else ""))
+        devs = pl["devices"]
+        self.devices_source.data = {
+            "name": [d["name"] for d in devs], "address": [d["address"] for d in devs],
+            "kind": [d["kind"] for d in devs], "blocks": [d["blocks"] for d in devs],
+            "ops": [d["ops"] for d in devs], "weights": [fmt_bytes(d["weight_bytes"]) for d in devs],
+            "peak": [fmt_bytes(d["peak_bytes"]) for d in devs],
+            "budget": [fmt_bytes(d["memory_bytes"]) for d in devs]}
+        names = [d["name"] for d in devs]
+        bb = pl["bytes_between"]
+        top = max((v for r in bb for v in r), default=0.0) or 1.0
+        cells = [(names[i], names[j], bb[i][j]) for i in range(len(names)) for j in range(len(names))]
+        self.bytes_x.factors = names
+        self.bytes_y.factors = names
+        self.bytes_source.data = {"src": [c[0] for c in cells], "dst": [c[1] for c in cells],
+                                  "nbytes": [c[2] / top for c in cells],
+                                  "text": [fmt_bytes(c[2]) for c in cells]}
+        bars: list[tuple[tuple[str, str], int, float, str]] = []
+        for prog in pl["programs"]:
+            bars.append(((prog["label"], "predicted"), 0, prog["predicted_s"] * 1e3,
+                         f"{prog['blocks']} blocks"))
+            med = prog["measured_median_s"]
+            bars.append(((prog["label"], "measured"), 1, (med or 0.0) * 1e3,
+                         f"median of {prog['requests']} requests" if med is not None else "no request yet"))
+        self.latency_x.factors = [b[0] for b in bars]
+        self.latency_source.data = {"program": [b[0] for b in bars], "kind": [b[1] for b in bars],
+                                    "ms": [b[2] for b in bars], "text": [b[3] for b in bars]}
+
+    def _update_timeline(self, runs: list[dict[str, Any]]) -> None:
+        if runs:
+            self.since = max(r["start"] for r in runs)
+            order = {m: i for i, m in enumerate(self.model_order)}
+            new: dict[str, Any] = {"x": [(r["start"] + r["duration_s"] / 2) * 1e3 for r in runs],
+                   "width": [max(r["duration_s"], 1e-4) * 1e3 for r in runs],
+                   "worker": [self._worker_name(r["worker"]) for r in runs],
+                   "color": [run_color(order.get(r["model"], len(order)), r["layers"]) for r in runs],
+                   "model": [r["model"] for r in runs], "layers": [r["layers"] for r in runs],
+                   "block": [r["block"] for r in runs], "request": [r["request"] for r in runs],
+                   "ms": [r["duration_s"] * 1e3 for r in runs], "how": [r["how"] for r in runs]}
+            self.timeline_source.stream(new, rollover=data.RUNS_KEPT)
+        workers = {str(w) for w in self.timeline_source.data["worker"]}
+        workers |= {str(w) for w in self.memory_y.factors}
+        self.timeline_y.factors = sorted(workers)
+
+    def _worker_name(self, address: str) -> str:
+        device = self.plugin.state.devices.get(address)
+        if device is not None:
+            return str(device.name)
+        ws = self.plugin.scheduler.workers.get(address)
+        return str(ws.name) if ws is not None else address
+
+    def _update_events(self, events: list[dict[str, Any]]) -> None:
+        events = events[::-1]
+        self.events_source.data = {
+            "when": [datetime.fromtimestamp(e["time"]).strftime("%H:%M:%S.%f")[:-3] for e in events],
+            "model": [e["model"] for e in events],
+            "action": [e["action"] + (f" v{e['version']}" if e["version"] >= 0 else "") for e in events],
+            "reason": [e["reason"] or e["address"] for e in events],
+            "replan_ms": [e["replan_s"] * 1e3 for e in events],
+            "moved": [fmt_bytes(e["moved_bytes"]) for e in events]}
+
+
+def seabiscuit_doc(scheduler: Any, extra: dict[str, Any], doc: Any) -> None:
+    """The Bokeh document of one visit to ``/seabiscuit`` (distributed's application signature)."""
+    from distributed.dashboard.components.scheduler import BOKEH_THEME, env
+
+    from ..runtime.tasks import PLUGIN_NAME
+
+    page = SeaBiscuitPage(scheduler.plugins[PLUGIN_NAME])
+    doc.title = "Dask: SeaBiscuit"
+    doc.add_root(page.root)
+    doc.add_periodic_callback(page.update, REFRESH_MS)
+    doc.template = env.get_template("simple.html")
+    doc.template_variables.update(extra)
+    doc.theme = BOKEH_THEME
