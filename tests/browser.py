@@ -121,31 +121,40 @@ def _page_target(port: int) -> str:
     return next(t["webSocketDebuggerUrl"] for t in targets if t.get("type") == "page")
 
 
-# What a Bokeh page drew: every figure's title, and per canvas whether any pixel is painted.
-BOKEH_STATE_JS = r"""
-(() => {
-  const docs = (window.Bokeh && Bokeh.documents) || [];
-  const titles = [];
-  for (const doc of docs) for (const m of doc.all_models) {
-    if (m.type === "Title" && m.text) titles.push(m.text);
-  }
-  const canvases = [];
-  const walk = (node) => {
-    if (!node) return;
-    if (node.tagName === "CANVAS") canvases.push(node);
-    if (node.shadowRoot) walk(node.shadowRoot);
-    for (const c of node.children || []) walk(c);
+# What a Bokeh page drew: per figure its title and the pixels its glyphs paint (those that
+# change when the glyph renderers are hidden, so axes, grids and titles do not count).
+BOKEH_PLOTS_JS = r"""
+(async () => {
+  const views = [], seen = new Set();
+  const visit = (v) => {
+    if (!v || seen.has(v)) return;
+    seen.add(v); views.push(v);
+    for (const c of (v.child_views || [])) visit(c);
   };
-  walk(document.body);
-  const painted = canvases.filter((c) => c.width > 0 && c.height > 0).map((c) => {
-    const d = c.getContext("2d").getImageData(0, 0, c.width, c.height).data;
+  const idx = (window.Bokeh && Bokeh.index) || {};
+  (typeof idx.values === "function" ? [...idx.values()] : Object.values(idx)).forEach(visit);
+  const frame = () => new Promise((r) => requestAnimationFrame(() => requestAnimationFrame(r)));
+  const pixels = (v) => {
+    const c = v.export("png").canvas;
+    return c.getContext("2d").getImageData(0, 0, c.width, c.height).data;
+  };
+  const out = [];
+  for (const v of views.filter((v) => v.canvas_view)) {
+    const glyphs = v.model.renderers.filter((r) => r.type === "GlyphRenderer" && r.visible);
+    const drawn = pixels(v);
+    glyphs.forEach((r) => { r.visible = false; });
+    await frame();
+    const bare = pixels(v);
+    glyphs.forEach((r) => { r.visible = true; });
+    await frame();
     let n = 0;
-    for (let i = 0; i < d.length; i += 4) {
-      if (d[i + 3] > 0 && (d[i] < 250 || d[i + 1] < 250 || d[i + 2] < 250)) n++;
+    for (let i = 0; i < drawn.length; i += 4) {
+      if (Math.abs(drawn[i] - bare[i]) + Math.abs(drawn[i + 1] - bare[i + 1])
+          + Math.abs(drawn[i + 2] - bare[i + 2]) > 24) n++;
     }
-    return n;
-  });
-  return {documents: docs.length, titles, canvases: canvases.length, painted};
+    out.push({title: v.model.title ? v.model.title.text : "", glyph_pixels: n});
+  }
+  return out;
 })()
 """
 
