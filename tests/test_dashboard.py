@@ -14,7 +14,7 @@ import torch
 
 import seabiscuit_dask as sb
 from seabiscuit_dask.dashboard.data import Activity
-from seabiscuit_dask.dashboard.page import TITLES
+from seabiscuit_dask.dashboard.page import PANES, TITLES
 
 from . import models as M
 from .browser import BOKEH_PLOTS_JS, chromium_page, find_chromium, write_png
@@ -159,8 +159,12 @@ def test_preload_puts_the_page_on_the_dashboard() -> None:
             Client(cluster):
         base = f"http://127.0.0.1:{cluster.scheduler.http_server.port}"
         assert b"static/js/bokeh.min.js" in get(f"{base}/seabiscuit")
+        assert b'href="seabiscuit"' in get(f"{base}/status")
         workers = wait_for(lambda: (w := api(base, "workers")) and w[0]["agent"] and w, "the worker's agent")
         assert workers[0]["budget_bytes"] > 0
+        panes = json.loads(get(f"{base}/individual-plots.json"))      # what dask-labextension lists
+        assert {f"/individual-seabiscuit-{p}" for p in PANES} <= set(panes.values())
+        assert b"static/js/bokeh.min.js" in get(f"{base}/individual-seabiscuit-timeline")
 
 
 @pytest.mark.skipif(find_chromium() is None, reason="needs Debian's chromium (apt-get install chromium)")

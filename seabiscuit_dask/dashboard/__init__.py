@@ -3,7 +3,10 @@
 ``install(scheduler, plugin)`` is called by ``SeaBiscuitSchedulerPlugin.start``, so
 the page is there wherever the plugin is (``client.register_plugin`` or
 ``dask scheduler --preload seabiscuit_dask.plugins.preload``), and it is listed in
-the dashboard's menu. The page and the routes read ``dashboard.data``.
+the dashboard's menu. The preload also registers the page and its single figures
+with distributed's own dashboard application before the scheduler starts
+(``register_pages``), so dask-labextension lists the figures as panes. The page
+and the routes read ``dashboard.data``.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from typing import Any
 
 from .data import Activity, snapshot
 
-__all__ = ["PAGE", "Activity", "install", "snapshot"]
+__all__ = ["PAGE", "Activity", "install", "register_pages", "snapshot"]
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +30,18 @@ def _dashboard(application: Any) -> Any:
     except ImportError:
         return None
     return next((a for a in getattr(application, "applications", ()) if isinstance(a, BokehTornado)), None)
+
+
+def register_pages() -> bool:
+    """Add the page and its panes to distributed's dashboard, for schedulers started from now on."""
+    try:
+        from distributed.dashboard import scheduler as dashboard
+    except ImportError:          # NOTE: no (compatible) bokeh: no dashboard at all
+        return False
+    from .page import applications
+
+    dashboard.applications.update(applications())
+    return True
 
 
 def install(scheduler: Any, plugin: Any) -> bool:
@@ -51,6 +66,8 @@ def install(scheduler: Any, plugin: Any) -> bool:
     variables = template_variables(scheduler)
     if PAGE not in variables["pages"]:
         variables["pages"].insert(len(variables["pages"]) - 1, PAGE)     # NOTE: before "info"
+    if f"/{PAGE}" in dashboard.app_paths:
+        return True                # NOTE: registered before the scheduler started (the preload)
     app = BokehApplication({f"/{PAGE}": seabiscuit_doc}, scheduler, prefix=prefix,
                            template_variables=variables)
     application.add_application(app)

@@ -248,16 +248,41 @@ class SeaBiscuitPage:
             "moved": [fmt_bytes(e["moved_bytes"]) for e in events]}
 
 
-def seabiscuit_doc(scheduler: Any, extra: dict[str, Any], doc: Any) -> None:
-    """The Bokeh document of one visit to ``/seabiscuit`` (distributed's application signature)."""
+# NOTE: the single figures dask-labextension lists as panes (``/individual-seabiscuit-<name>``)
+PANES = {"memory": "memory", "gpu": "gpu", "bytes": "bytes", "latency": "latency", "timeline": "timeline",
+         "replans": "events"}
+
+
+def seabiscuit_doc(scheduler: Any, extra: dict[str, Any], doc: Any, pane: str = "") -> None:
+    """The Bokeh document of one visit to ``/seabiscuit`` (distributed's application signature),
+    or of one of its figures (``pane``, a key of ``PANES``)."""
     from distributed.dashboard.components.scheduler import BOKEH_THEME, env
 
     from ..runtime.tasks import PLUGIN_NAME
 
-    page = SeaBiscuitPage(scheduler.plugins[PLUGIN_NAME])
+    plugin = scheduler.plugins.get(PLUGIN_NAME)
     doc.title = "Dask: SeaBiscuit"
-    doc.add_root(page.root)
-    doc.add_periodic_callback(page.update, REFRESH_MS)
+    if plugin is None:
+        doc.add_root(Div(text="<h2>SeaBiscuit</h2><p>The SeaBiscuit scheduler plugin is not registered on "
+                              "this scheduler: <code>client.register_plugin(sb.SeaBiscuitSchedulerPlugin())"
+                              "</code>, or start it with <code>--preload seabiscuit_dask.plugins.preload"
+                              "</code>.</p>"))
+    else:
+        page = SeaBiscuitPage(plugin)
+        doc.add_root(getattr(page, PANES[pane]) if pane else page.root)
+        doc.add_periodic_callback(page.update, REFRESH_MS)
     doc.template = env.get_template("simple.html")
     doc.template_variables.update(extra)
     doc.theme = BOKEH_THEME
+
+
+def applications() -> dict[str, Any]:
+    """The page and its panes, as entries of distributed's dashboard applications."""
+    from functools import partial
+
+    return {"/seabiscuit": seabiscuit_doc,
+            **{f"/individual-seabiscuit-{name}": partial(_pane_doc, name) for name in PANES}}
+
+
+def _pane_doc(pane: str, scheduler: Any, extra: dict[str, Any], doc: Any) -> None:
+    seabiscuit_doc(scheduler, extra, doc, pane)
