@@ -19,11 +19,12 @@ from .cluster import (
 from .partition import place
 from .plan import Block, Plan
 from .replan import CapacityChanged, DeviceAdded, DeviceLost, replan
+from .report import PlanReport
 from .simulate import Schedule, lower_bound_s, simulate
 
 __all__ = [
     "BASELINES", "NO_DASK", "PRESETS", "PROFILES", "Block", "CapacityChanged", "ClusterSpec", "DaskSpec",
     "DeviceAdded",
-    "DeviceLost", "DeviceSpec", "LinkSpec", "Plan", "Schedule", "heft", "lower_bound_s", "metis",
+    "DeviceLost", "DeviceSpec", "LinkSpec", "Plan", "PlanReport", "Schedule", "heft", "lower_bound_s", "metis",
     "pipeline", "place", "replan", "round_robin", "simulate",
 ]

@@ -38,7 +38,7 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -46,6 +46,9 @@ from ..errors import ClusterTooSmall, SeaBiscuitError
 from ..ir import OpGraph, fmt_bytes
 from .cluster import ClusterSpec
 from .workload import Workload, workload
+
+if TYPE_CHECKING:    # NOTE: report.py builds on Plan (and replan); the type alone comes from there
+    from .report import PlanReport
 
 PLAN_SCHEMA = 1
 
@@ -379,6 +382,23 @@ class Plan:
                      f"{len(self.block_device)} blocks, planned in {self.planning_s * 1e3:.0f} ms "
                      f"by {self.method}")
         return "\n".join(lines)
+
+    def report(self, context: int | None = None,
+               lose: str | Sequence[str | Sequence[str]] = ()) -> PlanReport:
+        """A dry run for choosing hardware: memory headroom and the KV cache that fits in it, the
+        bottleneck device and link, latency and throughput, and what losing devices changes.
+
+        ``context`` is tokens per generation session (default 512); ``lose`` names devices to try
+        losing, each on its own (an inner list: lost together), or ``"all"`` for every device in
+        turn. See ``placement/report.py``.
+
+        >>> r = plan.report(context=1024, lose=["h0-gpu1"])         # doctest: +SKIP
+        >>> print(r)                                                # doctest: +SKIP
+        >>> r.sessions, r.devices[0].headroom_bytes                 # doctest: +SKIP
+        """
+        from .report import report
+
+        return report(self, context, lose)
 
     # --- serialisation --------------------------------------------------------------------
     def to_dict(self, stats: bool = True) -> dict[str, Any]:
