@@ -314,12 +314,14 @@ class Engine:
         # NOTE: groups in flight together fill the pipeline: one runs on a stage while another
         # runs on the next (each session stays in one group, so its tokens stay in order)
         greedy = [all(not c.sampling.do_sample and not c.cancelled for c, _ in part) for part in parts]
-        runs = [self._pool.submit(self._decode, [s for _, s in part], g)
-                for part, g in zip(parts[1:], greedy[1:])]
+        # NOTE: no step is queued behind a group's last one (a call that ends frees its caches)
+        more = [all(c.produced + 1 < c.max_new for c, _ in part) for part in parts]
+        runs = [self._pool.submit(self._decode, [s for _, s in part], g, m)
+                for part, g, m in zip(parts[1:], greedy[1:], more[1:])]
         results: list[Any] = []
-        for part, g, fut in zip(parts, greedy, [None, *runs]):
+        for part, g, m, fut in zip(parts, greedy, more, [None, *runs]):
             try:
-                results.append(self._decode([s for _, s in part], g) if fut is None else fut.result())
+                results.append(self._decode([s for _, s in part], g, m) if fut is None else fut.result())
             except BaseException as e:  # noqa: BLE001 - fails the calls of these rows only
                 results.append(e)
         for part, res in zip(parts, results):
@@ -381,10 +383,11 @@ class Engine:
             self.stats.prefill_steps += not replay
         return logits
 
-    def _decode(self, sessions: list[Session], greedy: bool = False) -> torch.Tensor:
+    def _decode(self, sessions: list[Session], greedy: bool = False, more: bool = True) -> torch.Tensor:
         """One decode step of ``sessions``. A greedy group with the same sessions as last step
-        finds this step queued already, and queues the next one behind it: its tokens are picked
-        on the worker from this step's logits, as ``pick`` picks them here."""
+        finds this step queued already, and queues the next one behind it (unless this is its
+        last, ``more=False``): its tokens are picked on the worker from this step's logits, as
+        ``pick`` picks them here."""
         batch = bucket(len(sessions), self.batch_sizes)
         self._prepare(batch, 1)
         feed = _feed([(s.sid, s.cached, s.tokens[s.cached:]) for s in sessions], batch, 1)
@@ -401,10 +404,11 @@ class Engine:
                 if ahead is not None:
                     self._queueing.discard(ahead[0])
                 handle = self._queueing.submit_step(batch, 1, feed)
-            nxt = _feed([(s.sid, s.cached + 1, [0]) for s in sessions], batch, 1)
-            queued = self._queueing.submit_step(batch, 1, nxt, after=handle)
-            with self._ahead_lock:
-                self._ahead[key] = (queued, tuple(n + 1 for n in starts))
+            if more:
+                nxt = _feed([(s.sid, s.cached + 1, [0]) for s in sessions], batch, 1)
+                queued = self._queueing.submit_step(batch, 1, nxt, after=handle)
+                with self._ahead_lock:
+                    self._ahead[key] = (queued, tuple(n + 1 for n in starts))
             try:
                 logits = self._queueing.step_result(handle)
             except WorkerLost as e:
@@ -478,6 +482,12 @@ class Engine:
             self._active.remove(call)
         for s in call.sessions:
             s.done = True
+        ended = {s.sid for s in call.sessions}
+        with self._ahead_lock:     # NOTE: a step queued for these sessions is never needed now
+            gone = [k for k in self._ahead if ended.intersection(k)]
+            queued = [self._ahead.pop(k)[0] for k in gone]
+        for h in queued:
+            self._queueing.discard(h)
         if not call.keep:
             with self._cond:
                 self._open -= len(call.sessions)
