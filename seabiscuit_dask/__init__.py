@@ -19,6 +19,7 @@ from .errors import (
     BadInput,
     BudgetTooSmall,
     ClusterTooSmall,
+    DeviceUnavailable,
     InvalidGraph,
     SeaBiscuitError,
     UnsupportedModel,
@@ -45,11 +46,11 @@ from .version import __version__ as __version__
 
 __all__ = [
     "AccessDenied", "BadCheckpoint", "BadInput", "BudgetTooSmall", "CapacityChanged", "ClusterSpec",
-    "ClusterTooSmall", "DaskSpec", "DeviceAdded", "DeviceLost", "DeviceSpec", "DistributedModel",
-    "InvalidGraph", "LinkSpec", "Op", "OpCost", "OpGraph", "ParamSource", "ParamSpec", "PlacementState",
-    "Plan", "SeaBiscuitError", "SeaBiscuitSchedulerPlugin", "SeaBiscuitWorkerPlugin", "TensorSpec",
-    "UnsupportedModel", "UnsupportedOp", "WorkerLost", "bind_checkpoint", "build_empty", "config",
-    "decompose", "deploy", "distribute", "empty_weights", "measure_cluster", "place", "replan",
+    "ClusterTooSmall", "DaskSpec", "DeviceAdded", "DeviceLost", "DeviceSpec", "DeviceUnavailable",
+    "DistributedModel", "InvalidGraph", "LinkSpec", "Op", "OpCost", "OpGraph", "ParamSource", "ParamSpec",
+    "PlacementState", "Plan", "SeaBiscuitError", "SeaBiscuitSchedulerPlugin", "SeaBiscuitWorkerPlugin",
+    "TensorSpec", "UnsupportedModel", "UnsupportedOp", "WorkerLost", "bind_checkpoint", "build_empty",
+    "config", "decompose", "deploy", "distribute", "empty_weights", "measure_cluster", "place", "replan",
     "run_local", "simulate", "trace", "verify",
 ]
 

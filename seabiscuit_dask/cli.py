@@ -68,6 +68,10 @@ def _place(graph: OpGraph, args: argparse.Namespace) -> None:
     plan = place(graph, spec)
     print(plan.table())
     print(f"lower bound {lower_bound_s(graph, spec) * 1e3:.2f} ms")
+    lose: list[list[str]] = []
+    for n in args.lose or ():       # NOTE: "a,b": lost together; "all": each device in turn
+        lose += [[d] for d in spec.names] if n == "all" else [n.split(",")]
+    print(f"\n{plan.report(context=args.context, lose=lose)}")
     if args.plan_json:
         Path(args.plan_json).write_text(plan.to_json())
         print(f"wrote {args.plan_json}")
@@ -78,9 +82,9 @@ def _demo(args: argparse.Namespace) -> int:
 
     if args.model == "smollm2":
         return run_generate(None, None, CHAT_PROMPT, True, args.workers or 2, args.scheduler, 48, args.budget,
-                            4, serve=args.serve)
+                            4, serve=args.serve, device=args.device)
     return run(args.model, args.workers or 4, args.requests, args.concurrency, args.scheduler, args.budget,
-               args.seq, serve=args.serve)
+               args.seq, serve=args.serve, device=args.device)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -88,7 +92,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     return run_generate(args.model, args.gguf, args.prompt, args.chat, args.workers, args.scheduler,
                         args.max_new_tokens, args.budget, args.sessions, check=not args.no_check,
-                        serve=args.serve)
+                        serve=args.serve, device=args.device)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -103,6 +107,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cluster", default=None,
                    help="place on this cluster: a preset (4x(3gpu+cpu), 2x(1gpu+cpu), 4xcpu) or a YAML file")
     p.add_argument("--plan-json", default=None, help="write the Plan to this file (needs --cluster)")
+    p.add_argument("--context", type=int, default=None,
+                   help="tokens per generation session, for the KV-cache room in the report (default 512)")
+    p.add_argument("--lose", action="append", default=None, metavar="NAME",
+                   help="report what losing this device changes (repeatable; a,b: lost together; "
+                        "all: each device in turn)")
     p.set_defaults(func=_plan)
     d = sub.add_parser("demo", help="serve a model bigger than any one worker on a Dask cluster")
     d.add_argument("--model", default="smollm2",
@@ -115,6 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--scheduler", default=None, help="use the cluster at this address instead")
     d.add_argument("--budget", default=None, help="per-micro-op memory budget (default from config)")
     d.add_argument("--seq", type=int, default=None, help="sequence length of the requests")
+    d.add_argument("--device", choices=config.DEVICES, default=None,
+                   help="where the model runs: auto (GPUs where workers have them), cuda (GPU workers "
+                        "only), cpu (CPUs only) (default: config seabiscuit.device, auto)")
     d.add_argument("--serve", action="store_true",
                    help="afterwards keep the cluster, the model and the dashboard up until Ctrl-C")
     d.set_defaults(func=_demo)
@@ -133,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--budget", default=None, help="per-micro-op memory budget (default from config)")
     g.add_argument("--sessions", type=int, default=4, help="sessions to keep KV-cache room for")
     g.add_argument("--no-check", action="store_true", help="skip the check against the local model")
+    g.add_argument("--device", choices=config.DEVICES, default=None,
+                   help="where the model runs: auto (GPUs where workers have them), cuda (GPU workers "
+                        "only), cpu (CPUs only) (default: config seabiscuit.device, auto)")
     g.add_argument("--serve", action="store_true",
                    help="afterwards keep the cluster, the model and the dashboard up until Ctrl-C")
     g.set_defaults(func=_generate)

@@ -40,6 +40,21 @@ def to_bytes(value: int | str, what: str = "budget") -> int:
     return n
 
 
+DEVICES = ("auto", "cuda", "cpu")
+
+
+def device_choice(value: str | None = None) -> str:
+    """Where models run: ``value``, else config ``seabiscuit.device``; one of ``DEVICES``.
+
+    ``"auto"``: on a worker's GPU where it has one, else on its CPU; ``"cuda"``: on GPU
+    workers only; ``"cpu"``: on CPUs and host memory, GPU workers included.
+    """
+    choice = value if value is not None else get("device", "auto")
+    if not isinstance(choice, str) or choice.lower() not in DEVICES:
+        raise SeaBiscuitError(f"device must be one of {', '.join(map(repr, DEVICES))}, got {choice!r}")
+    return choice.lower()
+
+
 def cache_dir() -> Path:
     """Folder for on-disk templates (config ``seabiscuit.cache.directory``)."""
     d = get("cache.directory")

@@ -169,7 +169,7 @@ def throughput(dm: Any, x: tuple[torch.Tensor, ...], requests: int, concurrency:
 
 
 def run(model_name: str, workers: int, requests: int, concurrency: int, scheduler: str | None,
-        budget: str | None, seq: int | None, serve: bool = False) -> int:
+        budget: str | None, seq: int | None, serve: bool = False, device: str | None = None) -> int:
     with contextlib.ExitStack() as stack:
         # NOTE: a wrong --scheduler fails before the (slow) model build.
         remote = stack.enter_context(connect(scheduler)) if scheduler else None
@@ -185,7 +185,7 @@ def run(model_name: str, workers: int, requests: int, concurrency: int, schedule
         client = remote if remote is not None else stack.enter_context(
             local_cluster(workers, worker_budget_bytes(weight_bytes, workers)))
         t = time.perf_counter()
-        dm = stack.enter_context(sb.distribute(model, client, x, budget=budget, progress=say))
+        dm = stack.enter_context(sb.distribute(model, client, x, budget=budget, device=device, progress=say))
         say(f"deployed in {time.perf_counter() - t:.1f} s\n")
         say(str(dm.plan))
         ys, dist_s = timed_calls(lambda: main_tensor(dm(*x)), requests)
@@ -266,8 +266,9 @@ class _Printer:
 
 def run_generate(model_path: str | None, gguf: str | None, prompt: str, chat: bool, workers: int,
                  scheduler: str | None, max_new_tokens: int, budget: str | None, sessions: int,
-                 check: bool = True, serve: bool = False) -> int:
-    """Serve a causal LM on workers none of which can hold it and stream its answer to ``prompt``."""
+                 check: bool = True, serve: bool = False, device: str | None = None) -> int:
+    """Serve a causal LM on workers none of which can hold it and stream its answer to ``prompt``;
+    ``device``: where it runs, as for ``sb.distribute``."""
     with contextlib.ExitStack() as stack:
         remote = stack.enter_context(connect(scheduler)) if scheduler else None
         model, tok, description = load_causal_lm(model_path, gguf)
@@ -296,7 +297,8 @@ def run_generate(model_path: str | None, gguf: str | None, prompt: str, chat: bo
         # NOTE: generation reads the logits of the last position only: so does the deployment
         keep = {"logits_to_keep": 1} if accepts(weights, "logits_to_keep") else None
         dm = stack.enter_context(sb.distribute(model, client, example, budget=budget, kwargs=keep,
-                                               sessions=sessions, context=context, progress=say))
+                                               sessions=sessions, context=context, device=device,
+                                               progress=say))
         say(f"deployed in {time.perf_counter() - t:.1f} s\n")
         say(str(dm.plan))
         largest = max(d.memory_bytes for d in dm.plan.spec.devices)

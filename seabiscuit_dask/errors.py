@@ -44,5 +44,10 @@ class ClusterTooSmall(SeaBiscuitError):
     """The cluster cannot hold the model."""
 
 
+class DeviceUnavailable(ClusterTooSmall):
+    """No worker of the cluster has the kind of device the model must run on (``device="cuda"``
+    and no GPU worker)."""
+
+
 class WorkerLost(SeaBiscuitError):
     """A worker was lost and its work could not be recovered."""

@@ -72,7 +72,8 @@ def test_workers_route_shows_budgets_and_resident_weights(served) -> None:
     assert len(workers) == 3
     for w in workers:
         assert w["agent"] and w["budget_bytes"] == WORKER_BUDGET and w["device"] == "cpu"
-        assert w["free_bytes"] == WORKER_BUDGET - w["weight_bytes"] - w["kv_cache_bytes"] - w["activation_bytes"]
+        used = w["weight_bytes"] + w["kv_cache_bytes"] + w["activation_bytes"]
+        assert w["free_bytes"] == WORKER_BUDGET - used
         assert w["name"] in plan.spec.names and w["gpus"] == []
 
 

@@ -84,6 +84,7 @@ class BlockSpec:
     checksums: Mapping[str, int] = field(default_factory=dict)   # param -> CRC-32 of its tile, if known
     checkpoint_dir: str = ""              # where block outputs are checkpointed ("" = not)
     verify_every: int = 0                 # check resident tiles every N runs (0 = only on reads)
+    kind: str = ""                        # its plan device's kind: "cpu" runs on the CPU even on a GPU worker
 
     @property
     def weight_bytes(self) -> int:
@@ -106,7 +107,7 @@ class BlockSpec:
             "imports": {k: t.to_dict() for k, t in self.imports.items()},
             "exports": list(self.exports), "sources": list(self.sources), "address": self.address,
             "checksums": dict(self.checksums), "checkpoint_dir": self.checkpoint_dir,
-            "verify_every": self.verify_every,
+            "verify_every": self.verify_every, "kind": self.kind,
         }
 
     @classmethod
@@ -118,7 +119,7 @@ class BlockSpec:
             {k: TensorSpec.from_dict(t) for k, t in d["imports"].items()},
             tuple(d["exports"]), tuple(int(s) for s in d["sources"]), str(d.get("address", "")),
             {k: int(v) for k, v in dict(d.get("checksums") or {}).items()}, str(d.get("checkpoint_dir", "")),
-            int(d.get("verify_every", 0)),
+            int(d.get("verify_every", 0)), str(d.get("kind", "")),
         )
 
 
@@ -162,11 +163,12 @@ def block_specs(plan: Any, model_id: str, version: int = 0, checkpoint_dir: str 
     for b, blk in enumerate(blocks):
         ops = tuple(members[b])
         params = {p: graph.params[p] for op in ops for p in op.params}
-        address = plan.spec.devices[plan.spec.index(blk.device)].address
+        dev = plan.spec.devices[plan.spec.index(blk.device)]
         out.append(BlockSpec(model_id, version, b, blk.device, ops, params,
                              {t: graph.tensors[t] for t in imports[b]}, tuple(exported[b]),
-                             tuple(imports[b].values()), address,
-                             {p: int(crcs[p]) for p in params if p in crcs}, checkpoint_dir, verify_every))
+                             tuple(imports[b].values()), dev.address,
+                             {p: int(crcs[p]) for p in params if p in crcs}, checkpoint_dir, verify_every,
+                             dev.kind))
     return out
 
 

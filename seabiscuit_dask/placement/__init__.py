@@ -24,7 +24,6 @@ from .simulate import Schedule, lower_bound_s, simulate
 
 __all__ = [
     "BASELINES", "NO_DASK", "PRESETS", "PROFILES", "Block", "CapacityChanged", "ClusterSpec", "DaskSpec",
-    "DeviceAdded",
-    "DeviceLost", "DeviceSpec", "LinkSpec", "Plan", "PlanReport", "Schedule", "heft", "lower_bound_s", "metis",
-    "pipeline", "place", "replan", "round_robin", "simulate",
+    "DeviceAdded", "DeviceLost", "DeviceSpec", "LinkSpec", "Plan", "PlanReport", "Schedule", "heft",
+    "lower_bound_s", "metis", "pipeline", "place", "replan", "round_robin", "simulate",
 ]

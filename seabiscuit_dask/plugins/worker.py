@@ -17,6 +17,7 @@ from typing import Any
 import psutil
 from distributed import WorkerPlugin
 
+from .. import config
 from ..runtime import access, agent
 from ..runtime.resident import ResidentBlocks
 from ..runtime.tasks import PLUGIN_NAME
@@ -36,13 +37,16 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
         self.worker = worker
         agent.tune_malloc()
         torch.set_num_threads(max(1, int(worker.state.nthreads)))
-        self.device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-        gpu_bytes = (torch.cuda.get_device_properties(0).total_memory
-                     if self.device.type == "cuda" else None)
+        self.device = torch.device(self.choose_device(worker))
+        props = torch.cuda.get_device_properties(0) if self.device.type == "cuda" else None
         self.memory_limit = getattr(getattr(worker, "memory_manager", None), "memory_limit", None)
-        budget = agent.worker_budget(dict(worker.state.total_resources), self.memory_limit, gpu_bytes)
-        self.report = agent.static_report(int(worker.state.nthreads), self.memory_limit, self.device.type)
-        self.resident = ResidentBlocks(budget, self.device, worker.address)
+        resources = dict(worker.state.total_resources)
+        budget = agent.worker_budget(resources, self.memory_limit, props.total_memory if props else None)
+        self.report = agent.static_report(int(worker.state.nthreads), self.memory_limit, self.device.type,
+                                          str(getattr(props, "uuid", "") or "") or None)
+        # NOTE: a GPU worker also runs models placed with device="cpu", in host memory
+        host_budget = agent.worker_budget(resources, self.memory_limit, None) if props else None
+        self.resident = ResidentBlocks(budget, self.device, worker.address, host_budget_bytes=host_budget)
         self.process = psutil.Process()
         self.process.cpu_percent()
         self.simulated: dict[str, float] = {}       # readings injected by tests and drills
@@ -53,6 +57,22 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
         worker.handlers["seabiscuit_report"] = self.report_now
         worker.handlers["seabiscuit_drop_sessions"] = self.drop_sessions
         worker.loop.add_callback(self._hello)
+
+    @staticmethod
+    def choose_device(worker: Any = None) -> str:
+        """The worker's own device: CUDA where it has it, unless config ``seabiscuit.device`` is
+        ``cpu`` (an operator's ``DASK_SEABISCUIT__DEVICE=cpu``); ``cuda`` without CUDA warns."""
+        import torch
+
+        choice = config.device_choice()
+        if choice == "cpu":
+            return "cpu"
+        if torch.cuda.is_available():
+            return "cuda"
+        if choice == "cuda":
+            logger.warning("seabiscuit: worker %s is configured with device 'cuda' but has no CUDA "
+                           "device: it runs models on its CPU", getattr(worker, "address", ""))
+        return "cpu"
 
     async def _hello(self) -> None:
         """Tell the scheduler plugin this worker can be placed on (before any heartbeat carries it)."""
@@ -79,15 +99,24 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
 
     # --- reporting ------------------------------------------------------------------------
     def metrics(self, worker: Any = None) -> dict[str, Any]:
-        live = {**agent.live_report(self.process), **self.simulated}
+        live = {**agent.live_report(self.process, (self.report.get("gpu") or {}).get("index")),
+                **self.simulated}
         self._check_pressure(live)
         r = self.resident
         self.forecast.update(memory_available_bytes=live["memory_available_bytes"],
                              host_cpu_idle=live["host_cpu_idle"])
         return {**self.report, **live, **self.forecast.report(),
                 "budget_bytes": r.budget_bytes, "resident_bytes": r.resident_bytes,
-                "kv_cache_bytes": r.kv.nbytes, "kv_sessions": r.kv_sessions(),
-                "blocks": len(r.programs), "models": dict(r.versions), **r.counters}
+                "weight_bytes": r.weight_bytes, "kv_cache_bytes": r.kv.nbytes, "kv_sessions": r.kv_sessions(),
+                "blocks": len(r.programs), "models": dict(r.versions), **r.counters,
+                **self._as_cpu()}
+
+    def _as_cpu(self) -> dict[str, Any]:
+        """What a model placed with device="cpu" gets on a GPU worker: host-side speeds and budget."""
+        speeds = self.report.get("as_cpu")
+        if not speeds:
+            return {}
+        return {"as_cpu": {**speeds, "budget_bytes": self.resident.host_budget_bytes}}
 
     def report_now(self, comm: Any = None) -> dict[str, Any]:
         return self.metrics()

@@ -617,7 +617,7 @@ class _StoreOwner:
 def distribute(model_or_path: Any, client: Any, example_inputs: Any, budget: int | str | None = None, *,
                kwargs: Mapping[str, Any] | None = None, checkpoint: str | os.PathLike[str] | None = None,
                checkpoint_dir: str | os.PathLike[str] | None = None, verify_every: int | None = None,
-               sessions: int | None = None, context: int | None = None,
+               sessions: int | None = None, context: int | None = None, device: str | None = None,
                progress: Progress | None = None) -> DistributedModel:
     """Trace, decompose, place and deploy a model on the cluster behind ``client``.
 
@@ -638,6 +638,12 @@ def distribute(model_or_path: Any, client: Any, example_inputs: Any, budget: int
         ``seabiscuit.generate.reserve-sessions``, 0, and the model's maximum
         positions), next to the attention blocks that will hold them; at most
         ``sessions`` may be open at once (else ``seabiscuit.generate.max-sessions``).
+    device : {"auto", "cuda", "cpu"}, optional
+        Where the model runs (default: config ``seabiscuit.device``, ``"auto"``): ``"auto"``
+        on each worker's GPU where it has one, else on its CPU; ``"cuda"`` on GPU workers
+        only (``DeviceUnavailable`` at once, before any weight moves, when there are none);
+        ``"cpu"`` on CPUs and host memory only, GPU workers included (with their host-memory
+        budgets). The choice is part of the plan (its devices' kinds) and holds after repairs.
     checkpoint_dir, verify_every, progress
         As for ``deploy``.
 
@@ -653,15 +659,20 @@ def distribute(model_or_path: Any, client: Any, example_inputs: Any, budget: int
 
     say = progress or _quiet
     nbytes = config.to_bytes(budget if budget is not None else config.get("budget"))
+    choice = config.device_choice(device)
     t0 = time.perf_counter()
-    spec = measure_cluster(client)        # NOTE: fails early without the plugin
-    say(f"cluster: {len(spec.devices)} workers, {fmt_bytes(spec.memory_bytes)} of budget free "
-        f"(measured in {time.perf_counter() - t0:.2f} s)")
+    spec = measure_cluster(client, device=choice)    # NOTE: fails early without the plugin or the device
+    kinds = ", ".join(f"{sum(d.kind == k for d in spec.devices)} {k}" for k in ("gpu", "cpu")
+                      if any(d.kind == k for d in spec.devices))
+    say(f"cluster: {len(spec.devices)} workers ({kinds}, device={choice}), {fmt_bytes(spec.memory_bytes)} "
+        f"of budget free (measured in {time.perf_counter() - t0:.2f} s)")
     t0 = time.perf_counter()
     say("tracing ...")
     graph = trace(model_or_path, example_inputs, kwargs, checkpoint=checkpoint)
     say(f"decomposing {len(graph.ops)} ops at {fmt_bytes(nbytes)} per op ...")
     micro = decompose(graph, nbytes)
+    if choice != "auto":     # NOTE: repairs on the scheduler keep the model on this kind of device
+        micro = micro.with_meta(device=choice)
     say(f"{len(micro.ops)} micro-ops in {time.perf_counter() - t0:.2f} s; placing ...")
     n_sessions = int(sessions if sessions is not None else config.get("generate.reserve-sessions", 0) or 0)
     reserve, limit, module = 0, 0, model_or_path

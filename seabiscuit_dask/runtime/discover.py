@@ -22,7 +22,8 @@ import time
 import uuid
 from typing import Any
 
-from ..errors import ClusterTooSmall, SeaBiscuitError
+from .. import config
+from ..errors import ClusterTooSmall, DeviceUnavailable, SeaBiscuitError
 from ..placement.cluster import DEFAULT_LINKS, ClusterSpec, DaskSpec, DeviceSpec, LinkSpec
 from .agent import median_s
 
@@ -53,6 +54,69 @@ def device_from_report(info: dict[str, Any], name: str | None = None) -> DeviceS
                       {"matmul": float(r["matmul_flops_per_s"]), "other": float(r["other_flops_per_s"])},
                       float(r["mem_bytes_per_s"]), float(r["op_overhead_s"]),
                       host=str(info["host"]), rack="rack0", address=str(info["address"]))
+
+
+def for_device(info: dict[str, Any], device: str) -> dict[str, Any] | None:
+    """``info`` as a model placed with ``device`` sees the worker, or None when it may not use it.
+
+    ``cuda``: GPU workers only. ``cpu``: every worker, a GPU worker as the CPU device it also
+    is (its agent's ``as_cpu`` figures: host-memory budget, speeds measured on its CPU).
+    ``auto``: every worker as it is.
+    """
+    r = info["report"]
+    on_gpu = r.get("device") == "cuda"
+    if device == "cuda":
+        return info if on_gpu else None
+    if device == "cpu" and on_gpu:
+        host = r.get("as_cpu")
+        return {**info, "report": {**r, **host, "device": "cpu"}} if host else None
+    return info
+
+
+def no_device_error(infos: list[dict[str, Any]], device: str, where: str) -> DeviceUnavailable:
+    """What ``measure_cluster(device=...)`` raises when no worker can run the model there."""
+    seen = ", ".join(f"{i['address']} ({i['report'].get('device', 'cpu')})" for i in infos[:8])
+    more = f" and {len(infos) - 8} more" if len(infos) > 8 else ""
+    if device == "cuda":
+        return DeviceUnavailable(
+            f"device='cuda' needs GPU workers, but none of the {len(infos)} worker(s) of the cluster at "
+            f"{where} has one: {seen}{more}. Start GPU workers (dask-cuda's LocalCUDACluster or "
+            "`dask cuda worker`), or use device='auto' (GPUs where there are any) or device='cpu'")
+    return DeviceUnavailable(
+        f"device={device!r}: none of the {len(infos)} worker(s) of the cluster at {where} reports what "
+        f"it can offer there: {seen}{more}; use device='auto'")
+
+
+def nvml_link(a: dict[str, Any], b: dict[str, Any]) -> LinkSpec | None:
+    """The nominal link between two GPU workers of one host from NVML's topology (their agents'
+    ``gpu``, ``gpus`` and ``gpu_links``), or None when that is not known."""
+    ra, rb = a["report"], b["report"]
+    if a["host"] != b["host"] or ra.get("device") != "cuda" or rb.get("device") != "cuda":
+        return None
+    mine, theirs = ra.get("gpu") or {}, rb.get("gpu") or {}
+    index = {g.get("pci_bus_id"): g.get("index") for g in ra.get("gpus") or ()}
+    j = index.get(theirs.get("pci_bus_id")) if theirs.get("pci_bus_id") else None
+    if mine.get("index") is None or j is None or j == mine["index"]:
+        return None
+    for link in ra.get("gpu_links") or ():
+        if link.get("a") == mine["index"] and link.get("b") == j and link.get("bandwidth_bytes_per_s"):
+            level = "nvlink" if link.get("kind") == "nvlink" else "pcie"
+            return LinkSpec(float(link["bandwidth_bytes_per_s"]), DEFAULT_LINKS[level].latency_s)
+    return None
+
+
+def topology_matrix(spec: ClusterSpec, infos: list[dict[str, Any]]) -> Any:
+    """The link matrix of ``spec`` (its devices in the order of ``infos``) by topology level, with
+    NVML's figure for each pair of GPU workers on one host where the agents know it; None when
+    NVML knows no pair (the levels say it all)."""
+    known = {(a, b): link for a, ia in enumerate(infos) for b, ib in enumerate(infos)
+             if a != b and (link := nvml_link(ia, ib)) is not None}
+    if not known:
+        return None
+    n = len(infos)
+    links = [[known.get((a, b)) or spec.links[spec.level(a, b)] for b in range(n)] for a in range(n)]
+    return tuple(tuple(tuple(0.0 if a == b else getattr(links[a][b], f) for b in range(n)) for a in range(n))
+                 for f in ("bandwidth_bytes_per_s", "latency_s"))
 
 
 def _payload(nbytes: int) -> bytes:
@@ -218,7 +282,7 @@ def same_speed(infos: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def measure_cluster(client: Any, *, probe: bool = True) -> ClusterSpec:
+def measure_cluster(client: Any, *, probe: bool = True, device: str | None = None) -> ClusterSpec:
     """The live cluster behind a ``distributed.Client``: one device per worker.
 
     Built from the reports of SeaBiscuit's worker agents (free memory budget,
@@ -227,14 +291,29 @@ def measure_cluster(client: Any, *, probe: bool = True) -> ClusterSpec:
     Dask (``probe_links``). Needs ``SeaBiscuitSchedulerPlugin``.
     A worker whose budget other models already fill is left out.
 
+    ``device`` (default: config ``seabiscuit.device``): ``"auto"`` takes every worker as
+    it is; ``"cuda"`` only GPU workers (``DeviceUnavailable`` without any); ``"cpu"``
+    every worker as a CPU device, a GPU worker with its host-memory budget and CPU speeds,
+    so a plan placed on the spec runs on CPUs only (``BlockSpec.kind``).
+
+    Without ``probe`` the links are those of the topology levels, except between GPU
+    workers of one host whose agents read the link from NVML (NVLink or the PCIe path,
+    ``agent.gpu_links``). Measured links are always used as measured: activations move
+    between workers through host memory and Dask's comms, never over NVLink, so a
+    nominal NVLink figure would only overstate them.
+
     >>> spec = sb.measure_cluster(client)      # doctest: +SKIP
     >>> print(spec.table())                     # doctest: +SKIP
     """
-    infos = sorted(workers_info(client), key=lambda i: (i["host"], i["address"]))
-    for i in infos:
-        i["report"] = {**i["report"], "budget_bytes": forecast_budget(i, infos)}
-    if not infos:
+    choice = config.device_choice(device)
+    every = sorted(workers_info(client), key=lambda i: (i["host"], i["address"]))
+    if not every:
         raise ClusterTooSmall(f"the cluster at {client.scheduler.address} has no workers")
+    infos = [j for j in (for_device(i, choice) for i in every) if j is not None]
+    if not infos:
+        raise no_device_error(every, choice, client.scheduler.address)
+    for i in infos:
+        i["report"] = {**i["report"], "budget_bytes": forecast_budget(i, every)}
     full = [i for i in infos if int(i["report"]["budget_bytes"]) <= 0]
     infos = [i for i in infos if i not in full]
     if not infos:
@@ -248,7 +327,8 @@ def measure_cluster(client: Any, *, probe: bool = True) -> ClusterSpec:
         devices.append(device_from_report(info, name))
     links = dict(DEFAULT_LINKS)
     if not probe:
-        return ClusterSpec(tuple(devices), links)
+        spec = ClusterSpec(tuple(devices), links)
+        return ClusterSpec(spec.devices, links, topology_matrix(spec, infos))
     dask = measure_dask(client, str(infos[0]["address"]))
     if len(infos) == 1:
         return ClusterSpec(tuple(devices), links, None, dask)

@@ -41,12 +41,20 @@ def tensor_bytes(t: torch.Tensor) -> int:
 
 
 class ResidentBlocks:
-    """Blocks of deployed models kept on one worker, within ``budget_bytes``."""
+    """Blocks of deployed models kept on one worker, within ``budget_bytes``.
 
-    def __init__(self, budget_bytes: int, device: torch.device | str = "cpu", address: str = "") -> None:
+    Blocks run on the worker's ``device``, except those whose plan device is a CPU
+    (``BlockSpec.kind == "cpu"``: a model placed with ``device="cpu"``), which run on the
+    CPU with their tiles in host memory, within ``host_budget_bytes`` on a GPU worker.
+    """
+
+    def __init__(self, budget_bytes: int, device: torch.device | str = "cpu", address: str = "",
+                 host_budget_bytes: int | None = None) -> None:
         self.budget_bytes = int(budget_bytes)
         self.device = torch.device(device)
         self.address = address
+        self.host_budget_bytes = int(host_budget_bytes if host_budget_bytes is not None else budget_bytes)
+        self._running = threading.local()             # the device of the block this thread runs
         self.programs: dict[tuple[str, int], BlockProgram] = {}
         self.tiles: dict[str, dict[tuple[Any, ...], torch.Tensor]] = {}
         self.tile_crc: dict[str, dict[tuple[Any, ...], int]] = {}
@@ -55,20 +63,40 @@ class ResidentBlocks:
         self.checkpoint_dirs: dict[str, Path] = {}
         self.runs: dict[tuple[str, int], int] = {}
         self.counters = dict.fromkeys(COUNTERS, 0)
-        self._stores: dict[str, WeightStore] = {}
-        self._loading: dict[tuple[str, Any], list[int]] = {}   # tile being read -> [bytes, loads]
+        self._stores: dict[tuple[str, str], WeightStore] = {}     # (model, device type) -> store
+        self._loading: dict[tuple[str, str, Any], list[int]] = {}   # (device, model, tile) -> [bytes, loads]
         self._lock = threading.Lock()
         self.kv = KVStore(self._reserve_cache)         # generation sessions' KV caches
 
+    def device_for(self, spec: BlockSpec) -> torch.device:
+        """Where ``spec`` runs here: on the CPU when its plan device is one, else on the worker's device."""
+        return torch.device("cpu") if spec.kind == "cpu" else self.device
+
+    def budget_for(self, device: torch.device) -> int:
+        """The budget of ``device``'s memory: host memory on a GPU worker has its own."""
+        on_host = device.type == "cpu" and self.device.type != "cpu"
+        return self.host_budget_bytes if on_host else self.budget_bytes
+
+    def bytes_on(self, device: torch.device) -> tuple[int, int]:
+        """(weight tile bytes, KV cache bytes) held in ``device``'s memory (every byte, on a worker
+        with one device)."""
+        if self.device.type == "cpu":          # NOTE: a CPU worker holds everything in host memory
+            return (self.weight_bytes, self.kv.nbytes) if device.type == "cpu" else (0, 0)
+        tiles = [t for ts in list(self.tiles.values()) for t in list(ts.values())]
+        caches = [c for layers in list(self.kv.caches.values()) for c in list(layers.values())]
+        return (sum(tensor_bytes(t) for t in tiles if t.device.type == device.type),
+                sum(c.nbytes for c in caches if c.k.device.type == device.type))
+
     def _reserve_cache(self, nbytes: int, what: str) -> None:
         """Room for ``nbytes`` more of KV cache, within the budget next to the weight tiles."""
-        weights = self.weight_bytes
-        cache = self.kv.nbytes
-        if weights + cache + nbytes > self.budget_bytes:
+        dev = getattr(self._running, "device", None) or self.device
+        weights, cache = self.bytes_on(dev)
+        budget = self.budget_for(dev)
+        if weights + cache + nbytes > budget:
             raise ClusterTooSmall(
                 f"worker {self.address} cannot grow {what}: it holds {fmt_bytes(weights)} of weights and "
                 f"{fmt_bytes(cache)} of KV cache, {fmt_bytes(nbytes)} more exceeds its budget of "
-                f"{fmt_bytes(self.budget_bytes)} ({weights} + {cache} + {nbytes} > {self.budget_bytes} "
+                f"{fmt_bytes(budget)} ({weights} + {cache} + {nbytes} > {budget} "
                 "bytes); close sessions, lower max_new_tokens, or give the model more workers")
 
     def kv_sessions(self) -> dict[str, int]:
@@ -92,19 +120,25 @@ class ResidentBlocks:
         return {m: sum(tensor_bytes(t) for t in list(ts.values())) for m, ts in list(self.tiles.items())}
 
     # --- loading -------------------------------------------------------------------------
-    def _store(self, model: str) -> WeightStore:
+    def _store(self, model: str, device: torch.device) -> WeightStore:
         with self._lock:
-            return self._stores.setdefault(model, WeightStore(device=self.device))
+            return self._stores.setdefault((model, device.type), WeightStore(device=device))
 
-    def _read_tile(self, spec: BlockSpec, name: str, p: ParamSpec) -> tuple[torch.Tensor, int]:
+    def _forget_stores(self, model: str) -> None:
+        """Drop ``model``'s open checkpoint handles (lock held)."""
+        for k in [k for k in self._stores if k[0] == model]:
+            del self._stores[k]
+
+    def _read_tile(self, spec: BlockSpec, name: str, p: ParamSpec,
+                   device: torch.device) -> tuple[torch.Tensor, int]:
         """Read one tile and check it against its reference checksum (re-read once on a mismatch)."""
         want = spec.checksums.get(name)
         got = 0
         for attempt in range(2):
             if attempt:     # NOTE: a fresh handle maps the file again (tiles may share its pages)
                 with self._lock:
-                    self._stores.pop(spec.model, None)
-            t = self._store(spec.model).load(p)
+                    self._forget_stores(spec.model)
+            t = self._store(spec.model, device).load(p)
             got = crc32(t)
             if want is None or got == want:
                 return t, got
@@ -130,6 +164,7 @@ class ResidentBlocks:
         each checked against its checksum.
         """
         self._check_spec(spec)
+        dev = self.device_for(spec)
         with self._lock:
             self._retire(spec.model, spec.version)
             have = self.programs.get((spec.model, spec.index))
@@ -137,22 +172,26 @@ class ResidentBlocks:
                 return have
             # NOTE: a load still running when its model is released must not bring it back
             keep = keep and spec.version == self.versions.get(spec.model) and spec.model not in self.released
-            tiles = self.tiles.get(spec.model, {})
+            # NOTE: only tiles on this block's device are shared (a block re-pinned from a CPU device)
+            tiles = {k: t for k, t in self.tiles.get(spec.model, {}).items() if t.device.type == dev.type}
             todo = {tile_key(p): (n, p) for n, p in spec.params.items() if tile_key(p) not in tiles}
             # NOTE: a tile another load is reading now is counted once, not once per load
-            need = sum(p.nbytes for k, (_, p) in todo.items() if (spec.model, k) not in self._loading)
-            held = self.resident_bytes + sum(b for b, _ in self._loading.values())   # NOTE: caches count too
-            if keep and held + need > self.budget_bytes:
+            need = sum(p.nbytes for k, (_, p) in todo.items()
+                       if (dev.type, spec.model, k) not in self._loading)
+            held = sum(self.bytes_on(dev)) + sum(b for (d, _, _), (b, _) in self._loading.items()
+                                                 if d == dev.type)     # NOTE: caches count too
+            budget = self.budget_for(dev)
+            if keep and held + need > budget:
                 raise ClusterTooSmall(
                     f"worker {self.address} cannot hold block b{spec.index} of model {spec.model}: it "
                     f"holds {fmt_bytes(held)} of shards, the block needs {fmt_bytes(need)} more, and its "
-                    f"budget is {fmt_bytes(self.budget_bytes)} ({held} + {need} > {self.budget_bytes} bytes)")
-            mine = [(spec.model, k) for k in todo] if keep else []
+                    f"budget is {fmt_bytes(budget)} ({held} + {need} > {budget} bytes)")
+            mine = [(dev.type, spec.model, k) for k in todo] if keep else []
             for k in mine:
-                entry = self._loading.setdefault(k, [todo[k[1]][1].nbytes, 0])
+                entry = self._loading.setdefault(k, [todo[k[2]][1].nbytes, 0])
                 entry[1] += 1
         try:
-            read = {k: self._read_tile(spec, n, p) for k, (n, p) in todo.items()}
+            read = {k: self._read_tile(spec, n, p, dev) for k, (n, p) in todo.items()}
         finally:
             with self._lock:
                 for k in mine:
@@ -167,7 +206,7 @@ class ResidentBlocks:
             for k, (t, c) in read.items():
                 tiles.setdefault(k, t)
                 crcs.setdefault(k, c)
-            program = BlockProgram.load(spec, lambda p: tiles[tile_key(p)], self.device)
+            program = BlockProgram.load(spec, lambda p: tiles[tile_key(p)].to(dev), dev)
             if keep:
                 self.programs[(spec.model, spec.index)] = program
         return program
@@ -227,7 +266,7 @@ class ResidentBlocks:
                                "and reading them again", name, program.spec.model, self.address)
                 with self._lock:
                     self._drop(program.spec.model)
-                    self._stores.pop(program.spec.model, None)   # NOTE: tiles may share the file's pages
+                    self._forget_stores(program.spec.model)   # NOTE: tiles may share the file's pages
                 return False
         return True
 
@@ -259,8 +298,12 @@ class ResidentBlocks:
         program = self.program(model, version, block, fetch)
         if not self.verify(program):
             program = self.program(model, version, block, fetch)
-        with using(self.kv, model):
-            out = run_block(program, inputs, deps)
+        self._running.device = program.device     # NOTE: KV caches grow in the budget of this device
+        try:
+            with using(self.kv, model):
+                out = run_block(program, inputs, deps)
+        finally:
+            self._running.device = None
         self.counters["block_runs"] += 1
         ckpt = ckpt or self.checkpoint_path(model, version, request, block)
         if ckpt is not None:
@@ -291,7 +334,7 @@ class ResidentBlocks:
             self.released.add(model)
             freed = self._drop(model) + self.kv.drop(model)
             self.versions.pop(model, None)
-            self._stores.pop(model, None)
+            self._forget_stores(model)
             self.tile_crc.pop(model, None)
             self.checkpoint_dirs.pop(model, None)
             for k in [k for k in self.runs if k[0] == model]:

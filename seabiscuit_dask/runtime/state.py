@@ -308,6 +308,14 @@ class Deployment:
         self.warm = {k for k in self.warm if k[0] == self.version or k[0] in self.history}
 
 
+def admits(dep: Deployment, device: DeviceSpec) -> bool:
+    """Whether ``dep`` may take ``device`` when it joins: a model placed with ``device="cuda"``
+    only GPU workers, one placed with ``device="cpu"`` only CPU workers (the scheduler knows a
+    GPU worker's budget as a GPU, so it does not take one as a CPU device)."""
+    choice = dep.plan.graph.meta.get("device", "auto")
+    return choice == "auto" or device.kind == {"cuda": "gpu", "cpu": "cpu"}.get(choice, device.kind)
+
+
 class PlacementState:
     """Deployed models, usable devices, and where every pinned task runs."""
 
@@ -484,7 +492,7 @@ class PlacementState:
         for dep in deps:
             if restored:
                 dep.excluded.pop(address, None)
-            if address in self.drained or address in dep.excluded:
+            if address in self.drained or address in dep.excluded or not admits(dep, device):
                 continue
             if dep.stranded:
                 out += self._recover(dep, device)
