@@ -6,7 +6,7 @@ or a model folder) on workers none of which can hold it, stream its answer to a
 prompt, and check the tokens against Hugging Face ``generate`` on the local
 model. ``demo --model gpt2-medium`` (or gpt2-tiny, minilm) serves forward passes
 of a built-in model instead, checks every answer and prints latency and
-throughput. Both print the plan and the dashboard's address; with ``--serve``
+throughput. Both print the plan and the address of the dashboard's SeaBiscuit page; with ``--serve``
 the cluster and the deployed model stay up until Ctrl-C.
 """
 
@@ -140,9 +140,14 @@ def wait_for_interrupt() -> None:
     threading.Event().wait()         # NOTE: interruptible by Ctrl-C on POSIX; nothing ever sets it
 
 
+def page_link(dashboard_link: str) -> str:
+    """The SeaBiscuit page of the dashboard at ``dashboard_link`` (which ends in ``/status``)."""
+    return dashboard_link.rsplit("/", 1)[0] + "/seabiscuit"
+
+
 def serve_until_interrupted(dashboard_link: str) -> None:
     """Block until Ctrl-C while the caller holds the cluster and the model (tests patch the wait)."""
-    say(f"\ndashboard at {dashboard_link}; serving until Ctrl-C")
+    say(f"\ndashboard at {page_link(dashboard_link)}; serving until Ctrl-C")
     try:
         wait_for_interrupt()
     except KeyboardInterrupt:
@@ -204,10 +209,10 @@ def run(model_name: str, workers: int, requests: int, concurrency: int, schedule
             f"(local, one process: {local_s * 1e3:.1f} ms; both warm, median of {max(1, requests)})")
         say(f"throughput   {rps:.2f} requests/s with {concurrency} in flight")
         if serve:
-            say(f"dashboard    {client.dashboard_link}")
+            say(f"dashboard    {page_link(client.dashboard_link)}")
             serve_until_interrupted(client.dashboard_link)
         else:
-            say(f"dashboard    {client.dashboard_link} "
+            say(f"dashboard    {page_link(client.dashboard_link)} "
                 "(closes when the demo ends; `seabiscuit demo --serve` keeps it open)")
     return 0 if max(errs) <= 1e-4 else 1
 
@@ -329,10 +334,11 @@ def run_generate(model_path: str | None, gguf: str | None, prompt: str, chat: bo
         say("programs     " + ", ".join(f"{k}: {v['tasks']} tasks, built in {v['build_s']:.1f} s"
                                         for k, v in stats["programs"].items()))
         if serve:
-            say(f"dashboard    {client.dashboard_link}")
+            say(f"dashboard    {page_link(client.dashboard_link)}")
             serve_until_interrupted(client.dashboard_link)
         else:
-            say(f"dashboard    {client.dashboard_link} (closes when this ends; --serve keeps it open)")
+            say(f"dashboard    {page_link(client.dashboard_link)} (closes when this ends; --serve keeps it "
+                "open)")
     return 0 if ok else 1
 
 

@@ -61,8 +61,9 @@ def test_demo_serve_keeps_the_dashboard_up_until_ctrl_c(capsys, monkeypatch) -> 
         seen.append(text)
         link = re.search(r"dashboard at (\S+); serving until Ctrl-C", text).group(1)
         opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        assert link.endswith("/seabiscuit")
         with opener.open(link, timeout=30) as r:
-            assert r.status == 200
+            assert r.status == 200 and b"bokeh.min.js" in r.read()
         raise KeyboardInterrupt
 
     monkeypatch.setattr(demo, "wait_for_interrupt", ctrl_c)

@@ -13,6 +13,7 @@ import math
 import statistics
 import time
 from collections import OrderedDict, deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -180,7 +181,7 @@ def _program_data(dep: Deployment, program: int, plan: Plan, scales: dict[str, d
                   activity: Activity) -> dict[str, Any]:
     seen = list(activity.latencies.get((dep.model, program), ()))
     step = plan.graph.meta.get("step") if program else None
-    label = f"step {step['batch']}x{step['length']}" if isinstance(step, dict) else (
+    label = f"step {step['batch']}x{step['length']}" if isinstance(step, Mapping) else (
         f"program {program}" if program else "forward")
     return {"program": program, "label": label, "blocks": len(plan.blocks),
             "predicted_s": predicted_s(plan, scales), "measured_s": seen[-50:],

@@ -18,7 +18,7 @@ from bokeh.models.annotations import Title
 from bokeh.models.widgets.inputs import Select
 from bokeh.models.widgets.markups import Div
 from bokeh.models.widgets.tables import DataTable, NumberFormatter, TableColumn
-from bokeh.palettes import Category20, Greys256
+from bokeh.palettes import Blues9, Greens9, Greys9, Greys256, Oranges9, Purples9, Reds9
 from bokeh.plotting import figure
 from bokeh.transform import linear_cmap
 
@@ -36,10 +36,13 @@ TITLES = {"memory": "Worker memory: weights, activations, KV cache, free",
           "timeline": "Block runs per worker (colour: model and layer)"}
 
 
+MODEL_PALETTES = (Blues9, Oranges9, Greens9, Purples9, Reds9, Greys9)
+
+
 def run_color(model_index: int, layers: str) -> str:
-    """A model's pair of shades from Category20, alternating by the block's first layer."""
+    """A hue per model, a shade per first layer of the block (six shades, dark to light, repeating)."""
     first = int(layers.split("-")[0]) if layers[:1].isdigit() else 0
-    return Category20[20][(2 * model_index) % 20 + first % 2]
+    return MODEL_PALETTES[model_index % len(MODEL_PALETTES)][first % 6]
 
 
 class SeaBiscuitPage:
@@ -72,8 +75,8 @@ class SeaBiscuitPage:
                      source=self.memory_source,
                      legend_label=["weights", "activations", "KV cache", "free"])
         f.xaxis.formatter = NumeralTickFormatter(format="0.0 b")
-        f.legend.location = "bottom_right"
         f.legend.orientation = "horizontal"
+        f.add_layout(f.legend[0], "below")
         f.add_tools(HoverTool(tooltips=[("worker", "@name"), ("", "@text")]))
         self.memory = f
 
@@ -118,6 +121,7 @@ class SeaBiscuitPage:
                    sizing_mode="stretch_width", tools="", toolbar_location=None)
         f.vbar(x="program", top="ms", width=0.8, source=self.latency_source,
                color=linear_cmap("kind", ["#9ecae1", "#08519c"], 0, 1))
+        f.xaxis.major_label_orientation = 1.0         # NOTE: "predicted" / "measured" under each program
         f.add_tools(HoverTool(tooltips=[("", "@program"), ("ms", "@ms{0.0}"), ("", "@text")]))
         self.latency = f
 
