@@ -24,6 +24,7 @@ from dask.sizeof import sizeof
 
 from ..errors import SeaBiscuitError
 from ..ir import Op, ParamSpec, TensorSpec
+from .fuse import fused_linear, linear_groups, span
 from .kernels import compile_args, resolve_target
 from .registry import require_registered
 
@@ -182,24 +183,53 @@ class BlockProgram:
     threads may run blocks of several requests at once.
     """
 
-    def __init__(self, spec: BlockSpec, weights: Mapping[str, torch.Tensor], device: torch.device) -> None:
+    def __init__(self, spec: BlockSpec, weights: Mapping[str, torch.Tensor], device: torch.device,
+                 fuse: bool = False) -> None:
         require_registered(spec.ops, f"block b{spec.index} of model {spec.model}")
         self.spec = spec
         self.device = device
         self.weights = dict(weights)
+        # NOTE: (fn, args, kwargs, inputs, outputs, multi) per kernel, before frees are known
+        kernels: list[tuple[Any, Any, Any, tuple[str, ...], tuple[str, ...], bool]] = []
+        fused = self._fused(fuse)
+        skip = {j for first, (_, members) in fused.items() for j in members if j != first}
+        for i, op in enumerate(spec.ops):
+            if i in fused:
+                kernel, members = fused[i]
+                ins = tuple(dict.fromkeys(t for j in members for t in spec.ops[j].inputs))
+                outs = tuple(spec.ops[j].outputs[0] for j in members)
+                kernels.append((kernel, compile_args([spec.ops[i].attrs["args"][0]], device),
+                                compile_args({}, device), ins, outs, True))
+            elif i not in skip:
+                kernels.append((resolve_target(op.target, op), compile_args(op.attrs.get("args", ()), device),
+                                compile_args(op.attrs.get("kwargs", {}), device), op.inputs, op.outputs,
+                                bool(op.attrs.get("multi"))))
+        self.fused_groups = len(fused)
         keep = set(spec.exports)
         last: dict[str, int] = {}
-        for i, op in enumerate(spec.ops):
-            for t in op.inputs:
+        for i, (_, _, _, ins, _, _) in enumerate(kernels):
+            for t in ins:
                 last[t] = i
         steps: list[Step] = []
-        for i, op in enumerate(spec.ops):
-            frees = tuple(t for t in dict.fromkeys(op.inputs) if last.get(t) == i and t not in keep)
-            frees += tuple(t for t in op.outputs if t not in last and t not in keep)
-            steps.append((resolve_target(op.target, op), compile_args(op.attrs.get("args", ()), device),
-                          compile_args(op.attrs.get("kwargs", {}), device), op.outputs,
-                          bool(op.attrs.get("multi")), frees))
+        for i, (fn, args, kwargs, ins, outs, multi) in enumerate(kernels):
+            frees = tuple(t for t in dict.fromkeys(ins) if last.get(t) == i and t not in keep)
+            frees += tuple(t for t in outs if t not in last and t not in keep)
+            steps.append((fn, args, kwargs, outs, multi, frees))
         self.steps = steps
+
+    def _fused(self, fuse: bool) -> dict[int, tuple[Any, tuple[int, ...]]]:
+        """First op of each linear group whose weights lie end to end -> (its kernel, the group's ops)."""
+        if not fuse:
+            return {}
+        shapes = {n: tuple(p.shape) for n, p in self.spec.params.items()}
+        out: dict[int, tuple[Any, tuple[int, ...]]] = {}
+        for g in linear_groups(self.spec.ops, shapes):
+            weight = span([self.weights[w] for w in g.weights])
+            bias = span([self.weights[b] for b in g.biases]) if g.biases else None
+            if weight is None or (g.biases and bias is None):
+                continue            # NOTE: tiles not packed together (loaded by another block): run apart
+            out[g.ops[0]] = (fused_linear(weight, bias, g.sizes), g.ops)
+        return out
 
     @property
     def nbytes(self) -> int:
@@ -207,9 +237,10 @@ class BlockProgram:
 
     @classmethod
     def load(cls, spec: BlockSpec, load_param: Callable[[ParamSpec], torch.Tensor],
-             device: torch.device) -> BlockProgram:
-        """Compile ``spec``, getting each parameter tile from ``load_param``."""
-        return cls(spec, {name: load_param(p) for name, p in spec.params.items()}, device)
+             device: torch.device, fuse: bool = False) -> BlockProgram:
+        """Compile ``spec``, getting each parameter tile from ``load_param``; ``fuse``: run the
+        linear tiles over one input as one kernel where their weights are packed (``lower.fuse``)."""
+        return cls(spec, {name: load_param(p) for name, p in spec.params.items()}, device, fuse)
 
     def run(self, imports: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         env: dict[str, torch.Tensor] = dict(self.weights)

@@ -17,9 +17,11 @@ from typing import Any
 
 import torch
 
+from .. import config
 from ..errors import BadCheckpoint, ClusterTooSmall
 from ..ir import ParamSpec, fmt_bytes
 from ..lower.blocks import BlockProgram, BlockSpec, run_block
+from ..lower.fuse import linear_groups, pack_rows, should_fuse
 from ..lower.kvcache import KVStore, using
 from ..weights import WeightStore
 from . import access
@@ -190,8 +192,11 @@ class ResidentBlocks:
             for k in mine:
                 entry = self._loading.setdefault(k, [todo[k[2]][1].nbytes, 0])
                 entry[1] += 1
+        fuse = should_fuse(dev, config.get("lower.fuse-tiles", "auto"))
         try:
             read = {k: self._read_tile(spec, n, p, dev) for k, (n, p) in todo.items()}
+            if fuse:
+                read = _packed(spec, read)
         finally:
             with self._lock:
                 for k in mine:
@@ -206,7 +211,7 @@ class ResidentBlocks:
             for k, (t, c) in read.items():
                 tiles.setdefault(k, t)
                 crcs.setdefault(k, c)
-            program = BlockProgram.load(spec, lambda p: tiles[tile_key(p)].to(dev), dev)
+            program = BlockProgram.load(spec, lambda p: tiles[tile_key(p)].to(dev), dev, fuse)
             if keep:
                 self.programs[(spec.model, spec.index)] = program
         return program
@@ -347,6 +352,27 @@ class ResidentBlocks:
             self.tiles.clear()
             self.kv.caches.clear()
             self._stores.clear()
+
+
+Read = dict[Any, tuple[torch.Tensor, int]]      # tile key -> (tile, CRC-32)
+
+
+def _packed(spec: BlockSpec, read: Read) -> Read:
+    """``read`` with the fresh tiles of each linear group laid end to end in one buffer, each tile
+    a view of it, so the block runs the group as one kernel on the weights as they are held."""
+    shapes = {n: tuple(p.shape) for n, p in spec.params.items()}
+    keys = {n: tile_key(p) for n, p in spec.params.items()}
+    packed: set[Any] = set()
+    for g in linear_groups(spec.ops, shapes):
+        for names in (g.weights, g.biases):
+            ks = [keys[n] for n in names]
+            # NOTE: a tile read before, or shared with another group, stays as it is
+            if len(ks) < 2 or len(set(ks)) < len(ks) or any(k not in read or k in packed for k in ks):
+                continue
+            for k, view in zip(ks, pack_rows([read[k][0] for k in ks])):
+                read[k] = (view, read[k][1])
+            packed.update(ks)
+    return read
 
 
 def writable(folder: str, where: str = "") -> Path:
