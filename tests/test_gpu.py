@@ -82,3 +82,18 @@ def test_local_cuda_cluster() -> None:
         reports = client.run(lambda dask_worker: dask_worker.plugins["seabiscuit"].metrics())
         named = [r["gpu"]["uuid"] for r in reports.values() if r.get("gpu")]
         assert len(set(named)) == len(named)
+
+
+def test_linear_tiles_run_as_one_kernel_on_the_gpu() -> None:
+    model, x = M.llama(), M.ids()
+    with torch.no_grad():
+        expected = model(x).logits
+    with seabiscuit_cluster(2, 2_000_000) as client:
+        with sb.distribute(model, client, (x,), budget="64KiB", device="cuda") as dm:
+            assert M.rel_err(dm(x).logits, expected) <= 1e-4
+
+            def fused(dask_worker) -> int:
+                programs = dask_worker.plugins["seabiscuit"].resident.programs.values()
+                return sum(p.fused_groups for p in programs)
+
+            assert sum(client.run(fused).values()) > 0      # seabiscuit.lower.fuse-tiles: auto, on GPUs
