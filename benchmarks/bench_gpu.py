@@ -117,6 +117,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                     choices=("cuda", "cpu"))
     a = ap.parse_args()
+    if a.device == "cpu":
+        torch.set_num_threads(1)         # NOTE: as each worker (1 thread): a like-for-like check
     print(f"device {a.device}" + (f": {torch.cuda.get_device_name(0)}" if a.device == "cuda" else
                                   " (no GPU: checking the script, not measuring a GPU)"))
     part1(a.seq, a.reps, a.device)

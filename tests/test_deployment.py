@@ -42,8 +42,8 @@ def deployment(tmp_path_factory):
 
     d = tmp_path_factory.mktemp("deploy")
     sched_file = d / "scheduler.json"
-    procs = [_dask("scheduler", "--scheduler-file", str(sched_file), "--port", "0", "--no-dashboard",
-                   "--preload", PRELOAD, log=d / "scheduler.log")]
+    procs = [_dask("scheduler", "--scheduler-file", str(sched_file), "--port", "0",
+                   "--dashboard-address", "127.0.0.1:0", "--preload", PRELOAD, log=d / "scheduler.log")]
     try:
         wait_for(sched_file.exists, "the scheduler to write its file", 30)
         for i in range(2):
@@ -62,6 +62,25 @@ def test_preloaded_cluster_reports_its_workers(deployment) -> None:
     spec = sb.measure_cluster(deployment)
     assert sorted(d.name for d in spec.devices) == ["node0", "node1"]
     assert all(d.memory_bytes == WORKER_BUDGET for d in spec.devices)
+
+
+def test_the_preloaded_scheduler_has_the_seabiscuit_page(deployment) -> None:
+    import urllib.request
+
+    port = deployment.scheduler_info()["services"]["dashboard"]
+    base = f"http://127.0.0.1:{port}"
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+    def get(route: str) -> bytes:
+        with opener.open(f"{base}/{route}", timeout=30) as r:
+            return r.read()
+
+    assert b"static/js/bokeh.min.js" in get("seabiscuit") and b'href="seabiscuit"' in get("status")
+    panes = json.loads(get("individual-plots.json"))      # what dask-labextension lists
+    assert "/individual-seabiscuit-timeline" in panes.values()
+    workers = json.loads(get("seabiscuit/api/workers"))
+    assert sorted(w["name"] for w in workers) == ["node0", "node1"]
+    assert all(w["agent"] and w["budget_bytes"] == WORKER_BUDGET for w in workers)
 
 
 def test_gpt2_on_a_preloaded_cluster(deployment) -> None:
