@@ -12,8 +12,9 @@ from .clusters import seabiscuit_cluster, wait_for
 
 pytestmark = [pytest.mark.filterwarnings("ignore::ResourceWarning")]
 
-WIDTH = 2048           # two 2048 x 2048 float32 layers: 16 MiB of weights each
-WORKER_BUDGET = 24 << 20
+WIDTH = 4096           # two 4096 x 4096 float32 layers: 64 MiB of weights each, well above the
+                       # memory a worker takes for other things (imports, buffers) as it runs a request
+WORKER_BUDGET = 96 << 20
 
 
 def mlp() -> nn.Module:
@@ -34,7 +35,7 @@ def test_reported_process_memory_rises_by_the_resident_shards() -> None:
                     for a, ws in scheduler.workers.items()}
 
         before = reported()
-        with sb.distribute(model, client, (x,), budget="4MiB") as dm, torch.no_grad():
+        with sb.distribute(model, client, (x,), budget="16MiB") as dm, torch.no_grad():
             torch.testing.assert_close(dm(x), model(x), rtol=1e-4, atol=1e-5)
             planned = {d.address: int(dm.plan.weight_bytes[i]) for i, d in enumerate(dm.plan.spec.devices)}
             held = wait_for(lambda: (r := resident()) == planned and r, "heartbeats carrying resident bytes")
