@@ -6,10 +6,14 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from . import config
 from .errors import SeaBiscuitError
 from .ir import OpGraph
+
+if TYPE_CHECKING:
+    from .placement import ClusterSpec
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -63,7 +67,10 @@ def _place(graph: OpGraph, args: argparse.Namespace) -> None:
     from .placement.simulate import lower_bound_s
 
     c = args.cluster
-    spec = ClusterSpec.from_yaml(c) if Path(c).exists() else ClusterSpec.synthetic(c)
+    if "://" in c:
+        spec = _live_spec(c, args.device)
+    else:
+        spec = ClusterSpec.from_yaml(c) if Path(c).exists() else ClusterSpec.synthetic(c)
     print(f"\nplacing on {spec!r} ...", flush=True)
     plan = place(graph, spec)
     print(plan.table())
@@ -75,6 +82,19 @@ def _place(graph: OpGraph, args: argparse.Namespace) -> None:
     if args.plan_json:
         Path(args.plan_json).write_text(plan.to_json())
         print(f"wrote {args.plan_json}")
+
+
+def _live_spec(address: str, device: str | None) -> ClusterSpec:
+    """The workers of the cluster at ``address`` as they are now (their free budgets, speeds and
+    links, measured), for a dry run there: nothing is deployed."""
+    from .demo import connect
+    from .plugins import SeaBiscuitSchedulerPlugin
+    from .runtime.discover import measure_cluster
+
+    with connect(address) as client:
+        client.register_plugin(SeaBiscuitSchedulerPlugin())   # NOTE: idempotent: a preload's stays
+        print(f"measuring the cluster at {address} ...", flush=True)
+        return measure_cluster(client, device=device)
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -105,7 +125,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq", type=int, default=None, help="sequence length of the example input")
     p.add_argument("--json", default=None, help="write the decomposed OpGraph to this file")
     p.add_argument("--cluster", default=None,
-                   help="place on this cluster: a preset (4x(3gpu+cpu), 2x(1gpu+cpu), 4xcpu) or a YAML file")
+                   help="place on this cluster: a preset (4x(3gpu+cpu), 2x(1gpu+cpu), 4xcpu), a YAML file, "
+                        "or a scheduler's address (tcp://host:8786: its workers, measured; nothing deployed)")
+    p.add_argument("--device", choices=config.DEVICES, default=None,
+                   help="with a scheduler's address: the devices to plan on, as for distribute(device=)")
     p.add_argument("--plan-json", default=None, help="write the Plan to this file (needs --cluster)")
     p.add_argument("--context", type=int, default=None,
                    help="tokens per generation session, for the KV-cache room in the report (default 512)")

@@ -34,6 +34,22 @@ def test_plan_places_on_a_cluster_and_writes_the_plan(capsys, tmp_path) -> None:
     assert "unknown cluster preset" in capsys.readouterr().err
 
 
+def test_plan_dry_runs_on_a_live_cluster_without_deploying(capsys) -> None:
+    from distributed import Client, LocalCluster
+
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=None,
+                      resources={"MEM": 3_000_000}) as cluster, Client(cluster) as client:
+        assert cli.main(["plan", "--model", "gpt2-tiny", "--budget", "64KiB", "--cluster",
+                         cluster.scheduler_address, "--lose", "all"]) == 0
+        text = capsys.readouterr().out
+        assert f"measuring the cluster at {cluster.scheduler_address}" in text
+        assert "w0" in text and "w1" in text and "headroom" in text and "lose w0" in text
+        plugin = cluster.scheduler.plugins["seabiscuit"]
+        assert plugin.state.models == {}                     # a dry run: nothing was deployed
+        held = client.run(lambda dask_worker: dask_worker.plugins["seabiscuit"].resident_bytes)
+        assert set(held.values()) == {0}
+
+
 def test_demo_serves_a_model_bigger_than_each_worker(capsys) -> None:
     assert cli.main(["demo", "--model", "gpt2-tiny", "--workers", "2", "--requests", "2",
                      "--concurrency", "2"]) == 0
