@@ -85,8 +85,10 @@ def chromium_page(width: int = 1400, height: int = 1700) -> Iterator[Page]:
     profile = tempfile.mkdtemp(prefix="sb-chromium-")
     env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
     proc = subprocess.Popen(
+        # NOTE: no background networking: on a closed network its connections only fail
         [exe, "--headless=new", "--no-sandbox", "--disable-gpu", "--no-proxy-server", "--no-first-run",
-         "--disable-extensions", f"--user-data-dir={profile}", f"--window-size={width},{height}",
+         "--disable-extensions", "--disable-background-networking", "--disable-component-update",
+         "--disable-sync", "--disable-quic", f"--user-data-dir={profile}", f"--window-size={width},{height}",
          "--remote-debugging-port=0", "about:blank"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     page = None
