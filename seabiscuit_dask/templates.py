@@ -173,4 +173,7 @@ def cached_decompose(graph: OpGraph, budget: int, allow_oversize: bool,
         stats["misses"] += 1
         result = fn(graph, budget, allow_oversize).with_meta(template_key=key)
         store(key, result)
-    return result
+        return result
+    # NOTE: what the caller's graph says of itself (its call signature, ...) wins over the template's
+    own = {k: v for k, v in graph.meta.items() if k not in ("template_key", "budget_bytes")}
+    return result.with_meta(**own)

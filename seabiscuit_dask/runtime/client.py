@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 
 from .. import config
 from ..errors import BadInput, SeaBiscuitError, WorkerLost
@@ -37,7 +38,7 @@ from ..placement import Plan, place
 from ..placement.follow import follow
 from . import events
 from .discover import measure_cluster, workers_info
-from .local import assemble_outputs, flatten_inputs, split_inputs, unflatten_outputs
+from .local import assemble_outputs, bind_call, flatten_inputs, split_inputs, unflatten_outputs
 from .resident import writable
 from .store import stored
 from .tasks import PICK, load_block_json, run_block_task
@@ -72,6 +73,8 @@ class DistributedModel:
         self._weights_path: str | None = None        # where those programs read the weights
         self._budget: int | None = None
         self._programs: dict[tuple[int, int], StepProgram] = {}
+        self._shape_programs: dict[tuple[Any, ...], StepProgram] = {}   # forward at other input shapes
+        self._trace_kwargs: dict[str, Any] = {}       # the non-tensor keywords it was traced with
         self._program_lock = threading.Lock()
         self._engine: Any = None
         self._limits: tuple[int | None, int | None] = (None, None)    # (sessions, context) reserved
@@ -85,7 +88,7 @@ class DistributedModel:
         out = {t: s.index for s in specs for t in s.exports if t in leaves}
         with self._lock:
             self._plan, self.version, self.specs, self._out_blocks = plan, version, specs, out
-            for prog in self._programs.values():
+            for prog in [*self._programs.values(), *self._shape_programs.values()]:
                 prog.follow(plan, self.model_id, version, verify_every=self.verify_every)
 
     @property
@@ -112,10 +115,13 @@ class DistributedModel:
         if self._stranded:
             raise WorkerLost(self._stranded)
         t0 = time.perf_counter()
-        flat = flatten_inputs(self.graph, inputs, kwargs)
-        feed = split_inputs(self.graph, {name: x.cpu() for name, x in zip(self.graph.inputs, flat)})
+        prog = self._program_for(inputs, kwargs)
+        graph = prog.graph if prog is not None else self.graph
+        flat = flatten_inputs(graph, inputs, kwargs)
+        feed = split_inputs(graph, {name: x.cpu() for name, x in zip(graph.inputs, flat)})
         with self._lock:
-            specs, out_blocks = self.specs, self._out_blocks
+            specs, out_blocks = ((prog.specs, prog.out_at) if prog is not None
+                                 else (self.specs, self._out_blocks))
         request = next(self._requests)
         dsk, keys = request_graph(specs, request, feed, run_block_task)
         wanted = sorted(set(out_blocks.values()))
@@ -129,8 +135,8 @@ class DistributedModel:
             if self.checkpoint_dir:
                 shutil.rmtree(Path(self.checkpoint_dir) / self.model_id / f"r{request}", ignore_errors=True)
         values = {t: results[out_blocks[t]][t] if t in out_blocks else feed[t]
-                  for t in self.graph.leaf_outputs}
-        out = unflatten_outputs(self.graph, assemble_outputs(self.graph, values))
+                  for t in graph.leaf_outputs}
+        out = unflatten_outputs(graph, assemble_outputs(graph, values))
         # NOTE: what this client spends on a request besides waiting: part of Dask's cost
         self._client_s.append((t1 - t0, time.perf_counter() - t2))
         return out
@@ -241,27 +247,53 @@ class DistributedModel:
         key = (batch, length)
         with self._program_lock:
             prog = self._programs.get(key)
-            if prog is not None:
-                return prog
-            from ..decompose import decompose
-            from ..trace import bind_checkpoint
-            from ..trace.decoder import trace_step
+            if prog is None:
+                from ..trace.decoder import trace_step
 
-            t0 = time.perf_counter()
-            graph = decompose(trace_step(self._source_module(), batch, length), self._budget, like=self.graph)
-            if any(p.source.kind == "model" for p in graph.params.values()):
-                if self._weights_path is None:
-                    raise BadInput(f"model {self.model_id}: no weights file to bind step programs to")
-                graph = bind_checkpoint(graph, self._weights_path)
-            graph = _with_checksums(graph, self.graph)
-            reply = self.client.sync(self.client.scheduler.seabiscuit_program, model=self.model_id,
-                                     token=self._token, graph=graph.to_json())
-            prog = StepProgram(graph, int(reply["program"]))
-            with self._lock:
-                prog.follow(self._plan, self.model_id, self.version, verify_every=self.verify_every)
-            prog.build_s = time.perf_counter() - t0
-            self._programs[key] = prog
+                prog = self._programs[key] = self._register(lambda: trace_step(self._source_module(), batch,
+                                                                                  length))
             return prog
+
+    def _program_for(self, inputs: tuple[Any, ...], kwargs: Mapping[str, Any]) -> StepProgram | None:
+        """None for a call at the traced shapes; else the program of the call's shapes (traced,
+        decomposed like the deployment and registered once: a forward pass of any input size)."""
+        args, ordered = bind_call(self.graph, inputs, dict(kwargs))
+        leaves = [x for x in pytree.tree_leaves((args, ordered)) if isinstance(x, torch.Tensor)]
+        shapes = tuple((tuple(x.shape), str(x.dtype)) for x in leaves)
+        traced = tuple((self.graph.tensors[n].shape, self.graph.tensors[n].dtype) for n in self.graph.inputs)
+        if len(leaves) != len(self.graph.inputs) or shapes == tuple((s, f"torch.{d}") for s, d in traced):
+            return None
+        with self._program_lock:
+            prog = self._shape_programs.get(shapes)
+            if prog is None:
+                from ..trace import trace
+
+                call = {**self._trace_kwargs, **ordered}
+                prog = self._register(lambda: trace(self._source_module(), tuple(args), call))
+                self._shape_programs[shapes] = prog
+            return prog
+
+    def _register(self, make: Callable[[], Any]) -> StepProgram:
+        """Another program of this deployment: ``make()``'s graph, decomposed where the deployment
+        cut its weights, bound to the same weight tiles, registered with the scheduler and placed
+        where those tiles are."""
+        from ..decompose import decompose
+        from ..trace import bind_checkpoint
+
+        t0 = time.perf_counter()
+        graph = decompose(make(), self._budget, like=self.graph)
+        if any(p.source.kind == "model" for p in graph.params.values()):
+            if self._weights_path is None:
+                raise BadInput(f"model {self.model_id}: no weights file to bind another program to")
+            graph = bind_checkpoint(graph, self._weights_path)
+        graph = _with_checksums(graph, self.graph)
+        reply = self.client.sync(self.client.scheduler.seabiscuit_program, model=self.model_id,
+                                 token=self._token, graph=graph.to_json())
+        prog = StepProgram(graph, int(reply["program"]))
+        with self._lock:
+            prog.follow(self._plan, self.model_id, self.version, verify_every=self.verify_every)
+        prog.build_s = time.perf_counter() - t0
+        return prog
 
     def prepare(self, batch: int, length: int) -> None:
         """Build the step program of this shape (if not yet) before a step is timed."""
@@ -656,10 +688,13 @@ def distribute(model_or_path: Any, client: Any, example_inputs: Any, budget: int
     """
     from ..decompose import decompose
     from ..trace import trace
+    from ..trace.onnx import is_onnx, load_onnx
 
     say = progress or _quiet
     nbytes = config.to_bytes(budget if budget is not None else config.get("budget"))
     choice = config.device_choice(device)
+    if is_onnx(model_or_path):        # NOTE: a module whose buffers are its initializers (trace/onnx.py)
+        model_or_path = load_onnx(model_or_path)
     t0 = time.perf_counter()
     spec = measure_cluster(client, device=choice)    # NOTE: fails early without the plugin or the device
     kinds = ", ".join(f"{sum(d.kind == k for d in spec.devices)} {k}" for k in ("gpu", "cpu")
@@ -693,6 +728,7 @@ def distribute(model_or_path: Any, client: Any, example_inputs: Any, budget: int
     dm = deploy(plan, client, weights=weights, checkpoint_dir=checkpoint_dir, verify_every=verify_every,
                 progress=say)
     dm._source, dm._budget = model_or_path, nbytes
+    dm._trace_kwargs = {k: v for k, v in (kwargs or {}).items() if not isinstance(v, torch.Tensor)}
     dm._limits = (n_sessions or None, limit if reserve else context)
     if checkpoint is not None or isinstance(model_or_path, (str, os.PathLike)):
         dm._weights_path = os.fspath(checkpoint if checkpoint is not None else model_or_path)

@@ -35,7 +35,10 @@ COUNTERS = ("block_runs", "resumed_from_checkpoint", "checkpoints_written", "che
 
 
 def tile_key(p: ParamSpec) -> tuple[Any, ...]:
-    return (p.source.key, p.source.slices, p.source.file, p.dtype)
+    # NOTE: inline constants are named by their tracer (``_tensor_constant0``): programs traced at
+    # other shapes reuse the names for other values, so their contents are part of the key
+    inline = (p.shape, hash(p.source.data)) if p.source.kind == "inline" else ()
+    return (p.source.key, p.source.slices, p.source.file, p.dtype, *inline)
 
 
 def tensor_bytes(t: torch.Tensor) -> int:

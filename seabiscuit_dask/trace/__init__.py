@@ -37,9 +37,16 @@ def trace(model_or_path: Any, example_inputs: Any, kwargs: Mapping[str, Any] | N
     import torch
 
     from ..templates import cached_trace
+    from .onnx import OnnxModule, is_onnx, load_onnx
     from .torch_export import as_example_tuple, default_kwargs, trace_module
 
-    if isinstance(model_or_path, (str, os.PathLike)):
+    if is_onnx(model_or_path):
+        model_or_path = load_onnx(model_or_path)
+    model: torch.nn.Module
+    if isinstance(model_or_path, OnnxModule):
+        model = model_or_path
+        args = _onnx_inputs(model_or_path, example_inputs)
+    elif isinstance(model_or_path, (str, os.PathLike)):
         model = load_hf_skeleton(model_or_path)
         checkpoint = checkpoint if checkpoint is not None else model_or_path
     elif isinstance(model_or_path, torch.nn.Module):
@@ -47,7 +54,8 @@ def trace(model_or_path: Any, example_inputs: Any, kwargs: Mapping[str, Any] | N
     else:
         raise UnsupportedModel(f"sb.trace expects a torch.nn.Module or a model folder, got an "
                                f"object of type {type(model_or_path).__name__}")
-    args = as_example_tuple(example_inputs)
+    if not isinstance(model, OnnxModule):
+        args = as_example_tuple(example_inputs)
     kw = default_kwargs(model, kwargs)
     graph = cached_trace(model, args, kw, lambda: trace_module(model, args, kw))
     graph = graph.with_meta(call=call_signature(model, len(args)), index_ranges=index_ranges(graph))
@@ -56,9 +64,38 @@ def trace(model_or_path: Any, example_inputs: Any, kwargs: Mapping[str, Any] | N
     return graph
 
 
+def _onnx_inputs(model: Any, example_inputs: Any) -> tuple[Any, ...]:
+    """Example inputs of an ONNX model in its input order: a tuple, or a dict by input name."""
+    from ..errors import BadInput
+    from .onnx import symbolic_inputs
+    from .torch_export import as_example_tuple
+
+    names = model.input_names
+    if example_inputs is None:
+        sym = symbolic_inputs(model)
+        raise BadInput(f"ONNX model {model.onnx_name} needs example inputs for {', '.join(names)}"
+                       + (f"; symbolic dims: {sym}" if sym else "") + ": the graph is traced at their shapes")
+    if isinstance(example_inputs, Mapping):
+        missing = [n for n in names if n not in example_inputs]
+        if missing:
+            raise BadInput(f"ONNX model {model.onnx_name} needs inputs {names}; missing {missing}")
+        args = tuple(example_inputs[n] for n in names)
+    else:
+        args = as_example_tuple(example_inputs)
+    if len(args) != len(names):
+        raise BadInput(f"ONNX model {model.onnx_name} takes {len(names)} input(s) ({', '.join(names)}), "
+                       f"got {len(args)}")
+    model.example_shapes(args)
+    return args
+
+
 def call_signature(model: Any, n_positional: int) -> dict[str, list[str]]:
-    """Names of the first ``n_positional`` parameters of ``model.forward`` (for keyword calls)."""
+    """Names of the first ``n_positional`` parameters of ``model.forward`` (for keyword calls);
+    an ONNX model's are its graph's input names."""
     import inspect
+
+    if hasattr(model, "input_names") and hasattr(model, "onnx_name"):
+        return {"positional": list(model.input_names)[:n_positional]}
 
     try:
         params = list(inspect.signature(model.forward).parameters.values())

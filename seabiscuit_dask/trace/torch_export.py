@@ -21,7 +21,7 @@ from torch.utils import _pytree as pytree
 from .. import config
 from .. import ops as O
 from ..cost import op_flops
-from ..errors import UnsupportedModel, UnsupportedOp
+from ..errors import SeaBiscuitError, UnsupportedModel, UnsupportedOp
 from ..ir import Op, OpGraph, ParamSource, ParamSpec, TensorSpec, operand_names
 from ..lower.registry import SUPPORTED, registry_hint
 
@@ -79,6 +79,8 @@ def export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     try:
         with _EXPORT_LOCK, torch.no_grad():
             return torch.export.export(model, args, kwargs=kwargs, strict=False)
+    except SeaBiscuitError:
+        raise                      # NOTE: the model's own refusal (an ONNX node) says it best
     except Exception as e:
         shapes = [tuple(a.shape) if isinstance(a, torch.Tensor) else type(a).__name__
                   for a in pytree.tree_leaves((args, kwargs))]

@@ -1,0 +1,818 @@
+"""ONNX in: a model file, folder or ``ModelProto`` as a module that ``torch.export`` traces.
+
+``load_onnx(source)`` returns an ``OnnxModule``: its buffers are the graph's initializers
+(and the constants computed from them alone, e.g. ``ConstantOfShape`` weights), named
+after them, and its ``forward`` runs the nodes with torch, one small function per ONNX
+op (``ONNX_OPS``). Shape arithmetic (``Shape``, ``Gather`` on shapes, ``Range``,
+``ConstantOfShape``, ...) is folded in numpy for the shapes being traced, so
+``torch.export`` sees only the tensor ops, at the ATen level the decomposer splits and
+the op registry runs: ONNX graphs go through the same pipeline as PyTorch modules.
+
+A node whose op has no entry raises ``UnsupportedOp`` naming the node, before anything
+is traced; a truncated or malformed file raises ``BadCheckpoint`` with its size.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..errors import BadCheckpoint, BadInput, UnsupportedModel, UnsupportedOp
+
+Value = Any              # a torch.Tensor (traced) or an np.ndarray (a constant, folded)
+OpFn = Callable[["Node", list[Value]], list[Value]]
+
+ONNX_OPS: dict[str, OpFn] = {}        # ONNX op type -> its torch implementation
+FOLDS: dict[str, OpFn] = {}           # ONNX op type -> its numpy implementation, for constants
+INLINE_ELEMENTS = 64                  # constants larger than this live as buffers of the module
+_OPS_HASH = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
+
+
+def onnx_op(*names: str, fold: bool = False) -> Callable[[OpFn], OpFn]:
+    """Register ``fn`` for ONNX op types ``names`` (for constants too, when ``fold``)."""
+    def deco(fn: OpFn) -> OpFn:
+        for n in names:
+            ONNX_OPS[n] = fn
+            if fold:
+                FOLDS[n] = fn
+        return fn
+    return deco
+
+
+def is_onnx(source: Any) -> bool:
+    """Whether ``source`` is ONNX: a ``ModelProto``, an ``.onnx`` file, or a folder with ``model.onnx``."""
+    if type(source).__name__ == "ModelProto":
+        return True
+    if isinstance(source, (str, os.PathLike)):
+        p = Path(source)
+        return p.suffix == ".onnx" or (p.is_dir() and (p / "model.onnx").is_file())
+    return False
+
+
+class Node:
+    """One ONNX node as the op functions see it: its type, name, attributes and outputs."""
+
+    def __init__(self, proto: Any, opset: int = 13) -> None:
+        from onnx import helper
+
+        self.opset = opset
+        self.op_type = str(proto.op_type)
+        self.name = str(proto.name) or f"{proto.op_type}({', '.join(proto.output)})"
+        self.inputs = [str(i) for i in proto.input]
+        self.outputs = [str(o) for o in proto.output]
+        self.domain = str(proto.domain)
+        self.attrs = {a.name: helper.get_attribute_value(a) for a in proto.attribute}
+        self.weight_t = False          # MatMul: its B input is a weight held transposed
+
+    def attr(self, name: str, default: Any = None) -> Any:
+        v = self.attrs.get(name, default)
+        return v.decode() if isinstance(v, bytes) else v
+
+    def fail(self, what: str) -> UnsupportedOp:
+        return UnsupportedOp(f"ONNX node {self.name!r} ({self.op_type}): {what}")
+
+
+def _read(source: Any) -> tuple[Any, Path | None]:
+    import onnx
+
+    if type(source).__name__ == "ModelProto":
+        return source, None
+    p = Path(source)
+    if p.is_dir():
+        p = p / "model.onnx"
+    if not p.is_file():
+        raise BadCheckpoint(f"no ONNX model at {p}")
+    try:
+        model = onnx.load(str(p), load_external_data=False)
+    except Exception as e:
+        raise BadCheckpoint(f"{p} ({p.stat().st_size} bytes) is not a readable ONNX model: "
+                            f"{type(e).__name__}: {str(e)[:200]}; it may be truncated") from e
+    if not model.graph.node:
+        raise BadCheckpoint(f"{p} ({p.stat().st_size} bytes) holds no graph nodes; it may be truncated")
+    return model, p.parent
+
+
+def _external(t: Any, folder: Path | None) -> np.ndarray:
+    """An initializer stored outside the model file: only its own bytes, from inside the model's folder."""
+    from onnx import helper
+
+    info = {e.key: e.value for e in t.external_data}
+    where = f"initializer {t.name!r}"
+    if folder is None:
+        raise BadCheckpoint(f"{where} lives in external file {info.get('location')!r}, but the model was "
+                            "given as a ModelProto: load it from its file, or with its data")
+    loc = info.get("location", "")
+    path = (folder / loc).resolve()
+    if not loc or os.path.isabs(loc) or folder.resolve() not in path.parents:
+        raise BadCheckpoint(f"{where}: external data location {loc!r} is outside the model's folder "
+                            f"{folder}; only files inside it are read")
+    if not path.is_file():
+        raise BadCheckpoint(f"{where}: external data file {path} is missing")
+    dtype = np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type))
+    shape = tuple(int(d) for d in t.dims)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    offset = int(info.get("offset", 0))
+    length = int(info.get("length", nbytes))
+    size = path.stat().st_size
+    if length != nbytes or offset + length > size:
+        raise BadCheckpoint(f"{where}: needs {nbytes} bytes at offset {offset} of {path} "
+                            f"({size} bytes, length given {length}): the file is truncated or wrong")
+    with path.open("rb") as f:
+        f.seek(offset)
+        data = f.read(length)
+    return np.frombuffer(data, dtype=dtype).reshape(shape).copy()
+
+
+def _array(t: Any, folder: Path | None) -> np.ndarray:
+    from onnx import numpy_helper
+
+    if t.data_location == 1:      # NOTE: TensorProto.EXTERNAL
+        return _external(t, folder)
+    return np.asarray(numpy_helper.to_array(t))
+
+
+def _safe(name: str, taken: set[str]) -> str:
+    base = re.sub(r"\W", "_", name) or "t"
+    base = base if not base[0].isdigit() else f"t_{base}"
+    out, i = base, 1
+    while out in taken:
+        out, i = f"{base}_{i}", i + 1
+    taken.add(out)
+    return out
+
+
+class OnnxModule(torch.nn.Module):
+    """An ONNX graph as a torch module (``load_onnx``): ``forward(*inputs)`` in the graph's input order."""
+
+    def __init__(self, model: Any, folder: Path | None = None, name: str = "") -> None:
+        super().__init__()
+        g = model.graph
+        self.onnx_name = name or str(g.name) or "onnx"
+        self.opset = max([int(o.version) for o in model.opset_import if o.domain in ("", "ai.onnx")] or [13])
+        self.nodes = [Node(n, self.opset) for n in g.node]
+        missing = [n for n in self.nodes if n.op_type not in ONNX_OPS or n.domain not in ("", "ai.onnx")]
+        if missing:
+            n = missing[0]
+            kinds = sorted({f"{m.domain + '.' if m.domain else ''}{m.op_type}" for m in missing})
+            raise n.fail(f"op {n.domain + '.' if n.domain else ''}{n.op_type} is not supported "
+                         f"({len(missing)} node(s) of {len(kinds)} unsupported op type(s): "
+                         f"{', '.join(kinds[:10])}); supported: {len(ONNX_OPS)} op types")
+        consts = {t.name: _array(t, folder) for t in g.initializer}
+        self.input_names = [i.name for i in g.input if i.name not in consts]
+        self.input_dims = {i.name: [d.dim_param or (d.dim_value if d.HasField("dim_value") else None)
+                                    for d in i.type.tensor_type.shape.dim] for i in g.input}
+        self.output_names = [o.name for o in g.output]
+        self.consts = self._fold_pure(consts)
+        self.buffer_of: dict[str, str] = {}
+        taken: set[str] = set()
+        users: dict[str, list[tuple[Node, int]]] = {}
+        for n in self.nodes:
+            if not self._pure(n):
+                for j, i in enumerate(n.inputs):
+                    users.setdefault(i, []).append((n, j))
+        weights_t = {k for k, us in users.items() if k in self.consts and self.consts[k].ndim == 2
+                     and self.consts[k].dtype.kind == "f"
+                     and all(n.op_type == "MatMul" and j == 1 for n, j in us)}
+        for k in weights_t:
+            for n, _ in users[k]:
+                n.weight_t = True
+        for k, v in self.consts.items():
+            if (k in users or k in self.output_names) and v.size > INLINE_ELEMENTS:
+                b = _safe(k, taken)
+                held = v.T if k in weights_t else v      # NOTE: [out, in], as torch's linear holds it
+                self.register_buffer(b, torch.from_numpy(np.array(held, copy=True, order="C")))
+                self.buffer_of[k] = b
+        digest = hashlib.sha256(model.SerializeToString(deterministic=True)).hexdigest()[:16]
+        self.fingerprint = digest
+
+    def extra_repr(self) -> str:
+        # NOTE: in the template key (templates.architecture_key): the graph and the op functions
+        return f"onnx={self.fingerprint}, opset={self.opset}, ops={_OPS_HASH}"
+
+    def _pure(self, node: Node) -> bool:
+        return node.op_type in FOLDS and all(i in self.consts or not i for i in node.inputs)
+
+    def _fold_pure(self, consts: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The constants computed from initializers and Constant nodes alone, at load."""
+        self.consts = dict(consts)
+        for node in self.nodes:
+            if self._pure(node):
+                outs = FOLDS[node.op_type](node, [self.consts.get(i) if i else None for i in node.inputs])
+                for name, v in zip(node.outputs, outs):
+                    self.consts[name] = np.asarray(v)
+        return self.consts
+
+    def forward(self, *args: torch.Tensor) -> Any:
+        if len(args) != len(self.input_names):
+            raise BadInput(f"ONNX model {self.onnx_name} takes {len(self.input_names)} input(s) "
+                           f"({', '.join(self.input_names)}), got {len(args)}")
+        env: dict[str, Value] = dict(zip(self.input_names, args))
+        for node in self.nodes:
+            if all(o in self.consts for o in node.outputs):
+                continue                       # NOTE: folded at load
+            vals = [self._value(i, env) if i else None for i in node.inputs]
+            fold = node.op_type in FOLDS and all(v is None or isinstance(v, np.ndarray) for v in vals)
+            try:
+                outs = (FOLDS if fold else ONNX_OPS)[node.op_type](node, vals)
+            except UnsupportedOp:
+                raise
+            except (RuntimeError, ValueError, TypeError, IndexError) as e:
+                shapes = [tuple(v.shape) if v is not None else None for v in vals]
+                raise UnsupportedModel(f"ONNX node {node.name!r} ({node.op_type}) failed on inputs of "
+                                       f"shapes {shapes}: {type(e).__name__}: {str(e)[:300]}") from e
+            for name, v in zip(node.outputs, outs):
+                env[name] = v
+        out = tuple(_tensor(self._value(o, env)) for o in self.output_names)
+        return out[0] if len(out) == 1 else out
+
+    def _value(self, name: str, env: Mapping[str, Value]) -> Value:
+        if name in env:
+            return env[name]
+        if name in self.buffer_of:
+            return getattr(self, self.buffer_of[name])
+        if name in self.consts:
+            return self.consts[name]
+        raise UnsupportedModel(f"ONNX model {self.onnx_name}: value {name!r} is used before it is made")
+
+    def example_shapes(self, example_inputs: Sequence[Any]) -> None:
+        """Check example inputs against the graph's declared dims (symbolic ones take the example's)."""
+        for name, x in zip(self.input_names, example_inputs):
+            dims = self.input_dims.get(name) or []
+            shape = tuple(getattr(x, "shape", ()))
+            if dims and len(dims) != len(shape):
+                raise BadInput(f"ONNX input {name!r} has {len(dims)} dims {dims}, the example has shape "
+                               f"{shape}")
+            for i, (d, s) in enumerate(zip(dims, shape)):
+                if isinstance(d, int) and d and d != s:
+                    raise BadInput(f"ONNX input {name!r} dim {i} is {d}, the example has {s} (shape {shape})")
+
+
+def load_onnx(source: Any) -> OnnxModule:
+    """An ONNX model (path, folder with ``model.onnx``, or ``ModelProto``) as an ``OnnxModule``."""
+    model, folder = _read(source)
+    name = Path(source).stem if isinstance(source, (str, os.PathLike)) else ""
+    return OnnxModule(model, folder, name).eval()
+
+
+def symbolic_inputs(module: OnnxModule) -> dict[str, list[Any]]:
+    """Inputs whose declared dims are symbolic (names or unknown), to explain a missing example."""
+    return {n: d for n, d in module.input_dims.items() if n in module.input_names
+            and any(not isinstance(x, int) or not x for x in d)}
+
+
+# --- helpers for the op functions -------------------------------------------------------------
+def _tensor(v: Value, like: torch.Tensor | None = None) -> torch.Tensor:
+    if isinstance(v, torch.Tensor):
+        return v
+    return torch.from_numpy(np.array(v, copy=True, order="C"))
+
+
+def _ints(v: Value) -> list[int]:
+    if isinstance(v, torch.Tensor):
+        raise UnsupportedOp("a shape, axes or index operand depends on the inputs' values; "
+                            "SeaBiscuit needs it constant for the traced shapes")
+    return [int(x) for x in np.asarray(v).reshape(-1)]
+
+
+def _axis(a: int, rank: int) -> int:
+    return a + rank if a < 0 else a
+
+
+def _np_dtype(onnx_type: int) -> np.dtype:
+    from onnx import helper
+
+    return np.dtype(helper.tensor_dtype_to_np_dtype(int(onnx_type)))
+
+
+def _torch_dtype(onnx_type: int) -> torch.dtype:
+    return torch.from_numpy(np.zeros(1, dtype=_np_dtype(onnx_type))).dtype
+
+
+# --- elementwise -----------------------------------------------------------------------------
+def _int_div(a: Any, b: Any) -> Any:
+    """ONNX Div: integer division truncates."""
+    if np.asarray(a).dtype.kind in "iu":
+        return np.trunc(np.asarray(a) / b).astype(np.asarray(a).dtype)
+    return np.divide(a, b)
+
+
+def _tdiv(x: Any, y: Any) -> Any:
+    ref = x if isinstance(x, torch.Tensor) else y
+    if isinstance(ref, torch.Tensor) and not ref.is_floating_point():
+        return torch.div(x, y, rounding_mode="trunc")
+    return x / y
+
+
+_CMP: set[Any] = {np.equal, np.less, np.greater, np.less_equal, np.greater_equal,
+                  np.logical_and, np.logical_or, np.logical_xor}
+
+for _name, _np, _t in [
+    ("Add", np.add, lambda x, y: x + y), ("Sub", np.subtract, lambda x, y: x - y),
+    ("Mul", np.multiply, lambda x, y: x * y), ("Div", _int_div, _tdiv),
+    ("Pow", np.power, lambda x, y: torch.pow(x, y)),
+    ("Equal", np.equal, lambda x, y: x == y), ("Less", np.less, lambda x, y: x < y),
+    ("Greater", np.greater, lambda x, y: x > y), ("LessOrEqual", np.less_equal, lambda x, y: x <= y),
+    ("GreaterOrEqual", np.greater_equal, lambda x, y: x >= y),
+    ("And", np.logical_and, lambda x, y: x & y), ("Or", np.logical_or, lambda x, y: x | y),
+]:
+    def _mk(np_fn: Any = _np, t_fn: Any = _t) -> OpFn:
+        def run(node: Node, vals: list[Value]) -> list[Value]:
+            a, b = vals[0], vals[1]
+            if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
+                out = np_fn(a, b)
+                return [np.asarray(out if np_fn in _CMP else np.asarray(out).astype(np.result_type(a, b)))]
+            return [t_fn(_operand(a, b), _operand(b, a))]
+        return run
+    onnx_op(_name, fold=True)(_mk())
+
+
+def _operand(v: Value, other: Value) -> Any:
+    """A constant operand as a Python scalar (no lifted tensor) when it is one, else a tensor."""
+    if isinstance(v, np.ndarray):
+        if v.size == 1 and v.ndim == 0 and isinstance(other, torch.Tensor):
+            x = v.item()
+            return x
+        return _tensor(v)
+    return v
+
+
+def _unary(fn: Callable[[torch.Tensor], torch.Tensor]) -> OpFn:
+    return lambda node, vals: [fn(_tensor(vals[0]))]
+
+
+for _name, _fn in [
+    ("Relu", torch.relu), ("Sigmoid", torch.sigmoid), ("Tanh", torch.tanh), ("Exp", torch.exp),
+    ("Log", torch.log), ("Sqrt", torch.sqrt), ("Abs", torch.abs), ("Erf", torch.erf),
+    ("Reciprocal", torch.reciprocal), ("Sin", torch.sin), ("Cos", torch.cos),
+    ("Softsign", lambda x: x / (1 + x.abs())), ("Softplus", F.softplus),
+    ("IsNaN", lambda x: x != x),
+]:
+    onnx_op(_name)(_unary(_fn))
+
+
+@onnx_op("Identity", fold=True)
+def _identity(node: Node, vals: list[Value]) -> list[Value]:
+    return [vals[0]]
+
+
+@onnx_op("Neg", fold=True)
+def _neg(node: Node, vals: list[Value]) -> list[Value]:
+    v = vals[0]
+    return [np.negative(v) if isinstance(v, np.ndarray) else -v]
+
+
+@onnx_op("Not", fold=True)
+def _not(node: Node, vals: list[Value]) -> list[Value]:
+    v = vals[0]
+    return [np.logical_not(v) if isinstance(v, np.ndarray) else torch.logical_not(v)]
+
+
+@onnx_op("Gelu")
+def _gelu(node: Node, vals: list[Value]) -> list[Value]:
+    return [F.gelu(_tensor(vals[0]), approximate=node.attr("approximate", "none"))]
+
+
+@onnx_op("LeakyRelu")
+def _leaky(node: Node, vals: list[Value]) -> list[Value]:
+    return [F.leaky_relu(_tensor(vals[0]), float(node.attr("alpha", 0.01)))]
+
+
+@onnx_op("Elu")
+def _elu(node: Node, vals: list[Value]) -> list[Value]:
+    return [F.elu(_tensor(vals[0]), float(node.attr("alpha", 1.0)))]
+
+
+@onnx_op("HardSigmoid")
+def _hsig(node: Node, vals: list[Value]) -> list[Value]:
+    x = _tensor(vals[0])
+    return [torch.clamp(x * float(node.attr("alpha", 0.2)) + float(node.attr("beta", 0.5)), 0.0, 1.0)]
+
+
+@onnx_op("Clip")
+def _clip(node: Node, vals: list[Value]) -> list[Value]:
+    x = _tensor(vals[0])
+    lo = vals[1] if len(vals) > 1 else node.attr("min")
+    hi = vals[2] if len(vals) > 2 else node.attr("max")
+    lo = None if lo is None else float(np.asarray(lo).reshape(()))
+    hi = None if hi is None else float(np.asarray(hi).reshape(()))
+    return [torch.clamp(x, lo, hi)]
+
+
+@onnx_op("Max", "Min", "Sum", "Mean", fold=True)
+def _variadic(node: Node, vals: list[Value]) -> list[Value]:
+    if all(isinstance(v, np.ndarray) for v in vals):
+        f = {"Max": np.maximum, "Min": np.minimum, "Sum": np.add, "Mean": np.add}[node.op_type]
+        out = vals[0]
+        for v in vals[1:]:
+            out = f(out, v)
+        return [out / len(vals) if node.op_type == "Mean" else out]
+    ts = [_tensor(v) for v in vals]
+    out = ts[0]
+    for t in ts[1:]:
+        out = {"Max": torch.maximum, "Min": torch.minimum}.get(node.op_type, torch.add)(out, t)
+    return [out / len(ts) if node.op_type == "Mean" else out]
+
+
+@onnx_op("Where", fold=True)
+def _where(node: Node, vals: list[Value]) -> list[Value]:
+    c, a, b = vals
+    if all(isinstance(v, np.ndarray) for v in vals):
+        return [np.where(c, a, b)]
+    tc = _tensor(c).bool()
+    if isinstance(a, np.ndarray) and a.size == 1 and isinstance(b, torch.Tensor):
+        return [torch.where(tc, float(a.reshape(())) if b.is_floating_point() else int(a.reshape(())), b)]
+    if isinstance(b, np.ndarray) and b.size == 1 and isinstance(a, torch.Tensor):
+        return [torch.where(tc, a, float(b.reshape(())) if a.is_floating_point() else int(b.reshape(())))]
+    return [torch.where(tc, _tensor(a), _tensor(b))]
+
+
+@onnx_op("Cast", fold=True)
+def _cast(node: Node, vals: list[Value]) -> list[Value]:
+    to = int(node.attr("to"))
+    v = vals[0]
+    if isinstance(v, np.ndarray):
+        return [v.astype(_np_dtype(to))]
+    return [v.to(_torch_dtype(to))]
+
+
+# --- shapes ----------------------------------------------------------------------------------
+@onnx_op("Shape", fold=True)
+def _shape(node: Node, vals: list[Value]) -> list[Value]:
+    shape = list(vals[0].shape)
+    start, end = node.attr("start", 0), node.attr("end", None)
+    return [np.asarray(shape[start:end] if end is not None else shape[start:], dtype=np.int64)]
+
+
+@onnx_op("Size", fold=True)
+def _size(node: Node, vals: list[Value]) -> list[Value]:
+    return [np.asarray(int(np.prod(list(vals[0].shape))), dtype=np.int64)]
+
+
+@onnx_op("Constant", fold=True)
+def _constant(node: Node, vals: list[Value]) -> list[Value]:
+    from onnx import numpy_helper
+
+    for key in ("value", "value_float", "value_floats", "value_int", "value_ints"):
+        if key in node.attrs:
+            v = node.attrs[key]
+            if key == "value":
+                return [np.asarray(numpy_helper.to_array(v))]
+            dtype = np.float32 if "float" in key else np.int64
+            return [np.asarray(v, dtype=dtype)]
+    raise node.fail("only tensor, float(s) and int(s) constants are supported")
+
+
+@onnx_op("ConstantOfShape", fold=True)
+def _const_of_shape(node: Node, vals: list[Value]) -> list[Value]:
+    from onnx import numpy_helper
+
+    shape = _ints(vals[0])
+    value = node.attrs.get("value")
+    fill = np.asarray(numpy_helper.to_array(value)).reshape(-1)[0] if value is not None else np.float32(0)
+    return [np.full(shape, fill, dtype=np.asarray(fill).dtype)]
+
+
+@onnx_op("Range", fold=True)
+def _range(node: Node, vals: list[Value]) -> list[Value]:
+    start, limit, delta = (np.asarray(v).reshape(()) for v in vals)
+    dtype = np.result_type(start, limit, delta)
+    return [np.arange(start.item(), limit.item(), delta.item()).astype(dtype)]
+
+
+def _reshape_target(shape: list[int], src: Sequence[int], allowzero: bool) -> list[int]:
+    out = [src[i] if (d == 0 and not allowzero) else d for i, d in enumerate(shape)]
+    return out
+
+
+@onnx_op("Reshape", fold=True)
+def _reshape(node: Node, vals: list[Value]) -> list[Value]:
+    x = vals[0]
+    shape = _reshape_target(_ints(vals[1]), list(x.shape), bool(node.attr("allowzero", 0)))
+    if isinstance(x, np.ndarray):
+        return [x.reshape(shape)]
+    return [x.reshape(shape)]
+
+
+@onnx_op("Flatten", fold=True)
+def _flatten(node: Node, vals: list[Value]) -> list[Value]:
+    x = vals[0]
+    axis = _axis(int(node.attr("axis", 1)), len(x.shape))
+    lead = int(np.prod(list(x.shape[:axis]))) if axis else 1
+    return [x.reshape(lead, -1)]
+
+
+@onnx_op("Transpose", fold=True)
+def _transpose(node: Node, vals: list[Value]) -> list[Value]:
+    x = vals[0]
+    perm = node.attr("perm") or list(range(len(x.shape)))[::-1]
+    if isinstance(x, np.ndarray):
+        return [np.transpose(x, perm)]
+    return [x.permute(*perm)]
+
+
+def _axes(node: Node, vals: list[Value], index: int) -> list[int] | None:
+    if len(vals) > index and vals[index] is not None:
+        return _ints(vals[index])
+    a = node.attr("axes")
+    return list(a) if a is not None else None
+
+
+@onnx_op("Unsqueeze", fold=True)
+def _unsqueeze(node: Node, vals: list[Value]) -> list[Value]:
+    x = vals[0]
+    axes = _axes(node, vals, 1) or []
+    rank = len(x.shape) + len(axes)
+    for a in sorted(_axis(a, rank) for a in axes):
+        x = np.expand_dims(x, a) if isinstance(x, np.ndarray) else x.unsqueeze(a)
+    return [x]
+
+
+@onnx_op("Squeeze", fold=True)
+def _squeeze(node: Node, vals: list[Value]) -> list[Value]:
+    x = vals[0]
+    axes = _axes(node, vals, 1)
+    if axes is None:
+        axes = [i for i, s in enumerate(x.shape) if s == 1]
+    for a in sorted((_axis(a, len(x.shape)) for a in axes), reverse=True):
+        x = np.squeeze(x, a) if isinstance(x, np.ndarray) else x.squeeze(a)
+    return [x]
+
+
+@onnx_op("Concat", fold=True)
+def _concat(node: Node, vals: list[Value]) -> list[Value]:
+    axis = int(node.attr("axis"))
+    vs = [v for v in vals if v is not None and (0 not in tuple(v.shape) or len(v.shape) > 1)]
+    if all(isinstance(v, np.ndarray) for v in vs):
+        return [np.concatenate(vs, axis=axis)]
+    ts = [_tensor(v) for v in vs]
+    dtype = next(t.dtype for t, v in zip(ts, vs) if isinstance(v, torch.Tensor))
+    return [torch.cat([t.to(dtype) for t in ts], dim=axis)]
+
+
+@onnx_op("Slice", fold=True)
+def _slice(node: Node, vals: list[Value]) -> list[Value]:
+    x = vals[0]
+    rank = len(x.shape)
+    if len(vals) > 1:
+        starts, ends = _ints(vals[1]), _ints(vals[2])
+        axes = _ints(vals[3]) if len(vals) > 3 and vals[3] is not None else list(range(len(starts)))
+        steps = _ints(vals[4]) if len(vals) > 4 and vals[4] is not None else [1] * len(starts)
+    else:
+        starts, ends = list(node.attr("starts")), list(node.attr("ends"))
+        axes = list(node.attr("axes") or range(len(starts)))
+        steps = [1] * len(starts)
+    index: list[Any] = [slice(None)] * rank
+    for s, e, a, st in zip(starts, ends, axes, steps):
+        a = _axis(a, rank)
+        n = x.shape[a]
+        if st > 0:
+            s = max(0, min(n, s + n if s < 0 else s))
+            e = max(0, min(n, e + n if e < 0 else e))
+        else:
+            s = max(-1, min(n - 1, s + n if s < 0 else s))
+            e = max(-1, min(n - 1, e + n if e < 0 else e))
+        index[a] = (s, e, st)
+    if isinstance(x, np.ndarray):
+        return [x[tuple(slice(*i) if isinstance(i, tuple) else i for i in index)]]
+    out = x
+    for a, i in enumerate(index):
+        if not isinstance(i, tuple):
+            continue
+        s, e, st = i
+        if st > 0:
+            out = out[(slice(None),) * a + (slice(s, e, st),)]
+        else:
+            # NOTE: a negative step: torch slices forward only, so flip the selected range
+            lead = (slice(None),) * a
+            out = out[(*lead, slice(e + 1, s + 1))].flip(a)[(*lead, slice(0, None, -st))]
+    return [out]
+
+
+@onnx_op("Expand", fold=True)
+def _expand(node: Node, vals: list[Value]) -> list[Value]:
+    x, shape = vals[0], _ints(vals[1])
+    target = list(np.broadcast_shapes(tuple(x.shape), tuple(shape)))
+    if isinstance(x, np.ndarray):
+        return [np.broadcast_to(x, target).copy()]
+    return [x.expand(*target)]
+
+
+@onnx_op("Tile", fold=True)
+def _tile(node: Node, vals: list[Value]) -> list[Value]:
+    x, reps = vals[0], _ints(vals[1])
+    return [np.tile(x, reps) if isinstance(x, np.ndarray) else x.repeat(*reps)]
+
+
+@onnx_op("Gather", fold=True)
+def _gather(node: Node, vals: list[Value]) -> list[Value]:
+    data, idx = vals
+    axis = _axis(int(node.attr("axis", 0)), len(data.shape))
+    if isinstance(data, np.ndarray) and isinstance(idx, np.ndarray):
+        return [np.take(data, idx.astype(np.int64), axis=axis)]
+    n = data.shape[axis]
+    if isinstance(idx, np.ndarray):
+        ix = np.where(idx < 0, idx + n, idx).astype(np.int64)
+        if ix.ndim == 0:
+            return [_tensor(data).select(axis, int(ix))]
+        flat = torch.from_numpy(ix.reshape(-1).copy())
+    else:
+        ix_t = idx.long()
+        if axis == 0 and isinstance(data, torch.Tensor) and data.dim() == 2 and data.is_floating_point():
+            return [F.embedding(ix_t, data)]          # NOTE: a table lookup: the embedding rule splits it
+        flat = torch.where(ix_t < 0, ix_t + n, ix_t).reshape(-1)
+    t = _tensor(data)
+    out = torch.index_select(t, axis, flat)
+    shape = list(t.shape[:axis]) + list(idx.shape) + list(t.shape[axis + 1:])
+    return [out.reshape(shape)]
+
+
+@onnx_op("GatherND")
+def _gather_nd(node: Node, vals: list[Value]) -> list[Value]:
+    if int(node.attr("batch_dims", 0)):
+        raise node.fail("GatherND with batch_dims > 0 is not supported")
+    data, ix = _tensor(vals[0]), _tensor(vals[1]).long()
+    return [data[tuple(ix[..., i] for i in range(ix.shape[-1]))]]
+
+
+# --- linear algebra and layers ----------------------------------------------------------------
+@onnx_op("MatMul")
+def _matmul(node: Node, vals: list[Value]) -> list[Value]:
+    a, b = vals
+    if node.weight_t:          # NOTE: B is a weight, held transposed: a linear layer the decomposer tiles
+        return [F.linear(_tensor(a), _tensor(b))]
+    return [torch.matmul(_tensor(a), _tensor(b))]
+
+
+@onnx_op("Gemm")
+def _gemm(node: Node, vals: list[Value]) -> list[Value]:
+    a, b = _tensor(vals[0]), _tensor(vals[1])
+    c = _tensor(vals[2]) if len(vals) > 2 and vals[2] is not None else None
+    alpha, beta = float(node.attr("alpha", 1.0)), float(node.attr("beta", 1.0))
+    if node.attr("transA", 0):
+        a = a.t()
+    w = b if node.attr("transB", 0) else b.t()
+    y = F.linear(a, w)
+    if alpha != 1.0:
+        y = y * alpha
+    if c is not None:
+        y = y + (c * beta if beta != 1.0 else c)
+    return [y]
+
+
+def _pads(node: Node, rank: int, shape: Sequence[int], kernel: Sequence[int], strides: Sequence[int],
+          dilations: Sequence[int]) -> list[int]:
+    auto = node.attr("auto_pad", "NOTSET")
+    if auto in ("SAME_UPPER", "SAME_LOWER"):
+        out = []
+        for i in range(rank):
+            n = shape[i]
+            want = (n + strides[i] - 1) // strides[i]
+            total = max(0, (want - 1) * strides[i] + (kernel[i] - 1) * dilations[i] + 1 - n)
+            out.append(total)
+        if any(t % 2 for t in out):
+            raise node.fail(f"auto_pad {auto} needs uneven padding {out}, which is not supported")
+        return [t // 2 for t in out]
+    pads = list(node.attr("pads") or [0] * (2 * rank))
+    if pads[:rank] != pads[rank:]:
+        raise node.fail(f"uneven pads {pads} are not supported")
+    return pads[:rank]
+
+
+@onnx_op("Conv")
+def _conv(node: Node, vals: list[Value]) -> list[Value]:
+    x, w = _tensor(vals[0]), _tensor(vals[1])
+    b = _tensor(vals[2]) if len(vals) > 2 and vals[2] is not None else None
+    rank = x.dim() - 2
+    kernel = list(w.shape[2:])
+    strides = list(node.attr("strides") or [1] * rank)
+    dil = list(node.attr("dilations") or [1] * rank)
+    pads = _pads(node, rank, list(x.shape[2:]), kernel, strides, dil)
+    fn = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}.get(rank)
+    if fn is None:
+        raise node.fail(f"{rank}-d convolution is not supported")
+    return [fn(x, w, b, strides, pads, dil, int(node.attr("group", 1)))]
+
+
+@onnx_op("MaxPool", "AveragePool")
+def _pool(node: Node, vals: list[Value]) -> list[Value]:
+    x = _tensor(vals[0])
+    rank = x.dim() - 2
+    kernel = list(node.attr("kernel_shape"))
+    strides = list(node.attr("strides") or [1] * rank)
+    dil = list(node.attr("dilations") or [1] * rank)
+    pads = _pads(node, rank, list(x.shape[2:]), kernel, strides, dil)
+    ceil = bool(node.attr("ceil_mode", 0))
+    if node.op_type == "MaxPool":
+        if len(node.outputs) > 1 and node.outputs[1]:
+            raise node.fail("MaxPool's indices output is not supported")
+        maxpool: Any = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}[rank]
+        return [maxpool(x, kernel, strides, pads, dil, ceil)]
+    if any(d != 1 for d in dil):
+        raise node.fail("dilated average pooling is not supported")
+    avgpool: Any = {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}[rank]
+    return [avgpool(x, kernel, strides, pads, ceil, bool(node.attr("count_include_pad", 0)))]
+
+
+@onnx_op("GlobalAveragePool", "GlobalMaxPool")
+def _global_pool(node: Node, vals: list[Value]) -> list[Value]:
+    x = _tensor(vals[0])
+    dims = list(range(2, x.dim()))
+    if node.op_type == "GlobalAveragePool":
+        return [x.mean(dim=dims, keepdim=True)]
+    return [x.amax(dim=dims, keepdim=True)]
+
+
+@onnx_op("BatchNormalization")
+def _batch_norm(node: Node, vals: list[Value]) -> list[Value]:
+    x, scale, bias, mean, var = (_tensor(v) for v in vals[:5])
+    return [F.batch_norm(x, mean, var, scale, bias, False, 0.0, float(node.attr("epsilon", 1e-5)))]
+
+
+@onnx_op("LayerNormalization")
+def _layer_norm(node: Node, vals: list[Value]) -> list[Value]:
+    x = _tensor(vals[0])
+    scale = _tensor(vals[1])
+    bias = _tensor(vals[2]) if len(vals) > 2 and vals[2] is not None else None
+    axis = _axis(int(node.attr("axis", -1)), x.dim())
+    if len(node.outputs) > 1 and any(node.outputs[1:]):
+        raise node.fail("LayerNormalization's mean and inverse-deviation outputs are not supported")
+    return [F.layer_norm(x, list(x.shape[axis:]), scale, bias, float(node.attr("epsilon", 1e-5)))]
+
+
+@onnx_op("Softmax", "LogSoftmax")
+def _softmax(node: Node, vals: list[Value]) -> list[Value]:
+    x = _tensor(vals[0])
+    default = -1 if node.opset >= 13 else 1
+    axis = _axis(int(node.attr("axis", default)), x.dim())
+    if node.opset < 13 and axis != x.dim() - 1:
+        # NOTE: before opset 13 the input is coerced to 2-D at ``axis``
+        lead = list(x.shape[:axis])
+        y = x.reshape(int(np.prod(lead)) if lead else 1, -1)
+        fn = torch.softmax if node.op_type == "Softmax" else torch.log_softmax
+        return [fn(y, -1).reshape(x.shape)]
+    fn = torch.softmax if node.op_type == "Softmax" else torch.log_softmax
+    return [fn(x, axis)]
+
+
+@onnx_op("LRN")
+def _lrn(node: Node, vals: list[Value]) -> list[Value]:
+    x = _tensor(vals[0])
+    size = int(node.attr("size"))
+    alpha, beta = float(node.attr("alpha", 1e-4)), float(node.attr("beta", 0.75))
+    bias = float(node.attr("bias", 1.0))
+    sq = (x * x).unsqueeze(1)                                # N, 1, C, H, W
+    pad = (size - 1) // 2
+    summed = F.avg_pool3d(sq, (size, 1, 1), stride=1, padding=(pad, 0, 0), count_include_pad=True)
+    if size % 2 == 0:
+        raise node.fail(f"LRN of even size {size} is not supported")
+    div = (summed.squeeze(1) * alpha + bias) ** beta
+    return [x / div]
+
+
+@onnx_op("Dropout")
+def _dropout(node: Node, vals: list[Value]) -> list[Value]:
+    x = _tensor(vals[0])
+    return [x, torch.ones_like(x, dtype=torch.bool)]         # NOTE: inference: nothing dropped
+
+
+@onnx_op("ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin")
+def _reduce(node: Node, vals: list[Value]) -> list[Value]:
+    x = _tensor(vals[0])
+    opset18 = node.op_type == "ReduceSum" or node.opset >= 18
+    axes = (_ints(vals[1]) if len(vals) > 1 and vals[1] is not None else None) if opset18 \
+        else (list(node.attr("axes")) if node.attr("axes") is not None else None)
+    keep = bool(node.attr("keepdims", 1))
+    if axes is None or not axes:
+        if axes is not None and node.attr("noop_with_empty_axes", 0):
+            return [x]
+        axes = list(range(x.dim()))
+    dims = [_axis(a, x.dim()) for a in axes]
+    if node.op_type == "ReduceMean":
+        return [x.mean(dim=dims, keepdim=keep)]
+    if node.op_type == "ReduceSum":
+        return [x.sum(dim=dims, keepdim=keep)]
+    fn = torch.amax if node.op_type == "ReduceMax" else torch.amin
+    return [fn(x, dim=dims, keepdim=keep)]
+
+
+@onnx_op("Split")
+def _split(node: Node, vals: list[Value]) -> list[Value]:
+    x = _tensor(vals[0])
+    axis = _axis(int(node.attr("axis", 0)), x.dim())
+    if len(vals) > 1 and vals[1] is not None:
+        sizes = _ints(vals[1])
+    elif node.attr("split") is not None:
+        sizes = list(node.attr("split"))
+    else:
+        n = len(node.outputs)
+        step = -(-x.shape[axis] // n)
+        sizes = [min(step, x.shape[axis] - i * step) for i in range(n)]
+    return list(torch.split(x, sizes, dim=axis))

