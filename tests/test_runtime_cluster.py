@@ -173,9 +173,7 @@ def test_bad_inputs_fail_before_anything_is_submitted(client) -> None:
         real_get = client.get
         client.get = lambda *a, **k: submitted.append(a) or real_get(*a, **k)
         try:
-            with pytest.raises(sb.BadInput, match=r"shape \(1, 5\).*traced for shape \(1, 4\)"):
-                dm(M.ids(seq=5))
-            with pytest.raises(sb.BadInput, match="dtype float32"):
+            with pytest.raises(sb.BadInput, match=r"float32.*traced for shape \(1, 4\) and dtype int64"):
                 dm(x.float())
             with pytest.raises(sb.BadInput, match=r"1 positional input\(s\) \['input_ids'\], got 2"):
                 dm(x, x)
@@ -192,6 +190,19 @@ def test_bad_inputs_fail_before_anything_is_submitted(client) -> None:
             expected = model(x).logits
         assert M.rel_err(dm(x).logits, expected) <= 1e-4     # still serving
         assert M.rel_err(dm(input_ids=x).logits, expected) <= 1e-4     # traced positionally, called by name
+
+
+def test_a_forward_pass_of_another_size_runs_as_a_program_of_the_deployment(client) -> None:
+    model, x = M.gpt2(), M.ids()
+    with sb.distribute(model, client, (x,), budget=OP_BUDGET) as dm, torch.no_grad():
+        tiles = dict(shard_accounting(client))
+        for seq in (7, 2, 7):
+            longer = M.ids(seq=seq, seed=seq)
+            assert M.rel_err(dm(longer).logits, model(longer).logits) <= 1e-4
+        assert len(dm._shape_programs) == 2                       # traced once per size
+        assert shard_accounting(client) == tiles                  # the same weight tiles serve them
+        with pytest.raises(sb.BadInput, match=r"id 2048 at position \[0, 1\]"):
+            dm(torch.tensor([[1, M.VOCAB, 2, 3, 4, 5, 6]]))      # checked for the new size too
 
 
 def test_cluster_too_small_names_the_numbers(client) -> None:

@@ -259,9 +259,11 @@ class DistributedModel:
         decomposed like the deployment and registered once: a forward pass of any input size)."""
         args, ordered = bind_call(self.graph, inputs, dict(kwargs))
         leaves = [x for x in pytree.tree_leaves((args, ordered)) if isinstance(x, torch.Tensor)]
-        shapes = tuple((tuple(x.shape), str(x.dtype)) for x in leaves)
+        shapes = tuple((tuple(x.shape), str(x.dtype).removeprefix("torch.")) for x in leaves)
         traced = tuple((self.graph.tensors[n].shape, self.graph.tensors[n].dtype) for n in self.graph.inputs)
-        if len(leaves) != len(self.graph.inputs) or shapes == tuple((s, f"torch.{d}") for s, d in traced):
+        # NOTE: other sizes of the same inputs only; anything else is refused by the traced graph
+        if len(leaves) != len(traced) or shapes == traced or any(
+                d != td or len(s) != len(ts) for (s, d), (ts, td) in zip(shapes, traced)):
             return None
         with self._program_lock:
             prog = self._shape_programs.get(shapes)
