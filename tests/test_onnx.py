@@ -198,3 +198,16 @@ def test_light_model_equals_its_reference_output(name: str) -> None:
     micro = sb.decompose(graph, largest // 4)               # below its largest op
     got = sb.run_local(micro, x, weights=load_onnx(path))
     np.testing.assert_allclose(got.numpy(), ref, rtol=1e-3, atol=1e-6)
+
+
+def test_onnx_node_tests_pass_for_every_claimed_op_type() -> None:
+    from .onnx_nodes import CLAIMED, node_cases, op_type, run_case, tally
+
+    cases = [c for c in node_cases() if op_type(c) in CLAIMED]
+    counts = tally((op_type(c), run_case(c)[0]) for c in cases)
+    low = {k: dict(counts.get(k, {})) for k in CLAIMED
+           if counts.get(k, {}).get("passed", 0) < 0.95 * (counts.get(k, {}).get("passed", 0)
+                                                           + counts.get(k, {}).get("failed", 0))
+           or not counts.get(k, {}).get("passed")}
+    assert not low, f"claimed op types below 95% of their node tests: {low}"
+    assert sum(c["passed"] for c in counts.values()) >= 380

@@ -152,7 +152,8 @@ def _safe(name: str, taken: set[str]) -> str:
 class OnnxModule(torch.nn.Module):
     """An ONNX graph as a torch module (``load_onnx``): ``forward(*inputs)`` in the graph's input order."""
 
-    def __init__(self, model: Any, folder: Path | None = None, name: str = "") -> None:
+    def __init__(self, model: Any, folder: Path | None = None, name: str = "",
+                 constants: Mapping[str, Any] | None = None) -> None:
         super().__init__()
         g = model.graph
         self.onnx_name = name or str(g.name) or "onnx"
@@ -166,6 +167,8 @@ class OnnxModule(torch.nn.Module):
                          f"({len(missing)} node(s) of {len(kinds)} unsupported op type(s): "
                          f"{', '.join(kinds[:10])}); supported: {len(ONNX_OPS)} op types")
         consts = {t.name: _array(t, folder) for t in g.initializer}
+        # NOTE: graph inputs given as constants (shape operands, say) are traced as their values
+        consts.update({k: np.asarray(v) for k, v in (constants or {}).items()})
         self.input_names = [i.name for i in g.input if i.name not in consts]
         self.input_dims = {i.name: [d.dim_param or (d.dim_value if d.HasField("dim_value") else None)
                                     for d in i.type.tensor_type.shape.dim] for i in g.input}
@@ -255,11 +258,12 @@ class OnnxModule(torch.nn.Module):
                     raise BadInput(f"ONNX input {name!r} dim {i} is {d}, the example has {s} (shape {shape})")
 
 
-def load_onnx(source: Any) -> OnnxModule:
-    """An ONNX model (path, folder with ``model.onnx``, or ``ModelProto``) as an ``OnnxModule``."""
+def load_onnx(source: Any, constants: Mapping[str, Any] | None = None) -> OnnxModule:
+    """An ONNX model (path, folder with ``model.onnx``, or ``ModelProto``) as an ``OnnxModule``;
+    ``constants``: graph inputs whose values are fixed (they are no inputs of the module then)."""
     model, folder = _read(source)
     name = Path(source).stem if isinstance(source, (str, os.PathLike)) else ""
-    return OnnxModule(model, folder, name).eval()
+    return OnnxModule(model, folder, name, constants).eval()
 
 
 def symbolic_inputs(module: OnnxModule) -> dict[str, list[Any]]:
@@ -401,9 +405,11 @@ def _clip(node: Node, vals: list[Value]) -> list[Value]:
     x = _tensor(vals[0])
     lo = vals[1] if len(vals) > 1 else node.attr("min")
     hi = vals[2] if len(vals) > 2 else node.attr("max")
-    lo = None if lo is None else float(np.asarray(lo).reshape(()))
-    hi = None if hi is None else float(np.asarray(hi).reshape(()))
-    return [torch.clamp(x, lo, hi)]
+    if isinstance(lo, torch.Tensor) or isinstance(hi, torch.Tensor):
+        raise node.fail("Clip bounds that depend on the inputs are not supported")
+    lo = None if lo is None else np.asarray(lo).reshape(()).item()
+    hi = None if hi is None else np.asarray(hi).reshape(()).item()
+    return [x if lo is None and hi is None else torch.clamp(x, lo, hi)]
 
 
 @onnx_op("Max", "Min", "Sum", "Mean", fold=True)
@@ -667,23 +673,45 @@ def _gemm(node: Node, vals: list[Value]) -> list[Value]:
     return [y]
 
 
-def _pads(node: Node, rank: int, shape: Sequence[int], kernel: Sequence[int], strides: Sequence[int],
-          dilations: Sequence[int]) -> list[int]:
+def _pads_full(node: Node, rank: int, shape: Sequence[int], kernel: Sequence[int], strides: Sequence[int],
+               dilations: Sequence[int]) -> tuple[list[int], list[int]]:
+    """(begin, end) padding per spatial dim, from ``pads`` or ``auto_pad``."""
     auto = node.attr("auto_pad", "NOTSET")
     if auto in ("SAME_UPPER", "SAME_LOWER"):
-        out = []
+        total = []
         for i in range(rank):
-            n = shape[i]
-            want = (n + strides[i] - 1) // strides[i]
-            total = max(0, (want - 1) * strides[i] + (kernel[i] - 1) * dilations[i] + 1 - n)
-            out.append(total)
-        if any(t % 2 for t in out):
-            raise node.fail(f"auto_pad {auto} needs uneven padding {out}, which is not supported")
-        return [t // 2 for t in out]
+            want = (shape[i] + strides[i] - 1) // strides[i]
+            total.append(max(0, (want - 1) * strides[i] + (kernel[i] - 1) * dilations[i] + 1 - shape[i]))
+        small = [t // 2 for t in total]
+        big = [t - t // 2 for t in total]
+        return (small, big) if auto == "SAME_UPPER" else (big, small)
+    if auto == "VALID":
+        return [0] * rank, [0] * rank
     pads = list(node.attr("pads") or [0] * (2 * rank))
-    if pads[:rank] != pads[rank:]:
-        raise node.fail(f"uneven pads {pads} are not supported")
-    return pads[:rank]
+    return pads[:rank], pads[rank:]
+
+
+def _pad(x: torch.Tensor, begin: Sequence[int], end: Sequence[int], value: float) -> torch.Tensor:
+    """``x`` padded on its spatial dims (2..) with ``value``, by concatenation (ops the registry runs)."""
+    for i, (b, e) in enumerate(zip(begin, end)):
+        d = 2 + i
+        parts = []
+        for n in (b, e):
+            shape = list(x.shape)
+            shape[d] = n
+            parts.append(torch.full(shape, value, dtype=x.dtype) if n else None)
+        x = torch.cat([p for p in (parts[0], x, parts[1]) if p is not None], dim=d)
+    return x
+
+
+def _spatial(node: Node, x: torch.Tensor, kernel: Sequence[int], strides: Sequence[int],
+             dil: Sequence[int], value: float) -> tuple[torch.Tensor, list[int]]:
+    """``x`` with uneven padding applied, and the even padding left for the op itself."""
+    rank = x.dim() - 2
+    begin, end = _pads_full(node, rank, list(x.shape[2:]), kernel, strides, dil)
+    if begin == end and all(b <= k // 2 for b, k in zip(begin, kernel)):
+        return x, begin
+    return _pad(x, begin, end, value), [0] * rank
 
 
 @onnx_op("Conv")
@@ -694,7 +722,7 @@ def _conv(node: Node, vals: list[Value]) -> list[Value]:
     kernel = list(w.shape[2:])
     strides = list(node.attr("strides") or [1] * rank)
     dil = list(node.attr("dilations") or [1] * rank)
-    pads = _pads(node, rank, list(x.shape[2:]), kernel, strides, dil)
+    x, pads = _spatial(node, x, [(k - 1) * d + 1 for k, d in zip(kernel, dil)], strides, [1] * rank, 0.0)
     fn = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}.get(rank)
     if fn is None:
         raise node.fail(f"{rank}-d convolution is not supported")
@@ -708,17 +736,26 @@ def _pool(node: Node, vals: list[Value]) -> list[Value]:
     kernel = list(node.attr("kernel_shape"))
     strides = list(node.attr("strides") or [1] * rank)
     dil = list(node.attr("dilations") or [1] * rank)
-    pads = _pads(node, rank, list(x.shape[2:]), kernel, strides, dil)
     ceil = bool(node.attr("ceil_mode", 0))
+    span = [(k - 1) * d + 1 for k, d in zip(kernel, dil)]
     if node.op_type == "MaxPool":
         if len(node.outputs) > 1 and node.outputs[1]:
             raise node.fail("MaxPool's indices output is not supported")
+        x, pads = _spatial(node, x, span, strides, [1] * rank, float("-inf"))
         maxpool: Any = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}[rank]
         return [maxpool(x, kernel, strides, pads, dil, ceil)]
     if any(d != 1 for d in dil):
         raise node.fail("dilated average pooling is not supported")
     avgpool: Any = {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}[rank]
-    return [avgpool(x, kernel, strides, pads, ceil, bool(node.attr("count_include_pad", 0)))]
+    include = bool(node.attr("count_include_pad", 0))
+    padded, pads = _spatial(node, x, span, strides, [1] * rank, 0.0)
+    if padded is x or include:
+        return [avgpool(padded, kernel, strides, pads, ceil, include)]
+    # NOTE: uneven padding not counted: the padded sum over the count of real elements
+    begin, end = _pads_full(node, rank, list(x.shape[2:]), span, strides, [1] * rank)
+    ones = _pad(torch.ones_like(x), begin, end, 0.0)
+    total = avgpool(padded, kernel, strides, pads, ceil, True)
+    return [total / avgpool(ones, kernel, strides, pads, ceil, True)]
 
 
 @onnx_op("GlobalAveragePool", "GlobalMaxPool")
@@ -732,6 +769,8 @@ def _global_pool(node: Node, vals: list[Value]) -> list[Value]:
 
 @onnx_op("BatchNormalization")
 def _batch_norm(node: Node, vals: list[Value]) -> list[Value]:
+    if node.attr("training_mode", 0):
+        raise node.fail("BatchNormalization in training mode is not supported (inference only)")
     x, scale, bias, mean, var = (_tensor(v) for v in vals[:5])
     return [F.batch_norm(x, mean, var, scale, bias, False, 0.0, float(node.attr("epsilon", 1e-5)))]
 
@@ -742,9 +781,14 @@ def _layer_norm(node: Node, vals: list[Value]) -> list[Value]:
     scale = _tensor(vals[1])
     bias = _tensor(vals[2]) if len(vals) > 2 and vals[2] is not None else None
     axis = _axis(int(node.attr("axis", -1)), x.dim())
-    if len(node.outputs) > 1 and any(node.outputs[1:]):
-        raise node.fail("LayerNormalization's mean and inverse-deviation outputs are not supported")
-    return [F.layer_norm(x, list(x.shape[axis:]), scale, bias, float(node.attr("epsilon", 1e-5)))]
+    eps = float(node.attr("epsilon", 1e-5))
+    y = F.layer_norm(x, list(x.shape[axis:]), scale, bias, eps)
+    if len(node.outputs) == 1 or not any(node.outputs[1:]):
+        return [y]
+    dims = list(range(axis, x.dim()))          # NOTE: the statistics, as ONNX returns them
+    mean = x.mean(dim=dims, keepdim=True)
+    inv = torch.rsqrt(((x - mean) * (x - mean)).mean(dim=dims, keepdim=True) + eps)
+    return [y, mean, inv]
 
 
 @onnx_op("Softmax", "LogSoftmax")
@@ -795,6 +839,14 @@ def _reduce(node: Node, vals: list[Value]) -> list[Value]:
             return [x]
         axes = list(range(x.dim()))
     dims = [_axis(a, x.dim()) for a in axes]
+    if node.op_type in ("ReduceMax", "ReduceMin") and any(x.shape[d] == 0 for d in dims):
+        # NOTE: an empty reduction is the identity of max (-inf) or min (+inf), as ONNX defines it
+        shape = [1 if d in dims else n for d, n in enumerate(x.shape)] if keep else \
+            [n for d, n in enumerate(x.shape) if d not in dims]
+        if x.dtype == torch.bool:
+            return [torch.full(shape, node.op_type == "ReduceMin", dtype=torch.bool)]
+        big = float("inf") if x.is_floating_point() else torch.iinfo(x.dtype).max
+        return [torch.full(shape, -big if node.op_type == "ReduceMax" else big, dtype=x.dtype)]
     if node.op_type == "ReduceMean":
         return [x.mean(dim=dims, keepdim=keep)]
     if node.op_type == "ReduceSum":
