@@ -36,6 +36,7 @@ ELEMENTWISE = {
         "bitwise_not.default", "hardswish.default", "hardsigmoid.default", "leaky_relu.default",
         "elu.default", "minimum.default", "maximum.default", "reciprocal.default",
         "contiguous.default", "clone.default", "alias.default", "detach.default",
+        "round.default", "floor.default", "ceil.default", "sign.default",
     )
 }
 NORM = {

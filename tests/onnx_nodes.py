@@ -26,15 +26,18 @@ UNSUPPORTED_DTYPES = {"uint16", "uint32", "uint64", "bfloat16", "float8_e4m3fn",
 SHAPE_OPERANDS = {"Reshape": (1,), "Expand": (1,), "Tile": (1,), "Slice": (1, 2, 3, 4), "Unsqueeze": (1,),
                   "Squeeze": (1,), "ReduceSum": (1,), "ReduceMean": (1,), "ReduceMax": (1,),
                   "ReduceMin": (1,), "Range": (0, 1, 2), "ConstantOfShape": (0,), "Split": (1,),
-                  "Clip": (1, 2)}
+                  "Clip": (1, 2), "Dropout": (1, 2)}
 # The op types SeaBiscuit claims: at least 95% of the node test cases of each that run pass
 # (cases of dtypes torch does not compute with are skipped, and counted).
-CLAIMED = ("Abs Add And AveragePool BatchNormalization Cast Clip Concat Constant ConstantOfShape Conv Cos "
-           "Div Dropout Elu Equal Erf Exp Expand Flatten Gather GatherND Gelu Gemm GlobalAveragePool "
-           "GlobalMaxPool Greater GreaterOrEqual HardSigmoid Identity IsNaN LRN LayerNormalization LeakyRelu "
-           "Less LessOrEqual Log LogSoftmax MatMul Max MaxPool Mean Min Mul Neg Not Or Pow Reciprocal "
-           "ReduceMax ReduceMean ReduceSum Relu Reshape Shape Sigmoid Sin Size Slice Softmax Softsign Split "
-           "Sqrt Squeeze Sub Sum Tanh Tile Transpose Unsqueeze Where").split()
+CLAIMED = tuple("""
+    Abs Add And AveragePool BatchNormalization Cast Ceil Clip Concat Constant ConstantOfShape Conv
+    Cos DequantizeLinear Div Dropout DynamicQuantizeLinear Elu Equal Erf Exp Expand Flatten Floor
+    Gather GatherElements GatherND Gelu Gemm GlobalAveragePool GlobalMaxPool Greater GreaterOrEqual
+    HardSigmoid Identity IsNaN LRN LayerNormalization LeakyRelu Less LessOrEqual Log LogSoftmax
+    MatMul MatMulInteger Max MaxPool Mean Min Mul Neg Not Or Pow QLinearMatMul QuantizeLinear
+    Reciprocal ReduceMax ReduceMean ReduceMin ReduceSum Relu Reshape Round Shape Sigmoid Sign Sin
+    Size Slice Softmax Softsign Split Sqrt Squeeze Sub Sum Tanh Tile Transpose Unsqueeze Where
+""".split())
 
 
 def shape_operands(model: Any) -> set[str]:
@@ -65,7 +68,8 @@ def run_case(case: Any, budget: str = BUDGET) -> tuple[str, str]:
 
     from seabiscuit_dask.trace.onnx import load_onnx
 
-    inputs, expected = ([numpy_helper.to_array(v) if hasattr(v, "data_type") else v for v in vs]
+    inputs, expected = ([numpy_helper.to_array(v) if hasattr(v, "data_type")
+                         else np.asarray(v) if isinstance(v, np.generic) else v for v in vs]
                         for vs in case.data_sets[0])
     if not all(isinstance(x, np.ndarray) for x in [*inputs, *expected]):
         return "skipped", "sequence or optional inputs"

@@ -49,7 +49,7 @@ ATEN_TARGETS: tuple[str, ...] = tuple(f"aten.{n}" for n in (
     "relu_.default", "gelu.default", "silu.default", "silu_.default", "hardtanh.default",
     "hardswish.default", "hardsigmoid.default", "leaky_relu.default", "elu.default",
     "clamp.default", "clamp_min.default", "minimum.default", "maximum.default",
-    "dropout.default",
+    "dropout.default", "round.default", "floor.default", "ceil.default", "sign.default",
     # comparisons, logic, selection
     "eq.Tensor", "eq.Scalar", "ne.Tensor", "ne.Scalar", "gt.Tensor", "gt.Scalar",
     "ge.Tensor", "ge.Scalar", "lt.Tensor", "lt.Scalar", "le.Tensor", "le.Scalar",

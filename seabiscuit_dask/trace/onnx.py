@@ -348,7 +348,7 @@ def _operand(v: Value, other: Value) -> Any:
     return v
 
 
-def _unary(fn: Callable[[torch.Tensor], torch.Tensor]) -> OpFn:
+def _unary(fn: Callable[..., torch.Tensor]) -> OpFn:
     return lambda node, vals: [fn(_tensor(vals[0]))]
 
 
@@ -357,9 +357,10 @@ for _name, _fn in [
     ("Log", torch.log), ("Sqrt", torch.sqrt), ("Abs", torch.abs), ("Erf", torch.erf),
     ("Reciprocal", torch.reciprocal), ("Sin", torch.sin), ("Cos", torch.cos),
     ("Softsign", lambda x: x / (1 + x.abs())), ("Softplus", F.softplus),
+    ("Floor", torch.floor), ("Ceil", torch.ceil), ("Round", torch.round), ("Sign", torch.sign),
     ("IsNaN", lambda x: x != x),
 ]:
-    onnx_op(_name)(_unary(_fn))
+    onnx_op(_name)(_unary(_fn))  # type: ignore[arg-type]
 
 
 @onnx_op("Identity", fold=True)
@@ -823,6 +824,9 @@ def _lrn(node: Node, vals: list[Value]) -> list[Value]:
 
 @onnx_op("Dropout")
 def _dropout(node: Node, vals: list[Value]) -> list[Value]:
+    training = vals[2] if len(vals) > 2 else None
+    if isinstance(training, torch.Tensor) or (training is not None and bool(np.asarray(training).any())):
+        raise node.fail("Dropout in training mode is not supported (inference only)")
     x = _tensor(vals[0])
     return [x, torch.ones_like(x, dtype=torch.bool)]         # NOTE: inference: nothing dropped
 
@@ -868,3 +872,88 @@ def _split(node: Node, vals: list[Value]) -> list[Value]:
         step = -(-x.shape[axis] // n)
         sizes = [min(step, x.shape[axis] - i * step) for i in range(n)]
     return list(torch.split(x, sizes, dim=axis))
+
+
+@onnx_op("GatherElements")
+def _gather_elements(node: Node, vals: list[Value]) -> list[Value]:
+    data, idx = _tensor(vals[0]), _tensor(vals[1]).long()
+    axis = _axis(int(node.attr("axis", 0)), data.dim())
+    n = data.shape[axis]
+    return [torch.gather(data, axis, torch.where(idx < 0, idx + n, idx))]
+
+
+# --- quantized operations ----------------------------------------------------------------------
+# Integer arithmetic stays integer: a matmul of int8 operands accumulates in int32 (so a split
+# of its reduction into int32 partial sums is exact), and scales apply after it.
+def _per_axis(v: torch.Tensor, like: torch.Tensor, axis: int) -> torch.Tensor:
+    """A scale or zero point of one value per slice along ``axis`` of ``like``, broadcastable to it."""
+    if v.dim() == 0 or v.numel() == 1:
+        return v.reshape(())
+    shape = [1] * like.dim()
+    shape[_axis(axis, like.dim())] = v.numel()
+    return v.reshape(shape)
+
+
+_RANGES = {torch.int8: (-128, 127), torch.uint8: (0, 255), torch.int16: (-32768, 32767),
+           torch.int32: (-(2 ** 31), 2 ** 31 - 1)}
+
+
+@onnx_op("DequantizeLinear")
+def _dequantize(node: Node, vals: list[Value]) -> list[Value]:
+    if node.attr("block_size", 0):
+        raise node.fail("blocked quantization (block_size) is not supported")
+    x, scale = _tensor(vals[0]), _tensor(vals[1])
+    axis = int(node.attr("axis", 1))
+    zp = _tensor(vals[2]) if len(vals) > 2 and vals[2] is not None else None
+    q = x.to(torch.int32) if zp is None else x.to(torch.int32) - _per_axis(zp, x, axis).to(torch.int32)
+    return [q.to(scale.dtype) * _per_axis(scale, x, axis)]
+
+
+@onnx_op("QuantizeLinear")
+def _quantize(node: Node, vals: list[Value]) -> list[Value]:
+    if node.attr("block_size", 0):
+        raise node.fail("blocked quantization (block_size) is not supported")
+    x, scale = _tensor(vals[0]), _tensor(vals[1])
+    axis = int(node.attr("axis", 1))
+    zp = _tensor(vals[2]) if len(vals) > 2 and vals[2] is not None else None
+    dtype = zp.dtype if zp is not None else torch.uint8
+    if dtype not in _RANGES:
+        raise node.fail(f"quantizing to {dtype} is not supported")
+    lo, hi = _RANGES[dtype]
+    q = torch.round(x / _per_axis(scale, x, axis))          # NOTE: half to even, as ONNX rounds
+    if zp is not None:
+        q = q + _per_axis(zp, x, axis).to(q.dtype)
+    return [torch.clamp(q, lo, hi).to(dtype)]
+
+
+@onnx_op("DynamicQuantizeLinear")
+def _dynamic_quantize(node: Node, vals: list[Value]) -> list[Value]:
+    x = _tensor(vals[0])
+    lo = torch.clamp(-(-x).amax(), max=0.0)
+    hi = torch.clamp(x.amax(), min=0.0)
+    scale = (hi - lo) / 255.0
+    zp = torch.clamp(torch.round(-lo / scale), 0, 255)
+    y = torch.clamp(torch.round(x / scale) + zp, 0, 255)
+    return [y.to(torch.uint8), scale, zp.to(torch.uint8)]
+
+
+@onnx_op("MatMulInteger")
+def _matmul_integer(node: Node, vals: list[Value]) -> list[Value]:
+    a, b = _tensor(vals[0]).to(torch.int32), _tensor(vals[1]).to(torch.int32)
+    if len(vals) > 2 and vals[2] is not None:          # NOTE: per row of A, or one for all
+        azp = _tensor(vals[2]).to(torch.int32)
+        a = a - (azp.reshape(-1, 1) if azp.numel() > 1 else azp.reshape(()))
+    if len(vals) > 3 and vals[3] is not None:          # NOTE: per column of B, or one for all
+        bzp = _tensor(vals[3]).to(torch.int32)
+        b = b - (bzp.reshape(-1) if bzp.numel() > 1 else bzp.reshape(()))
+    return [torch.matmul(a, b)]
+
+
+@onnx_op("QLinearMatMul")
+def _qlinear_matmul(node: Node, vals: list[Value]) -> list[Value]:
+    a, a_scale, a_zp, b, b_scale, b_zp, y_scale, y_zp = (_tensor(v) for v in vals)
+    acc = torch.matmul(a.to(torch.int32) - a_zp.to(torch.int32), b.to(torch.int32) - b_zp.to(torch.int32))
+    scale = (a_scale * b_scale / y_scale).to(torch.float32)
+    q = torch.round(acc.to(torch.float32) * scale) + y_zp.to(torch.float32)
+    lo, hi = _RANGES[y_zp.dtype]
+    return [torch.clamp(q, lo, hi).to(y_zp.dtype)]
