@@ -97,6 +97,34 @@ def test_a_torch_export_of_a_convnet_equals_the_module(tmp_path: Path) -> None:
     assert M.rel_err(got, want) <= 1e-4
 
 
+class _Hidden(torch.nn.Module):
+    """A Hugging Face model's first output, as torch.onnx.export takes it."""
+
+    def __init__(self, model: torch.nn.Module, **kw: object) -> None:
+        super().__init__()
+        self.model, self.kw = model, kw
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model(ids, return_dict=False, **self.kw)[0]
+
+
+@pytest.mark.filterwarnings("ignore")          # NOTE: the exporters' tracer warnings are theirs
+@pytest.mark.parametrize("name", ["bert", "gpt2"])
+def test_torch_onnx_exports_of_gpt2_and_bert_equal_the_modules(name: str, tmp_path: Path) -> None:
+    x = M.ids()
+    if name == "gpt2":      # NOTE: its masks need the dynamo exporter (onnxscript)
+        pytest.importorskip("onnxscript")
+        model, kw, dynamo = _Hidden(M.gpt2(), use_cache=False).eval(), {"opset_version": 18}, True
+    else:
+        model, kw, dynamo = _Hidden(M.bert()).eval(), {"opset_version": 17}, False
+    path = tmp_path / f"{name}.onnx"
+    torch.onnx.export(model, (x,), str(path), dynamo=dynamo, input_names=["input_ids"], **kw)
+    with torch.no_grad():
+        want = model(x)
+    got = sb.run_local(sb.decompose(sb.trace(path, (x,)), "16KiB"), x, weights=load_onnx(path))
+    assert M.rel_err(got, want) <= 1e-4
+
+
 def _graph(nodes, inputs, outputs, inits=(), opset=17):
     g = helper.make_graph(nodes, "g", inputs, outputs, list(inits))
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])

@@ -70,7 +70,7 @@ class Node:
         self.outputs = [str(o) for o in proto.output]
         self.domain = str(proto.domain)
         self.attrs = {a.name: helper.get_attribute_value(a) for a in proto.attribute}
-        self.weight_t = False          # MatMul: its B input is a weight held transposed
+        self.weight_t = False          # MatMul, Gemm: its B input is a weight held transposed
 
     def attr(self, name: str, default: Any = None) -> Any:
         v = self.attrs.get(name, default)
@@ -183,7 +183,9 @@ class OnnxModule(torch.nn.Module):
                     users.setdefault(i, []).append((n, j))
         weights_t = {k for k, us in users.items() if k in self.consts and self.consts[k].ndim == 2
                      and self.consts[k].dtype.kind == "f"
-                     and all(n.op_type == "MatMul" and j == 1 for n, j in us)}
+                     and all(j == 1 and (n.op_type == "MatMul" or (n.op_type == "Gemm"
+                                                                   and not n.attr("transB", 0)))
+                             for n, j in us)}
         for k in weights_t:
             for n, _ in users[k]:
                 n.weight_t = True
@@ -665,7 +667,7 @@ def _gemm(node: Node, vals: list[Value]) -> list[Value]:
     alpha, beta = float(node.attr("alpha", 1.0)), float(node.attr("beta", 1.0))
     if node.attr("transA", 0):
         a = a.t()
-    w = b if node.attr("transB", 0) else b.t()
+    w = b if node.attr("transB", 0) or node.weight_t else b.t()     # NOTE: linear takes [out, in]
     y = F.linear(a, w)
     if alpha != 1.0:
         y = y * alpha
