@@ -208,7 +208,9 @@ def test_two_graphs_with_the_same_weights_and_shapes_are_two_templates() -> None
     assert [op.target for op in a.ops] != [op.target for op in b.ops]
 
 
-@pytest.mark.parametrize("name", ["squeezenet"])
+# NOTE: resnet50 and inception_v1 are left out: their constant "light" weights drive the logits
+# to 1e19-1e21, where any other order of summation flips the softmax (not a property of the tiles)
+@pytest.mark.parametrize("name", ["squeezenet", "shufflenet", "bvlc_alexnet", "zfnet512", "inception_v2"])
 def test_light_model_equals_its_reference_output(name: str) -> None:
     from onnx.backend.test.runner import Runner
 
