@@ -175,5 +175,6 @@ def cached_decompose(graph: OpGraph, budget: int, allow_oversize: bool,
         store(key, result)
         return result
     # NOTE: what the caller's graph says of itself (its call signature, ...) wins over the template's
-    own = {k: v for k, v in graph.meta.items() if k not in ("template_key", "budget_bytes")}
-    return result.with_meta(**own)
+    own = {k: v for k, v in graph.meta.items() if k not in ("template_key", "budget_bytes")
+           and result.meta.get(k) != v}
+    return result.with_meta(**own) if own else result

@@ -275,7 +275,8 @@ def symbolic_inputs(module: OnnxModule) -> dict[str, list[Any]]:
 
 
 # --- helpers for the op functions -------------------------------------------------------------
-def _tensor(v: Value, like: torch.Tensor | None = None) -> torch.Tensor:
+def _tensor(v: Value) -> torch.Tensor:
+    """A traced tensor as it is; a folded constant as a tensor (lifted into the graph, or inlined)."""
     if isinstance(v, torch.Tensor):
         return v
     return torch.from_numpy(np.array(v, copy=True, order="C"))
@@ -497,17 +498,14 @@ def _range(node: Node, vals: list[Value]) -> list[Value]:
 
 
 def _reshape_target(shape: list[int], src: Sequence[int], allowzero: bool) -> list[int]:
-    out = [src[i] if (d == 0 and not allowzero) else d for i, d in enumerate(shape)]
-    return out
+    """ONNX Reshape's target: a 0 copies the input's dim there, unless ``allowzero``."""
+    return [src[i] if (d == 0 and not allowzero) else d for i, d in enumerate(shape)]
 
 
 @onnx_op("Reshape", fold=True)
 def _reshape(node: Node, vals: list[Value]) -> list[Value]:
     x = vals[0]
-    shape = _reshape_target(_ints(vals[1]), list(x.shape), bool(node.attr("allowzero", 0)))
-    if isinstance(x, np.ndarray):
-        return [x.reshape(shape)]
-    return [x.reshape(shape)]
+    return [x.reshape(_reshape_target(_ints(vals[1]), list(x.shape), bool(node.attr("allowzero", 0))))]
 
 
 @onnx_op("Flatten", fold=True)
