@@ -13,8 +13,6 @@ are what fusion saves.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import dask.config
 import torch
@@ -23,6 +21,7 @@ import transformers as tf
 import seabiscuit_dask as sb
 from seabiscuit_dask.ir import fmt_bytes
 from seabiscuit_dask.lower.blocks import block_specs
+from seabiscuit_dask.runtime.agent import median_s
 from seabiscuit_dask.runtime.resident import ResidentBlocks
 from seabiscuit_dask.runtime.store import stored
 
@@ -57,12 +56,7 @@ def forward_s(r: ResidentBlocks, specs, graph, x, reps: int, device: str) -> flo
             torch.cuda.synchronize()
 
     once()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        once()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return median_s(once, reps)
 
 
 def main() -> None:

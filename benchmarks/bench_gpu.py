@@ -16,10 +16,8 @@ machine without a GPU (the figures then say nothing about GPUs).
 from __future__ import annotations
 
 import argparse
-import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -27,18 +25,18 @@ import torch
 import seabiscuit_dask as sb
 from seabiscuit_dask.ir import fmt_bytes
 from seabiscuit_dask.models import demo_model
+from seabiscuit_dask.runtime.agent import median_s as agent_median_s
 
 
 def median_s(fn, reps: int, sync: bool) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
+    """``agent.median_s`` after one warm-up call, each call waiting for the GPU when ``sync``."""
+    def call() -> None:
         fn()
         if sync:
             torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+
+    call()
+    return agent_median_s(call, reps)
 
 
 def cluster(gpu_workers: int, cpu_workers: int, gpu_mem: float, cpu_mem: float, gpu: bool):

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -24,15 +23,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from seabiscuit_dask.runtime.agent import median_s as agent_median_s
+
 
 def median_s(fn, reps: int) -> float:
+    """``agent.median_s`` after one warm-up call."""
     fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return agent_median_s(fn, reps)
 
 
 def main() -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+import weakref
 from collections import OrderedDict, deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -159,22 +160,22 @@ def _plan_data(dep: Deployment, state: PlacementState, activity: Activity) -> di
         "cut_bytes": float(plan.cut_bytes), "programs": programs}
 
 
-_PREDICTED: dict[tuple[int, tuple[Any, ...]], float] = {}
+# NOTE: per plan (gone with it), the simulated latency at the last learned scales seen
+_PREDICTED: weakref.WeakKeyDictionary[Plan, tuple[Any, float]] = weakref.WeakKeyDictionary()
 
 
 def predicted_s(plan: Plan, scales: dict[str, dict[str, float]]) -> float:
     """Simulated latency of one request of ``plan``, with the speeds learned on its devices."""
-    key = (id(plan), tuple(sorted((a, tuple(sorted(s.items()))) for a, s in scales.items())))
-    if key not in _PREDICTED:
+    key = tuple(sorted((a, tuple(sorted(s.items()))) for a, s in scales.items()))
+    seen = _PREDICTED.get(plan)
+    if seen is None or seen[0] != key:
         spec = plan.spec
         for d in spec.devices:
             if scales.get(d.address):
                 spec = spec.with_changes(d.name, scale=dict(scales[d.address]))
-        if len(_PREDICTED) > 256:
-            _PREDICTED.clear()
-        _PREDICTED[key] = Plan(plan.graph, spec, plan.device_of, plan.method, plan.planning_s,
-                               dict(plan.info)).makespan_s
-    return _PREDICTED[key]
+        seen = _PREDICTED[plan] = (key, Plan(plan.graph, spec, plan.device_of, plan.method, plan.planning_s,
+                                             dict(plan.info)).makespan_s)
+    return seen[1]
 
 
 def _program_data(dep: Deployment, program: int, plan: Plan, scales: dict[str, dict[str, float]],
@@ -189,7 +190,7 @@ def _program_data(dep: Deployment, program: int, plan: Plan, scales: dict[str, d
 
 
 # --- timeline and events ---------------------------------------------------------------------
-_SCOPES: dict[int, dict[str, str]] = {}
+_SCOPES: weakref.WeakKeyDictionary[Plan, dict[str, str]] = weakref.WeakKeyDictionary()   # op -> scope
 
 
 def block_layers(dep: Deployment | None, version: int, block: int) -> str:
@@ -200,11 +201,9 @@ def block_layers(dep: Deployment | None, version: int, block: int) -> str:
     plan = dep.program_plan(program, version) if program else dep.plan_at(version)
     if plan is None or not 0 <= local < len(plan.blocks):
         return ""
-    scopes = _SCOPES.get(id(plan))
+    scopes = _SCOPES.get(plan)
     if scopes is None:
-        if len(_SCOPES) > 64:
-            _SCOPES.clear()
-        scopes = _SCOPES[id(plan)] = {op.name: op.scope for op in plan.graph.ops}
+        scopes = _SCOPES[plan] = {op.name: op.scope for op in plan.graph.ops}
     layers = sorted({n for n in (_layer(scopes.get(o, "")) for o in plan.blocks[local].ops) if n >= 0})
     if not layers:
         return ""

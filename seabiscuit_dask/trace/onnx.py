@@ -898,24 +898,27 @@ _RANGES = {torch.int8: (-128, 127), torch.uint8: (0, 255), torch.int16: (-32768,
            torch.int32: (-(2 ** 31), 2 ** 31 - 1)}
 
 
-@onnx_op("DequantizeLinear")
-def _dequantize(node: Node, vals: list[Value]) -> list[Value]:
+QuantOperands = tuple[torch.Tensor, torch.Tensor, int, "torch.Tensor | None"]
+
+
+def _quant_operands(node: Node, vals: list[Value]) -> QuantOperands:
+    """(x, scale, axis, zero point or None) of a DequantizeLinear or QuantizeLinear."""
     if node.attr("block_size", 0):
         raise node.fail("blocked quantization (block_size) is not supported")
-    x, scale = _tensor(vals[0]), _tensor(vals[1])
-    axis = int(node.attr("axis", 1))
     zp = _tensor(vals[2]) if len(vals) > 2 and vals[2] is not None else None
+    return _tensor(vals[0]), _tensor(vals[1]), int(node.attr("axis", 1)), zp
+
+
+@onnx_op("DequantizeLinear")
+def _dequantize(node: Node, vals: list[Value]) -> list[Value]:
+    x, scale, axis, zp = _quant_operands(node, vals)
     q = x.to(torch.int32) if zp is None else x.to(torch.int32) - _per_axis(zp, x, axis).to(torch.int32)
     return [q.to(scale.dtype) * _per_axis(scale, x, axis)]
 
 
 @onnx_op("QuantizeLinear")
 def _quantize(node: Node, vals: list[Value]) -> list[Value]:
-    if node.attr("block_size", 0):
-        raise node.fail("blocked quantization (block_size) is not supported")
-    x, scale = _tensor(vals[0]), _tensor(vals[1])
-    axis = int(node.attr("axis", 1))
-    zp = _tensor(vals[2]) if len(vals) > 2 and vals[2] is not None else None
+    x, scale, axis, zp = _quant_operands(node, vals)
     dtype = zp.dtype if zp is not None else torch.uint8
     if dtype not in _RANGES:
         raise node.fail(f"quantizing to {dtype} is not supported")
