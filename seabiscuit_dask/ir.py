@@ -275,8 +275,41 @@ def input_bytes(op: Op, tensors: Mapping[str, TensorSpec]) -> int:
 ATTENTION_SCORES = 4   # NOTE: bytes per attention score: kernels compute scores in float32
 
 
+QLINEAR = "sb.qlinear.default"
+QLINEAR_SLAB = 1 << 20     # NOTE: most bytes of weight sb.qlinear dequantizes at once (larger: no faster)
+QLINEAR_SHARE = 16         # NOTE: ... and at most 1/16 of the tile's 1-byte weight, so its tiles hold ~4x
+
+
+def qlinear_columns(n: int, k: int, itemsize: int, room: int = 0) -> int:
+    """Columns of an ``[n, k]`` 1-byte weight that ``sb.qlinear`` dequantizes at once into
+    ``itemsize``-byte elements: ``n * k / QLINEAR_SHARE`` bytes of them, or as many as ``room``
+    bytes hold when that is more (the budget a tile's working set leaves it), at most
+    ``QLINEAR_SLAB``; whole multiples of 16 columns where that many fit, at least one column."""
+    cap = min(QLINEAR_SLAB, max(n * k // QLINEAR_SHARE, room))
+    cols = cap // max(1, k * itemsize)
+    return max(1, min(n, cols // 16 * 16 if cols >= 16 else cols))
+
+
+def qlinear_slab(op: Op, tensors: Mapping[str, TensorSpec]) -> tuple[int, int, int, int] | None:
+    """``(n, k, itemsize, columns)`` of an ``sb.qlinear`` op's dequantized slab (columns: as its
+    ``columns`` argument says, else ``qlinear_columns``), or None when its operands are unknown."""
+    args = op.attrs.get("args", ())
+    refs = list(iter_refs(args[:1]))
+    if len(refs) != 1 or refs[0].get("t") not in tensors or not op.outputs or op.outputs[0] not in tensors:
+        return None
+    x = tensors[refs[0]["t"]]
+    k = view_shape(refs[0], x.shape)[-1]
+    itemsize = 8 if not x.dtype.startswith(("float", "bfloat")) else DTYPE_BYTES.get(x.dtype, 4)
+    n = tensors[op.outputs[0]].shape[-1]
+    given = args[5] if len(args) > 5 and isinstance(args[5], int) and args[5] > 0 else 0
+    return n, k, itemsize, min(n, given) if given else qlinear_columns(n, k, itemsize)
+
+
 def scratch_bytes(op: Op, tensors: Mapping[str, TensorSpec]) -> int:
-    """Memory an op needs beyond its operands: the score matrix of an attention op."""
+    """Memory an op needs beyond its operands: the score matrix of an attention op, the
+    dequantized slab of an ``sb.qlinear`` (and its float64 input, when integer)."""
+    if op.target == QLINEAR:
+        return _qlinear_scratch(op, tensors)
     if op.kind != "attention" or len(op.inputs) < 2:
         return 0
     args = op.attrs.get("args", ())
@@ -287,6 +320,16 @@ def scratch_bytes(op: Op, tensors: Mapping[str, TensorSpec]) -> int:
     if len(q) < 2 or len(k) < 2:
         return 0
     return math.prod(q[:-1]) * k[-2] * ATTENTION_SCORES
+
+
+def _qlinear_scratch(op: Op, tensors: Mapping[str, TensorSpec]) -> int:
+    slab = qlinear_slab(op, tensors)
+    if slab is None:
+        return 0
+    _, k, itemsize, columns = slab
+    ref = next(iter_refs(op.attrs["args"][:1]))
+    x = math.prod(view_shape(ref, tensors[ref["t"]].shape)) * 8 if itemsize == 8 else 0   # NOTE: in float64
+    return columns * k * itemsize + x
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from types import MappingProxyType
 from typing import Any
 
-LINEAR = {"aten.linear.default", "aten.addmm.default"}
+LINEAR = {"aten.linear.default", "aten.addmm.default", "sb.qlinear.default"}
 MATMUL = {"aten.mm.default", "aten.matmul.default", "aten.bmm.default"}
 # NOTE: ``.padding`` overloads take "same" / "valid"; ``sb.conv_strip`` takes explicit (before, after)
 # padding per spatial dim (a strip of a convolution, its halo cut from the input).

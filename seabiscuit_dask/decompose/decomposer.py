@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 from .. import ops as O
 from ..cost import op_flops
 from ..ir import (
+    QLINEAR,
     Op,
     OpGraph,
     ParamSpec,
@@ -22,6 +23,8 @@ from ..ir import (
     TensorSpec,
     input_bytes,
     operand_names,
+    qlinear_columns,
+    qlinear_slab,
     scratch_bytes,
 )
 from . import tiling as T
@@ -235,7 +238,7 @@ class Decomposer:
         own = self.ws(op)
         ws = max(own, self.glue_ws(op))
         if ws <= self.budget:
-            self.ops.append(self.bind(op))
+            self.ops.append(self.widened(self.bind(op)))
             return
         splits = self.splits(op) if depth < MAX_DEPTH and len(op.outputs) == 1 else []
         choice = self.choose(op, splits)
@@ -243,7 +246,7 @@ class Decomposer:
             self.keep_oversize(op, ws, why_unsplit(op, splits, self.budget, depth, MAX_DEPTH))
             return
         split, k = choice
-        bounds = self.aligned(split, k) or bounds_for(split.n, k)
+        bounds = self.aligned(split, k) or split.bounds(k)
         parts: list[str] = []
         for i in range(len(bounds) - 1):
             name = f"{split.tag}{i}"
@@ -260,6 +263,22 @@ class Decomposer:
                 self.keep_oversize(tile, self.ws(tile), why_unsplit(tile, [], self.budget, depth, MAX_DEPTH))
             parts.append(out)
         self.join(op, split, parts)
+
+    def widened(self, op: Op) -> Op:
+        """An ``sb.qlinear`` whose slab takes the budget its working set leaves (fewer, larger
+        dequantizing steps); any other op as it is."""
+        slab = qlinear_slab(op, self.tensors) if op.target == QLINEAR else None
+        if slab is None:
+            return op
+        n, k, itemsize, columns = slab
+        room = self.budget - self.ws(op) + columns * k * itemsize
+        wider = qlinear_columns(n, k, itemsize, room)
+        if wider <= columns:
+            return op
+        args = list(op.attrs["args"]) + [None] * (6 - len(op.attrs["args"]))
+        args[5] = wider
+        return Op(op.name, op.kind, op.target, op.inputs, op.outputs, op.params,
+                  {**dict(op.attrs), "args": args}, op.scope, op.flops)
 
     def aligned(self, split: Split, k: int) -> list[int] | None:
         """Bounds of at least ``k`` pieces, none larger than ``n / k``, that never cross a tile
@@ -440,7 +459,8 @@ class Decomposer:
 
     def piece_ws(self, op: Op, split: Split, k: int) -> int:
         """The most that gathering the inputs of sampled tiles of ``k`` pieces takes."""
-        bounds = bounds_for(split.n, k)
+        bounds = split.bounds(k)
+        k = len(bounds) - 1
         picks = range(k) if k <= 4 else sorted({0, k // 3, (2 * k) // 3, k - 1})
         worst = 0
         self.sampling = True

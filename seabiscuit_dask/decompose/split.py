@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -52,6 +51,8 @@ class Split:
     along : (ref, dim, ratio) or None
         The activation operand the split cuts, its dim, and elements per unit: pieces
         are aligned with that operand's tiles, so they read whole tiles where they can.
+    quantum : int
+        Pieces of at least this many units are whole multiples of it (see ``bounds_for``).
     """
 
     tag: str
@@ -66,16 +67,39 @@ class Split:
     kind: str | None = None
     finish: str | None = None
     along: tuple[Any, int, int] | None = None
+    quantum: int = 1
+
+    def bounds(self, k: int) -> list[int]:
+        """Bounds of the pieces of a ``k``-way cut."""
+        return bounds_for(self.n, k, self.quantum)
 
 
-def frac(n: int, k: int) -> float:
-    """Share of ``n`` units held by the largest of ``k`` balanced pieces."""
-    return math.ceil(n / k) / n
+def largest_piece(n: int, k: int, q: int = 1) -> int:
+    """Units in the largest of ``k`` pieces of ``n``, rounded up to a multiple of ``q``
+    unless the pieces are smaller than ``q``."""
+    s = -(-n // k)
+    return s if s < q else min(n, -(-s // q) * q)
 
 
-def bounds_for(n: int, k: int) -> list[int]:
-    """Bounds of ``k`` balanced pieces of ``n`` units: ``[0, ..., n]``."""
-    return [round(i * n / k) for i in range(k + 1)]
+def frac(n: int, k: int, q: int = 1) -> float:
+    """Share of ``n`` units held by the largest of ``k`` pieces (see ``bounds_for``)."""
+    return largest_piece(n, k, q) / n
+
+
+def bounds_for(n: int, k: int, q: int = 1) -> list[int]:
+    """Bounds ``[0, ..., n]`` of ``k`` balanced pieces of ``n`` units.
+
+    With a quantum ``q > 1`` every piece but the last is a whole multiple of ``q`` units
+    (when pieces hold ``q`` or more): there may then be fewer than ``k`` pieces, none
+    larger than ``largest_piece(n, k, q)``. Output columns are cut so: a matrix kernel
+    gives a column in a whole SIMD vector of a tile the bits the unsplit op gives it, so
+    no column differs from its neighbour by a rounding (a softmax over huge logits
+    amplifies one ulp into a different answer).
+    """
+    s = largest_piece(n, k, q)
+    if q == 1 or s < q:
+        return [round(i * n / k) for i in range(k + 1)]
+    return [*range(0, n, s), n]
 
 
 def min_pieces(split: Split, limit: float) -> int | None:

@@ -19,13 +19,14 @@ import os
 import re
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from ..errors import BadCheckpoint, BadInput, UnsupportedModel, UnsupportedOp
+from ..lower import quant as _quant  # noqa: F401  (defines torch.ops.sb.qlinear)
 
 Value = Any              # a torch.Tensor (traced) or an np.ndarray (a constant, folded)
 OpFn = Callable[["Node", list[Value]], list[Value]]
@@ -57,6 +58,32 @@ def is_onnx(source: Any) -> bool:
     return False
 
 
+class QuantWeight(NamedTuple):
+    """An integer weight ``[out, in]`` with a scale and zero point per output column (or None),
+    given to a MatMul-like node's function in place of its B operand."""
+
+    w: torch.Tensor
+    scale: torch.Tensor | None
+    zero: torch.Tensor | None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.w.shape)
+
+
+class QuantSlot(NamedTuple):
+    """Which input of a node is a quantized weight, and the buffers that hold it."""
+
+    input: int
+    w: str
+    scale: str | None
+    zero: str | None
+
+
+# NOTE: the B input of these op types, and its zero point (MatMulInteger, QLinearMatMul)
+B_SLOTS = {"MatMul": (1, None), "Gemm": (1, None), "MatMulInteger": (1, 3), "QLinearMatMul": (3, 5)}
+
+
 class Node:
     """One ONNX node as the op functions see it: its type, name, attributes and outputs."""
 
@@ -71,6 +98,8 @@ class Node:
         self.domain = str(proto.domain)
         self.attrs = {a.name: helper.get_attribute_value(a) for a in proto.attribute}
         self.weight_t = False          # MatMul, Gemm: its B input is a weight held transposed
+        self.quant: QuantSlot | None = None     # its B input is an integer weight, held as such
+        self.dead = False              # its outputs feed only quantized weight slots
 
     def attr(self, name: str, default: Any = None) -> Any:
         v = self.attrs.get(name, default)
@@ -176,11 +205,13 @@ class OnnxModule(torch.nn.Module):
         self.consts = self._fold_pure(consts)
         self.buffer_of: dict[str, str] = {}
         taken: set[str] = set()
+        quant = self._find_quantized()
         users: dict[str, list[tuple[Node, int]]] = {}
         for n in self.nodes:
-            if not self._pure(n):
+            if not self._pure(n) and not n.dead:
                 for j, i in enumerate(n.inputs):
-                    users.setdefault(i, []).append((n, j))
+                    if n not in quant or j != B_SLOTS[n.op_type][0]:
+                        users.setdefault(i, []).append((n, j))
         weights_t = {k for k, us in users.items() if k in self.consts and self.consts[k].ndim == 2
                      and self.consts[k].dtype.kind == "f"
                      and all(j == 1 and (n.op_type == "MatMul" or (n.op_type == "Gemm"
@@ -195,6 +226,20 @@ class OnnxModule(torch.nn.Module):
                 held = v.T if k in weights_t else v      # NOTE: [out, in], as torch's linear holds it
                 self.register_buffer(b, torch.from_numpy(np.array(held, copy=True, order="C")))
                 self.buffer_of[k] = b
+        for n, (w, scale, zero) in quant.items():
+            names: list[str | None] = []
+            for what, arr in (("w", w), ("scale", scale), ("zero", zero)):
+                if arr is None:
+                    names.append(None)
+                    continue
+                b = _safe(f"{n.inputs[B_SLOTS[n.op_type][0]]}_{what}", taken)
+                self.register_buffer(b, torch.from_numpy(np.array(arr, copy=True, order="C")))
+                names.append(b)
+            n.quant = QuantSlot(B_SLOTS[n.op_type][0], names[0] or "", names[1], names[2])
+        # NOTE: only what forward reads is kept; the buffers are the weights' one copy
+        self.folded = set(self.consts)
+        self.consts = {k: v for k, v in self.consts.items()
+                       if k not in self.buffer_of and (k in users or k in self.output_names)}
         digest = hashlib.sha256(model.SerializeToString(deterministic=True)).hexdigest()[:16]
         self.fingerprint = digest
 
@@ -221,9 +266,10 @@ class OnnxModule(torch.nn.Module):
                            f"({', '.join(self.input_names)}), got {len(args)}")
         env: dict[str, Value] = dict(zip(self.input_names, args))
         for node in self.nodes:
-            if all(o in self.consts for o in node.outputs):
-                continue                       # NOTE: folded at load
-            vals = [self._value(i, env) if i else None for i in node.inputs]
+            if node.dead or all(o in self.folded for o in node.outputs):
+                continue                       # NOTE: folded at load, or feeds only quantized weights
+            vals = [self._quant_value(node.quant) if node.quant is not None and j == node.quant.input
+                    else self._value(i, env) if i else None for j, i in enumerate(node.inputs)]
             fold = node.op_type in FOLDS and all(v is None or isinstance(v, np.ndarray) for v in vals)
             try:
                 outs = (FOLDS if fold else ONNX_OPS)[node.op_type](node, vals)
@@ -237,6 +283,36 @@ class OnnxModule(torch.nn.Module):
                 env[name] = v
         out = tuple(_tensor(self._value(o, env)) for o in self.output_names)
         return out[0] if len(out) == 1 else out
+
+    def _quant_value(self, slot: QuantSlot) -> QuantWeight:
+        return QuantWeight(getattr(self, slot.w), getattr(self, slot.scale) if slot.scale else None,
+                           getattr(self, slot.zero) if slot.zero else None)
+
+    def _find_quantized(self) -> dict[Node, Quantized]:
+        """MatMul-like nodes whose B is an integer constant (dequantized by ``DequantizeLinear`` or
+        ``Cast`` + ``Mul`` with a scale per output column): ``(w [out, in], scale, zero)`` each.
+        Those nodes run ``sb.qlinear`` on the integer weight; what only dequantized it is dead."""
+        made = {o: n for n in self.nodes for o in n.outputs}
+        readers: dict[str, list[tuple[Node, int]]] = {}
+        for n in self.nodes:
+            for j, i in enumerate(n.inputs):
+                readers.setdefault(i, []).append((n, j))
+        found = {}
+        for n in self.nodes:
+            slot = B_SLOTS.get(n.op_type)
+            if slot is None or len(n.inputs) <= slot[0]:
+                continue
+            got = _integer_weight(n, slot, self.consts, made)
+            if got is not None:
+                found[n] = got
+        slots = {(n, B_SLOTS[n.op_type][0]) for n in found}
+        for n in reversed(self.nodes):     # NOTE: a dequantizing node no live node reads is dead
+            if n in found or self._pure(n) or n.op_type not in ("DequantizeLinear", "Mul", "Cast"):
+                continue
+            if all(readers.get(o) and o not in self.output_names
+                   and all((r, j) in slots or r.dead for r, j in readers[o]) for o in n.outputs):
+                n.dead = True
+        return found
 
     def _value(self, name: str, env: Mapping[str, Value]) -> Value:
         if name in env:
@@ -258,6 +334,78 @@ class OnnxModule(torch.nn.Module):
             for i, (d, s) in enumerate(zip(dims, shape)):
                 if isinstance(d, int) and d and d != s:
                     raise BadInput(f"ONNX input {name!r} dim {i} is {d}, the example has {s} (shape {shape})")
+
+
+Quantized = tuple[np.ndarray, "np.ndarray | None", "np.ndarray | None"]
+"""An integer weight ``[out, in]``, its scale per output column and its zero point (or None)."""
+
+
+def _integer_weight(node: Node, slot: tuple[int, int | None], consts: Mapping[str, np.ndarray],
+                    made: Mapping[str, Node]) -> Quantized | None:
+    """``(w [out, in], scale [out] or None, zero [out] or None)`` when ``node``'s B input is an
+    integer constant with per-column (or per-tensor) scale and zero point, else None."""
+    b_name = node.inputs[slot[0]]
+    trans = node.op_type == "Gemm" and bool(node.attr("transB", 0))
+    col = 0 if trans else 1                     # NOTE: the axis of B that holds output columns
+    if node.op_type == "Gemm" and node.attr("transA", 0):
+        return None
+    if slot[1] is not None:                     # MatMulInteger, QLinearMatMul: B is the integers
+        q = consts.get(b_name)
+        zp_name = node.inputs[slot[1]] if len(node.inputs) > slot[1] else ""
+        zero = consts.get(zp_name) if zp_name else None
+        if q is None or (zp_name and zero is None):
+            return None
+        return _per_column(q, None, zero, col)
+    src = made.get(b_name)
+    if src is None:
+        return None
+    if src.op_type == "DequantizeLinear" and not src.attr("block_size", 0):
+        q, scale = consts.get(src.inputs[0]), consts.get(src.inputs[1])
+        zp_name = src.inputs[2] if len(src.inputs) > 2 else ""
+        zero = consts.get(zp_name) if zp_name else None
+        if q is None or scale is None or (zp_name and zero is None) or q.ndim != 2:
+            return None
+        if scale.size > 1 and _axis(int(src.attr("axis", 1)), 2) != col:
+            return None
+        return _per_column(q, scale, zero, col)
+    if src.op_type == "Mul":
+        for i in (0, 1):
+            cast = made.get(src.inputs[i])
+            scale = consts.get(src.inputs[1 - i])
+            if cast is None or cast.op_type != "Cast" or scale is None or int(cast.attr("to")) != 1:
+                continue                        # NOTE: to FLOAT
+            q = consts.get(cast.inputs[0])
+            if q is None or q.ndim != 2 or scale.ndim > 2:
+                continue
+            if scale.size > 1 and ((scale.ndim == 2 and scale.shape[1 - col] != 1)
+                                   or (scale.ndim == 1 and col != 1)):
+                continue
+            return _per_column(q, scale, None, col)
+    return None
+
+
+def _per_column(q: np.ndarray, scale: np.ndarray | None, zero: np.ndarray | None,
+                col: int) -> Quantized | None:
+    """``q`` as ``[out, in]`` with its scale and zero point as one value per output column."""
+    if q.ndim != 2 or q.dtype not in (np.int8, np.uint8):
+        return None
+    n = q.shape[col]
+
+    def column(v: np.ndarray | None, dtype: Any) -> np.ndarray | None:
+        if v is None:
+            return None
+        if v.size not in (1, n) or (v.dtype != dtype):
+            raise ValueError
+        return np.broadcast_to(v.reshape(-1), (n,)).astype(dtype)
+
+    try:
+        s = column(scale, np.float32)
+        z = column(zero, q.dtype)
+    except ValueError:
+        return None
+    if z is not None and not z.any():
+        z = None
+    return (q.T if col == 1 else q), s, z
 
 
 def load_onnx(source: Any, constants: Mapping[str, Any] | None = None) -> OnnxModule:
@@ -402,6 +550,75 @@ def _elu(node: Node, vals: list[Value]) -> list[Value]:
 def _hsig(node: Node, vals: list[Value]) -> list[Value]:
     x = _tensor(vals[0])
     return [torch.clamp(x * float(node.attr("alpha", 0.2)) + float(node.attr("beta", 0.5)), 0.0, 1.0)]
+
+
+@onnx_op("PRelu")
+def _prelu(node: Node, vals: list[Value]) -> list[Value]:
+    x, slope = _tensor(vals[0]), _tensor(vals[1])
+    if slope.dim() == 1 and x.dim() > 2 and slope.shape[0] == x.shape[1] != x.shape[-1]:
+        slope = slope.reshape(-1, *([1] * (x.dim() - 2)))     # NOTE: one slope per channel (opset < 7)
+    return [torch.where(x < 0, x * slope, x)]
+
+
+@onnx_op("Selu")
+def _selu(node: Node, vals: list[Value]) -> list[Value]:
+    alpha = float(node.attr("alpha", 1.67326319217681884765625))
+    gamma = float(node.attr("gamma", 1.05070102214813232421875))
+    return [F.elu(_tensor(vals[0]), alpha) * gamma]
+
+
+@onnx_op("Softplus")
+def _softplus(node: Node, vals: list[Value]) -> list[Value]:
+    x = _tensor(vals[0])
+    return [torch.relu(x) + torch.log(torch.exp(-torch.abs(x)) + 1.0)]     # NOTE: exp never overflows
+
+
+@onnx_op("InstanceNormalization")
+def _instance_norm(node: Node, vals: list[Value]) -> list[Value]:
+    x = _tensor(vals[0])       # NOTE: one group per channel: group_norm is instance norm
+    eps = float(node.attr("epsilon", 1e-5))
+    return [F.group_norm(x, x.shape[1], _tensor(vals[1]), _tensor(vals[2]), eps)]
+
+
+@onnx_op("Pad")
+def _pad_op(node: Node, vals: list[Value]) -> list[Value]:
+    x = _tensor(vals[0])
+    rank = x.dim()
+    pads = _ints(vals[1]) if len(vals) > 1 and vals[1] is not None else list(node.attr("pads"))
+    value = vals[2] if len(vals) > 2 and vals[2] is not None else node.attr("value", 0.0)
+    if isinstance(value, torch.Tensor):
+        raise node.fail("a Pad value that depends on the inputs is not supported")
+    value = np.asarray(value).reshape(-1)[0].item() if np.asarray(value).size else 0
+    axes = _ints(vals[3]) if len(vals) > 3 and vals[3] is not None else list(range(rank))
+    mode = node.attr("mode", "constant")
+    if mode not in ("constant", "edge", "reflect", "wrap"):
+        raise node.fail(f"Pad mode {mode!r} is not supported")
+    half = len(pads) // 2
+    for a, before, after in zip(axes, pads[:half], pads[half:]):
+        a = _axis(a, rank)
+        if before < 0 or after < 0:     # NOTE: negative pads crop
+            x = x.narrow(a, max(0, -before), x.shape[a] - max(0, -before) - max(0, -after))
+            before, after = max(0, before), max(0, after)
+        if not before and not after:
+            continue
+        n = x.shape[a]
+        if mode == "constant":
+            parts = [torch.full((*x.shape[:a], w, *x.shape[a + 1:]), value, dtype=x.dtype)
+                     for w in (before, after)]
+            x = torch.cat([parts[0], x, parts[1]] if before and after else
+                          [parts[0], x] if before else [x, parts[1]], dim=a)
+            continue
+        if mode == "reflect" and (before >= n or after >= n):
+            raise node.fail(f"reflect padding of {before}, {after} needs more than {n} elements on axis {a}")
+        inner = list(range(n))
+        if mode == "edge":
+            idx = [0] * before + inner + [n - 1] * after
+        elif mode == "reflect":
+            idx = list(range(before, 0, -1)) + inner + list(range(n - 2, n - 2 - after, -1))
+        else:
+            idx = [(i - before) % n for i in range(before)] + inner + [i % n for i in range(after)]
+        x = torch.index_select(x, a, torch.from_numpy(np.asarray(idx, dtype=np.int64)))
+    return [x]
 
 
 @onnx_op("Clip")
@@ -653,6 +870,8 @@ def _gather_nd(node: Node, vals: list[Value]) -> list[Value]:
 @onnx_op("MatMul")
 def _matmul(node: Node, vals: list[Value]) -> list[Value]:
     a, b = vals
+    if isinstance(b, QuantWeight):
+        return [_qlinear(_tensor(a), b)]
     if node.weight_t:          # NOTE: B is a weight, held transposed: a linear layer the decomposer tiles
         return [F.linear(_tensor(a), _tensor(b))]
     return [torch.matmul(_tensor(a), _tensor(b))]
@@ -660,18 +879,26 @@ def _matmul(node: Node, vals: list[Value]) -> list[Value]:
 
 @onnx_op("Gemm")
 def _gemm(node: Node, vals: list[Value]) -> list[Value]:
-    a, b = _tensor(vals[0]), _tensor(vals[1])
+    a = _tensor(vals[0])
     c = _tensor(vals[2]) if len(vals) > 2 and vals[2] is not None else None
     alpha, beta = float(node.attr("alpha", 1.0)), float(node.attr("beta", 1.0))
     if node.attr("transA", 0):
         a = a.t()
-    w = b if node.attr("transB", 0) or node.weight_t else b.t()     # NOTE: linear takes [out, in]
-    y = F.linear(a, w)
+    if isinstance(vals[1], QuantWeight):
+        y = _qlinear(a, vals[1])
+    else:
+        b = _tensor(vals[1])
+        y = F.linear(a, b if node.attr("transB", 0) or node.weight_t else b.t())   # NOTE: [out, in]
     if alpha != 1.0:
         y = y * alpha
     if c is not None:
         y = y + (c * beta if beta != 1.0 else c)
     return [y]
+
+
+def _qlinear(x: torch.Tensor, q: QuantWeight) -> torch.Tensor:
+    """``x @ ((w - zero) * scale).T`` over the integer weight, as one op the decomposer tiles."""
+    return torch.ops.sb.qlinear(x, q.w, q.scale, q.zero, None, 0)
 
 
 def _pads_full(node: Node, rank: int, shape: Sequence[int], kernel: Sequence[int], strides: Sequence[int],
@@ -834,8 +1061,8 @@ def _dropout(node: Node, vals: list[Value]) -> list[Value]:
 @onnx_op("ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin")
 def _reduce(node: Node, vals: list[Value]) -> list[Value]:
     x = _tensor(vals[0])
-    opset18 = node.op_type == "ReduceSum" or node.opset >= 18
-    axes = (_ints(vals[1]) if len(vals) > 1 and vals[1] is not None else None) if opset18 \
+    from_input = node.opset >= (13 if node.op_type == "ReduceSum" else 18)   # NOTE: axes became an input
+    axes = (_ints(vals[1]) if len(vals) > 1 and vals[1] is not None else None) if from_input \
         else (list(node.attr("axes")) if node.attr("axes") is not None else None)
     keep = bool(node.attr("keepdims", 1))
     if axes is None or not axes:
@@ -942,10 +1169,13 @@ def _dynamic_quantize(node: Node, vals: list[Value]) -> list[Value]:
 
 @onnx_op("MatMulInteger")
 def _matmul_integer(node: Node, vals: list[Value]) -> list[Value]:
-    a, b = _tensor(vals[0]).to(torch.int32), _tensor(vals[1]).to(torch.int32)
+    a = _tensor(vals[0]).to(torch.int32)
     if len(vals) > 2 and vals[2] is not None:          # NOTE: per row of A, or one for all
         azp = _tensor(vals[2]).to(torch.int32)
         a = a - (azp.reshape(-1, 1) if azp.numel() > 1 else azp.reshape(()))
+    if isinstance(vals[1], QuantWeight):               # NOTE: its zero point is in it
+        return [_qlinear(a, vals[1])]
+    b = _tensor(vals[1]).to(torch.int32)
     if len(vals) > 3 and vals[3] is not None:          # NOTE: per column of B, or one for all
         bzp = _tensor(vals[3]).to(torch.int32)
         b = b - (bzp.reshape(-1) if bzp.numel() > 1 else bzp.reshape(()))
@@ -954,8 +1184,12 @@ def _matmul_integer(node: Node, vals: list[Value]) -> list[Value]:
 
 @onnx_op("QLinearMatMul")
 def _qlinear_matmul(node: Node, vals: list[Value]) -> list[Value]:
-    a, a_scale, a_zp, b, b_scale, b_zp, y_scale, y_zp = (_tensor(v) for v in vals)
-    acc = torch.matmul(a.to(torch.int32) - a_zp.to(torch.int32), b.to(torch.int32) - b_zp.to(torch.int32))
+    a, a_scale, a_zp, b_scale, y_scale, y_zp = (_tensor(vals[i]) for i in (0, 1, 2, 4, 6, 7))
+    if isinstance(vals[3], QuantWeight):               # NOTE: its zero point is in it
+        acc = _qlinear(a.to(torch.int32) - a_zp.to(torch.int32), vals[3])
+    else:
+        b, b_zp = _tensor(vals[3]), _tensor(vals[5])
+        acc = torch.matmul(a.to(torch.int32) - a_zp.to(torch.int32), b.to(torch.int32) - b_zp.to(torch.int32))
     scale = (a_scale * b_scale / y_scale).to(torch.float32)
     q = torch.round(acc.to(torch.float32) * scale) + y_zp.to(torch.float32)
     lo, hi = _RANGES[y_zp.dtype]

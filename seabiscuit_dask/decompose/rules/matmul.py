@@ -1,4 +1,4 @@
-"""linear, addmm, mm, matmul, bmm: by output columns, input rows, or the reduction dim."""
+"""linear, addmm, mm, matmul, bmm, sb.qlinear: by output columns, input rows, or the reduction dim."""
 
 from __future__ import annotations
 
@@ -6,12 +6,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ... import ops as O
-from ...ir import Op, TensorSpec
-from ..split import Piece, Pieces, Split, frac
+from ...ir import DTYPE_BYTES, QLINEAR, Op, TensorSpec, qlinear_columns
+from ..split import Piece, Pieces, Split, frac, largest_piece
 from .registry import register
 
 if TYPE_CHECKING:
     from ..decomposer import Decomposer
+
+COLUMNS = 16
+"""Column tiles are whole multiples of this many columns (one 64-byte line of float32)."""
 
 # target -> (A position, B position, bias position, B stored as (N, K))
 LAYOUT: dict[str, tuple[int, int, int | None, bool]] = {
@@ -20,7 +23,11 @@ LAYOUT: dict[str, tuple[int, int, int | None, bool]] = {
     "aten.mm.default": (0, 1, None, False),
     "aten.matmul.default": (0, 1, None, False),
     "aten.bmm.default": (0, 1, None, False),
+    "sb.qlinear.default": (0, 1, 4, True),
 }
+# NOTE: per-column operands cut with the columns (and kept whole across the reduction):
+# sb.qlinear's scales and zero points
+COLUMN_OPERANDS: dict[str, tuple[int, ...]] = {"sb.qlinear.default": (2, 3)}
 
 
 @dataclass(frozen=True)
@@ -40,6 +47,16 @@ class Matmul:
     bb: int
     y: int
     out: TensorSpec
+    cols: tuple[int, ...] = ()
+    slab_item: int = 0        # sb.qlinear: bytes per element of its dequantized slab (0: no slab)
+
+    def scratch(self, n: int, k: int, a: float) -> float:
+        """sb.qlinear's scratch for ``n`` columns over ``k`` of the reduction, ``a`` bytes of A:
+        its slab (``ir.qlinear_columns``), and A in float64 when A is integer."""
+        if not self.slab_item:
+            return 0
+        slab = qlinear_columns(n, k, self.slab_item) * k * self.slab_item
+        return slab + (2 * a if self.slab_item == 8 else 0)
 
     @property
     def A(self) -> Any:
@@ -69,8 +86,15 @@ def read(d: Decomposer, op: Op) -> Matmul | None:
     bias = O.operand(args, bias_i) if bias_i is not None else None
     n_dim, k_dim = (0, 1) if b_nk else (len(sb) - 1, len(sb) - 2)
     out = d.tensors[op.outputs[0]]
+    cols = tuple(i for i in COLUMN_OPERANDS.get(op.target, ()) if O.operand(args, i) is not None)
+    per_column = d.nbytes(bias) + sum(d.nbytes(args[i]) for i in cols)
+    slab = 0
+    if op.target == QLINEAR:
+        a_ref = O.ref_name(A)
+        dtype = d.tensors[a_ref[1]].dtype if a_ref is not None and a_ref[0] == "t" else "float32"
+        slab = 8 if not dtype.startswith(("float", "bfloat")) else DTYPE_BYTES.get(dtype, 4)
     return Matmul(args, a_i, b_i, bias_i, sa, sb, n_dim, k_dim, d.nbytes(A), d.nbytes(B),
-                  d.nbytes(bias), out.nbytes, out)
+                  per_column, out.nbytes, out, cols, slab)
 
 
 @register("linear", "matmul")
@@ -85,13 +109,15 @@ def output_columns(d: Decomposer, op: Op) -> Split | None:
         new[m.b_i] = d.cut(m.B, m.n_dim, lo, hi, op.scope, pieces)
         if m.bias is not None and m.bias_i is not None:
             new[m.bias_i] = d.cut(m.bias, -1, lo, hi, op.scope, pieces)
+        for j in m.cols:
+            new[j] = d.cut(m.args[j], 0, lo, hi, op.scope, pieces)
         spec = TensorSpec((*m.out.shape[:-1], hi - lo), m.out.dtype)
         return new, dict(op.attrs["kwargs"]), op.target, spec
 
-    a, b, bb, y, N = m.a, m.b, m.bb, m.y, m.sb[m.n_dim]
+    a, b, bb, y, N, K, q = m.a, m.b, m.bb, m.y, m.sb[m.n_dim], m.sb[m.k_dim], COLUMNS
     return Split("c", "the output columns", N,
-                 lambda k: a + (b + bb) * frac(N, k) + y * frac(N, k), 0, piece, "concat", -1,
-                 along=(m.B, m.n_dim, 1))
+                 lambda k: a + (b + bb + y) * frac(N, k, q) + m.scratch(largest_piece(N, k, q), K, a),
+                 0, piece, "concat", -1, along=(m.B, m.n_dim, 1), quantum=q)
 
 
 @register("linear", "matmul")
@@ -112,14 +138,16 @@ def input_rows(d: Decomposer, op: Op) -> Split | None:
         shape = (*m.out.shape[:-2], hi - lo, m.out.shape[-1])
         return new, dict(op.attrs["kwargs"]), op.target, TensorSpec(shape, m.out.dtype)
 
-    a, b, bb, y = m.a, m.b, m.bb, m.y
-    return Split("m", "the input rows", M, lambda k: a * frac(M, k) + b + bb + y * frac(M, k),
+    a, b, bb, y, N, K = m.a, m.b, m.bb, m.y, m.sb[m.n_dim], m.sb[m.k_dim]
+    return Split("m", "the input rows", M,
+                 lambda k: (a + y) * frac(M, k) + b + bb + m.scratch(N, K, a * frac(M, k)),
                  0, piece, "concat", -2, along=(m.A, len(m.sa) - 2, 1))
 
 
 @register("linear", "matmul")
 def reduction(d: Decomposer, op: Op) -> Split | None:
-    """The reduction dim of A and B; partial products are summed, the bias added once."""
+    """The reduction dim of A and B; partial products are summed, the bias added once
+    (per-column scales and zero points go whole to every partial product)."""
     m = d.read(op, read)
     if m is None or (op.target == "aten.matmul.default" and len(m.sa) != len(m.sb)):
         return None   # NOTE: a broadcasting matmul keeps to the exact concat splits
@@ -136,9 +164,10 @@ def reduction(d: Decomposer, op: Op) -> Split | None:
                 new[m.bias_i] = None
         return new, dict(op.attrs["kwargs"]), target, m.out
 
-    a, b, bb, y, K = m.a, m.b, m.bb, m.y, m.sa[-1]
+    a, b, bb, y, K, N = m.a, m.b, m.bb, m.y, m.sa[-1], m.sb[m.n_dim]
     b_ref = O.ref_name(m.B)
     weight_cut = b_ref is not None and b_ref[0] == "p" and (b_ref[1], m.k_dim % len(m.sb)) in d.param_edges
     along = (m.B, m.k_dim, 1) if weight_cut else (m.A, -1, 1)   # NOTE: a weight is cut one way only
-    return Split("r", "the reduction", K, lambda k: (a + b) * frac(K, k) + bb + y,
+    return Split("r", "the reduction", K,
+                 lambda k: (a + b) * frac(K, k) + bb + y + m.scratch(N, -(-K // k), a * frac(K, k)),
                  0, piece, "sum", -1, along=along)
