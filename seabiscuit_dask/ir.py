@@ -15,11 +15,13 @@ no ``tilings``, still load)::
       "meta":    {...},                         # free-form: name, in_spec/out_spec, budget, ...
       "tensors": {"<name>": {"shape": [1, 8, 32], "dtype": "float32"}, ...},
       "params":  {"<name>": {"shape": [64, 32], "dtype": "float32",
-                             "source": {"kind": "model" | "safetensors" | "inline",
+                             "source": {"kind": "model" | "safetensors" | "inline" | "raw",
                                         "key": "<state-dict key>",
                                         "slices": [[0, 64], [0, 32]] | null,
                                         "file": "<path>" | null,
-                                        "data": [..flat values..] | null}}, ...},
+                                        "data": [..flat values..] | null,
+                                        "offset": 0 | null, "stored": [32, 64] | null,
+                                        "transposed": false}}, ...},
       "ops": [{"name": "model.layers.0.mlp.up_proj.linear_4.c1",
                "kind": "linear", "target": "aten.linear.default",
                "inputs": [...tensor names...], "outputs": [...], "params": [...],
@@ -47,7 +49,7 @@ import json
 import math
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from types import MappingProxyType
 from typing import Any
@@ -140,8 +142,11 @@ class ParamSource:
     """Where a parameter's bytes live.
 
     ``kind`` is ``"model"`` (a tensor of the model in memory, by state-dict key),
-    ``"safetensors"`` (``key`` inside ``file``) or ``"inline"`` (small constants
-    stored in ``data``, flattened). ``slices`` select a tile of the stored tensor.
+    ``"safetensors"`` (``key`` inside ``file``), ``"inline"`` (small constants
+    stored in ``data``, flattened) or ``"raw"`` (a C-ordered array of shape ``stored``
+    at byte ``offset`` of ``file``, as ONNX external data is; ``transposed``: the
+    parameter is that 2-D array's transpose). ``slices`` select a tile of the stored
+    tensor (of its transpose, when transposed), so a tile reads only its own bytes.
     """
 
     kind: str
@@ -149,6 +154,9 @@ class ParamSource:
     slices: tuple[tuple[int, int], ...] | None = None
     file: str | None = None
     data: tuple[Any, ...] | None = None
+    offset: int | None = None
+    stored: tuple[int, ...] | None = None
+    transposed: bool = False
 
     def sliced(self, dim: int, start: int, stop: int, full_shape: tuple[int, ...]) -> ParamSource:
         """The source of ``self[..., start:stop, ...]`` along ``dim`` of the current view."""
@@ -156,27 +164,34 @@ class ParamSource:
         lo, _ = base[dim]
         new = list(base)
         new[dim] = (lo + start, lo + stop)
-        return ParamSource(self.kind, self.key, tuple(new), self.file, self.data)
+        return replace(self, slices=tuple(new))
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "kind": self.kind,
             "key": self.key,
             "slices": [list(s) for s in self.slices] if self.slices is not None else None,
             "file": self.file,
             "data": list(self.data) if self.data is not None else None,
         }
+        if self.kind == "raw":
+            out.update(offset=self.offset, stored=list(self.stored or ()), transposed=self.transposed)
+        return out
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> ParamSource:
         slices = d.get("slices")
         data = d.get("data")
+        stored = d.get("stored")
         return cls(
             kind=str(d["kind"]),
             key=str(d["key"]),
             slices=tuple((int(a), int(b)) for a, b in slices) if slices is not None else None,
             file=d.get("file"),
             data=tuple(data) if data is not None else None,
+            offset=int(d["offset"]) if d.get("offset") is not None else None,
+            stored=tuple(int(x) for x in stored) if stored is not None else None,
+            transposed=bool(d.get("transposed", False)),
         )
 
 

@@ -28,6 +28,31 @@ SAFETENSORS_DTYPES = {
 }
 
 
+def read_raw(spec: ParamSpec) -> torch.Tensor:
+    """A ``raw`` param (or tile): only its bytes of the C-ordered array at ``offset`` of ``file``."""
+    import numpy as np
+
+    src = spec.source
+    assert src.file is not None and src.stored is not None
+    try:
+        dtype = np.dtype(spec.dtype)
+    except TypeError as e:
+        raise BadCheckpoint(f"{src.file}: {src.key!r} is {spec.dtype}, which has no raw layout here") from e
+    offset = int(src.offset or 0)
+    nbytes = int(np.prod(src.stored, dtype=np.int64)) * dtype.itemsize
+    try:
+        size = os.path.getsize(src.file)
+    except OSError as e:
+        raise BadCheckpoint(f"{src.file}: cannot be read for {src.key!r}: {e}") from e
+    if offset < 0 or offset + nbytes > size:
+        raise BadCheckpoint(f"{src.file}: {src.key!r} needs {nbytes} bytes at offset {offset}, the file has "
+                            f"{size}: it is truncated or not this model's")
+    stored = np.memmap(src.file, dtype=dtype, mode="r", offset=offset, shape=tuple(src.stored))
+    view = stored.T if src.transposed else stored
+    part = view[tuple(slice(a, b) for a, b in src.slices)] if src.slices is not None else view
+    return torch.from_numpy(np.array(part, copy=True, order="C"))
+
+
 @dataclass(frozen=True)
 class StoredTensor:
     """What a safetensors header says about one tensor."""
@@ -159,6 +184,8 @@ class WeightStore:
         elif src.kind == "inline" and src.data is not None:
             # NOTE: inline constants are small and never tiled, so they have no slices.
             value = torch.tensor(src.data, dtype=dtype).reshape(spec.shape)
+        elif src.kind == "raw" and src.file and src.stored is not None:
+            value = read_raw(spec)
         elif src.kind == "safetensors" and src.file:
             sl = self._open(src.file).get_slice(src.key)
             try:

@@ -163,10 +163,18 @@ def test_external_data_is_read_from_inside_the_model_folder_only(tmp_path: Path)
     onnx.save_model(model, str(folder / "model.onnx"), save_as_external_data=True,
                     all_tensors_to_one_file=True, location="weights.bin", size_threshold=0)
     x = torch.randn(2, 64)
-    got = sb.run_local(sb.decompose(sb.trace(folder, (x,)), "4KiB"), x, weights=load_onnx(folder))
-    torch.testing.assert_close(got, x @ torch.from_numpy(w), rtol=1e-5, atol=1e-5)
+    micro = sb.decompose(sb.trace(folder, (x,)), "4KiB")
+    sources = {p.source.kind for p in micro.params.values()}
+    files = {p.source.file for p in micro.params.values()}
+    assert sources == {"raw"} and files == {str((folder / "weights.bin").resolve())}
+    assert len(micro.params) > 1 and all(p.source.slices for p in micro.params.values())
+    want = x @ torch.from_numpy(w)
+    torch.testing.assert_close(sb.run_local(micro, x), want, rtol=1e-5, atol=1e-5)   # tiles off the file
+    torch.testing.assert_close(sb.run_local(micro, x, weights=load_onnx(folder)), want, rtol=1e-5, atol=1e-5)
 
     (folder / "weights.bin").write_bytes((folder / "weights.bin").read_bytes()[:100])
+    with pytest.raises(sb.BadCheckpoint, match=r"needs \d+ bytes at offset \d+, the file has 100"):
+        sb.run_local(micro, x)
     with pytest.raises(sb.BadCheckpoint, match=r"initializer 'w'.*8192 bytes at offset 0.*truncated"):
         load_onnx(folder)
     (folder / "weights.bin").unlink()
@@ -179,6 +187,31 @@ def test_external_data_is_read_from_inside_the_model_folder_only(tmp_path: Path)
     onnx.save_model(m2, str(folder / "model.onnx"))
     with pytest.raises(sb.BadCheckpoint, match="outside the model's folder"):
         load_onnx(folder)
+
+
+def test_external_int8_weights_go_to_workers_as_their_own_bytes(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    q = rng.integers(-128, 128, (256, 192)).astype(np.int8)
+    scale = rng.uniform(1e-3, 1e-2, 192).astype(np.float32)
+    nodes = [helper.make_node("DequantizeLinear", ["q", "s"], ["w"], axis=1),
+             helper.make_node("MatMul", ["x", "w"], ["y"])]
+    model = _graph(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 256])],
+                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                   [numpy_helper.from_array(q, "q"), numpy_helper.from_array(scale, "s")], opset=19)
+    folder = tmp_path / "q"
+    folder.mkdir()
+    onnx.save_model(model, str(folder / "model.onnx"), save_as_external_data=True,
+                    all_tensors_to_one_file=True, location="weights.bin", size_threshold=0)
+    x = torch.randn(3, 256)
+    want = x @ torch.from_numpy(q.astype(np.float32) * scale)
+    with seabiscuit_cluster(2, 200_000) as client:
+        with sb.distribute(folder, client, (x,), budget="12KiB") as dm:    # 48 KiB of int8 weight
+            weights = [p for p in dm.plan.graph.params.values() if p.dtype == "int8"]
+            assert len(weights) > 3 and {p.source.kind for p in weights} == {"raw"}
+            assert all(p.source.transposed and p.source.slices for p in weights)
+            copied = [p for p in dm.plan.graph.params.values() if p.source.kind != "raw"]
+            assert sum(p.nbytes for p in copied) <= scale.nbytes      # NOTE: the scales; no weight byte
+            torch.testing.assert_close(dm(x), want, rtol=1e-5, atol=1e-4)
 
 
 def test_bad_models_are_refused_with_the_node_and_numbers(tmp_path: Path) -> None:

@@ -39,7 +39,7 @@ def bind_checkpoint(graph: OpGraph, path: str | os.PathLike[str]) -> OpGraph:
     params: dict[str, ParamSpec] = {}
     for name, p in graph.params.items():
         src = p.source
-        if src.kind == "inline":
+        if src.kind in ("inline", "raw"):     # NOTE: their bytes are in the graph, or in their own file
             params[name] = p
             continue
         hit = next((stored[k] for k in _candidates(src.key, aliases.get(src.key, ()))

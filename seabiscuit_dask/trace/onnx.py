@@ -129,8 +129,9 @@ def _read(source: Any) -> tuple[Any, Path | None]:
     return model, p.parent
 
 
-def _external(t: Any, folder: Path | None) -> np.ndarray:
-    """An initializer stored outside the model file: only its own bytes, from inside the model's folder."""
+def _external_place(t: Any, folder: Path | None) -> tuple[Path, int, np.dtype, tuple[int, ...]]:
+    """``(file, offset, dtype, shape)`` of an initializer stored outside the model file, checked:
+    the file lies inside the model's folder and holds the tensor's bytes."""
     from onnx import helper
 
     info = {e.key: e.value for e in t.external_data}
@@ -154,9 +155,15 @@ def _external(t: Any, folder: Path | None) -> np.ndarray:
     if length != nbytes or offset + length > size:
         raise BadCheckpoint(f"{where}: needs {nbytes} bytes at offset {offset} of {path} "
                             f"({size} bytes, length given {length}): the file is truncated or wrong")
+    return path, offset, dtype, shape
+
+
+def _external(t: Any, folder: Path | None) -> np.ndarray:
+    """An initializer stored outside the model file: only its own bytes, from inside the model's folder."""
+    path, offset, dtype, shape = _external_place(t, folder)
     with path.open("rb") as f:
         f.seek(offset)
-        data = f.read(length)
+        data = f.read(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
     return np.frombuffer(data, dtype=dtype).reshape(shape).copy()
 
 
@@ -196,6 +203,9 @@ class OnnxModule(torch.nn.Module):
                          f"({len(missing)} node(s) of {len(kinds)} unsupported op type(s): "
                          f"{', '.join(kinds[:10])}); supported: {len(ONNX_OPS)} op types")
         consts = {t.name: _array(t, folder) for t in g.initializer}
+        places = {t.name: _external_place(t, folder) for t in g.initializer if t.data_location == 1}
+        # NOTE: buffer -> (file, offset, stored shape, transposed) of buffers that are external data
+        self.external: dict[str, tuple[str, int, tuple[int, ...], bool]] = {}
         # NOTE: graph inputs given as constants (shape operands, say) are traced as their values
         consts.update({k: np.asarray(v) for k, v in (constants or {}).items()})
         self.input_names = [i.name for i in g.input if i.name not in consts]
@@ -226,7 +236,9 @@ class OnnxModule(torch.nn.Module):
                 held = v.T if k in weights_t else v      # NOTE: [out, in], as torch's linear holds it
                 self.register_buffer(b, torch.from_numpy(np.array(held, copy=True, order="C")))
                 self.buffer_of[k] = b
-        for n, (w, scale, zero) in quant.items():
+                if k in places:
+                    self.external[b] = (str(places[k][0]), places[k][1], places[k][3], k in weights_t)
+        for n, (w, scale, zero, origin) in quant.items():
             names: list[str | None] = []
             for what, arr in (("w", w), ("scale", scale), ("zero", zero)):
                 if arr is None:
@@ -235,6 +247,9 @@ class OnnxModule(torch.nn.Module):
                 b = _safe(f"{n.inputs[B_SLOTS[n.op_type][0]]}_{what}", taken)
                 self.register_buffer(b, torch.from_numpy(np.array(arr, copy=True, order="C")))
                 names.append(b)
+                if what == "w" and origin[0] in places:
+                    f, offset, _, shape = places[origin[0]]
+                    self.external[b] = (str(f), offset, shape, origin[1])
             n.quant = QuantSlot(B_SLOTS[n.op_type][0], names[0] or "", names[1], names[2])
         # NOTE: only what forward reads is kept; the buffers are the weights' one copy
         self.folded = set(self.consts)
@@ -242,6 +257,26 @@ class OnnxModule(torch.nn.Module):
                        if k not in self.buffer_of and (k in users or k in self.output_names)}
         digest = hashlib.sha256(model.SerializeToString(deterministic=True)).hexdigest()[:16]
         self.fingerprint = digest
+
+    def bind_external(self, graph: Any) -> Any:
+        """``graph`` with the params that are external data read from the external file: a tile
+        reads only its own bytes there (``ParamSource`` kind ``raw``), and nothing is copied."""
+        from dataclasses import replace
+
+        from ..ir import OpGraph, ParamSource, ParamSpec
+
+        params = {}
+        for name, p in graph.params.items():
+            place = self.external.get(p.source.key) if p.source.kind == "model" else None
+            if place is not None:
+                f, offset, stored, transposed = place
+                p = ParamSpec(name, p.shape, p.dtype, ParamSource("raw", p.source.key, p.source.slices, f,
+                                                                  offset=offset, stored=stored,
+                                                                  transposed=transposed))
+            params[name] = p
+        if not self.external:
+            return graph
+        return replace(graph, params=params) if isinstance(graph, OpGraph) else graph
 
     def extra_repr(self) -> str:
         # NOTE: in the template key (templates.architecture_key): the graph and the op functions
@@ -336,8 +371,9 @@ class OnnxModule(torch.nn.Module):
                     raise BadInput(f"ONNX input {name!r} dim {i} is {d}, the example has {s} (shape {shape})")
 
 
-Quantized = tuple[np.ndarray, "np.ndarray | None", "np.ndarray | None"]
-"""An integer weight ``[out, in]``, its scale per output column and its zero point (or None)."""
+Quantized = tuple[np.ndarray, "np.ndarray | None", "np.ndarray | None", tuple[str, bool]]
+"""An integer weight ``[out, in]``, its scale per output column, its zero point (or None), and
+the initializer it is (its name, and whether the weight is its transpose)."""
 
 
 def _integer_weight(node: Node, slot: tuple[int, int | None], consts: Mapping[str, np.ndarray],
@@ -355,7 +391,7 @@ def _integer_weight(node: Node, slot: tuple[int, int | None], consts: Mapping[st
         zero = consts.get(zp_name) if zp_name else None
         if q is None or (zp_name and zero is None):
             return None
-        return _per_column(q, None, zero, col)
+        return _per_column(q, None, zero, col, b_name)
     src = made.get(b_name)
     if src is None:
         return None
@@ -367,7 +403,7 @@ def _integer_weight(node: Node, slot: tuple[int, int | None], consts: Mapping[st
             return None
         if scale.size > 1 and _axis(int(src.attr("axis", 1)), 2) != col:
             return None
-        return _per_column(q, scale, zero, col)
+        return _per_column(q, scale, zero, col, src.inputs[0])
     if src.op_type == "Mul":
         for i in (0, 1):
             cast = made.get(src.inputs[i])
@@ -380,12 +416,12 @@ def _integer_weight(node: Node, slot: tuple[int, int | None], consts: Mapping[st
             if scale.size > 1 and ((scale.ndim == 2 and scale.shape[1 - col] != 1)
                                    or (scale.ndim == 1 and col != 1)):
                 continue
-            return _per_column(q, scale, None, col)
+            return _per_column(q, scale, None, col, cast.inputs[0])
     return None
 
 
 def _per_column(q: np.ndarray, scale: np.ndarray | None, zero: np.ndarray | None,
-                col: int) -> Quantized | None:
+                col: int, name: str) -> Quantized | None:
     """``q`` as ``[out, in]`` with its scale and zero point as one value per output column."""
     if q.ndim != 2 or q.dtype not in (np.int8, np.uint8):
         return None
@@ -405,7 +441,7 @@ def _per_column(q: np.ndarray, scale: np.ndarray | None, zero: np.ndarray | None
         return None
     if z is not None and not z.any():
         z = None
-    return (q.T if col == 1 else q), s, z
+    return (q.T if col == 1 else q), s, z, (name, col == 1)
 
 
 def load_onnx(source: Any, constants: Mapping[str, Any] | None = None) -> OnnxModule:
