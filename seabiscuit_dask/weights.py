@@ -154,6 +154,8 @@ class WeightStore:
         if isinstance(weights, torch.nn.Module):
             named: dict[str, torch.Tensor] = dict(weights.named_parameters(remove_duplicate=False))
             named.update(weights.named_buffers(remove_duplicate=False))
+            for k in getattr(weights, "lazy_buffers", ()):     # NOTE: unread stand-ins (trace/onnx.py)
+                named.pop(k, None)
             return cls(named, dev)
         if isinstance(weights, Mapping):
             return cls(dict(weights), dev)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -152,7 +153,7 @@ def test_shape_arithmetic_is_folded_for_the_traced_shapes() -> None:
         torch.testing.assert_close(got, x.reshape(batch, -1) * 2)
 
 
-def test_external_data_is_read_from_inside_the_model_folder_only(tmp_path: Path) -> None:
+def test_external_data_is_read_from_inside_the_model_folder_only(tmp_path: Path, monkeypatch) -> None:
     w = np.random.default_rng(0).standard_normal((64, 32)).astype(np.float32)
     x_info = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 64])
     y_info = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 32])
@@ -163,13 +164,20 @@ def test_external_data_is_read_from_inside_the_model_folder_only(tmp_path: Path)
     onnx.save_model(model, str(folder / "model.onnx"), save_as_external_data=True,
                     all_tensors_to_one_file=True, location="weights.bin", size_threshold=0)
     x = torch.randn(2, 64)
-    micro = sb.decompose(sb.trace(folder, (x,)), "4KiB")
+    with monkeypatch.context() as m:            # NOTE: tracing a path reads no byte of its weights
+        m.setattr(sys.modules["seabiscuit_dask.trace.onnx"], "_external", None)
+        micro = sb.decompose(sb.trace(folder, (x,)), "4KiB")
+        lazy = load_onnx(folder, lazy=True)
+    assert lazy.lazy_buffers
+    with pytest.raises(sb.BadCheckpoint, match="does not run here; load_onnx"):
+        lazy(x)
     sources = {p.source.kind for p in micro.params.values()}
     files = {p.source.file for p in micro.params.values()}
     assert sources == {"raw"} and files == {str((folder / "weights.bin").resolve())}
     assert len(micro.params) > 1 and all(p.source.slices for p in micro.params.values())
     want = x @ torch.from_numpy(w)
     torch.testing.assert_close(sb.run_local(micro, x), want, rtol=1e-5, atol=1e-5)   # tiles off the file
+    torch.testing.assert_close(sb.run_local(micro, x, weights=lazy), want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(sb.run_local(micro, x, weights=load_onnx(folder)), want, rtol=1e-5, atol=1e-5)
 
     (folder / "weights.bin").write_bytes((folder / "weights.bin").read_bytes()[:100])

@@ -696,7 +696,7 @@ def distribute(model_or_path: Any, client: Any, example_inputs: Any, budget: int
     nbytes = config.to_bytes(budget if budget is not None else config.get("budget"))
     choice = config.device_choice(device)
     if is_onnx(model_or_path):        # NOTE: a module whose buffers are its initializers (trace/onnx.py)
-        model_or_path = load_onnx(model_or_path)
+        model_or_path = load_onnx(model_or_path, lazy=True)
     t0 = time.perf_counter()
     spec = measure_cluster(client, device=choice)    # NOTE: fails early without the plugin or the device
     kinds = ", ".join(f"{sum(d.kind == k for d in spec.devices)} {k}" for k in ("gpu", "cpu")

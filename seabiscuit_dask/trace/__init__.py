@@ -41,7 +41,7 @@ def trace(model_or_path: Any, example_inputs: Any, kwargs: Mapping[str, Any] | N
     from .torch_export import as_example_tuple, default_kwargs, trace_module
 
     if is_onnx(model_or_path):
-        model_or_path = load_onnx(model_or_path)
+        model_or_path = load_onnx(model_or_path, lazy=True)
     model: torch.nn.Module
     if isinstance(model_or_path, OnnxModule):
         model = model_or_path

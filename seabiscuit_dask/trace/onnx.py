@@ -58,6 +58,42 @@ def is_onnx(source: Any) -> bool:
     return False
 
 
+class LazyArray:
+    """An external-data weight not read at load: its shape and dtype and where its bytes are.
+    The module holds an unread stand-in (``_as_buffer``); workers read its tiles from the file
+    (``ParamSource`` raw)."""
+
+    def __init__(self, place: tuple[Path, int, np.dtype, tuple[int, ...]], transposed: bool = False) -> None:
+        self.place, self.transposed = place, transposed
+        self.dtype = place[2]
+        self.shape = tuple(reversed(place[3])) if transposed else place[3]
+        self.ndim = len(self.shape)
+        self.size = int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def T(self) -> LazyArray:     # NOTE: numpy's name
+        return LazyArray(self.place, not self.transposed)
+
+
+def _as_buffer(v: np.ndarray | LazyArray) -> torch.Tensor:
+    """A constant as a module buffer: its values, or (lazy) an unwritten tensor of its shape for
+    ``torch.export`` to trace (never read: ``OnnxModule.forward`` refuses to run eagerly, and
+    ``WeightStore`` leaves it out); the pages of an untouched ``torch.empty`` are never mapped."""
+    if isinstance(v, LazyArray):
+        return torch.empty(v.shape, dtype=torch.from_numpy(np.zeros(0, v.dtype)).dtype)
+    return torch.from_numpy(np.array(v, copy=True, order="C"))
+
+
+def _read_at_load(nodes: Sequence[Node], known: set[str]) -> set[str]:
+    """The constants whose values folding needs (those a foldable node reads)."""
+    known, needed = set(known), set[str]()
+    for n in nodes:
+        if n.op_type in FOLDS and all(i in known or not i for i in n.inputs):
+            needed.update(i for i in n.inputs if i)
+            known.update(n.outputs)
+    return needed
+
+
 class QuantWeight(NamedTuple):
     """An integer weight ``[out, in]`` with a scale and zero point per output column (or None),
     given to a MatMul-like node's function in place of its B operand."""
@@ -189,7 +225,7 @@ class OnnxModule(torch.nn.Module):
     """An ONNX graph as a torch module (``load_onnx``): ``forward(*inputs)`` in the graph's input order."""
 
     def __init__(self, model: Any, folder: Path | None = None, name: str = "",
-                 constants: Mapping[str, Any] | None = None) -> None:
+                 constants: Mapping[str, Any] | None = None, lazy: bool = False) -> None:
         super().__init__()
         g = model.graph
         self.onnx_name = name or str(g.name) or "onnx"
@@ -202,10 +238,17 @@ class OnnxModule(torch.nn.Module):
             raise n.fail(f"op {n.domain + '.' if n.domain else ''}{n.op_type} is not supported "
                          f"({len(missing)} node(s) of {len(kinds)} unsupported op type(s): "
                          f"{', '.join(kinds[:10])}); supported: {len(ONNX_OPS)} op types")
-        consts = {t.name: _array(t, folder) for t in g.initializer}
         places = {t.name: _external_place(t, folder) for t in g.initializer if t.data_location == 1}
+        needed = _read_at_load(self.nodes, {t.name for t in g.initializer} | set(constants or {})) \
+            if lazy else set()
+        # NOTE: lazy: external weights (2-D and up) that no folding reads stay in their file
+        consts: dict[str, Any] = {t.name: LazyArray(places[t.name]) if lazy and t.name in places
+                                  and t.name not in needed and len(t.dims) >= 2
+                                  and int(np.prod(t.dims)) > INLINE_ELEMENTS else _array(t, folder)
+                                  for t in g.initializer}
         # NOTE: buffer -> (file, offset, stored shape, transposed) of buffers that are external data
         self.external: dict[str, tuple[str, int, tuple[int, ...], bool]] = {}
+        self.lazy_buffers: set[str] = set()         # NOTE: buffers standing in for unread external data
         # NOTE: graph inputs given as constants (shape operands, say) are traced as their values
         consts.update({k: np.asarray(v) for k, v in (constants or {}).items()})
         self.input_names = [i.name for i in g.input if i.name not in consts]
@@ -234,7 +277,9 @@ class OnnxModule(torch.nn.Module):
             if (k in users or k in self.output_names) and v.size > INLINE_ELEMENTS:
                 b = _safe(k, taken)
                 held = v.T if k in weights_t else v      # NOTE: [out, in], as torch's linear holds it
-                self.register_buffer(b, torch.from_numpy(np.array(held, copy=True, order="C")))
+                self.register_buffer(b, _as_buffer(held))
+                if isinstance(held, LazyArray):
+                    self.lazy_buffers.add(b)
                 self.buffer_of[k] = b
                 if k in places:
                     self.external[b] = (str(places[k][0]), places[k][1], places[k][3], k in weights_t)
@@ -245,8 +290,10 @@ class OnnxModule(torch.nn.Module):
                     names.append(None)
                     continue
                 b = _safe(f"{n.inputs[B_SLOTS[n.op_type][0]]}_{what}", taken)
-                self.register_buffer(b, torch.from_numpy(np.array(arr, copy=True, order="C")))
+                self.register_buffer(b, _as_buffer(arr))
                 names.append(b)
+                if isinstance(arr, LazyArray):
+                    self.lazy_buffers.add(b)
                 if what == "w" and origin[0] in places:
                     f, offset, _, shape = places[origin[0]]
                     self.external[b] = (str(f), offset, shape, origin[1])
@@ -283,7 +330,8 @@ class OnnxModule(torch.nn.Module):
         return f"onnx={self.fingerprint}, opset={self.opset}, ops={_OPS_HASH}"
 
     def _pure(self, node: Node) -> bool:
-        return node.op_type in FOLDS and all(i in self.consts or not i for i in node.inputs)
+        return node.op_type in FOLDS and all(
+            not i or (i in self.consts and not isinstance(self.consts[i], LazyArray)) for i in node.inputs)
 
     def _fold_pure(self, consts: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The constants computed from initializers and Constant nodes alone, at load."""
@@ -296,6 +344,12 @@ class OnnxModule(torch.nn.Module):
         return self.consts
 
     def forward(self, *args: torch.Tensor) -> Any:
+        if self.lazy_buffers and not torch.compiler.is_exporting():
+            raise BadCheckpoint(f"ONNX model {self.onnx_name} was loaded without reading its "
+                                f"{len(self.lazy_buffers)} external weight(s) (load_onnx(..., lazy=True), "
+                                "as sb.trace and sb.distribute load a path): it traces, and workers read "
+                                "the weights from their file, but it does not run here; load_onnx(path) "
+                                "reads them")
         if len(args) != len(self.input_names):
             raise BadInput(f"ONNX model {self.onnx_name} takes {len(self.input_names)} input(s) "
                            f"({', '.join(self.input_names)}), got {len(args)}")
@@ -444,12 +498,15 @@ def _per_column(q: np.ndarray, scale: np.ndarray | None, zero: np.ndarray | None
     return (q.T if col == 1 else q), s, z, (name, col == 1)
 
 
-def load_onnx(source: Any, constants: Mapping[str, Any] | None = None) -> OnnxModule:
+def load_onnx(source: Any, constants: Mapping[str, Any] | None = None, lazy: bool = False) -> OnnxModule:
     """An ONNX model (path, folder with ``model.onnx``, or ``ModelProto``) as an ``OnnxModule``;
-    ``constants``: graph inputs whose values are fixed (they are no inputs of the module then)."""
+    ``constants``: graph inputs whose values are fixed (they are no inputs of the module then).
+    ``lazy``: external-data weights that no folding needs are not read: the module holds them on
+    the meta device (it traces, it does not run eagerly) and workers read their tiles from the
+    file; ``sb.trace`` and ``sb.distribute`` load a path so."""
     model, folder = _read(source)
     name = Path(source).stem if isinstance(source, (str, os.PathLike)) else ""
-    return OnnxModule(model, folder, name, constants).eval()
+    return OnnxModule(model, folder, name, constants, lazy).eval()
 
 
 def symbolic_inputs(module: OnnxModule) -> dict[str, list[Any]]:
