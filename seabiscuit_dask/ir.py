@@ -175,7 +175,8 @@ class ParamSource:
             "data": list(self.data) if self.data is not None else None,
         }
         if self.kind == "raw":
-            out.update(offset=self.offset, stored=list(self.stored or ()), transposed=self.transposed)
+            out.update(offset=self.offset, stored=list(self.stored) if self.stored is not None else None,
+                       transposed=self.transposed)
         return out
 
     @classmethod
@@ -341,10 +342,13 @@ def _qlinear_scratch(op: Op, tensors: Mapping[str, TensorSpec]) -> int:
     slab = qlinear_slab(op, tensors)
     if slab is None:
         return 0
-    _, k, itemsize, columns = slab
+    n, k, itemsize, columns = slab
     ref = next(iter_refs(op.attrs["args"][:1]))
-    x = math.prod(view_shape(ref, tensors[ref["t"]].shape)) * 8 if itemsize == 8 else 0   # NOTE: in float64
-    return columns * k * itemsize + x
+    rows = math.prod(view_shape(ref, tensors[ref["t"]].shape)[:-1])
+    integer = itemsize == 8 and not tensors[ref["t"]].dtype.startswith("float")
+    x = rows * k * 8 if integer else 0                       # NOTE: an integer input, in float64
+    step = rows * columns * itemsize if integer or columns < n else 0   # NOTE: one step's product
+    return columns * k * itemsize + x + step
 
 
 @dataclass(frozen=True)

@@ -153,7 +153,8 @@ def test_shape_arithmetic_is_folded_for_the_traced_shapes() -> None:
         torch.testing.assert_close(got, x.reshape(batch, -1) * 2)
 
 
-def test_external_data_is_read_from_inside_the_model_folder_only(tmp_path: Path, monkeypatch) -> None:
+def test_external_data_is_read_from_inside_the_model_folder_only(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     w = np.random.default_rng(0).standard_normal((64, 32)).astype(np.float32)
     x_info = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 64])
     y_info = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 32])
@@ -197,13 +198,19 @@ def test_external_data_is_read_from_inside_the_model_folder_only(tmp_path: Path,
         load_onnx(folder)
 
 
-def test_external_int8_weights_go_to_workers_as_their_own_bytes(tmp_path: Path) -> None:
+@pytest.mark.parametrize("form", ["DequantizeLinear", "Cast"])
+def test_external_int8_weights_go_to_workers_as_their_own_bytes(form: str, tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     rng = np.random.default_rng(0)
     q = rng.integers(-128, 128, (256, 192)).astype(np.int8)
     scale = rng.uniform(1e-3, 1e-2, 192).astype(np.float32)
-    nodes = [helper.make_node("DequantizeLinear", ["q", "s"], ["w"], axis=1),
-             helper.make_node("MatMul", ["x", "w"], ["y"])]
-    model = _graph(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 256])],
+    if form == "DequantizeLinear":
+        nodes = [helper.make_node("DequantizeLinear", ["q", "s"], ["w"], axis=1)]
+    else:                                        # NOTE: the int8 MiniLM's form
+        nodes = [helper.make_node("Cast", ["q"], ["qf"], to=TensorProto.FLOAT),
+                 helper.make_node("Mul", ["qf", "s"], ["w"])]
+    model = _graph([*nodes, helper.make_node("MatMul", ["x", "w"], ["y"])],
+                   [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 256])],
                    [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
                    [numpy_helper.from_array(q, "q"), numpy_helper.from_array(scale, "s")], opset=19)
     folder = tmp_path / "q"
@@ -212,14 +219,36 @@ def test_external_int8_weights_go_to_workers_as_their_own_bytes(tmp_path: Path) 
                     all_tensors_to_one_file=True, location="weights.bin", size_threshold=0)
     x = torch.randn(3, 256)
     want = x @ torch.from_numpy(q.astype(np.float32) * scale)
+    real = sys.modules["seabiscuit_dask.trace.onnx"]._external
+    with monkeypatch.context() as m:            # NOTE: the int8 weight is never read here ...
+        m.setattr(sys.modules["seabiscuit_dask.trace.onnx"], "_external",
+                  lambda t, folder: real(t, folder) if t.name == "s" else pytest.fail(f"read {t.name}"))
+        graph = sb.trace(folder, (x,))
+    assert [op.target for op in graph.ops].count("sb.qlinear.default") == 1
     with seabiscuit_cluster(2, 200_000) as client:
         with sb.distribute(folder, client, (x,), budget="12KiB") as dm:    # 48 KiB of int8 weight
             weights = [p for p in dm.plan.graph.params.values() if p.dtype == "int8"]
-            assert len(weights) > 3 and {p.source.kind for p in weights} == {"raw"}
+            assert len(weights) > 3 and {p.source.kind for p in weights} == {"raw"}   # ... but by workers
             assert all(p.source.transposed and p.source.slices for p in weights)
             copied = [p for p in dm.plan.graph.params.values() if p.source.kind != "raw"]
             assert sum(p.nbytes for p in copied) <= scale.nbytes      # NOTE: the scales; no weight byte
             torch.testing.assert_close(dm(x), want, rtol=1e-5, atol=1e-4)
+
+
+def test_an_external_initializer_given_as_a_constant_is_the_constant(tmp_path: Path) -> None:
+    w = np.ones((8, 16), np.float32)
+    model = _graph([helper.make_node("MatMul", ["x", "w"], ["y"])],
+                   [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8]),
+                    helper.make_tensor_value_info("w", TensorProto.FLOAT, [8, 16])],
+                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                   [numpy_helper.from_array(w, "w")])
+    onnx.save_model(model, str(tmp_path / "model.onnx"), save_as_external_data=True,
+                    all_tensors_to_one_file=True, location="w.bin", size_threshold=0)
+    module = load_onnx(tmp_path, constants={"w": 2 * w}, lazy=True)
+    x = torch.ones(2, 8)
+    graph = sb.trace(module, (x,))
+    assert {p.source.kind for p in graph.params.values()} == {"model"}     # NOTE: not the file's w
+    torch.testing.assert_close(sb.run_local(graph, x, weights=module), torch.full((2, 16), 16.0))
 
 
 def test_bad_models_are_refused_with_the_node_and_numbers(tmp_path: Path) -> None:
@@ -295,3 +324,18 @@ def test_pytorch_exported_models_equal_their_reference_outputs(kind: str, least:
     passed = sum(status == "passed" for status, _ in results.values())
     assert not failed, f"{len(failed)} {kind} models differ from their reference outputs: {failed}"
     assert passed >= least, {name: why for name, (status, why) in results.items() if status != "passed"}
+
+
+def test_raw_weights_are_read_only_from_an_onnx_models_folder(tmp_path: Path) -> None:
+    from seabiscuit_dask.ir import ParamSource
+    from seabiscuit_dask.runtime import access
+
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "secret.bin").write_bytes(b"x" * 64)
+    raw = ParamSource("raw", "w", None, str(other / "secret.bin"), offset=0, stored=(8, 8))
+    with pytest.raises(sb.AccessDenied, match="only an ONNX model's external data"):
+        access.check_source(raw)
+    (other / "model.onnx").write_bytes(b"")
+    access.check_source(raw)                      # NOTE: beside a model: its external data
+    assert ParamSource.from_dict(raw.to_dict()) == raw

@@ -204,3 +204,10 @@ def test_int8_minilm_tiles_hold_four_times_the_parameters_of_float_tiles() -> No
             if len(micro_q.params[p].shape) == 2} == {"int8"}
     got = sb.run_local(micro_q, **x, weights=load_onnx(model))
     assert rel(got, reference(path, x)) <= 1e-4
+
+
+def test_qlinear_on_integers_takes_no_scale_or_bias() -> None:
+    a = torch.ones(2, 4, dtype=torch.int32)
+    w = torch.ones(3, 4, dtype=torch.int8)
+    with pytest.raises(sb.UnsupportedOp, match="no scale or bias"):
+        torch.ops.sb.qlinear(a, w, torch.ones(3), None, None, 0)

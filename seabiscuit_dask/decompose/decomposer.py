@@ -271,14 +271,16 @@ class Decomposer:
         if slab is None:
             return op
         n, k, itemsize, columns = slab
-        room = self.budget - self.ws(op) + columns * k * itemsize
-        wider = qlinear_columns(n, k, itemsize, room)
+        rows = max(1, self.tensors[op.outputs[0]].numel // max(n, 1))
+        room = self.budget - self.ws(op) + scratch_bytes(op, self.tensors)   # NOTE: all but the slab's
+        wider = qlinear_columns(n, k, itemsize, max(0, room) * k // (k + rows))   # ... and its step's
         if wider <= columns:
             return op
         args = list(op.attrs["args"]) + [None] * (6 - len(op.attrs["args"]))
         args[5] = wider
-        return Op(op.name, op.kind, op.target, op.inputs, op.outputs, op.params,
-                  {**dict(op.attrs), "args": args}, op.scope, op.flops)
+        new = Op(op.name, op.kind, op.target, op.inputs, op.outputs, op.params,
+                 {**dict(op.attrs), "args": args}, op.scope, op.flops)
+        return new if self.ws(new) <= self.budget else op
 
     def aligned(self, split: Split, k: int) -> list[int] | None:
         """Bounds of at least ``k`` pieces, none larger than ``n / k``, that never cross a tile

@@ -12,8 +12,8 @@ The weight stays integer wherever it is held; the kernel dequantizes ``columns``
 columns at a time into one slab (0: ``ir.qlinear_columns``'s default, at most 1/16 of
 the weight's bytes), so a tile's working set is its 1-byte weights plus one slab, and a
 quantized model's tiles carry about four times the parameters of float32 tiles in the
-same budget. The decomposer widens the slab to what the budget leaves the tile: a tile
-far below the budget dequantizes all of its columns in one step. Output columns
+same budget. The decomposer widens the slab to what the budget leaves the tile (up to
+``ir.QLINEAR_SLAB``): a tile far below the budget dequantizes in one or a few steps. Output columns
 and the reduction cut exactly: scales and zero points go with their columns, and
 partial sums over the reduction add up (``decompose.rules.matmul``).
 """
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import UnsupportedOp
 from ..ir import qlinear_columns
 from .registry import register_kernel
 
@@ -30,6 +31,9 @@ from .registry import register_kernel
 def qlinear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, zero: torch.Tensor | None,
             bias: torch.Tensor | None, columns: int = 0) -> torch.Tensor:
     integer = not x.is_floating_point()
+    if integer and (scale is not None or bias is not None):
+        raise UnsupportedOp("sb.qlinear over integer inputs accumulates integers: it takes no scale or bias "
+                            "(apply them to its int32 output)")
     n, k = w.shape
     dtype = torch.float64 if integer else x.dtype
     xs = x.to(dtype) if integer else x
@@ -46,16 +50,16 @@ def qlinear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, zero: 
             s.mul_(scale[a:b, None].to(dtype))
         return s
 
-    if step >= n:
-        y = torch.nn.functional.linear(xs, dequantized(0, n), None if integer else bias)
-        return y.to(torch.int32) if integer else y
-    y = torch.empty((*x.shape[:-1], n), dtype=dtype, device=x.device)
+    if step >= n and not integer:
+        return torch.nn.functional.linear(xs, dequantized(0, n), bias)
+    # NOTE: one step's product at a time (ir.scratch_bytes counts it), into the output's own dtype
+    y = torch.empty((*x.shape[:-1], n), dtype=torch.int32 if integer else dtype, device=x.device)
     for a in range(0, n, step):
         b = min(n, a + step)
         y[..., a:b] = torch.nn.functional.linear(xs, dequantized(a, b))
-    if bias is not None and not integer:
+    if bias is not None:
         y += bias
-    return y.to(torch.int32) if integer else y
+    return y
 
 
 @qlinear.register_fake

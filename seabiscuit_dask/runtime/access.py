@@ -67,10 +67,34 @@ def check_path(path: Any, what: str) -> Path:
     return p
 
 
+def check_source(source: Any) -> None:
+    """A param's weights file lies inside the roots; a ``raw`` one (bytes at an offset, no header
+    to check) must be an ONNX model's external data: its folder, or one of the three above it
+    that is not itself a root, holds an ``.onnx`` file. So a payload cannot read arbitrary bytes
+    of other files there."""
+    if not source.file:
+        return
+    p = check_path(source.file, "weights file")
+    if source.kind != "raw":
+        return
+    tops = set(roots())
+    for folder in p.parents[:4]:
+        if folder in tops or not any(folder.is_relative_to(r) for r in tops):
+            break
+        if any(folder.glob("*.onnx")):
+            return
+    raise AccessDenied(f"weights file {source.file!r} is read as raw bytes, which only an ONNX model's "
+                       "external data may be: no folder holding it has an .onnx model; load the model "
+                       "with sb.trace / sb.distribute from its .onnx file")
+
+
 def check_graph_paths(graph: OpGraph) -> None:
-    """Every weight file the graph names lies inside the roots."""
-    for f in sorted({p.source.file for p in graph.params.values() if p.source.file}):
-        check_path(f, "weights file")
+    """Every weight file the graph names lies inside the roots (``check_source``)."""
+    seen: set[tuple[str, str]] = set()
+    for p in graph.params.values():
+        if p.source.file and (p.source.file, p.source.kind) not in seen:
+            seen.add((p.source.file, p.source.kind))
+            check_source(p.source)
 
 
 def check_budget(memory_bytes: Any, machine_bytes: int, where: str) -> int:

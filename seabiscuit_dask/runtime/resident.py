@@ -156,9 +156,8 @@ class ResidentBlocks:
 
     def _check_spec(self, spec: BlockSpec) -> None:
         access.check_model_id(spec.model)
-        for p in spec.params.values():
-            if p.source.file:
-                access.check_path(p.source.file, "weights file")
+        for source in {(p.source.file, p.source.kind): p.source for p in spec.params.values()}.values():
+            access.check_source(source)
         if spec.checkpoint_dir and spec.model not in self.checkpoint_dirs:
             self.checkpoint_dirs[spec.model] = writable(spec.checkpoint_dir, self.address)
 

@@ -85,9 +85,24 @@ def _as_buffer(v: np.ndarray | LazyArray) -> torch.Tensor:
 
 
 def _read_at_load(nodes: Sequence[Node], known: set[str]) -> set[str]:
-    """The constants whose values folding needs (those a foldable node reads)."""
+    """The constants whose values folding needs (those a foldable node reads), but for int8
+    weights that ``Cast`` + ``Mul`` dequantize only for a matmul's B: ``sb.qlinear`` runs on those
+    as they are stored (their scales are read)."""
+    readers: dict[str, list[tuple[Node, int]]] = {}
+    for n in nodes:
+        for j, i in enumerate(n.inputs):
+            readers.setdefault(i, []).append((n, j))
+
+    def only_b(name: str) -> bool:
+        return bool(readers.get(name)) and all(r.op_type in ("MatMul", "Gemm") and j == 1
+                                               for r, j in readers[name])
+
     known, needed = set(known), set[str]()
     for n in nodes:
+        muls = [r for r, _ in readers.get(n.outputs[0], [])] if n.op_type == "Cast" and n.outputs else []
+        if muls and n.inputs[0] in known and all(m.op_type == "Mul" and only_b(m.outputs[0]) for m in muls):
+            needed.update(i for m in muls for i in m.inputs if i != n.outputs[0])
+            continue                   # NOTE: not folded: its weight stays int8 (and may stay unread)
         if n.op_type in FOLDS and all(i in known or not i for i in n.inputs):
             needed.update(i for i in n.inputs if i)
             known.update(n.outputs)
@@ -238,7 +253,8 @@ class OnnxModule(torch.nn.Module):
             raise n.fail(f"op {n.domain + '.' if n.domain else ''}{n.op_type} is not supported "
                          f"({len(missing)} node(s) of {len(kinds)} unsupported op type(s): "
                          f"{', '.join(kinds[:10])}); supported: {len(ONNX_OPS)} op types")
-        places = {t.name: _external_place(t, folder) for t in g.initializer if t.data_location == 1}
+        places = {t.name: _external_place(t, folder) for t in g.initializer
+                  if t.data_location == 1 and t.name not in (constants or {})}
         needed = _read_at_load(self.nodes, {t.name for t in g.initializer} | set(constants or {})) \
             if lazy else set()
         # NOTE: lazy: external weights (2-D and up) that no folding reads stay in their file

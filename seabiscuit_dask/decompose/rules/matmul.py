@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -49,14 +50,17 @@ class Matmul:
     out: TensorSpec
     cols: tuple[int, ...] = ()
     slab_item: int = 0        # sb.qlinear: bytes per element of its dequantized slab (0: no slab)
+    integer: bool = False     # sb.qlinear over integers (accumulated in float64)
 
-    def scratch(self, n: int, k: int, a: float) -> float:
-        """sb.qlinear's scratch for ``n`` columns over ``k`` of the reduction, ``a`` bytes of A:
-        its slab (``ir.qlinear_columns``), and A in float64 when A is integer."""
+    def scratch(self, n: int, k: int, rows: float) -> float:
+        """sb.qlinear's scratch (as ``ir.scratch_bytes`` counts it) for ``n`` columns over ``k`` of
+        the reduction and ``rows`` rows: its slab, A in float64 when integer, one step's product."""
         if not self.slab_item:
             return 0
-        slab = qlinear_columns(n, k, self.slab_item) * k * self.slab_item
-        return slab + (2 * a if self.slab_item == 8 else 0)
+        cols = qlinear_columns(n, k, self.slab_item)
+        x = rows * k * 8 if self.integer else 0
+        step = rows * cols * self.slab_item if self.integer or cols < n else 0
+        return cols * k * self.slab_item + x + step
 
     @property
     def A(self) -> Any:
@@ -88,13 +92,14 @@ def read(d: Decomposer, op: Op) -> Matmul | None:
     out = d.tensors[op.outputs[0]]
     cols = tuple(i for i in COLUMN_OPERANDS.get(op.target, ()) if O.operand(args, i) is not None)
     per_column = d.nbytes(bias) + sum(d.nbytes(args[i]) for i in cols)
-    slab = 0
+    slab, integer = 0, False
     if op.target == QLINEAR:
         a_ref = O.ref_name(A)
         dtype = d.tensors[a_ref[1]].dtype if a_ref is not None and a_ref[0] == "t" else "float32"
-        slab = 8 if not dtype.startswith(("float", "bfloat")) else DTYPE_BYTES.get(dtype, 4)
+        integer = not dtype.startswith(("float", "bfloat"))
+        slab = 8 if integer else DTYPE_BYTES.get(dtype, 4)
     return Matmul(args, a_i, b_i, bias_i, sa, sb, n_dim, k_dim, d.nbytes(A), d.nbytes(B),
-                  per_column, out.nbytes, out, cols, slab)
+                  per_column, out.nbytes, out, cols, slab, integer)
 
 
 @register("linear", "matmul")
@@ -115,8 +120,9 @@ def output_columns(d: Decomposer, op: Op) -> Split | None:
         return new, dict(op.attrs["kwargs"]), op.target, spec
 
     a, b, bb, y, N, K, q = m.a, m.b, m.bb, m.y, m.sb[m.n_dim], m.sb[m.k_dim], COLUMNS
+    rows = math.prod(m.out.shape[:-1])
     return Split("c", "the output columns", N,
-                 lambda k: a + (b + bb + y) * frac(N, k, q) + m.scratch(largest_piece(N, k, q), K, a),
+                 lambda k: a + (b + bb + y) * frac(N, k, q) + m.scratch(largest_piece(N, k, q), K, rows),
                  0, piece, "concat", -1, along=(m.B, m.n_dim, 1), quantum=q)
 
 
@@ -139,8 +145,9 @@ def input_rows(d: Decomposer, op: Op) -> Split | None:
         return new, dict(op.attrs["kwargs"]), op.target, TensorSpec(shape, m.out.dtype)
 
     a, b, bb, y, N, K = m.a, m.b, m.bb, m.y, m.sb[m.n_dim], m.sb[m.k_dim]
+    rows = math.prod(m.out.shape[:-1])
     return Split("m", "the input rows", M,
-                 lambda k: (a + y) * frac(M, k) + b + bb + m.scratch(N, K, a * frac(M, k)),
+                 lambda k: (a + y) * frac(M, k) + b + bb + m.scratch(N, K, rows * frac(M, k)),
                  0, piece, "concat", -2, along=(m.A, len(m.sa) - 2, 1))
 
 
@@ -165,9 +172,10 @@ def reduction(d: Decomposer, op: Op) -> Split | None:
         return new, dict(op.attrs["kwargs"]), target, m.out
 
     a, b, bb, y, K, N = m.a, m.b, m.bb, m.y, m.sa[-1], m.sb[m.n_dim]
+    rows = math.prod(m.out.shape[:-1])
     b_ref = O.ref_name(m.B)
     weight_cut = b_ref is not None and b_ref[0] == "p" and (b_ref[1], m.k_dim % len(m.sb)) in d.param_edges
     along = (m.B, m.k_dim, 1) if weight_cut else (m.A, -1, 1)   # NOTE: a weight is cut one way only
     return Split("r", "the reduction", K,
-                 lambda k: (a + b) * frac(K, k) + bb + y + m.scratch(N, -(-K // k), a * frac(K, k)),
+                 lambda k: (a + b) * frac(K, k) + bb + y + m.scratch(N, -(-K // k), rows),
                  0, piece, "sum", -1, along=along)
