@@ -31,6 +31,9 @@ def op_flops(target: str, args: Sequence[Any], out_shapes: Sequence[tuple[int, .
     if target in O.MATMUL:
         a = shape_of(args[0])
         return 2 * out_numel * (a[-1] if a else 1)
+    if target in O.CONV_TRANSPOSE:       # NOTE: every input element meets C_out/groups x kernel weights
+        x, w = shape_of(args[0]), shape_of(args[1])
+        return 2 * math.prod(x) * math.prod(w[1:]) if x and w else out_numel
     if target in O.CONV:
         w = shape_of(args[1])
         return 2 * out_numel * (math.prod(w[1:]) if w else 1)

@@ -17,6 +17,8 @@ MATMUL = {"aten.mm.default", "aten.matmul.default", "aten.bmm.default"}
 # padding per spatial dim (a strip of a convolution, its halo cut from the input).
 CONV = {"aten.conv1d.default", "aten.conv2d.default", "aten.conv3d.default", "aten.conv1d.padding",
         "aten.conv2d.padding", "aten.conv3d.padding", "sb.conv_strip"}
+CONV_TRANSPOSE = {"aten.conv_transpose1d.default", "aten.conv_transpose2d.input",
+                  "aten.conv_transpose3d.input"}
 EMBEDDING = {"aten.embedding.default", "sb.embedding_rows"}
 ATTENTION = {"aten.scaled_dot_product_attention.default", "sb.attention", "sb.attention_part"}
 
@@ -74,7 +76,8 @@ CREATION = {
 INDEX = {"aten.index.Tensor", "aten.gather.default", "aten.index_select.default"}
 
 _KINDS: list[tuple[set[str], str]] = [
-    (LINEAR, "linear"), (MATMUL, "matmul"), (CONV, "conv"), (EMBEDDING, "embedding"),
+    (LINEAR, "linear"), (MATMUL, "matmul"), (CONV, "conv"), (CONV_TRANSPOSE, "conv_transpose"),
+    (EMBEDDING, "embedding"),
     (ATTENTION, "attention"), (ELEMENTWISE, "elementwise"), (NORM, "norm"),
     (REDUCTION, "reduction"), (POOL, "pool"), (VIEW, "view"), (CONCAT, "concat"),
     (CREATION, "creation"), (INDEX, "index"),

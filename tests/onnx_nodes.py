@@ -31,6 +31,7 @@ SHAPE_OPERANDS = {"Reshape": (1,), "Expand": (1,), "Tile": (1,), "Slice": (1, 2,
 # (cases of dtypes torch does not compute with are skipped, and counted).
 CLAIMED = tuple("""
     Abs Add And AveragePool BatchNormalization Cast Ceil Clip Concat Constant ConstantOfShape Conv
+    ConvTranspose
     Cos DequantizeLinear Div Dropout DynamicQuantizeLinear Elu Equal Erf Exp Expand Flatten Floor
     Gather GatherElements GatherND Gelu Gemm GlobalAveragePool GlobalMaxPool Greater GreaterOrEqual
     HardSigmoid Identity InstanceNormalization IsNaN LRN LayerNormalization LeakyRelu Less

@@ -315,7 +315,7 @@ def test_onnx_node_tests_pass_for_every_claimed_op_type() -> None:
     assert sum(c["passed"] for c in counts.values()) >= 380
 
 
-@pytest.mark.parametrize("kind,least", [("pytorch-converted", 80), ("pytorch-operator", 34)])
+@pytest.mark.parametrize("kind,least", [("pytorch-converted", 82), ("pytorch-operator", 35)])
 def test_pytorch_exported_models_equal_their_reference_outputs(kind: str, least: int) -> None:
     from .onnx_nodes import model_cases, run_case
 
@@ -339,3 +339,27 @@ def test_raw_weights_are_read_only_from_an_onnx_models_folder(tmp_path: Path) ->
     (other / "model.onnx").write_bytes(b"")
     access.check_source(raw)                      # NOTE: beside a model: its external data
     assert ParamSource.from_dict(raw.to_dict()) == raw
+
+
+@pytest.mark.parametrize("group", [1, 2])
+def test_a_transposed_convolution_is_cut_and_equals_the_reference(group: int) -> None:
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((8, 12 // group, 3, 3)).astype(np.float32)
+    b = rng.standard_normal(12).astype(np.float32)
+    node = helper.make_node("ConvTranspose", ["x", "w", "b"], ["y"], strides=[2, 2], pads=[1, 0, 0, 1],
+                            output_padding=[1, 1], group=group)
+    model = _graph([node], [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8, 9, 7])],
+                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                   [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")])
+    x = rng.standard_normal((2, 8, 9, 7)).astype(np.float32)
+    ort = pytest.importorskip("onnxruntime")
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    want = sess.run(None, {"x": x})[0]
+    graph = sb.trace(model, (torch.from_numpy(x),))
+    _, largest = largest_working_set(graph)
+    micro = sb.decompose(graph, largest // 3)
+    sb.verify(micro, budget=largest // 3)
+    tiles = [op for op in micro.ops if op.kind == "conv_transpose"]
+    assert len(tiles) > 1
+    got = sb.run_local(micro, torch.from_numpy(x), weights=load_onnx(model))
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-4)

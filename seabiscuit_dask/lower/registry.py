@@ -38,7 +38,8 @@ ATEN_TARGETS: tuple[str, ...] = tuple(f"aten.{n}" for n in (
     # linear algebra, convolution, embedding, attention
     "linear.default", "addmm.default", "mm.default", "matmul.default", "bmm.default",
     "baddbmm.default", "conv1d.default", "conv2d.default", "conv3d.default", "conv1d.padding",
-    "conv2d.padding", "conv3d.padding",
+    "conv2d.padding", "conv3d.padding", "conv_transpose1d.default", "conv_transpose2d.input",
+    "conv_transpose3d.input",
     "embedding.default", "scaled_dot_product_attention.default",
     # elementwise arithmetic and activations
     "add.Tensor", "add.Scalar", "add_.Tensor", "sub.Tensor", "sub.Scalar", "rsub.Scalar",

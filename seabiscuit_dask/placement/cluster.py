@@ -54,7 +54,7 @@ from ..config import to_bytes
 from ..errors import SeaBiscuitError
 
 OP_CLASSES = ("matmul", "other")
-MATMUL_KINDS = frozenset({"linear", "matmul", "conv", "attention"})
+MATMUL_KINDS = frozenset({"linear", "matmul", "conv", "conv_transpose", "attention"})
 TOPOLOGY_LEVELS = ("nvlink", "pcie", "rack", "network")
 
 

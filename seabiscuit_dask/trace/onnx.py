@@ -1066,6 +1066,45 @@ def _conv(node: Node, vals: list[Value]) -> list[Value]:
     return [fn(x, w, b, strides, pads, dil, int(node.attr("group", 1)))]
 
 
+@onnx_op("ConvTranspose")
+def _conv_transpose(node: Node, vals: list[Value]) -> list[Value]:
+    x, w = _tensor(vals[0]), _tensor(vals[1])
+    b = _tensor(vals[2]) if len(vals) > 2 and vals[2] is not None else None
+    rank = x.dim() - 2
+    fn = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}.get(rank)
+    if fn is None:
+        raise node.fail(f"{rank}-d transposed convolution is not supported")
+    size = list(x.shape[2:])
+    kernel = list(node.attr("kernel_shape") or w.shape[2:])
+    strides = list(node.attr("strides") or [1] * rank)
+    dil = list(node.attr("dilations") or [1] * rank)
+    extra = list(node.attr("output_padding") or [0] * rank)[:rank]
+    full = [s * (n - 1) + (k - 1) * d + 1 for s, n, k, d in zip(strides, size, kernel, dil)]
+    shape, pads, auto = node.attr("output_shape"), node.attr("pads"), node.attr("auto_pad", "NOTSET")
+    if pads is None and auto in ("SAME_UPPER", "SAME_LOWER"):
+        want = list(shape) if shape is not None else [n * s for n, s in zip(size, strides)]
+        total = [f + e - o for f, e, o in zip(full, extra, want)]
+        small = [t // 2 for t in total]
+        begin = small if auto == "SAME_UPPER" else [t - h for t, h in zip(total, small)]
+    else:
+        pads = list(pads or [0] * (2 * rank))
+        begin = pads[:rank]
+        want = list(shape) if shape is not None else [f + e - a - z for f, e, a, z in
+                                                       zip(full, extra, pads[:rank], pads[rank:])]
+    if any(v < 0 for v in [*begin, *want]):
+        raise node.fail(f"negative padding or output size (pads {begin}, output {want}) is not supported")
+    # NOTE: the whole transposed convolution, then its window [begin, begin + want) per dim (zeros
+    # past its end: output_padding); the bias after
+    y = fn(x, w, None, strides, 0, 0, int(node.attr("group", 1)), dil)
+    short = [max(0, a + o - f) for a, o, f in zip(begin, want, full)]
+    if any(short):
+        y = _pad(y, [0] * rank, short, 0.0)
+    for i, (a, o) in enumerate(zip(begin, want)):
+        if a or o != y.shape[2 + i]:
+            y = y[(slice(None),) * (2 + i) + (slice(a, a + o),)]     # NOTE: a slice: a window of tiles
+    return [y if b is None else y + b.reshape(-1, *([1] * rank))]
+
+
 @onnx_op("MaxPool", "AveragePool")
 def _pool(node: Node, vals: list[Value]) -> list[Value]:
     x = _tensor(vals[0])
