@@ -238,3 +238,18 @@ def test_flops_of_strips_add_up_to_the_whole() -> None:
         parts = sum(op.flops for op in micro.ops if op.kind == kind)
         assert whole == parts and whole > 0
     assert graph.ops[1].flops == math.prod(graph.tensors[graph.ops[1].outputs[0]].shape) * 9
+
+
+def test_bounds_with_a_quantum_are_whole_groups_and_never_more_pieces() -> None:
+    from seabiscuit_dask.decompose.split import largest_piece
+
+    for n in range(1, 260):
+        for k in range(1, n + 1):
+            for q in (1, 16):
+                b = bounds_for(n, k, q)
+                sizes = [hi - lo for lo, hi in zip(b, b[1:])]
+                assert b[0] == 0 and b[-1] == n and min(sizes) > 0 and len(sizes) <= k
+                assert max(sizes) == largest_piece(n, k, q) or q == 1
+                if q > 1 and largest_piece(n, k, q) >= q:
+                    assert all(s % q == 0 for s in sizes[:-1])
+                assert k == 1 or len(sizes) > 1
