@@ -52,7 +52,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from types import MappingProxyType
-from typing import Any
+from typing import Any, NamedTuple
 
 from .errors import InvalidGraph
 
@@ -306,26 +306,54 @@ def qlinear_columns(n: int, k: int, itemsize: int, room: int = 0) -> int:
     return max(1, min(n, cols // 16 * 16 if cols >= 16 else cols))
 
 
-def qlinear_slab(op: Op, tensors: Mapping[str, TensorSpec]) -> tuple[int, int, int, int] | None:
-    """``(n, k, itemsize, columns)`` of an ``sb.qlinear`` op's dequantized slab (columns: as its
-    ``columns`` argument says, else ``qlinear_columns``), or None when its operands are unknown."""
+def qlinear_scratch(n: int, k: int, itemsize: int, columns: int, rows: int, integer: bool) -> int:
+    """Bytes ``sb.qlinear`` needs beyond its operands, over ``rows`` rows of an ``[n, k]`` weight:
+    its slab of ``columns``, an integer input in float64, and one step's product (when it takes
+    several steps, or converts to int32)."""
+    x = rows * k * 8 if integer else 0
+    step = rows * columns * itemsize if integer or columns < n else 0
+    return columns * k * itemsize + x + step
+
+
+class QlinearSlab(NamedTuple):
+    """What an ``sb.qlinear`` op dequantizes: an ``[n, k]`` weight, ``columns`` at a time into
+    ``itemsize``-byte elements, for ``rows`` rows of an input that is ``integer`` or float."""
+
+    n: int
+    k: int
+    itemsize: int
+    columns: int
+    rows: int
+    integer: bool
+
+    def scratch(self, columns: int | None = None) -> int:
+        return qlinear_scratch(self.n, self.k, self.itemsize, self.columns if columns is None else columns,
+                               self.rows, self.integer)
+
+
+def qlinear_slab(op: Op, tensors: Mapping[str, TensorSpec]) -> QlinearSlab | None:
+    """The slab of an ``sb.qlinear`` op (columns: as its ``columns`` argument says, else
+    ``qlinear_columns``), or None when its operands are unknown."""
     args = op.attrs.get("args", ())
     refs = list(iter_refs(args[:1]))
     if len(refs) != 1 or refs[0].get("t") not in tensors or not op.outputs or op.outputs[0] not in tensors:
         return None
     x = tensors[refs[0]["t"]]
-    k = view_shape(refs[0], x.shape)[-1]
-    itemsize = 8 if not x.dtype.startswith(("float", "bfloat")) else DTYPE_BYTES.get(x.dtype, 4)
-    n = tensors[op.outputs[0]].shape[-1]
+    shape = view_shape(refs[0], x.shape)
+    integer = not x.dtype.startswith(("float", "bfloat"))
+    itemsize = 8 if integer else DTYPE_BYTES.get(x.dtype, 4)
+    n, k = tensors[op.outputs[0]].shape[-1], shape[-1]
     given = args[5] if len(args) > 5 and isinstance(args[5], int) and args[5] > 0 else 0
-    return n, k, itemsize, min(n, given) if given else qlinear_columns(n, k, itemsize)
+    columns = min(n, given) if given else qlinear_columns(n, k, itemsize)
+    return QlinearSlab(n, k, itemsize, columns, math.prod(shape[:-1]), integer)
 
 
 def scratch_bytes(op: Op, tensors: Mapping[str, TensorSpec]) -> int:
     """Memory an op needs beyond its operands: the score matrix of an attention op, the
     dequantized slab of an ``sb.qlinear`` (and its float64 input, when integer)."""
     if op.target == QLINEAR:
-        return _qlinear_scratch(op, tensors)
+        slab = qlinear_slab(op, tensors)
+        return slab.scratch() if slab is not None else 0
     if op.kind != "attention" or len(op.inputs) < 2:
         return 0
     args = op.attrs.get("args", ())
@@ -336,19 +364,6 @@ def scratch_bytes(op: Op, tensors: Mapping[str, TensorSpec]) -> int:
     if len(q) < 2 or len(k) < 2:
         return 0
     return math.prod(q[:-1]) * k[-2] * ATTENTION_SCORES
-
-
-def _qlinear_scratch(op: Op, tensors: Mapping[str, TensorSpec]) -> int:
-    slab = qlinear_slab(op, tensors)
-    if slab is None:
-        return 0
-    n, k, itemsize, columns = slab
-    ref = next(iter_refs(op.attrs["args"][:1]))
-    rows = math.prod(view_shape(ref, tensors[ref["t"]].shape)[:-1])
-    integer = itemsize == 8 and not tensors[ref["t"]].dtype.startswith("float")
-    x = rows * k * 8 if integer else 0                       # NOTE: an integer input, in float64
-    step = rows * columns * itemsize if integer or columns < n else 0   # NOTE: one step's product
-    return columns * k * itemsize + x + step
 
 
 @dataclass(frozen=True)

@@ -158,9 +158,7 @@ def test_integer_matmuls_over_an_int8_weight_are_exact_when_cut(op_type: str) ->
 
 def _dequantized(model):
     """``model`` with every int8 weight replaced by its float32 value: what a float export holds."""
-    from seabiscuit_dask.trace.onnx import load_onnx as load
-
-    module = load(model)
+    module = load_onnx(model)
     m = onnx.ModelProto()
     m.CopyFrom(model)
     made = {o: n for n in m.graph.node for o in n.output}

@@ -270,11 +270,9 @@ class Decomposer:
         slab = qlinear_slab(op, self.tensors) if op.target == QLINEAR else None
         if slab is None:
             return op
-        n, k, itemsize, columns = slab
-        rows = max(1, self.tensors[op.outputs[0]].numel // max(n, 1))
-        room = self.budget - self.ws(op) + scratch_bytes(op, self.tensors)   # NOTE: all but the slab's
-        wider = qlinear_columns(n, k, itemsize, max(0, room) * k // (k + rows))   # ... and its step's
-        if wider <= columns:
+        room = max(0, self.budget - self.ws(op) + slab.scratch())   # NOTE: shared by the slab and its step
+        wider = qlinear_columns(slab.n, slab.k, slab.itemsize, room * slab.k // (slab.k + max(1, slab.rows)))
+        if wider <= slab.columns:
             return op
         args = list(op.attrs["args"]) + [None] * (6 - len(op.attrs["args"]))
         args[5] = wider

@@ -37,8 +37,7 @@ def qlinear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, zero: 
     n, k = w.shape
     dtype = torch.float64 if integer else x.dtype
     xs = x.to(dtype) if integer else x
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    step = min(n, columns) if columns > 0 else qlinear_columns(n, k, itemsize)
+    step = min(n, columns) if columns > 0 else qlinear_columns(n, k, dtype.itemsize)
     slab = torch.empty((step, k), dtype=dtype, device=x.device)
 
     def dequantized(a: int, b: int) -> torch.Tensor:

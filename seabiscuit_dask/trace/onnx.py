@@ -326,8 +326,10 @@ class OnnxModule(torch.nn.Module):
         reads only its own bytes there (``ParamSource`` kind ``raw``), and nothing is copied."""
         from dataclasses import replace
 
-        from ..ir import OpGraph, ParamSource, ParamSpec
+        from ..ir import ParamSource, ParamSpec
 
+        if not self.external:
+            return graph
         params = {}
         for name, p in graph.params.items():
             place = self.external.get(p.source.key) if p.source.kind == "model" else None
@@ -337,9 +339,7 @@ class OnnxModule(torch.nn.Module):
                                                                   offset=offset, stored=stored,
                                                                   transposed=transposed))
             params[name] = p
-        if not self.external:
-            return graph
-        return replace(graph, params=params) if isinstance(graph, OpGraph) else graph
+        return replace(graph, params=params)
 
     def extra_repr(self) -> str:
         # NOTE: in the template key (templates.architecture_key): the graph and the op functions

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ... import ops as O
-from ...ir import DTYPE_BYTES, QLINEAR, Op, TensorSpec, qlinear_columns
+from ...ir import DTYPE_BYTES, QLINEAR, Op, TensorSpec, qlinear_columns, qlinear_scratch
 from ..split import Piece, Pieces, Split, frac, largest_piece
 from .registry import register
 
@@ -57,10 +57,8 @@ class Matmul:
         the reduction and ``rows`` rows: its slab, A in float64 when integer, one step's product."""
         if not self.slab_item:
             return 0
-        cols = qlinear_columns(n, k, self.slab_item)
-        x = rows * k * 8 if self.integer else 0
-        step = rows * cols * self.slab_item if self.integer or cols < n else 0
-        return cols * k * self.slab_item + x + step
+        return qlinear_scratch(n, k, self.slab_item, qlinear_columns(n, k, self.slab_item), math.ceil(rows),
+                               self.integer)
 
     @property
     def A(self) -> Any:
