@@ -51,3 +51,11 @@ class DeviceUnavailable(ClusterTooSmall):
 
 class WorkerLost(SeaBiscuitError):
     """A worker was lost and its work could not be recovered."""
+
+
+class WorkerHung(WorkerLost):
+    """A worker stopped answering mid-request: it was fenced and the request runs again elsewhere."""
+
+
+class ModelClosed(SeaBiscuitError):
+    """A call reached a distributed model after (or while) it was closed."""

@@ -259,7 +259,7 @@ def test_gpu_workers_links_come_from_nvml_where_nothing_was_measured(nvml) -> No
 def fake_worker(recorded: list[Any]) -> types.SimpleNamespace:
     """Just what ``SeaBiscuitWorkerPlugin.setup`` and its heartbeat touch of a Dask worker."""
     return types.SimpleNamespace(
-        address="tcp://10.0.0.1:4001", metrics={}, handlers={},
+        address="tcp://10.0.0.1:4001", metrics={}, handlers={}, stream_handlers={},
         state=types.SimpleNamespace(nthreads=torch.get_num_threads(), total_resources={"MEM": 64 * 2**20}),
         memory_manager=types.SimpleNamespace(memory_limit=8 * GiB),
         loop=types.SimpleNamespace(add_callback=lambda fn, *a, **kw: recorded.append((fn, a, kw))),

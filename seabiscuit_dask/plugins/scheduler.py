@@ -6,8 +6,12 @@ instructions: pins ``sb-*`` tasks by worker restrictions in ``update_graph``
 publishes plan changes on the ``seabiscuit`` topic and has the workers sync.
 RPCs (``seabiscuit_*``) validate what they receive (``runtime.access``): a model
 id it issued, the deploying client's token, paths inside the roots, budgets the
-machine can have. ``start()`` installs ``SeaBiscuitWorkerPlugin`` on every
-worker, so a user registers one thing::
+machine can have; workers show the secret this plugin sent down their own
+stream. The owner of a model is the client whose stream claimed its deploy, and
+``sb-*`` tasks of a model from any other client are refused. A worker that stops
+answering mid-request is fenced (``stalled``) and restored once it answers.
+``start()`` installs ``SeaBiscuitWorkerPlugin`` on every worker, so a user
+registers one thing::
 
     client.register_plugin(SeaBiscuitSchedulerPlugin())
     # or: dask scheduler --preload seabiscuit_dask.plugins.preload
@@ -16,6 +20,9 @@ worker, so a user registers one thing::
 from __future__ import annotations
 
 import asyncio
+import functools
+import hmac
+import inspect
 import logging
 import time
 from collections import deque
@@ -23,6 +30,7 @@ from collections.abc import Iterable
 from dataclasses import replace
 from typing import Any
 
+from distributed.core import error_message
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.protocol.pickle import dumps
 
@@ -53,7 +61,9 @@ from ..runtime.state import (
     TasksSubmitted,
     parse_key,
 )
+from ..runtime.store import remove_store
 from ..runtime.tasks import PLUGIN_NAME, RUNS_TOPIC
+from ..runtime.watch import seconds
 from .worker import SeaBiscuitWorkerPlugin
 
 logger = logging.getLogger(__name__)
@@ -73,25 +83,61 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
         self.block_runs: dict[str, dict[Any, int]] = {}            # model -> live task key -> times computed
         self.run_totals: dict[str, dict[str, int]] = {}
         self.activity = Activity()                           # block runs and request latencies, for the page
+        self.fenced: dict[str, str] = {}                     # address -> why: hung, replanned around
+        self._secret = access.new_token()                    # NOTE: each worker gets its own HMAC of it
+        self._claims: dict[str, str] = {}                    # deploy claim -> client whose stream sent it
+        self._claimed: asyncio.Condition | None = None     # NOTE: made on the scheduler's loop
         self._background: set[Any] = set()
 
     async def start(self, scheduler: Any) -> None:
         self.scheduler = scheduler
-        scheduler.handlers.update({f"seabiscuit_{n}": getattr(self, n) for n in (
+        self._claimed = asyncio.Condition()
+        scheduler.handlers.update({f"seabiscuit_{n}": _refusing(getattr(self, n)) for n in (
             "deploy", "release", "block", "owned", "workers", "plan", "drain", "restore", "budget",
-            "pressure", "runs", "hello", "learned", "program", "end_sessions")})
+            "pressure", "runs", "hello", "learned", "program", "end_sessions", "stalled")})
+        # NOTE: a client's own batched stream: the scheduler fills in ``client=``, so it cannot be forged
+        scheduler.stream_handlers["seabiscuit_claim"] = self.claim
         for addr in scheduler.workers:
             self.add_worker(scheduler, addr)
         install_dashboard(scheduler, self)
         await scheduler.register_worker_plugin(None, dumps(SeaBiscuitWorkerPlugin()), PLUGIN_NAME,
                                                idempotent=True)
+        for addr in scheduler.workers:
+            self._send_secret(addr)
 
     # --- hooks ------------------------------------------------------------------------------
-    def update_graph(self, scheduler: Any, *, tasks: Iterable[Any] = (), **kwargs: Any) -> None:
+    def update_graph(self, scheduler: Any, *, tasks: Iterable[Any] = (), keys: Iterable[Any] = (),
+                     client: str = "", **kwargs: Any) -> None:
         parsed = [(k, p) for k in tasks if (p := parse_key(k)) is not None]
+        foreign = {k for k in [*tasks, *keys] if (p := parse_key(k)) is not None
+                   and p[0] in self.state.models and self.owners.get(p[0]) != client}
+        if foreign:
+            self._refuse(client, foreign)
+            parsed = [(k, p) for k, p in parsed if k not in foreign]
         if parsed:
             self._apply(self.state.handle(TasksSubmitted(tuple(k for k, _ in parsed))))
             self.activity.submitted([p for _, p in parsed])
+
+    def _refuse(self, client: str, keys: set[Any]) -> None:
+        """``client`` sent tasks of models it did not deploy: they never run, and it is told why."""
+        models = sorted({str(parse_key(k)[0]) for k in keys})       # type: ignore[index]
+        msg = (f"AccessDenied: client {client} sent {len(keys)} task(s) of model(s) {', '.join(models)}, "
+               "which another client deployed; only a model's owner may run it")
+        logger.warning("seabiscuit: %s", msg)
+        cs = self.scheduler.clients.get(client)
+        for k in keys:
+            ts = self.scheduler.tasks.get(k)
+            if ts is not None and ts.state == "released" and not (ts.who_wants or set()) - {cs}:
+                ts.worker_restrictions = {"seabiscuit-refused"}      # NOTE: no worker has this address
+                ts.loose_restrictions = False
+
+        def cancel() -> None:
+            self.scheduler.client_releases_keys(keys=list(keys), client=client,
+                                                stimulus_id=f"seabiscuit-refused-{time.time()}")
+            self.scheduler.report({"op": "cancelled-keys", "keys": list(keys), "reason": "seabiscuit-access",
+                                   "msg": msg}, client=client)
+
+        self.scheduler.loop.add_callback(cancel)
 
     def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
         if finish == "forgotten" and key in self.state.pinned:
@@ -134,13 +180,18 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
     def remove_worker(self, scheduler: Any = None, worker: str = "", **kwargs: Any) -> None:
         if str(getattr(self.scheduler, "status", "")).endswith(("closing", "closed")):
             return      # NOTE: the cluster is shutting down: nothing to repair
+        self.fenced.pop(worker, None)
         self._apply(self.state.handle(DeviceLost(worker)))
 
     def remove_client(self, scheduler: Any = None, client: str = "", **kwargs: Any) -> None:
         """A client that leaves without ``close()`` takes its models with it."""
         for model in [m for m, c in self.owners.items() if c == client]:
             logger.info("seabiscuit: client %s left: releasing model %s", client, model)
+            graph = self.state.models[model].plan.graph if model in self.state.models else None
             self._background_task(self._release(model))
+            if graph is not None:      # NOTE: the client cannot remove its weight store now
+                for folder in remove_store(graph):
+                    logger.info("seabiscuit: removed the weight store %s of model %s", folder, model)
 
     # --- carrying out instructions -----------------------------------------------------------
     def _apply(self, instructions: list[Instruction], wait: bool = False) -> list[str]:
@@ -187,16 +238,24 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
                        "moved_bytes": ins.moved_bytes, "replan_s": ins.replan_s,
                        "plan": plan.to_json(stats=False)})
 
-    async def _sync_workers(self, model: str) -> None:
-        """Have every worker hold what it now owns of ``model`` (and drop what it does not)."""
+    async def _sync_workers(self, model: str, owners: bool | None = None) -> None:
+        """Have workers hold what they now own of ``model`` (and drop what they do not): those of
+        its plan (``owners=True``), the others (``False``) or all; never a fenced one, and none
+        for longer than ``seabiscuit.runtime.sync-timeout``."""
+        dep = self.state.models.get(model)
+        mine = dep.addresses() if dep is not None else set()
+        timeout = seconds("runtime.sync-timeout")
+
         async def one(addr: str) -> None:
             try:
-                await self.scheduler.rpc(addr).seabiscuit_sync(model=model)
+                await asyncio.wait_for(self.scheduler.rpc(addr).seabiscuit_sync(model=model), timeout)
             except Exception as e:  # noqa: BLE001 - a block not loaded now is loaded on first use
                 if addr in self.scheduler.workers and self.scheduler.status.name == "running":
-                    logger.warning("seabiscuit: worker %s could not sync model %s: %s", addr, model, e)
+                    logger.warning("seabiscuit: worker %s could not sync model %s: %s", addr, model,
+                                   type(e).__name__ if isinstance(e, asyncio.TimeoutError) else e)
 
-        await asyncio.gather(*(one(a) for a in list(self.scheduler.workers)))
+        await asyncio.gather(*(one(a) for a in list(self.scheduler.workers) if a not in self.fenced
+                               and (owners is None or (a in mine) == owners)))
 
     def _background_task(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
@@ -242,28 +301,86 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
         t0 = time.perf_counter()
         ins = self.state.handle(event)
         handled_s = time.perf_counter() - t0
-        await asyncio.gather(*(self._sync_workers(m) for m in self._apply(ins, wait=True)))
+        changed = self._apply(ins, wait=True)
+        # NOTE: the caller waits for the workers that must load; a drained (maybe hung) one drops later
+        await asyncio.gather(*(self._sync_workers(m, owners=True) for m in changed))
+        for m in changed:
+            self._background_task(self._sync_workers(m, owners=False))
         changed = [i for i in ins if isinstance(i, PlanChanged)]
         return {"handled_s": handled_s, "replan_s": [i.replan_s for i in changed],
                 "versions": {i.model: i.version for i in changed}}
 
+    # --- who is asking ------------------------------------------------------------------------
+    def claim(self, client: str = "", nonce: str = "", **kwargs: Any) -> None:
+        """Stream handler: ``client`` (filled in by the scheduler from its own stream) will deploy
+        with ``nonce``; that deploy's model is then owned by ``client``."""
+        if client and isinstance(nonce, str) and 16 <= len(nonce) <= 128 and len(self._claims) < 10_000:
+            self._claims[nonce] = client
+            self._background_task(self._notify_claims())
+
+    async def _notify_claims(self) -> None:
+        assert self._claimed is not None
+        async with self._claimed:
+            self._claimed.notify_all()
+
+    async def _claimant(self, nonce: Any) -> str:
+        """The client whose stream sent ``nonce`` (it may arrive just after the deploy RPC)."""
+        if not isinstance(nonce, str) or not nonce:
+            raise AccessDenied("deploy needs the claim its client sent on its own stream "
+                               "(use sb.deploy or sb.distribute)")
+        assert self._claimed is not None
+        async with self._claimed:
+            try:
+                await asyncio.wait_for(self._claimed.wait_for(lambda: nonce in self._claims),
+                                       seconds("runtime.sync-timeout"))
+            except asyncio.TimeoutError:
+                raise AccessDenied("deploy's claim never came on a client's stream: only a connected "
+                                   "client may deploy (use sb.deploy or sb.distribute)") from None
+        client = self._claims.pop(nonce)
+        if client not in self.scheduler.clients:
+            raise AccessDenied(f"client {client} left before its deploy arrived")
+        return client
+
+    def _worker_secret(self, address: str) -> str:
+        return hmac.new(self._secret.encode(), str(address).encode(), "sha256").hexdigest()
+
+    def _send_secret(self, address: str) -> None:
+        """Tell a worker its secret down its own stream (no other peer can write there)."""
+        stream = self.scheduler.stream_comms.get(address)
+        if stream is not None:
+            stream.send({"op": "seabiscuit_secret", "secret": self._worker_secret(address)})
+
+    def _check_worker(self, address: Any, secret: Any) -> str:
+        """``address`` if it is a worker of this cluster and ``secret`` is the one it was sent."""
+        if address not in self.scheduler.workers:
+            raise AccessDenied(f"call for {address!r}, which is no worker of this cluster")
+        if not access.same_token(self._worker_secret(str(address)), secret):
+            raise AccessDenied(f"call for worker {address} without that worker's secret: only the "
+                               "worker itself may make it")
+        return str(address)
+
     # --- RPC handlers for clients (first argument: the comm) -----------------------------------
-    def deploy(self, comm: Any = None, graph: str = "", plan: str = "", checkpoint_dir: str = "",
-               verify_every: int = 0, client: str = "") -> dict[str, Any]:
-        """Take a graph and its plan (``Plan.to_json``); returns the model's id, token and version."""
+    async def deploy(self, comm: Any = None, graph: str = "", plan: str = "", checkpoint_dir: str = "",
+                     verify_every: int = 0, claim: str = "") -> dict[str, Any]:
+        """Take a graph and its plan (``Plan.to_json``); returns the model's id, token and version.
+
+        The owner is the client whose stream sent ``claim`` (``runtime.client.deploy`` does).
+        """
         g = OpGraph.from_json(graph)
         require_registered(g, "deploy")          # NOTE: UnsupportedOp before any worker sees it
         access.check_graph_paths(g)
         if checkpoint_dir:
             access.check_path(checkpoint_dir, "checkpoint folder")
         p = Plan.from_json(plan, g)
+        owner = await self._claimant(claim)
         for d in p.spec.devices:     # NOTE: workers that joined before the plugin reported
-            if d.address in self.scheduler.workers and d.address not in self.state.devices:
+            if d.address in self.scheduler.workers and d.address not in self.state.devices \
+                    and d.address not in self.fenced:
                 self._apply(self.state.handle(DeviceAdded(d)))
         model, token = access.new_model_id(), access.new_token()
         self._apply(self.state.handle(ModelDeployed(model, p, token, checkpoint_dir or "",
                                                     max(0, int(verify_every or 0)))))
-        self.owners[model] = str(client)
+        self.owners[model] = owner
         return {"model": model, "token": token, "version": 0}
 
     def program(self, comm: Any = None, model: str = "", token: str = "", graph: str = "") -> dict[str, Any]:
@@ -283,15 +400,18 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
         """Every worker frees the KV caches of ``sessions`` of ``model``; returns the bytes freed."""
         self.state.authorized(access.check_model_id(model), token)
         ids = [int(s) for s in sessions or ()]
+        timeout = seconds("runtime.sync-timeout")
 
         async def one(addr: str) -> int:
             try:
-                return int(await self.scheduler.rpc(addr).seabiscuit_drop_sessions(model=model, sessions=ids))
+                return int(await asyncio.wait_for(self.scheduler.rpc(addr).seabiscuit_drop_sessions(
+                    model=model, sessions=ids, secret=self._worker_secret(addr)), timeout))
             except Exception as e:  # noqa: BLE001 - a worker gone took its caches with it
                 logger.info("seabiscuit: worker %s did not free sessions of %s: %s", addr, model, e)
                 return 0
 
-        return sum(await asyncio.gather(*(one(a) for a in list(self.scheduler.workers))))
+        return sum(await asyncio.gather(*(one(a) for a in list(self.scheduler.workers)
+                                          if a not in self.fenced)))
 
     async def release(self, comm: Any = None, model: str = "", token: str = "") -> bool:
         self.state.authorized(access.check_model_id(model), token)
@@ -307,14 +427,20 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
 
     async def drain(self, comm: Any = None, model: str = "", token: str = "", address: str = "",
               reason: str = "drained") -> dict[str, Any]:
-        """Move ``model`` off ``address`` while the worker finishes what it already runs."""
+        """Move ``model`` off ``address`` while the worker finishes what it already runs (at once for
+        a fenced worker: nothing runs there any more)."""
         self.state.authorized(access.check_model_id(model), token)
+        if address in self.fenced:
+            return {"handled_s": 0.0, "replan_s": [], "versions": {}, "fenced": self.fenced[address]}
         return await self._event(ForModel(model, DeviceDrained(address, str(reason)[:200])))
 
     async def restore(self, comm: Any = None, model: str = "", token: str = "",
                       address: str = "") -> dict[str, Any]:
         """``model`` may use a drained worker again: it spreads onto it as onto a worker that joins."""
         self.state.authorized(access.check_model_id(model), token)
+        if address in self.fenced:
+            raise SeaBiscuitError(f"worker {address} is fenced ({self.fenced[address]}): it takes work "
+                                  "again by itself once it answers")
         device = self._device_of(address)
         if device is None:
             raise SeaBiscuitError(f"no worker {address} with a SeaBiscuit agent in the cluster")
@@ -331,26 +457,31 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
         nbytes = access.check_budget(memory_bytes, machine, f"worker {address}")
         return await self._event(ForModel(model, CapacityChanged(address, memory_bytes=nbytes)))
 
-    def runs(self, comm: Any = None, model: str = "") -> dict[str, int]:
+    def runs(self, comm: Any = None, model: str = "", token: str = "") -> dict[str, int]:
         """Blocks of ``model`` computed, read back from checkpoints, and computed more than once."""
+        self.state.authorized(access.check_model_id(model), token)
         return dict(self.run_totals.get(model, {"computed": 0, "resumed": 0, "re_executed": 0}))
 
-    def learned(self, comm: Any = None, model: str = "", last: int = 100) -> dict[str, Any]:
+    def learned(self, comm: Any = None, model: str = "", token: str = "", last: int = 100) -> dict[str, Any]:
         """Per worker of ``model``: measured over modelled time per op class, learned from its runs."""
-        return self.state.learned(access.check_model_id(model), min(max(1, int(last)), 10_000))
+        self.state.authorized(access.check_model_id(model), token)
+        return self.state.learned(model, min(max(1, int(last)), 10_000))
 
-    def plan(self, comm: Any = None, model: str = "") -> dict[str, Any]:
-        dep = self.state.deployment(access.check_model_id(model))
-        return {"version": dep.version, "plan": dep.plan.to_json(stats=False)}
+    def plan(self, comm: Any = None, model: str = "", token: str = "") -> dict[str, Any]:
+        """The current plan of ``model`` and its version, or why it is stranded."""
+        dep = self.state.authorized(access.check_model_id(model), token)
+        return {"version": dep.version, "plan": dep.plan.to_json(stats=False), "stranded": dep.stranded}
 
     async def workers(self, comm: Any = None, everyone: bool = False) -> list[dict[str, Any]]:
         """Workers (drained ones only if ``everyone``) with fresh agent reports and the bytes models hold."""
         drained = self.state.drained
-        wss = [ws for ws in self.scheduler.workers.values() if everyone or ws.address not in drained]
+        wss = [ws for ws in self.scheduler.workers.values()
+               if ws.address not in self.fenced and (everyone or ws.address not in drained)]
+        timeout = seconds("runtime.probe-timeout")
 
         async def fresh(ws: Any) -> Any:
             try:
-                return await asyncio.wait_for(self.scheduler.rpc(ws.address).seabiscuit_report(), 10)
+                return await asyncio.wait_for(self.scheduler.rpc(ws.address).seabiscuit_report(), timeout)
             except Exception:  # noqa: BLE001 - the last heartbeat's figures will do
                 return ws.metrics.get(PLUGIN_NAME)
 
@@ -358,35 +489,131 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
         return [{**_worker_info(ws, r), "held_bytes": self.state.held_bytes(ws.address)}
                 for ws, r in zip(wss, reports)]
 
-    # --- RPC handlers for workers ----------------------------------------------------------------
-    def block(self, comm: Any = None, model: str = "", version: int = 0, block: int = 0) -> dict[str, Any]:
-        return self.state.block_spec(access.check_model_id(model), int(version), int(block))
+    # --- hung workers ---------------------------------------------------------------------------
+    async def stalled(self, comm: Any = None, model: str = "", token: str = "",
+                      request: int = 0) -> dict[str, Any]:
+        """A request of ``model`` made no progress in its bound: probe the workers it runs on or
+        waits for; fence those that do not answer. Returns the fenced ones and the plan version."""
+        dep = self.state.authorized(access.check_model_id(model), token)
+        suspects = self._suspects(model, int(request)) | dep.addresses()
+        answers = await asyncio.gather(*(self._answers(a) for a in sorted(suspects)))
+        for addr, ok in zip(sorted(suspects), answers):
+            if not ok and addr not in self.fenced:
+                self._fence(addr, f"no answer to a probe within {seconds('runtime.probe-timeout'):.1f} s "
+                                  f"while request {request} of model {model} waited on it")
+        fenced = sorted(a for a in suspects if a in self.fenced)
+        dep = self.state.models.get(model, dep)
+        return {"fenced": fenced, "version": dep.version, "stranded": dep.stranded}
 
-    def owned(self, comm: Any = None, model: str = "", address: str = "") -> dict[str, Any]:
-        return self.state.owned(access.check_model_id(model), str(address))
+    def _suspects(self, model: str, request: int) -> set[str]:
+        """Workers running a task of the request, or holding an input one of them waits for."""
+        out: set[str] = set()
+        for key, addr in list(self.state.pinned.items()):
+            parts = parse_key(key)
+            if parts is None or parts[0] != model or parts[2] != request:
+                continue
+            out.add(addr)
+            ts = self.scheduler.tasks.get(key)
+            if ts is None:
+                continue
+            if ts.processing_on is not None:
+                out.add(ts.processing_on.address)
+            for dts in ts.dependencies:
+                out.update(ws.address for ws in dts.who_has or ())
+        return {a for a in out if a in self.scheduler.workers}
+
+    async def _answers(self, address: str) -> bool:
+        try:
+            await asyncio.wait_for(self.scheduler.rpc(address).identity(), seconds("runtime.probe-timeout"))
+            return True
+        except Exception:  # noqa: BLE001 - no answer in time, or none at all
+            return address not in self.scheduler.workers     # NOTE: one that left is no hung one
+
+    def _fence(self, address: str, why: str) -> None:
+        """Replan every model around a worker that stopped answering, as if it had left."""
+        logger.warning("seabiscuit: worker %s is fenced: %s", address, why)
+        self.fenced[address] = why
+        self._publish({"action": "fenced", "address": address, "reason": why})
+        self._apply(self.state.handle(DeviceLost(address)))
+        self._background_task(self._watch(address))
+
+    async def _watch(self, address: str) -> None:
+        """Probe a fenced worker until it answers (then it takes work again) or leaves."""
+        while address in self.fenced and address in self.scheduler.workers:
+            if await self._answers(address):
+                del self.fenced[address]
+                logger.info("seabiscuit: fenced worker %s answers again: it takes work again", address)
+                self._publish({"action": "unfenced", "address": address})
+                device = self._device_of(address)
+                if device is not None:
+                    self._apply(self.state.handle(DeviceAdded(device)))
+                return
+            await asyncio.sleep(seconds("runtime.probe-timeout"))
+        self.fenced.pop(address, None)
+
+    # --- RPC handlers for workers ----------------------------------------------------------------
+    def block(self, comm: Any = None, model: str = "", version: int = 0, block: int = 0, address: str = "",
+              secret: str = "") -> dict[str, Any]:
+        access.check_model_id(model)
+        self._check_worker(address, secret)
+        return self.state.block_spec(model, int(version), int(block))
+
+    def owned(self, comm: Any = None, model: str = "", address: str = "", secret: str = "") -> dict[str, Any]:
+        access.check_model_id(model)
+        return self.state.owned(model, self._check_worker(address, secret))
 
     def hello(self, comm: Any = None, address: str = "", report: dict[str, Any] | None = None) -> bool:
-        """A worker's agent reports for the first time: a worker not yet placed on becomes usable."""
-        if address not in self.scheduler.workers or address in self.state.devices:
+        """A worker's agent reports for the first time: a worker not yet placed on becomes usable.
+
+        Whoever asks, the worker at ``address`` is sent its secret down its own stream."""
+        if address not in self.scheduler.workers:
+            return False
+        self._send_secret(address)
+        if address in self.state.devices or address in self.fenced:
             return False
         device = self._device_of(address, dict(report) if isinstance(report, dict) else None)
         if device is not None:
             self._apply(self.state.handle(DeviceAdded(device)))
         return device is not None
 
-    async def pressure(self, comm: Any = None, address: str = "", reason: str = "") -> dict[str, Any]:
+    async def pressure(self, comm: Any = None, address: str = "", reason: str = "",
+                       secret: str = "") -> dict[str, Any]:
         """A worker's agent reports memory pressure or an overheating GPU: drain it if the rest can."""
-        if address not in self.scheduler.workers:
-            raise AccessDenied(f"pressure report for {address!r}, which is no worker of this cluster")
+        self._check_worker(address, secret)
         reason = str(reason)[:200]
         logger.warning("seabiscuit: %s reports %s: moving its work away", address, reason)
         self._publish({"action": "pressure", "address": address, "reason": reason})
         try:
             return await self._event(DeviceDrained(address, reason))
         except SeaBiscuitError as e:
-            logger.error("seabiscuit: cannot move work off %s: %s", address, e)
+            logger.warning("seabiscuit: cannot move work off %s: %s", address, e)
             self._publish({"action": "pressure-unresolved", "address": address, "reason": str(e)})
             return {"handled_s": 0.0, "replan_s": [], "versions": {}, "error": str(e)}
+
+
+def _refusing(handler: Any) -> Any:
+    """``handler`` as an RPC whose expected refusals (``SeaBiscuitError``) log one line, not a
+    traceback; the caller still gets the exception."""
+    def refused(e: SeaBiscuitError) -> Any:
+        logger.info("seabiscuit: refused %s: %s: %s", handler.__name__, type(e).__name__, e)
+        return error_message(e, status="uncaught-error")
+
+    if inspect.iscoroutinefunction(handler):
+        @functools.wraps(handler)
+        async def run_async(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return await handler(*args, **kwargs)
+            except SeaBiscuitError as e:
+                return refused(e)
+        return run_async
+
+    @functools.wraps(handler)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return handler(*args, **kwargs)
+        except SeaBiscuitError as e:
+            return refused(e)
+    return run
 
 
 def _worker_info(ws: Any, report: dict[str, Any] | None) -> dict[str, Any]:

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from typing import Any
 
 import psutil
 from distributed import WorkerPlugin
 
 from .. import config
+from ..errors import AccessDenied
 from ..runtime import access, agent
 from ..runtime.resident import ResidentBlocks
 from ..runtime.tasks import PLUGIN_NAME
@@ -52,7 +54,10 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
         self.simulated: dict[str, float] = {}       # readings injected by tests and drills
         self.forecast = agent.AvailabilityForecast()
         self.pressure_sent: str | None = None
+        self.secret = ""                             # what the scheduler plugin sent: shown in calls
+        self.has_secret = threading.Event()
         worker.metrics[PLUGIN_NAME] = self.metrics
+        worker.stream_handlers["seabiscuit_secret"] = self._set_secret
         worker.handlers["seabiscuit_sync"] = self.sync
         worker.handlers["seabiscuit_report"] = self.report_now
         worker.handlers["seabiscuit_drop_sessions"] = self.drop_sessions
@@ -87,6 +92,7 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
         worker.handlers.pop("seabiscuit_sync", None)
         worker.handlers.pop("seabiscuit_report", None)
         worker.handlers.pop("seabiscuit_drop_sessions", None)
+        worker.stream_handlers.pop("seabiscuit_secret", None)
         self.resident.clear()
 
     @property
@@ -129,16 +135,26 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
         elif self.pressure_sent is None and self.resident.versions:
             self.pressure_sent = reason
             w = self.worker
-            w.loop.add_callback(w.scheduler.seabiscuit_pressure, address=w.address, reason=reason)
+            w.loop.add_callback(w.scheduler.seabiscuit_pressure, address=w.address, reason=reason,
+                                secret=self.secret)
 
     # --- RPC ------------------------------------------------------------------------------
-    def drop_sessions(self, comm: Any = None, model: str = "", sessions: list[int] | None = None) -> int:
+    def _set_secret(self, secret: str = "", **kwargs: Any) -> None:
+        """Stream handler: the scheduler plugin's secret for this worker (only it writes there)."""
+        self.secret = str(secret)
+        self.has_secret.set()
+
+    def drop_sessions(self, comm: Any = None, model: str = "", sessions: list[int] | None = None,
+                      secret: str = "") -> int:
         """Free the KV caches of ``sessions`` of ``model`` here; returns the bytes freed."""
+        if not access.same_token(self.secret, secret):
+            raise AccessDenied(f"dropping sessions of model {model!r} on {self.worker.address} needs the "
+                               "scheduler plugin's secret: end sessions through the model's client")
         return self.resident.kv.drop(access.check_model_id(model), {int(s) for s in sessions or ()})
 
     async def sync(self, comm: Any = None, model: str = "") -> int:
         """Hold what the scheduler says this worker owns of ``model``; loads run off the event loop."""
         access.check_model_id(model)
         w = self.worker
-        owned = await w.scheduler.seabiscuit_owned(model=model, address=w.address)
+        owned = await w.scheduler.seabiscuit_owned(model=model, address=w.address, secret=self.secret)
         return await asyncio.to_thread(self.resident.sync, owned, model)

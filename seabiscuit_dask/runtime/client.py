@@ -17,13 +17,14 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import secrets
 import shutil
 import statistics
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,17 +32,18 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .. import config
-from ..errors import BadInput, SeaBiscuitError, WorkerLost
+from ..errors import BadInput, ModelClosed, SeaBiscuitError, WorkerHung, WorkerLost
 from ..ir import fmt_bytes
 from ..lower.blocks import BlockSpec, block_specs, request_graph, task_name
 from ..placement import Plan, place
 from ..placement.follow import follow
 from . import events
 from .discover import measure_cluster, workers_info
-from .local import assemble_outputs, bind_call, flatten_inputs, split_inputs, unflatten_outputs
+from .local import assemble_outputs, bind_call, check_ids, flatten_inputs, split_inputs, unflatten_outputs
 from .resident import writable
 from .store import stored
 from .tasks import PICK, load_block_json, run_block_task
+from .watch import Deadline, seconds
 
 Progress = Callable[[str], None]
 
@@ -63,6 +65,7 @@ class DistributedModel:
         self.verify_every = verify_every
         self._inflight: dict[int, list[Any]] = {}
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)     # NOTE: notified on a new plan or a stranding
         self._requests = itertools.count()
         self._stranded: str | None = None
         self._closed = False
@@ -78,6 +81,8 @@ class DistributedModel:
         self._program_lock = threading.Lock()
         self._engine: Any = None
         self._limits: tuple[int | None, int | None] = (None, None)    # (sessions, context) reserved
+        self._deadline = Deadline()                  # usual times per program: the hang bound
+        self.version = -1
         self._set_plan(plan, version)
         events.listen(client, model_id, self._on_event)
 
@@ -87,9 +92,12 @@ class DistributedModel:
         leaves = set(self.graph.leaf_outputs)
         out = {t: s.index for s in specs for t in s.exports if t in leaves}
         with self._lock:
+            if version < self.version:
+                return      # NOTE: the event and a catch-up may bring the same plan twice
             self._plan, self.version, self.specs, self._out_blocks = plan, version, specs, out
             for prog in [*self._programs.values(), *self._shape_programs.values()]:
                 prog.follow(plan, self.model_id, version, verify_every=self.verify_every)
+            self._changed.notify_all()
 
     @property
     def plan(self) -> Plan:
@@ -99,7 +107,9 @@ class DistributedModel:
     def _on_event(self, msg: Mapping[str, Any]) -> None:
         self.events.append({k: v for k, v in msg.items() if k != "plan"})
         if msg.get("action") == "stranded":
-            self._stranded = str(msg.get("message"))
+            with self._changed:
+                self._stranded = str(msg.get("message"))
+                self._changed.notify_all()
             doomed = [f for futures in list(self._inflight.values()) for f in futures]
             if doomed:    # NOTE: this runs on the client's event loop: cancel from another thread
                 threading.Thread(target=self.client.cancel, args=(doomed,), daemon=True).start()
@@ -109,27 +119,74 @@ class DistributedModel:
 
     # --- requests -----------------------------------------------------------------------------
     def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
-        """Run one request; returns what the model returns (same structure and values)."""
-        if self._closed:
-            raise SeaBiscuitError(f"distributed model {self.model_id} is closed")
-        if self._stranded:
-            raise WorkerLost(self._stranded)
-        t0 = time.perf_counter()
+        """Run one request; returns what the model returns (same structure and values).
+
+        A request stuck on a worker that stopped answering runs again on the plan that
+        fences it (``seabiscuit.runtime.hang-*``), with the same result.
+        """
+        self._check_open()
+        self._check_inputs(inputs, kwargs)
         prog = self._program_for(inputs, kwargs)
         graph = prog.graph if prog is not None else self.graph
         flat = flatten_inputs(graph, inputs, kwargs)
         feed = split_inputs(graph, {name: x.cpu() for name, x in zip(graph.inputs, flat)})
+        for attempt in range(3):
+            try:
+                return self._request(prog, graph, feed)
+            except WorkerHung:
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")   # pragma: no cover
+
+    def _check_inputs(self, inputs: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
+        """Refuse, before any tracing, a call too large (``seabiscuit.runtime.max-input-elements``),
+        longer than the model's positions, or with token ids outside its vocabulary."""
+        args, ordered = bind_call(self.graph, inputs, dict(kwargs))
+        leaves = [x for x in pytree.tree_leaves((args, ordered)) if isinstance(x, torch.Tensor)]
+        n, limit = sum(x.numel() for x in leaves), int(config.get("runtime.max-input-elements"))
+        if n > limit:
+            raise BadInput(f"model {self.model_id}: the call's inputs hold {n} elements, more than "
+                           f"seabiscuit.runtime.max-input-elements={limit}; send smaller inputs (or "
+                           "raise the limit)")
+        ranges = self.graph.meta.get("index_ranges") or {}
+        for name, x in zip(self.graph.inputs, leaves):
+            if name in ranges:
+                self._check_tokens(name, x, int(ranges[name]))
+
+    def _check_tokens(self, name: str, x: torch.Tensor, vocab: int | None) -> None:
+        positions = max_positions(getattr(self._source_module(), "config", None)) \
+            if self._source is not None else None
+        if positions and x.dim() >= 1 and x.shape[-1] > positions:
+            raise BadInput(f"input {name!r} of model {self.model_id} holds {x.shape[-1]} tokens a row, "
+                           f"more than the model's {positions} positions; shorten it")
+        if vocab:
+            check_ids(name, x, vocab)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ModelClosed(f"distributed model {self.model_id} is closed")
+        if self._stranded:
+            raise WorkerLost(self._stranded)
+
+    def _next_request(self) -> int:
+        """A new request number: in order (the scheduler runs requests in it), with 32 random
+        low bits, so no other client can name a request of this model before it is sent."""
+        return (next(self._requests) << 32) | secrets.randbits(32)
+
+    def _request(self, prog: StepProgram | None, graph: Any, feed: dict[str, Any]) -> Any:
+        self._check_open()
+        t0 = time.perf_counter()
         with self._lock:
             specs, out_blocks = ((prog.specs, prog.out_at) if prog is not None
                                  else (self.specs, self._out_blocks))
-        request = next(self._requests)
+        request = self._next_request()
         dsk, keys = request_graph(specs, request, feed, run_block_task)
         wanted = sorted(set(out_blocks.values()))
         futures = self.client.get(dsk, [keys[b] for b in wanted], sync=False)
         t1 = time.perf_counter()
         self._inflight[request] = futures
         try:
-            results = dict(zip(wanted, self._gather(request, futures)))
+            results = dict(zip(wanted, self._gather(request, futures, prog.number if prog else 0)))
             t2 = time.perf_counter()
         finally:
             if self.checkpoint_dir:
@@ -166,7 +223,7 @@ class DistributedModel:
         from .generate import generate_tokens
 
         engine, args = self._generation_args(input_ids, max_new_tokens, do_sample, temperature, top_k, top_p,
-                                             eos_token_id, pad_token_id, generator)
+                                             eos_token_id, pad_token_id, generator, attention_mask)
         return generate_tokens(engine, input_ids, args, attention_mask, streamer)
 
     def stream(self, input_ids: Any, max_new_tokens: int | None = None, *, attention_mask: Any = None,
@@ -183,7 +240,7 @@ class DistributedModel:
         from .generate import stream_tokens
 
         engine, args = self._generation_args(input_ids, max_new_tokens, do_sample, temperature, top_k, top_p,
-                                             eos_token_id, pad_token_id, generator)
+                                             eos_token_id, pad_token_id, generator, attention_mask)
         return stream_tokens(engine, input_ids, args, attention_mask, streamer)
 
     def session(self) -> ChatSession:
@@ -208,10 +265,18 @@ class DistributedModel:
         return stats
 
     def _generation_args(self, input_ids: Any, max_new_tokens: Any, do_sample: Any, temperature: Any,
-                         top_k: Any, top_p: Any, eos: Any, pad: Any, generator: Any) -> tuple[Any, Any]:
+                         top_k: Any, top_p: Any, eos: Any, pad: Any, generator: Any,
+                         attention_mask: Any = None) -> tuple[Any, Any]:
         from .generate import GenerateArgs
 
         engine = self._generation_engine()
+        if isinstance(input_ids, torch.Tensor):      # NOTE: the engine checks the type and the context
+            cfg = getattr(self._source_module(), "config", None)
+            vocab = (self.graph.meta.get("index_ranges") or {}).get("input_ids") or \
+                getattr(getattr(cfg, "get_text_config", lambda: cfg)(), "vocab_size", None)
+            kept = input_ids if not isinstance(attention_mask, torch.Tensor) or \
+                attention_mask.shape != input_ids.shape else input_ids[attention_mask.bool()]
+            check_ids("input_ids", kept, int(vocab) if vocab else 2**62)
         length = int(input_ids.shape[-1]) if hasattr(input_ids, "shape") else 0
         args = GenerateArgs.make(getattr(self._source_module(), "generation_config", None), length,
                                  max_new_tokens, do_sample, temperature, top_k, top_p, eos, pad, generator)
@@ -221,8 +286,7 @@ class DistributedModel:
         """The engine of this deployment's generate calls, made on first use."""
         from .generate import Engine
 
-        if self._closed:
-            raise SeaBiscuitError(f"distributed model {self.model_id} is closed")
+        self._check_open()
         if self._source is None:
             raise BadInput(f"model {self.model_id} was deployed from a plan alone: generation traces its "
                            "step programs from the model, so deploy with weights=model or use sb.distribute")
@@ -310,14 +374,12 @@ class DistributedModel:
         """Submit one step without waiting; ``after``: a step of the same program whose greedy
         tokens are this step's ``input_ids`` (picked on the worker, so the step is queued before
         the one it follows has finished: Dask's cost per step overlaps the computing)."""
-        if self._closed:
-            raise SeaBiscuitError(f"distributed model {self.model_id} is closed")
-        if self._stranded:
-            raise WorkerLost(self._stranded)
+        self._check_open()
         prog = self._step_program(batch, length)
         with self._lock:
-            specs, out_at = prog.specs, prog.out_at
-        request = next(self._requests)
+            layout = prog.layout
+        specs, out_at = layout.specs, layout.out_at
+        request = self._next_request()
         inputs = split_inputs(prog.graph, feed)
         keys = [(task_name(s.model), s.version, request, s.index) for s in specs]
         by_index = {s.index: k for s, k in zip(specs, keys)}
@@ -335,12 +397,13 @@ class DistributedModel:
         wanted = sorted(set(out_at.values()))
         futures = self.client.get(dsk, [keys[i] for i in wanted], sync=False)
         self._inflight[request] = futures
-        return StepHandle(prog, request, wanted, futures)
+        return StepHandle(prog, layout, request, wanted, futures)
 
     def step_result(self, handle: StepHandle) -> Any:
         """The logits (batch, vocab) of a submitted step's last position."""
-        prog, out_at = handle.program, handle.program.out_at
-        results = dict(zip(handle.wanted, self._gather(handle.request, handle.futures)))
+        prog, out_at = handle.program, handle.layout.out_at
+        results = dict(zip(handle.wanted, self._gather(handle.request, handle.futures,
+                                                       handle.program.number)))
         values = {t: results[out_at[t]][t] for t in prog.graph.leaf_outputs}
         logits = assemble_outputs(prog.graph, values)[0]
         return logits[:, -1]
@@ -349,16 +412,49 @@ class DistributedModel:
         """Let go of a submitted step (one read ahead that is not needed runs out unseen)."""
         self._release(handle.request, handle.futures)
 
-    def _gather(self, request: int, futures: list[Any]) -> list[Any]:
+    def _gather(self, request: int, futures: list[Any], program: int = 0) -> list[Any]:
         """The results of a request's futures, which are then let go; a failure as a SeaBiscuitError."""
         try:
+            self._await(request, futures, program)
             return list(self.client.gather(futures))
         except SeaBiscuitError:
             raise
         except Exception as e:
-            raise _request_error(request, self.model_id, self._stranded, e) from e
+            raise self._request_error(request, e) from e
         finally:
             self._release(request, futures)
+
+    def _await(self, request: int, futures: list[Any], program: int) -> None:
+        """Wait for ``futures``; past the program's bound (``watch.Deadline``) have the scheduler
+        probe the request's workers: one that does not answer is fenced, and this raises
+        ``WorkerHung`` once the plan that goes around it is here."""
+        from distributed import wait
+
+        t0 = time.perf_counter()
+        bound = self._deadline.bound_s(program)
+        while True:
+            try:
+                wait(futures, timeout=bound)
+                break
+            except TimeoutError:
+                self._check_open()
+                reply = self.client.sync(self.client.scheduler.seabiscuit_stalled, model=self.model_id,
+                                         token=self._token, request=request)
+                if reply.get("fenced"):
+                    self._catch_up(reply.get("version"))
+                    raise WorkerHung(
+                        f"request {request} of model {self.model_id} made no progress for "
+                        f"{time.perf_counter() - t0:.1f} s (bound {bound:.1f} s): worker(s) "
+                        f"{', '.join(reply['fenced'])} did not answer a probe, were fenced and the work "
+                        "runs again on the others") from None
+                bound *= 2       # NOTE: every worker answered: slow, not hung; look again later
+        self._deadline.observe(program, time.perf_counter() - t0)
+
+    def _request_error(self, request: int, e: BaseException) -> SeaBiscuitError:
+        if self._closed:
+            return ModelClosed(f"request {request} of model {self.model_id} did not finish: the model was "
+                               f"closed ({type(e).__name__})")
+        return _request_error(request, self.model_id, self._stranded, e)
 
     def _release(self, request: int, futures: list[Any]) -> None:
         self._inflight.pop(request, None)
@@ -372,13 +468,34 @@ class DistributedModel:
                              token=self._token, sessions=[int(s) for s in sessions])
 
     def recover(self, error: BaseException) -> None:
-        """After a worker loss in a step: wait (up to 30 s) for the repaired plan, unless stranded."""
-        seen = self.version
-        deadline = time.perf_counter() + 30.0
-        while self.version == seen and not self._stranded and time.perf_counter() < deadline:
-            time.sleep(0.02)
+        """After a worker loss in a step: take the plan the scheduler holds now (the event that
+        brings it may still be on its way, or have come already), unless the model is stranded."""
+        self._check_open()
+        self._catch_up()
         if self._stranded:
             raise WorkerLost(self._stranded) from error
+
+    def _catch_up(self, version: int | None = None) -> None:
+        """Hold the scheduler's current plan of this model (or at least ``version``)."""
+        if version is not None and self.version >= int(version):
+            return
+        reply = self.client.sync(self.client.scheduler.seabiscuit_plan, model=self.model_id,
+                                 token=self._token)
+        if reply.get("stranded"):
+            with self._changed:
+                self._stranded = str(reply["stranded"])
+        elif int(reply["version"]) > self.version:
+            self._set_plan(Plan.from_json(reply["plan"], self.graph), int(reply["version"]))
+            self._stranded = None
+
+    def _wait_version(self, want: int) -> None:
+        """Block until this object holds plan ``want`` (its event comes on the client's loop)."""
+        if self.version >= want:
+            return
+        with self._changed:
+            self._changed.wait_for(lambda: self.version >= want or self._closed or bool(self._stranded),
+                                   timeout=seconds("runtime.sync-timeout"))
+        self._catch_up(want)      # NOTE: the event was late or lost: ask
 
     # --- operations on this model ------------------------------------------------------------
     def _address(self, worker: str) -> str:
@@ -399,9 +516,8 @@ class DistributedModel:
         reply = dict(self.client.sync(getattr(self.client.scheduler, f"seabiscuit_{op}"),
                                       model=self.model_id, token=self._token, **kwargs))
         want = reply.get("versions", {}).get(self.model_id)
-        deadline = time.perf_counter() + 30.0
-        while want is not None and self.version < want and time.perf_counter() < deadline:
-            time.sleep(0.01)
+        if want is not None:
+            self._wait_version(int(want))
         return reply
 
     def drain(self, worker: str, reason: str = "drained") -> dict[str, Any]:
@@ -422,14 +538,15 @@ class DistributedModel:
 
     def run_counts(self) -> dict[str, int]:
         """Blocks computed, read back from checkpoints, and computed more than once, for this model."""
-        return dict(self.client.sync(self.client.scheduler.seabiscuit_runs, model=self.model_id))
+        return dict(self.client.sync(self.client.scheduler.seabiscuit_runs, model=self.model_id,
+                                     token=self._token))
 
     def learned(self, last: int = 100) -> dict[str, Any]:
         """What the scheduler learned from this model's block runs: per worker, measured over
         modelled time per op class (``scales``), and the mean relative error of the last
         ``last`` block-time predictions (``error``)."""
         return dict(self.client.sync(self.client.scheduler.seabiscuit_learned, model=self.model_id,
-                                     last=last))
+                                     token=self._token, last=last))
 
     def predicted_s(self, learned: bool = True) -> float:
         """The simulated latency of one request on the current plan, or as first modelled.
@@ -465,7 +582,9 @@ class DistributedModel:
         """Free the model's blocks on every worker and its plans on the scheduler."""
         if self._closed:
             return
-        self._closed = True
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
         if self._engine is not None:
             self._engine.close()
         try:
@@ -513,7 +632,7 @@ class ChatSession:
         mask = kwargs.pop("attention_mask", None)
         names = ("do_sample", "temperature", "top_k", "top_p", "eos_token_id", "pad_token_id", "generator")
         picked = [kwargs.pop(n, None) for n in names]
-        engine, args = self.dm._generation_args(input_ids, max_new_tokens, *picked)
+        engine, args = self.dm._generation_args(input_ids, max_new_tokens, *picked, attention_mask=mask)
         if kwargs:
             raise BadInput(f"unknown generate arguments {sorted(kwargs)}")
         return stream_tokens(engine, input_ids, args, mask, streamer, session=self._session)
@@ -537,31 +656,57 @@ class ChatSession:
 
 
 class StepHandle:
-    """A submitted step: its futures, and what a step that follows it reads of it."""
+    """A submitted step: its futures, the blocks it was submitted as (its plan version's, which
+    a later plan does not change), and what a step that follows it reads of it."""
 
-    def __init__(self, program: StepProgram, request: int, wanted: list[int], futures: list[Any]) -> None:
-        self.program, self.request, self.wanted, self.futures = program, request, wanted, futures
+    def __init__(self, program: StepProgram, layout: StepLayout, request: int, wanted: list[int],
+                 futures: list[Any]) -> None:
+        self.program, self.layout, self.request, self.wanted, self.futures = (
+            program, layout, request, wanted, futures)
         chainable = len(program.graph.leaf_outputs) == 1 and len(wanted) == 1 \
             and "input_ids" not in program.graph.tilings
         self.logits = program.graph.leaf_outputs[0] if chainable else ""
         self.out = futures[0] if chainable else None
 
+    @property
+    def version(self) -> int:
+        return self.layout.version
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """A program's blocks under one plan version: specs, and where each graph output tile is."""
+
+    version: int
+    specs: list[BlockSpec]
+    out_at: dict[str, int]       # graph output tile -> position of its block in specs
+
 
 class StepProgram:
-    """A generation step program of a deployment: its graph, number and current block specs."""
+    """A program of a deployment (a generation step, a forward pass at another input size): its
+    graph, its number, and its blocks under the current plan (``layout``, replaced whole)."""
 
     def __init__(self, graph: Any, number: int) -> None:
         self.graph = graph
         self.number = number
-        self.specs: list[BlockSpec] = []
-        self.out_at: dict[str, int] = {}       # graph output tile -> position of its block in specs
+        self.layout = StepLayout(-1, [], {})
         self.build_s = 0.0
+
+    @property
+    def specs(self) -> list[BlockSpec]:
+        return self.layout.specs
+
+    @property
+    def out_at(self) -> dict[str, int]:
+        return self.layout.out_at
 
     def follow(self, plan: Plan, model_id: str, version: int, verify_every: int = 0) -> None:
         """Re-derive the blocks where ``plan`` holds the weights (as the scheduler does)."""
         specs = block_specs(follow(plan, self.graph), model_id, version, "", verify_every, self.number)
         leaves = set(self.graph.leaf_outputs)
-        self.specs, self.out_at = specs, {t: i for i, s in enumerate(specs) for t in s.exports if t in leaves}
+        # NOTE: one assignment: a step submitted under the old layout keeps reading the old one
+        self.layout = StepLayout(version, specs, {t: i for i, s in enumerate(specs) for t in s.exports
+                                                  if t in leaves})
 
 
 def _with_checksums(graph: Any, model_graph: Any) -> Any:
@@ -627,7 +772,7 @@ def deploy(plan: Plan, client: Any, *, weights: Any = None,
         plan = Plan(graph, plan.spec, plan.device_of, plan.method, plan.planning_s, dict(plan.info))
     reply = client.sync(client.scheduler.seabiscuit_deploy, graph=graph.to_json(),
                         plan=plan.to_json(stats=False), checkpoint_dir=ckpt, verify_every=every,
-                        client=client.id)
+                        claim=claim(client))
     dm = DistributedModel(client, plan, str(reply["model"]), str(reply["token"]), int(reply["version"]),
                           ckpt, every)
     dm._store = holder if folder is not None else None    # NOTE: the store lives as long as the model
@@ -642,6 +787,14 @@ def deploy(plan: Plan, client: Any, *, weights: Any = None,
         dm.close()      # NOTE: nothing half-deployed stays behind on the cluster
         raise
     return dm
+
+
+def claim(client: Any) -> str:
+    """A one-off secret this client sends down its own stream to the scheduler plugin: the deploy
+    RPC that shows it makes this client the model's owner (an RPC alone says nothing of who asks)."""
+    nonce = secrets.token_hex(16)
+    client._send_to_scheduler({"op": "seabiscuit_claim", "nonce": nonce})
+    return nonce
 
 
 class _StoreOwner:

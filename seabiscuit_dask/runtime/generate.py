@@ -33,7 +33,7 @@ from typing import Any, Protocol
 import torch
 
 from .. import config
-from ..errors import BadInput, SeaBiscuitError, WorkerLost
+from ..errors import BadInput, ModelClosed, WorkerLost
 
 logger = logging.getLogger(__name__)
 
@@ -138,6 +138,7 @@ class Call:
     produced: int = 0
     keep: bool = False          # a caller-held session stays cached after the call
     cancelled: bool = False     # the caller stopped reading: end at the next step
+    closing: BaseException | None = None    # the deployment closes: end at the next step with it
 
     @property
     def live(self) -> list[Session]:
@@ -223,7 +224,7 @@ class Engine:
             call = Call(list(sessions), max_new, sampling, frozenset(eos), pad, keep=True)
         with self._cond:
             if self._closed:
-                raise SeaBiscuitError(f"{self.name}: generation is closed")
+                raise ModelClosed(f"{self.name} is closed: it takes no more generate calls")
             self._pending.append(call)
             self._cond.notify()
             if self._thread is None:
@@ -261,7 +262,8 @@ class Engine:
         with self._cond:
             self._closed = True
             for call in self._pending + self._active:
-                call.cancelled = True
+                call.closing = ModelClosed(f"{self.name} was closed after {call.produced} of "
+                                           f"{call.max_new} new tokens of this call: it did not finish")
             self._cond.notify()
             thread = self._thread
         if thread is not None and thread is not threading.current_thread():
@@ -279,8 +281,8 @@ class Engine:
                     return
                 new, self._pending = self._pending, []
             for call in new:
-                if call.cancelled:
-                    self._finish(call, SeaBiscuitError(f"{self.name}: generation was closed"))
+                if call.cancelled or call.closing:
+                    self._finish(call, call.closing)
                     continue
                 self._guard(call, self._admit)
             if self._active:
@@ -292,7 +294,7 @@ class Engine:
         try:
             fn(call)
         except BaseException as e:  # noqa: BLE001 - the caller gets it; other calls go on
-            self._finish(call, e)
+            self._finish(call, call.closing or e)
 
     def _admit(self, call: Call) -> None:
         logits = []
@@ -303,8 +305,8 @@ class Engine:
             self._active.append(call)
 
     def _decode_round(self) -> None:
-        for c in [c for c in self._active if c.cancelled]:
-            self._finish(c, None)
+        for c in [c for c in self._active if c.cancelled or c.closing]:
+            self._finish(c, c.closing)
         rows = [(c, s) for c in self._active for s in c.live]
         got: dict[int, torch.Tensor] = {}
         failed: dict[int, BaseException] = {}
@@ -327,7 +329,7 @@ class Engine:
         for part, res in zip(parts, results):
             if isinstance(res, BaseException):
                 for c, _ in part:
-                    failed[id(c)] = res
+                    failed[id(c)] = c.closing or res
                 continue
             for (_, s), row in zip(part, res):
                 got[s.sid] = row
@@ -335,6 +337,9 @@ class Engine:
             self.stats.rows += len(part)
         self.stats.decode_s += time.perf_counter() - t0
         for c in list(self._active):
+            if c.closing is not None:     # NOTE: a token computed as the model closed is not emitted
+                self._finish(c, c.closing)
+                continue
             if id(c) in failed:
                 self._finish(c, failed[id(c)])
                 continue

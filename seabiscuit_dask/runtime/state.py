@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from .. import config
-from ..errors import AccessDenied, SeaBiscuitError
+from ..errors import AccessDenied, ClusterTooSmall, SeaBiscuitError
 from ..ir import OpGraph
 from ..lower.blocks import BlockSpec, Key, block_specs, parse_key, split_block
 from ..placement import CapacityChanged, DeviceAdded, DeviceLost, DeviceSpec, Plan, place, replan
@@ -546,6 +546,13 @@ class PlacementState:
                                   f"not in the cluster (workers: {sorted(self.devices)})")
         if e.model in self.models:
             raise AccessDenied(f"model id {e.model} is already deployed; ids are issued once")
+        over = [(d.name, d.memory_bytes, self.devices[d.address].memory_bytes) for d in e.plan.spec.devices
+                if d.memory_bytes > self.devices[d.address].memory_bytes]
+        if over:
+            name, claimed, measured = over[0]
+            raise ClusterTooSmall(f"model {e.model}: the plan gives device {name} {claimed} bytes, more than "
+                                  f"its worker's measured budget of {measured} bytes ({len(over)} device(s) "
+                                  "so); place the model on sb.measure_cluster(client) again")
         self.models[e.model] = Deployment(e.model, e.plan, e.token, checkpoint_dir=e.checkpoint_dir,
                                           verify_every=e.verify_every)
         return [PlanChanged(e.model, 0, "deployed")]

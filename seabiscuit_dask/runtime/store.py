@@ -1,9 +1,17 @@
-"""Weights of a model given in memory, written once for the workers to read slice by slice."""
+"""Weights of a model given in memory, written once for the workers to read slice by slice.
+
+A store folder (``seabiscuit-store-*``) lives as long as its deployment's client
+object. A client process that dies leaves it behind; the scheduler plugin removes
+the stores of a model whose client left (``remove_store``), and the next store
+written on a host removes those whose writing process is gone (``remove_orphans``).
+"""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import socket
 import tempfile
 import weakref
 from pathlib import Path
@@ -64,8 +72,53 @@ def stored(graph: OpGraph, weights: Any, owner: object) -> tuple[OpGraph, Path |
     if not isinstance(weights, torch.nn.Module):
         raise SeaBiscuitError("the graph reads weights from a model in memory, but no module was given "
                               "(pass weights=model)")
-    folder = Path(tempfile.mkdtemp(prefix="seabiscuit-store-", dir=config.get("runtime.store-directory")))
+    remove_orphans()
+    folder = Path(tempfile.mkdtemp(prefix=PREFIX, dir=store_root()))
     weakref.finalize(owner, shutil.rmtree, folder, ignore_errors=True)
+    (folder / OWNER).write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
     crcs = tile_checksums(weights, graph)
     bound = bind_checkpoint(graph, write_store(weights, graph, folder)).with_meta(tile_crc32=crcs)
     return bound, folder
+
+
+PREFIX = "seabiscuit-store-"
+OWNER = "owner.json"        # NOTE: host and process id of the client that wrote the store
+
+
+def store_root() -> Path:
+    """The folder stores are written in (``seabiscuit.runtime.store-directory``, else the temp folder)."""
+    return Path(config.get("runtime.store-directory") or tempfile.gettempdir()).resolve()
+
+
+def _store_folder(path: str | os.PathLike[str]) -> Path | None:
+    """The store folder holding ``path``, if ``path`` is a weights file of one; else None."""
+    p = Path(os.fspath(path)).resolve()
+    folder = p.parent
+    if folder.parent == store_root() and folder.name.startswith(PREFIX) and (folder / OWNER).exists():
+        return folder
+    return None
+
+
+def remove_store(graph: OpGraph) -> list[Path]:
+    """Remove the store folders ``graph`` reads its weights from (its client is gone)."""
+    folders = {f for p in graph.params.values() if p.source.file and (f := _store_folder(p.source.file))}
+    for f in folders:
+        shutil.rmtree(f, ignore_errors=True)
+    return sorted(folders)
+
+
+def remove_orphans() -> list[Path]:
+    """Remove the stores written on this host by processes that no longer run."""
+    import psutil
+
+    gone = []
+    host = socket.gethostname()
+    for folder in store_root().glob(f"{PREFIX}*"):
+        try:
+            owner = json.loads((folder / OWNER).read_text())
+        except (OSError, ValueError):
+            continue           # NOTE: not a store this code wrote (or one being written)
+        if owner.get("host") == host and not psutil.pid_exists(int(owner.get("pid", -1))):
+            shutil.rmtree(folder, ignore_errors=True)
+            gone.append(folder)
+    return gone

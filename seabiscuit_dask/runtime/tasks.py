@@ -15,8 +15,8 @@ from typing import Any
 from distributed import get_worker
 from distributed.utils import sync
 
-from ..errors import SeaBiscuitError
-from ..lower.blocks import BlockSpec
+from ..errors import AccessDenied, SeaBiscuitError
+from ..lower.blocks import BlockSpec, parse_key, task_name
 from .resident import ResidentBlocks
 
 PLUGIN_NAME = "seabiscuit"
@@ -34,16 +34,33 @@ def resident(worker: Any = None) -> ResidentBlocks:
     return blocks
 
 
+def check_task(w: Any, model: str, version: int, request: int, block: int) -> None:
+    """The running task is ``("sb-<model>", version, request, block)``: the scheduler plugin runs
+    such tasks for the model's owner only, so no other client reaches the model by another key."""
+    key = w.get_current_task()
+    if parse_key(key) != (model, int(version), int(request), int(block)):
+        raise AccessDenied(f"a block of model {model} runs only as its own task "
+                           f"{(task_name(model), version, request, block)}, not as {key!r}")
+
+
 def load_block_json(spec: str) -> int:
     """Task: make a block resident on this worker (spec as JSON text); returns its weight bytes."""
-    return resident().load(BlockSpec.from_dict(json.loads(spec))).nbytes
+    block = BlockSpec.from_dict(json.loads(spec))
+    w = get_worker()
+    check_task(w, block.model, block.version, -1, block.index)
+    return resident(w).load(block).nbytes
 
 
 def fetch_spec(model: str, version: int, block: int) -> Mapping[str, Any]:
     """A block's spec from the scheduler plugin (called from a task thread)."""
     w = get_worker()
+    plugin = w.plugins.get(PLUGIN_NAME)
+    if plugin is not None and not plugin.has_secret.wait(30):
+        raise SeaBiscuitError(f"worker {w.address} has not heard from the SeaBiscuit scheduler plugin: "
+                              f"{INSTALL}")
     try:
-        return sync(w.loop, w.scheduler.seabiscuit_block, model=model, version=version, block=block)
+        return sync(w.loop, w.scheduler.seabiscuit_block, model=model, version=version, block=block,
+                    address=w.address, secret=getattr(plugin, "secret", ""))
     except Exception as e:
         raise SeaBiscuitError(f"worker {w.address} could not get block b{block} of model {model} "
                               f"plan {version} from the scheduler: {e}") from e
@@ -60,6 +77,7 @@ def run_block_task(model: str, version: int, request: int, block: int, inputs: M
     ``input_ids`` are the greedy tokens of that step's logits, its last dependency.
     """
     w = get_worker()
+    check_task(w, model, version, request, block)
     if PICK in inputs:
         inputs, deps = _picked(inputs, deps)
     started, t0 = time.time(), time.perf_counter()

@@ -1,0 +1,324 @@
+"""What serving promises, tried as an adversary would on a cluster of worker processes.
+
+Generation across drains, restores and a SIGKILL with many calls at once; ``close()``
+mid-call; a SIGSTOPped (hung, not dead) worker; a second client that forges keys,
+pressure reports and session drops; absurd documents and inputs; a client killed
+with its weight store on disk.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import dask.config
+import pytest
+import torch
+from distributed import Client
+
+import seabiscuit_dask as sb
+from seabiscuit_dask.errors import ModelClosed
+
+from .clusters import seabiscuit_cluster, wait_for
+from .test_generate import decoder, hf_greedy, padded_batch
+
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::ResourceWarning")]
+
+BUDGET = 900_000            # per worker: the decoder and 16 sessions of 96 tokens fit on any two of three
+X = torch.zeros(1, 16, dtype=torch.long)
+FAST_HANG = {"seabiscuit.runtime.hang-floor": "1s", "seabiscuit.runtime.probe-timeout": "0.5s",
+             "seabiscuit.runtime.sync-timeout": "2s", "seabiscuit.learn.repair": False}
+
+
+@pytest.fixture(scope="module")
+def client():
+    with dask.config.set(FAST_HANG), seabiscuit_cluster(3, BUDGET) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def model():
+    return decoder("llama", seed=2)
+
+
+@pytest.fixture(autouse=True)
+def _fast_hang():
+    with dask.config.set(FAST_HANG):
+        yield
+
+
+def plugin(client):
+    return client.cluster.scheduler.plugins["seabiscuit"]
+
+
+def deploy(client, model):
+    return sb.distribute(model, client, X, budget="64KiB", sessions=16, context=96)
+
+
+def pid_of(client, address: str) -> int:
+    return client.run(os.getpid, workers=[address])[address]
+
+
+def kv_worker(dm) -> str:
+    prog = dm._step_program(1, 1)
+    return next(s.address for s in prog.specs if any(op.kind == "kv_attention" for op in s.ops))
+
+
+def run_calls(dm, prompts, new: int) -> tuple[dict, dict, list]:
+    got: dict = {}
+    errors: dict = {}
+
+    def call(i: int) -> None:
+        try:
+            got[i] = dm.generate(prompts[i], new, pad_token_id=0, eos_token_id=[])
+        except BaseException as e:  # noqa: BLE001 - collected and asserted on
+            errors[i] = e
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    return got, errors, threads
+
+
+def hf(model, prompt, new):
+    with torch.no_grad():
+        return model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new,
+                              do_sample=False, pad_token_id=0, eos_token_id=None)
+
+
+# --- generation across plan changes ------------------------------------------------------------
+def test_sixteen_calls_survive_drains_restores_and_a_kill(client, model) -> None:
+    prompts = [padded_batch((k,), seed=k)[0] for k in range(3, 19)]
+    want = [hf(model, p, 24) for p in prompts]
+    with deploy(client, model) as dm:
+        dm.generate(prompts[0], 2, pad_token_id=0)           # the step programs are built
+        before = {k: p["tasks"] for k, p in dm.generation_stats()["programs"].items()}
+        got, errors, threads = run_calls(dm, prompts, 24)
+        steps = dm.generation_stats()["decode_steps"]
+        wait_for(lambda: dm.generation_stats()["decode_steps"] >= steps + 2, "decoding under way")
+        for w in [d.address for d in dm.plan.spec.devices][:2]:
+            dm.drain(w)
+            dm.restore(w)
+        steps = dm.generation_stats()["decode_steps"]
+        wait_for(lambda: dm.generation_stats()["decode_steps"] >= steps + 2, "decoding after the repairs")
+        os.kill(pid_of(client, kv_worker(dm)), signal.SIGKILL)
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        assert all(torch.equal(got[i], want[i]) for i in range(len(prompts)))
+        assert dm.version >= 5
+        after = {k: p["tasks"] for k, p in dm.generation_stats()["programs"].items()}
+        assert all(after[k] <= before[k] for k in before), (before, after)
+
+
+def test_close_ends_calls_in_flight_with_a_typed_error(client, model) -> None:
+    prompts = [padded_batch((k,), seed=k)[0] for k in (4, 5, 6)]
+    dm = deploy(client, model)
+    got, errors, threads = run_calls(dm, prompts, 64)
+    streamed: list = []
+    stream_error: list = []
+
+    def stream() -> None:
+        try:
+            streamed.extend(dm.stream(prompts[0], 64, pad_token_id=0, eos_token_id=[]))
+        except BaseException as e:  # noqa: BLE001 - asserted on
+            stream_error.append(e)
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    wait_for(lambda: dm.generation_stats().get("decode_steps", 0) >= 3, "decoding under way")
+    dm.close()
+    for t in [*threads, reader]:
+        t.join()
+    assert not got                                        # no call returned a short answer
+    assert len(errors) == 3 and all(isinstance(e, ModelClosed) for e in errors.values())
+    assert all(dm.model_id in str(e) for e in errors.values())
+    assert len(stream_error) == 1 and isinstance(stream_error[0], ModelClosed) and len(streamed) < 64
+    with pytest.raises(ModelClosed):
+        dm(X)
+
+
+# --- a hung worker --------------------------------------------------------------------------------
+def test_a_stopped_worker_is_fenced_and_no_answer_changes(client, model) -> None:
+    prompt = padded_batch((6,), seed=4)[0]
+    want = hf(model, prompt, 30)
+    with torch.no_grad():
+        expected = model(X).logits
+    with deploy(client, model) as dm:
+        for _ in range(3):                            # the usual time of a request
+            torch.testing.assert_close(dm(X).logits, expected, rtol=1e-4, atol=1e-5)
+        victim = dm.plan.spec.devices[-1].address
+        pid = pid_of(client, victim)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            torch.testing.assert_close(dm(X).logits, expected, rtol=1e-4, atol=1e-5)   # while it is stopped
+            assert victim in plugin(client).fenced
+            assert victim not in {d.address for d in dm.plan.spec.devices}
+            assert dm.drain(victim)["fenced"]                # returns at once: nothing runs there now
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        wait_for(lambda: victim not in plugin(client).fenced, "the fenced worker taken back")
+        wait_for(lambda: victim in plugin(client).state.devices, "the worker placed on again")
+
+        out = []
+        victim = kv_worker(dm)
+        pid = pid_of(client, victim)
+        try:
+            for i, row in enumerate(dm.stream(prompt, 30, pad_token_id=0, eos_token_id=[])):
+                out.append(row)
+                if i == 8:
+                    os.kill(pid, signal.SIGSTOP)
+            assert torch.equal(torch.cat([prompt, torch.stack(out, 1)], 1), want)
+            assert victim in plugin(client).fenced
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert dm.generation_stats()["replays"] >= 1
+        wait_for(lambda: victim not in plugin(client).fenced, "the fenced worker taken back")
+
+
+def test_draining_a_hung_worker_returns_without_it(client, model) -> None:
+    with torch.no_grad():
+        expected = model(X).logits
+    with deploy(client, model) as dm:
+        victim = dm.plan.spec.devices[0].address
+        pid = pid_of(client, victim)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            reply = dm.drain(victim)            # its sync runs in the background, bounded
+            assert reply["versions"][dm.model_id] == dm.version
+            torch.testing.assert_close(dm(X).logits, expected, rtol=1e-4, atol=1e-5)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+
+
+# --- another client -------------------------------------------------------------------------------
+def _zeros(*args):
+    return {}
+
+
+def test_another_client_cannot_reach_the_model(client, model) -> None:
+    from seabiscuit_dask.runtime.tasks import run_block_task
+
+    prompt = padded_batch((6,), seed=9)[0]
+    with torch.no_grad():
+        expected = model(X).logits
+    with deploy(client, model) as dm, Client(client.scheduler.address) as other:
+        mine = dm.model_id
+        first = dm.plan.spec.devices[0].address
+        # forged keys of the model's next requests, with empty block outputs
+        forged = {(f"sb-{mine}", dm.version, n << 32 | r, b): (_zeros,) for n in range(4) for r in range(4)
+                  for b in range(len(dm.specs))}
+        futures = other.get(forged, list(forged), sync=False)
+        for f in futures:
+            with pytest.raises(Exception, match="AccessDenied|another client deployed|cancel"):
+                f.result()
+        torch.testing.assert_close(dm(X).logits, expected, rtol=1e-4, atol=1e-5)
+        # its blocks under a key of the other client's own
+        with pytest.raises(sb.AccessDenied, match="runs only as its own task"):
+            other.submit(run_block_task, mine, dm.version, 0, 0, {}, key="not-a-block").result()
+        version = dm.version
+        for call, kwargs in (("pressure", {"address": first, "reason": "fake"}),
+                             ("pressure", {"address": first, "reason": "fake", "secret": "x" * 64}),
+                             ("end_sessions", {"model": mine, "sessions": [0, 1]}),
+                             ("block", {"model": mine, "version": 0, "block": 0, "address": first}),
+                             ("owned", {"model": mine, "address": first}),
+                             ("plan", {"model": mine}), ("runs", {"model": mine}),
+                             ("learned", {"model": mine})):
+            with pytest.raises(sb.AccessDenied):
+                other.sync(getattr(other.scheduler, f"seabiscuit_{call}"), **kwargs)
+        assert plugin(client).state.models[mine].version == version      # no drain, no change
+        with dm.session() as chat:                    # a foreign session drop leaves the cache alone
+            one = chat.generate(prompt, 4, pad_token_id=0, eos_token_id=[])
+            for w in [d.address for d in dm.plan.spec.devices]:
+                with pytest.raises(sb.AccessDenied, match="secret"):
+                    other.sync(other.rpc(w).seabiscuit_drop_sessions, model=mine, sessions=[0, 1, 2])
+            more = padded_batch((3,), seed=10)[0]
+            two = chat.generate(more, 4, pad_token_id=0, eos_token_id=[])
+            whole = torch.cat([one, more], 1)
+            assert torch.equal(two[:, -4:], hf_greedy(model, whole, torch.ones_like(whole), 4)[:, -4:])
+        # a deploy in someone else's name: no claim came on the caller's stream
+        with pytest.raises(sb.AccessDenied, match="claim"):
+            other.sync(other.scheduler.seabiscuit_deploy, graph=dm.graph.to_json(),
+                       plan=dm.plan.to_json(stats=False), claim="f" * 32)
+        theirs = sb.distribute(torch.nn.Linear(8, 8), other, torch.zeros(2, 8), budget="64KiB")
+        assert plugin(client).owners[theirs.model_id] == other.id
+    wait_for(lambda: theirs.model_id not in plugin(client).state.models, "the other client's model released")
+
+
+# --- documents and inputs -----------------------------------------------------------------------
+def test_absurd_inputs_and_plans_are_refused_before_any_work(client, model, caplog) -> None:
+    from dataclasses import replace
+
+    with deploy(client, model) as dm:
+        with pytest.raises(sb.BadInput, match="128 positions"):
+            dm(torch.zeros(1, 10**6, dtype=torch.long))
+        with pytest.raises(sb.BadInput, match="max-input-elements"):
+            dm(torch.zeros(5000, 5000, dtype=torch.long))
+        with pytest.raises(sb.BadInput, match="id 999999"):
+            dm.generate(torch.tensor([[5, 999999, 7]]), 4)
+        with pytest.raises(sb.BadInput, match="id -3"):
+            dm(torch.full((1, 16), -3, dtype=torch.long))
+        assert dm.generation_stats()["programs"] == {}     # nothing was traced for them
+        # a plan that gives a worker more than its measured budget
+        spec = dm.plan.spec
+        big = replace(spec.devices[0], memory_bytes=spec.devices[0].memory_bytes * 10**6)
+        bad = sb.Plan(dm.plan.graph, spec.with_changes(big.name, memory_bytes=big.memory_bytes),
+                      dm.plan.device_of, dm.plan.method, 0.0, {})
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            with pytest.raises(sb.ClusterTooSmall, match="measured budget"):
+                sb.deploy(bad, client, weights=model)
+            first, second = [d.address for d in dm.plan.spec.devices][:2]
+            dm.set_budget(first, 1)                  # the other two hold it
+            with pytest.raises(sb.ClusterTooSmall):
+                dm.set_budget(second, 1)             # the last one cannot: a refusal, not a crash
+        assert not [r for r in caplog.records if r.exc_info or "Exception while handling" in r.getMessage()]
+        assert any("refused" in r.getMessage() for r in caplog.records)
+        torch.testing.assert_close(dm(X).logits, model(X).logits, rtol=1e-4, atol=1e-5)
+
+
+# --- nothing left behind --------------------------------------------------------------------------
+CLIENT = """
+import sys, torch, seabiscuit_dask as sb
+from distributed import Client
+c = Client(sys.argv[1])
+dm = sb.distribute(torch.nn.Linear(64, 64), c, torch.zeros(2, 64), budget="64KiB")
+print(dm.graph.params[next(iter(dm.graph.params))].source.file, flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_killed_client_leaves_no_weight_store(client) -> None:
+    proc = subprocess.Popen([sys.executable, "-c", CLIENT, client.scheduler.address], stdout=subprocess.PIPE,
+                            stdin=subprocess.PIPE, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    try:
+        store = Path(proc.stdout.readline().strip()).parent
+        assert store.name.startswith("seabiscuit-store-") and store.exists()
+        models = set(plugin(client).state.models)
+        assert models
+    finally:
+        proc.kill()
+        proc.wait()
+    wait_for(lambda: not store.exists(), "the dead client's store removed")
+    wait_for(lambda: not set(plugin(client).state.models) & models, "the dead client's model released")
+
+
+def test_a_store_whose_writer_is_gone_is_removed_by_the_next(tmp_path) -> None:
+    import json
+    import socket
+
+    from seabiscuit_dask.runtime.store import OWNER, remove_orphans
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True)
+    with dask.config.set({"seabiscuit.runtime.store-directory": str(tmp_path)}):
+        for name, pid in (("seabiscuit-store-dead", int(gone.stdout)), ("seabiscuit-store-live", os.getpid())):
+            (tmp_path / name).mkdir()
+            (tmp_path / name / OWNER).write_text(json.dumps({"host": socket.gethostname(), "pid": pid}))
+        assert [p.name for p in remove_orphans()] == ["seabiscuit-store-dead"]
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["seabiscuit-store-live"]
