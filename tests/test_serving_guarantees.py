@@ -111,7 +111,7 @@ def test_sixteen_calls_survive_drains_restores_and_a_kill(client, model) -> None
             t.join()
         assert not errors, errors
         assert all(torch.equal(got[i], want[i]) for i in range(len(prompts)))
-        assert dm.version >= 5
+        assert dm.version >= 3                      # two drains and a kill, at least
         after = {k: p["tasks"] for k, p in dm.generation_stats()["programs"].items()}
         assert all(after[k] <= before[k] for k in before), (before, after)
 
@@ -152,7 +152,7 @@ def test_a_stopped_worker_is_fenced_and_no_answer_changes(client, model) -> None
     with deploy(client, model) as dm:
         for _ in range(3):                            # the usual time of a request
             torch.testing.assert_close(dm(X).logits, expected, rtol=1e-4, atol=1e-5)
-        victim = dm.plan.spec.devices[-1].address
+        victim = dm.specs[-1].address            # it runs the last block of every request
         pid = pid_of(client, victim)
         os.kill(pid, signal.SIGSTOP)
         try:

@@ -391,15 +391,14 @@ class PlacementState:
         """Move models off a live worker; its in-flight tasks still run there. All or nothing."""
         if address not in self.devices:
             raise SeaBiscuitError(f"no worker {address} in the cluster (workers: {sorted(self.devices)})")
-        trial = {dep.model: dep.plan for dep in deps if address in dep.addresses()}
         planned: dict[str, Plan] = {}
-        for model, plan in trial.items():
+        for dep in [d for d in deps if address in d.addresses()]:
             try:
-                planned[model] = replan(plan, DeviceLost(address))
+                planned[dep.model] = self._replan_lost(dep, address)
             except SeaBiscuitError as e:
                 raise SeaBiscuitError(f"worker {address} drained: {reason}; the remaining "
-                                      f"{len(plan.spec.devices) - 1} worker(s) cannot hold model "
-                                      f"{model}: {e}") from e
+                                      f"{len(dep.plan.spec.devices) - 1} worker(s) cannot hold model "
+                                      f"{dep.model}: {e}") from e
         if everyone:
             self.drained[address] = reason
         out: list[Instruction] = []
@@ -416,7 +415,7 @@ class PlacementState:
         if address not in dep.addresses():
             return []
         try:
-            plan = replan(dep.plan, DeviceLost(address))
+            plan = self._replan_lost(dep, address)
         except SeaBiscuitError as e:
             msg = (f"{why}; the remaining {len(dep.plan.spec.devices) - 1} worker(s) cannot hold "
                    f"model {dep.model}: {e}")
@@ -425,6 +424,23 @@ class PlacementState:
             return [Stranded(dep.model, msg)]
         v = dep.advance(plan)
         return [PlanChanged(dep.model, v, why, plan.info["moved_bytes"], plan.planning_s)]
+
+    def _replan_lost(self, dep: Deployment, address: str) -> Plan:
+        """``dep``'s plan without ``address``; when the rest cannot hold it, with the spare workers
+        too (ones that joined while the plan had no use for them, e.g. a fenced worker back)."""
+        try:
+            return replan(dep.plan, DeviceLost(address))
+        except SeaBiscuitError:
+            spare = [d for a, d in sorted(self.devices.items()) if a != address and a not in dep.addresses()
+                     and a not in self.drained and a not in dep.excluded and admits(dep, d)]
+            if not spare:
+                raise
+            spec = dep.plan.spec
+            for d in spare:
+                spec = spec.with_device(d)
+            old = dep.plan
+            wider = Plan(old.graph, spec, old.device_of, old.method, old.planning_s, dict(old.info))
+            return replan(wider, DeviceLost(address))
 
     def _capacity(self, event: CapacityChanged, deps: list[Deployment]) -> list[Instruction]:
         """Repair every model on the worker. A new budget that cannot be met raises; a speed
