@@ -71,6 +71,13 @@ DTYPE_BYTES = {
     "float8_e4m3fn": 1, "float8_e5m2": 1,
 }
 
+MAX_ELEMENTS = 2**48
+"""Most elements a tensor or parameter may have (and most along any dim): ~2.8e14, far above any
+model's, so that every size stays exact in the int64 and float64 arithmetic of the passes."""
+MAX_ELEMENTS_TEXT = f"2**{MAX_ELEMENTS.bit_length() - 1} = {MAX_ELEMENTS}"
+MAX_FLOPS = 2**63 - 1
+"""Most flops one op may claim: the largest int64."""
+
 
 MAPPINGS = (dict, MappingProxyType)
 """The mapping types op attributes hold (JSON objects, frozen): checked without the slow
@@ -133,8 +140,11 @@ class TensorSpec:
         return {"shape": list(self.shape), "dtype": self.dtype}
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> TensorSpec:
-        return cls(tuple(int(s) for s in d["shape"]), str(d["dtype"]))
+    def from_dict(cls, d: Mapping[str, Any], what: str = "a tensor") -> TensorSpec:
+        """Read and check (``check_shape``) a spec; ``what`` names it in an error."""
+        spec = cls(tuple(d["shape"]), str(d["dtype"]))
+        check_shape(what, spec.shape, spec.dtype)
+        return spec
 
 
 @dataclass(frozen=True)
@@ -187,11 +197,11 @@ class ParamSource:
         return cls(
             kind=str(d["kind"]),
             key=str(d["key"]),
-            slices=tuple((int(a), int(b)) for a, b in slices) if slices is not None else None,
+            slices=tuple((a, b) for a, b in slices) if slices is not None else None,
             file=d.get("file"),
             data=tuple(data) if data is not None else None,
-            offset=int(d["offset"]) if d.get("offset") is not None else None,
-            stored=tuple(int(x) for x in stored) if stored is not None else None,
+            offset=d.get("offset"),
+            stored=tuple(stored) if stored is not None else None,
             transposed=bool(d.get("transposed", False)),
         )
 
@@ -218,8 +228,10 @@ class ParamSpec:
 
     @classmethod
     def from_dict(cls, name: str, d: Mapping[str, Any]) -> ParamSpec:
-        return cls(name, tuple(int(s) for s in d["shape"]), str(d["dtype"]),
-                   ParamSource.from_dict(d["source"]))
+        """Read and check (``check_param``) a spec."""
+        spec = cls(name, tuple(d["shape"]), str(d["dtype"]), ParamSource.from_dict(d["source"]))
+        check_param(spec)
+        return spec
 
 
 @dataclass(frozen=True)
@@ -257,7 +269,7 @@ class Op:
             name=d["name"], kind=d["kind"], target=d["target"],
             inputs=tuple(d["inputs"]), outputs=tuple(d["outputs"]),
             params=tuple(d.get("params", ())), attrs=d.get("attrs", {}),
-            scope=d.get("scope", ""), flops=int(d.get("flops", 0)),
+            scope=d.get("scope", ""), flops=check_flops(d["name"], d.get("flops", 0)),
         )
 
 
@@ -505,12 +517,21 @@ class OpGraph:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> OpGraph:
+        """Read a graph document, checking every spec as it is read (``check_shape``,
+        ``check_param``, ``check_flops``); the graph's invariants are ``verify``'s."""
+        try:
+            return cls._from_dict(d)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise InvalidGraph(f"OpGraph document is malformed: {type(e).__name__}: {e}") from e
+
+    @classmethod
+    def _from_dict(cls, d: Mapping[str, Any]) -> OpGraph:
         if d.get("schema") not in READABLE_SCHEMAS:
             raise InvalidGraph(f"OpGraph schema {d.get('schema')!r} is not supported "
                                f"(this version reads schemas {list(READABLE_SCHEMAS)})")
         return cls(
             ops=tuple(Op.from_dict(o) for o in d["ops"]),
-            tensors={k: TensorSpec.from_dict(v) for k, v in d["tensors"].items()},
+            tensors={k: TensorSpec.from_dict(v, f"tensor {k!r}") for k, v in d["tensors"].items()},
             params={k: ParamSpec.from_dict(k, v) for k, v in d["params"].items()},
             inputs=tuple(d["inputs"]),
             outputs=tuple(d["outputs"]),
@@ -525,6 +546,70 @@ class OpGraph:
         except json.JSONDecodeError as e:
             raise InvalidGraph(f"not an OpGraph JSON document: {e}") from e
         return cls.from_dict(d)
+
+
+# --- checks of what a document may hold ---------------------------------------------------
+def is_count(n: Any) -> bool:
+    """A non-negative Python int: neither a bool nor a float such as ``2.0`` is one."""
+    return isinstance(n, int) and not isinstance(n, bool) and n >= 0
+
+
+def _listed(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
+
+
+def check_dims(what: str, shape: Any) -> None:
+    """Refuse a shape that is not a tuple of non-negative ints, or that has more than
+    ``MAX_ELEMENTS`` elements (or along one dim); ``what`` names the tensor or param."""
+    if not isinstance(shape, tuple) or not all(is_count(n) for n in shape):
+        raise InvalidGraph(f"{what} has shape {_listed(shape)!r}: a shape is a list of ints >= 0")
+    numel = math.prod(shape)
+    if numel > MAX_ELEMENTS or any(n > MAX_ELEMENTS for n in shape):
+        raise InvalidGraph(f"{what} has shape {list(shape)} ({numel:.3g} elements): a tensor holds at most "
+                           f"{MAX_ELEMENTS_TEXT} elements, along any dim too; is the document corrupt?")
+
+
+def check_shape(what: str, shape: Any, dtype: Any) -> None:
+    """``check_dims``, and a dtype the IR knows (``DTYPE_BYTES``): so ``nbytes`` is exact and bounded."""
+    if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:
+        raise InvalidGraph(f"{what} has dtype {dtype!r}, which the IR does not know; "
+                           f"known: {', '.join(DTYPE_BYTES)}")
+    check_dims(what, shape)
+
+
+def check_param(spec: ParamSpec) -> None:
+    """A param's shape and dtype (``check_shape``), and where its bytes lie: slices ``[start, stop)``
+    of ints within ``MAX_ELEMENTS``, a raw weight's stored shape and a byte offset >= 0."""
+    what = f"param {spec.name!r}"
+    check_shape(what, spec.shape, spec.dtype)
+    src = spec.source
+    if src.slices is not None and not all(is_count(a) and is_count(b) and a <= b <= MAX_ELEMENTS
+                                          for a, b in src.slices):
+        raise InvalidGraph(f"{what} reads slices {[_listed(s) for s in src.slices]} of {src.key!r}: each is "
+                           f"[start, stop) with 0 <= start <= stop <= {MAX_ELEMENTS}")
+    if src.stored is not None:
+        check_dims(f"{what} (stored as {src.key!r})", src.stored)
+    if src.offset is not None and not is_count(src.offset):
+        raise InvalidGraph(f"{what} lies at byte offset {src.offset!r} of {src.file!r}: "
+                           "an offset is an int >= 0")
+
+
+def check_flops(op: str, flops: Any) -> int:
+    """``flops`` of op ``op``, an int from 0 to ``MAX_FLOPS``; returns it."""
+    if not is_count(flops) or flops > MAX_FLOPS:
+        raise InvalidGraph(f"op {op!r} claims {flops!r} flops: a flop count is an int from 0 to {MAX_FLOPS}")
+    return flops
+
+
+def check_specs(graph: OpGraph) -> None:
+    """Every tensor's and param's shape and dtype, and every op's flops, within the IR's bounds
+    (what ``from_json`` checks as it reads; here for a graph built in memory or received)."""
+    for name, t in graph.tensors.items():
+        check_shape(f"tensor {name!r}", t.shape, t.dtype)
+    for p in graph.params.values():
+        check_param(p)
+    for op in graph.ops:
+        check_flops(op.name, op.flops)
 
 
 def _read_tilings(value: Any) -> dict[str, Tiling]:
@@ -634,11 +719,14 @@ def _check_join_shapes(graph: OpGraph, op: Op) -> None:
 def verify(graph: OpGraph, budget: int | None = None) -> OpGraph:
     """Check the graph's invariants; raise ``InvalidGraph`` naming the first broken one.
 
-    Topological order, every input produced exactly once before it is read,
-    operand references in ``attrs`` consistent with ``inputs``/``params``, tile
-    shapes consistent with their slices, and (when ``budget`` is given) every
-    op's working set within it, and tilings that cover their tensors. Returns the graph, so it chains.
+    Specs within the IR's bounds (``check_specs``: shapes of ints >= 0 of at most
+    ``MAX_ELEMENTS``, known dtypes, flops), topological order, every input produced
+    exactly once before it is read, operand references in ``attrs`` consistent with
+    ``inputs``/``params``, tile shapes consistent with their slices, and (when ``budget``
+    is given) every op's working set within it, and tilings that cover their tensors.
+    Call it on any graph received before it touches shared state. Returns the graph, so it chains.
     """
+    check_specs(graph)
     available = set(graph.leaf_inputs)
     for name in (*graph.inputs, *graph.leaf_inputs):
         if name not in graph.tensors:

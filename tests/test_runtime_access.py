@@ -49,6 +49,11 @@ def plan_on(graph: OpGraph, *workers) -> sb.Plan:
                                                 for d, w in zip(spec.devices, workers)), spec.links))
 
 
+async def deploy_rpc(c, **kwargs):
+    """The deploy RPC as ``sb.deploy`` makes it: after a claim down the client's own stream."""
+    return await c.scheduler.seabiscuit_deploy(claim=claim(c), **kwargs)
+
+
 def _with_linear(graph: OpGraph, **changes) -> str:
     d = graph.to_dict()
     next(op for op in d["ops"] if op["kind"] == "linear").update(changes)
@@ -67,21 +72,21 @@ def test_ids_tokens_budgets_and_payloads_from_a_peer_are_checked(gpt2_graph) -> 
             await c.rpc(a.address).seabiscuit_sync(model="../x")
         for target in ("aten.from_file.default", "builtins.eval", "os.system"):
             with pytest.raises(sb.UnsupportedOp, match=target.replace(".", r"\.")):
-                await c.scheduler.seabiscuit_deploy(claim=claim(c), graph=_with_linear(gpt2_graph, target=target), plan=plan)
+                await deploy_rpc(c, graph=_with_linear(gpt2_graph, target=target), plan=plan)
         d = gpt2_graph.to_dict()
         d["params"][next(iter(d["params"]))]["source"] = {"kind": "safetensors", "key": "x", "slices": None,
                                                           "file": "/etc/shadow", "data": None}
         with pytest.raises(sb.AccessDenied, match="/etc/shadow"):
-            await c.scheduler.seabiscuit_deploy(claim=claim(c), graph=OpGraph.from_dict(d).to_json(), plan=plan)
+            await deploy_rpc(c, graph=OpGraph.from_dict(d).to_json(), plan=plan)
         with pytest.raises(sb.AccessDenied, match="checkpoint folder '/etc/ckpt' is outside"):
-            await c.scheduler.seabiscuit_deploy(claim=claim(c), graph=gpt2_graph.to_json(), plan=plan,
+            await deploy_rpc(c, graph=gpt2_graph.to_json(), plan=plan,
                                                 checkpoint_dir="/etc/ckpt")
         assert s.plugins["seabiscuit"].state.models == {}             # nothing was deployed
         assert set(s.plugins["seabiscuit"].state.devices) == {a.address, b.address}   # agents said hello
         assert not await c.scheduler.seabiscuit_hello(address="tcp://10.9.9.9:1", report={"budget_bytes": 1})
         with pytest.raises(sb.AccessDenied, match="no worker of this cluster"):
             await c.scheduler.seabiscuit_pressure(address="tcp://10.9.9.9:1", reason="forged")
-        reply = await c.scheduler.seabiscuit_deploy(claim=claim(c), graph=gpt2_graph.to_json(), plan=plan)
+        reply = await deploy_rpc(c, graph=gpt2_graph.to_json(), plan=plan)
         model, token = reply["model"], reply["token"]
         for op, extra in (("release", {}), ("drain", {"address": a.address}),
                           ("restore", {"address": a.address}),

@@ -129,12 +129,23 @@ def test_close_ends_calls_in_flight_with_a_typed_error(client, model) -> None:
         except BaseException as e:  # noqa: BLE001 - asserted on
             stream_error.append(e)
 
-    reader = threading.Thread(target=stream)
+    forward_error: list = []
+
+    def forward() -> None:
+        try:
+            while True:
+                dm(X)
+        except BaseException as e:  # noqa: BLE001 - asserted on
+            forward_error.append(e)
+
+    reader, caller = threading.Thread(target=stream), threading.Thread(target=forward)
     reader.start()
+    caller.start()
     wait_for(lambda: dm.generation_stats().get("decode_steps", 0) >= 3, "decoding under way")
     dm.close()
-    for t in [*threads, reader]:
+    for t in [*threads, reader, caller]:
         t.join()
+    assert len(forward_error) == 1 and isinstance(forward_error[0], ModelClosed)
     assert not got                                        # no call returned a short answer
     assert len(errors) == 3 and all(isinstance(e, ModelClosed) for e in errors.values())
     assert all(dm.model_id in str(e) for e in errors.values())
@@ -317,7 +328,8 @@ def test_a_store_whose_writer_is_gone_is_removed_by_the_next(tmp_path) -> None:
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True, check=True)
     with dask.config.set({"seabiscuit.runtime.store-directory": str(tmp_path)}):
-        for name, pid in (("seabiscuit-store-dead", int(gone.stdout)), ("seabiscuit-store-live", os.getpid())):
+        for name, pid in (("seabiscuit-store-dead", int(gone.stdout)),
+                          ("seabiscuit-store-live", os.getpid())):
             (tmp_path / name).mkdir()
             (tmp_path / name / OWNER).write_text(json.dumps({"host": socket.gethostname(), "pid": pid}))
         assert [p.name for p in remove_orphans()] == ["seabiscuit-store-dead"]

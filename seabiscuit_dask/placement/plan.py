@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -42,8 +43,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..config import MAX_BYTES, MAX_BYTES_TEXT
 from ..errors import ClusterTooSmall, SeaBiscuitError
-from ..ir import OpGraph, fmt_bytes
+from ..ir import OpGraph, fmt_bytes, is_count
 from .cluster import ClusterSpec
 from .workload import Workload, workload
 
@@ -140,6 +142,33 @@ def blocks_for(w: Workload, dev: np.ndarray, n_devices: int,
     return block_of, (uniq % n_devices).astype(np.int64), (uniq // n_devices // n_sub).astype(np.int64)
 
 
+def check_spec(spec: ClusterSpec) -> ClusterSpec:
+    """Refuse figures no machine has: a device's memory above ``config.MAX_BYTES``, or a
+    speed, time or link figure that is not finite (``DeviceSpec`` and ``LinkSpec`` already refuse
+    ones <= 0 and NaN; an infinite client bandwidth is ``NO_DASK``'s "no Dask costs" and stays).
+    Returns the spec."""
+    for d in spec.devices:
+        if d.memory_bytes > MAX_BYTES:
+            raise SeaBiscuitError(f"device {d.name!r} claims {fmt_bytes(d.memory_bytes)} ({d.memory_bytes} "
+                                  f"bytes) of memory; a device has at most {MAX_BYTES_TEXT}: give the "
+                                  "memory it has")
+        speeds = {f"flops_per_s[{c!r}]": v for c, v in d.flops_per_s.items()}
+        _finite(f"device {d.name!r}", {**speeds, "mem_bytes_per_s": d.mem_bytes_per_s,
+                                       "op_overhead_s": d.op_overhead_s})
+    for level, link in spec.links.items():
+        _finite(f"link {level!r}", {"bandwidth": link.bandwidth_bytes_per_s, "latency": link.latency_s})
+    for what, m in zip(("bandwidth", "latency"), spec.matrix or ()):
+        _finite("matrix", {f"{what}[{a}][{b}]": v for a, row in enumerate(m) for b, v in enumerate(row)})
+    return spec
+
+
+def _finite(what: str, figures: Mapping[str, float]) -> None:
+    bad = {k: v for k, v in figures.items() if not math.isfinite(v)}
+    if bad:
+        raise SeaBiscuitError(f"{what}: {', '.join(f'{k} = {v}' for k, v in bad.items())}; every figure of "
+                              "a cluster must be a finite number (measure it, or leave it to a profile)")
+
+
 def fingerprint(graph: OpGraph) -> str:
     h = hashlib.sha1()
     for op in graph.ops:
@@ -164,12 +193,7 @@ class Plan:
     info: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        dev = np.asarray(self.device_of, dtype=np.int64)
-        if dev.shape != (len(self.graph.ops),):
-            raise SeaBiscuitError(f"a plan needs one device per op: {len(self.graph.ops)} ops, "
-                                  f"{dev.shape[0] if dev.ndim else 0} devices given")
-        if len(dev) and (dev.min() < 0 or dev.max() >= len(self.spec.devices)):
-            raise SeaBiscuitError(f"device index out of range 0..{len(self.spec.devices) - 1}")
+        dev = device_indices(self.device_of, self.graph, self.spec)
         dev.flags.writeable = False
         object.__setattr__(self, "device_of", dev)
 
@@ -443,11 +467,15 @@ class Plan:
         if g.get("ops") != len(graph.ops) or g.get("fingerprint") != fingerprint(graph):
             raise SeaBiscuitError(f"plan was made for graph {g.get('name')!r} with {g.get('ops')} ops; "
                                   f"this graph has {len(graph.ops)} ops and other names")
-        spec = ClusterSpec.from_dict(d["cluster"])
+        spec = check_spec(ClusterSpec.from_dict(d["cluster"]))
         assignment = d["assignment"]
         missing = [op.name for op in graph.ops if op.name not in assignment]
         if missing:
             raise SeaBiscuitError(f"plan assigns no device to {len(missing)} op(s), e.g. {missing[0]!r}")
+        if len(assignment) != len(graph.ops):
+            extra = next(n for n in assignment if n not in graph.op_by_name)
+            raise SeaBiscuitError(f"plan assigns devices to {len(assignment) - len(graph.ops)} op(s) the "
+                                  f"graph does not have, e.g. {extra!r}")
         idx = {n: i for i, n in enumerate(spec.names)}
         try:
             dev = np.array([idx[assignment[op.name]] for op in graph.ops], dtype=np.int64)
@@ -458,8 +486,11 @@ class Plan:
             if (ph := _block_phases(d.get("blocks"), graph, workload(graph), dev)) is not None else {}
         if d.get("fused"):
             info["fused"] = True
-        return cls(graph, spec, dev, method=str(d.get("method", "loaded")),
-                   planning_s=float(stats.get("planning_s", 0.0)), info=info)
+        planning_s = float(stats.get("planning_s", 0.0))
+        if not 0 <= planning_s < math.inf:
+            raise SeaBiscuitError(f"plan stats.planning_s is {planning_s}: a time is a finite number of "
+                                  "seconds >= 0")
+        return cls(graph, spec, dev, method=str(d.get("method", "loaded")), planning_s=planning_s, info=info)
 
     @classmethod
     def from_json(cls, text: str | bytes, graph: OpGraph) -> Plan:
@@ -468,6 +499,26 @@ class Plan:
         except json.JSONDecodeError as e:
             raise SeaBiscuitError(f"plan is not valid JSON: {e}") from e
         return cls.from_dict(data, graph)
+
+
+def device_indices(device_of: Any, graph: OpGraph, spec: ClusterSpec) -> np.ndarray:
+    """``device_of`` as int64, checked: one int per op of ``graph``, each a device of ``spec``."""
+    raw = np.asarray(device_of)
+    n_ops, n_dev = len(graph.ops), len(spec.devices)
+    if raw.shape != (n_ops,):
+        raise SeaBiscuitError(f"a plan needs one device per op: {n_ops} ops, "
+                              f"{raw.shape[0] if raw.ndim else 0} devices given")
+    if raw.size and raw.dtype.kind not in "iu":
+        raise SeaBiscuitError(f"a plan's devices are indices into its cluster, ints; got {raw.dtype} "
+                              f"values such as {raw[0].item()!r}")
+    dev = np.asarray(raw, dtype=np.int64)
+    bad = np.flatnonzero((dev < 0) | (dev >= n_dev))
+    if len(bad):
+        i = int(bad[0])
+        raise SeaBiscuitError(f"plan puts op {graph.ops[i].name!r} (#{i}) on device {int(dev[i])}, and "
+                              f"{len(bad) - 1} more op(s) out of range: the cluster has devices "
+                              f"0..{n_dev - 1}")
+    return dev
 
 
 def _block_phases(blocks: Any, graph: OpGraph, w: Workload, dev: np.ndarray) -> np.ndarray | None:
@@ -479,7 +530,11 @@ def _block_phases(blocks: Any, graph: OpGraph, w: Workload, dev: np.ndarray) -> 
     index = {op.name: i for i, op in enumerate(graph.ops)}
     ph = np.full(len(graph.ops), -1, dtype=np.int64)
     for b in blocks:
-        ph[[index[name] for name in b["ops"]]] = int(b["phase"])
+        phase = b["phase"]
+        if not is_count(phase) or phase > len(graph.ops):
+            raise SeaBiscuitError(f"plan block {b.get('name')!r} has phase {phase!r}: a phase is an int "
+                                  f"from 0 to the graph's {len(graph.ops)} ops")
+        ph[[index[name] for name in b["ops"]]] = phase
     eu, ev = w.edges
     if (ph < 0).any() or (ph[ev] < ph[eu] + (dev[eu] != dev[ev])).any():
         raise SeaBiscuitError("plan blocks do not cover every op in phase order: a block would wait "

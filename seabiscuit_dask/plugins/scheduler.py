@@ -301,10 +301,10 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
         t0 = time.perf_counter()
         ins = self.state.handle(event)
         handled_s = time.perf_counter() - t0
-        changed = self._apply(ins, wait=True)
+        models = self._apply(ins, wait=True)
         # NOTE: the caller waits for the workers that must load; a drained (maybe hung) one drops later
-        await asyncio.gather(*(self._sync_workers(m, owners=True) for m in changed))
-        for m in changed:
+        await asyncio.gather(*(self._sync_workers(m, owners=True) for m in models))
+        for m in models:
             self._background_task(self._sync_workers(m, owners=False))
         changed = [i for i in ins if isinstance(i, PlanChanged)]
         return {"handled_s": handled_s, "replan_s": [i.replan_s for i in changed],

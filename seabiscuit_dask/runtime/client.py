@@ -631,8 +631,9 @@ class ChatSession:
         streamer = kwargs.pop("streamer", None)
         mask = kwargs.pop("attention_mask", None)
         names = ("do_sample", "temperature", "top_k", "top_p", "eos_token_id", "pad_token_id", "generator")
-        picked = [kwargs.pop(n, None) for n in names]
-        engine, args = self.dm._generation_args(input_ids, max_new_tokens, *picked, attention_mask=mask)
+        do_sample, temperature, top_k, top_p, eos, pad, generator = [kwargs.pop(n, None) for n in names]
+        engine, args = self.dm._generation_args(input_ids, max_new_tokens, do_sample, temperature, top_k,
+                                                top_p, eos, pad, generator, attention_mask=mask)
         if kwargs:
             raise BadInput(f"unknown generate arguments {sorted(kwargs)}")
         return stream_tokens(engine, input_ids, args, mask, streamer, session=self._session)
@@ -847,6 +848,9 @@ def distribute(model_or_path: Any, client: Any, example_inputs: Any, budget: int
 
     say = progress or _quiet
     nbytes = config.to_bytes(budget if budget is not None else config.get("budget"))
+    n_sessions = config.to_count(sessions if sessions is not None
+                                 else config.get("generate.reserve-sessions", 0) or 0, "sessions")
+    context = config.to_count(context, "context", minimum=1) if context is not None else None
     choice = config.device_choice(device)
     if is_onnx(model_or_path):        # NOTE: a module whose buffers are its initializers (trace/onnx.py)
         model_or_path = load_onnx(model_or_path, lazy=True)
@@ -864,7 +868,6 @@ def distribute(model_or_path: Any, client: Any, example_inputs: Any, budget: int
     if choice != "auto":     # NOTE: repairs on the scheduler keep the model on this kind of device
         micro = micro.with_meta(device=choice)
     say(f"{len(micro.ops)} micro-ops in {time.perf_counter() - t0:.2f} s; placing ...")
-    n_sessions = int(sessions if sessions is not None else config.get("generate.reserve-sessions", 0) or 0)
     reserve, limit, module = 0, 0, model_or_path
     if n_sessions > 0:
         if isinstance(model_or_path, (str, os.PathLike)):

@@ -54,7 +54,7 @@ def load_block_json(spec: str) -> int:
 def fetch_spec(model: str, version: int, block: int) -> Mapping[str, Any]:
     """A block's spec from the scheduler plugin (called from a task thread)."""
     w = get_worker()
-    plugin = w.plugins.get(PLUGIN_NAME)
+    plugin: Any = w.plugins.get(PLUGIN_NAME)
     if plugin is not None and not plugin.has_secret.wait(30):
         raise SeaBiscuitError(f"worker {w.address} has not heard from the SeaBiscuit scheduler plugin: "
                               f"{INSTALL}")
