@@ -8,6 +8,7 @@ with its weight store on disk.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -23,6 +24,7 @@ from distributed import Client
 
 import seabiscuit_dask as sb
 from seabiscuit_dask.errors import ModelClosed
+from seabiscuit_dask.runtime.client import claim
 
 from .clusters import seabiscuit_cluster, wait_for
 from .test_generate import decoder, hf_greedy, padded_batch
@@ -275,6 +277,15 @@ def test_absurd_inputs_and_plans_are_refused_before_any_work(client, model, capl
         with pytest.raises(sb.BadInput, match="id -3"):
             dm(torch.full((1, 16), -3, dtype=torch.long))
         assert dm.generation_stats()["programs"] == {}     # nothing was traced for them
+        with pytest.raises(sb.BadInput, match="sessions"):
+            sb.distribute(model, client, X, sessions="abc")
+        d = dm.graph.to_dict()
+        name = next(iter(d["params"]))
+        d["params"][name]["shape"] = [-1024, 512]          # would count as -512 KiB planned on a worker
+        with pytest.raises(sb.SeaBiscuitError, match=name.replace(".", r"\.")):
+            client.sync(client.scheduler.seabiscuit_deploy, graph=json.dumps(d),
+                        plan=dm.plan.to_json(stats=False), claim=claim(client))
+        assert len(plugin(client).state.models) == 1
         # a plan that gives a worker more than its measured budget
         spec = dm.plan.spec
         big = replace(spec.devices[0], memory_bytes=spec.devices[0].memory_bytes * 10**6)
@@ -284,10 +295,9 @@ def test_absurd_inputs_and_plans_are_refused_before_any_work(client, model, capl
         with caplog.at_level(logging.INFO):
             with pytest.raises(sb.ClusterTooSmall, match="measured budget"):
                 sb.deploy(bad, client, weights=model)
-            first, second = [d.address for d in dm.plan.spec.devices][:2]
-            dm.set_budget(first, 1)                  # the other two hold it
-            with pytest.raises(sb.ClusterTooSmall):
-                dm.set_budget(second, 1)             # the last one cannot: a refusal, not a crash
+            with pytest.raises(sb.ClusterTooSmall):  # some worker cannot take the rest: a refusal
+                for w in [d.address for d in dm.plan.spec.devices]:
+                    dm.set_budget(w, 1)
         assert not [r for r in caplog.records if r.exc_info or "Exception while handling" in r.getMessage()]
         assert any("refused" in r.getMessage() for r in caplog.records)
         torch.testing.assert_close(dm(X).logits, model(X).logits, rtol=1e-4, atol=1e-5)
