@@ -289,7 +289,8 @@ def test_heartbeats_carry_gpu_memory_and_temperature_and_a_hot_gpu_drains(monkey
     assert beat["gpu_temperature_c"][2] == 97.0
     asked = [s for s in sent if s[0] == "pressure-rpc"]
     assert len(asked) == 1
-    assert asked[0][2] == {"address": "tcp://10.0.0.1:4001", "reason": "GPU at 97 C, over the 85 C limit"}
+    assert asked[0][2] == {"address": "tcp://10.0.0.1:4001", "reason": "GPU at 97 C, over the 85 C limit",
+                           "secret": plugin.secret}          # NOTE: the worker's own, from its stream
     plugin.metrics()
     assert len([s for s in sent if s[0] == "pressure-rpc"]) == 1     # asked once while it stays hot
     plugin.teardown(plugin.worker)

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import functools
+from dataclasses import replace
+
 import numpy as np
 import pytest
+import torch
 
 import seabiscuit_dask as sb
 from seabiscuit_dask.placement import CapacityChanged, DeviceAdded, DeviceLost, DeviceSpec, place, replan
+from seabiscuit_dask.placement.capacity import weight_capacity
 from seabiscuit_dask.placement.cluster import NO_DASK
+from seabiscuit_dask.placement.follow import follow
+from seabiscuit_dask.runtime.client import kv_reserve, place_for_decode
+from seabiscuit_dask.trace.decoder import trace_step
 from tests.dags import random_dag
 from tests.test_placement import block_graph_acyclic, small_spec
 
@@ -163,3 +171,173 @@ def test_blocks_out_of_phase_order_are_refused(plan):
         b["phase"] = first["phase"] - b["phase"]       # reversed: every dependency goes backwards
     with pytest.raises(sb.SeaBiscuitError, match="phase order"):
         sb.Plan.from_dict(doc, plan.graph)
+
+
+# --- pipelines: a generation deployment's plan, repaired stage by stage ---------------------
+# Placed as the runtime does (``place_for_decode``): the decode step's stages, the model's
+# graph following them. ``tasks`` counts what a decode step runs after a repair.
+SPARE = (2, (300_000,) * 3)                 # 2 stages and an idle device
+THREE = (3, (340_000,) * 4)                 # 3 stages and an idle device
+BESIDE = (3, (340_000, 340_000, 700_000))   # 3 stages; the last has room for half of another
+STEPS: dict[int, sb.OpGraph] = {}           # micro-op graph (by id) -> its decode step
+
+
+def llama(layers: int) -> torch.nn.Module:
+    """A seeded decoder as ``tests/test_generate.decoder`` builds, with ``layers`` layers."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(num_hidden_layers=layers, hidden_size=64, intermediate_size=128,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         tie_word_embeddings=True, vocab_size=512, initializer_range=0.3)
+    return tf.LlamaForCausalLM(cfg).eval()
+
+
+@functools.cache
+def graphs(layers: int) -> tuple[torch.nn.Module, sb.OpGraph, sb.OpGraph]:
+    """The model, its micro-op graph (as ``distribute`` keeps it) and its decode step."""
+    model = llama(layers)
+    reserve, _ = kv_reserve(model, 1, 32)
+    micro = sb.decompose(sb.trace(model, torch.zeros(1, 16, dtype=torch.long)), "64KiB").with_meta(
+        kv_reserve_bytes=reserve)
+    step = STEPS[id(micro)] = sb.decompose(trace_step(model, 1, 1), "64KiB", like=micro)
+    return model, micro, step
+
+
+def deployed(layers: int, memory: tuple[int, ...], slow: float = 1.0) -> sb.Plan:
+    model, micro, _ = graphs(layers)
+    base = sb.ClusterSpec.synthetic(None, hosts=1, gpus_per_host=0, cpus_per_host=len(memory))
+    spec = sb.ClusterSpec(tuple(replace(d, memory_bytes=m, mem_bytes_per_s=d.mem_bytes_per_s / slow,
+                                        flops_per_s={k: v / slow for k, v in d.flops_per_s.items()},
+                                        op_overhead_s=d.op_overhead_s * slow)
+                                for d, m in zip(base.devices, memory)), base.links)
+    plan = place_for_decode(model, micro, spec, 64 * 1024, lambda _: None)
+    assert plan.method == "follow-decode"
+    return plan
+
+
+def tasks(plan: sb.Plan) -> int:
+    """Tasks per decode step on ``plan`` (as ``test_step_programs_follow_the_weights...`` counts)."""
+    return len(follow(plan, STEPS[id(plan.graph)]).blocks)
+
+
+def runs(dev: np.ndarray) -> list[tuple[int, int, int]]:
+    cuts = (np.flatnonzero(dev[1:] != dev[:-1]) + 1).tolist()
+    return [(s, e, int(dev[s])) for s, e in zip([0, *cuts], [*cuts, len(dev)])]
+
+
+def stages(plan: sb.Plan) -> list[int]:
+    """The device of each run of the ops that read weights (what a decode step's tasks follow)."""
+    weighted = np.array([bool(op.params) for op in plan.graph.ops])
+    return [d for _, _, d in runs(plan.device_of[weighted])]
+
+
+def fits(plan: sb.Plan) -> bool:
+    return bool((plan.weight_bytes <= weight_capacity(plan.spec) + 0.5).all()) and block_graph_acyclic(plan)
+
+
+def busiest_s(plan: sb.Plan) -> float:
+    w = plan.workload
+    return max(float(w.device_times(d)[plan.device_of == i].sum()) for i, d in enumerate(plan.spec.devices))
+
+
+def one_stretch(moved: np.ndarray, plan: sb.Plan, d: int) -> bool:
+    """Whether ``moved`` are consecutive ops of device d's in ``plan`` (others' between them aside)."""
+    at = np.flatnonzero(np.isin(np.flatnonzero(plan.device_of == d), moved))
+    return len(at) == len(moved) > 0 and int(at[-1] - at[0]) == len(at) - 1
+
+
+def used(plan: sb.Plan) -> list[str]:
+    return [plan.spec.names[d] for d in sorted(set(plan.device_of.tolist()))]
+
+
+@pytest.mark.parametrize("case", [SPARE, THREE, BESIDE], ids=["spare", "three", "beside"])
+def test_a_drained_and_restored_stage_keeps_the_tasks_per_step(case):
+    plan = deployed(*case)
+    for victim in used(plan)[:2 if case is BESIDE else None]:   # NOTE: the rest cannot hold BESIDE's last
+        lost = replan(plan, DeviceLost(victim))
+        mine = set(plan.ops_on(victim))
+        assert {op for op in plan.assignment if plan.assignment[op] != lost.assignment[op]} == mine
+        assert lost.info["moved_ops"] == len(mine)
+        w = plan.workload
+        assert lost.info["moved_bytes"] == pytest.approx(sum(w.weight_bytes[w.index[op]] for op in mine))
+        assert tasks(lost) <= tasks(plan) and fits(lost), victim
+        back = replan(lost, DeviceAdded(plan.spec.devices[plan.spec.index(victim)]))
+        assert tasks(back) <= tasks(plan) and fits(back), victim
+
+
+def test_a_killed_middle_stage_goes_to_the_stages_around_it():
+    plan = deployed(*BESIDE)
+    first, middle, last = plan.spec.names
+    lost = replan(plan, DeviceLost(middle))
+    assert tasks(lost) < tasks(plan) and fits(lost)
+    got = [lost.spec.names[d] for d in lost.device_of[plan.device_of == 1]]
+    k = got.count(first)                    # a prefix to the stage before, the rest to the one after
+    assert 0 < k < len(got) and got == [first] * k + [last] * (len(got) - k)
+    assert len(stages(lost)) == len(stages(plan)) - 1
+
+
+@pytest.mark.parametrize("case", [SPARE, THREE], ids=["spare", "three"])
+def test_rounds_of_drain_and_restore_do_not_grow_the_tasks_per_step(case):
+    plan = deployed(*case)
+    p = plan
+    for victim in [*used(plan), *used(plan)]:
+        device = p.spec.devices[p.spec.index(victim)]
+        p = replan(p, DeviceLost(victim))
+        assert tasks(p) <= tasks(plan) and fits(p)
+        p = replan(p, DeviceAdded(device))
+        assert tasks(p) <= tasks(plan) and fits(p)
+
+
+@pytest.mark.parametrize("victim", [0, 1], ids=["first", "middle"])
+def test_a_restored_device_takes_a_stage_or_the_back_of_one(victim):
+    # NOTE: slow devices: a stage's compute outweighs the Dask hop a new stage costs
+    plan = deployed(*BESIDE, slow=100)
+    device = plan.spec.devices[victim]
+    lost = replan(plan, DeviceLost(device.name))
+    back = replan(lost, DeviceAdded(device))
+    i = back.spec.index(device.name)
+    took = back.device_of == i
+    assert back.info["moved_ops"] == took.sum() > 0 and len(set(lost.device_of[took].tolist())) == 1
+    assert stages(back).count(i) == 1 and len(stages(back)) <= len(stages(lost)) + 1
+    assert tasks(back) <= tasks(plan) and fits(back)
+    assert busiest_s(back) < busiest_s(lost)       # a stream of requests gains
+
+
+def test_a_join_that_does_not_pay_for_its_hop_moves_nothing():
+    plan = deployed(*SPARE)
+    d = plan.spec.devices[0]
+    new = replan(plan, DeviceAdded(replace(d, name="h0-cpu9", address="")))
+    assert new.info["moved_ops"] == 0 and new.assignment == {**plan.assignment}
+    assert tasks(new) == tasks(plan)
+
+
+def test_a_shrunk_stage_sheds_one_end_to_the_stage_beside_it():
+    plan = deployed(*THREE)
+    name = plan.spec.names[1]
+    held = float(plan.weight_bytes[1])
+    new = replan(plan, CapacityChanged(name, memory_bytes=int(held)))    # less its reserve: sheds 1/8
+    moved = np.flatnonzero(new.device_of != plan.device_of)
+    assert one_stretch(moved, plan, 1) and new.info["moved_ops"] == len(moved)
+    assert len(set(new.device_of[moved].tolist())) == 1
+    assert int(new.device_of[moved[0]]) in {stages(plan)[0], stages(plan)[2]}     # a stage beside it
+    assert new.weight_bytes[1] <= weight_capacity(new.spec)[1] and fits(new)
+    assert tasks(new) <= tasks(plan)
+
+
+def test_a_slowed_stage_sheds_its_tail_to_the_next_stage():
+    plan = deployed(*THREE, slow=100)
+    new = replan(plan, CapacityChanged(plan.spec.names[0], scale={"matmul": 3.0, "other": 3.0}))
+    moved = np.flatnonzero(new.device_of != plan.device_of)
+    assert one_stretch(moved, plan, 0) and set(new.device_of[moved].tolist()) == {stages(plan)[1]}
+    assert tasks(new) <= tasks(plan) and fits(new)
+    assert new.makespan_s < sb.Plan(plan.graph, new.spec, plan.device_of, info=plan.info).makespan_s
+
+
+def test_both_ends_of_the_wire_repair_a_pipeline_alike():
+    plan = deployed(*THREE)
+    there = sb.Plan.from_json(plan.to_json(stats=False), plan.graph)
+    for victim in used(plan):
+        a, b = replan(plan, DeviceLost(victim)), replan(there, DeviceLost(victim))
+        assert np.array_equal(a.device_of, b.device_of) and np.array_equal(a.block_of, b.block_of)
+        assert tasks(b) <= tasks(plan)

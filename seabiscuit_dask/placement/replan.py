@@ -19,6 +19,36 @@ the new cluster and records what moved in ``plan.info`` (``moved_bytes``,
   nearest, fastest device with room (less of it where it does not fit), so it is back
   to its old time; kept only if the simulator finds the repair faster.
 
+A *pipeline* (a plan placed as contiguous stages of the topological order: method
+``"follow-decode"``, a generation deployment, or ``"stages"``) is repaired so that it
+stays one: a decode step that follows it (``follow``) runs a task per stage, and the
+rules above would scatter its ops into many. It is told by its method, which travels
+with the plan in its JSON (both ends of the wire take the same branch); its structure
+is not guessed, and the rules below only move stage boundaries or hand a stage over
+whole, so they stay sound on a pipeline that an earlier fallback scattered. A *run*
+of a device is a maximal stretch of its ops in op order, passing over other devices'
+ops that read no weights (a mask, a view that follows its input): a decode step's
+tasks follow the weights.
+
+- ``DeviceLost``: each run of the lost device goes to the devices of the runs around
+  it, a prefix to the one before and the rest to the one after, split where the two
+  finish soonest (their modelled time) within their weight room. The runs no split
+  fits go whole to one device with room (not far slower than the quickest, idle
+  first: it takes the stage over, then nearest, then fastest). Failing both, the
+  rule above.
+- ``DeviceAdded``: the newcomer takes one of the busiest device's runs whole (a device
+  that took a lost stage over hands it back) or the back of one, split where the two
+  finish soonest, within its room: one stage more at most. Of the takes that make that
+  device finish sooner by more than a new cut costs per step (``ClusterSpec.cut_latency``:
+  the link and a Dask hop), the one that adds the fewest tasks, then gains the most: a
+  decode step is latency-bound. Where none gains that much, the newcomer stays spare
+  (the rule above would scatter the pipeline).
+- ``CapacityChanged``, memory: the fewest ops at one end of one of the device's runs
+  move to the device of the run beside that end (the tail to the next stage, the head
+  to the previous), the receiver that finishes soonest; speed: the last (1 - 1/f) of
+  the device's time, from its busiest run, as that run's tail to the next stage, else
+  its head to the previous one, kept as above. Where no end fits, the rules above.
+
 A repair keeps every device's weights within its memory less the activation
 reserve, or raises ``ClusterTooSmall`` naming the device; ``plan.check()`` adds
 the activations of the largest block (as ``place`` does) when there is time.
@@ -29,6 +59,7 @@ device's links are unknown): measure again.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from operator import itemgetter
 from typing import Any
@@ -85,14 +116,12 @@ def _replan(plan: Plan, event: Event, t0: float) -> Plan:
     if isinstance(event, DeviceLost):
         spec = plan.spec.without(event.name)
         lost = plan.spec.index(event.name)
-        old = plan.device_of
-        dev = np.where(old > lost, old - 1, old)
-        moving = np.flatnonzero(old == lost)
-        dev[moving] = -1
-        dev = _rehome(plan, spec, dev, moving, plan.spec.devices[lost])
+        moving = np.flatnonzero(plan.device_of == lost)
+        dev = _lose(plan, spec, lost, moving)
     elif isinstance(event, DeviceAdded):
         spec = plan.spec.with_device(event.device)
-        dev = _adopt(plan, spec, plan.device_of.copy(), len(spec.devices) - 1)
+        join = _take_stage if _is_pipeline(plan) else _adopt
+        dev = join(plan, spec, plan.device_of.copy(), len(spec.devices) - 1)
         moving = np.flatnonzero(dev != plan.device_of)
     elif isinstance(event, CapacityChanged):
         changes: dict[str, Any] = {k: v for k, v in (("memory_bytes", event.memory_bytes),
@@ -127,6 +156,17 @@ def _replan(plan: Plan, event: Event, t0: float) -> Plan:
     return new
 
 
+def _lose(plan: Plan, spec: ClusterSpec, lost: int, moving: np.ndarray) -> np.ndarray:
+    """The device of every op on ``spec`` once device ``lost`` of ``plan.spec`` is gone."""
+    merged = _merge_lost(plan, lost) if _is_pipeline(plan) else None
+    if merged is not None:
+        return np.where(merged > lost, merged - 1, merged)
+    old = plan.device_of
+    dev = np.where(old > lost, old - 1, old)
+    dev[moving] = -1
+    return _rehome(plan, spec, dev, moving, plan.spec.devices[lost])
+
+
 def _window(w: Any, moving: np.ndarray) -> tuple[int, int]:
     """The ops whose phases are recomputed exactly: from the first moved op to the last (after
     it, phases shift as one, which also orders the edges out of moved ops; see ``phases``)."""
@@ -136,6 +176,7 @@ def _window(w: Any, moving: np.ndarray) -> tuple[int, int]:
 
 
 LIGHT_FLOPS_PER_BYTE = 4   # an op without weights doing less per byte it moves follows its input
+QUICK = 4                  # a device this many times slower than the quickest for some work is a last resort
 
 
 def _nearby(spec: ClusterSpec, like: DeviceSpec) -> list[list[int]]:
@@ -179,7 +220,7 @@ def _rehome(plan: Plan, spec: ClusterSpec, dev: np.ndarray, moving: np.ndarray,
     cols = [w.device_times(d) for d in spec.devices]
     # Devices far slower than the best for this work (a CPU beside GPUs) are a last resort.
     work = np.array([cols[d][moving].sum() for d in cands])
-    quick = [d for d, x in zip(cands, work.tolist()) if x <= 4 * work.min()]
+    quick = [d for d, x in zip(cands, work.tolist()) if x <= QUICK * work.min()]
     if float(np.maximum(free[quick], 0).sum()) >= need:
         cands = quick
     cand = np.array(cands, dtype=np.int64)
@@ -326,21 +367,51 @@ def _slowed(plan: Plan, spec: ClusterSpec, i: int) -> tuple[np.ndarray, np.ndarr
     f = float(new_t.sum()) / max(old_t, 1e-30)
     if f < SLOWER:
         return dev, none
-    tail = np.cumsum(new_t[::-1])
-    k = int(np.searchsorted(tail, (1 - 1 / f) * float(new_t.sum()))) + 1
-    cap = weight_capacity(spec)
+    shed = (1 - 1 / f) * float(new_t.sum())
+    tries = _stage_tries(plan, spec, i, shed) if _is_pipeline(plan) else _tail_tries(plan, spec, i, shed)
+    return _first_faster(plan, spec, dev, tries)
+
+
+def _tail_tries(plan: Plan, spec: ClusterSpec, i: int, shed: float) -> list[list[tuple[np.ndarray, int]]]:
+    """The last ops of device i holding ``shed`` seconds of its work (then half, a quarter of
+    them), each to the devices nearest, then fastest, first."""
+    w = plan.workload
+    mine = np.flatnonzero(plan.device_of == i)
+    k = int(np.searchsorted(np.cumsum(w.device_times(spec.devices[i])[mine][::-1]), shed)) + 1
     home = spec.devices[i]
     # NOTE: the tail moves whole to one device, nearest and fastest first, so the pipeline
     # stays a pipeline (one hop more at most); less of it moves where it does not fit.
     speed = {e: float(w.device_times(d)[mine].sum()) for e, d in enumerate(spec.devices) if e != i}
     order = sorted(speed, key=lambda e: (spec.devices[e].where != home.where,
                                          spec.devices[e].rack != home.rack, speed[e]))
-    simulate = w.n <= SIMULATE_MAX_OPS
+    return [[(np.sort(mine[::-1][:part]), e) for e in order] for part in (k, k // 2, k // 4) if part]
+
+
+def _stage_tries(plan: Plan, spec: ClusterSpec, i: int, shed: float) -> list[list[tuple[np.ndarray, int]]]:
+    """A pipeline's device i sheds ``shed`` seconds (then half, a quarter) of its busiest run:
+    its tail to the next stage's device, else its head to the previous one."""
+    t = plan.workload.device_times(spec.devices[i])
+    ops, prev, nxt = max(_stages_of(plan, plan.device_of, i), key=lambda r: float(t[r[0]].sum()))
+    k_tail = min(int(np.searchsorted(np.cumsum(t[ops][::-1]), shed)) + 1, len(ops))
+    k_head = min(int(np.searchsorted(np.cumsum(t[ops]), shed)) + 1, len(ops))
+    tries = []
+    for d in (1, 2, 4):
+        tail, head = ops[len(ops) - k_tail // d:], ops[:k_head // d]
+        tries.append([(part, to) for part, to in ((tail, nxt), (head, prev)) if to >= 0 and len(part)])
+    return tries
+
+
+def _first_faster(plan: Plan, spec: ClusterSpec, dev: np.ndarray,
+                  tries: list[list[tuple[np.ndarray, int]]]) -> tuple[np.ndarray, np.ndarray]:
+    """Of each list of (ops, device) moves, the first that fits; the one the simulator finds
+    fastest, if faster than ``dev`` (the first that fits, past ``SIMULATE_MAX_OPS``)."""
+    none = np.zeros(0, dtype=np.int64)
+    cap = weight_capacity(spec)
+    simulate = plan.workload.n <= SIMULATE_MAX_OPS
     best, best_s, best_moving = None, Plan(plan.graph, spec, dev, plan.method,
                                            info={"fused": plan.fused}).makespan_s if simulate else 0.0, none
-    for part in (k, k // 2, k // 4):
-        moving = np.sort(mine[::-1][:part]) if part else none
-        for e in order if len(moving) else ():
+    for moves in tries:
+        for moving, e in moves:
             trial = dev.copy()
             trial[moving] = e
             p = Plan(plan.graph, spec, trial, plan.method, info={"fused": plan.fused})
@@ -364,6 +435,9 @@ def _shrink(plan: Plan, spec: ClusterSpec, i: int) -> tuple[np.ndarray, np.ndarr
     held = float(w.weight_bytes[mine].sum())
     if held <= cap[i]:
         return _slowed(plan, spec, i)
+    shed = _shed_stage(plan, spec, i) if _is_pipeline(plan) else None
+    if shed is not None:
+        return shed, np.flatnonzero(shed != plan.device_of)
     times = w.times(spec)
     # Leave first the ops that hold the most bytes per second of work here.
     ratio = w.weight_bytes[mine] / np.maximum(times[mine, i], 1e-12)
@@ -380,3 +454,193 @@ def _shrink(plan: Plan, spec: ClusterSpec, i: int) -> tuple[np.ndarray, np.ndarr
     moving = np.sort(order[:k])
     dev[moving] = -1
     return _rehome(plan, spec, dev, moving, spec.devices[i], exclude=i), moving
+
+
+# --- pipelines: stage boundaries move, stages do not scatter ------------------------------------
+PIPELINE_METHODS = ("follow-decode", "stages")
+
+
+def _is_pipeline(plan: Plan) -> bool:
+    """Placed as contiguous stages of the topological order (see the module docstring)."""
+    return plan.method in PIPELINE_METHODS
+
+
+def _runs(dev: np.ndarray) -> list[tuple[int, int, int]]:
+    """(start, end, device) of each maximal run of equal entries of ``dev``."""
+    cuts = (np.flatnonzero(dev[1:] != dev[:-1]) + 1).tolist()
+    return [(s, e, int(dev[s])) for s, e in zip([0, *cuts], [*cuts, len(dev)])]
+
+
+def _stages_of(plan: Plan, dev: np.ndarray, d: int) -> list[tuple[np.ndarray, int, int]]:
+    """Device d's runs, passing over other devices' ops that read no weights (a view that follows
+    its input, a mask): (its ops, the device of the run before, of the run after; -1: none)."""
+    anchor = np.fromiter((bool(op.params) for op in plan.graph.ops), dtype=bool, count=len(dev))
+    pos = np.flatnonzero((dev == d) | anchor)
+    return [(pos[s:e], int(dev[pos[s - 1]]) if s else -1, int(dev[pos[e]]) if e < len(pos) else -1)
+            for s, e, x in _runs(dev[pos]) if x == d]
+
+
+def _held(plan: Plan, spec: ClusterSpec, dev: np.ndarray) -> np.ndarray:
+    """[D] weight bytes each device of ``spec`` holds under ``dev`` (a shared tile once each)."""
+    return Plan(plan.graph, spec, dev.copy()).weight_bytes
+
+
+def _first(lo: int, hi: int, ok: Callable[[int], bool]) -> int:
+    """The smallest k in [lo, hi] with ``ok(k)`` (false, then true from there on); hi + 1 if none."""
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        if ok(mid):
+            hi = mid - 1
+        else:
+            lo = mid + 1
+    return lo
+
+
+def _busy(plan: Plan, spec: ClusterSpec, dev: np.ndarray) -> np.ndarray:
+    """[D] modelled seconds of the ops ``dev`` gives each device."""
+    w = plan.workload
+    return np.array([float(w.device_times(d)[dev == i].sum()) for i, d in enumerate(spec.devices)])
+
+
+def _merge_lost(plan: Plan, lost: int) -> np.ndarray | None:
+    """A pipeline's loss, in ``plan.spec``'s indices: each run of the lost device goes to the
+    runs around it (``_split``), the runs no split fits whole to one device (``_whole``);
+    None when some run fits neither."""
+    spec, dev = plan.spec, plan.device_of.copy()
+    room = np.maximum(weight_capacity(spec), plan.weight_bytes + 0.5)   # NOTE: as _replan checks
+    busy = _busy(plan, spec, dev)
+    left: list[np.ndarray] = []
+    for ops, prev, nxt in _stages_of(plan, plan.device_of, lost):
+        nxt = -1 if nxt == prev else nxt
+        k = _split(plan, dev, ops, prev, nxt, busy, room)
+        if k < 0:
+            left.append(ops)
+            continue
+        dev[ops[:k]], dev[ops[k:]] = prev, nxt
+        for x, part in ((prev, ops[:k]), (nxt, ops[k:])):
+            busy[x] += float(plan.workload.device_times(spec.devices[x])[part].sum())
+    return _whole(plan, dev, lost, np.concatenate(left), room) if left else dev
+
+
+def _split(plan: Plan, dev: np.ndarray, ops: np.ndarray, prev: int, nxt: int, busy: np.ndarray,
+           room: np.ndarray) -> int:
+    """How many of ``ops`` go to ``prev``, the rest going to ``nxt`` (-1: none), both within
+    ``room`` and finishing soonest by ``busy`` and the ops' times; -1 if no split fits."""
+    lo, hi = (0 if nxt >= 0 else len(ops)), (len(ops) if prev >= 0 else 0)
+
+    def held(k: int) -> np.ndarray:
+        trial = dev.copy()
+        trial[ops[:k]], trial[ops[k:]] = prev, nxt
+        return _held(plan, plan.spec, trial)
+
+    if prev >= 0:   # NOTE: prev holds more as k grows, nxt less: the splits that fit are [lo, hi]
+        hi = _first(lo, hi, lambda k: held(k)[prev] > room[prev]) - 1
+    if nxt >= 0:
+        lo = _first(lo, hi, lambda k: held(k)[nxt] <= room[nxt])
+    if lo > hi:
+        return -1
+    w, ks = plan.workload, np.arange(lo, hi + 1)
+    finish = np.zeros(len(ks))
+    if prev >= 0:
+        finish = busy[prev] + np.r_[0.0, np.cumsum(w.device_times(plan.spec.devices[prev])[ops])][ks]
+    if nxt >= 0:
+        t = w.device_times(plan.spec.devices[nxt])[ops]
+        finish = np.maximum(finish, busy[nxt] + np.r_[np.cumsum(t[::-1])[::-1], 0.0][ks])
+    return int(ks[int(np.argmin(finish))])
+
+
+def _whole(plan: Plan, dev: np.ndarray, lost: int, moving: np.ndarray, room: np.ndarray) -> np.ndarray | None:
+    """``moving`` on one device with room: one not far slower than the quickest, an idle one
+    (it takes the stage over), the nearest to the lost one, the fastest first; None if none fits."""
+    spec, w = plan.spec, plan.workload
+    holding = set(dev.tolist())
+    ring = {x: r for r, xs in enumerate(_nearby(spec, spec.devices[lost])) for x in xs if x != lost}
+    took = {x: float(w.device_times(spec.devices[x])[moving].sum()) for x in ring}
+    quickest = min(took.values(), default=0.0)
+    for x in sorted(ring, key=lambda x: (took[x] > QUICK * quickest, x in holding, ring[x], took[x], x)):
+        trial = _with(dev, moving, x)
+        if _held(plan, spec, trial)[x] <= room[x]:
+            return trial
+    return None
+
+
+def _take_stage(plan: Plan, spec: ClusterSpec, dev: np.ndarray, new: int) -> np.ndarray:
+    """A pipeline's newcomer takes one of the busiest device's runs whole, or the back of one
+    (``_backs``): of those that gain more than a cut costs, the one that adds the fewest tasks
+    per step, then gains the most. None gains: it stays spare."""
+    a = int(np.argmax(_busy(plan, spec, dev)))
+    cut = float(spec.cut_latency[a, new])
+    takes = [(g, back) for ops, _, _ in _stages_of(plan, dev, a)
+             for g, back in _backs(plan, spec, dev, ops, a, new) if g > cut]
+    if not takes:
+        return dev
+    tasks = len(_fused(plan, spec, dev).blocks)
+
+    def cost(take: tuple[float, np.ndarray]) -> tuple[int, float]:
+        return len(_fused(plan, spec, _with(dev, take[1], new)).blocks) - tasks, -take[0]
+
+    return _with(dev, min(takes, key=cost)[1], new)
+
+
+def _backs(plan: Plan, spec: ClusterSpec, dev: np.ndarray, ops: np.ndarray, a: int,
+           new: int) -> list[tuple[float, np.ndarray]]:
+    """Device a's run ``ops`` whole, and its back split where the two finish soonest, each
+    within the newcomer's room, with the seconds device a then finishes sooner."""
+    cols = plan.workload.device_times(spec.devices[a]), plan.workload.device_times(spec.devices[new])
+    room = float(weight_capacity(spec)[new])
+
+    def fits(k: int) -> bool:
+        return bool(_held(plan, spec, _with(dev, ops[k:], new))[new] <= room)
+
+    ks = np.arange(_first(0, len(ops) - 1, fits), len(ops))    # NOTE: the newcomer takes one op at least
+    busy = float(cols[0][dev == a].sum())
+    back_a, back_new = (np.cumsum(c[ops][::-1])[::-1][ks] for c in cols)
+    gain = busy - np.maximum(busy - back_a, back_new)
+    out = [(float(gain[0]), ops)] if len(ks) and ks[0] == 0 else []
+    if len(ks) > len(out):
+        j = len(out) + int(np.argmax(gain[len(out):]))
+        out.append((float(gain[j]), ops[int(ks[j]):]))
+    return out
+
+
+def _with(dev: np.ndarray, ops: np.ndarray, d: int) -> np.ndarray:
+    out = dev.copy()
+    out[ops] = d
+    return out
+
+
+def _fused(plan: Plan, spec: ClusterSpec, dev: np.ndarray) -> Plan:
+    return Plan(plan.graph, spec, dev.copy(), plan.method, info={"fused": plan.fused})
+
+
+def _shed_stage(plan: Plan, spec: ClusterSpec, i: int) -> np.ndarray | None:
+    """A pipeline's device i past its new memory: the fewest ops at one end of one of its runs
+    go to the device of the run beside that end (``_shed_end``), the receiver that then
+    finishes soonest; None when no end can take enough."""
+    dev, w = plan.device_of, plan.workload
+    room = np.maximum(weight_capacity(spec), plan.weight_bytes + 0.5)   # NOTE: as _replan checks
+    room[i] = weight_capacity(spec)[i]
+    busy = _busy(plan, spec, dev)
+    best, best_t = None, np.inf
+    for ops, prev, nxt in _stages_of(plan, dev, i):
+        for end, to in ((ops[::-1], nxt), (ops, prev)):     # its tail to the next, its head to the previous
+            trial = _shed_end(plan, spec, end, to, i, room) if to >= 0 else None
+            if trial is not None:
+                t = busy[to] + float(w.device_times(spec.devices[to])[trial != dev].sum())
+                if t < best_t:
+                    best, best_t = trial, t
+    return best
+
+
+def _shed_end(plan: Plan, spec: ClusterSpec, end: np.ndarray, to: int, i: int,
+              room: np.ndarray) -> np.ndarray | None:
+    """The plan's devices with the fewest first ops of ``end`` on ``to`` that bring device i
+    within ``room``, if ``to`` stays within its own; else None."""
+    def fits(m: int) -> bool:
+        return bool(_held(plan, spec, _with(plan.device_of, end[:m], to))[i] <= room[i])
+
+    m = _first(1, len(end), fits)
+    if m > len(end):
+        return None
+    trial = _with(plan.device_of, end[:m], to)
+    return trial if _held(plan, spec, trial)[to] <= room[to] else None
