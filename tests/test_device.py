@@ -197,7 +197,7 @@ def test_a_model_keeps_its_kind_of_worker_when_workers_join() -> None:
 def fake_worker() -> types.SimpleNamespace:
     """Just what ``SeaBiscuitWorkerPlugin.setup`` touches of a Dask worker."""
     return types.SimpleNamespace(
-        address="tcp://10.0.0.1:4001", metrics={}, handlers={},
+        address="tcp://10.0.0.1:4001", metrics={}, handlers={}, stream_handlers={},
         state=types.SimpleNamespace(nthreads=torch.get_num_threads(), total_resources={"MEM": BUDGET}),
         memory_manager=types.SimpleNamespace(memory_limit=2**30),
         loop=types.SimpleNamespace(add_callback=lambda *a, **kw: None), scheduler=None)
