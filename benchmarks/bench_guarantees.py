@@ -29,10 +29,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import seabiscuit_dask as sb  # noqa: E402
-from seabiscuit_dask.runtime.agent import median_s  # noqa: E402
-from tests.clusters import seabiscuit_cluster  # noqa: E402
-from tests.test_generate import decoder, padded_batch  # noqa: E402
+import seabiscuit_dask as sb
+from seabiscuit_dask.runtime.agent import median_s
+from tests.clusters import seabiscuit_cluster
+from tests.test_generate import decoder, padded_batch
 
 X = torch.zeros(1, 16, dtype=torch.long)
 

@@ -85,32 +85,37 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
         self.activity = Activity()                           # block runs and request latencies, for the page
         self.fenced: dict[str, str] = {}                     # address -> why: hung, replanned around
         self._secret = access.new_token()                    # NOTE: each worker gets its own HMAC of it
-        self._claims: dict[str, str] = {}                    # deploy claim -> client whose stream sent it
-        self._claimed: asyncio.Condition | None = None     # NOTE: made on the scheduler's loop
+        self._claims: dict[str, tuple[str, float]] = {}      # deploy claim -> (client, when it came)
+        self._claim_waiters: dict[str, asyncio.Future[str]] = {}
         self._background: set[Any] = set()
 
     async def start(self, scheduler: Any) -> None:
         self.scheduler = scheduler
-        self._claimed = asyncio.Condition()
         scheduler.handlers.update({f"seabiscuit_{n}": _refusing(getattr(self, n)) for n in (
             "deploy", "release", "block", "owned", "workers", "plan", "drain", "restore", "budget",
             "pressure", "runs", "hello", "learned", "program", "end_sessions", "stalled")})
-        # NOTE: a client's own batched stream: the scheduler fills in ``client=``, so it cannot be forged
+        # NOTE: a client's own batched stream: the scheduler fills in ``client=`` (as for Dask's own
+        # update-graph, a client may name another there; see docs/runtime.md)
         scheduler.stream_handlers["seabiscuit_claim"] = self.claim
+        self._desires_keys = scheduler.stream_handlers["client-desires-keys"]
+        scheduler.stream_handlers["client-desires-keys"] = self._desires
         for addr in scheduler.workers:
             self.add_worker(scheduler, addr)
         install_dashboard(scheduler, self)
-        await scheduler.register_worker_plugin(None, dumps(SeaBiscuitWorkerPlugin()), PLUGIN_NAME,
-                                               idempotent=True)
-        for addr in scheduler.workers:
-            self._send_secret(addr)
+        replies = await scheduler.register_worker_plugin(None, dumps(SeaBiscuitWorkerPlugin()), PLUGIN_NAME,
+                                                         idempotent=True)
+        for addr, reply in (replies or {}).items():     # NOTE: only a worker with the plugin knows the op
+            if isinstance(reply, dict) and reply.get("status") == "OK":
+                self._send_secret(addr)
 
     # --- hooks ------------------------------------------------------------------------------
     def update_graph(self, scheduler: Any, *, tasks: Iterable[Any] = (), keys: Iterable[Any] = (),
                      client: str = "", **kwargs: Any) -> None:
         parsed = [(k, p) for k in tasks if (p := parse_key(k)) is not None]
-        foreign = {k for k in [*tasks, *keys] if (p := parse_key(k)) is not None
-                   and p[0] in self.state.models and self.owners.get(p[0]) != client}
+        foreign = {k for k in [*tasks, *keys] if not self._may_touch(client, k)}
+        # NOTE: a task that reads another client's block output would hand it over
+        foreign |= {k for k in tasks if (ts := self.scheduler.tasks.get(k)) is not None
+                    and any(not self._may_touch(client, d.key) for d in ts.dependencies)}
         if foreign:
             self._refuse(client, foreign)
             parsed = [(k, p) for k, p in parsed if k not in foreign]
@@ -118,11 +123,25 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
             self._apply(self.state.handle(TasksSubmitted(tuple(k for k, _ in parsed))))
             self.activity.submitted([p for _, p in parsed])
 
+    def _may_touch(self, client: str, key: Any) -> bool:
+        """Whether ``client`` may run or read ``key``: any key but another owner's ``sb-*`` ones."""
+        p = parse_key(key)
+        return p is None or p[0] not in self.state.models or self.owners.get(p[0]) == client
+
+    def _desires(self, keys: Any = (), client: str = "", **kwargs: Any) -> None:
+        """Dask's ``client-desires-keys`` (``Future(key)``), less other owners' block outputs."""
+        keys = list(keys or ())
+        refused = {k for k in keys if not self._may_touch(client, k)}
+        if refused:
+            self._refuse(client, refused)
+        self._desires_keys(keys=[k for k in keys if k not in refused], client=client, **kwargs)
+
     def _refuse(self, client: str, keys: set[Any]) -> None:
         """``client`` sent tasks of models it did not deploy: they never run, and it is told why."""
-        models = sorted({str(parse_key(k)[0]) for k in keys})       # type: ignore[index]
-        msg = (f"AccessDenied: client {client} sent {len(keys)} task(s) of model(s) {', '.join(models)}, "
-               "which another client deployed; only a model's owner may run it")
+        models = sorted({str(p[0]) for k in keys if (p := parse_key(k)) is not None}) or ["(dependents)"]
+        msg = (f"AccessDenied: client {client} sent {len(keys)} task(s) of or reading model(s) "
+               f"{', '.join(models)}, which another client deployed; only a model's owner may run or "
+               "read it")
         logger.warning("seabiscuit: %s", msg)
         cs = self.scheduler.clients.get(client)
         for k in keys:
@@ -185,13 +204,20 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
 
     def remove_client(self, scheduler: Any = None, client: str = "", **kwargs: Any) -> None:
         """A client that leaves without ``close()`` takes its models with it."""
+        for n in [n for n, (c, _) in self._claims.items() if c == client]:
+            del self._claims[n]
         for model in [m for m, c in self.owners.items() if c == client]:
             logger.info("seabiscuit: client %s left: releasing model %s", client, model)
             graph = self.state.models[model].plan.graph if model in self.state.models else None
-            self._background_task(self._release(model))
-            if graph is not None:      # NOTE: the client cannot remove its weight store now
-                for folder in remove_store(graph):
-                    logger.info("seabiscuit: removed the weight store %s of model %s", folder, model)
+            self._background_task(self._release(model, graph))
+
+    async def _drop_store(self, model: str, graph: Any) -> None:
+        """Remove the weight store of a model whose client left (it cannot remove it now)."""
+        try:
+            for folder in await asyncio.to_thread(remove_store, graph):
+                logger.info("seabiscuit: removed the weight store %s of model %s", folder, model)
+        except OSError as e:
+            logger.warning("seabiscuit: weight store of model %s not removed: %s", model, e)
 
     # --- carrying out instructions -----------------------------------------------------------
     def _apply(self, instructions: list[Instruction], wait: bool = False) -> list[str]:
@@ -213,7 +239,7 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
                     # 100 ms one generation), and in each, blocks whose outputs leave the
                     # worker first: concurrent requests pipeline instead of queueing.
                     ts.priority = (ts.priority[0], *ins.order)
-                if ins.repin and ts.state == "no-worker":
+                if ts.state == "no-worker":     # NOTE: a re-pin, or a key a refused task held first
                     retry[ins.key] = "processing"
             elif isinstance(ins, PlanChanged):
                 self._plan_changed(ins)
@@ -313,30 +339,36 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
     # --- who is asking ------------------------------------------------------------------------
     def claim(self, client: str = "", nonce: str = "", **kwargs: Any) -> None:
         """Stream handler: ``client`` (filled in by the scheduler from its own stream) will deploy
-        with ``nonce``; that deploy's model is then owned by ``client``."""
-        if client and isinstance(nonce, str) and 16 <= len(nonce) <= 128 and len(self._claims) < 10_000:
-            self._claims[nonce] = client
-            self._background_task(self._notify_claims())
-
-    async def _notify_claims(self) -> None:
-        assert self._claimed is not None
-        async with self._claimed:
-            self._claimed.notify_all()
+        with ``nonce``; that deploy's model is then owned by ``client``. Claims last
+        ``seabiscuit.runtime.sync-timeout``, at most 64 a client."""
+        now = time.monotonic()
+        ttl = seconds("runtime.sync-timeout")
+        for n in [n for n, (_, t) in self._claims.items() if now - t > ttl]:
+            del self._claims[n]
+        mine = sum(c == client for c, _ in self._claims.values())
+        if client and isinstance(nonce, str) and 16 <= len(nonce) <= 128 and mine < 64:
+            self._claims[nonce] = (client, now)
+            waiter = self._claim_waiters.pop(nonce, None)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(client)
 
     async def _claimant(self, nonce: Any) -> str:
         """The client whose stream sent ``nonce`` (it may arrive just after the deploy RPC)."""
         if not isinstance(nonce, str) or not nonce:
             raise AccessDenied("deploy needs the claim its client sent on its own stream "
                                "(use sb.deploy or sb.distribute)")
-        assert self._claimed is not None
-        async with self._claimed:
+        if nonce in self._claims:
+            client = self._claims.pop(nonce)[0]
+        else:
+            waiter = self._claim_waiters.setdefault(nonce, asyncio.get_running_loop().create_future())
             try:
-                await asyncio.wait_for(self._claimed.wait_for(lambda: nonce in self._claims),
-                                       seconds("runtime.sync-timeout"))
+                client = await asyncio.wait_for(asyncio.shield(waiter), seconds("runtime.sync-timeout"))
             except asyncio.TimeoutError:
                 raise AccessDenied("deploy's claim never came on a client's stream: only a connected "
                                    "client may deploy (use sb.deploy or sb.distribute)") from None
-        client = self._claims.pop(nonce)
+            finally:
+                self._claim_waiters.pop(nonce, None)
+                self._claims.pop(nonce, None)
         if client not in self.scheduler.clients:
             raise AccessDenied(f"client {client} left before its deploy arrived")
         return client
@@ -366,13 +398,13 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
 
         The owner is the client whose stream sent ``claim`` (``runtime.client.deploy`` does).
         """
+        owner = await self._claimant(claim)      # NOTE: first, so a refused deploy leaves no claim
         g = OpGraph.from_json(graph)
         require_registered(g, "deploy")          # NOTE: UnsupportedOp before any worker sees it
         access.check_graph_paths(g)
         if checkpoint_dir:
             access.check_path(checkpoint_dir, "checkpoint folder")
         p = Plan.from_json(plan, g)
-        owner = await self._claimant(claim)
         for d in p.spec.devices:     # NOTE: workers that joined before the plugin reported
             if d.address in self.scheduler.workers and d.address not in self.state.devices \
                     and d.address not in self.fenced:
@@ -400,7 +432,7 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
         """Every worker frees the KV caches of ``sessions`` of ``model``; returns the bytes freed."""
         self.state.authorized(access.check_model_id(model), token)
         ids = [int(s) for s in sessions or ()]
-        timeout = seconds("runtime.sync-timeout")
+        timeout = seconds("runtime.probe-timeout")        # NOTE: a drop is quick; a hung worker waits
 
         async def one(addr: str) -> int:
             try:
@@ -418,12 +450,15 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
         await self._release(model)
         return True
 
-    async def _release(self, model: str) -> None:
+    async def _release(self, model: str, store_of: Any = None) -> None:
+        """Forget ``model`` everywhere; with ``store_of`` (its graph), remove its weight store too."""
         self.state.handle(ModelReleased(model))
         for d in (self.block_runs, self.run_totals, self.owners):
             d.pop(model, None)
         self.activity.forget(model)
         await self._sync_workers(model)
+        if store_of is not None:
+            await self._drop_store(model, store_of)
 
     async def drain(self, comm: Any = None, model: str = "", token: str = "", address: str = "",
               reason: str = "drained") -> dict[str, Any]:
@@ -522,12 +557,18 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
                 out.update(ws.address for ws in dts.who_has or ())
         return {a for a in out if a in self.scheduler.workers}
 
-    async def _answers(self, address: str) -> bool:
-        try:
-            await asyncio.wait_for(self.scheduler.rpc(address).identity(), seconds("runtime.probe-timeout"))
-            return True
-        except Exception:  # noqa: BLE001 - no answer in time, or none at all
-            return address not in self.scheduler.workers     # NOTE: one that left is no hung one
+    async def _answers(self, address: str, tries: int = 2) -> bool:
+        """Whether ``address`` answers one of ``tries`` probes (a worker that left counts as one
+        that answers: it is no hung one)."""
+        for _ in range(tries):
+            try:
+                await asyncio.wait_for(self.scheduler.rpc(address).identity(),
+                                       seconds("runtime.probe-timeout"))
+                return True
+            except Exception:  # noqa: BLE001 - no answer in time, or none at all
+                if address not in self.scheduler.workers:
+                    return True
+        return False
 
     def _fence(self, address: str, why: str) -> None:
         """Replan every model around a worker that stopped answering, as if it had left."""
@@ -540,10 +581,13 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
     async def _watch(self, address: str) -> None:
         """Probe a fenced worker until it answers (then it takes work again) or leaves."""
         while address in self.fenced and address in self.scheduler.workers:
-            if await self._answers(address):
-                del self.fenced[address]
+            if await self._answers(address, tries=1):
+                if self.fenced.pop(address, None) is None:
+                    return
                 logger.info("seabiscuit: fenced worker %s answers again: it takes work again", address)
                 self._publish({"action": "unfenced", "address": address})
+                for model in list(self.state.models):    # NOTE: it drops what moved while it was fenced
+                    self._background_task(self._sync_workers(model, owners=False))
                 device = self._device_of(address)
                 if device is not None:
                     self._apply(self.state.handle(DeviceAdded(device)))
@@ -562,11 +606,17 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
         access.check_model_id(model)
         return self.state.owned(model, self._check_worker(address, secret))
 
-    def hello(self, comm: Any = None, address: str = "", report: dict[str, Any] | None = None) -> bool:
+    async def hello(self, comm: Any = None, address: str = "", report: dict[str, Any] | None = None) -> bool:
         """A worker's agent reports for the first time: a worker not yet placed on becomes usable.
 
-        Whoever asks, the worker at ``address`` is sent its secret down its own stream."""
+        Whoever asks, the worker at ``address`` is sent its secret down its own stream, once
+        its plugin answers (a worker without one would drop its stream on the unknown op)."""
         if address not in self.scheduler.workers:
+            return False
+        try:
+            await asyncio.wait_for(self.scheduler.rpc(address).seabiscuit_report(),
+                                   seconds("runtime.sync-timeout"))
+        except Exception:  # noqa: BLE001 - no agent there (yet): nothing to send or place
             return False
         self._send_secret(address)
         if address in self.state.devices or address in self.fenced:
@@ -594,25 +644,14 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
 def _refusing(handler: Any) -> Any:
     """``handler`` as an RPC whose expected refusals (``SeaBiscuitError``) log one line, not a
     traceback; the caller still gets the exception."""
-    def refused(e: SeaBiscuitError) -> Any:
-        logger.info("seabiscuit: refused %s: %s: %s", handler.__name__, type(e).__name__, e)
-        return error_message(e, status="uncaught-error")
-
-    if inspect.iscoroutinefunction(handler):
-        @functools.wraps(handler)
-        async def run_async(*args: Any, **kwargs: Any) -> Any:
-            try:
-                return await handler(*args, **kwargs)
-            except SeaBiscuitError as e:
-                return refused(e)
-        return run_async
-
     @functools.wraps(handler)
-    def run(*args: Any, **kwargs: Any) -> Any:
+    async def run(*args: Any, **kwargs: Any) -> Any:
         try:
-            return handler(*args, **kwargs)
+            out = handler(*args, **kwargs)
+            return await out if inspect.isawaitable(out) else out
         except SeaBiscuitError as e:
-            return refused(e)
+            logger.info("seabiscuit: refused %s: %s: %s", handler.__name__, type(e).__name__, e)
+            return error_message(e, status="uncaught-error")
     return run
 
 

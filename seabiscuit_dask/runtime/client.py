@@ -15,7 +15,6 @@ scheduler plugin tells this object on the ``seabiscuit`` event topic.
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import secrets
 import shutil
@@ -42,7 +41,7 @@ from .discover import measure_cluster, workers_info
 from .local import assemble_outputs, bind_call, check_ids, flatten_inputs, split_inputs, unflatten_outputs
 from .resident import writable
 from .store import stored
-from .tasks import PICK, load_block_json, run_block_task
+from .tasks import PICK, load_block, run_block_task
 from .watch import Deadline, seconds
 
 Progress = Callable[[str], None]
@@ -95,6 +94,7 @@ class DistributedModel:
             if version < self.version:
                 return      # NOTE: the event and a catch-up may bring the same plan twice
             self._plan, self.version, self.specs, self._out_blocks = plan, version, specs, out
+            self._stranded = None       # NOTE: a newer plan holds the model again
             for prog in [*self._programs.values(), *self._shape_programs.values()]:
                 prog.follow(plan, self.model_id, version, verify_every=self.verify_every)
             self._changed.notify_all()
@@ -115,7 +115,6 @@ class DistributedModel:
                 threading.Thread(target=self.client.cancel, args=(doomed,), daemon=True).start()
         elif msg.get("action") == "plan" and int(msg["version"]) > self.version:
             self._set_plan(Plan.from_json(msg["plan"], self.graph), int(msg["version"]))
-            self._stranded = None      # NOTE: a newer plan holds the model again
 
     # --- requests -----------------------------------------------------------------------------
     def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
@@ -417,7 +416,9 @@ class DistributedModel:
         try:
             self._await(request, futures, program)
             return list(self.client.gather(futures))
-        except SeaBiscuitError:
+        except SeaBiscuitError as e:
+            if self._closed and not isinstance(e, ModelClosed):
+                raise self._request_error(request, e) from e
             raise
         except Exception as e:
             raise self._request_error(request, e) from e
@@ -440,6 +441,11 @@ class DistributedModel:
                 self._check_open()
                 reply = self.client.sync(self.client.scheduler.seabiscuit_stalled, model=self.model_id,
                                          token=self._token, request=request)
+                if reply.get("stranded"):
+                    with self._changed:
+                        self._stranded = str(reply["stranded"])
+                    raise WorkerLost(f"request {request} of model {self.model_id} cannot finish: "
+                                     f"{reply['stranded']}") from None
                 if reply.get("fenced"):
                     self._catch_up(reply.get("version"))
                     raise WorkerHung(
@@ -486,7 +492,6 @@ class DistributedModel:
                 self._stranded = str(reply["stranded"])
         elif int(reply["version"]) > self.version:
             self._set_plan(Plan.from_json(reply["plan"], self.graph), int(reply["version"]))
-            self._stranded = None
 
     def _wait_version(self, want: int) -> None:
         """Block until this object holds plan ``want`` (its event comes on the client's loop)."""
@@ -585,6 +590,9 @@ class DistributedModel:
         with self._changed:
             self._closed = True
             self._changed.notify_all()
+        doomed = [f for futures in list(self._inflight.values()) for f in futures]
+        if doomed and self.client.status == "running":
+            self.client.cancel(doomed)       # NOTE: calls in flight end now, as ModelClosed
         if self._engine is not None:
             self._engine.close()
         try:
@@ -793,6 +801,13 @@ def deploy(plan: Plan, client: Any, *, weights: Any = None,
 def claim(client: Any) -> str:
     """A one-off secret this client sends down its own stream to the scheduler plugin: the deploy
     RPC that shows it makes this client the model's owner (an RPC alone says nothing of who asks)."""
+    from .discover import HOW_TO_INSTALL, PluginMissing
+
+    try:     # NOTE: an op the scheduler does not know would end this client's stream
+        client.sync(client.scheduler.seabiscuit_hello, address="")
+    except Exception as e:
+        raise PluginMissing(f"the cluster at {client.scheduler.address} has no SeaBiscuit plugin: "
+                            + HOW_TO_INSTALL) from e
     nonce = secrets.token_hex(16)
     client._send_to_scheduler({"op": "seabiscuit_claim", "nonce": nonce})
     return nonce
@@ -951,7 +966,7 @@ def _load(client: Any, specs: list[BlockSpec], say: Progress) -> None:
     """Every worker loads its blocks' weight tiles; progress by bytes."""
     from distributed import as_completed
 
-    dsk = {(task_name(s.model), s.version, -1, s.index): (load_block_json, json.dumps(s.to_dict()))
+    dsk = {(task_name(s.model), s.version, -1, s.index): (load_block, s.model, s.version, s.index)
            for s in specs}
     total = sum(s.weight_bytes for s in specs)
     futures = client.get(dsk, list(dsk), sync=False)

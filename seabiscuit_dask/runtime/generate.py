@@ -188,6 +188,7 @@ class Engine:
         self._ids = itertools.count()
         self._pending: list[Call] = []
         self._active: list[Call] = []
+        self._admitting: list[Call] = []       # taken from _pending, being prefilled
         self._open = 0
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -261,7 +262,7 @@ class Engine:
         """Stop taking calls, end those running at their next step, and wait for the loop."""
         with self._cond:
             self._closed = True
-            for call in self._pending + self._active:
+            for call in self._pending + self._active + self._admitting:
                 call.closing = ModelClosed(f"{self.name} was closed after {call.produced} of "
                                            f"{call.max_new} new tokens of this call: it did not finish")
             self._cond.notify()
@@ -280,11 +281,14 @@ class Engine:
                 if self._closed and not (self._pending or self._active):
                     return
                 new, self._pending = self._pending, []
+                self._admitting = list(new)
             for call in new:
                 if call.cancelled or call.closing:
                     self._finish(call, call.closing)
                     continue
                 self._guard(call, self._admit)
+            with self._cond:
+                self._admitting = []
             if self._active:
                 self._decode_round()
             if not self._active:

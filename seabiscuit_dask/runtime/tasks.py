@@ -7,7 +7,6 @@ hold from the scheduler plugin.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -43,12 +42,12 @@ def check_task(w: Any, model: str, version: int, request: int, block: int) -> No
                            f"{(task_name(model), version, request, block)}, not as {key!r}")
 
 
-def load_block_json(spec: str) -> int:
-    """Task: make a block resident on this worker (spec as JSON text); returns its weight bytes."""
-    block = BlockSpec.from_dict(json.loads(spec))
+def load_block(model: str, version: int, block: int) -> int:
+    """Task: make a block resident on this worker; returns its weight bytes. Its spec comes from
+    the scheduler plugin, never from the task, so whoever made the task chose no weight file."""
     w = get_worker()
-    check_task(w, block.model, block.version, -1, block.index)
-    return resident(w).load(block).nbytes
+    check_task(w, model, version, -1, block)
+    return resident(w).load(BlockSpec.from_dict(fetch_spec(model, version, block))).nbytes
 
 
 def fetch_spec(model: str, version: int, block: int) -> Mapping[str, Any]:
