@@ -72,7 +72,10 @@ class Page:
         return base64.b64decode(shot["data"])
 
     def close(self) -> None:
-        self._ws.close()
+        async def close_ws() -> None:      # NOTE: on its own loop: the thread may have no current one
+            self._ws.close()
+
+        self._loop.run_until_complete(close_ws())
         self._loop.close()
 
 

@@ -20,11 +20,12 @@ from pathlib import Path
 import dask.config
 import pytest
 import torch
-from distributed import Client
+from distributed import Client, Future
 
 import seabiscuit_dask as sb
 from seabiscuit_dask.errors import ModelClosed
 from seabiscuit_dask.runtime.client import claim
+from seabiscuit_dask.runtime.generate import _feed
 
 from .clusters import seabiscuit_cluster, wait_for
 from .test_generate import decoder, hf_greedy, padded_batch
@@ -214,6 +215,10 @@ def _zeros(*args):
     return {}
 
 
+def _first(outputs):
+    return next(iter(outputs.values()))
+
+
 def test_another_client_cannot_reach_the_model(client, model) -> None:
     from seabiscuit_dask.runtime.tasks import run_block_task
 
@@ -231,6 +236,18 @@ def test_another_client_cannot_reach_the_model(client, model) -> None:
             with pytest.raises(Exception, match="AccessDenied|another client deployed|cancel"):
                 f.result()
         torch.testing.assert_close(dm(X).logits, expected, rtol=1e-4, atol=1e-5)
+        # a block output the owner holds: neither a Future of its key nor a task reading it
+        held = dm.submit_step(1, 16, _feed([(99, 0, list(range(3, 19)))], 1, 16))
+        held.futures[0].result()                   # in memory, held by the owner
+        key = held.futures[0].key
+        stolen = Future(key, client=other)
+        with pytest.raises(Exception, match="AccessDenied|another client deployed|cancel"):
+            other.submit(_first, stolen).result()
+        with pytest.raises(Exception, match="AccessDenied|another client deployed|cancel"):
+            stolen.result()
+        assert held.futures[0].status == "finished"   # the owner's future is untouched
+        dm.discard(held)
+        dm.end_sessions([99])
         # its blocks under a key of the other client's own
         with pytest.raises(sb.AccessDenied, match="runs only as its own task"):
             other.submit(run_block_task, mine, dm.version, 0, 0, {}, key="not-a-block").result()
@@ -306,7 +323,7 @@ def test_absurd_inputs_and_plans_are_refused_before_any_work(client, model, capl
 # --- nothing left behind --------------------------------------------------------------------------
 CLIENT = """
 import sys, torch, seabiscuit_dask as sb
-from distributed import Client
+from distributed import Client, Future
 c = Client(sys.argv[1])
 dm = sb.distribute(torch.nn.Linear(64, 64), c, torch.zeros(2, 64), budget="64KiB")
 print(dm.graph.params[next(iter(dm.graph.params))].source.file, flush=True)
