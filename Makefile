@@ -45,6 +45,7 @@ bench: $(STAMP)
 	$(PYTHON) benchmarks/bench_runtime.py
 	$(PYTHON) benchmarks/bench_resilience.py
 	$(PYTHON) benchmarks/bench_generate.py
+	$(PYTHON) benchmarks/bench_guarantees.py
 
 clean:
 	rm -rf $(STAMP) .install.stamp build *.egg-info .pytest_cache .ruff_cache .mypy_cache
