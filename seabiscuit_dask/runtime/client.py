@@ -175,9 +175,12 @@ class DistributedModel:
     def _request(self, prog: StepProgram | None, graph: Any, feed: dict[str, Any]) -> Any:
         self._check_open()
         t0 = time.perf_counter()
-        with self._lock:
-            specs, out_blocks = ((prog.specs, prog.out_at) if prog is not None
-                                 else (self.specs, self._out_blocks))
+        if prog is not None:
+            layout = prog.layout
+            specs, out_blocks = layout.specs, layout.out_at
+        else:
+            with self._lock:
+                specs, out_blocks = self.specs, self._out_blocks
         request = self._next_request()
         dsk, keys = request_graph(specs, request, feed, run_block_task)
         wanted = sorted(set(out_blocks.values()))
@@ -357,6 +360,7 @@ class DistributedModel:
         prog = StepProgram(graph, int(reply["program"]))
         with self._lock:
             prog.follow(self._plan, self.model_id, self.version, verify_every=self.verify_every)
+        _ = prog.layout          # NOTE: part of building it
         prog.build_s = time.perf_counter() - t0
         return prog
 
@@ -375,8 +379,7 @@ class DistributedModel:
         the one it follows has finished: Dask's cost per step overlaps the computing)."""
         self._check_open()
         prog = self._step_program(batch, length)
-        with self._lock:
-            layout = prog.layout
+        layout = prog.layout         # NOTE: one layout, whatever plan event comes meanwhile
         specs, out_at = layout.specs, layout.out_at
         request = self._next_request()
         inputs = split_inputs(prog.graph, feed)
@@ -698,8 +701,26 @@ class StepProgram:
     def __init__(self, graph: Any, number: int) -> None:
         self.graph = graph
         self.number = number
-        self.layout = StepLayout(-1, [], {})
         self.build_s = 0.0
+        self._layout = StepLayout(-1, [], {})
+        self._target: tuple[Plan, str, int, int] | None = None
+        self._derive = threading.Lock()
+
+    @property
+    def layout(self) -> StepLayout:
+        """The blocks under the plan last given to ``follow``, derived on first use (not on the
+        client's event loop, where plan events arrive)."""
+        with self._derive:
+            t = self._target
+            if t is not None and t[2] != self._layout.version:
+                plan, model_id, version, verify_every = t
+                specs = block_specs(follow(plan, self.graph), model_id, version, "", verify_every,
+                                    self.number)
+                leaves = set(self.graph.leaf_outputs)
+                out_at = {o: i for i, s in enumerate(specs) for o in s.exports if o in leaves}
+                # NOTE: one assignment: a step submitted under the old layout keeps reading the old one
+                self._layout = StepLayout(version, specs, out_at)
+            return self._layout
 
     @property
     def specs(self) -> list[BlockSpec]:
@@ -710,12 +731,8 @@ class StepProgram:
         return self.layout.out_at
 
     def follow(self, plan: Plan, model_id: str, version: int, verify_every: int = 0) -> None:
-        """Re-derive the blocks where ``plan`` holds the weights (as the scheduler does)."""
-        specs = block_specs(follow(plan, self.graph), model_id, version, "", verify_every, self.number)
-        leaves = set(self.graph.leaf_outputs)
-        # NOTE: one assignment: a step submitted under the old layout keeps reading the old one
-        self.layout = StepLayout(version, specs, {t: i for i, s in enumerate(specs) for t in s.exports
-                                                  if t in leaves})
+        """Take the blocks where ``plan`` holds the weights (as the scheduler does) from now on."""
+        self._target = (plan, model_id, version, verify_every)
 
 
 def _with_checksums(graph: Any, model_graph: Any) -> Any:
