@@ -16,8 +16,6 @@ import statistics
 import threading
 from collections import deque
 from collections.abc import Hashable
-from typing import Any
-
 from dask.utils import parse_timedelta
 
 from .. import config
@@ -48,7 +46,3 @@ class Deadline:
         if not seen:
             return floor
         return max(floor, float(config.get("runtime.hang-factor")) * statistics.median(seen))
-
-    def as_dict(self) -> dict[str, Any]:
-        with self._lock:
-            return {str(k): statistics.median(v) for k, v in self._times.items() if v}
