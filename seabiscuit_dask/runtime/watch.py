@@ -16,6 +16,7 @@ import statistics
 import threading
 from collections import deque
 from collections.abc import Hashable
+
 from dask.utils import parse_timedelta
 
 from .. import config
