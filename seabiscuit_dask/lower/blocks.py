@@ -86,6 +86,9 @@ class BlockSpec:
     checkpoint_dir: str = ""              # where block outputs are checkpointed ("" = not)
     verify_every: int = 0                 # check resident tiles every N runs (0 = only on reads)
     kind: str = ""                        # its plan device's kind: "cpu" runs on the CPU even on a GPU worker
+    # NOTE: the data plane's routes: per consumer block, its worker and the exports it reads
+    sends: tuple[tuple[int, str, tuple[str, ...]], ...] = ()
+    outputs: tuple[str, ...] = ()         # exports that are graph outputs (the caller collects them)
 
     @property
     def weight_bytes(self) -> int:
@@ -109,6 +112,7 @@ class BlockSpec:
             "exports": list(self.exports), "sources": list(self.sources), "address": self.address,
             "checksums": dict(self.checksums), "checkpoint_dir": self.checkpoint_dir,
             "verify_every": self.verify_every, "kind": self.kind,
+            "sends": [[b, a, list(ts)] for b, a, ts in self.sends], "outputs": list(self.outputs),
         }
 
     @classmethod
@@ -121,6 +125,8 @@ class BlockSpec:
             tuple(d["exports"]), tuple(int(s) for s in d["sources"]), str(d.get("address", "")),
             {k: int(v) for k, v in dict(d.get("checksums") or {}).items()}, str(d.get("checkpoint_dir", "")),
             int(d.get("verify_every", 0)), str(d.get("kind", "")),
+            tuple((int(b), str(a), tuple(str(t) for t in ts)) for b, a, ts in d.get("sends") or ()),
+            tuple(str(t) for t in d.get("outputs") or ()),
         )
 
 
@@ -135,7 +141,8 @@ def block_specs(plan: Any, model_id: str, version: int = 0, checkpoint_dir: str 
     if program:
         first = program_block(program, 0)
         return [replace(s, index=s.index + first,
-                        sources=tuple(x + first if x >= 0 else x for x in s.sources))
+                        sources=tuple(x + first if x >= 0 else x for x in s.sources),
+                        sends=tuple((b + first, a, ts) for b, a, ts in s.sends))
                 for s in block_specs(plan, model_id, version, checkpoint_dir, verify_every)]
     graph = plan.graph
     crcs = graph.meta.get("tile_crc32") or {}
@@ -157,9 +164,16 @@ def block_specs(plan: Any, model_id: str, version: int = 0, checkpoint_dir: str 
                 imports[b][t] = src
                 if src >= 0:
                     exported[src][t] = None
+    leaves = set(graph.leaf_outputs)
     for t in graph.leaf_outputs:
         if t in made_in:
             exported[made_in[t]][t] = None
+    sends: list[dict[int, list[str]]] = [{} for _ in blocks]
+    for b in range(len(blocks)):
+        for t, src in imports[b].items():
+            if src >= 0:
+                sends[src].setdefault(b, []).append(t)
+    address = [plan.spec.devices[plan.spec.index(blk.device)].address for blk in blocks]
     out = []
     for b, blk in enumerate(blocks):
         ops = tuple(members[b])
@@ -169,7 +183,8 @@ def block_specs(plan: Any, model_id: str, version: int = 0, checkpoint_dir: str 
                              {t: graph.tensors[t] for t in imports[b]}, tuple(exported[b]),
                              tuple(imports[b].values()), dev.address,
                              {p: int(crcs[p]) for p in params if p in crcs}, checkpoint_dir, verify_every,
-                             dev.kind))
+                             dev.kind, tuple((c, address[c], tuple(ts)) for c, ts in sends[b].items()),
+                             tuple(t for t in exported[b] if t in leaves)))
     return out
 
 

@@ -93,7 +93,7 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
         self.scheduler = scheduler
         scheduler.handlers.update({f"seabiscuit_{n}": _refusing(getattr(self, n)) for n in (
             "deploy", "release", "block", "owned", "workers", "plan", "drain", "restore", "budget",
-            "pressure", "runs", "hello", "learned", "program", "end_sessions", "stalled")})
+            "pressure", "runs", "hello", "learned", "program", "end_sessions", "stalled", "ticket")})
         # NOTE: a client's own batched stream: the scheduler fills in ``client=`` (as for Dask's own
         # update-graph, a client may name another there; see docs/runtime.md)
         scheduler.stream_handlers["seabiscuit_claim"] = self.claim
@@ -166,8 +166,19 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
                 self.block_runs.get(parts[0], {}).pop(key, None)
 
     def log_event(self, topic: str, msg: Any) -> None:
-        """Count block runs the workers report; per-block counts live as long as the block's task."""
-        if topic != RUNS_TOPIC or not isinstance(msg, dict) or str(msg.get("model")) not in self.state.models:
+        """Count block runs the workers report (one a message from tasks, in batches from the data
+        plane); per-block counts live as long as the block's task."""
+        if topic != RUNS_TOPIC or not isinstance(msg, dict):
+            return
+        if isinstance(msg.get("runs"), list):
+            for one in msg["runs"][:10_000]:
+                if isinstance(one, dict):
+                    self._ran(one)
+            return
+        self._ran(msg)
+
+    def _ran(self, msg: dict[str, Any]) -> None:
+        if str(msg.get("model")) not in self.state.models:
             return
         model = str(msg["model"])
         self.activity.ran(msg)
@@ -177,9 +188,10 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
             return
         key = (task_name(model), int(msg.get("version", 0)), int(msg.get("request", 0)),
                int(msg.get("block", 0)))
-        runs = self.block_runs.setdefault(model, {})
-        totals["re_executed"] += bool(runs.get(key))
-        runs[key] = runs.get(key, 0) + 1
+        if key in self.state.pinned:     # NOTE: a task's; the data plane itself refuses repeats
+            runs = self.block_runs.setdefault(model, {})
+            totals["re_executed"] += bool(runs.get(key))
+            runs[key] = runs.get(key, 0) + 1
         totals["computed"] += 1
         if isinstance(msg.get("compute_s"), (int, float)) and int(msg.get("request", -1)) >= 0:
             try:
@@ -382,6 +394,10 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
         if stream is not None:
             stream.send({"op": "seabiscuit_secret", "secret": self._worker_secret(address)})
 
+    def _ticket(self, model: str) -> str:
+        """What data-plane messages of ``model`` show: its client and its workers have it."""
+        return hmac.new(self._secret.encode(), f"ticket:{model}".encode(), "sha256").hexdigest()
+
     def _check_worker(self, address: Any, secret: Any) -> str:
         """``address`` if it is a worker of this cluster and ``secret`` is the one it was sent."""
         if address not in self.scheduler.workers:
@@ -413,7 +429,7 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
         self._apply(self.state.handle(ModelDeployed(model, p, token, checkpoint_dir or "",
                                                     max(0, int(verify_every or 0)))))
         self.owners[model] = owner
-        return {"model": model, "token": token, "version": 0}
+        return {"model": model, "token": token, "version": 0, "ticket": self._ticket(model)}
 
     def program(self, comm: Any = None, model: str = "", token: str = "", graph: str = "") -> dict[str, Any]:
         """Another program of ``model`` (a generation step, ``trace.decoder``): returns its number.
@@ -601,6 +617,12 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
         access.check_model_id(model)
         self._check_worker(address, secret)
         return self.state.block_spec(model, int(version), int(block))
+
+    def ticket(self, comm: Any = None, model: str = "", address: str = "", secret: str = "") -> str:
+        """A deployed model's data-plane ticket, for one of the cluster's workers."""
+        self._check_worker(address, secret)
+        self.state.deployment(access.check_model_id(model))
+        return self._ticket(model)
 
     def owned(self, comm: Any = None, model: str = "", address: str = "", secret: str = "") -> dict[str, Any]:
         access.check_model_id(model)

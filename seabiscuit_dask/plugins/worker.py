@@ -13,18 +13,23 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import psutil
 from distributed import WorkerPlugin
+from distributed.protocol import to_serialize
 
 from .. import config
 from ..errors import AccessDenied
 from ..runtime import access, agent
+from ..runtime.dataplane import DataPlane, timed
 from ..runtime.resident import ResidentBlocks
-from ..runtime.tasks import PLUGIN_NAME
+from ..runtime.tasks import PLUGIN_NAME, RUNS_TOPIC, fetch_spec
 
 logger = logging.getLogger(__name__)
+
+DP_OPS = ("feed", "push", "collect", "fail", "forget")
 
 
 class SeaBiscuitWorkerPlugin(WorkerPlugin):
@@ -61,6 +66,19 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
         worker.handlers["seabiscuit_sync"] = self.sync
         worker.handlers["seabiscuit_report"] = self.report_now
         worker.handlers["seabiscuit_drop_sessions"] = self.drop_sessions
+        self._tickets: dict[str, str] = {}
+        self._pool = ThreadPoolExecutor(max(1, int(worker.state.nthreads)), thread_name_prefix="seabiscuit-dp")
+        self.dataplane = DataPlane(
+            worker.address, compute=timed(self._compute, worker.address), spec_of=self._known_spec,
+            load_spec=self._load_spec, version_of=lambda m: self.resident.versions.get(m, -1),
+            send=self._send, check=self._check_ticket, executor=self._pool,
+            max_runs=int(config.get("runtime.data-plane-runs")))
+        for op in DP_OPS:
+            worker.handlers[f"seabiscuit_dp_{op}"] = getattr(self, f"dp_{op}")
+        from tornado.ioloop import PeriodicCallback
+
+        self._flush = PeriodicCallback(self._report_runs, 200)
+        self._flush.start()
         worker.loop.add_callback(self._hello)
 
     @staticmethod
@@ -93,6 +111,10 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
         worker.handlers.pop("seabiscuit_report", None)
         worker.handlers.pop("seabiscuit_drop_sessions", None)
         worker.stream_handlers.pop("seabiscuit_secret", None)
+        for op in DP_OPS:
+            worker.handlers.pop(f"seabiscuit_dp_{op}", None)
+        self._flush.stop()
+        self._pool.shutdown(wait=False)
         self.resident.clear()
 
     @property
@@ -153,8 +175,76 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
         return self.resident.kv.drop(access.check_model_id(model), {int(s) for s in sessions or ()})
 
     async def sync(self, comm: Any = None, model: str = "") -> int:
-        """Hold what the scheduler says this worker owns of ``model``; loads run off the event loop."""
+        """Hold what the scheduler says this worker owns of ``model``; loads run off the event loop.
+        Data-plane runs of older plans fail here at once (their callers run them again)."""
         access.check_model_id(model)
         w = self.worker
         owned = await w.scheduler.seabiscuit_owned(model=model, address=w.address, secret=self.secret)
+        self.dataplane.retire(model, None if owned.get("released") else int(owned["version"]))
+        if owned.get("released"):
+            self._tickets.pop(model, None)
         return await asyncio.to_thread(self.resident.sync, owned, model)
+
+    # --- the data plane (runtime.dataplane) --------------------------------------------------------
+    async def dp_feed(self, comm: Any = None, model: str = "", ticket: str = "", version: int = 0,
+                      request: int = 0, inputs: Any = (), collect: Any = ()) -> list[Any]:
+        out = await self.dataplane.feed(model, ticket, version, request,
+                                        {int(b): ts for b, ts in inputs or ()}, list(collect or ()))
+        return [[b, to_serialize(ts)] for b, ts in out.items()]
+
+    async def dp_push(self, comm: Any = None, model: str = "", ticket: str = "", version: int = 0,
+                      request: int = 0, block: int = 0, tensors: Any = None) -> bool:
+        return await self.dataplane.push(model, ticket, version, request, block, tensors or {})
+
+    async def dp_collect(self, comm: Any = None, model: str = "", ticket: str = "", version: int = 0,
+                         request: int = 0, blocks: Any = ()) -> list[Any]:
+        out = await self.dataplane.collect(model, ticket, version, request, list(blocks or ()))
+        return [[b, to_serialize(ts)] for b, ts in out.items()]
+
+    async def dp_fail(self, comm: Any = None, model: str = "", ticket: str = "", version: int = 0,
+                      request: int = 0, reason: str = "") -> bool:
+        return await self.dataplane.fail(model, ticket, version, request, reason)
+
+    async def dp_forget(self, comm: Any = None, model: str = "", ticket: str = "", requests: Any = ()) -> int:
+        return await self.dataplane.forget(model, ticket, list(requests or ()))
+
+    async def _check_ticket(self, model: Any, ticket: Any) -> str:
+        """``ticket`` if it is ``model``'s (the scheduler plugin tells the real one once), else
+        ``AccessDenied``."""
+        access.check_model_id(model)
+        want = self._tickets.get(model)
+        if want is None:
+            w = self.worker
+            try:
+                want = str(await w.scheduler.seabiscuit_ticket(model=model, address=w.address, secret=self.secret))
+            except Exception as e:
+                raise AccessDenied(f"worker {w.address} could not learn the ticket of model {model}: {e}") from e
+            self._tickets[model] = want
+        if not access.same_token(want, ticket):
+            raise AccessDenied(f"a data-plane message for model {model} without its ticket: only the model's "
+                               "client and its workers may send them")
+        return want
+
+    def _known_spec(self, model: str, version: int, block: int) -> Any:
+        p = self.resident.programs.get((model, block))
+        return p.spec if p is not None and p.spec.version == version else None
+
+    def _load_spec(self, model: str, version: int, block: int) -> Any:
+        return self.resident.program(model, version, block, self._fetch).spec
+
+    def _fetch(self, model: str, version: int, block: int) -> Any:
+        return fetch_spec(model, version, block, self.worker)
+
+    def _compute(self, model: str, version: int, request: int, block: int, imports: Any) -> Any:
+        return self.resident.run(model, version, request, block, imports, (), self._fetch)
+
+    async def _send(self, address: str, op: str, **msg: Any) -> Any:
+        if "tensors" in msg:
+            msg["tensors"] = to_serialize(msg["tensors"])
+        return await getattr(self.worker.rpc(address), op)(**msg)
+
+    def _report_runs(self) -> None:
+        """Block runs of the data plane go to the scheduler in batches (one message a tick)."""
+        records = self.dataplane.take_records()
+        if records:
+            self.worker.log_event(RUNS_TOPIC, {"runs": records})

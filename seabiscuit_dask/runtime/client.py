@@ -6,14 +6,17 @@ that only this client holds, and has every worker load the weight tiles of its
 own blocks from the checkpoint's slices. ``distribute`` is trace, decompose,
 ``measure_cluster``, place and deploy.
 
-``dm(*inputs)`` submits one task per block for the request, never one per
-micro-op; only activations travel. Calls from several threads pipeline across the
-workers. When the plan changes (a worker left, joined or was drained), the
+``dm(*inputs)`` sends each worker the inputs of its blocks on the data plane
+(``runtime.dataplane``): blocks run as their inputs arrive and their outputs go
+worker to worker, never through the scheduler (or, with ``seabiscuit.runtime.data-plane:
+tasks``, one Dask task per block, never one per micro-op); only activations travel.
+Calls from several threads pipeline across the workers. When the plan changes (a worker left, joined or was drained), the
 scheduler plugin tells this object on the ``seabiscuit`` event topic.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import os
 import secrets
@@ -23,7 +26,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +39,8 @@ from ..ir import fmt_bytes
 from ..lower.blocks import BlockSpec, block_specs, request_graph, task_name
 from ..placement import Plan, place
 from ..placement.follow import follow
-from . import events
+from . import dataplane, events
+from .dataplane import client as p2p
 from .discover import measure_cluster, workers_info
 from .local import assemble_outputs, bind_call, check_ids, flatten_inputs, split_inputs, unflatten_outputs
 from .resident import writable
@@ -55,14 +59,16 @@ class DistributedModel:
     """A model deployed on a Dask cluster; call it like the model. See ``deploy``."""
 
     def __init__(self, client: Any, plan: Plan, model_id: str, token: str, version: int,
-                 checkpoint_dir: str = "", verify_every: int = 0) -> None:
+                 checkpoint_dir: str = "", verify_every: int = 0, ticket: str = "") -> None:
         self.client = client
         self.graph = plan.graph
         self.model_id = model_id
         self._token = token
+        self._ticket = ticket                        # NOTE: what data-plane messages of this model show
+        self.p2p = data_plane() == "p2p" and bool(ticket)
         self.checkpoint_dir = checkpoint_dir
         self.verify_every = verify_every
-        self._inflight: dict[int, list[Any]] = {}
+        self._inflight: dict[int, Handle] = {}
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)     # NOTE: notified on a new plan or a stranding
         self._requests = itertools.count()
@@ -93,7 +99,7 @@ class DistributedModel:
         with self._lock:
             if version < self.version:
                 return      # NOTE: the event and a catch-up may bring the same plan twice
-            self._plan, self.version, self.specs, self._out_blocks = plan, version, specs, out
+            self._plan, self.version, self._layout = plan, version, StepLayout(version, specs, out)
             self._stranded = None       # NOTE: a newer plan holds the model again
             for prog in [*self._programs.values(), *self._shape_programs.values()]:
                 prog.follow(plan, self.model_id, version, verify_every=self.verify_every)
@@ -104,15 +110,20 @@ class DistributedModel:
         """The current plan; ``print(dm.plan)`` prints its table."""
         return self._plan
 
+    @property
+    def specs(self) -> list[BlockSpec]:
+        """The blocks of the model's own program under the current plan."""
+        return self._layout.specs
+
     def _on_event(self, msg: Mapping[str, Any]) -> None:
         self.events.append({k: v for k, v in msg.items() if k != "plan"})
         if msg.get("action") == "stranded":
             with self._changed:
                 self._stranded = str(msg.get("message"))
                 self._changed.notify_all()
-            doomed = [f for futures in list(self._inflight.values()) for f in futures]
+            doomed = list(self._inflight.values())
             if doomed:    # NOTE: this runs on the client's event loop: cancel from another thread
-                threading.Thread(target=self.client.cancel, args=(doomed,), daemon=True).start()
+                threading.Thread(target=self._cancel, args=(doomed,), daemon=True).start()
         elif msg.get("action") == "plan" and int(msg["version"]) > self.version:
             self._set_plan(Plan.from_json(msg["plan"], self.graph), int(msg["version"]))
 
@@ -132,9 +143,10 @@ class DistributedModel:
         for attempt in range(3):
             try:
                 return self._request(prog, graph, feed)
-            except WorkerHung:
+            except (WorkerHung, dataplane.RunFailed) as e:
                 if attempt == 2:
                     raise
+                self.recover(e)
         raise AssertionError("unreachable")   # pragma: no cover
 
     def _check_inputs(self, inputs: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
@@ -173,28 +185,18 @@ class DistributedModel:
         return (next(self._requests) << 32) | secrets.randbits(32)
 
     def _request(self, prog: StepProgram | None, graph: Any, feed: dict[str, Any]) -> Any:
-        self._check_open()
         t0 = time.perf_counter()
-        if prog is not None:
-            layout = prog.layout
-            specs, out_blocks = layout.specs, layout.out_at
-        else:
-            with self._lock:
-                specs, out_blocks = self.specs, self._out_blocks
-        request = self._next_request()
-        dsk, keys = request_graph(specs, request, feed, run_block_task)
-        wanted = sorted(set(out_blocks.values()))
-        futures = self.client.get(dsk, [keys[b] for b in wanted], sync=False)
+        layout = prog.layout if prog is not None else self._layout
+        handle = self._submit(prog, layout, feed)
         t1 = time.perf_counter()
-        self._inflight[request] = futures
         try:
-            results = dict(zip(wanted, self._gather(request, futures, prog.number if prog else 0)))
+            outputs = self._outputs(handle)
             t2 = time.perf_counter()
         finally:
             if self.checkpoint_dir:
-                shutil.rmtree(Path(self.checkpoint_dir) / self.model_id / f"r{request}", ignore_errors=True)
-        values = {t: results[out_blocks[t]][t] if t in out_blocks else feed[t]
-                  for t in graph.leaf_outputs}
+                shutil.rmtree(Path(self.checkpoint_dir) / self.model_id / f"r{handle.request}",
+                              ignore_errors=True)
+        values = {t: outputs[t] if t in outputs else feed[t] for t in graph.leaf_outputs}
         out = unflatten_outputs(graph, assemble_outputs(graph, values))
         # NOTE: what this client spends on a request besides waiting: part of Dask's cost
         self._client_s.append((t1 - t0, time.perf_counter() - t2))
@@ -372,73 +374,98 @@ class DistributedModel:
         """One step of generation on the cluster: logits (batch, vocab) of each row's last token."""
         return self.step_result(self.submit_step(batch, length, feed))
 
-    def submit_step(self, batch: int, length: int, feed: dict[str, Any], after: StepHandle | None = None
-                    ) -> StepHandle:
+    def submit_step(self, batch: int, length: int, feed: dict[str, Any], after: Handle | None = None
+                    ) -> Handle:
         """Submit one step without waiting; ``after``: a step of the same program whose greedy
         tokens are this step's ``input_ids`` (picked on the worker, so the step is queued before
         the one it follows has finished: Dask's cost per step overlaps the computing)."""
-        self._check_open()
         prog = self._step_program(batch, length)
-        layout = prog.layout         # NOTE: one layout, whatever plan event comes meanwhile
-        specs, out_at = layout.specs, layout.out_at
-        request = self._next_request()
-        inputs = split_inputs(prog.graph, feed)
-        keys = [(task_name(s.model), s.version, request, s.index) for s in specs]
-        by_index = {s.index: k for s, k in zip(specs, keys)}
-        dsk: dict[Any, Any] = {}
-        for s, key in zip(specs, keys):
-            mine: dict[str, Any] = {t: inputs[t] for t, src in zip(s.imports, s.sources)
-                                    if src < 0 and t in inputs}
-            extra: tuple[Any, ...] = ()
-            if after is not None and "input_ids" in mine:
-                del mine["input_ids"]
-                mine[PICK] = {"logits": after.logits, "rows": batch}
-                extra = (after.out,)
-            dsk[key] = (run_block_task, s.model, s.version, request, s.index, mine,
-                        *[by_index[d] for d in s.deps], *extra)
-        wanted = sorted(set(out_at.values()))
-        futures = self.client.get(dsk, [keys[i] for i in wanted], sync=False)
-        self._inflight[request] = futures
-        return StepHandle(prog, layout, request, wanted, futures)
+        # NOTE: one layout, whatever plan event comes meanwhile
+        return self._submit(prog, prog.layout, split_inputs(prog.graph, feed), after)
 
-    def step_result(self, handle: StepHandle) -> Any:
+    @property
+    def chains_steps(self) -> bool:
+        """Whether ``submit_step(after=...)`` queues a step behind another (the task data plane)."""
+        return not self.p2p
+
+    def _submit(self, prog: StepProgram | None, layout: StepLayout, inputs: dict[str, Any],
+                after: Handle | None = None) -> Handle:
+        """Send one request of ``prog`` (None: the model's own program) under ``layout``; every
+        request and generation step goes this way."""
+        self._check_open()
+        request = self._next_request()
+        wanted = sorted(set(layout.out_at.values()))
+        if self.p2p:
+            if after is not None:
+                raise SeaBiscuitError("the p2p data plane chains no steps: see chains_steps")
+            pending = p2p.start(self.client, self.model_id, self._ticket, layout.version, request,
+                                layout.route(wanted), inputs)
+            handle = Handle(prog, layout, request, wanted, [], pending)
+        else:
+            dsk, keys = request_graph(layout.specs, request, inputs, run_block_task)
+            if after is not None:
+                for key in keys:
+                    mine = dsk[key][5]
+                    if "input_ids" in mine:
+                        mine = {k: v for k, v in mine.items() if k != "input_ids"}
+                        mine[PICK] = {"logits": after.logits, "rows": int(inputs["input_ids"].shape[0])}
+                        dsk[key] = (*dsk[key][:5], mine, *dsk[key][6:], after.out)
+            at = {s.index: i for i, s in enumerate(layout.specs)}
+            handle = Handle(prog, layout, request, wanted, self.client.get(dsk, [keys[at[b]] for b in wanted],
+                                                                           sync=False))
+        self._inflight[request] = handle
+        return handle
+
+    def step_result(self, handle: Handle) -> Any:
         """The logits (batch, vocab) of a submitted step's last position."""
-        prog, out_at = handle.program, handle.layout.out_at
-        results = dict(zip(handle.wanted, self._gather(handle.request, handle.futures,
-                                                       handle.program.number)))
-        values = {t: results[out_at[t]][t] for t in prog.graph.leaf_outputs}
-        logits = assemble_outputs(prog.graph, values)[0]
+        assert handle.program is not None
+        logits = assemble_outputs(handle.program.graph, self._outputs(handle))[0]
         return logits[:, -1]
 
-    def discard(self, handle: StepHandle) -> None:
+    def discard(self, handle: Handle) -> None:
         """Let go of a submitted step (one read ahead that is not needed runs out unseen)."""
-        self._release(handle.request, handle.futures)
+        self._release(handle, done=False)
 
-    def _gather(self, request: int, futures: list[Any], program: int = 0) -> list[Any]:
-        """The results of a request's futures, which are then let go; a failure as a SeaBiscuitError."""
+    def _outputs(self, handle: Handle) -> dict[str, Any]:
+        """The graph output tiles a request computed; it is then let go; a failure as a SeaBiscuitError."""
+        done = False
         try:
-            self._await(request, futures, program)
-            return list(self.client.gather(futures))
+            self._await(handle)
+            if handle.pending is not None:
+                results = handle.pending.result()
+            else:
+                results = dict(zip(handle.wanted, self.client.gather(handle.futures)))
+            done = True
         except SeaBiscuitError as e:
+            if isinstance(e, WorkerLost):
+                e.version = handle.version       # type: ignore[attr-defined]   # NOTE: see recover
             if self._closed and not isinstance(e, ModelClosed):
-                raise self._request_error(request, e) from e
+                raise self._request_error(handle.request, e) from e
             raise
         except Exception as e:
-            raise self._request_error(request, e) from e
+            raise self._request_error(handle.request, e) from e
         finally:
-            self._release(request, futures)
+            self._release(handle, done)
+        out_at = handle.layout.out_at
+        return {t: results[b][t] for t, b in out_at.items()}
 
-    def _await(self, request: int, futures: list[Any], program: int) -> None:
-        """Wait for ``futures``; past the program's bound (``watch.Deadline``) have the scheduler
+    def _await(self, handle: Handle) -> None:
+        """Wait for a request; past its program's bound (``watch.Deadline``) have the scheduler
         probe the request's workers: one that does not answer is fenced, and this raises
         ``WorkerHung`` once the plan that goes around it is here."""
         from distributed import wait
 
+        request, program = handle.request, handle.program.number if handle.program is not None else 0
         t0 = time.perf_counter()
         bound = self._deadline.bound_s(program)
         while True:
             try:
-                wait(futures, timeout=bound)
+                if handle.pending is not None:
+                    concurrent.futures.wait([handle.pending], timeout=bound)
+                    if not handle.pending.done():
+                        raise TimeoutError
+                else:
+                    wait(handle.futures, timeout=bound)
                 break
             except TimeoutError:
                 self._check_open()
@@ -465,10 +492,24 @@ class DistributedModel:
                                f"closed ({type(e).__name__})")
         return _request_error(request, self.model_id, self._stranded, e)
 
-    def _release(self, request: int, futures: list[Any]) -> None:
-        self._inflight.pop(request, None)
-        for f in futures:
+    def _release(self, handle: Handle, done: bool) -> None:
+        """Let go of a request: its futures, and (unless it finished) what workers hold of it."""
+        self._inflight.pop(handle.request, None)
+        for f in handle.futures:
             f.release()
+        if handle.pending is not None and not done:
+            handle.pending.cancel()
+            p2p.forget(self.client, self.model_id, self._ticket, [handle.request],
+                       sorted({s.address for s in handle.layout.specs}))
+
+    def _cancel(self, handles: list[Handle]) -> None:
+        """End requests in flight (the model closes or is stranded): their waits end at once."""
+        futures = [f for h in handles for f in h.futures]
+        if futures and self.client.status == "running":
+            self.client.cancel(futures)
+        for h in handles:
+            if h.pending is not None:
+                h.pending.cancel()
 
     def end_sessions(self, sessions: Any) -> None:
         """Free the KV caches of ``sessions`` on every worker."""
@@ -478,9 +519,18 @@ class DistributedModel:
 
     def recover(self, error: BaseException) -> None:
         """After a worker loss in a step: take the plan the scheduler holds now (the event that
-        brings it may still be on its way, or have come already), unless the model is stranded."""
+        brings it may still be on its way, or have come already), unless the model is stranded.
+        A data-plane run that failed under plan v waits a little (``probe-timeout``) for a plan
+        newer than v: the scheduler may hear of a worker's death just after the caller did."""
         self._check_open()
         self._catch_up()
+        failed_at = getattr(error, "version", None)
+        if isinstance(error, dataplane.RunFailed) and not isinstance(error, dataplane.StaleRun) \
+                and failed_at is not None and self.version <= int(failed_at):
+            with self._changed:
+                self._changed.wait_for(lambda: self.version > int(failed_at) or self._closed
+                                       or bool(self._stranded), timeout=seconds("runtime.probe-timeout"))
+            self._catch_up()
         if self._stranded:
             raise WorkerLost(self._stranded) from error
 
@@ -593,9 +643,7 @@ class DistributedModel:
         with self._changed:
             self._closed = True
             self._changed.notify_all()
-        doomed = [f for futures in list(self._inflight.values()) for f in futures]
-        if doomed and self.client.status == "running":
-            self.client.cancel(doomed)       # NOTE: calls in flight end now, as ModelClosed
+        self._cancel(list(self._inflight.values()))     # NOTE: calls in flight end now, as ModelClosed
         if self._engine is not None:
             self._engine.close()
         try:
@@ -667,17 +715,19 @@ class ChatSession:
         self.close()
 
 
-class StepHandle:
-    """A submitted step: its futures, the blocks it was submitted as (its plan version's, which
-    a later plan does not change), and what a step that follows it reads of it."""
+class Handle:
+    """A submitted request or step: the blocks it was submitted as (its plan version's, which a
+    later plan does not change), and its futures (tasks) or its pending reply (data plane),
+    and what a step that follows it reads of it."""
 
-    def __init__(self, program: StepProgram, layout: StepLayout, request: int, wanted: list[int],
-                 futures: list[Any]) -> None:
-        self.program, self.layout, self.request, self.wanted, self.futures = (
-            program, layout, request, wanted, futures)
-        chainable = len(program.graph.leaf_outputs) == 1 and len(wanted) == 1 \
-            and "input_ids" not in program.graph.tilings
-        self.logits = program.graph.leaf_outputs[0] if chainable else ""
+    def __init__(self, program: StepProgram | None, layout: StepLayout, request: int, wanted: list[int],
+                 futures: list[Any], pending: concurrent.futures.Future[Any] | None = None) -> None:
+        self.program, self.layout, self.request, self.wanted, self.futures, self.pending = (
+            program, layout, request, wanted, futures, pending)
+        graph = program.graph if program is not None else None
+        chainable = graph is not None and len(graph.leaf_outputs) == 1 and len(wanted) == 1 \
+            and "input_ids" not in graph.tilings and bool(futures)
+        self.logits = graph.leaf_outputs[0] if chainable and graph is not None else ""
         self.out = futures[0] if chainable else None
 
     @property
@@ -691,7 +741,15 @@ class StepLayout:
 
     version: int
     specs: list[BlockSpec]
-    out_at: dict[str, int]       # graph output tile -> position of its block in specs
+    out_at: dict[str, int]       # graph output tile -> index of the block that makes it
+    routes: dict[tuple[int, ...], Any] = field(default_factory=dict, compare=False)
+
+    def route(self, wanted: list[int]) -> Any:
+        """Where a data-plane request of this layout sends inputs and collects outputs (once)."""
+        key = tuple(wanted)
+        if key not in self.routes:
+            self.routes[key] = p2p.route(self.specs, wanted)
+        return self.routes[key]
 
 
 class StepProgram:
@@ -717,7 +775,7 @@ class StepProgram:
                 specs = block_specs(follow(plan, self.graph), model_id, version, "", verify_every,
                                     self.number)
                 leaves = set(self.graph.leaf_outputs)
-                out_at = {o: i for i, s in enumerate(specs) for o in s.exports if o in leaves}
+                out_at = {o: s.index for s in specs for o in s.exports if o in leaves}
                 # NOTE: one assignment: a step submitted under the old layout keeps reading the old one
                 self._layout = StepLayout(version, specs, out_at)
             return self._layout
@@ -800,7 +858,7 @@ def deploy(plan: Plan, client: Any, *, weights: Any = None,
                         plan=plan.to_json(stats=False), checkpoint_dir=ckpt, verify_every=every,
                         claim=claim(client))
     dm = DistributedModel(client, plan, str(reply["model"]), str(reply["token"]), int(reply["version"]),
-                          ckpt, every)
+                          ckpt, every, str(reply.get("ticket", "")))
     dm._store = holder if folder is not None else None    # NOTE: the store lives as long as the model
     if isinstance(weights, torch.nn.Module):
         dm._source = weights
@@ -813,6 +871,14 @@ def deploy(plan: Plan, client: Any, *, weights: Any = None,
         dm.close()      # NOTE: nothing half-deployed stays behind on the cluster
         raise
     return dm
+
+
+def data_plane() -> str:
+    """Config ``seabiscuit.runtime.data-plane``: ``p2p`` or ``tasks``."""
+    mode = str(config.get("runtime.data-plane"))
+    if mode not in ("p2p", "tasks"):
+        raise BadInput(f"seabiscuit.runtime.data-plane is {mode!r}: it must be p2p or tasks")
+    return mode
 
 
 def claim(client: Any) -> str:

@@ -50,9 +50,9 @@ def load_block(model: str, version: int, block: int) -> int:
     return resident(w).load(BlockSpec.from_dict(fetch_spec(model, version, block))).nbytes
 
 
-def fetch_spec(model: str, version: int, block: int) -> Mapping[str, Any]:
-    """A block's spec from the scheduler plugin (called from a task thread)."""
-    w = get_worker()
+def fetch_spec(model: str, version: int, block: int, worker: Any = None) -> Mapping[str, Any]:
+    """A block's spec from the scheduler plugin (called from a task or data-plane thread)."""
+    w = worker or get_worker()
     plugin: Any = w.plugins.get(PLUGIN_NAME)
     if plugin is not None and not plugin.has_secret.wait(30):
         raise SeaBiscuitError(f"worker {w.address} has not heard from the SeaBiscuit scheduler plugin: "

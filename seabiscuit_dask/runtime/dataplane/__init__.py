@@ -1,0 +1,16 @@
+"""The data plane: activations go worker to worker, beside the task graph.
+
+The scheduler plugin stays the control plane (placement, plan versions, failure);
+a request's blocks run on their workers as their inputs arrive, over distributed's
+comms (so TLS, ``Security`` and UCX apply), the way distributed's P2P shuffle moves
+its shards: ``manager.DataPlane`` is a worker's run manager, ``runs`` the state of
+one request there, ``wire`` how tensors of every dtype travel, and ``client`` what
+the caller sends and collects. Setting ``seabiscuit.runtime.data-plane``: ``p2p`` (this)
+or ``tasks`` (one Dask task per block, activations through Dask).
+"""
+
+from .manager import DataPlane, timed
+from .runs import RunFailed, StaleRun
+from .wire import Tensors
+
+__all__ = ["DataPlane", "RunFailed", "StaleRun", "Tensors", "timed"]

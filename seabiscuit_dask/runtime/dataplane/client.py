@@ -1,0 +1,77 @@
+"""What the caller does on the data plane: send each worker the inputs of its blocks and
+collect the graph outputs, all in one round of concurrent RPCs (one per worker involved).
+
+Blocks with no input from the caller start when their producers' outputs arrive;
+the caller sees none of that traffic. A worker that cannot be reached fails the
+request as ``RunFailed`` (a ``WorkerLost``): the caller takes the new plan and sends
+it again under a new id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from distributed.comm.core import CommClosedError
+from distributed.protocol import to_serialize
+
+from ...lower.blocks import BlockSpec
+from .runs import RunFailed
+from .wire import Tensors
+
+Route = dict[str, tuple[list[tuple[int, tuple[str, ...]]], list[int]]]   # address -> (feeds, collects)
+
+
+def route(specs: Sequence[BlockSpec], wanted: Sequence[int]) -> Route:
+    """Per worker: the blocks it gets the caller's inputs for (a block that reads nothing gets
+    ``{}`` to start it) and the blocks whose outputs the caller collects there."""
+    out: Route = {}
+    for s in specs:
+        mine = tuple(t for t, src in zip(s.imports, s.sources) if src < 0)
+        if mine or not s.imports:
+            out.setdefault(s.address, ([], []))[0].append((s.index, mine))
+    by_index = {s.index: s for s in specs}
+    for b in wanted:
+        out.setdefault(by_index[b].address, ([], []))[1].append(b)
+    return out
+
+
+def start(client: Any, model: str, ticket: str, version: int, request: int, plan: Route,
+          inputs: Mapping[str, torch.Tensor]) -> concurrent.futures.Future[dict[int, Mapping[str, torch.Tensor]]]:
+    """Send a request on the data plane from any thread; the future gives block -> outputs."""
+    calls = {addr: ([[b, to_serialize(Tensors({t: inputs[t] for t in names if t in inputs}))]
+                     for b, names in feeds], collects) for addr, (feeds, collects) in plan.items()}
+    coro = _run(client.rpc, model, ticket, version, request, calls)
+    return asyncio.run_coroutine_threadsafe(coro, client.loop.asyncio_loop)
+
+
+async def _run(rpc: Any, model: str, ticket: str, version: int, request: int,
+               calls: Mapping[str, tuple[list[Any], list[int]]]) -> dict[int, Mapping[str, torch.Tensor]]:
+    async def one(addr: str, feeds: list[Any], collects: list[int]) -> list[Any]:
+        try:
+            return list(await rpc(addr).seabiscuit_dp_feed(model=model, ticket=ticket, version=version,
+                                                            request=request, inputs=feeds, collect=collects))
+        except (CommClosedError, OSError) as e:
+            raise RunFailed(f"request {request} of model {model}: worker {addr} could not be reached: "
+                            f"{type(e).__name__}: {e}") from e
+
+    replies = await asyncio.gather(*(one(a, f, c) for a, (f, c) in calls.items()))
+    return {int(b): ts for reply in replies for b, ts in reply}
+
+
+def forget(client: Any, model: str, ticket: str, requests: Sequence[int], addresses: Sequence[str]) -> None:
+    """Tell the workers to drop what they hold of these requests (from any thread, not waiting)."""
+    async def one(addr: str) -> None:
+        try:
+            await client.rpc(addr).seabiscuit_dp_forget(model=model, ticket=ticket, requests=list(requests))
+        except Exception:  # noqa: BLE001 - a worker gone holds nothing
+            pass
+
+    async def all_of() -> None:
+        await asyncio.gather(*(one(a) for a in addresses))
+
+    if client.status == "running":
+        asyncio.run_coroutine_threadsafe(all_of(), client.loop.asyncio_loop)

@@ -1,0 +1,303 @@
+"""``DataPlane``: a worker's run manager. Blocks run when their inputs arrive; outputs go
+straight to the workers of the blocks that read them, and to the caller that collects them.
+
+Every message names (model, plan version, request, block) and shows the model's
+*ticket* (a secret the scheduler plugin gives the deploying client and the
+workers): a message for an older plan than the worker holds is refused
+(``StaleRun``), a repeated one changes nothing, and one for a run that failed or
+was forgotten is dropped. A failure (a block raised, a peer could not be reached)
+fails the run here and at every worker downstream, so the caller hears of it at
+once and sends the request again under a new id. Runs in flight are bounded
+(``seabiscuit.runtime.data-plane-runs``; the oldest is failed past it).
+
+It runs on the worker's event loop and is plain asyncio over injected callables,
+so tests drive it without a cluster: ``compute`` runs a block (in ``executor``),
+``spec_of`` finds a block's spec (``load_spec`` loads it off the loop), ``send``
+delivers a message to another worker, ``check`` verifies a ticket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from concurrent.futures import Executor
+from typing import Any
+
+import torch
+
+from ...errors import SeaBiscuitError
+from ...lower.blocks import BlockSpec
+from .runs import DONE, RUNNING, BlockRun, Run, RunFailed, StaleRun
+from .wire import Tensors
+
+logger = logging.getLogger(__name__)
+
+Compute = Callable[[str, int, int, int, Mapping[str, torch.Tensor]], tuple[dict[str, torch.Tensor], dict[str, Any]]]
+Send = Callable[..., Awaitable[Any]]
+RunKey = tuple[str, int]
+
+REMEMBERED = 4096      # NOTE: blocks run and runs ended, kept to refuse repeats and late messages
+
+
+class DataPlane:
+    """The data plane of one worker (see module doc)."""
+
+    def __init__(self, address: str, *, compute: Compute, spec_of: Callable[[str, int, int], BlockSpec | None],
+                 load_spec: Callable[[str, int, int], BlockSpec], version_of: Callable[[str], int],
+                 send: Send, check: Callable[[str, Any], Awaitable[str]], executor: Executor,
+                 max_runs: int = 256) -> None:
+        self.address = address
+        self.compute, self.spec_of, self.load_spec, self.version_of = compute, spec_of, load_spec, version_of
+        self.send, self.check, self.executor, self.max_runs = send, check, executor, max_runs
+        self.runs: dict[RunKey, Run] = {}
+        self.ran: OrderedDict[tuple[str, int, int], None] = OrderedDict()     # (model, request, block)
+        self.ended: OrderedDict[RunKey, BaseException] = OrderedDict()       # failed or forgotten runs
+        self.records: list[dict[str, Any]] = []                               # block runs to report
+        self.counters = {"messages": 0, "repeats": 0, "stale": 0, "runs_failed": 0, "bytes_in": 0}
+
+    # --- handlers ------------------------------------------------------------------------------
+    async def feed(self, model: str, ticket: Any, version: int, request: int,
+                   inputs: Mapping[int, Mapping[str, torch.Tensor]], collect: Sequence[int] = ()) -> dict[int, Tensors]:
+        """The caller's inputs of this worker's blocks (a block with no inputs starts with ``{}``);
+        with ``collect``, waits for those blocks' outputs and returns them."""
+        ticket = await self.check(model, ticket)
+        run = self._run(model, int(version), int(request), create=True)
+        if run is not None:
+            for b, ts in inputs.items():
+                self._deliver(run, int(b), ts, ticket)
+        if not collect:
+            return {}
+        return await self._collect(model, int(version), int(request), [int(b) for b in collect])
+
+    async def push(self, model: str, ticket: Any, version: int, request: int, block: int,
+                   tensors: Mapping[str, torch.Tensor]) -> bool:
+        """Another worker's outputs that ``block`` reads; False for a repeat or a dropped run."""
+        ticket = await self.check(model, ticket)
+        run = self._run(model, int(version), int(request), create=True)
+        return run is not None and self._deliver(run, int(block), tensors, ticket)
+
+    async def collect(self, model: str, ticket: Any, version: int, request: int,
+                      blocks: Sequence[int]) -> dict[int, Tensors]:
+        await self.check(model, ticket)
+        return await self._collect(model, int(version), int(request), [int(b) for b in blocks])
+
+    async def fail(self, model: str, ticket: Any, version: int, request: int, reason: str = "") -> bool:
+        """A peer failed the run: fail it here too (and downstream)."""
+        ticket = await self.check(model, ticket)
+        run = self._run(model, int(version), int(request), create=True)
+        if run is not None:
+            self._fail(run, RunFailed(str(reason)[:2000]), ticket)
+        return run is not None
+
+    async def forget(self, model: str, ticket: Any, requests: Sequence[int]) -> int:
+        """The caller is done with these runs (answered, failed or abandoned): drop what is left."""
+        await self.check(model, ticket)
+        n = 0
+        for r in requests:
+            key = (model, int(r))
+            run = self.runs.pop(key, None)
+            if run is not None:
+                n += 1
+                run.fail(RunFailed(f"{run.where()} was ended by its caller"))
+                for t in run.tasks:
+                    t.cancel()
+            self._remember_end(key, RunFailed(f"request {r} of model {model} was ended by its caller"))
+        return n
+
+    def retire(self, model: str, version: int | None = None) -> int:
+        """Fail the runs of ``model`` older than ``version`` (every run, for None: released)."""
+        doomed = [run for (m, _), run in self.runs.items() if m == model
+                  and (version is None or run.version < version)]
+        for run in doomed:
+            why = "was released" if version is None else f"moved to plan v{version}"
+            self._fail(run, StaleRun(f"{run.where()} cannot finish: the model {why} while it ran; "
+                                     "it runs again on the current plan"), "", spread=False)
+        return len(doomed)
+
+    # --- runs ----------------------------------------------------------------------------------
+    def _run(self, model: str, version: int, request: int, create: bool = False) -> Run | None:
+        key = (model, request)
+        self.counters["messages"] += 1
+        if key in self.ended:
+            self.counters["repeats"] += 1
+            return None
+        held = self.version_of(model)
+        if version < held:
+            self.counters["stale"] += 1
+            raise StaleRun(f"request {request} of model {model} names plan v{version}; worker {self.address} "
+                           f"holds v{held}: the request runs again on the current plan")
+        run = self.runs.get(key)
+        if run is None:
+            self._make_room()
+            run = self.runs[key] = Run(model, version, request)
+        elif run.version != version:
+            raise SeaBiscuitError(f"request {request} of model {model} runs under plan v{run.version} here; "
+                                  f"a message names v{version}")
+        return run
+
+    def _make_room(self) -> None:
+        while len(self.runs) >= self.max_runs:
+            oldest = min(self.runs.values(), key=lambda r: r.created)
+            self._fail(oldest, RunFailed(f"{oldest.where()} was dropped by worker {self.address}: more than "
+                                         f"{self.max_runs} runs in flight (seabiscuit.runtime.data-plane-runs)"),
+                       "", spread=False)
+
+    def _deliver(self, run: Run, block: int, tensors: Mapping[str, torch.Tensor], ticket: str) -> bool:
+        if (run.model, run.request, block) in self.ran:
+            self.counters["repeats"] += 1
+            return False
+        br = run.block(block)
+        new = {t: x for t, x in tensors.items() if t not in br.imports}
+        if br.state != "waiting" or (tensors and not new):
+            self.counters["repeats"] += 1
+            return False
+        br.imports.update(new)
+        self.counters["bytes_in"] += sum(int(x.numel() * x.element_size()) for x in new.values())
+        if br.spec is None and not br.resolving:
+            br.spec = self.spec_of(run.model, run.version, block)
+            if br.spec is None:
+                br.resolving = True
+                self._spawn(run, self._resolve(run, br, ticket))
+        if br.spec is not None:
+            self._check_imports(run, br)
+            self._start(run, br, ticket)
+        return True
+
+    def _start(self, run: Run, br: BlockRun, ticket: str) -> None:
+        if br.ready:
+            br.state = RUNNING      # NOTE: at once, so a repeat that comes meanwhile starts nothing
+            self._spawn(run, self._compute(run, br, ticket))
+
+    def _check_imports(self, run: Run, br: BlockRun) -> None:
+        assert br.spec is not None
+        extra = [t for t in br.imports if t not in br.spec.imports]
+        if extra:
+            raise SeaBiscuitError(f"block b{br.block} of {run.where()} reads no tensor {extra[0]!r} "
+                                  f"(it reads {list(br.spec.imports)[:5]})")
+
+    def _spawn(self, run: Run, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        run.tasks.add(task)
+        task.add_done_callback(run.tasks.discard)
+
+    async def _resolve(self, run: Run, br: BlockRun, ticket: str) -> None:
+        try:
+            br.spec = await asyncio.get_running_loop().run_in_executor(
+                self.executor, self.load_spec, run.model, run.version, br.block)
+            self._check_imports(run, br)
+        except BaseException as e:  # noqa: BLE001 - the run fails, everywhere
+            self._fail(run, e, ticket)
+            return
+        self._start(run, br, ticket)
+
+    async def _compute(self, run: Run, br: BlockRun, ticket: str) -> None:
+        spec = br.spec
+        assert spec is not None
+        loop = asyncio.get_running_loop()
+        try:
+            out, record = await loop.run_in_executor(self.executor, self.compute, run.model, run.version,
+                                                     run.request, br.block, br.imports)
+        except BaseException as e:  # noqa: BLE001 - the run fails, everywhere
+            self._fail(run, e, ticket)
+            return
+        br.imports, br.state = {}, DONE
+        self._remember(self.ran, (run.model, run.request, br.block), None)
+        self.records.append(record)
+        if spec.outputs:
+            run.outputs[br.block] = {t: out[t] for t in spec.outputs}
+            run.notify()
+        sends = [self._send(run, c, addr, {t: out[t] for t in ts}, ticket) for c, addr, ts in spec.sends]
+        await asyncio.gather(*sends)
+        self._tidy(run)
+
+    async def _send(self, run: Run, block: int, address: str, tensors: dict[str, torch.Tensor],
+                    ticket: str) -> None:
+        if address == self.address:
+            if (run.model, run.request) in self.runs:
+                self._deliver(run, block, tensors, ticket)
+            return
+        try:
+            await self.send(address, "seabiscuit_dp_push", model=run.model, ticket=ticket, version=run.version,
+                            request=run.request, block=block, tensors=Tensors(tensors))
+        except BaseException as e:  # noqa: BLE001 - the run fails, everywhere
+            self._fail(run, RunFailed(f"{run.where()}: worker {self.address} could not send the inputs of block "
+                                      f"b{block} to {address}: {type(e).__name__}: {e}"), ticket)
+
+    async def _collect(self, model: str, version: int, request: int, blocks: list[int]) -> dict[int, Tensors]:
+        key = (model, request)
+        while True:
+            run = self.runs.get(key)
+            if run is None:
+                ended = self.ended.get(key)
+                if ended is not None:
+                    raise ended
+                run = self._run(model, version, request, create=True)
+                assert run is not None
+            if run.error is not None:
+                raise run.error
+            if all(b in run.outputs for b in blocks):
+                break
+            run.wanted.update(blocks)       # NOTE: the run stays here while a caller waits on it
+            await run.changed.wait()
+        out = {b: Tensors(run.outputs.pop(b)) for b in blocks}
+        run.wanted.difference_update(blocks)
+        self._tidy(run)
+        return out
+
+    def _tidy(self, run: Run) -> None:
+        if run.finished and run.error is None and self.runs.get((run.model, run.request)) is run:
+            del self.runs[(run.model, run.request)]
+
+    def _fail(self, run: Run, error: BaseException, ticket: str, spread: bool = True) -> None:
+        """Fail ``run`` here; with ``spread``, at the workers of every block downstream of it too."""
+        if run.error is not None:
+            return
+        if not isinstance(error, SeaBiscuitError):
+            error = RunFailed(f"{run.where()} failed on worker {self.address}: {type(error).__name__}: {error}")
+        self.counters["runs_failed"] += 1
+        run.fail(error)
+        key = (run.model, run.request)
+        if self.runs.get(key) is run:
+            del self.runs[key]
+        self._remember_end(key, error)
+        if spread and ticket:
+            peers = {addr for b in run.blocks.values() if b.spec is not None for _, addr, _ in b.spec.sends}
+            for addr in peers - {self.address}:
+                asyncio.ensure_future(self._tell_failed(addr, run, ticket, str(error)))
+
+    async def _tell_failed(self, address: str, run: Run, ticket: str, reason: str) -> None:
+        try:
+            await self.send(address, "seabiscuit_dp_fail", model=run.model, ticket=ticket, version=run.version,
+                            request=run.request, reason=reason)
+        except Exception as e:  # noqa: BLE001 - a peer gone has nothing to fail
+            logger.debug("seabiscuit: %s not told of the failure of %s: %s", address, run.where(), e)
+
+    def _remember_end(self, key: RunKey, error: BaseException) -> None:
+        self._remember(self.ended, key, error)
+
+    @staticmethod
+    def _remember(d: OrderedDict[Any, Any], key: Any, value: Any) -> None:
+        d[key] = value
+        while len(d) > REMEMBERED:
+            d.popitem(last=False)
+
+    def take_records(self) -> list[dict[str, Any]]:
+        out, self.records = self.records, []
+        return out
+
+    def held_bytes(self) -> int:
+        return sum(r.held_bytes for r in list(self.runs.values()))
+
+
+def timed(compute: Callable[..., tuple[dict[str, torch.Tensor], str]], address: str) -> Compute:
+    """``compute`` (``ResidentBlocks.run``-like: outputs and how) with the record of each run."""
+    def run(model: str, version: int, request: int, block: int,
+            imports: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        started, t0 = time.time(), time.perf_counter()
+        out, how = compute(model, version, request, block, imports)
+        return out, {"model": model, "version": version, "request": request, "block": block, "how": how,
+                     "compute_s": time.perf_counter() - t0, "start": started, "worker": address}
+    return run

@@ -1,0 +1,85 @@
+"""Activations on the wire: tensors of every dtype, SeaBiscuit's own serialization.
+
+distributed's torch serializer goes through numpy, which has no bfloat16 (and
+reads CUDA tensors not at all). ``Tensors`` is a name -> tensor mapping that
+serializes each tensor as its raw bytes (one frame each, no copy for a
+contiguous CPU tensor) plus its dtype and shape, and comes back on the CPU; the
+block that reads it moves it to its own device. It is what block outputs are on
+both data planes: returned by a task, or sent worker to worker.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from dask.sizeof import sizeof
+from distributed.protocol.serialize import dask_deserialize, dask_serialize
+
+from ...errors import SeaBiscuitError
+
+# NOTE: the dtypes an activation may have; anything else named in a header is refused
+DTYPES: dict[str, torch.dtype] = {str(d).removeprefix("torch."): d for d in (
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
+    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)}
+
+
+class Tensors(dict):  # type: ignore[type-arg]
+    """Named tensors that travel between workers and to the client (see module doc)."""
+
+
+def as_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of ``t`` (moved to the CPU and made contiguous if it is not already)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    flat = t.contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")  # type: ignore[arg-type]
+
+
+def from_bytes(buf: Any, dtype: str, shape: list[int]) -> torch.Tensor:
+    """A CPU tensor of ``dtype`` and ``shape`` over ``buf`` (copied once if it is read-only)."""
+    kind = DTYPES.get(dtype)
+    if kind is None:
+        raise SeaBiscuitError(f"an activation of dtype {dtype!r} arrived; SeaBiscuit sends only "
+                              f"{', '.join(DTYPES)}")
+    n = 1
+    for s in shape:
+        n *= int(s)
+    mv = memoryview(buf).cast("B")
+    if mv.nbytes != n * torch.empty((), dtype=kind).element_size():
+        raise SeaBiscuitError(f"an activation of dtype {dtype} and shape {list(shape)} arrived with "
+                              f"{mv.nbytes} bytes")
+    if not n:
+        return torch.empty([int(s) for s in shape], dtype=kind)
+    if mv.readonly:
+        mv = memoryview(bytearray(mv))
+    return torch.frombuffer(mv, dtype=torch.uint8).view(kind).reshape([int(s) for s in shape])
+
+
+@dask_serialize.register(Tensors)
+def _serialize(ts: Tensors) -> tuple[dict[str, Any], list[memoryview]]:
+    names = list(ts)
+    header = {"names": names, "dtypes": [str(ts[n].dtype).removeprefix("torch.") for n in names],
+              "shapes": [list(ts[n].shape) for n in names]}
+    return header, [as_bytes(ts[n]) for n in names]
+
+
+@dask_deserialize.register(Tensors)
+def _deserialize(header: dict[str, Any], frames: list[Any]) -> Tensors:
+    names, dtypes, shapes = header["names"], header["dtypes"], header["shapes"]
+    if not len(names) == len(dtypes) == len(shapes) == len(frames):
+        raise SeaBiscuitError(f"an activation message names {len(names)} tensors and has {len(frames)} "
+                              "frames")
+    return Tensors({str(n): from_bytes(f, str(d), list(s))
+                    for n, d, s, f in zip(names, dtypes, shapes, frames)})
+
+
+@sizeof.register(Tensors)
+def _sizeof(ts: Tensors) -> int:
+    return sum(int(t.numel() * t.element_size()) + 64 for t in ts.values())
+
+
+def nbytes(ts: Any) -> int:
+    """Bytes of the tensors in a mapping."""
+    return sum(int(t.numel() * t.element_size()) for t in ts.values() if isinstance(t, torch.Tensor))
