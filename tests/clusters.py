@@ -70,9 +70,18 @@ def serve_until(dm, x, stop: threading.Event, callers: int = 3, after: int = 2):
 
 
 def running_on(client, dm, address: str) -> bool:
-    """Whether a block task of ``dm`` is running on ``address`` right now."""
-    keys = client.processing(workers=[address]).get(address, ())
-    return any(f"sb-{dm.model_id}" in str(k) for k in keys)
+    """Whether a block of ``dm`` is running on ``address`` right now (a task, or a run of the
+    data plane)."""
+    if not dm.p2p:
+        keys = client.processing(workers=[address]).get(address, ())
+        return any(f"sb-{dm.model_id}" in str(k) for k in keys)
+    return bool(client.run(_running, dm.model_id, workers=[address]).get(address))
+
+
+def _running(model: str, dask_worker=None) -> bool:
+    runs = dask_worker.plugins["seabiscuit"].dataplane.runs
+    return any(b.state == "running" for (m, _), run in list(runs.items()) if m == model
+               for b in run.blocks.values())
 
 
 def stop(procs: list[Any]) -> None:

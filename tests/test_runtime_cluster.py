@@ -13,6 +13,7 @@ import threading
 import time
 from pathlib import Path
 
+import dask
 import numpy as np
 import pytest
 import torch
@@ -133,17 +134,42 @@ def task_transfer_bound(dm) -> int:
     return results + inputs
 
 
-def test_only_activations_travel(client) -> None:
+def p2p_bytes(dm) -> int:
+    """Bytes one request moves on the data plane: each block's inputs from another worker, once
+    per consuming block, and the caller's inputs of each block that reads them."""
+    specs = {s.index: s for s in dm.specs}
+    crossing = sum(dm.graph.tensors[t].nbytes for s in dm.specs for c, addr, ts in s.sends
+                   if addr != s.address for t in ts)
+    fed = sum(dm.graph.tensors[t].nbytes for s in specs.values()
+              for t, src in zip(s.imports, s.sources) if src < 0)
+    return crossing + fed
+
+
+def received(client) -> int:
+    return sum(client.run(lambda dask_worker: dask_worker.plugins["seabiscuit"].dataplane.counters["bytes_in"]
+                          ).values())
+
+
+@pytest.mark.parametrize("plane", ["tasks", "p2p"])
+def test_only_activations_travel(client, plane: str) -> None:
     model, x = M.gpt2(), M.ids()
-    with sb.distribute(model, client, (x,), budget=OP_BUDGET) as dm:
+    with dask.config.set({"seabiscuit.runtime.data-plane": plane}), \
+            sb.distribute(model, client, (x,), budget=OP_BUDGET) as dm:
+        assert dm.p2p == (plane == "p2p")
         dm(x)
-        since = time.time()
+        since, before = time.time(), received(client)
         dm(x)
-        moved = transfer_bytes(client, since)
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
-        bound = task_transfer_bound(dm)
-        # NOTE: a result may be fetched again (Dask re-fetches data a worker released early)
-        assert 0 < moved <= 2 * bound, f"moved {moved} bytes; a fetch of each block per other worker: {bound}"
+        if dm.p2p:      # NOTE: exactly what the plan sends, each tensor once per consumer
+            moved = received(client) - before
+            assert moved == p2p_bytes(dm) > 0
+            assert transfer_bytes(client, since) == 0      # and nothing through Dask
+        else:
+            moved = transfer_bytes(client, since)
+            bound = task_transfer_bound(dm)
+            # NOTE: a result may be fetched again (Dask re-fetches data a worker released early)
+            assert 0 < moved <= 2 * bound, f"moved {moved} bytes; a fetch of each block per other worker: " \
+                f"{bound}"
         assert moved < weights / 20          # no weight ever travels: they are ten times this
 
 

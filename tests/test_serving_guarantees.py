@@ -21,6 +21,7 @@ import dask.config
 import pytest
 import torch
 from distributed import Client, Future
+from distributed.protocol import to_serialize
 
 import seabiscuit_dask as sb
 from seabiscuit_dask.errors import ModelClosed
@@ -225,7 +226,9 @@ def test_another_client_cannot_reach_the_model(client, model) -> None:
     prompt = padded_batch((6,), seed=9)[0]
     with torch.no_grad():
         expected = model(X).logits
-    with deploy(client, model) as dm, Client(client.scheduler.address) as other:
+    # NOTE: the task data plane, whose block outputs are Dask futures another client could name
+    with dask.config.set({"seabiscuit.runtime.data-plane": "tasks"}), deploy(client, model) as dm, \
+            Client(client.scheduler.address) as other:
         mine = dm.model_id
         first = dm.plan.spec.devices[0].address
         # forged keys of the model's next requests, with empty block outputs
@@ -278,6 +281,34 @@ def test_another_client_cannot_reach_the_model(client, model) -> None:
         theirs = sb.distribute(torch.nn.Linear(8, 8), other, torch.zeros(2, 8), budget="64KiB")
         assert plugin(client).owners[theirs.model_id] == other.id
     wait_for(lambda: theirs.model_id not in plugin(client).state.models, "the other client's model released")
+
+
+def test_another_client_cannot_use_the_data_plane(client, model) -> None:
+    from seabiscuit_dask.runtime.dataplane import Tensors
+
+    with torch.no_grad():
+        expected = model(X).logits
+    with deploy(client, model) as dm, Client(client.scheduler.address) as other:
+        assert dm.p2p
+        torch.testing.assert_close(dm(X).logits, expected, rtol=1e-4, atol=1e-5)
+        first = dm.specs[0]
+        rpc = other.rpc(first.address)
+        request = 1 << 40
+        forged = {"model": dm.model_id, "version": dm.version, "request": request}
+        zeros = to_serialize(Tensors({t: torch.zeros(1) for t in first.imports}))
+        for ticket in ("", "0" * 64, dm._token):       # NOTE: nor the control token: a ticket is its own
+            with pytest.raises(sb.AccessDenied, match="ticket"):
+                other.sync(rpc.seabiscuit_dp_feed, **forged, ticket=ticket, inputs=[[first.index, zeros]],
+                           collect=[first.index])
+            with pytest.raises(sb.AccessDenied, match="ticket"):
+                other.sync(rpc.seabiscuit_dp_push, **forged, ticket=ticket, block=first.index,
+                           tensors=to_serialize(Tensors({})))
+            with pytest.raises(sb.AccessDenied, match="ticket"):
+                other.sync(rpc.seabiscuit_dp_forget, model=dm.model_id, ticket=ticket, requests=[request])
+        with pytest.raises(sb.AccessDenied, match="not a model id"):
+            other.sync(rpc.seabiscuit_dp_collect, model="../etc", ticket="", version=0, request=1, blocks=[0])
+        torch.testing.assert_close(dm(X).logits, expected, rtol=1e-4, atol=1e-5)
+        assert dm.run_counts()["re_executed"] == 0
 
 
 # --- documents and inputs -----------------------------------------------------------------------

@@ -86,6 +86,15 @@ class Activity:
             kept = self.latencies.setdefault((model, program), deque(maxlen=self._keep))
             kept.append(max(0.0, req.last_stop - req.submitted))
 
+    def measured(self, msg: dict[str, Any]) -> None:
+        """A request's latency measured on the data plane (``latency_s``, from its worker)."""
+        try:
+            model, program, seconds = str(msg["model"]), int(msg.get("program", 0)), float(msg["latency_s"])
+        except (KeyError, TypeError, ValueError):
+            return
+        if math.isfinite(seconds) and seconds >= 0:
+            self.latencies.setdefault((model, program), deque(maxlen=self._keep)).append(seconds)
+
     def forget(self, model: str) -> None:
         for key in [k for k in self.latencies if k[0] == model]:
             del self.latencies[key]

@@ -93,7 +93,7 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
         self.scheduler = scheduler
         scheduler.handlers.update({f"seabiscuit_{n}": _refusing(getattr(self, n)) for n in (
             "deploy", "release", "block", "owned", "workers", "plan", "drain", "restore", "budget",
-            "pressure", "runs", "hello", "learned", "program", "end_sessions", "stalled", "ticket")})
+            "pressure", "runs", "hello", "learned", "program", "end_sessions", "stalled", "ticket", "ran")})
         # NOTE: a client's own batched stream: the scheduler fills in ``client=`` (as for Dask's own
         # update-graph, a client may name another there; see docs/runtime.md)
         scheduler.stream_handlers["seabiscuit_claim"] = self.claim
@@ -166,19 +166,24 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
                 self.block_runs.get(parts[0], {}).pop(key, None)
 
     def log_event(self, topic: str, msg: Any) -> None:
-        """Count block runs the workers report (one a message from tasks, in batches from the data
-        plane); per-block counts live as long as the block's task."""
-        if topic != RUNS_TOPIC or not isinstance(msg, dict):
-            return
-        if isinstance(msg.get("runs"), list):
-            for one in msg["runs"][:10_000]:
-                if isinstance(one, dict):
-                    self._ran(one)
-            return
-        self._ran(msg)
+        """Count block runs the workers' tasks report (the data plane reports in batches: ``ran``);
+        per-block counts live as long as the block's task."""
+        if topic == RUNS_TOPIC and isinstance(msg, dict):
+            self._ran(msg)
+
+    def ran(self, comm: Any = None, address: str = "", secret: str = "", runs: Any = ()) -> int:
+        """A worker's data plane reports a batch of block runs (and request latencies)."""
+        self._check_worker(address, secret)
+        batch = [r for r in list(runs or ())[:10_000] if isinstance(r, dict)]
+        for one in batch:
+            self._ran(one)
+        return len(batch)
 
     def _ran(self, msg: dict[str, Any]) -> None:
         if str(msg.get("model")) not in self.state.models:
+            return
+        if "latency_s" in msg:
+            self.activity.measured(msg)
             return
         model = str(msg["model"])
         self.activity.ran(msg)

@@ -10,12 +10,14 @@ own blocks from the checkpoint's slices. ``distribute`` is trace, decompose,
 (``runtime.dataplane``): blocks run as their inputs arrive and their outputs go
 worker to worker, never through the scheduler (or, with ``seabiscuit.runtime.data-plane:
 tasks``, one Dask task per block, never one per micro-op); only activations travel.
-Calls from several threads pipeline across the workers. When the plan changes (a worker left, joined or was drained), the
-scheduler plugin tells this object on the ``seabiscuit`` event topic.
+Calls from several threads pipeline across the workers. When the plan changes (a worker
+left, joined or was drained), the scheduler plugin tells this object on the ``seabiscuit``
+event topic.
 """
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import itertools
 import os
@@ -596,6 +598,7 @@ class DistributedModel:
 
     def run_counts(self) -> dict[str, int]:
         """Blocks computed, read back from checkpoints, and computed more than once, for this model."""
+        self._flush_runs()
         return dict(self.client.sync(self.client.scheduler.seabiscuit_runs, model=self.model_id,
                                      token=self._token))
 
@@ -603,8 +606,24 @@ class DistributedModel:
         """What the scheduler learned from this model's block runs: per worker, measured over
         modelled time per op class (``scales``), and the mean relative error of the last
         ``last`` block-time predictions (``error``)."""
+        self._flush_runs()
         return dict(self.client.sync(self.client.scheduler.seabiscuit_learned, model=self.model_id,
                                      token=self._token, last=last))
+
+    def _flush_runs(self) -> None:
+        """Have the plan's workers report their data plane's block runs to the scheduler now."""
+        if not self.p2p:
+            return
+
+        async def flush() -> None:
+            async def one(addr: str) -> None:
+                try:
+                    await self.client.rpc(addr).seabiscuit_dp_flush()
+                except Exception:  # noqa: BLE001 - a worker gone has nothing to report
+                    pass
+            await asyncio.gather(*(one(d.address) for d in self._plan.spec.devices))
+
+        self.client.sync(flush)
 
     def predicted_s(self, learned: bool = True) -> float:
         """The simulated latency of one request on the current plan, or as first modelled.

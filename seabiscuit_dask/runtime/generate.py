@@ -179,7 +179,8 @@ class Engine:
         self.batch_sizes = buckets("batch-buckets", (1, 2, 4, 8))
         self.pipeline = max(1, int(config.get("generate.pipeline", 2)))
         # NOTE: greedy groups queue their next step behind the current one (see ``_decode``)
-        self.lookahead = bool(config.get("generate.lookahead", True)) and bool(getattr(runner, "chains_steps", False))
+        self.lookahead = bool(config.get("generate.lookahead", True)) and bool(getattr(runner, "chains_steps",
+                                                                                      False))
         self._queueing: QueueingRunner = runner  # type: ignore[assignment]   # NOTE: used if lookahead
         self._ahead: dict[tuple[int, ...], tuple[Any, tuple[int, ...]]] = {}
         self._ahead_lock = threading.Lock()

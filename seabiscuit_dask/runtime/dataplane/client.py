@@ -39,21 +39,29 @@ def route(specs: Sequence[BlockSpec], wanted: Sequence[int]) -> Route:
     return out
 
 
+Outputs = dict[int, Mapping[str, torch.Tensor]]      # block -> the graph outputs it made
+
+
 def start(client: Any, model: str, ticket: str, version: int, request: int, plan: Route,
-          inputs: Mapping[str, torch.Tensor]) -> concurrent.futures.Future[dict[int, Mapping[str, torch.Tensor]]]:
+          inputs: Mapping[str, torch.Tensor]) -> concurrent.futures.Future[Outputs]:
     """Send a request on the data plane from any thread; the future gives block -> outputs."""
     calls = {addr: ([[b, to_serialize(Tensors({t: inputs[t] for t in names if t in inputs}))]
                      for b, names in feeds], collects) for addr, (feeds, collects) in plan.items()}
-    coro = _run(client.rpc, model, ticket, version, request, calls)
+    # NOTE: the worker that collects the last output reports the request's latency (dashboard)
+    timed = next((a for a, (_, c) in plan.items() if c and max(c) == max(max(cc) for _, cc in plan.values()
+                                                                         if cc)), "")
+    coro = _run(client.rpc, model, ticket, version, request, calls, timed)
     return asyncio.run_coroutine_threadsafe(coro, client.loop.asyncio_loop)
 
 
 async def _run(rpc: Any, model: str, ticket: str, version: int, request: int,
-               calls: Mapping[str, tuple[list[Any], list[int]]]) -> dict[int, Mapping[str, torch.Tensor]]:
+               calls: Mapping[str, tuple[list[Any], list[int]]], timed: str = "",
+               ) -> Outputs:
     async def one(addr: str, feeds: list[Any], collects: list[int]) -> list[Any]:
         try:
             return list(await rpc(addr).seabiscuit_dp_feed(model=model, ticket=ticket, version=version,
-                                                            request=request, inputs=feeds, collect=collects))
+                                                            request=request, inputs=feeds, collect=collects,
+                                                            timed=addr == timed))
         except (CommClosedError, OSError) as e:
             raise RunFailed(f"request {request} of model {model}: worker {addr} could not be reached: "
                             f"{type(e).__name__}: {e}") from e

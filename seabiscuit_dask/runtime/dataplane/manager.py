@@ -29,13 +29,14 @@ from typing import Any
 import torch
 
 from ...errors import SeaBiscuitError
-from ...lower.blocks import BlockSpec
+from ...lower.blocks import BlockSpec, split_block
 from .runs import DONE, RUNNING, BlockRun, Run, RunFailed, StaleRun
-from .wire import Tensors
+from .wire import Tensors, nbytes
 
 logger = logging.getLogger(__name__)
 
-Compute = Callable[[str, int, int, int, Mapping[str, torch.Tensor]], tuple[dict[str, torch.Tensor], dict[str, Any]]]
+Imports = Mapping[str, torch.Tensor]
+Compute = Callable[[str, int, int, int, Imports], tuple[dict[str, torch.Tensor], dict[str, Any]]]
 Send = Callable[..., Awaitable[Any]]
 RunKey = tuple[str, int]
 
@@ -45,7 +46,8 @@ REMEMBERED = 4096      # NOTE: blocks run and runs ended, kept to refuse repeats
 class DataPlane:
     """The data plane of one worker (see module doc)."""
 
-    def __init__(self, address: str, *, compute: Compute, spec_of: Callable[[str, int, int], BlockSpec | None],
+    def __init__(self, address: str, *, compute: Compute,
+                 spec_of: Callable[[str, int, int], BlockSpec | None],
                  load_spec: Callable[[str, int, int], BlockSpec], version_of: Callable[[str], int],
                  send: Send, check: Callable[[str, Any], Awaitable[str]], executor: Executor,
                  max_runs: int = 256) -> None:
@@ -57,26 +59,36 @@ class DataPlane:
         self.ended: OrderedDict[RunKey, BaseException] = OrderedDict()       # failed or forgotten runs
         self.records: list[dict[str, Any]] = []                               # block runs to report
         self.counters = {"messages": 0, "repeats": 0, "stale": 0, "runs_failed": 0, "bytes_in": 0}
+        self._telling: set[Any] = set()            # failures being told to peers
 
     # --- handlers ------------------------------------------------------------------------------
     async def feed(self, model: str, ticket: Any, version: int, request: int,
-                   inputs: Mapping[int, Mapping[str, torch.Tensor]], collect: Sequence[int] = ()) -> dict[int, Tensors]:
+                   inputs: Mapping[int, Mapping[str, torch.Tensor]], collect: Sequence[int] = (),
+                   timed: bool = False) -> dict[int, Tensors]:
         """The caller's inputs of this worker's blocks (a block with no inputs starts with ``{}``);
-        with ``collect``, waits for those blocks' outputs and returns them."""
+        with ``collect``, waits for those blocks' outputs and returns them; ``timed``: report
+        the time from here to the outputs as the request's latency."""
+        t0 = time.time()
         ticket = await self.check(model, ticket)
         run = self._run(model, int(version), int(request), create=True)
         if run is not None:
             for b, ts in inputs.items():
+                self.counters["bytes_in"] += nbytes(ts)
                 self._deliver(run, int(b), ts, ticket)
         if not collect:
             return {}
-        return await self._collect(model, int(version), int(request), [int(b) for b in collect])
+        out = await self._collect(model, int(version), int(request), [int(b) for b in collect])
+        if timed:
+            self.records.append({"model": model, "version": int(version), "request": int(request),
+                                 "program": split_block(int(collect[0]))[0], "latency_s": time.time() - t0})
+        return out
 
     async def push(self, model: str, ticket: Any, version: int, request: int, block: int,
                    tensors: Mapping[str, torch.Tensor]) -> bool:
         """Another worker's outputs that ``block`` reads; False for a repeat or a dropped run."""
         ticket = await self.check(model, ticket)
         run = self._run(model, int(version), int(request), create=True)
+        self.counters["bytes_in"] += nbytes(tensors)
         return run is not None and self._deliver(run, int(block), tensors, ticket)
 
     async def collect(self, model: str, ticket: Any, version: int, request: int,
@@ -84,13 +96,24 @@ class DataPlane:
         await self.check(model, ticket)
         return await self._collect(model, int(version), int(request), [int(b) for b in blocks])
 
-    async def fail(self, model: str, ticket: Any, version: int, request: int, reason: str = "") -> bool:
-        """A peer failed the run: fail it here too (and downstream)."""
+    async def fail(self, model: str, ticket: Any, version: int, request: int, reason: str = "",
+                   block: int = -1) -> bool:
+        """A peer failed the run, which ``block`` here waited on: fail it here too, and downstream
+        of ``block`` (whose spec says where)."""
         ticket = await self.check(model, ticket)
         run = self._run(model, int(version), int(request), create=True)
-        if run is not None:
-            self._fail(run, RunFailed(str(reason)[:2000]), ticket)
-        return run is not None
+        if run is None:
+            return False
+        if int(block) >= 0:
+            br = run.block(int(block))
+            if br.spec is None:
+                try:
+                    br.spec = self.spec_of(model, run.version, br.block) or await asyncio.get_running_loop(
+                    ).run_in_executor(self.executor, self.load_spec, model, run.version, br.block)
+                except Exception as e:  # noqa: BLE001 - then downstream of it hears from its caller
+                    logger.info("seabiscuit: block b%s of %s not known: %s", block, run.where(), e)
+        self._fail(run, RunFailed(str(reason)[:2000]), ticket)
+        return True
 
     async def forget(self, model: str, ticket: Any, requests: Sequence[int]) -> int:
         """The caller is done with these runs (answered, failed or abandoned): drop what is left."""
@@ -141,9 +164,9 @@ class DataPlane:
     def _make_room(self) -> None:
         while len(self.runs) >= self.max_runs:
             oldest = min(self.runs.values(), key=lambda r: r.created)
-            self._fail(oldest, RunFailed(f"{oldest.where()} was dropped by worker {self.address}: more than "
-                                         f"{self.max_runs} runs in flight (seabiscuit.runtime.data-plane-runs)"),
-                       "", spread=False)
+            why = (f"{oldest.where()} was dropped by worker {self.address}: more than {self.max_runs} runs "
+                   "in flight (seabiscuit.runtime.data-plane-runs)")
+            self._fail(oldest, RunFailed(why), "", spread=False)
 
     def _deliver(self, run: Run, block: int, tensors: Mapping[str, torch.Tensor], ticket: str) -> bool:
         if (run.model, run.request, block) in self.ran:
@@ -155,7 +178,6 @@ class DataPlane:
             self.counters["repeats"] += 1
             return False
         br.imports.update(new)
-        self.counters["bytes_in"] += sum(int(x.numel() * x.element_size()) for x in new.values())
         if br.spec is None and not br.resolving:
             br.spec = self.spec_of(run.model, run.version, block)
             if br.spec is None:
@@ -220,11 +242,11 @@ class DataPlane:
                 self._deliver(run, block, tensors, ticket)
             return
         try:
-            await self.send(address, "seabiscuit_dp_push", model=run.model, ticket=ticket, version=run.version,
-                            request=run.request, block=block, tensors=Tensors(tensors))
+            await self.send(address, "seabiscuit_dp_push", model=run.model, ticket=ticket,
+                            version=run.version, request=run.request, block=block, tensors=Tensors(tensors))
         except BaseException as e:  # noqa: BLE001 - the run fails, everywhere
-            self._fail(run, RunFailed(f"{run.where()}: worker {self.address} could not send the inputs of block "
-                                      f"b{block} to {address}: {type(e).__name__}: {e}"), ticket)
+            self._fail(run, RunFailed(f"{run.where()}: worker {self.address} could not send the inputs of "
+                                      f"block b{block} to {address}: {type(e).__name__}: {e}"), ticket)
 
     async def _collect(self, model: str, version: int, request: int, blocks: list[int]) -> dict[int, Tensors]:
         key = (model, request)
@@ -255,8 +277,9 @@ class DataPlane:
         """Fail ``run`` here; with ``spread``, at the workers of every block downstream of it too."""
         if run.error is not None:
             return
-        if not isinstance(error, SeaBiscuitError):
-            error = RunFailed(f"{run.where()} failed on worker {self.address}: {type(error).__name__}: {error}")
+        if not isinstance(error, SeaBiscuitError):      # NOTE: the block itself failed: no retry cures it
+            error = SeaBiscuitError(f"{run.where()} failed in a block on worker {self.address}: "
+                                    f"{type(error).__name__}: {error}")
         self.counters["runs_failed"] += 1
         run.fail(error)
         key = (run.model, run.request)
@@ -264,14 +287,32 @@ class DataPlane:
             del self.runs[key]
         self._remember_end(key, error)
         if spread and ticket:
-            peers = {addr for b in run.blocks.values() if b.spec is not None for _, addr, _ in b.spec.sends}
-            for addr in peers - {self.address}:
-                asyncio.ensure_future(self._tell_failed(addr, run, ticket, str(error)))
+            for block, addr in self._downstream(run):
+                task = asyncio.ensure_future(self._tell_failed(addr, run, block, ticket, str(error)))
+                self._telling.add(task)
+                task.add_done_callback(self._telling.discard)
 
-    async def _tell_failed(self, address: str, run: Run, ticket: str, reason: str) -> None:
+    def _downstream(self, run: Run) -> set[tuple[int, str]]:
+        """The blocks on other workers that wait, directly or through blocks here, on blocks of ``run``."""
+        out: set[tuple[int, str]] = set()
+        todo = [b.spec for b in run.blocks.values() if b.spec is not None]
+        seen: set[int] = set()
+        while todo:
+            spec = todo.pop()
+            for c, addr, _ in spec.sends:
+                if addr != self.address:
+                    out.add((c, addr))
+                elif c not in seen:
+                    seen.add(c)
+                    local = self.spec_of(run.model, run.version, c)
+                    if local is not None:
+                        todo.append(local)
+        return out
+
+    async def _tell_failed(self, address: str, run: Run, block: int, ticket: str, reason: str) -> None:
         try:
-            await self.send(address, "seabiscuit_dp_fail", model=run.model, ticket=ticket, version=run.version,
-                            request=run.request, reason=reason)
+            await self.send(address, "seabiscuit_dp_fail", model=run.model, ticket=ticket,
+                            version=run.version, request=run.request, reason=reason, block=block)
         except Exception as e:  # noqa: BLE001 - a peer gone has nothing to fail
             logger.debug("seabiscuit: %s not told of the failure of %s: %s", address, run.where(), e)
 

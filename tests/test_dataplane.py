@@ -1,0 +1,210 @@
+"""The data plane's run manager (``runtime.dataplane``), driven without a cluster: the
+workers of a real plan as ``DataPlane`` s in one event loop, messages passed through
+the wire format, blocks run from ``ResidentBlocks``."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from typing import Any
+
+import pytest
+import torch
+from distributed.protocol import deserialize, serialize
+
+import seabiscuit_dask as sb
+from seabiscuit_dask.errors import AccessDenied, SeaBiscuitError
+from seabiscuit_dask.lower.blocks import block_specs
+from seabiscuit_dask.runtime.dataplane import DataPlane, RunFailed, StaleRun, Tensors, timed
+from seabiscuit_dask.runtime.dataplane.client import route
+from seabiscuit_dask.runtime.dataplane.wire import from_bytes
+from seabiscuit_dask.runtime.resident import ResidentBlocks
+from seabiscuit_dask.runtime.store import stored
+
+from . import models as M
+
+MODEL, TICKET = "0123456789abcdef", "t" * 64
+
+
+class Owner:
+    """Keeps the test's weight store alive."""
+
+
+@pytest.fixture(scope="module")
+def planned():
+    model, x = M.gpt2(), M.ids()
+    graph = sb.decompose(sb.trace(model, x), "64KiB")
+    owner = Owner()
+    graph, _ = stored(graph, model, owner)
+    spec = sb.ClusterSpec.synthetic("4xcpu", hosts=3, cpu_memory="2MiB")    # no one device holds it
+    spec = sb.ClusterSpec(tuple(replace(d, address=f"tcp://h:{i}") for i, d in enumerate(spec.devices)),
+                          spec.links)
+    plan = sb.place(graph, spec)
+    with torch.no_grad():
+        expected = model(x).logits
+    yield graph, block_specs(plan, MODEL, 0), x, expected, owner
+
+
+class Mesh:
+    """One ``DataPlane`` per worker of a plan; a message to a worker goes through the wire format."""
+
+    def __init__(self, specs: list, fail_on: int | None = None, gone: str = "", max_runs: int = 256) -> None:
+        self.specs = {s.index: s for s in specs}
+        self.pool = ThreadPoolExecutor(1)
+        self.resident: dict[str, ResidentBlocks] = {}
+        self.planes: dict[str, DataPlane] = {}
+        self.gone = gone
+        for addr in sorted({s.address for s in specs}):
+            r = self.resident[addr] = ResidentBlocks(64 * 2**20, "cpu", addr)
+            self.planes[addr] = DataPlane(
+                addr, compute=timed(self._compute(r, fail_on), addr), spec_of=lambda m, v, b: None,
+                load_spec=self._loader(r), version_of=lambda m, r=r: r.versions.get(m, -1),
+                send=self.send, check=self.check, executor=self.pool, max_runs=max_runs)
+
+    def _loader(self, r: ResidentBlocks) -> Any:
+        return lambda m, v, b: r.program(m, v, b, self.fetch).spec
+
+    def _compute(self, r: ResidentBlocks, fail_on: int | None) -> Any:
+        def run(model, version, request, block, imports):
+            if block == fail_on:
+                raise RuntimeError(f"block {block} broke")
+            return r.run(model, version, request, block, imports, (), self.fetch)
+        return run
+
+    def fetch(self, model: str, version: int, block: int) -> dict:
+        return self.specs[block].to_dict()
+
+    @staticmethod
+    async def check(model: str, ticket: Any) -> str:
+        if ticket != TICKET:
+            raise AccessDenied("wrong ticket")
+        return TICKET
+
+    async def send(self, address: str, op: str, **msg: Any) -> Any:
+        if address == self.gone:
+            raise OSError(f"no route to {address}")
+        if "tensors" in msg:
+            msg["tensors"] = deserialize(*serialize(msg["tensors"]))
+        return await getattr(self.planes[address], op.removeprefix("seabiscuit_dp_"))(**msg)
+
+    async def call(self, graph, x: torch.Tensor, request: int = 1, version: int = 0, repeat: int = 1) -> Any:
+        wanted = sorted({s.index for s in self.specs.values() if graph.outputs[0] in s.outputs})
+        plan = route(list(self.specs.values()), wanted)
+        inputs = {graph.inputs[0]: x}
+        calls = [self.planes[a].feed(MODEL, TICKET, version, request,
+                                     {b: {t: inputs[t] for t in names} for b, names in feeds}, collects)
+                 for a, (feeds, collects) in plan.items() for _ in range(repeat)]
+        replies = await asyncio.wait_for(asyncio.gather(*calls), 60)
+        out = graph.outputs[0]
+        return next(ts[out] for reply in replies for ts in reply.values() if out in ts)
+
+    def runs(self) -> int:
+        return sum(len(p.records) for p in self.planes.values())
+
+
+def test_a_request_crosses_the_workers_and_equals_the_model(planned) -> None:
+    graph, specs, x, expected, _ = planned
+    assert len({s.address for s in specs}) >= 2 and any(s.sends for s in specs)
+    mesh = Mesh(specs)
+    got = asyncio.run(mesh.call(graph, x))
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    assert mesh.runs() == len(specs)                          # every block ran once
+    assert not any(p.runs for p in mesh.planes.values())      # and nothing of it is held
+
+
+def test_repeated_messages_change_nothing(planned) -> None:
+    graph, specs, x, expected, _ = planned
+    mesh = Mesh(specs)
+
+    async def twice() -> Any:
+        first = await mesh.call(graph, x, request=7)
+        plane = next(iter(mesh.planes.values()))
+        # NOTE: the same inputs again, after the run finished: refused as a repeat
+        s = next(s for s in specs if s.address == plane.address)
+        again = await plane.push(MODEL, TICKET, 0, 7, s.index,
+                                 {t: torch.zeros(1) for t in list(s.imports)[:1]})
+        return first, again
+
+    got, again = asyncio.run(twice())
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    assert again is False and mesh.runs() == len(specs)
+    assert sum(p.counters["repeats"] for p in mesh.planes.values()) >= 1
+
+
+def test_a_message_of_an_older_plan_or_without_the_ticket_is_refused(planned) -> None:
+    graph, specs, x, _, _ = planned
+    mesh = Mesh(specs)
+    addr = specs[0].address
+    mesh.resident[addr].versions[MODEL] = 3          # NOTE: this worker holds plan v3 now
+    with pytest.raises(StaleRun, match="names plan v0"):
+        asyncio.run(mesh.call(graph, x))
+    plane = mesh.planes[addr]
+    with pytest.raises(AccessDenied):
+        asyncio.run(plane.push(MODEL, "forged", 3, 1, specs[0].index, {}))
+    assert plane.counters["stale"] >= 1 and not plane.runs
+
+
+def test_a_failed_block_fails_the_run_downstream_at_once(planned) -> None:
+    graph, specs, x, _, _ = planned
+    first = next(s for s in specs if s.sends)         # a block others wait on
+    mesh = Mesh(specs, fail_on=first.index)
+    with pytest.raises(SeaBiscuitError, match=f"block {first.index} broke"):
+        asyncio.run(mesh.call(graph, x))
+    assert not any(p.runs for p in mesh.planes.values())
+
+
+def test_an_unreachable_peer_fails_the_run_as_run_failed(planned) -> None:
+    _, specs, x, _, _ = planned
+    first = next(s for s in specs if not any(src >= 0 for src in s.sources)
+                 and any(a != s.address for _, a, _ in s.sends))
+    gone = next(a for _, a, _ in first.sends if a != first.address)
+    mesh = Mesh(specs, gone=gone)
+    plane = mesh.planes[first.address]
+
+    async def feed_then_ask() -> Any:
+        await plane.feed(MODEL, TICKET, 0, 1, {first.index: {t: x for t in first.imports}})
+        return await asyncio.wait_for(plane.collect(MODEL, TICKET, 0, 1, [first.index]), 60)
+
+    with pytest.raises(RunFailed, match=f"could not send the inputs of block .* to {gone}"):
+        asyncio.run(feed_then_ask())
+    assert plane.counters["runs_failed"] == 1 and not plane.runs
+
+
+def test_runs_in_flight_are_bounded_and_forgotten_runs_are_dropped(planned) -> None:
+    _, specs, _, _, _ = planned
+    waiting = next(s for s in specs if any(src >= 0 for src in s.sources))    # it waits for a producer
+    mesh = Mesh(specs, max_runs=2)
+    plane = mesh.planes[waiting.address]
+
+    async def flood() -> Any:
+        waits = [asyncio.ensure_future(plane.collect(MODEL, TICKET, 0, r, [waiting.index])) for r in range(3)]
+        await asyncio.sleep(0)
+        await asyncio.wait(waits, timeout=5, return_when=asyncio.FIRST_COMPLETED)
+        first = waits[0].exception() if waits[0].done() else None
+        dropped = await plane.forget(MODEL, TICKET, [1, 2])
+        rest = await asyncio.gather(*waits[1:], return_exceptions=True)
+        return first, dropped, rest
+
+    first, dropped, rest = asyncio.run(flood())
+    assert isinstance(first, RunFailed) and "more than 2 runs in flight" in str(first)
+    assert dropped == 2 and all(isinstance(e, RunFailed) for e in rest)
+    assert not plane.runs
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.int8, torch.bool, torch.float64,
+                                   torch.complex64])
+def test_tensors_of_every_dtype_cross_the_wire(dtype) -> None:
+    x = (torch.randn(3, 5, 2) * 10).to(dtype)
+    view = x[:, 1:4].transpose(0, 1)                # NOTE: not contiguous
+    got = deserialize(*serialize(Tensors(a=x, b=view, c=x[0, 0, 0], d=x[:0])))
+    assert isinstance(got, Tensors)
+    for k, want in dict(a=x, b=view, c=x[0, 0, 0], d=x[:0]).items():
+        assert got[k].dtype == dtype and got[k].shape == want.shape and torch.equal(got[k], want)
+
+
+def test_the_wire_refuses_an_unknown_dtype_or_a_short_buffer() -> None:
+    with pytest.raises(SeaBiscuitError, match="dtype 'object'"):
+        from_bytes(b"\0" * 8, "object", [1])
+    with pytest.raises(SeaBiscuitError, match="arrived with 4 bytes"):
+        from_bytes(b"\0" * 4, "float32", [2])
