@@ -192,7 +192,7 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
                       request: int = 0, inputs: Any = (), collect: Any = (),
                       timed: bool = False) -> list[Any]:
         fed = {int(b): ts for b, ts in inputs or ()}
-        out = await self.dataplane.feed(model, ticket, version, request, fed, list(collect or ()), bool(timed))
+        out = await self.dataplane.feed(model, ticket, version, request, fed, list(collect or ()), timed)
         return [[b, to_serialize(ts)] for b, ts in out.items()]
 
     async def dp_push(self, comm: Any = None, model: str = "", ticket: str = "", version: int = 0,
