@@ -243,3 +243,7 @@ def test_tls_secured_cluster(llama) -> None:
         with sb.distribute(model, c, (x,), budget="256KiB") as dm:
             assert all(d.address.startswith("tls://") for d in dm.plan.spec.devices)
             assert M.rel_err(dm(x).logits, expected) <= 1e-4
+            # NOTE: the activations crossed on the data plane, over the same TLS comms
+            assert dm.p2p and any(s.sends and s.sends[0][1] != s.address for s in dm.specs)
+            got = c.run(lambda dask_worker: dask_worker.plugins["seabiscuit"].dataplane.counters["bytes_in"])
+            assert sum(got.values()) > 0

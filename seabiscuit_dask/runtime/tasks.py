@@ -16,6 +16,7 @@ from distributed.utils import sync
 
 from ..errors import AccessDenied, SeaBiscuitError
 from ..lower.blocks import BlockSpec, parse_key, task_name
+from .dataplane.wire import Tensors
 from .resident import ResidentBlocks
 
 PLUGIN_NAME = "seabiscuit"
@@ -86,7 +87,7 @@ def run_block_task(model: str, version: int, request: int, block: int, inputs: M
     w.log_event(RUNS_TOPIC, {"model": model, "version": version, "request": request, "block": block,
                              "how": how, "compute_s": time.perf_counter() - t0, "start": started,
                              "worker": w.address})
-    return out
+    return Tensors(out)     # NOTE: SeaBiscuit's serialization: activations of every dtype (bf16 too)
 
 
 def _picked(inputs: Mapping[str, Any], deps: tuple[Any, ...]) -> tuple[dict[str, Any], tuple[Any, ...]]:
