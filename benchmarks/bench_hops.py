@@ -55,8 +55,9 @@ def main() -> None:
     torch.set_num_threads(1)
     rows = []
     # NOTE: the learner would repair so poor a plan (every op on the other worker) onto one worker
-    with dask.config.set({"seabiscuit.learn.repair": False}), LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=None,
-                      resources={"MEM": 200e6}) as cluster, Client(cluster) as client:
+    with dask.config.set({"seabiscuit.learn.repair": False}), \
+            LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=None,
+                         resources={"MEM": 200e6}) as cluster, Client(cluster) as client:
         client.register_plugin(sb.SeaBiscuitSchedulerPlugin())
         spec = sb.measure_cluster(client)
         for size in args.sizes:
