@@ -20,9 +20,7 @@ registers one thing::
 from __future__ import annotations
 
 import asyncio
-import functools
 import hmac
-import inspect
 import logging
 import time
 from collections import deque
@@ -30,7 +28,6 @@ from collections.abc import Iterable
 from dataclasses import replace
 from typing import Any
 
-from distributed.core import error_message
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.protocol.pickle import dumps
 
@@ -64,6 +61,7 @@ from ..runtime.state import (
 from ..runtime.store import remove_store
 from ..runtime.tasks import PLUGIN_NAME, RUNS_TOPIC
 from ..runtime.watch import seconds
+from .refusing import refusing
 from .worker import SeaBiscuitWorkerPlugin
 
 logger = logging.getLogger(__name__)
@@ -91,7 +89,7 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
 
     async def start(self, scheduler: Any) -> None:
         self.scheduler = scheduler
-        scheduler.handlers.update({f"seabiscuit_{n}": _refusing(getattr(self, n)) for n in (
+        scheduler.handlers.update({f"seabiscuit_{n}": refusing(getattr(self, n)) for n in (
             "deploy", "release", "block", "owned", "workers", "plan", "drain", "restore", "budget",
             "pressure", "runs", "hello", "learned", "program", "end_sessions", "stalled", "ticket", "ran")})
         # NOTE: a client's own batched stream: the scheduler fills in ``client=`` (as for Dask's own
@@ -666,20 +664,6 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
             logger.warning("seabiscuit: cannot move work off %s: %s", address, e)
             self._publish({"action": "pressure-unresolved", "address": address, "reason": str(e)})
             return {"handled_s": 0.0, "replan_s": [], "versions": {}, "error": str(e)}
-
-
-def _refusing(handler: Any) -> Any:
-    """``handler`` as an RPC whose expected refusals (``SeaBiscuitError``) log one line, not a
-    traceback; the caller still gets the exception."""
-    @functools.wraps(handler)
-    async def run(*args: Any, **kwargs: Any) -> Any:
-        try:
-            out = handler(*args, **kwargs)
-            return await out if inspect.isawaitable(out) else out
-        except SeaBiscuitError as e:
-            logger.info("seabiscuit: refused %s: %s: %s", handler.__name__, type(e).__name__, e)
-            return error_message(e, status="uncaught-error")
-    return run
 
 
 def _worker_info(ws: Any, report: dict[str, Any] | None) -> dict[str, Any]:

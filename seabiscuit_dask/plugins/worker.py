@@ -27,6 +27,7 @@ from ..runtime.dataplane import DataPlane, timed
 from ..runtime.resident import ResidentBlocks
 from ..runtime.tasks import PLUGIN_NAME, fetch_spec
 from ..runtime.watch import seconds
+from .refusing import refusing
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +77,7 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
             send=self._send, check=self._check_ticket, executor=self._pool,
             max_runs=int(config.get("runtime.data-plane-runs")))
         for op in DP_OPS:
-            worker.handlers[f"seabiscuit_dp_{op}"] = getattr(self, f"dp_{op}")
+            worker.handlers[f"seabiscuit_dp_{op}"] = refusing(getattr(self, f"dp_{op}"))
         from tornado.ioloop import PeriodicCallback
 
         self._flush = PeriodicCallback(self._report_runs, 200)    # NOTE: a tick skips while one runs
