@@ -77,6 +77,43 @@ def hf_timings(model, ids: torch.Tensor, new: int, reps: int, threads: int) -> t
         torch.set_num_threads(old)
 
 
+def hf_batched(model, prompts: list[torch.Tensor], new: int, reps: int, threads: int) -> float:
+    """Aggregate decode tokens/s of Hugging Face generate over ``prompts`` as one left-padded batch
+    (the anchor for concurrent sessions), ``threads`` threads: new tokens after the first, over
+    their time."""
+    from transformers import TextStreamer
+
+    n = max(p.shape[1] for p in prompts)
+    ids = torch.zeros((len(prompts), n), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for r, p in enumerate(prompts):
+        ids[r, n - p.shape[1]:], mask[r, n - p.shape[1]:] = p[0], 1
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        rate = []
+        for _ in range(reps + 1):
+            stamps: list[float] = []
+
+            class Clock(TextStreamer):
+                def __init__(self) -> None:
+                    pass
+
+                def put(self, value: torch.Tensor) -> None:
+                    stamps.append(time.perf_counter())
+
+                def end(self) -> None:
+                    pass
+
+            with torch.no_grad():
+                model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                               do_sample=False, streamer=Clock())
+            rate.append(len(prompts) * (len(stamps) - 2) / (stamps[-1] - stamps[1]))
+        return statistics.median(rate[1:])
+    finally:
+        torch.set_num_threads(old)
+
+
 def sb_single(dm, ids: torch.Tensor, new: int, reps: int) -> tuple[float, float]:
     """(prefill s, decode tokens/s) of one session on the cluster."""
     prefill, rate = [], []
@@ -165,6 +202,7 @@ def main() -> None:
     rows = []
     hf1 = hf_timings(model, ids, args.new, args.reps, 1)
     hf2 = hf_timings(model, ids, args.new, args.reps, 2)
+    hf_batch = [hf_batched(model, prompts, args.new, args.reps, t) for t in (1, 2)]
     with seabiscuit_cluster(args.workers, budget) as client:
         dm = sb.distribute(model, client, torch.zeros(1, 256, dtype=torch.long), kwargs={"logits_to_keep": 1},
                            sessions=args.sessions, context=context)
@@ -191,7 +229,7 @@ def main() -> None:
         cached = ids.shape[1] + 7
         probe.close()
         tasks = stats["programs"]["1x1"]["tasks"]
-        dm_pipeline = dm._engine.pipeline
+        dm_pipeline, p2p = dm._engine.pipeline, dm.p2p
         dm.close()
     dist_step = 1.0 / decode_tps
     rows += [
@@ -201,17 +239,21 @@ def main() -> None:
          f"{decode_tps / hf1[1]:.2f}x"),
         (f"decode, {args.sessions} sessions (aggregate)", f"{agg_tps:.1f} tok/s", f"{hf1[1]:.1f} tok/s",
          f"{hf2[1]:.1f} tok/s", f"{agg_tps / hf1[1]:.2f}x"),
+        (f"  vs HF batch of {args.sessions} (padded)", f"{agg_tps:.1f} tok/s", f"{hf_batch[0]:.1f} tok/s",
+         f"{hf_batch[1]:.1f} tok/s", f"{agg_tps / hf_batch[0]:.2f}x"),
     ]
     print(f"\nSmolLM2-135M-Instruct ({weights / 2**20:.0f} MiB fp32) on {args.workers} workers x 1 thread "
           f"(budget {budget / 2**20:.0f} MiB each) vs Hugging Face generate in one process\n")
     print(f"{'measure':<34} {'SeaBiscuit':>12} {'HF 1 thread':>12} {'HF 2 threads':>13} {'vs HF 1 thr':>12}")
     for r in rows:
         print(f"{r[0]:<34} {r[1]:>12} {r[2]:>12} {r[3]:>13} {r[4]:>12}")
-    print(f"\nDask tasks per decode step    {tasks} (1 session: {tasks} per token; {args.sessions} sessions: "
-          f"{tasks / args.sessions:.2f} per token)")
+    print(f"\n{args.sessions} sessions against HF's padded batch on 2 threads: {agg_tps / hf_batch[1]:.2f}x")
+    plane = "data plane (p2p)" if p2p else "Dask tasks"
+    print(f"\nblocks per decode step        {tasks} on the {plane} (1 session: {tasks} per token; "
+          f"{args.sessions} sessions: {tasks / args.sessions:.2f} per token)")
     print(f"decode step                   {dist_step * 1e3:.1f} ms on the cluster, {step_local * 1e3:.1f} ms "
-          f"the same program in one process: Dask costs {max(0.0, dist_step - step_local) * 1e3:.1f} ms "
-          "per step")
+          f"the same program in one process: coordination costs "
+          f"{max(0.0, dist_step - step_local) * 1e3:.1f} ms per step")
     per_token = 2 * model.config.num_hidden_layers * model.config.num_key_value_heads \
         * (model.config.hidden_size // model.config.num_attention_heads) * 4
     held = sum(kv.values()) / 2**20
