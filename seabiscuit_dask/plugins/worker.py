@@ -23,7 +23,7 @@ from distributed.protocol import to_serialize
 from .. import config
 from ..errors import AccessDenied
 from ..runtime import access, agent
-from ..runtime.dataplane import DataPlane, timed
+from ..runtime.dataplane import DataPlane, decode_loop, timed
 from ..runtime.resident import ResidentBlocks
 from ..runtime.tasks import PLUGIN_NAME, fetch_spec
 from ..runtime.watch import seconds
@@ -191,9 +191,10 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
     # --- the data plane (runtime.dataplane) --------------------------------------------------------
     async def dp_feed(self, comm: Any = None, model: str = "", ticket: str = "", version: int = 0,
                       request: int = 0, inputs: Any = (), collect: Any = (),
-                      timed: bool = False) -> list[Any]:
+                      timed: bool = False, loop: Any = None) -> list[Any]:
         fed = {int(b): ts for b, ts in inputs or ()}
-        out = await self.dataplane.feed(model, ticket, version, request, fed, list(collect or ()), timed)
+        out = await self.dataplane.feed(model, ticket, version, request, fed, list(collect or ()), timed,
+                                        decode_loop(loop))
         return [[b, to_serialize(ts)] for b, ts in out.items()]
 
     async def dp_push(self, comm: Any = None, model: str = "", ticket: str = "", version: int = 0,
@@ -249,6 +250,8 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
     async def _send(self, address: str, op: str, **msg: Any) -> Any:
         if "tensors" in msg:
             msg["tensors"] = to_serialize(msg["tensors"])
+        if "inputs" in msg:
+            msg["inputs"] = [[b, to_serialize(ts)] for b, ts in msg["inputs"]]
         return await getattr(self.worker.rpc(address), op)(**msg)
 
     async def dp_flush(self, comm: Any = None) -> int:

@@ -374,21 +374,49 @@ class DistributedModel:
 
     def run_step(self, batch: int, length: int, feed: dict[str, Any]) -> Any:
         """One step of generation on the cluster: logits (batch, vocab) of each row's last token."""
-        return self.step_result(self.submit_step(batch, length, feed))
+        prog = self._step_program(batch, length)
+        return self.step_result(self._submit(prog, prog.layout, split_inputs(prog.graph, feed)))
 
-    def submit_step(self, batch: int, length: int, feed: dict[str, Any], after: Handle | None = None
-                    ) -> Handle:
+    def submit_step(self, batch: int, length: int, feed: dict[str, Any], after: Handle | None = None,
+                    steps: int = 1) -> Handle | None:
         """Submit one step without waiting; ``after``: a step of the same program whose greedy
         tokens are this step's ``input_ids`` (picked on the worker, so the step is queued before
-        the one it follows has finished: Dask's cost per step overlaps the computing)."""
+        the one it follows has finished: Dask's cost per step overlaps the computing).
+
+        On the data plane ``steps`` > 1 starts a decode loop on the workers: each step after
+        the first is fed by the worker that makes the logits, from their greedy tokens, with no
+        caller in between; each step's handle is the ``after`` of the one before (None past
+        the last), and discarding one stops the loop there."""
         prog = self._step_program(batch, length)
+        if self.p2p and after is not None:
+            return after.next
         # NOTE: one layout, whatever plan event comes meanwhile
-        return self._submit(prog, prog.layout, split_inputs(prog.graph, feed), after)
+        layout = prog.layout
+        inputs = split_inputs(prog.graph, feed)
+        one_tile = len(prog.graph.leaf_outputs) == 1 and "input_ids" not in prog.graph.tilings
+        if self.p2p and steps > 1 and one_tile and set(inputs) == set(dataplane.runs.STEP_INPUTS):
+            return self._submit_loop(prog, layout, inputs, steps)
+        return self._submit(prog, layout, inputs, after)
+
+    def _submit_loop(self, prog: StepProgram, layout: StepLayout, inputs: dict[str, Any],
+                     steps: int) -> Handle:
+        self._check_open()
+        requests = [self._next_request() for _ in range(steps)]
+        wanted = sorted(set(layout.out_at.values()))
+        futures = p2p.start_loop(self.client, self.model_id, self._ticket, layout.version, requests,
+                                 layout.route(wanted), inputs, prog.graph.leaf_outputs[0])
+        handles = [Handle(prog, layout, r, wanted, [], f) for r, f in zip(requests, futures)]
+        for h, nxt in zip(handles, handles[1:]):
+            h.next = nxt
+            self._inflight[h.request] = h
+        self._inflight[handles[-1].request] = handles[-1]
+        return handles[0]
 
     @property
     def chains_steps(self) -> bool:
-        """Whether ``submit_step(after=...)`` queues a step behind another (the task data plane)."""
-        return not self.p2p
+        """Whether ``submit_step(after=...)`` queues a step behind another: a task chained to the
+        one before, or a step of a decode loop on the data plane (``steps``)."""
+        return True
 
     def _submit(self, prog: StepProgram | None, layout: StepLayout, inputs: dict[str, Any],
                 after: Handle | None = None) -> Handle:
@@ -425,8 +453,20 @@ class DistributedModel:
         return logits[:, -1]
 
     def discard(self, handle: Handle) -> None:
-        """Let go of a submitted step (one read ahead that is not needed runs out unseen)."""
-        self._release(handle, done=False)
+        """Let go of a submitted step (one read ahead that is not needed runs out unseen), and of
+        the steps of a decode loop after it."""
+        chain: list[Handle] = []
+        h: Handle | None = handle
+        while h is not None:
+            chain.append(h)
+            h = h.next
+        for h in chain:
+            self._release(h, done=h.pending is not None)      # NOTE: the data plane's, forgotten at once
+            if h.pending is not None:
+                h.pending.cancel()
+        if handle.pending is not None:
+            p2p.forget(self.client, self.model_id, self._ticket, [h.request for h in chain],
+                       sorted({s.address for s in handle.layout.specs}))
 
     def _outputs(self, handle: Handle) -> dict[str, Any]:
         """The graph output tiles a request computed; it is then let go; a failure as a SeaBiscuitError."""
@@ -743,6 +783,7 @@ class Handle:
                  futures: list[Any], pending: concurrent.futures.Future[Any] | None = None) -> None:
         self.program, self.layout, self.request, self.wanted, self.futures, self.pending = (
             program, layout, request, wanted, futures, pending)
+        self.next: Handle | None = None         # the next step of its decode loop (data plane)
         graph = program.graph if program is not None else None
         chainable = graph is not None and len(graph.leaf_outputs) == 1 and len(wanted) == 1 \
             and "input_ids" not in graph.tilings and bool(futures)

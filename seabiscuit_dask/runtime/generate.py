@@ -54,8 +54,11 @@ class Runner(Protocol):
 class QueueingRunner(Runner, Protocol):
     """A runner that can queue a step behind another (``DistributedModel``): see ``Engine._decode``."""
 
-    def submit_step(self, batch: int, length: int, feed: dict[str, torch.Tensor], after: Any = None) -> Any:
-        """Submit a step; with ``after``, its input_ids are the greedy tokens of that step."""
+    def submit_step(self, batch: int, length: int, feed: dict[str, torch.Tensor], after: Any = None,
+                    steps: int = 1) -> Any:
+        """Submit a step; with ``after``, its input_ids are the greedy tokens of that step (None: no
+        step can follow it so); ``steps``: greedy steps the caller will take at least (a runner
+        may start them all at once)."""
 
     def step_result(self, handle: Any) -> torch.Tensor:
         """The logits of a submitted step."""
@@ -182,6 +185,7 @@ class Engine:
         self.lookahead = bool(config.get("generate.lookahead", True)) and bool(getattr(runner, "chains_steps",
                                                                                       False))
         self._queueing: QueueingRunner = runner  # type: ignore[assignment]   # NOTE: used if lookahead
+        self.loop_steps = max(1, int(config.get("generate.loop-steps", 1) or 1))
         self._ahead: dict[tuple[int, ...], tuple[Any, tuple[int, ...]]] = {}
         self._ahead_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max(1, self.pipeline - 1), thread_name_prefix="seabiscuit-step")
@@ -323,12 +327,13 @@ class Engine:
         greedy = [all(not c.sampling.do_sample and not c.cancelled for c, _ in part) for part in parts]
         # NOTE: no step is queued behind a group's last one (a call that ends frees its caches)
         more = [all(c.produced + 1 < c.max_new for c, _ in part) for part in parts]
-        runs = [self._pool.submit(self._decode, [s for _, s in part], g, m)
-                for part, g, m in zip(parts[1:], greedy[1:], more[1:])]
+        left = [min(c.max_new - c.produced for c, _ in part) for part in parts]
+        runs = [self._pool.submit(self._decode, [s for _, s in part], g, m, n)
+                for part, g, m, n in zip(parts[1:], greedy[1:], more[1:], left[1:])]
         results: list[Any] = []
-        for part, g, m, fut in zip(parts, greedy, more, [None, *runs]):
+        for part, g, m, n, fut in zip(parts, greedy, more, left, [None, *runs]):
             try:
-                results.append(self._decode([s for _, s in part], g, m) if fut is None else fut.result())
+                results.append(self._decode([s for _, s in part], g, m, n) if fut is None else fut.result())
             except BaseException as e:  # noqa: BLE001 - fails the calls of these rows only
                 results.append(e)
         for part, res in zip(parts, results):
@@ -393,11 +398,13 @@ class Engine:
             self.stats.prefill_steps += not replay
         return logits
 
-    def _decode(self, sessions: list[Session], greedy: bool = False, more: bool = True) -> torch.Tensor:
+    def _decode(self, sessions: list[Session], greedy: bool = False, more: bool = True,
+                left: int = 1) -> torch.Tensor:
         """One decode step of ``sessions``. A greedy group with the same sessions as last step
         finds this step queued already, and queues the next one behind it (unless this is its
         last, ``more=False``): its tokens are picked on the worker from this step's logits, as
-        ``pick`` picks them here."""
+        ``pick`` picks them here. A group that starts anew may start all its ``left`` steps at
+        once (a decode loop on the workers, ``seabiscuit.generate.loop-steps`` at most)."""
         batch = bucket(len(sessions), self.batch_sizes)
         self._prepare(batch, 1)
         feed = _feed([(s.sid, s.cached, s.tokens[s.cached:]) for s in sessions], batch, 1)
@@ -413,12 +420,13 @@ class Engine:
             if handle is None:
                 if ahead is not None:
                     self._queueing.discard(ahead[0])
-                handle = self._queueing.submit_step(batch, 1, feed)
+                handle = self._queueing.submit_step(batch, 1, feed, steps=min(left, self.loop_steps))
             if more:
                 nxt = _feed([(s.sid, s.cached + 1, [0]) for s in sessions], batch, 1)
                 queued = self._queueing.submit_step(batch, 1, nxt, after=handle)
-                with self._ahead_lock:
-                    self._ahead[key] = (queued, tuple(n + 1 for n in starts))
+                if queued is not None:
+                    with self._ahead_lock:
+                        self._ahead[key] = (queued, tuple(n + 1 for n in starts))
             try:
                 logits = self._queueing.step_result(handle)
             except WorkerLost as e:

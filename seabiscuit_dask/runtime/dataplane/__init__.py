@@ -10,7 +10,7 @@ or ``tasks`` (one Dask task per block, activations through Dask).
 """
 
 from .manager import DataPlane, timed
-from .runs import RunFailed, StaleRun
+from .runs import Loop, RunFailed, StaleRun, decode_loop
 from .wire import Tensors
 
-__all__ = ["DataPlane", "RunFailed", "StaleRun", "Tensors", "timed"]
+__all__ = ["DataPlane", "Loop", "RunFailed", "StaleRun", "Tensors", "decode_loop", "timed"]

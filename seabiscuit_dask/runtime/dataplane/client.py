@@ -45,8 +45,7 @@ Outputs = dict[int, Mapping[str, torch.Tensor]]      # block -> the graph output
 def start(client: Any, model: str, ticket: str, version: int, request: int, plan: Route,
           inputs: Mapping[str, torch.Tensor]) -> concurrent.futures.Future[Outputs]:
     """Send a request on the data plane from any thread; the future gives block -> outputs."""
-    calls = {addr: ([[b, to_serialize(Tensors({t: inputs[t] for t in names if t in inputs}))]
-                     for b, names in feeds], collects) for addr, (feeds, collects) in plan.items()}
+    calls = _calls(plan, inputs)
     # NOTE: the worker that collects the last output reports the request's latency (dashboard)
     timed = next((a for a, (_, c) in plan.items() if c and max(c) == max(max(cc) for _, cc in plan.values()
                                                                          if cc)), "")
@@ -54,14 +53,63 @@ def start(client: Any, model: str, ticket: str, version: int, request: int, plan
     return asyncio.run_coroutine_threadsafe(coro, client.loop.asyncio_loop)
 
 
+def _calls(plan: Route, inputs: Mapping[str, torch.Tensor]) -> dict[str, tuple[list[Any], list[int]]]:
+    return {addr: ([[b, to_serialize(Tensors({t: inputs[t] for t in names if t in inputs}))]
+                    for b, names in feeds], collects) for addr, (feeds, collects) in plan.items()}
+
+
+def start_loop(client: Any, model: str, ticket: str, version: int, requests: Sequence[int], plan: Route,
+               inputs: Mapping[str, torch.Tensor], logits: str) -> list[concurrent.futures.Future[Outputs]]:
+    """A decode loop of ``len(requests)`` greedy steps: the first fed from here, each next one by
+    the worker that makes ``logits`` (its greedy tokens, positions one on). Returns a future per
+    step; the steps' outputs are collected one after another, off the steps' path. A step
+    whose future is cancelled stops the loop there."""
+    (out_addr,) = [a for a, (_, c) in plan.items() if c]
+    (wanted,) = [c for _, c in plan.values() if c]
+    loop = {"requests": list(requests[1:]), "logits": logits,
+            "route": [[a, [[b, list(names)] for b, names in feeds]] for a, (feeds, _) in plan.items()
+                      if feeds],
+            "inputs": to_serialize(Tensors(inputs))}
+    futures: list[concurrent.futures.Future[Outputs]] = [concurrent.futures.Future() for _ in requests]
+
+    async def run() -> None:
+        try:
+            first = await _run(client.rpc, model, ticket, version, requests[0], _calls(plan, inputs),
+                               loops={out_addr: loop})
+            _settle(futures[0], first)
+            for r, f in zip(requests[1:], futures[1:]):
+                if f.cancelled():
+                    break
+                try:
+                    reply = await client.rpc(out_addr).seabiscuit_dp_collect(
+                        model=model, ticket=ticket, version=version, request=r, blocks=wanted)
+                except (CommClosedError, OSError) as e:
+                    raise RunFailed(f"request {r} of model {model}: worker {out_addr} could not be reached: "
+                                    f"{type(e).__name__}: {e}") from e
+                _settle(f, {int(b): ts for b, ts in reply})
+        except BaseException as e:  # noqa: BLE001 - every step not yet answered fails with it
+            for f in futures:
+                if not f.done():
+                    f.set_exception(e)
+
+    asyncio.run_coroutine_threadsafe(run(), client.loop.asyncio_loop)
+    return futures
+
+
+def _settle(f: concurrent.futures.Future[Outputs], value: Outputs) -> None:
+    if not f.done():
+        f.set_result(value)
+
+
 async def _run(rpc: Any, model: str, ticket: str, version: int, request: int,
                calls: Mapping[str, tuple[list[Any], list[int]]], timed: str = "",
-               ) -> Outputs:
+               loops: Mapping[str, Any] | None = None) -> Outputs:
     async def one(addr: str, feeds: list[Any], collects: list[int]) -> list[Any]:
         try:
             return list(await rpc(addr).seabiscuit_dp_feed(model=model, ticket=ticket, version=version,
                                                             request=request, inputs=feeds, collect=collects,
-                                                            timed=addr == timed))
+                                                            timed=addr == timed,
+                                                            loop=(loops or {}).get(addr)))
         except (CommClosedError, OSError) as e:
             raise RunFailed(f"request {request} of model {model}: worker {addr} could not be reached: "
                             f"{type(e).__name__}: {e}") from e

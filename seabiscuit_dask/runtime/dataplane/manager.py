@@ -30,7 +30,7 @@ import torch
 
 from ...errors import SeaBiscuitError
 from ...lower.blocks import BlockSpec, split_block
-from .runs import DONE, RUNNING, BlockRun, Run, RunFailed, StaleRun
+from .runs import DONE, RUNNING, BlockRun, Loop, Run, RunFailed, StaleRun
 from .wire import Tensors, nbytes
 
 logger = logging.getLogger(__name__)
@@ -58,19 +58,27 @@ class DataPlane:
         self.ran: OrderedDict[tuple[str, int, int], None] = OrderedDict()     # (model, request, block)
         self.ended: OrderedDict[RunKey, BaseException] = OrderedDict()       # failed or forgotten runs
         self.records: list[dict[str, Any]] = []                               # block runs to report
-        self.counters = {"messages": 0, "repeats": 0, "stale": 0, "runs_failed": 0, "bytes_in": 0}
-        self._telling: set[Any] = set()            # failures being told to peers
+        self.counters = {"messages": 0, "repeats": 0, "stale": 0, "runs_failed": 0, "bytes_in": 0,
+                         "loop_steps": 0}
+        self._telling: set[Any] = set()            # failures and loop steps being sent to peers
+        self.loops: dict[RunKey, Loop] = {}         # (model, request) -> the decode loop that follows it
 
     # --- handlers ------------------------------------------------------------------------------
     async def feed(self, model: str, ticket: Any, version: int, request: int,
                    inputs: Mapping[int, Mapping[str, torch.Tensor]], collect: Sequence[int] = (),
-                   timed: bool = False) -> dict[int, Tensors]:
+                   timed: bool = False, loop: Loop | None = None) -> dict[int, Tensors]:
         """The caller's inputs of this worker's blocks (a block with no inputs starts with ``{}``);
         with ``collect``, waits for those blocks' outputs and returns them; ``timed``: report
-        the time from here to the outputs as the request's latency."""
+        the time from here to the outputs as the request's latency; ``loop``: the decode steps
+        that follow this one, fed from here (this worker makes ``loop.logits``)."""
         t0 = time.time()
         ticket = await self.check(model, ticket)
         run = self._run(model, int(version), int(request), create=True)
+        if run is not None and loop is not None and loop.requests:
+            self.loops[(model, int(request))] = loop
+            made = next((out for out in run.outputs.values() if loop.logits in out), None)
+            if made is not None:         # NOTE: the step ran before its loop arrived
+                self._advance(run, made[loop.logits], ticket)
         if run is not None:
             for b, ts in inputs.items():
                 self.counters["bytes_in"] += nbytes(ts)
@@ -121,6 +129,7 @@ class DataPlane:
         n = 0
         for r in requests:
             key = (model, int(r))
+            self.loops.pop(key, None)
             run = self.runs.pop(key, None)
             if run is not None:
                 n += 1
@@ -134,6 +143,9 @@ class DataPlane:
         """Fail the runs of ``model`` older than ``version`` (every run, for None: released)."""
         doomed = [run for (m, _), run in self.runs.items() if m == model
                   and (version is None or run.version < version)]
+        for key in [k for k in self.loops if k[0] == model]:
+            if version is None or (key in self.runs and self.runs[key].version < version):
+                del self.loops[key]
         for run in doomed:
             why = "was released" if version is None else f"moved to plan v{version}"
             self._fail(run, StaleRun(f"{run.where()} cannot finish: the model {why} while it ran; "
@@ -231,9 +243,45 @@ class DataPlane:
         if spec.outputs:
             run.outputs[br.block] = {t: out[t] for t in spec.outputs}
             run.notify()
+            follows = self.loops.get((run.model, run.request))
+            if follows is not None and follows.logits in out:
+                self._advance(run, out[follows.logits], ticket)
         sends = [self._send(run, c, addr, {t: out[t] for t in ts}, ticket) for c, addr, ts in spec.sends]
         await asyncio.gather(*sends)
         self._tidy(run)
+
+    def _advance(self, run: Run, logits: torch.Tensor, ticket: str) -> None:
+        """Feed the next step of the decode loop that follows ``run`` from its greedy tokens."""
+        loop = self.loops.pop((run.model, run.request), None)
+        if loop is None or not loop.requests or (run.model, loop.requests[0]) in self.ended:
+            return          # NOTE: the caller stopped the loop (forgot its next step)
+        inputs, after = loop.following(logits)
+        request = loop.requests[0]
+        nxt = self._run(run.model, run.version, request, create=True)
+        if nxt is None:
+            return
+        if after.requests:
+            self.loops[(run.model, request)] = after
+        self.counters["loop_steps"] += 1
+        for address, feeds in loop.route:
+            mine = [(b, {t: inputs[t] for t in names}) for b, names in feeds]
+            if address == self.address:
+                for b, ts in mine:
+                    self._deliver(nxt, b, ts, ticket)
+            else:
+                task = asyncio.ensure_future(self._feed_peer(nxt, address, mine, ticket))
+                self._telling.add(task)
+                task.add_done_callback(self._telling.discard)
+
+    async def _feed_peer(self, run: Run, address: str, feeds: list[tuple[int, dict[str, torch.Tensor]]],
+                         ticket: str) -> None:
+        try:
+            sent = [(b, Tensors(ts)) for b, ts in feeds]
+            await self.send(address, "seabiscuit_dp_feed", model=run.model, ticket=ticket,
+                            version=run.version, request=run.request, inputs=sent)
+        except BaseException as e:  # noqa: BLE001 - the step fails, everywhere
+            self._fail(run, RunFailed(f"{run.where()}: worker {self.address} could not feed the next decode "
+                                      f"step to {address}: {type(e).__name__}: {e}"), ticket)
 
     async def _send(self, run: Run, block: int, address: str, tensors: dict[str, torch.Tensor],
                     ticket: str) -> None:

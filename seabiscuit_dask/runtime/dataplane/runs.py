@@ -91,3 +91,47 @@ class Run:
 
     def where(self) -> str:
         return f"request {self.request} of model {self.model} (plan v{self.version})"
+
+
+@dataclass(eq=False)
+class Loop:
+    """A decode loop at the worker that makes a step's logits: the steps still to run after it,
+    each fed from the greedy tokens of the one before (no caller in between)."""
+
+    requests: list[int]                                   # the next steps' request ids, in order
+    route: list[tuple[str, list[tuple[int, tuple[str, ...]]]]]   # worker -> its blocks and their inputs
+    logits: str                                           # the output tile the tokens come from
+    inputs: dict[str, torch.Tensor]                       # this step's inputs (positions, sessions, ...)
+
+    def following(self, logits: torch.Tensor) -> tuple[dict[str, torch.Tensor], Loop]:
+        """The next step's inputs (greedy tokens, positions one on; pad rows stay as they are) and
+        the loop after it."""
+        x = self.inputs
+        live = x["sb_sessions"] >= 0
+        ids = logits[:, -1].argmax(dim=-1).reshape(-1, 1).to(torch.long)
+        nxt = {"input_ids": torch.where(live.reshape(-1, 1), ids, torch.zeros_like(ids)),
+               "position_ids": x["position_ids"] + live.reshape(-1, 1).long(),
+               "sb_sessions": x["sb_sessions"], "sb_start": x["sb_start"] + live.long(),
+               "sb_valid": x["sb_valid"]}
+        return nxt, Loop(self.requests[1:], self.route, self.logits, nxt)
+
+
+def decode_loop(msg: Any) -> Loop | None:
+    """A ``Loop`` from its message (``dataplane.client.start``); None for none. The worker
+    feeds only blocks of the model's own plan (its route) and only these five step inputs."""
+    if not msg:
+        return None
+    try:
+        inputs = {str(k): v for k, v in dict(msg["inputs"]).items()}
+        if set(inputs) != set(STEP_INPUTS) or not all(isinstance(v, torch.Tensor) for v in inputs.values()):
+            raise ValueError(f"inputs {sorted(inputs)}")
+        route = [(str(a), [(int(b), tuple(str(t) for t in names)) for b, names in feeds])
+                 for a, feeds in msg["route"]]
+        if any(t not in STEP_INPUTS for _, feeds in route for _, names in feeds for t in names):
+            raise ValueError("a route names other inputs")
+        return Loop([int(r) for r in msg["requests"]][:4096], route, str(msg["logits"]), inputs)
+    except (KeyError, TypeError, ValueError) as e:
+        raise WorkerLost(f"a decode loop's message is malformed ({e}): the step runs once") from e
+
+
+STEP_INPUTS = ("input_ids", "position_ids", "sb_sessions", "sb_start", "sb_valid")
