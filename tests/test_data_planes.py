@@ -47,7 +47,8 @@ def test_forward_and_greedy_generation_equal_the_model(client, model, plane: str
         got = dm.generate(ids, 12, attention_mask=mask, pad_token_id=0, eos_token_id=[])
         assert torch.equal(got, hf_greedy(model, ids, mask, 12))
         if dm.p2p:      # NOTE: the steps after the first were fed by the workers (a decode loop)
-            fed = client.run(lambda dask_worker: dask_worker.plugins["seabiscuit"].dataplane.counters["loop_steps"])
+            fed = client.run(lambda dask_worker: dask_worker.plugins["seabiscuit"].dataplane.counters[
+                "loop_steps"])
             assert sum(fed.values()) >= 10
         assert dm.run_counts()["re_executed"] == 0
 
