@@ -42,6 +42,7 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(PYTHON) benchmarks/bench_decompose.py
 	$(PYTHON) benchmarks/bench_placement.py
+	$(PYTHON) benchmarks/bench_hops.py
 	$(PYTHON) benchmarks/bench_runtime.py
 	$(PYTHON) benchmarks/bench_resilience.py
 	$(PYTHON) benchmarks/bench_generate.py

@@ -150,26 +150,31 @@ def sb_concurrent(dm, prompts: list[torch.Tensor], new: int) -> tuple[float, flo
 
 
 def local_step_s(model, lead, reps: int) -> float:
-    """One decode step of the same step program in this process, 1 thread (no Dask)."""
+    """One decode step of the same step program in this process, 1 thread, run as the workers run
+    it (its ops as one ``BlockProgram`` over the same tiles), with no data plane or Dask."""
+    import numpy as np
+
     import seabiscuit_dask as sb
+    from seabiscuit_dask.lower.blocks import BlockProgram, block_specs
     from seabiscuit_dask.lower.kvcache import KVStore, using
     from seabiscuit_dask.runtime.generate import _feed
     from seabiscuit_dask.trace.decoder import trace_step
+    from seabiscuit_dask.weights import WeightStore
 
     graph = sb.decompose(trace_step(model, 1, 1), lead.meta.get("budget_bytes") or None, like=lead)
+    spec = sb.ClusterSpec.synthetic("4xcpu", hosts=1, cpu_memory="64GiB")
+    (block,) = block_specs(sb.Plan(graph, spec, np.zeros(len(graph.ops), dtype=int), "one", 0.0, {}), "0" * 16)
+    program = BlockProgram.load(block, WeightStore.from_weights(model).load, torch.device("cpu"))
     store = KVStore()
     old = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        from seabiscuit_dask.weights import WeightStore
-
-        weights = WeightStore.from_weights(model)
         times = []
         for i in range(reps + 3):
             feed = _feed([(0, i, [1])], 1, 1)
             t = time.perf_counter()
             with using(store, "m"):
-                sb.run_local(graph, *[feed[n] for n in graph.inputs], store=weights)
+                program.run({n: feed[n] for n in graph.inputs})
             times.append(time.perf_counter() - t)
         return statistics.median(times[3:])
     finally:
