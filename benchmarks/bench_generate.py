@@ -163,7 +163,8 @@ def local_step_s(model, lead, reps: int) -> float:
 
     graph = sb.decompose(trace_step(model, 1, 1), lead.meta.get("budget_bytes") or None, like=lead)
     spec = sb.ClusterSpec.synthetic("4xcpu", hosts=1, cpu_memory="64GiB")
-    (block,) = block_specs(sb.Plan(graph, spec, np.zeros(len(graph.ops), dtype=int), "one", 0.0, {}), "0" * 16)
+    one = sb.Plan(graph, spec, np.zeros(len(graph.ops), dtype=int), "one", 0.0, {})
+    (block,) = block_specs(one, "0" * 16)
     program = BlockProgram.load(block, WeightStore.from_weights(model).load, torch.device("cpu"))
     store = KVStore()
     old = torch.get_num_threads()
