@@ -111,6 +111,14 @@ def device_choice(value: str | None = None) -> str:
     return choice.lower()
 
 
+def data_plane() -> str:
+    """How activations travel (config ``seabiscuit.runtime.data-plane``): ``p2p`` or ``tasks``."""
+    mode = get("runtime.data-plane")
+    if mode not in ("p2p", "tasks"):
+        raise SeaBiscuitError(f"seabiscuit.runtime.data-plane is {mode!r}: it must be p2p or tasks")
+    return str(mode)
+
+
 def cache_dir() -> Path:
     """Folder for on-disk templates (config ``seabiscuit.cache.directory``)."""
     d = get("cache.directory")

@@ -67,7 +67,7 @@ class DistributedModel:
         self.model_id = model_id
         self._token = token
         self._ticket = ticket                        # NOTE: what data-plane messages of this model show
-        self.p2p = data_plane() == "p2p" and bool(ticket)
+        self.p2p = config.data_plane() == "p2p" and bool(ticket)
         self.checkpoint_dir = checkpoint_dir
         self.verify_every = verify_every
         self._inflight: dict[int, Handle] = {}
@@ -931,14 +931,6 @@ def deploy(plan: Plan, client: Any, *, weights: Any = None,
         dm.close()      # NOTE: nothing half-deployed stays behind on the cluster
         raise
     return dm
-
-
-def data_plane() -> str:
-    """Config ``seabiscuit.runtime.data-plane``: ``p2p`` or ``tasks``."""
-    mode = str(config.get("runtime.data-plane"))
-    if mode not in ("p2p", "tasks"):
-        raise BadInput(f"seabiscuit.runtime.data-plane is {mode!r}: it must be p2p or tasks")
-    return mode
 
 
 def claim(client: Any) -> str:

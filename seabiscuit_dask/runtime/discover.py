@@ -20,6 +20,7 @@ import itertools
 import statistics
 import time
 import uuid
+from dataclasses import replace
 from typing import Any
 
 from .. import config
@@ -282,6 +283,50 @@ def same_speed(infos: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def measure_data_plane(client: Any, workers: list[str], dask: DaskSpec, reps: int = 15) -> DaskSpec:
+    """``dask`` (the client's bandwidth) with what a request costs on SeaBiscuit's data plane: no
+    scheduler time per block; a hop is a message from one worker to another (the round trip of
+    an RPC between two workers: the send, the handler, the reply, each side's event loop) and
+    the hand-off of a block to the worker's compute thread and back; the caller's submit and
+    gather are one RPC to a worker (half its round trip each)."""
+    first, other = workers[0], workers[-1]
+    hop = client.run(_rpc_trip_s, other, reps, workers=[first])[first]
+    hop += client.run(_handoff_s, reps, workers=[first])[first]
+
+    async def caller() -> float:
+        return await _rpc_trip_s(first, reps, rpc=client.rpc)
+
+    trip = client.sync(caller)
+    return replace(dask, task_s=FLOOR_S, hop_s=max(float(hop), FLOOR_S), submit_s=max(trip / 2, FLOOR_S),
+                   gather_s=max(trip / 2, FLOOR_S))
+
+
+async def _handoff_s(reps: int, dask_worker: Any = None) -> float:
+    """Median seconds to run nothing on the worker's data-plane threads and come back."""
+    import asyncio
+
+    pool = getattr(dask_worker.plugins.get("seabiscuit"), "_pool", None)
+    loop = asyncio.get_running_loop()
+    times = []
+    for _ in range(reps + 1):
+        t = time.perf_counter()
+        await loop.run_in_executor(pool, time.perf_counter)
+        times.append(time.perf_counter() - t)
+    return float(statistics.median(times[1:]))
+
+
+async def _rpc_trip_s(address: str, reps: int, dask_worker: Any = None, rpc: Any = None) -> float:
+    """Median seconds of an ``identity`` RPC to ``address`` from here (a worker, or ``rpc``'s owner)."""
+    call = (rpc or dask_worker.rpc)(address)
+    await call.identity()                      # NOTE: the connection is made once, then pooled
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        await call.identity()
+        times.append(time.perf_counter() - t)
+    return float(statistics.median(times))
+
+
 def measure_cluster(client: Any, *, probe: bool = True, device: str | None = None) -> ClusterSpec:
     """The live cluster behind a ``distributed.Client``: one device per worker.
 
@@ -330,6 +375,8 @@ def measure_cluster(client: Any, *, probe: bool = True, device: str | None = Non
         spec = ClusterSpec(tuple(devices), links)
         return ClusterSpec(spec.devices, links, topology_matrix(spec, infos))
     dask = measure_dask(client, str(infos[0]["address"]))
+    if config.data_plane() == "p2p":
+        dask = measure_data_plane(client, [str(i["address"]) for i in infos], dask)
     if len(infos) == 1:
         return ClusterSpec(tuple(devices), links, None, dask)
     matrix, measured = probe_links(client, infos)
