@@ -6,10 +6,10 @@ Measured in one run, medians over --reps:
   in one process with 1 thread (the overhead of distribution on equal per-op resources);
 - throughput with 8 concurrent requests on the same cluster, against torch in
   one process with 2 threads (the same total cores);
-- bytes Dask moved between workers per request (workers' transfer logs), against
-  the plan's cut tensors;
-- scheduler time per request (the scheduler's event-loop busy time while serving
-  a request, from its CPU clock).
+- bytes moved between workers per request (the data plane's counters and Dask's
+  transfer logs; the caller's inputs left out), against the plan's cut tensors;
+- the scheduler's event-loop CPU time per request (in a LocalCluster it is also
+  this client's comms thread: the outputs it receives are counted there).
 
     python benchmarks/bench_runtime.py [--seq 128] [--reps 5] [--budget 16MiB] [--workers 2]
 
@@ -59,6 +59,14 @@ def transfer_bytes(client, since: float) -> int:
     def total(dask_worker) -> int:
         log = list(dask_worker.transfer_incoming_log)
         return int(sum(e.get("total", 0) for e in log if e["start"] >= since))
+
+    return sum(client.run(total).values())
+
+
+def data_plane_bytes(client) -> int:
+    """Bytes the workers' data planes received so far (from each other and from the caller)."""
+    def total(dask_worker) -> int:
+        return int(dask_worker.plugins["seabiscuit"].dataplane.counters["bytes_in"])
 
     return sum(client.run(total).values())
 
@@ -115,9 +123,11 @@ def main() -> None:
         print(dm.plan)
         dist_1 = median_s(lambda: dm(x), args.reps)
         predicted = dm.predicted_s()
-        t0, c0 = time.time(), scheduler_cpu_s(client)
+        t0, c0, b0 = time.time(), scheduler_cpu_s(client), data_plane_bytes(client)
         dm(x)
-        moved, sched_s = transfer_bytes(client, t0), scheduler_cpu_s(client) - c0
+        sched_s = scheduler_cpu_s(client) - c0
+        moved = transfer_bytes(client, t0) + data_plane_bytes(client) - b0 - (x.numel() * x.element_size()
+                                                                            if dm.p2p else 0)
         dist_rps = concurrent_rps(lambda: dm(x), 8, args.rounds)
         blocks = len(dm.specs)
         cut = dm.plan.cut_bytes
@@ -149,7 +159,8 @@ def main() -> None:
           f"{dist_rps / local_2t_rps:>7.3f} {'>= 0.9':>8}")
     print(f"{'bytes moved between workers per request':<44} {moved / 2**20:>10.2f} MiB "
           f"(plan cut {cut / 2**20:.2f} MiB, ratio {moved / max(cut, 1):.2f}, {blocks} blocks)")
-    print(f"{'scheduler CPU time per request (ms)':<44} {sched_s * 1e3:>12.2f}")
+    # NOTE: in a LocalCluster the scheduler shares its event loop thread with this client's comms
+    print(f"{'scheduler + client loop CPU per request (ms)':<44} {sched_s * 1e3:>12.2f}")
     print(f"plan repairs while serving: {len(repairs)}" + "".join(f"\n  {r}" for r in repairs))
 
 
