@@ -45,31 +45,37 @@ def chat_prompt(tok, n_tokens: int) -> torch.Tensor:
     return torch.cat([ids[:, :1], ids[:, ids.shape[1] - n_tokens + 1:]], dim=1)   # BOS, then the last tokens
 
 
-def hf_timings(model, ids: torch.Tensor, new: int, reps: int, threads: int) -> tuple[float, float]:
-    """(prefill s, decode tokens/s) of Hugging Face generate with ``threads`` threads."""
+def hf_stamps(model, ids: torch.Tensor, mask: torch.Tensor, new: int) -> list[float]:
+    """When Hugging Face greedy generate hands its streamer the prompt, then each new step."""
     from transformers import TextStreamer
 
+    stamps: list[float] = []
+
+    class Clock(TextStreamer):
+        def __init__(self) -> None:
+            pass
+
+        def put(self, value: torch.Tensor) -> None:
+            stamps.append(time.perf_counter())
+
+        def end(self) -> None:
+            pass
+
+    with torch.no_grad():
+        model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                       streamer=Clock())
+    return stamps
+
+
+def hf_timings(model, ids: torch.Tensor, new: int, reps: int, threads: int) -> tuple[float, float]:
+    """(prefill s, decode tokens/s) of Hugging Face generate with ``threads`` threads."""
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         prefill, rate = [], []
         for _ in range(reps + 1):
-            stamps: list[float] = []
-
-            class Clock(TextStreamer):
-                def __init__(self) -> None:
-                    pass
-
-                def put(self, value: torch.Tensor) -> None:
-                    stamps.append(time.perf_counter())
-
-                def end(self) -> None:
-                    pass
-
             t = time.perf_counter()
-            with torch.no_grad():
-                model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
-                               min_new_tokens=new, do_sample=False, streamer=Clock())
+            stamps = hf_stamps(model, ids, torch.ones_like(ids), new)
             prefill.append(stamps[1] - t)
             rate.append((len(stamps) - 2) / (stamps[-1] - stamps[1]))
         return statistics.median(prefill[1:]), statistics.median(rate[1:])
@@ -81,8 +87,6 @@ def hf_batched(model, prompts: list[torch.Tensor], new: int, reps: int, threads:
     """Aggregate decode tokens/s of Hugging Face generate over ``prompts`` as one left-padded batch
     (the anchor for concurrent sessions), ``threads`` threads: new tokens after the first, over
     their time."""
-    from transformers import TextStreamer
-
     n = max(p.shape[1] for p in prompts)
     ids = torch.zeros((len(prompts), n), dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -93,21 +97,7 @@ def hf_batched(model, prompts: list[torch.Tensor], new: int, reps: int, threads:
     try:
         rate = []
         for _ in range(reps + 1):
-            stamps: list[float] = []
-
-            class Clock(TextStreamer):
-                def __init__(self) -> None:
-                    pass
-
-                def put(self, value: torch.Tensor) -> None:
-                    stamps.append(time.perf_counter())
-
-                def end(self) -> None:
-                    pass
-
-            with torch.no_grad():
-                model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                               do_sample=False, streamer=Clock())
+            stamps = hf_stamps(model, ids, mask, new)
             rate.append(len(prompts) * (len(stamps) - 2) / (stamps[-1] - stamps[1]))
         return statistics.median(rate[1:])
     finally:

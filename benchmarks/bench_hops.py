@@ -13,8 +13,6 @@ less the compute of one op (the same chain run in this process).
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import dask
 import numpy as np
@@ -23,15 +21,7 @@ from dask.utils import format_bytes, parse_bytes
 
 import seabiscuit_dask as sb
 from seabiscuit_dask.placement import Plan
-
-
-def median_s(fn, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+from seabiscuit_dask.runtime.agent import median_s
 
 
 def chain(hops: int) -> torch.nn.Module:

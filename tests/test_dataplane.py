@@ -6,44 +6,29 @@ from __future__ import annotations
 
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 from typing import Any
 
 import pytest
 import torch
 from distributed.protocol import deserialize, serialize
 
-import seabiscuit_dask as sb
 from seabiscuit_dask.errors import AccessDenied, SeaBiscuitError
 from seabiscuit_dask.lower.blocks import block_specs
 from seabiscuit_dask.runtime.dataplane import DataPlane, RunFailed, StaleRun, Tensors, timed
 from seabiscuit_dask.runtime.dataplane.client import route
 from seabiscuit_dask.runtime.dataplane.wire import from_bytes
 from seabiscuit_dask.runtime.resident import ResidentBlocks
-from seabiscuit_dask.runtime.store import stored
 
-from . import models as M
+from .test_runtime_resident import MODEL, blocks  # noqa: F401 - its module-scoped fixture
 
-MODEL, TICKET = "0123456789abcdef", "t" * 64
-
-
-class Owner:
-    """Keeps the test's weight store alive."""
+TICKET = "t" * 64
 
 
 @pytest.fixture(scope="module")
-def planned():
-    model, x = M.gpt2(), M.ids()
-    graph = sb.decompose(sb.trace(model, x), "64KiB")
-    owner = Owner()
-    graph, _ = stored(graph, model, owner)
-    spec = sb.ClusterSpec.synthetic("4xcpu", hosts=3, cpu_memory="2MiB")    # no one device holds it
-    spec = sb.ClusterSpec(tuple(replace(d, address=f"tcp://h:{i}") for i, d in enumerate(spec.devices)),
-                          spec.links)
-    plan = sb.place(graph, spec)
-    with torch.no_grad():
-        expected = model(x).logits
-    yield graph, block_specs(plan, MODEL, 0), x, expected, owner
+def planned(blocks):  # noqa: F811 - the imported fixture
+    """A GPT-2's graph and its blocks on three workers (``test_runtime_resident``'s plan)."""
+    graph, plan, x, expected, owner = blocks
+    return graph, block_specs(plan, MODEL, 0), x, expected, owner
 
 
 class Mesh:
