@@ -73,7 +73,7 @@ class DataPlane:
         that follow this one, fed from here (this worker makes ``loop.logits``)."""
         t0 = time.time()
         ticket = await self.check(model, ticket)
-        run = self._run(model, int(version), int(request), create=True)
+        run = self._run(model, int(version), int(request))
         if run is not None and loop is not None and loop.requests:
             self.loops[(model, int(request))] = loop
             made = next((out for out in run.outputs.values() if loop.logits in out), None)
@@ -95,7 +95,7 @@ class DataPlane:
                    tensors: Mapping[str, torch.Tensor]) -> bool:
         """Another worker's outputs that ``block`` reads; False for a repeat or a dropped run."""
         ticket = await self.check(model, ticket)
-        run = self._run(model, int(version), int(request), create=True)
+        run = self._run(model, int(version), int(request))
         self.counters["bytes_in"] += nbytes(tensors)
         return run is not None and self._deliver(run, int(block), tensors, ticket)
 
@@ -109,7 +109,7 @@ class DataPlane:
         """A peer failed the run, which ``block`` here waited on: fail it here too, and downstream
         of ``block`` (whose spec says where)."""
         ticket = await self.check(model, ticket)
-        run = self._run(model, int(version), int(request), create=True)
+        run = self._run(model, int(version), int(request))
         if run is None:
             return False
         if int(block) >= 0:
@@ -153,7 +153,7 @@ class DataPlane:
         return len(doomed)
 
     # --- runs ----------------------------------------------------------------------------------
-    def _run(self, model: str, version: int, request: int, create: bool = False) -> Run | None:
+    def _run(self, model: str, version: int, request: int) -> Run | None:
         key = (model, request)
         self.counters["messages"] += 1
         if key in self.ended:
@@ -257,7 +257,7 @@ class DataPlane:
             return          # NOTE: the caller stopped the loop (forgot its next step)
         inputs, after = loop.following(logits)
         request = loop.requests[0]
-        nxt = self._run(run.model, run.version, request, create=True)
+        nxt = self._run(run.model, run.version, request)
         if nxt is None:
             return
         if after.requests:
@@ -304,7 +304,7 @@ class DataPlane:
                 ended = self.ended.get(key)
                 if ended is not None:
                     raise ended
-                run = self._run(model, version, request, create=True)
+                run = self._run(model, version, request)
                 assert run is not None
             if run.error is not None:
                 raise run.error
