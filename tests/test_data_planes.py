@@ -95,3 +95,16 @@ def test_a_bfloat16_model_is_served_on_both_planes(client) -> None:
     # NOTE: the step programs' bf16 arithmetic is not eager torch's (tiles, fused attention), and a
     # bf16 argmax flips on the difference: the answer is the one the same programs give in one process
     assert torch.equal(got["p2p"][1], local_greedy(model, ids, None, 10))
+
+
+def test_a_call_that_arrives_mid_loop_joins_and_both_answers_stand(client, model) -> None:
+    first, second = padded_batch((6,), seed=21)[0], padded_batch((9,), seed=22)[0]
+    with deploy(client, model, "p2p") as dm:
+        stream = dm.stream(first, 30, pad_token_id=0, eos_token_id=[])
+        head = [next(stream) for _ in range(3)]           # NOTE: its decode loop runs ahead now
+        joined = dm.generate(second, 12, pad_token_id=0, eos_token_id=[])
+        rest = list(stream)
+        got = torch.cat([first, torch.stack(head + rest, dim=1)], dim=1)
+        assert torch.equal(got, hf_greedy(model, first, torch.ones_like(first), 30))
+        assert torch.equal(joined, hf_greedy(model, second, torch.ones_like(second), 12))
+        assert dm.generation_stats()["replays"] == 0
