@@ -57,5 +57,15 @@ class WorkerHung(WorkerLost):
     """A worker stopped answering mid-request: it was fenced and the request runs again elsewhere."""
 
 
+class RunFailed(WorkerLost):
+    """A request failed on the data plane (a peer could not be reached or failed it): every
+    worker drops it, and the caller runs it again under a new id."""
+
+
+class StaleRun(RunFailed):
+    """A data-plane message named an older plan version than its worker holds (the plan changed
+    while the request ran): the caller takes the current plan and sends the request again."""
+
+
 class ModelClosed(SeaBiscuitError):
     """A call reached a distributed model after (or while) it was closed."""

@@ -36,7 +36,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .. import config
-from ..errors import BadInput, ModelClosed, SeaBiscuitError, WorkerHung, WorkerLost
+from ..errors import BadInput, ModelClosed, RunFailed, SeaBiscuitError, StaleRun, WorkerHung, WorkerLost
 from ..ir import fmt_bytes
 from ..lower.blocks import BlockSpec, block_specs, request_graph, task_name
 from ..placement import Plan, place
@@ -51,6 +51,7 @@ from .tasks import PICK, load_block, run_block_task
 from .watch import Deadline, seconds
 
 Progress = Callable[[str], None]
+STALE_TRIES = 10     # NOTE: times a request is sent again because the plan changed while it ran
 
 
 def _quiet(msg: str) -> None:
@@ -142,14 +143,20 @@ class DistributedModel:
         graph = prog.graph if prog is not None else self.graph
         flat = flatten_inputs(graph, inputs, kwargs)
         feed = split_inputs(graph, {name: x.cpu() for name, x in zip(graph.inputs, flat)})
-        for attempt in range(3):
+        failed = stale = 0
+        while True:
             try:
                 return self._request(prog, graph, feed)
-            except (WorkerHung, dataplane.RunFailed) as e:
-                if attempt == 2:
+            except StaleRun as e:         # NOTE: the plan changed under it: cheap to send again
+                stale += 1
+                if stale > STALE_TRIES:
                     raise
                 self.recover(e)
-        raise AssertionError("unreachable")   # pragma: no cover
+            except (WorkerHung, RunFailed) as e:
+                failed += 1
+                if failed == 3:
+                    raise
+                self.recover(e)
 
     def _check_inputs(self, inputs: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
         """Refuse, before any tracing, a call too large (``seabiscuit.runtime.max-input-elements``),
@@ -567,7 +574,7 @@ class DistributedModel:
         self._check_open()
         self._catch_up()
         failed_at = getattr(error, "version", None)
-        if isinstance(error, dataplane.RunFailed) and not isinstance(error, dataplane.StaleRun) \
+        if isinstance(error, RunFailed) and not isinstance(error, StaleRun) \
                 and failed_at is not None and self.version <= int(failed_at):
             with self._changed:
                 self._changed.wait_for(lambda: self.version > int(failed_at) or self._closed

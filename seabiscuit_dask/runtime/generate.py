@@ -33,7 +33,9 @@ from typing import Any, Protocol
 import torch
 
 from .. import config
-from ..errors import BadInput, ModelClosed, WorkerLost
+from ..errors import BadInput, ModelClosed, StaleRun, WorkerLost
+
+STALE_TRIES = 10     # NOTE: times a step is sent again because the plan changed while it ran
 
 logger = logging.getLogger(__name__)
 
@@ -393,7 +395,7 @@ class Engine:
         logits = torch.empty(0)
         for n, length in self.chunking(len(todo)):
             feed = _feed([(s.sid, start, todo[:n])], 1, length)
-            logits = (self.runner.run_step(1, length, feed) if replay else self._run([s], 1, length, feed))[0]
+            logits = (self._step(1, length, feed) if replay else self._run([s], 1, length, feed))[0]
             todo, start = todo[n:], start + n
             self.stats.prefill_steps += not replay
         return logits
@@ -431,7 +433,10 @@ class Engine:
                 logits = self._queueing.step_result(handle)
             except WorkerLost as e:
                 self._drop_ahead()
-                self._recover(e, sessions, starts)
+                if isinstance(e, StaleRun):   # NOTE: a cache that moved says so in the step again
+                    self.runner.recover(e)
+                else:
+                    self._recover(e, sessions, starts)
                 logits = self._run(sessions, batch, 1, feed)
         for s in sessions:
             s.cached = len(s.tokens)
@@ -459,12 +464,21 @@ class Engine:
         """One step; after a worker loss, replay the sessions' cached tokens and try again."""
         for attempt in range(tries):
             try:
-                return self.runner.run_step(batch, length, feed)
+                return self._step(batch, length, feed)
             except WorkerLost as e:
                 if attempt == tries - 1:
                     raise
                 self._recover(e, sessions, feed["sb_start"][:len(sessions)].tolist())
         raise AssertionError("unreachable")   # pragma: no cover
+
+    def _step(self, batch: int, length: int, feed: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One step, sent again (on the plan the runner then holds) while the plan changes under it."""
+        for _ in range(STALE_TRIES):
+            try:
+                return self.runner.run_step(batch, length, feed)
+            except StaleRun as e:
+                self.runner.recover(e)
+        return self.runner.run_step(batch, length, feed)
 
     def _recover(self, error: WorkerLost, sessions: list[Session], starts: Sequence[int]) -> None:
         """Wait for the repaired plan, then rebuild what workers lost of each session's cache:

@@ -9,8 +9,9 @@ the caller sends and collects. Setting ``seabiscuit.runtime.data-plane``: ``p2p`
 or ``tasks`` (one Dask task per block, activations through Dask).
 """
 
+from ...errors import RunFailed, StaleRun
 from .manager import DataPlane, timed
-from .runs import Loop, RunFailed, StaleRun, decode_loop
+from .runs import Loop, decode_loop
 from .wire import Tensors
 
 __all__ = ["DataPlane", "Loop", "RunFailed", "StaleRun", "Tensors", "decode_loop", "timed"]

@@ -18,8 +18,8 @@ import torch
 from distributed.comm.core import CommClosedError
 from distributed.protocol import to_serialize
 
+from ...errors import RunFailed
 from ...lower.blocks import BlockSpec
-from .runs import RunFailed
 from .wire import Tensors
 
 Route = dict[str, tuple[list[tuple[int, tuple[str, ...]]], list[int]]]   # address -> (feeds, collects)

@@ -28,9 +28,9 @@ from typing import Any
 
 import torch
 
-from ...errors import SeaBiscuitError
+from ...errors import RunFailed, SeaBiscuitError, StaleRun
 from ...lower.blocks import BlockSpec, split_block
-from .runs import DONE, RUNNING, BlockRun, Loop, Run, RunFailed, StaleRun
+from .runs import DONE, RUNNING, BlockRun, Loop, Run
 from .wire import Tensors, nbytes
 
 logger = logging.getLogger(__name__)

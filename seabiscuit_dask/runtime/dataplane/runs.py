@@ -14,18 +14,6 @@ import torch
 from ...errors import WorkerLost
 from ...lower.blocks import BlockSpec
 
-
-class RunFailed(WorkerLost):
-    """A request failed on the data plane (a peer could not be reached or failed it, a worker
-    moved to a new plan): every participant drops it, and the caller runs it again under a
-    new id."""
-
-
-class StaleRun(RunFailed):
-    """A data-plane message names a plan version older than the one the worker holds: the
-    caller takes the current plan and sends the request again."""
-
-
 WAITING, RUNNING, DONE = "waiting", "running", "done"
 
 
