@@ -329,9 +329,9 @@ def run_generate(model_path: str | None, gguf: str | None, prompt: str, chat: bo
         tasks = stats["programs"].get("1x1", {}).get("tasks", 0)
         say(f"generation   {new} tokens in {total_s:.2f} s: first token after {printer.first_s or 0:.2f} s "
             f"(prefill of {ids.shape[1]} tokens in {stats['prefill_steps']} step(s)), then "
-            f"{decode / stats['decode_s'] if stats['decode_s'] else 0:.1f} tokens/s, {tasks} Dask tasks "
-            "per token")
-        say("programs     " + ", ".join(f"{k}: {v['tasks']} tasks, built in {v['build_s']:.1f} s"
+            f"{decode / stats['decode_s'] if stats['decode_s'] else 0:.1f} tokens/s, {tasks} blocks per "
+            f"token ({'a decode loop on the workers' if dm.p2p else 'Dask tasks'})")
+        say("programs     " + ", ".join(f"{k}: {v['tasks']} blocks, built in {v['build_s']:.1f} s"
                                         for k, v in stats["programs"].items()))
         if serve:
             say(f"dashboard    {page_link(client.dashboard_link)}")

@@ -79,7 +79,8 @@ def test_generate_command_streams_a_checked_answer(smollm2, tmp_path, capsys) ->
     out = captured.out
     assert code == 0, out + captured.err
     assert "check        OK: the same tokens as Hugging Face generate" in out
-    assert "Dask tasks per token" in out and "smaller than the model" in out and "dashboard    http" in out
+    assert "blocks per token (a decode loop on the workers)" in out and "smaller than the model" in out
+    assert "dashboard    http" in out
 
 
 def test_demo_is_smollm2_answering_a_chat_prompt(capsys) -> None:
