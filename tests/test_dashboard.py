@@ -8,6 +8,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import dask
 import numpy as np
 import pytest
 import torch
@@ -42,8 +43,11 @@ def served():
     from distributed import Client, LocalCluster
 
     model, x = M.gpt2(), M.ids()
-    with LocalCluster(n_workers=3, threads_per_worker=1, processes=False, dashboard_address="127.0.0.1:0",
-                      resources={"MEM": WORKER_BUDGET}) as cluster, Client(cluster) as client:
+    # NOTE: no learned repair moves the plan while the routes are compared with it (runs are
+    # reported in batches, so the learner may act after the requests)
+    with dask.config.set({"seabiscuit.learn.repair": False}), \
+            LocalCluster(n_workers=3, threads_per_worker=1, processes=False, dashboard_address="127.0.0.1:0",
+                         resources={"MEM": WORKER_BUDGET}) as cluster, Client(cluster) as client:
         client.register_plugin(sb.SeaBiscuitSchedulerPlugin())
         base = f"http://127.0.0.1:{cluster.scheduler.http_server.port}"
         with sb.distribute(model, client, (x,), budget="256KiB") as dm, torch.no_grad():
@@ -79,14 +83,14 @@ def test_workers_route_shows_budgets_and_resident_weights(served) -> None:
 
 def test_plans_route_matches_the_plan(served) -> None:
     base, _, dm = served
-    plan = dm.plan
 
     def measured():
         plans = api(base, "plans")
         return plans if plans and plans[0]["programs"][0]["requests"] >= REQUESTS else None
 
     (p,) = wait_for(measured, "the latencies of the requests")
-    assert p["model"] == dm.model_id and p["version"] == dm.version
+    plan = dm.plan
+    assert p["model"] == dm.model_id and p["version"] == dm.version == 0
     assert [d["name"] for d in p["devices"]] == list(plan.spec.names)
     assert sum(d["blocks"] for d in p["devices"]) == len(plan.blocks)
     assert [d["weight_bytes"] for d in p["devices"]] == [int(b) for b in plan.weight_bytes]
