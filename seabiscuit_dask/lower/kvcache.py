@@ -171,19 +171,25 @@ def kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sessions: to
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float | None,
             group: int) -> torch.Tensor:
-    """(H, n, E) queries at slots start.. against (Hk, S, E) keys, causal, in chunks of queries."""
-    n, total = q.shape[1], k.shape[1]
-    if group > 1:
-        k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)
-    rows = max(1, SCORE_BYTES // max(1, 4 * q.shape[0] * total))
+    """(H, n, E) queries at slots start.. against (Hk, S, E) keys, causal, in chunks of queries.
+
+    The ``group`` query heads of a key head (heads ``kh * group ..``) attend as one head of
+    ``group`` times the queries, so the cache is read as it is, never repeated per head.
+    """
+    heads, n, width = q.shape
+    kv_heads, total = k.shape[0], k.shape[1]
+    rows = max(1, SCORE_BYTES // max(1, 4 * heads * total))
     parts = []
     for a in range(0, n, rows):
         b = min(n, a + rows)
-        if b - a == 1 and a == n - 1:
+        m = b - a
+        if m == 1 and a == n - 1:
             mask = None               # NOTE: the last token sees every cached slot
         else:
             seen = torch.arange(total).unsqueeze(0) <= (start + torch.arange(a, b)).unsqueeze(1)
-            mask = seen.unsqueeze(0)
-        parts.append(torch.nn.functional.scaled_dot_product_attention(
-            q[:, a:b].unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, scale=scale)[0])
+            mask = seen.repeat(group, 1).unsqueeze(0)      # NOTE: row g * m + r is query r of head g
+        grouped = q[:, a:b].reshape(kv_heads, group * m, width)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            grouped.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, scale=scale)[0]
+        parts.append(out.reshape(heads, m, v.shape[2]))
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
