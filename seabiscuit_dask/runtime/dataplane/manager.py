@@ -41,6 +41,7 @@ Send = Callable[..., Awaitable[Any]]
 RunKey = tuple[str, int]
 
 REMEMBERED = 4096      # NOTE: blocks run and runs ended, kept to refuse repeats and late messages
+INLINE_S = 2e-4        # NOTE: blocks quicker than this run on the event loop, not a compute thread
 
 
 class DataPlane:
@@ -62,6 +63,7 @@ class DataPlane:
                          "loop_steps": 0}
         self._telling: set[Any] = set()            # failures and loop steps being sent to peers
         self.loops: dict[RunKey, Loop] = {}         # (model, request) -> the decode loop that follows it
+        self.last_s: dict[tuple[str, int], float] = {}     # (model, block) -> its last run's seconds
 
     # --- handlers ------------------------------------------------------------------------------
     async def feed(self, model: str, ticket: Any, version: int, request: int,
@@ -146,6 +148,8 @@ class DataPlane:
         for key in [k for k in self.loops if k[0] == model]:
             if version is None or (key in self.runs and self.runs[key].version < version):
                 del self.loops[key]
+        for key in [k for k in self.last_s if k[0] == model]:
+            del self.last_s[key]
         for run in doomed:
             why = "was released" if version is None else f"moved to plan v{version}"
             self._fail(run, StaleRun(f"{run.where()} cannot finish: the model {why} while it ran; "
@@ -231,12 +235,19 @@ class DataPlane:
         spec = br.spec
         assert spec is not None
         loop = asyncio.get_running_loop()
+        args = (run.model, run.version, run.request, br.block, br.imports)
         try:
-            out, record = await loop.run_in_executor(self.executor, self.compute, run.model, run.version,
-                                                     run.request, br.block, br.imports)
+            # NOTE: a resident block whose last run took less than INLINE_S runs here on the event
+            # loop: the two hand-offs to a compute thread would cost more than the block
+            if self.last_s.get((run.model, br.block), INLINE_S) < INLINE_S \
+                    and self.spec_of(run.model, run.version, br.block) is not None:
+                out, record = self.compute(*args)
+            else:
+                out, record = await loop.run_in_executor(self.executor, self.compute, *args)
         except BaseException as e:  # noqa: BLE001 - the run fails, everywhere
             self._fail(run, e, ticket)
             return
+        self.last_s[(run.model, br.block)] = float(record.get("compute_s", INLINE_S))
         br.imports, br.state = {}, DONE
         self._remember(self.ran, (run.model, run.request, br.block), None)
         self.records.append(record)
