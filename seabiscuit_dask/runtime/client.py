@@ -1073,7 +1073,7 @@ def place_for_decode(module: Any, micro: Any, spec: Any, budget: int, say: Progr
         say(f"the model's graph does not fit where the decode step puts the weights ({e}): placing it")
         return place(micro, spec)
     say(f"weights placed for the decode step in {time.perf_counter() - t0:.2f} s: {len(decode.blocks)} "
-        "task(s) per token")
+        "block(s) per token")
     return Plan(micro, spec, plan.device_of, "follow-decode", time.perf_counter() - t0, dict(plan.info))
 
 
