@@ -164,7 +164,6 @@ def test_runs_in_flight_are_bounded_and_forgotten_runs_are_dropped(planned) -> N
 
     async def flood() -> Any:
         waits = [asyncio.ensure_future(plane.collect(MODEL, TICKET, 0, r, [waiting.index])) for r in range(3)]
-        await asyncio.sleep(0)
         await asyncio.wait(waits, timeout=5, return_when=asyncio.FIRST_COMPLETED)
         first = waits[0].exception() if waits[0].done() else None
         dropped = await plane.forget(MODEL, TICKET, [1, 2])

@@ -413,10 +413,9 @@ class DistributedModel:
         futures = p2p.start_loop(self.client, self.model_id, self._ticket, layout.version, requests,
                                  layout.route(wanted), inputs, prog.graph.leaf_outputs[0])
         handles = [Handle(prog, layout, r, wanted, [], f) for r, f in zip(requests, futures)]
-        for h, nxt in zip(handles, handles[1:]):
+        for h, nxt in zip(handles, [*handles[1:], None]):
             h.next = nxt
             self._inflight[h.request] = h
-        self._inflight[handles[-1].request] = handles[-1]
         return handles[0]
 
     @property
@@ -473,7 +472,7 @@ class DistributedModel:
                 h.pending.cancel()
         if handle.pending is not None:
             p2p.forget(self.client, self.model_id, self._ticket, [h.request for h in chain],
-                       sorted({s.address for s in handle.layout.specs}))
+                       handle.layout.addresses)
 
     def _outputs(self, handle: Handle) -> dict[str, Any]:
         """The graph output tiles a request computed; it is then let go; a failure as a SeaBiscuitError."""
@@ -549,7 +548,7 @@ class DistributedModel:
         if handle.pending is not None and not done:
             handle.pending.cancel()
             p2p.forget(self.client, self.model_id, self._ticket, [handle.request],
-                       sorted({s.address for s in handle.layout.specs}))
+                       handle.layout.addresses)
 
     def _cancel(self, handles: list[Handle]) -> None:
         """End requests in flight (the model closes or is stranded): their waits end at once."""
@@ -810,6 +809,11 @@ class StepLayout:
     specs: list[BlockSpec]
     out_at: dict[str, int]       # graph output tile -> index of the block that makes it
     routes: dict[tuple[int, ...], Any] = field(default_factory=dict, compare=False)
+
+    @property
+    def addresses(self) -> list[str]:
+        """The workers its blocks run on."""
+        return sorted({s.address for s in self.specs})
 
     def route(self, wanted: list[int]) -> Any:
         """Where a data-plane request of this layout sends inputs and collects outputs (once)."""

@@ -47,8 +47,8 @@ def start(client: Any, model: str, ticket: str, version: int, request: int, plan
     """Send a request on the data plane from any thread; the future gives block -> outputs."""
     calls = _calls(plan, inputs)
     # NOTE: the worker that collects the last output reports the request's latency (dashboard)
-    timed = next((a for a, (_, c) in plan.items() if c and max(c) == max(max(cc) for _, cc in plan.values()
-                                                                         if cc)), "")
+    last = max((b for _, collects in plan.values() for b in collects), default=-1)
+    timed = next((a for a, (_, collects) in plan.items() if last in collects), "")
     coro = _run(client.rpc, model, ticket, version, request, calls, timed)
     return asyncio.run_coroutine_threadsafe(coro, client.loop.asyncio_loop)
 
