@@ -50,6 +50,10 @@ def test_forward_and_greedy_generation_equal_the_model(client, model, plane: str
             fed = client.run(lambda dask_worker: dask_worker.plugins["seabiscuit"].dataplane.counters[
                 "loop_steps"])
             assert sum(fed.values()) >= 10
+            # NOTE: workers send to each other down one stream per peer, not an RPC per activation
+            links = client.run(lambda dask_worker: {a: link.broken is None for a, link in
+                                                    dask_worker.plugins["seabiscuit"]._links._links.items()})
+            assert any(links.values()) and all(all(v.values()) for v in links.values())
         assert dm.run_counts()["re_executed"] == 0
 
 

@@ -1,6 +1,7 @@
 """The data plane's run manager (``runtime.dataplane``), driven without a cluster: the
-workers of a real plan as ``DataPlane`` s in one event loop, messages passed through
-the wire format, blocks run from ``ResidentBlocks``."""
+workers of a real plan as ``DataPlane`` s in one event loop, messages between them
+passed through the streams' wire format (``wire.pack``) to ``DataPlane.receive``,
+blocks run from ``ResidentBlocks``."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from seabiscuit_dask.errors import AccessDenied, SeaBiscuitError
 from seabiscuit_dask.lower.blocks import block_specs
 from seabiscuit_dask.runtime.dataplane import DataPlane, RunFailed, StaleRun, Tensors, timed
 from seabiscuit_dask.runtime.dataplane.client import route
-from seabiscuit_dask.runtime.dataplane.wire import from_bytes
+from seabiscuit_dask.runtime.dataplane.wire import from_bytes, pack, unpack
 from seabiscuit_dask.runtime.resident import ResidentBlocks
 
 from .test_runtime_resident import MODEL, blocks  # noqa: F401 - its module-scoped fixture
@@ -45,7 +46,7 @@ class Mesh:
             self.planes[addr] = DataPlane(
                 addr, compute=timed(self._compute(r, fail_on), addr), spec_of=lambda m, v, b: None,
                 load_spec=self._loader(r), version_of=lambda m, r=r: r.versions.get(m, -1),
-                send=self.send, check=self.check, executor=self.pool, max_runs=max_runs)
+                send=self._sender(addr), check=self.check, executor=self.pool, max_runs=max_runs)
 
     def _loader(self, r: ResidentBlocks) -> Any:
         return lambda m, v, b: r.program(m, v, b, self.fetch).spec
@@ -66,12 +67,15 @@ class Mesh:
             raise AccessDenied("wrong ticket")
         return TICKET
 
-    async def send(self, address: str, op: str, **msg: Any) -> Any:
-        if address == self.gone:
-            raise OSError(f"no route to {address}")
-        if "tensors" in msg:
-            msg["tensors"] = deserialize(*serialize(msg["tensors"]))
-        return await getattr(self.planes[address], op.removeprefix("seabiscuit_dp_"))(**msg)
+    def _sender(self, sender: str) -> Any:
+        """How ``sender`` sends: down a stream (``wire.pack`` frames) that the peer's ``receive`` reads."""
+        async def send(address: str, op: str, **msg: Any) -> None:
+            if address == self.gone:
+                raise OSError(f"no route to {address}")
+            _, head, *frames = pack([{"op": op.removeprefix("seabiscuit_dp_"), "sender": sender, **msg}])
+            for m in unpack(bytes(head), [bytearray(f) for f in frames]):
+                await self.planes[address].receive(m)
+        return send
 
     async def call(self, graph, x: torch.Tensor, request: int = 1, version: int = 0, repeat: int = 1) -> Any:
         wanted = sorted({s.index for s in self.specs.values() if graph.outputs[0] in s.outputs})
@@ -130,6 +134,47 @@ def test_a_message_of_an_older_plan_or_without_the_ticket_is_refused(planned) ->
     assert plane.counters["stale"] >= 1 and not plane.runs
 
 
+@pytest.mark.parametrize("peer_is", ["gone", "on a newer plan"])
+def test_a_push_that_cannot_land_fails_the_run_at_its_sender(planned, peer_is: str) -> None:
+    """A peer that cannot be reached fails the run as ``RunFailed``; one that refuses the push
+    (it holds a newer plan) sends the sender a fail of the run, which fails it the same way."""
+    _, specs, x, _, _ = planned
+    first = next(s for s in specs if not any(src >= 0 for src in s.sources)
+                 and any(a != s.address for _, a, _ in s.sends))
+    peer = next(a for _, a, _ in first.sends if a != first.address)
+    mesh = Mesh(specs, gone=peer if peer_is == "gone" else "")
+    if peer_is != "gone":
+        mesh.resident[peer].versions[MODEL] = 3          # NOTE: the consumer's worker holds plan v3 now
+    plane = mesh.planes[first.address]
+
+    async def feed_then_ask() -> Any:
+        await plane.feed(MODEL, TICKET, 0, 1, {first.index: {t: x for t in first.imports}})
+        return await asyncio.wait_for(plane.collect(MODEL, TICKET, 0, 1, [first.index]), 60)
+
+    why = f"could not send the inputs of block .* to {peer}" if peer_is == "gone" else \
+        f"names plan v0; worker {peer} holds v3"
+    with pytest.raises(RunFailed, match=why):
+        asyncio.run(feed_then_ask())
+    assert plane.counters["runs_failed"] == 1 and not plane.runs
+    assert peer_is == "gone" or mesh.planes[peer].counters["stale"] >= 1
+
+
+def test_a_stream_message_that_is_not_a_push_feed_or_fail_is_dropped(planned) -> None:
+    _, specs, _, _, _ = planned
+    plane = Mesh(specs).planes[specs[0].address]
+
+    async def junk() -> None:
+        await plane.receive({"op": "collect", "model": MODEL, "ticket": TICKET, "version": 0, "request": 1,
+                             "blocks": [0]})
+        await plane.receive({"op": "push", "model": MODEL})                         # fields missing
+        await plane.receive({"op": "push", "model": MODEL, "ticket": "forged", "version": 0, "request": 1,
+                             "block": 0, "tensors": {}})
+        await plane.receive(["not", "a", "message"])
+
+    asyncio.run(junk())
+    assert not plane.runs and plane.counters["messages"] == 0
+
+
 def test_a_failed_block_fails_the_run_downstream_at_once(planned) -> None:
     graph, specs, x, _, _ = planned
     first = next(s for s in specs if s.sends)         # a block others wait on
@@ -137,23 +182,6 @@ def test_a_failed_block_fails_the_run_downstream_at_once(planned) -> None:
     with pytest.raises(SeaBiscuitError, match=f"block {first.index} broke"):
         asyncio.run(mesh.call(graph, x))
     assert not any(p.runs for p in mesh.planes.values())
-
-
-def test_an_unreachable_peer_fails_the_run_as_run_failed(planned) -> None:
-    _, specs, x, _, _ = planned
-    first = next(s for s in specs if not any(src >= 0 for src in s.sources)
-                 and any(a != s.address for _, a, _ in s.sends))
-    gone = next(a for _, a, _ in first.sends if a != first.address)
-    mesh = Mesh(specs, gone=gone)
-    plane = mesh.planes[first.address]
-
-    async def feed_then_ask() -> Any:
-        await plane.feed(MODEL, TICKET, 0, 1, {first.index: {t: x for t in first.imports}})
-        return await asyncio.wait_for(plane.collect(MODEL, TICKET, 0, 1, [first.index]), 60)
-
-    with pytest.raises(RunFailed, match=f"could not send the inputs of block .* to {gone}"):
-        asyncio.run(feed_then_ask())
-    assert plane.counters["runs_failed"] == 1 and not plane.runs
 
 
 def test_runs_in_flight_are_bounded_and_forgotten_runs_are_dropped(planned) -> None:
@@ -182,9 +210,14 @@ def test_tensors_of_every_dtype_cross_the_wire(dtype) -> None:
     x = (torch.randn(3, 5, 2) * 10).to(dtype)
     view = x[:, 1:4].transpose(0, 1)                # NOTE: not contiguous
     got = deserialize(*serialize(Tensors(a=x, b=view, c=x[0, 0, 0], d=x[:0])))
-    assert isinstance(got, Tensors)
+    _, head, *frames = pack([{"op": "push", "tensors": Tensors(a=x, b=view)},
+                             {"op": "feed", "inputs": [[3, Tensors(c=x[0, 0, 0], d=x[:0])]]}])
+    push, feed = unpack(bytes(head), [bytearray(f) for f in frames])
+    assert isinstance(got, Tensors) and push["op"] == "push" and feed["inputs"][0][0] == 3
+    streamed = {**push["tensors"], **feed["inputs"][0][1]}
     for k, want in dict(a=x, b=view, c=x[0, 0, 0], d=x[:0]).items():
         assert got[k].dtype == dtype and got[k].shape == want.shape and torch.equal(got[k], want)
+        assert streamed[k].dtype == dtype and torch.equal(streamed[k], want)
 
 
 def test_the_wire_refuses_an_unknown_dtype_or_a_short_buffer() -> None:
@@ -192,3 +225,8 @@ def test_the_wire_refuses_an_unknown_dtype_or_a_short_buffer() -> None:
         from_bytes(b"\0" * 8, "object", [1])
     with pytest.raises(SeaBiscuitError, match="arrived with 4 bytes"):
         from_bytes(b"\0" * 4, "float32", [2])
+    _, head, *frames = pack([{"op": "push", "tensors": Tensors(a=torch.ones(2), b=torch.ones(3))}])
+    with pytest.raises(SeaBiscuitError, match="names more tensors than its 1 frames"):
+        unpack(bytes(head), [bytearray(frames[0])])
+    with pytest.raises(SeaBiscuitError, match="has 3 frames and names 2 tensors"):
+        unpack(bytes(head), [bytearray(f) for f in frames] + [bytearray(4)])

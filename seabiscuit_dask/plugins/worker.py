@@ -18,12 +18,15 @@ from typing import Any
 
 import psutil
 from distributed import WorkerPlugin
+from distributed.comm import CommClosedError
+from distributed.core import Status
 from distributed.protocol import to_serialize
 
 from .. import config
 from ..errors import AccessDenied
 from ..runtime import access, agent
-from ..runtime.dataplane import DataPlane, decode_loop, timed
+from ..runtime.dataplane import DataPlane, Links, decode_loop, timed
+from ..runtime.dataplane.streams import opener, read_batch
 from ..runtime.resident import ResidentBlocks
 from ..runtime.tasks import PLUGIN_NAME, fetch_spec
 from ..runtime.watch import seconds
@@ -31,7 +34,7 @@ from .refusing import refusing
 
 logger = logging.getLogger(__name__)
 
-DP_OPS = ("feed", "push", "collect", "fail", "forget", "flush")
+DP_OPS = ("feed", "push", "collect", "fail", "forget", "flush", "stream")
 
 
 class SeaBiscuitWorkerPlugin(WorkerPlugin):
@@ -76,6 +79,7 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
             load_spec=self._load_spec, version_of=lambda m: self.resident.versions.get(m, -1),
             send=self._send, check=self._check_ticket, executor=self._pool,
             max_runs=int(config.get("runtime.data-plane-runs")))
+        self._links = Links(opener(worker.connection_args))
         for op in DP_OPS:
             worker.handlers[f"seabiscuit_dp_{op}"] = refusing(getattr(self, f"dp_{op}"))
         from tornado.ioloop import PeriodicCallback
@@ -117,6 +121,7 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
         for op in DP_OPS:
             worker.handlers.pop(f"seabiscuit_dp_{op}", None)
         self._flush.stop()
+        self._links.close()
         self._pool.shutdown(wait=False)
         self.resident.clear()
 
@@ -247,12 +252,20 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
     def _compute(self, model: str, version: int, request: int, block: int, imports: Any) -> Any:
         return self.resident.run(model, version, request, block, imports, (), self._fetch)
 
-    async def _send(self, address: str, op: str, **msg: Any) -> Any:
-        if "tensors" in msg:
-            msg["tensors"] = to_serialize(msg["tensors"])
-        if "inputs" in msg:
-            msg["inputs"] = [[b, to_serialize(ts)] for b, ts in msg["inputs"]]
-        return await getattr(self.worker.rpc(address), op)(**msg)
+    async def dp_stream(self, comm: Any = None, raw: bool = False, **kwargs: Any) -> Any:
+        """A peer's stream of one-way data-plane messages (``dataplane.streams``), read until it closes."""
+        while True:
+            try:
+                msgs = await read_batch(comm, bool(raw))
+            except CommClosedError:
+                return Status.dont_reply
+            for msg in msgs:
+                await self.dataplane.receive(msg)
+
+    async def _send(self, address: str, op: str, **msg: Any) -> None:
+        """A one-way message to a peer, down the stream to it (``seabiscuit_dp_push|feed|fail``)."""
+        sender = self.worker.address
+        await self._links.send(address, {"op": op.removeprefix("seabiscuit_dp_"), "sender": sender, **msg})
 
     async def dp_flush(self, comm: Any = None) -> int:
         """Report the data plane's block runs now; returns once the scheduler has them."""

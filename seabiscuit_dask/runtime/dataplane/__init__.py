@@ -5,13 +5,15 @@ a request's blocks run on their workers as their inputs arrive, over distributed
 comms (so TLS, ``Security`` and UCX apply), the way distributed's P2P shuffle moves
 its shards: ``manager.DataPlane`` is a worker's run manager, ``runs`` the state of
 one request there, ``wire`` how tensors of every dtype travel, and ``client`` what
-the caller sends and collects. Setting ``seabiscuit.runtime.data-plane``: ``p2p`` (this)
+the caller sends and collects, ``streams`` the one connection per pipeline edge that a
+worker's messages to a peer go down. Setting ``seabiscuit.runtime.data-plane``: ``p2p`` (this)
 or ``tasks`` (one Dask task per block, activations through Dask).
 """
 
 from ...errors import RunFailed, StaleRun
 from .manager import DataPlane, timed
 from .runs import Loop, decode_loop
+from .streams import Links
 from .wire import Tensors
 
-__all__ = ["DataPlane", "Loop", "RunFailed", "StaleRun", "Tensors", "decode_loop", "timed"]
+__all__ = ["DataPlane", "Links", "Loop", "RunFailed", "StaleRun", "Tensors", "decode_loop", "timed"]

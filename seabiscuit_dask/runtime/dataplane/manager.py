@@ -13,7 +13,9 @@ once and sends the request again under a new id. Runs in flight are bounded
 It runs on the worker's event loop and is plain asyncio over injected callables,
 so tests drive it without a cluster: ``compute`` runs a block (in ``executor``),
 ``spec_of`` finds a block's spec (``load_spec`` loads it off the loop), ``send``
-delivers a message to another worker, ``check`` verifies a ticket.
+delivers a one-way message to another worker (``push``, ``feed`` or ``fail``; on a
+cluster down the stream to that peer, ``streams``, which ``receive`` reads), ``check``
+verifies a ticket.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from typing import Any
 
 import torch
 
-from ...errors import RunFailed, SeaBiscuitError, StaleRun
+from ...errors import AccessDenied, RunFailed, SeaBiscuitError, StaleRun
 from ...lower.blocks import BlockSpec, split_block
 from .runs import DONE, RUNNING, BlockRun, Loop, Run
 from .wire import Tensors, nbytes
@@ -141,6 +143,35 @@ class DataPlane:
             self._remember_end(key, RunFailed(f"request {r} of model {model} was ended by its caller"))
         return n
 
+    async def receive(self, msg: Any) -> None:
+        """One message of a peer's stream (``streams``): a push, a feed or a fail. A push or feed
+        that is refused (a stale plan, a tensor the block does not read) goes back to its sender
+        as a fail of the run; a message that is not one of these three is dropped with a log line."""
+        try:
+            msg = dict(msg)
+            op, sender = str(msg.pop("op")), str(msg.pop("sender", ""))
+            ops: dict[str, Callable[..., Awaitable[Any]]] = {"push": self.push, "feed": self.feed,
+                                                             "fail": self.fail}
+            handler = ops[op]
+            if op == "feed":
+                msg["inputs"] = {int(b): ts for b, ts in msg.get("inputs") or ()}
+        except (KeyError, TypeError, ValueError) as e:
+            logger.info("seabiscuit: a data-plane stream message dropped (%s: %s)", type(e).__name__, e)
+            return
+        try:
+            await handler(**msg)
+        except AccessDenied as e:
+            logger.info("seabiscuit: refused a data-plane %s from %s: %s", op, sender, e)
+        except SeaBiscuitError as e:
+            logger.info("seabiscuit: refused a data-plane %s from %s: %s: %s", op, sender,
+                        type(e).__name__, e)
+            if op != "fail" and sender:
+                self._tell(self._tell_failed(sender, str(msg.get("model")), int(msg.get("version", 0)),
+                                             int(msg.get("request", 0)), str(msg.get("ticket")), str(e)))
+        except Exception as e:  # noqa: BLE001 - fields missing or of the wrong kind: the stream goes on
+            logger.info("seabiscuit: a malformed data-plane %s from %s dropped: %s: %s", op, sender,
+                        type(e).__name__, e)
+
     def retire(self, model: str, version: int | None = None) -> int:
         """Fail the runs of ``model`` older than ``version`` (every run, for None: released)."""
         doomed = [run for (m, _), run in self.runs.items() if m == model
@@ -205,9 +236,19 @@ class DataPlane:
         return True
 
     def _start(self, run: Run, br: BlockRun, ticket: str) -> None:
-        if br.ready:
-            br.state = RUNNING      # NOTE: at once, so a repeat that comes meanwhile starts nothing
-            self._spawn(run, self._compute(run, br, ticket))
+        if not br.ready:
+            return
+        br.state = RUNNING      # NOTE: at once, so a repeat that comes meanwhile starts nothing
+        args = (run.model, run.version, run.request, br.block, br.imports)
+        # NOTE: a resident block whose last run took less than INLINE_S runs on the event loop:
+        # the two hand-offs to a compute thread would cost more than the block. Any other is
+        # handed to a compute thread now, before the loop writes replies or sends anything
+        if self.last_s.get((run.model, br.block), INLINE_S) < INLINE_S \
+                and self.spec_of(run.model, run.version, br.block) is not None:
+            self._spawn(run, self._compute(run, br, ticket, None))
+        else:
+            self._spawn(run, self._compute(run, br, ticket, asyncio.get_running_loop().run_in_executor(
+                self.executor, self.compute, *args)))
 
     def _check_imports(self, run: Run, br: BlockRun) -> None:
         assert br.spec is not None
@@ -231,19 +272,15 @@ class DataPlane:
             return
         self._start(run, br, ticket)
 
-    async def _compute(self, run: Run, br: BlockRun, ticket: str) -> None:
+    async def _compute(self, run: Run, br: BlockRun, ticket: str, running: Awaitable[Any] | None) -> None:
+        """The block's outputs, from ``running`` (its compute thread) or computed here (None)."""
         spec = br.spec
         assert spec is not None
-        loop = asyncio.get_running_loop()
-        args = (run.model, run.version, run.request, br.block, br.imports)
         try:
-            # NOTE: a resident block whose last run took less than INLINE_S runs here on the event
-            # loop: the two hand-offs to a compute thread would cost more than the block
-            if self.last_s.get((run.model, br.block), INLINE_S) < INLINE_S \
-                    and self.spec_of(run.model, run.version, br.block) is not None:
-                out, record = self.compute(*args)
+            if running is None:
+                out, record = self.compute(run.model, run.version, run.request, br.block, br.imports)
             else:
-                out, record = await loop.run_in_executor(self.executor, self.compute, *args)
+                out, record = await running
         except BaseException as e:  # noqa: BLE001 - the run fails, everywhere
             self._fail(run, e, ticket)
             return
@@ -251,13 +288,15 @@ class DataPlane:
         br.imports, br.state = {}, DONE
         self._remember(self.ran, (run.model, run.request, br.block), None)
         self.records.append(record)
+        # NOTE: the critical path first: the next decode step starts, then the blocks that
+        # read these outputs; the caller's copy of the outputs goes last
+        follows = self.loops.get((run.model, run.request))
+        if follows is not None and follows.logits in out:
+            self._advance(run, out[follows.logits], ticket)
+        sends = [self._send(run, c, addr, {t: out[t] for t in ts}, ticket) for c, addr, ts in spec.sends]
         if spec.outputs:
             run.outputs[br.block] = {t: out[t] for t in spec.outputs}
             run.notify()
-            follows = self.loops.get((run.model, run.request))
-            if follows is not None and follows.logits in out:
-                self._advance(run, out[follows.logits], ticket)
-        sends = [self._send(run, c, addr, {t: out[t] for t in ts}, ticket) for c, addr, ts in spec.sends]
         await asyncio.gather(*sends)
         self._tidy(run)
 
@@ -280,9 +319,7 @@ class DataPlane:
                 for b, ts in mine:
                     self._deliver(nxt, b, ts, ticket)
             else:
-                task = asyncio.ensure_future(self._feed_peer(nxt, address, mine, ticket))
-                self._telling.add(task)
-                task.add_done_callback(self._telling.discard)
+                self._tell(self._feed_peer(nxt, address, mine, ticket))
 
     async def _feed_peer(self, run: Run, address: str, feeds: list[tuple[int, dict[str, torch.Tensor]]],
                          ticket: str) -> None:
@@ -347,9 +384,8 @@ class DataPlane:
         self._remember_end(key, error)
         if spread and ticket:
             for block, addr in self._downstream(run):
-                task = asyncio.ensure_future(self._tell_failed(addr, run, block, ticket, str(error)))
-                self._telling.add(task)
-                task.add_done_callback(self._telling.discard)
+                self._tell(self._tell_failed(addr, run.model, run.version, run.request, ticket, str(error),
+                                             block))
 
     def _downstream(self, run: Run) -> set[tuple[int, str]]:
         """The blocks on other workers that wait, directly or through blocks here, on blocks of ``run``."""
@@ -368,12 +404,19 @@ class DataPlane:
                         todo.append(local)
         return out
 
-    async def _tell_failed(self, address: str, run: Run, block: int, ticket: str, reason: str) -> None:
+    def _tell(self, coro: Any) -> None:
+        """Send a message no run waits on (a failure, a decode loop's next step)."""
+        task = asyncio.ensure_future(coro)
+        self._telling.add(task)
+        task.add_done_callback(self._telling.discard)
+
+    async def _tell_failed(self, address: str, model: str, version: int, request: int, ticket: str,
+                           reason: str, block: int = -1) -> None:
         try:
-            await self.send(address, "seabiscuit_dp_fail", model=run.model, ticket=ticket,
-                            version=run.version, request=run.request, reason=reason, block=block)
+            await self.send(address, "seabiscuit_dp_fail", model=model, ticket=ticket,
+                            version=version, request=request, reason=reason, block=block)
         except Exception as e:  # noqa: BLE001 - a peer gone has nothing to fail
-            logger.debug("seabiscuit: %s not told of the failure of %s: %s", address, run.where(), e)
+            logger.debug("seabiscuit: %s not told of the failure of request %s: %s", address, request, e)
 
     def _remember_end(self, key: RunKey, error: BaseException) -> None:
         self._remember(self.ended, key, error)

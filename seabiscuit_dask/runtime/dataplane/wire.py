@@ -10,8 +10,11 @@ both data planes: returned by a task, or sent worker to worker.
 
 from __future__ import annotations
 
+import struct
+from collections.abc import Sequence
 from typing import Any
 
+import msgpack
 import torch
 from dask.sizeof import sizeof
 from distributed.protocol.serialize import dask_deserialize, dask_serialize
@@ -83,3 +86,77 @@ def _sizeof(ts: Tensors) -> int:
 def nbytes(ts: Any) -> int:
     """Bytes of the tensors in a mapping."""
     return sum(int(t.numel() * t.element_size()) for t in ts.values() if isinstance(t, torch.Tensor))
+
+
+# --- a batch of stream messages as frames (``streams``) ----------------------------------------
+MAX_FRAMES = 1 << 16            # NOTE: per batch; a header naming more is refused before reading on
+MAX_FRAME_BYTES = 1 << 33       # NOTE: 8 GiB: an activation bigger than this is not a real one
+FIELDS = ("tensors", "inputs")  # NOTE: the only fields that carry tensors
+
+
+def pack(msgs: Sequence[dict[str, Any]]) -> list[Any]:
+    """A batch of data-plane messages as frames: a prefix (frame count and lengths), a msgpack
+    header (the messages, each tensor mapping replaced by its index), then each tensor's bytes.
+    A ``tensors`` field holds one mapping; an ``inputs`` field a list of (block, mapping)."""
+    specs: list[list[list[Any]]] = []
+    frames: list[Any] = []
+
+    def take(ts: Any) -> int:
+        specs.append([[str(n), str(t.dtype).removeprefix("torch."), list(t.shape)] for n, t in ts.items()])
+        frames.extend(as_bytes(t) for t in ts.values())
+        return len(specs) - 1
+
+    out = []
+    for m in msgs:
+        m = dict(m)
+        if "tensors" in m:
+            m["tensors"] = take(m["tensors"])
+        if "inputs" in m:
+            m["inputs"] = [[b, take(ts)] for b, ts in m["inputs"]]
+        out.append(m)
+    head = msgpack.packb({"msgs": out, "tensors": specs}, use_bin_type=True)
+    lengths = [len(head), *(memoryview(f).nbytes for f in frames)]
+    return [struct.pack(f"<Q{len(lengths)}Q", len(lengths), *lengths), head, *frames]
+
+
+async def read_packed(stream: Any) -> list[dict[str, Any]]:
+    """The messages of one batch ``pack`` wrote, read off a tornado stream."""
+    (n,) = struct.unpack("<Q", await stream.read_bytes(8))
+    if not 1 <= n <= MAX_FRAMES:
+        raise SeaBiscuitError(f"a data-plane batch of {n} frames (at most {MAX_FRAMES})")
+    lengths = struct.unpack(f"<{n}Q", await stream.read_bytes(8 * n))
+    if max(lengths) > MAX_FRAME_BYTES:
+        raise SeaBiscuitError(f"a data-plane frame of {max(lengths)} bytes (at most {MAX_FRAME_BYTES})")
+    head = await stream.read_bytes(lengths[0])
+    frames = []
+    for length in lengths[1:]:
+        buf = bytearray(length)
+        if length:
+            await stream.read_into(buf)
+        frames.append(buf)
+    return unpack(head, frames)
+
+
+def unpack(head: bytes, frames: list[Any]) -> list[dict[str, Any]]:
+    """``pack``'s messages back, tensors and all; a header that does not match its frames is refused."""
+    h = msgpack.unpackb(head, raw=False, strict_map_key=True)
+    built, pos = [], 0
+    for spec in h["tensors"]:
+        ts = Tensors()
+        for name, dtype, shape in spec:
+            if pos >= len(frames):
+                raise SeaBiscuitError(f"a data-plane batch names more tensors than its {len(frames)} frames")
+            ts[str(name)] = from_bytes(frames[pos], str(dtype), list(shape))
+            pos += 1
+        built.append(ts)
+    if pos != len(frames):
+        raise SeaBiscuitError(f"a data-plane batch has {len(frames)} frames and names {pos} tensors")
+    msgs = []
+    for m in h["msgs"]:
+        m = dict(m)
+        if "tensors" in m:
+            m["tensors"] = built[int(m["tensors"])]
+        if "inputs" in m:
+            m["inputs"] = [[b, built[int(i)]] for b, i in m["inputs"]]
+        msgs.append(m)
+    return msgs
