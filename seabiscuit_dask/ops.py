@@ -39,6 +39,9 @@ ELEMENTWISE = {
         "elu.default", "minimum.default", "maximum.default", "reciprocal.default",
         "contiguous.default", "clone.default", "alias.default", "detach.default",
         "round.default", "floor.default", "ceil.default", "sign.default",
+        "detach_.default", "pow.Scalar", "square.default", "max.other", "min.other", "multiply.Tensor",
+        "gt.Tensor", "ge.Tensor", "lt.Tensor", "le.Scalar", "where.ScalarOther", "where.ScalarSelf",
+        "div_.Tensor", "mul_.Tensor", "add_.Tensor",
     )
 }
 NORM = {
@@ -63,10 +66,11 @@ VIEW = {
         "permute.default", "unsqueeze.default", "squeeze.dim", "squeeze.default",
         "expand.default", "slice.Tensor", "select.int", "flatten.using_ints",
         "split.Tensor", "split_with_sizes.default", "chunk.default", "unbind.int",
-        "t.default", "narrow.default", "unflatten.int", "repeat.default",
+        "t.default", "numpy_T.default", "narrow.default", "unflatten.int", "repeat.default",
     )
 }
 CONCAT = {"aten.cat.default", "aten.stack.default"}
+PAD = {"aten.pad.default", "aten.constant_pad_nd.default"}
 CREATION = {
     f"aten.{n}"
     for n in ("arange.default", "arange.start", "arange.start_step", "full.default",
@@ -126,6 +130,13 @@ def row_split_forbidden_dims(target: str, args: Sequence[Any], out_rank: int) ->
         return {1} | ({*range(2, out_rank)} if target == "aten.group_norm.default" else set())
     if target in POOL:
         return set(range(out_rank - pool_nd(target, args), out_rank))
+    if target in PAD:                   # NOTE: (before, after) pairs from the last dim backwards
+        return set(range(out_rank - len(args[1]) // 2, out_rank))
+    if target == "aten.baddbmm.default":          # NOTE: samples of the batch only (dim 0 of all three)
+        return set(range(1, out_rank))
+    if target == "aten._weight_norm.default":     # NOTE: a norm per index of dim, over the rest
+        dim = int(operand(args, 2, 0)) % out_rank
+        return set(range(out_rank)) - {dim}
     if target in {"aten.mean.dim", "aten.sum.dim_IntList", "aten.amax.default"}:
         keep = len(args) > 2 and bool(args[2])
         return _norm_dims(args[1], out_rank) if keep else None

@@ -51,6 +51,8 @@ ATEN_TARGETS: tuple[str, ...] = tuple(f"aten.{n}" for n in (
     "hardswish.default", "hardsigmoid.default", "leaky_relu.default", "elu.default",
     "clamp.default", "clamp_min.default", "minimum.default", "maximum.default",
     "dropout.default", "round.default", "floor.default", "ceil.default", "sign.default",
+    "pow.Scalar", "square.default", "max.other", "min.other", "multiply.Tensor", "div_.Tensor",
+    "mul_.Tensor",
     # comparisons, logic, selection
     "eq.Tensor", "eq.Scalar", "ne.Tensor", "ne.Scalar", "gt.Tensor", "gt.Scalar",
     "ge.Tensor", "ge.Scalar", "lt.Tensor", "lt.Scalar", "le.Tensor", "le.Scalar",
@@ -59,7 +61,7 @@ ATEN_TARGETS: tuple[str, ...] = tuple(f"aten.{n}" for n in (
     "masked_fill.Tensor",
     # dtype and memory: the device argument is always replaced by the worker's own
     "to.dtype", "to.dtype_layout", "to.device", "_to_copy.default", "type_as.default",
-    "contiguous.default", "clone.default", "alias.default", "detach.default",
+    "contiguous.default", "clone.default", "alias.default", "detach.default", "detach_.default",
     "lift_fresh_copy.default",
     # normalisation and softmax
     "layer_norm.default", "batch_norm.default", "group_norm.default", "rms_norm.default",
@@ -67,7 +69,11 @@ ATEN_TARGETS: tuple[str, ...] = tuple(f"aten.{n}" for n in (
     "log_softmax.int", "_log_softmax.default",
     # reductions
     "sum.default", "sum.dim_IntList", "mean.dim", "amax.default", "max.dim",
-    "argmax.default", "cumsum.default", "diff.default",
+    "argmax.default", "cumsum.default", "diff.default", "max.default", "min.default", "topk.default",
+    "sort.default", "floor_divide.default", "histc.default",
+    "item.default",
+    # weight normalisation (of a convolution's weight, from its parametrization)
+    "_weight_norm.default",
     # pooling
     "max_pool1d.default", "max_pool2d.default", "max_pool3d.default", "avg_pool1d.default",
     "avg_pool2d.default", "avg_pool3d.default", "adaptive_avg_pool1d.default",
@@ -78,10 +84,11 @@ ATEN_TARGETS: tuple[str, ...] = tuple(f"aten.{n}" for n in (
     "expand.default", "slice.Tensor", "select.int", "narrow.default", "flatten.using_ints",
     "unflatten.int", "split.Tensor", "split_with_sizes.default", "chunk.default", "unbind.int",
     "repeat.default", "repeat_interleave.self_int", "cat.default", "stack.default",
+    "reshape_as.default", "broadcast_to.default", "pad.default", "constant_pad_nd.default", "im2col.default",
     # creation (sizes and values come from the graph, never data from outside it)
     "arange.default", "arange.start", "arange.start_step", "full.default", "zeros.default",
     "ones.default", "new_ones.default", "new_zeros.default", "full_like.default",
-    "zeros_like.default", "ones_like.default", "scalar_tensor.default",
+    "zeros_like.default", "ones_like.default", "scalar_tensor.default", "empty.memory_format",
     # indexing
     "index.Tensor", "gather.default", "index_select.default",
 ))

@@ -79,7 +79,7 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
             load_spec=self._load_spec, version_of=lambda m: self.resident.versions.get(m, -1),
             send=self._send, check=self._check_ticket, executor=self._pool,
             max_runs=int(config.get("runtime.data-plane-runs")))
-        self._links = Links(opener(worker.connection_args))
+        self._links = Links(opener(lambda: worker.connection_args))
         for op in DP_OPS:
             worker.handlers[f"seabiscuit_dp_{op}"] = refusing(getattr(self, f"dp_{op}"))
         from tornado.ioloop import PeriodicCallback

@@ -1,4 +1,5 @@
-"""Elementwise, norm, pool and keep-dim reductions: strips along a dim the op does not mix."""
+"""Elementwise, norm, pool and keep-dim reductions (and the few other ops ``ops.row_split_forbidden_dims``
+knows, such as padding): strips along a dim the op does not mix."""
 
 from __future__ import annotations
 
@@ -24,10 +25,10 @@ def strip_dim(op: Op, shape: tuple[int, ...]) -> int | None:
 
 
 # NOTE: "sum" ops are the partial sums a split leaves behind (aten.add.Tensor).
-@register("elementwise", "norm", "reduction", "pool", "sum")
+@register("elementwise", "norm", "reduction", "pool", "sum", "opaque")
 def strips(d: Decomposer, op: Op) -> Split | None:
     """Slices of every operand aligned with the cut dim (right-aligned broadcasting);
-    the strips are concatenated. Params are sliced only by elementwise ops."""
+    the strips are concatenated. Params are sliced only by elementwise ops (and weight norm)."""
     args = list(op.attrs.get("args", ()))
     kwargs = dict(op.attrs.get("kwargs", {}))
     out = d.tensors[op.outputs[0]]
@@ -36,7 +37,7 @@ def strips(d: Decomposer, op: Op) -> Split | None:
     if dim is None:
         return None
     n = out.shape[dim]
-    slice_params = op.target in O.ELEMENTWISE
+    slice_params = op.target in O.ELEMENTWISE or op.target == "aten._weight_norm.default"
 
     def aligned(ref: Any) -> int | None:
         rr = O.ref_name(ref)

@@ -52,6 +52,8 @@ def dim_map(op: Op, args: list[Any], si: tuple[int, ...], so: tuple[int, ...]) -
         perm = list(range(len(si)))
         perm[a], perm[b] = perm[b], perm[a]
         return {d: (perm[d], 1) for d in range(len(so))}
+    if t == "aten.numpy_T.default":       # NOTE: x.T reverses every dim
+        return {d: (len(si) - 1 - d, 1) for d in range(len(so))}
     if t == "aten.expand.default":
         lead = len(so) - len(si)
         return {d: (d - lead, 1) for d in range(lead, len(so)) if si[d - lead] == so[d]}

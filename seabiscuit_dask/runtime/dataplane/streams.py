@@ -36,10 +36,11 @@ HANDLER = "seabiscuit_dp_stream"
 Connect = Callable[[str], Awaitable[tuple[Any, bool]]]   # address -> (a comm its handler reads, raw frames)
 
 
-def opener(connection_args: dict[str, Any]) -> Connect:
-    """How a worker opens a stream to a peer: a comm to its ``HANDLER``, raw frames where it has a stream."""
+def opener(connection_args: Callable[[], dict[str, Any]]) -> Connect:
+    """How a worker opens a stream to a peer: a comm to its ``HANDLER`` (with the worker's
+    ``connection_args()``), raw frames where the comm has a stream."""
     async def open_stream(address: str) -> tuple[Any, bool]:
-        comm = await connect(address, **connection_args)
+        comm = await connect(address, **connection_args())
         comm.name = "seabiscuit data plane"
         raw = getattr(comm, "stream", None) is not None
         await comm.write({"op": HANDLER, "reply": False, "raw": raw})
