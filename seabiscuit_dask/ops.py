@@ -139,7 +139,15 @@ def row_split_forbidden_dims(target: str, args: Sequence[Any], out_rank: int) ->
         return set(range(out_rank)) - {dim}
     if target in {"aten.mean.dim", "aten.sum.dim_IntList", "aten.amax.default"}:
         keep = len(args) > 2 and bool(args[2])
-        return _norm_dims(args[1], out_rank) if keep else None
+        if keep:
+            return _norm_dims(args[1], out_rank)
+        if args[1] is None or (not isinstance(args[1], int) and not args[1]):
+            return None                 # NOTE: every dim reduced
+        # NOTE: the reduced dims are gone from the output, so only output dims after the last of
+        # them line up (right-aligned) with their input dims
+        n = 1 if isinstance(args[1], int) else len(args[1])
+        reduced = _norm_dims(args[1], out_rank + n)
+        return set(range(max(0, max(reduced) + 1 - n)))
     return None
 
 

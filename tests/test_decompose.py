@@ -181,6 +181,21 @@ def test_softmax_keeps_its_reduction_dim_whole() -> None:
             assert g.tensors[op.outputs[0]].shape[1] == 64
 
 
+@pytest.mark.parametrize("dims", [1, (0, 1), -2])
+def test_a_reduction_that_drops_its_dims_is_cut_along_the_dims_after_them(dims) -> None:
+    mean = Fn(lambda self, a: (a * 2).mean(dim=dims))
+    x = torch.randn(4, 32, 256)
+    g = split(mean, (x,), "24KiB")
+    cut = [op for op in g.ops if op.target == "aten.mean.dim"]
+    assert len(cut) > 1 and all(g.tensors[op.outputs[0]].shape[-1] < 256 for op in cut)
+
+
+def test_a_reduction_over_its_last_dim_without_keepdim_is_not_cut() -> None:
+    graph = sb.trace(Fn(lambda self, a: (a * 2).sum(dim=-1)), (torch.randn(4, 32, 256),))
+    with pytest.raises(sb.BudgetTooSmall, match=r"no rule splits aten\.sum\.dim_IntList"):
+        sb.decompose(graph, "24KiB")
+
+
 def test_decompose_never_edits_its_input() -> None:
     model = M.gpt2()
     graph = sb.trace(model, M.ids())
