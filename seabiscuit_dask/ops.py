@@ -66,7 +66,8 @@ VIEW = {
         "permute.default", "unsqueeze.default", "squeeze.dim", "squeeze.default",
         "expand.default", "slice.Tensor", "select.int", "flatten.using_ints",
         "split.Tensor", "split_with_sizes.default", "chunk.default", "unbind.int",
-        "t.default", "numpy_T.default", "narrow.default", "unflatten.int", "repeat.default",
+        "t.default", "numpy_T.default", "broadcast_to.default", "narrow.default", "unflatten.int",
+        "repeat.default",
     )
 }
 CONCAT = {"aten.cat.default", "aten.stack.default"}
@@ -78,6 +79,7 @@ CREATION = {
               "full_like.default", "zeros_like.default", "ones_like.default", "scalar_tensor.default")
 }
 INDEX = {"aten.index.Tensor", "aten.gather.default", "aten.index_select.default"}
+LIKE = {"aten.full_like.default", "aten.zeros_like.default", "aten.ones_like.default"}   # x's shape only
 
 _KINDS: list[tuple[set[str], str]] = [
     (LINEAR, "linear"), (MATMUL, "matmul"), (CONV, "conv"), (CONV_TRANSPOSE, "conv_transpose"),
@@ -116,7 +118,7 @@ def row_split_forbidden_dims(target: str, args: Sequence[Any], out_rank: int) ->
     activation inputs that broadcast (right-aligned) along the chosen dim, runs the
     op on each strip and concatenates the strips: exact for these ops.
     """
-    if target in ELEMENTWISE:
+    if target in ELEMENTWISE or target in LIKE:
         return set()
     if target in {"aten.softmax.int", "aten._softmax.default", "aten.log_softmax.int",
                   "aten._log_softmax.default", "aten.cumsum.default"}:

@@ -43,13 +43,28 @@ def _class_source_hash(cls: Any) -> str:
 
 
 @cache
-def _decomposer_hash() -> str:
-    """A hash of the decomposition code: a cached decomposition is reused only by the same rules."""
+@cache
+def _code_hash(*parts: str) -> str:
+    """A hash of these files and folders of the package: a template is reused only by the code
+    that made it (a changed rule or op kind within one version makes new templates)."""
     root = Path(__file__).parent
     h = hashlib.sha256()
-    for path in sorted([*root.joinpath("decompose").rglob("*.py"), root / "ir.py", root / "ops.py"]):
-        h.update(path.read_bytes())
+    for part in parts:
+        where = root / part
+        for path in sorted(where.rglob("*.py")) if where.is_dir() else [where]:
+            h.update(str(path.relative_to(root)).encode())
+            h.update(path.read_bytes())
     return h.hexdigest()[:16]
+
+
+def _decomposer_hash() -> str:
+    """A hash of the decomposition code: a cached decomposition is reused only by the same rules."""
+    return _code_hash("decompose", "ir.py", "ops.py")
+
+
+def _tracer_hash() -> str:
+    """A hash of the tracing code: a cached trace is reused only by the same tracer and op kinds."""
+    return _code_hash("trace", "ir.py", "ops.py", "lower/registry.py")
 
 
 def _settings(module: torch.nn.Module) -> list[tuple[str, str]]:
@@ -70,7 +85,7 @@ def architecture_key(model: torch.nn.Module, args: tuple[Any, ...],
             h.update(str(p).encode())
             h.update(b"\0")
 
-    put(__version__, SCHEMA_VERSION, torch.__version__, type(model).__module__,
+    put(__version__, SCHEMA_VERSION, _tracer_hash(), torch.__version__, type(model).__module__,
         type(model).__qualname__, repr(model))
     for name, m in model.named_modules():
         put(name, _settings(m))

@@ -100,6 +100,19 @@ def test_embedding_by_vocabulary_rows_and_by_columns() -> None:
     assert tags(g) == {"d"}
 
 
+def test_a_transposed_weight_is_cut_as_its_weight_tiles() -> None:
+    proj = Fn(lambda self, x: x @ self.fc.weight.T, fc=nn.Linear(64, 256, bias=False))   # as Falcon's MLP
+    g = split(proj, (torch.randn(1, 4, 64),), "40KiB")
+    assert any(op.target == "aten.numpy_T.default" for op in g.ops) and len(g.params) > 1
+
+
+def test_index_select_of_a_table_is_cut_as_an_embedding_lookup() -> None:
+    table = Fn(lambda self, i: torch.index_select(self.pos.weight, 0, i.reshape(-1)),
+               pos=nn.Embedding(2048, 16))
+    g = split(table, (torch.tensor([[0, 17, 2047, 1024, 17]]),), "48KiB")
+    assert "v" in tags(g) and sum(op.target == "sb.embedding_rows" for op in g.ops) > 1
+
+
 def sdpa_module(**kw):
     def fn(self, q, k, v, *mask):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[0] if mask else None, **kw)
@@ -335,3 +348,14 @@ def test_a_decomposed_graph_is_not_decomposed_again() -> None:
     micro = sb.decompose(sb.trace(M.gpt2(), (M.ids(seq=32),)), "32KiB")
     with pytest.raises(sb.InvalidGraph, match="already decomposed"):
         sb.decompose(micro, "16KiB")
+
+
+def test_repeat_broadcast_to_and_full_like_are_cut_into_strips() -> None:
+    """As WavLM's relative-position bias: a bias repeated per head, broadcast, and an int table
+    made ``full_like`` another."""
+    def bias(self, x):
+        table = torch.full_like(x, 3, dtype=torch.long) + x.long()
+        return (x * 2).repeat(4, 1, 1).broadcast_to(2, 4, 128, 64) + table
+    g = split(Fn(bias), (torch.randn(1, 128, 64),), "48KiB")
+    for target in ("aten.repeat.default", "aten.broadcast_to.default", "aten.full_like.default"):
+        assert sum(op.target == target for op in g.ops) > 1, target

@@ -70,3 +70,16 @@ def test_module_settings_missing_from_repr_change_the_key() -> None:
     assert a.meta["template_key"] != b.meta["template_key"]
     model = nn.AvgPool2d(3, 2, 1, count_include_pad=False)
     assert torch.equal(sb.run_local(b, x, weights=model), model(x))
+
+
+def test_other_tracing_or_decomposition_code_makes_new_templates(monkeypatch) -> None:
+    """A template is reused only by the code that made it: an op kind or rule changed within one
+    version must not be answered from a cache written before the change."""
+    x = M.ids()
+    g = sb.decompose(sb.trace(M.gpt2(), x), "256KiB")
+    monkeypatch.setattr(templates, "_tracer_hash", lambda: "another tracer")
+    traced = sb.trace(M.gpt2(), x)
+    monkeypatch.undo()
+    assert traced.meta["template_key"] != sb.trace(M.gpt2(), x).meta["template_key"]
+    monkeypatch.setattr(templates, "_decomposer_hash", lambda: "other rules")
+    assert sb.decompose(sb.trace(M.gpt2(), x), "256KiB").meta["template_key"] != g.meta["template_key"]

@@ -35,6 +35,27 @@ def vocabulary_rows(d: Decomposer, op: Op) -> Split | None:
                  piece, "sum", -1, tiebreak=0 if V >= 4 * D else 1, along=(W, 0, 1))
 
 
+@register("index")
+def selected_rows(d: Decomposer, op: Op) -> Split | None:
+    """``index_select(table, 0, idx)`` of a 2-D table is a lookup of ``idx`` in it (position tables
+    read by index): cut as the vocabulary rows of an embedding."""
+    args = list(op.attrs["args"])
+    if op.target != "aten.index_select.default" or len(args) != 3 or not isinstance(args[1], int):
+        return None
+    W, dim, idx = args
+    if len(d.shape(W)) != 2 or dim % 2 != 0 or len(d.shape(idx)) != 1:
+        return None
+    V = d.shape(W)[0]
+    out = d.tensors[op.outputs[0]]
+
+    def piece(i: int, lo: int, hi: int, pieces: Pieces) -> Piece:
+        return [d.cut(W, 0, lo, hi, op.scope, pieces), idx, lo], {}, ROWS, out
+
+    w, i_b, y = d.nbytes(W), d.nbytes(idx), out.nbytes
+    return Split("v", "the table rows", V, lambda k: w * frac(V, k) + i_b + y, 0, piece, "sum", -1,
+                 along=(W, 0, 1))
+
+
 @register("embedding")
 def embedding_columns(d: Decomposer, op: Op) -> Split | None:
     """Columns of the table; tiles are concatenated."""

@@ -25,7 +25,7 @@ def strip_dim(op: Op, shape: tuple[int, ...]) -> int | None:
 
 
 # NOTE: "sum" ops are the partial sums a split leaves behind (aten.add.Tensor).
-@register("elementwise", "norm", "reduction", "pool", "sum", "opaque")
+@register("elementwise", "norm", "reduction", "pool", "sum", "opaque", "creation")
 def strips(d: Decomposer, op: Op) -> Split | None:
     """Slices of every operand aligned with the cut dim (right-aligned broadcasting);
     the strips are concatenated. Params are sliced only by elementwise ops (and weight norm)."""

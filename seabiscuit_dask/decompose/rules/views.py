@@ -40,6 +40,9 @@ def reshape_map(si: tuple[int, ...], so: tuple[int, ...]) -> DimMap:
     return out
 
 
+EXPANDS = ("aten.expand.default", "aten.broadcast_to.default")
+
+
 def dim_map(op: Op, args: list[Any], si: tuple[int, ...], so: tuple[int, ...]) -> DimMap:
     """How ``op``'s output dims map to its (first) input's dims."""
     t = op.target
@@ -52,9 +55,12 @@ def dim_map(op: Op, args: list[Any], si: tuple[int, ...], so: tuple[int, ...]) -
         perm = list(range(len(si)))
         perm[a], perm[b] = perm[b], perm[a]
         return {d: (perm[d], 1) for d in range(len(so))}
+    if t == "aten.repeat.default":        # NOTE: dims repeated once are the input's, right-aligned
+        lead = len(so) - len(si)
+        return {d: (d - lead, 1) for d in range(lead, len(so)) if int(args[1][d]) == 1}
     if t == "aten.numpy_T.default":       # NOTE: x.T reverses every dim
         return {d: (len(si) - 1 - d, 1) for d in range(len(so))}
-    if t == "aten.expand.default":
+    if t in EXPANDS:
         lead = len(so) - len(si)
         return {d: (d - lead, 1) for d in range(lead, len(so)) if si[d - lead] == so[d]}
     if t in ("aten.slice.Tensor", "aten.cat.default"):
@@ -72,12 +78,13 @@ def first_input(op: Op, args: list[Any]) -> Any:
 
 @register("view", "concat")
 def view_strips(d: Decomposer, op: Op) -> Split | None:
-    """Strips of the output along its longest dim that maps to an input dim."""
+    """Strips of the output along its longest dim that maps to an input dim (of an activation, or
+    of a weight, whose tiles are then read in its place)."""
     args = list(op.attrs["args"])
     if op.target == "aten.cat.default" and not all(O.ref_name(a) for a in args[0]):
         return None
     x = first_input(op, args)
-    if O.ref_name(x) is None or O.ref_name(x)[0] != "t":   # type: ignore[index]
+    if O.ref_name(x) is None:        # NOTE: a view of a weight is cut as its weight tiles (x @ W.T)
         return None
     out = d.tensors[op.outputs[0]]
     so, si = out.shape, d.shape(x)
@@ -98,7 +105,7 @@ def view_strips(d: Decomposer, op: Op) -> Split | None:
         cut = d.cut(x, j, lo * r, hi * r, op.scope)
         if op.target in RESHAPES:
             return [cut, list(shape)], {}, "aten.reshape.default", spec
-        if op.target == "aten.expand.default":
+        if op.target in EXPANDS:
             return [cut, list(shape)], {}, op.target, spec
         return [cut, *args[1:]], dict(op.attrs.get("kwargs", {})), op.target, spec
 
