@@ -134,6 +134,9 @@ def row_split_forbidden_dims(target: str, args: Sequence[Any], out_rank: int) ->
         return set(range(out_rank - pool_nd(target, args), out_rank))
     if target in PAD:                   # NOTE: (before, after) pairs from the last dim backwards
         return set(range(out_rank - len(args[1]) // 2, out_rank))
+    if target == "aten.index.Tensor":           # NOTE: x[idx]: the dims after the indexed first one
+        idx = operand(args, 1, [])
+        return {0} if len(idx) == 1 and ref_name(idx[0]) is not None else None
     if target == "aten.baddbmm.default":          # NOTE: samples of the batch only (dim 0 of all three)
         return set(range(1, out_rank))
     if target == "aten._weight_norm.default":     # NOTE: a norm per index of dim, over the rest

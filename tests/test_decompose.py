@@ -359,3 +359,12 @@ def test_repeat_broadcast_to_and_full_like_are_cut_into_strips() -> None:
     g = split(Fn(bias), (torch.randn(1, 128, 64),), "48KiB")
     for target in ("aten.repeat.default", "aten.broadcast_to.default", "aten.full_like.default"):
         assert sum(op.target == target for op in g.ops) > 1, target
+
+
+def test_a_weight_gathered_by_a_1d_index_is_cut_along_the_dims_after_it() -> None:
+    """As a mixture of experts' batched matmuls: each token-expert pair's weights, ``W[ids]``;
+    the index (here as long as the last dim) is never cut with them."""
+    experts = Fn(lambda self, ids: self.w.weight.reshape(8, 64, 16)[ids] * 2, w=nn.Linear(16, 8 * 64))
+    ids = torch.tensor([3, 0, 7, 7, 1, 2, 5, 4, 6, 0, 1, 3, 2, 2, 5, 6])
+    g = split(experts, (ids,), "32KiB")
+    assert sum(op.target == "aten.index.Tensor" for op in g.ops) > 1

@@ -11,7 +11,7 @@ from benchmarks.zoo import ZOO, check
 
 CASES = {c.name: c for c in ZOO}
 FAST = [
-    "llama", "gpt_neo",              # decoders: detach_ in the local attention
+    "llama", "gpt_neo", "mixtral",   # decoders: detach_ in the local attention; experts gathered
     "deberta-v2", "mpnet",           # encoders: detach_, min.other
     "t5",                            # encoder-decoder: min.other in the relative position buckets
     "mobilenet_v2", "vit",           # vision: padding cut into strips

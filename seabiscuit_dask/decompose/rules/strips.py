@@ -24,8 +24,11 @@ def strip_dim(op: Op, shape: tuple[int, ...]) -> int | None:
     return max(allowed, key=lambda i: (i != len(shape) - 1, shape[i], -i)) if allowed else None
 
 
+SLICES_WEIGHTS = {"aten._weight_norm.default", "aten.index.Tensor"}    # NOTE: beside elementwise ops
+
+
 # NOTE: "sum" ops are the partial sums a split leaves behind (aten.add.Tensor).
-@register("elementwise", "norm", "reduction", "pool", "sum", "opaque", "creation")
+@register("elementwise", "norm", "reduction", "pool", "sum", "opaque", "creation", "index")
 def strips(d: Decomposer, op: Op) -> Split | None:
     """Slices of every operand aligned with the cut dim (right-aligned broadcasting);
     the strips are concatenated. Params are sliced only by elementwise ops (and weight norm)."""
@@ -37,7 +40,12 @@ def strips(d: Decomposer, op: Op) -> Split | None:
     if dim is None:
         return None
     n = out.shape[dim]
-    slice_params = op.target in O.ELEMENTWISE or op.target == "aten._weight_norm.default"
+    slice_params = op.target in O.ELEMENTWISE or op.target in SLICES_WEIGHTS
+    # NOTE: x[idx] slices x alone (the dims after the indexed one), and only a 1-D idx keeps them
+    # where they were
+    sliced = args[:1] if op.target == "aten.index.Tensor" else args
+    if op.target == "aten.index.Tensor" and len(d.shape(args[0])) != r:
+        return None
 
     def aligned(ref: Any) -> int | None:
         rr = O.ref_name(ref)
@@ -56,15 +64,16 @@ def strips(d: Decomposer, op: Op) -> Split | None:
                 return [sub(x) for x in v]
             return v
         shape = (*out.shape[:dim], hi - lo, *out.shape[dim + 1:])
-        return [sub(a) for a in args], kwargs, op.target, TensorSpec(shape, out.dtype)
+        return [sub(a) for a in sliced] + args[len(sliced):], kwargs, op.target, TensorSpec(shape, out.dtype)
 
-    refs = list(iter_refs(args))
+    refs = list(iter_refs(sliced))
     cut_refs = [a for a in refs if aligned(a) is not None and O.ref_name(a)[0] == "t"]  # type: ignore[index]
     big = max(cut_refs, key=d.nbytes, default=None)
     big_dim = aligned(big) if big is not None else None
     main = (big, big_dim, 1) if big_dim is not None else None
     cut_bytes = sum(d.nbytes(a) for a in refs if aligned(a) is not None)
-    whole = sum(d.nbytes(a) for a in refs if aligned(a) is None)
+    whole = sum(d.nbytes(a) for a in refs if aligned(a) is None) + sum(
+        d.nbytes(a) for a in iter_refs(args[len(sliced):]))
     y = out.nbytes
     return Split("s", f"the output into strips along dim {dim}", n,
                  lambda k: (cut_bytes + y) * frac(n, k) + whole, 0,
