@@ -368,3 +368,12 @@ def test_a_weight_gathered_by_a_1d_index_is_cut_along_the_dims_after_it() -> Non
     ids = torch.tensor([3, 0, 7, 7, 1, 2, 5, 4, 6, 0, 1, 3, 2, 2, 5, 6])
     g = split(experts, (ids,), "32KiB")
     assert sum(op.target == "aten.index.Tensor" for op in g.ops) > 1
+
+
+def test_baddbmm_is_cut_by_samples() -> None:
+    """As WavLM's attention scores: ``baddbmm(bias, q, k)`` per head, cut into whole samples."""
+    scores = Fn(lambda self, bias, q, k: torch.baddbmm(bias, q, k.transpose(1, 2)))
+    xs = (torch.randn(8, 32, 32), torch.randn(8, 32, 16), torch.randn(8, 32, 16))
+    g = split(scores, xs, "40KiB")
+    cut = [op for op in g.ops if op.target == "aten.baddbmm.default"]
+    assert len(cut) > 1 and all(g.tensors[op.outputs[0]].shape[1:] == (32, 32) for op in cut)
