@@ -377,3 +377,13 @@ def test_baddbmm_is_cut_by_samples() -> None:
     g = split(scores, xs, "40KiB")
     cut = [op for op in g.ops if op.target == "aten.baddbmm.default"]
     assert len(cut) > 1 and all(g.tensors[op.outputs[0]].shape[1:] == (32, 32) for op in cut)
+
+
+def test_group_norm_is_cut_by_whole_groups() -> None:
+    norm = nn.GroupNorm(8, 64)
+    with torch.no_grad():
+        norm.weight.normal_()
+        norm.bias.normal_()
+    g = split(norm, (torch.randn(1, 64, 16, 16),), "40KiB")
+    cut = [op for op in g.ops if op.target == "aten.group_norm.default"]
+    assert len(cut) > 1 and all(g.tensors[op.outputs[0]].shape[1] % 8 == 0 for op in cut)

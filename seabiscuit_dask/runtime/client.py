@@ -568,8 +568,9 @@ class DistributedModel:
     def recover(self, error: BaseException) -> None:
         """After a worker loss in a step: take the plan the scheduler holds now (the event that
         brings it may still be on its way, or have come already), unless the model is stranded.
-        A data-plane run that failed under plan v waits a little (``probe-timeout``) for a plan
-        newer than v: the scheduler may hear of a worker's death just after the caller did."""
+        A data-plane run that failed under plan v (a worker could not be reached) waits for a plan
+        newer than v, up to ``sync-timeout``: the scheduler may hear of a worker's death after the
+        caller did, and its repair takes a moment on a loaded machine (the wait ends as it comes)."""
         self._check_open()
         self._catch_up()
         failed_at = getattr(error, "version", None)
@@ -577,7 +578,7 @@ class DistributedModel:
                 and failed_at is not None and self.version <= int(failed_at):
             with self._changed:
                 self._changed.wait_for(lambda: self.version > int(failed_at) or self._closed
-                                       or bool(self._stranded), timeout=seconds("runtime.probe-timeout"))
+                                       or bool(self._stranded), timeout=seconds("runtime.sync-timeout"))
             self._catch_up()
         if self._stranded:
             raise WorkerLost(self._stranded) from error

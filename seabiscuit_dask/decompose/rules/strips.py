@@ -78,3 +78,33 @@ def strips(d: Decomposer, op: Op) -> Split | None:
     return Split("s", f"the output into strips along dim {dim}", n,
                  lambda k: (cut_bytes + y) * frac(n, k) + whole, 0,
                  piece, "concat", dim, along=main)
+
+
+@register("norm")
+def whole_groups(d: Decomposer, op: Op) -> Split | None:
+    """``group_norm`` by whole groups of channels, each with its slice of the weight and bias;
+    the tiles are concatenated (a group's statistics never cross a cut)."""
+    args = list(op.attrs.get("args", ()))
+    if op.target != "aten.group_norm.default" or len(args) < 2 or O.ref_name(args[0]) is None:
+        return None
+    out = d.tensors[op.outputs[0]]
+    groups = int(args[1])
+    if groups < 2 or len(out.shape) < 2 or out.shape[1] % groups:
+        return None
+    per = out.shape[1] // groups
+    kwargs = dict(op.attrs.get("kwargs", {}))
+
+    def piece(i: int, lo: int, hi: int, pieces: Pieces) -> Piece:
+        new = list(args)
+        new[0] = d.cut(args[0], 1, lo * per, hi * per, op.scope, pieces)
+        new[1] = hi - lo
+        for j in (2, 3):             # NOTE: the per-channel weight and bias, where given
+            if j < len(new) and O.ref_name(new[j]) is not None:
+                new[j] = d.cut(new[j], 0, lo * per, hi * per, op.scope, pieces)
+        shape = (out.shape[0], (hi - lo) * per, *out.shape[2:])
+        return new, kwargs, op.target, TensorSpec(shape, out.dtype)
+
+    params = sum(d.nbytes(a) for a in args[2:4] if O.ref_name(a) is not None)
+    x, y = d.nbytes(args[0]), out.nbytes
+    return Split("g", "whole groups of channels", groups, lambda k: (x + y + params) * frac(groups, k), 0,
+                 piece, "concat", 1, along=(args[0], 1, per))
