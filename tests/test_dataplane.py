@@ -17,6 +17,7 @@ from seabiscuit_dask.errors import AccessDenied, SeaBiscuitError
 from seabiscuit_dask.lower.blocks import block_specs
 from seabiscuit_dask.runtime.dataplane import DataPlane, RunFailed, StaleRun, Tensors, timed
 from seabiscuit_dask.runtime.dataplane.client import route
+from seabiscuit_dask.runtime.dataplane.manager import greedy
 from seabiscuit_dask.runtime.dataplane.wire import from_bytes, pack, unpack
 from seabiscuit_dask.runtime.resident import ResidentBlocks
 
@@ -119,6 +120,31 @@ def test_repeated_messages_change_nothing(planned) -> None:
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
     assert again is False and mesh.runs() == len(specs)
     assert sum(p.counters["repeats"] for p in mesh.planes.values()) >= 1
+
+
+def test_a_decode_loop_caller_collects_greedy_tokens_in_place_of_logits(planned) -> None:
+    graph, specs, x, expected, _ = planned
+    mesh = Mesh(specs)
+    out = graph.outputs[0]
+    (maker,) = [s for s in specs if out in s.outputs]
+
+    async def run() -> Any:
+        plan = route(specs, [maker.index])
+        inputs = {graph.inputs[0]: x}
+        await asyncio.gather(*(mesh.planes[a].feed(MODEL, TICKET, 0, 3, {b: {t: inputs[t] for t in names}
+                                                                          for b, names in feeds})
+                               for a, (feeds, _) in plan.items()))
+        plane = mesh.planes[maker.address]
+        got = await asyncio.wait_for(plane.collect(MODEL, TICKET, 0, 3, [maker.index], tokens=out), 60)
+        return got, plane
+
+    got, plane = asyncio.run(run())
+    tokens = got[maker.index][out]
+    assert tokens.dtype == torch.long and tuple(tokens.shape) == (x.shape[0],)
+    assert torch.equal(tokens, expected[:, -1].argmax(dim=-1))
+    assert not plane.runs                                      # the run ended with its collect
+    with pytest.raises(SeaBiscuitError, match="greedy tokens need"):
+        greedy(torch.zeros(2, 5, dtype=torch.long))
 
 
 def test_a_message_of_an_older_plan_or_without_the_ticket_is_refused(planned) -> None:

@@ -132,6 +132,39 @@ def test_roofline_time_per_op_and_device():
     assert t[1, 0] == pytest.approx(max(1e9 / 1e12, 8 * 1024 / 1e9) + 1e-5)
 
 
+def test_a_lookup_streams_the_rows_it_gathers_not_its_table():
+    """An embedding of a 32 MiB table read for 4 tokens moves kilobytes: its time is no
+    more than a small op's, so a stage holding it is not judged busy by its table."""
+    import torch
+
+    from seabiscuit_dask.cost import op_time_s
+
+    model = torch.nn.Sequential(torch.nn.Embedding(32768, 256), torch.nn.Linear(256, 256))
+    g = sb.trace(model, (torch.zeros(1, 4, dtype=torch.long),))
+    w = workload(g)
+    (emb,) = [i for i, op in enumerate(g.ops) if op.kind == "embedding"]
+    row_bytes = 4 * 256 * 4
+    assert w.weight_bytes[emb] == 32768 * 256 * 4                  # it holds the whole table ...
+    assert w.moved_bytes[emb] <= 2 * row_bytes + 4 * 8               # ... and streams its rows only
+    dev = DeviceSpec("cpu", "cpu", 2**30, {"matmul": 1e11, "other": 1e10}, 1e10, 0.0)
+    assert op_time_s(g, g.ops[emb], 1e10, 1e10) == pytest.approx(w.device_times(dev)[emb])
+
+
+def test_stages_cut_at_the_cheapest_boundary_nearest_their_share():
+    """Where every boundary costs the same bytes (a stack of equal layers), each stage boundary
+    sits at the one nearest the load share, not at the first of the window."""
+    from seabiscuit_dask.placement.partition import contiguous_split
+
+    n = 100
+    src, last = np.arange(n - 1), np.arange(1, n)         # op i's output is read by op i + 1 only
+    stage = contiguous_split(np.ones(n), src, last, np.full(n - 1, 64.0), np.array([0.5, 0.5]),
+                             np.array([1e9, 1e9]), window=0.2)
+    assert int((stage == 0).sum()) == 50
+    stage = contiguous_split(np.ones(n), src, last, np.full(n - 1, 64.0), np.array([0.3, 0.7]),
+                             np.array([1e9, 1e9]), window=0.2, load=np.r_[np.full(50, 2.0), np.ones(50)])
+    assert int((stage == 0).sum()) == 23      # 30% of a load of 150 is 45: 22.5 ops of weight 2
+
+
 # --- place -------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def gpt2_graph():

@@ -262,7 +262,9 @@ def contiguous_split(weight: np.ndarray, src_pos: np.ndarray, last_pos: np.ndarr
         a, b = max(lo, target - span, need_rest), min(n, target + span, hi)
         if a > b:
             a = b = max(lo, min(hi, n))
-        bounds.append(a + int(np.argmin(cut[a: b + 1])))
+        seg = cut[a: b + 1]
+        ties = np.flatnonzero(seg <= seg.min() * (1 + 1e-6))      # NOTE: of the cheapest cuts, the nearest
+        bounds.append(a + int(ties[np.argmin(np.abs(a + ties - target))]))
     bounds.append(n)
     stage = np.empty(n, dtype=np.int64)
     for s in range(k):

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from ..cost import streamed_bytes
 from ..ir import OpGraph
 from .cluster import MATMUL_KINDS, ClusterSpec, DeviceSpec
 
@@ -30,6 +31,7 @@ class Workload:
     weight_bytes: np.ndarray        # [n] bytes of params first used by each op (shared params once),
                                     # plus the KV-cache room of its layer (``kv_reserve_bytes``)
     moved_bytes: np.ndarray         # [n] params + inputs + outputs: what a memory-bound op streams
+                                    # (``cost.streamed_bytes``: a lookup reads its rows only)
     flops: np.ndarray               # [n]
     is_matmul: np.ndarray           # [n] bool: dense-math op class
     is_view: np.ndarray             # [n] bool: views and slices, which move no data
@@ -198,8 +200,7 @@ def _build(graph: OpGraph) -> Workload:
         outb[i] = sum(tsize[t] for t in op.outputs)
         pall[i] = sum(psize[p] for p in ps)
         ins = dict.fromkeys(op.inputs)
-        moved[i] = (sum(psize[p] for p in ps) + sum(tsize[t] for t in ins)
-                    + sum(tsize[t] for t in op.outputs))
+        moved[i] = streamed_bytes(op.kind, pall[i], sum(tsize[t] for t in ins), outb[i])
         m = _LAYER.search(op.scope or op.name)
         if m:
             layer[i] = int(m.group(1))

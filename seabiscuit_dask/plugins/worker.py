@@ -207,8 +207,8 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
         return await self.dataplane.push(model, ticket, version, request, block, tensors or {})
 
     async def dp_collect(self, comm: Any = None, model: str = "", ticket: str = "", version: int = 0,
-                         request: int = 0, blocks: Any = ()) -> list[Any]:
-        out = await self.dataplane.collect(model, ticket, version, request, list(blocks or ()))
+                         request: int = 0, blocks: Any = (), tokens: str = "") -> list[Any]:
+        out = await self.dataplane.collect(model, ticket, version, request, list(blocks or ()), tokens)
         return [[b, to_serialize(ts)] for b, ts in out.items()]
 
     async def dp_fail(self, comm: Any = None, model: str = "", ticket: str = "", version: int = 0,

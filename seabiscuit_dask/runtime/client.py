@@ -415,6 +415,8 @@ class DistributedModel:
         handles = [Handle(prog, layout, r, wanted, [], f) for r, f in zip(requests, futures)]
         for h, nxt in zip(handles, [*handles[1:], None]):
             h.next = nxt
+            if nxt is not None:
+                nxt.tokens = True       # NOTE: collected as greedy tokens (``p2p.start_loop``)
             self._inflight[h.request] = h
         return handles[0]
 
@@ -455,8 +457,19 @@ class DistributedModel:
     def step_result(self, handle: Handle) -> Any:
         """The logits (batch, vocab) of a submitted step's last position."""
         assert handle.program is not None
+        if handle.tokens:
+            raise SeaBiscuitError(f"request {handle.request} is a decode-loop step: its caller gets its "
+                                  "greedy tokens (step_tokens), not its logits")
         logits = assemble_outputs(handle.program.graph, self._outputs(handle))[0]
         return logits[:, -1]
+
+    def step_tokens(self, handle: Handle) -> Any:
+        """The greedy tokens (batch,) of a submitted step: all a decode loop's later steps send
+        back (the worker picks them from its logits), the argmax of the logits for another."""
+        if not handle.tokens:
+            return self.step_result(handle).argmax(dim=-1)
+        (tokens,) = self._outputs(handle).values()
+        return tokens
 
     def discard(self, handle: Handle) -> None:
         """Let go of a submitted step (one read ahead that is not needed runs out unseen), and of
@@ -791,6 +804,7 @@ class Handle:
         self.program, self.layout, self.request, self.wanted, self.futures, self.pending = (
             program, layout, request, wanted, futures, pending)
         self.next: Handle | None = None         # the next step of its decode loop (data plane)
+        self.tokens = False                     # its outputs come back as greedy tokens (a loop step)
         graph = program.graph if program is not None else None
         chainable = graph is not None and len(graph.leaf_outputs) == 1 and len(wanted) == 1 \
             and "input_ids" not in graph.tilings and bool(futures)

@@ -65,6 +65,9 @@ class QueueingRunner(Runner, Protocol):
     def step_result(self, handle: Any) -> torch.Tensor:
         """The logits of a submitted step."""
 
+    def step_tokens(self, handle: Any) -> torch.Tensor:
+        """The greedy tokens (rows,) of a submitted step (all a queued greedy step is read for)."""
+
     def discard(self, handle: Any) -> None:
         """Let go of a submitted step."""
 
@@ -311,7 +314,7 @@ class Engine:
         logits = []
         for s in call.sessions:
             logits.append(self._prefill(s))
-        self._emit(call, torch.stack(logits))
+        self._emit(call, call.sampling.pick(torch.stack(logits)).tolist())
         if call.live:
             self._active.append(call)
 
@@ -355,7 +358,7 @@ class Engine:
             if id(c) in failed:
                 self._finish(c, failed[id(c)])
                 continue
-            self._guard(c, lambda c: self._emit(c, torch.stack([got[s.sid] for s in c.live])))
+            self._guard(c, lambda c: self._emit(c, _picked(c, [got[s.sid] for s in c.live])))
 
     # --- steps -----------------------------------------------------------------------------
     def _prefill(self, s: Session) -> torch.Tensor:
@@ -402,10 +405,11 @@ class Engine:
 
     def _decode(self, sessions: list[Session], greedy: bool = False, more: bool = True,
                 left: int = 1) -> torch.Tensor:
-        """One decode step of ``sessions``. A greedy group with the same sessions as last step
-        finds this step queued already, and queues the next one behind it (unless this is its
-        last, ``more=False``): its tokens are picked on the worker from this step's logits, as
-        ``pick`` picks them here. A group that starts anew may start all its ``left`` steps at
+        """One decode step of ``sessions``: the logits (rows, vocab) of each, or for a ``greedy``
+        group queued ahead, its greedy tokens (rows,). A greedy group with the same sessions as
+        last step finds this step queued already, and queues the next one behind it (unless this
+        is its last, ``more=False``): its tokens are picked on the worker from this step's logits,
+        as ``pick`` picks them here. A group that starts anew may start all its ``left`` steps at
         once (a decode loop on the workers, ``seabiscuit.generate.loop-steps`` at most)."""
         batch = bucket(len(sessions), self.batch_sizes)
         self._prepare(batch, 1)
@@ -430,14 +434,14 @@ class Engine:
                     with self._ahead_lock:
                         self._ahead[key] = (queued, tuple(n + 1 for n in starts))
             try:
-                logits = self._queueing.step_result(handle)
+                logits = self._queueing.step_tokens(handle)
             except WorkerLost as e:
                 self._drop_ahead()
                 if isinstance(e, StaleRun):   # NOTE: a cache that moved says so in the step again
                     self.runner.recover(e)
                 else:
                     self._recover(e, sessions, starts)
-                logits = self._run(sessions, batch, 1, feed)
+                logits = self._run(sessions, batch, 1, feed).argmax(dim=-1)
         for s in sessions:
             s.cached = len(s.tokens)
         return logits[:len(sessions)]
@@ -490,10 +494,9 @@ class Engine:
                 self._chunks(s, 0, s.tokens[:upto], replay=True)
 
     # --- results ---------------------------------------------------------------------------
-    def _emit(self, call: Call, logits: torch.Tensor) -> None:
-        """Pick the next token of every live row of ``call`` and hand the step to its caller."""
+    def _emit(self, call: Call, picked: list[int]) -> None:
+        """Hand the next token of every live row of ``call`` (``picked``) to its caller."""
         live = call.live
-        picked = call.sampling.pick(logits).tolist()
         row = torch.full((len(call.sessions),), call.pad, dtype=torch.long)
         for s, t in zip(live, picked):
             s.tokens.append(int(t))
@@ -529,6 +532,16 @@ class Engine:
                 logger.warning("%s: caches of sessions %s not freed: %s", self.name,
                                [s.sid for s in call.sessions], e)
         call.out.put(error if error is not None else None)
+
+
+def _picked(call: Call, rows: list[torch.Tensor]) -> list[int]:
+    """The next token of each of ``call``'s live rows from its step's result: a token picked
+    already (a greedy group's), or its logits, picked here as the call picks."""
+    if all(r.dim() == 0 for r in rows):
+        return [int(r) for r in rows]
+    if call.sampling.do_sample:         # NOTE: a sampling call's groups always return logits
+        return call.sampling.pick(torch.stack(rows)).tolist()
+    return [int(r if r.dim() == 0 else r.argmax(dim=-1)) for r in rows]
 
 
 def _feed(rows: list[tuple[int, int, list[int]]], batch: int, length: int) -> dict[str, torch.Tensor]:

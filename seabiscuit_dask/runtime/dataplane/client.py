@@ -62,8 +62,9 @@ def start_loop(client: Any, model: str, ticket: str, version: int, requests: Seq
                inputs: Mapping[str, torch.Tensor], logits: str) -> list[concurrent.futures.Future[Outputs]]:
     """A decode loop of ``len(requests)`` greedy steps: the first fed from here, each next one by
     the worker that makes ``logits`` (its greedy tokens, positions one on). Returns a future per
-    step; the steps' outputs are collected one after another, off the steps' path. A step
-    whose future is cancelled stops the loop there."""
+    step; the steps' outputs are collected one after another, off the steps' path: the first
+    step's logits, then each later step's greedy tokens in their place ((batch,) int64, all the
+    loop's caller reads of them). A step whose future is cancelled stops the loop there."""
     (out_addr,) = [a for a, (_, c) in plan.items() if c]
     (wanted,) = [c for _, c in plan.values() if c]
     loop = {"requests": list(requests[1:]), "logits": logits,
@@ -82,7 +83,7 @@ def start_loop(client: Any, model: str, ticket: str, version: int, requests: Seq
                     break
                 try:
                     reply = await client.rpc(out_addr).seabiscuit_dp_collect(
-                        model=model, ticket=ticket, version=version, request=r, blocks=wanted)
+                        model=model, ticket=ticket, version=version, request=r, blocks=wanted, tokens=logits)
                 except (CommClosedError, OSError) as e:
                     raise RunFailed(f"request {r} of model {model}: worker {out_addr} could not be reached: "
                                     f"{type(e).__name__}: {e}") from e

@@ -104,9 +104,11 @@ class DataPlane:
         return run is not None and self._deliver(run, int(block), tensors, ticket)
 
     async def collect(self, model: str, ticket: Any, version: int, request: int,
-                      blocks: Sequence[int]) -> dict[int, Tensors]:
+                      blocks: Sequence[int], tokens: str = "") -> dict[int, Tensors]:
+        """The outputs of ``blocks`` once made; ``tokens``: an output tile of logits that is sent as
+        the greedy tokens of its last position instead (a decode loop's caller reads no more)."""
         await self.check(model, ticket)
-        return await self._collect(model, int(version), int(request), [int(b) for b in blocks])
+        return await self._collect(model, int(version), int(request), [int(b) for b in blocks], str(tokens))
 
     async def fail(self, model: str, ticket: Any, version: int, request: int, reason: str = "",
                    block: int = -1) -> bool:
@@ -344,7 +346,8 @@ class DataPlane:
             self._fail(run, RunFailed(f"{run.where()}: worker {self.address} could not send the inputs of "
                                       f"block b{block} to {address}: {type(e).__name__}: {e}"), ticket)
 
-    async def _collect(self, model: str, version: int, request: int, blocks: list[int]) -> dict[int, Tensors]:
+    async def _collect(self, model: str, version: int, request: int, blocks: list[int],
+                       tokens: str = "") -> dict[int, Tensors]:
         key = (model, request)
         while True:
             run = self.runs.get(key)
@@ -360,7 +363,8 @@ class DataPlane:
                 break
             run.wanted.update(blocks)       # NOTE: the run stays here while a caller waits on it
             await run.changed.wait()
-        out = {b: Tensors(run.outputs.pop(b)) for b in blocks}
+        out = {b: Tensors({t: greedy(x) if t == tokens else x for t, x in run.outputs.pop(b).items()})
+               for b in blocks}
         run.wanted.difference_update(blocks)
         self._tidy(run)
         return out
@@ -433,6 +437,14 @@ class DataPlane:
 
     def held_bytes(self) -> int:
         return sum(r.held_bytes for r in list(self.runs.values()))
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """(B, L, V) logits -> (B,) int64 tokens, the last position's argmax (``Loop.following``'s pick)."""
+    if logits.dim() != 3 or not logits.is_floating_point():
+        raise SeaBiscuitError(f"greedy tokens need (batch, length, vocab) float logits, got "
+                              f"{tuple(logits.shape)} {logits.dtype}")
+    return logits[:, -1].argmax(dim=-1).to(torch.long)
 
 
 def timed(compute: Callable[..., tuple[dict[str, torch.Tensor], str]], address: str) -> Compute:

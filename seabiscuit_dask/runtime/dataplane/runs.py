@@ -96,7 +96,7 @@ class Loop:
         the loop after it."""
         x = self.inputs
         live = x["sb_sessions"] >= 0
-        ids = logits[:, -1].argmax(dim=-1).reshape(-1, 1).to(torch.long)
+        ids = logits[:, -1].argmax(dim=-1).reshape(-1, 1).to(torch.long)    # NOTE: as manager.greedy picks
         nxt = {"input_ids": torch.where(live.reshape(-1, 1), ids, torch.zeros_like(ids)),
                "position_ids": x["position_ids"] + live.reshape(-1, 1).long(),
                "sb_sessions": x["sb_sessions"], "sb_start": x["sb_start"] + live.long(),
