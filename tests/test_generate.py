@@ -99,11 +99,15 @@ def test_greedy_tokens_match_hugging_face(family: str) -> None:
 def test_long_prompt_is_prefilled_in_chunks() -> None:
     model = decoder("llama")
     ids, mask = padded_batch((75,), seed=3)
-    engine = Engine(LocalRunner(model, "64KiB"))
+    engine = Engine(LocalRunner(model, "64KiB"), max_chunk=64)
     assert torch.equal(local_greedy(model, ids, None, 6, engine), hf_greedy(model, ids, mask, 6))
     assert engine.stats.prefill_steps == 2      # 64 tokens, then 11 in the program of 16
     assert engine.chunking(75) == [(64, 64), (11, 16)]
     assert Engine(engine.runner, max_chunk=16).chunking(40) == [(16, 16), (16, 16), (8, 16)]
+    # NOTE: a chunk costs its padding and a step's fixed cost: one chunk of 160 beats 128 + 32
+    wide = Engine(engine.runner)
+    assert wide.chunking(145) == [(145, 160)] and wide.chunking(17) == [(17, 32)]
+    assert wide.chunking(600) == [(256, 256), (256, 256), (88, 96)]
 
 
 def test_sampling_is_reproducible_from_a_seeded_generator() -> None:

@@ -157,39 +157,50 @@ def kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sessions: to
         raise BadInput("sb.kv_attention runs only inside a generation step (a KV store is needed)")
     store, model = ctx
     out = q.new_zeros((*q.shape[:3], v.shape[3]))
-    group = q.shape[1] // k.shape[1]
     for b in range(q.shape[0]):
         s = int(sessions[b])
-        idx = valid[b].nonzero().flatten()
-        if s < 0 or not len(idx):
+        if s < 0:
             continue
+        row = valid[b]
         st = int(start[b])
+        if bool(row.all()):          # NOTE: every token real (most steps): slices, no gathers
+            keys, values = store.write(model, s, int(layer), st, k[b], v[b])
+            out[b] = _attend(q[b], keys, values, st, scale)
+            continue
+        idx = row.nonzero().flatten()
+        if not len(idx):
+            continue
         keys, values = store.write(model, s, int(layer), st, k[b][:, idx], v[b][:, idx])
-        out[b][:, idx] = _attend(q[b][:, idx], keys, values, st, scale, group)
+        out[b][:, idx] = _attend(q[b][:, idx], keys, values, st, scale)
     return out
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float | None,
-            group: int) -> torch.Tensor:
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float | None) -> torch.Tensor:
     """(H, n, E) queries at slots start.. against (Hk, S, E) keys, causal, in chunks of queries.
 
-    The ``group`` query heads of a key head (heads ``kh * group ..``) attend as one head of
-    ``group`` times the queries, so the cache is read as it is, never repeated per head.
+    Query head h reads key head ``h // (H // Hk)`` (``enable_gqa``: the cache is read as it
+    is, never repeated per head). A chunk's queries see the keys up to their own slot: the
+    whole cache for one token, a causal mask from the top left when the chunk starts the
+    cache (a fresh prompt), else from the bottom right.
     """
-    heads, n, width = q.shape
-    kv_heads, total = k.shape[0], k.shape[1]
+    from torch.nn.attention.bias import causal_lower_right
+
+    heads, n, _ = q.shape
+    total = k.shape[1]
     rows = max(1, SCORE_BYTES // max(1, 4 * heads * total))
     parts = []
     for a in range(0, n, rows):
         b = min(n, a + rows)
-        m = b - a
-        if m == 1 and a == n - 1:
-            mask = None               # NOTE: the last token sees every cached slot
+        m, seen = b - a, start + b
+        keys, values = k[:, :seen].unsqueeze(0), v[:, :seen].unsqueeze(0)
+        if m == 1:
+            mask, causal = None, False        # NOTE: one token sees every slot up to its own
+        elif m == seen:
+            mask, causal = None, True
         else:
-            seen = torch.arange(total).unsqueeze(0) <= (start + torch.arange(a, b)).unsqueeze(1)
-            mask = seen.repeat(group, 1).unsqueeze(0)      # NOTE: row g * m + r is query r of head g
-        grouped = q[:, a:b].reshape(kv_heads, group * m, width)
+            mask, causal = causal_lower_right(m, seen), False
         out = torch.nn.functional.scaled_dot_product_attention(
-            grouped.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, scale=scale)[0]
-        parts.append(out.reshape(heads, m, v.shape[2]))
+            q[:, a:b].unsqueeze(0), keys, values, attn_mask=mask, is_causal=causal, scale=scale,
+            enable_gqa=True)[0]
+        parts.append(out)
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)

@@ -20,6 +20,7 @@ in tests, on the cluster for a ``DistributedModel``).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import queue
@@ -179,7 +180,7 @@ class Engine:
         self.max_sessions = int(max_sessions if max_sessions is not None
                                 else config.get("generate.max-sessions", 16))
         self.context = context
-        sizes = buckets("prefill-buckets", (16, 32, 64, 128, 256))
+        sizes = buckets("prefill-buckets", (16, 32, 64, 96, 128, 160, 192, 256))
         # NOTE: chunks no longer than the deployment's own input: its weight tiles fit them too,
         # so every step program reads the tiles the workers already hold
         fit = tuple(b for b in sizes if max_chunk is None or b <= max_chunk)
@@ -375,16 +376,8 @@ class Engine:
         return logits
 
     def chunking(self, n: int) -> list[tuple[int, int]]:
-        """(tokens, program length) of the chunks ``n`` tokens are prefilled in: the longest
-        bucket that holds no padding while one does, then the shortest that holds the rest."""
-        out = []
-        while n:
-            whole = [b for b in self.prefill_sizes if b <= n]
-            take = whole[-1] if whole and (whole[-1] == n or len(whole) > 1 or n > self.prefill_sizes[-1]) \
-                else min(n, self.prefill_sizes[-1])
-            out.append((take, bucket(take, self.prefill_sizes)))
-            n -= take
-        return out
+        """(tokens, program length) of the chunks ``n`` tokens are prefilled in (see ``chunking``)."""
+        return chunking(n, self.prefill_sizes)
 
     def _prepare(self, batch: int, length: int) -> None:
         """Build the step program of this shape now, so step times leave its one-off cost out."""
@@ -532,6 +525,26 @@ class Engine:
                 logger.warning("%s: caches of sessions %s not freed: %s", self.name,
                                [s.sid for s in call.sessions], e)
         call.out.put(error if error is not None else None)
+
+
+STEP_TOKENS = 48     # NOTE: a step's fixed cost (every weight read once) in tokens' worth of compute
+
+
+@functools.lru_cache(maxsize=1024)
+def chunking(n: int, sizes: tuple[int, ...]) -> list[tuple[int, int]]:
+    """(tokens, program length) of the chunks ``n`` tokens are prefilled in, programs of
+    ``sizes`` tokens: the fewest tokens computed, padding included, plus ``STEP_TOKENS`` a
+    chunk (so 145 tokens go in one chunk of 160, not in 128 and 17 padded to 32). Full chunks
+    come first."""
+    best: list[tuple[int, int]] = [(0, 0)] * (n + 1)      # tokens left -> (cost, size of the next chunk)
+    for left in range(1, n + 1):
+        best[left] = min((STEP_TOKENS + s + best[max(0, left - s)][0], -s) for s in sizes)
+    out = []
+    while n > 0:
+        size = -best[n][1]
+        out.append((min(n, size), size))
+        n -= size
+    return sorted(out, key=lambda c: -c[0])
 
 
 def _picked(call: Call, rows: list[torch.Tensor]) -> list[int]:
