@@ -175,7 +175,8 @@ def kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sessions: to
     return out
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float | None) -> torch.Tensor:
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
+            scale: float | None) -> torch.Tensor:
     """(H, n, E) queries at slots start.. against (Hk, S, E) keys, causal, in chunks of queries.
 
     Query head h reads key head ``h // (H // Hk)`` (``enable_gqa``: the cache is read as it
