@@ -77,6 +77,39 @@ def test_a_load_past_the_budget_is_refused_with_the_numbers(blocks) -> None:
     assert r.resident_bytes == 0
 
 
+def test_tiles_still_read_for_an_older_plan_do_not_count_against_the_newer_one(blocks) -> None:
+    """A block of plan v0 being read when v1 arrives: its tiles are dropped when the read ends, so
+    v1's loads (which read the same tiles again) fit the budget they fit without it."""
+    import dataclasses
+    import threading
+
+    _, plan, _, _, _ = blocks
+    specs = sorted(specs_of(plan), key=lambda s: -s.weight_bytes)
+    big, other = specs[0], next(s for s in specs[1:] if s.weight_bytes)
+    r = ResidentBlocks(big.weight_bytes + other.weight_bytes + 1024)
+    reading, go = threading.Event(), threading.Event()
+    read = r._read_tile
+
+    def slow(spec, name, p, device):
+        if spec.version == 0:
+            reading.set()
+            assert go.wait(30)
+        return read(spec, name, p, device)
+
+    r._read_tile = slow     # type: ignore[method-assign]
+    old = threading.Thread(target=r.load, args=(big,))
+    old.start()
+    assert reading.wait(30)
+    try:
+        for s in (big, other):          # NOTE: refused before: v0's tiles in flight counted twice
+            r.load(dataclasses.replace(s, version=1))
+    finally:
+        go.set()
+        old.join(30)
+    assert r.versions[MODEL] == 1 and r.weight_bytes <= r.budget_bytes
+    assert {k[1] for k in r.programs} == {big.index, other.index} and not r._loading
+
+
 def test_release_forgets_the_model_and_a_late_load_does_not_bring_it_back(blocks) -> None:
     _, plan, _, _, _ = blocks
     specs = [s for s in specs_of(plan) if s.weight_bytes]

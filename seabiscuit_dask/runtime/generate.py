@@ -293,11 +293,7 @@ class Engine:
                     return
                 new, self._pending = self._pending, []
                 self._admitting = list(new)
-            for call in new:
-                if call.cancelled or call.closing:
-                    self._finish(call, call.closing)
-                    continue
-                self._guard(call, self._admit)
+            self._admit_all(new)
             with self._cond:
                 self._admitting = []
             if self._active:
@@ -311,13 +307,51 @@ class Engine:
         except BaseException as e:  # noqa: BLE001 - the caller gets it; other calls go on
             self._finish(call, call.closing or e)
 
-    def _admit(self, call: Call) -> None:
+    def _admit_all(self, calls: list[Call]) -> None:
+        """Prefill the calls that arrived, ``pipeline`` at a time (sessions share no cache, so
+        one prompt runs on a stage while another runs on the next); they join in arrival order."""
+        todo = [c for c in calls if not (c.cancelled or c.closing)]
+        for c in calls:
+            if c not in todo:
+                self._finish(c, c.closing)
+        picked: dict[int, list[int] | BaseException] = {}
+
+        def admit(call: Call) -> None:
+            try:
+                picked[id(call)] = self._admit(call)
+            except BaseException as e:  # noqa: BLE001 - the caller gets it; other calls go on
+                picked[id(call)] = call.closing or e
+
+        queue_ = iter(todo)
+        lock = threading.Lock()
+
+        def admit_next() -> None:
+            while True:
+                with lock:
+                    call = next(queue_, None)
+                if call is None:
+                    return
+                admit(call)
+
+        helpers = [self._pool.submit(admit_next) for _ in range(min(self.pipeline, len(todo)) - 1)]
+        admit_next()
+        for h in helpers:
+            h.result()
+        for call in todo:
+            got = picked[id(call)]
+            if isinstance(got, BaseException):
+                self._finish(call, got)
+                continue
+            self._guard(call, lambda c, got=got: self._emit(c, got))
+            if call.live:
+                self._active.append(call)
+
+    def _admit(self, call: Call) -> list[int]:
+        """Prefill the sessions of ``call``: the first new token of each."""
         logits = []
         for s in call.sessions:
             logits.append(self._prefill(s))
-        self._emit(call, call.sampling.pick(torch.stack(logits)).tolist())
-        if call.live:
-            self._active.append(call)
+        return call.sampling.pick(torch.stack(logits)).tolist()
 
     def _decode_round(self) -> None:
         for c in [c for c in self._active if c.cancelled or c.closing]:

@@ -69,7 +69,8 @@ class ResidentBlocks:
         self.runs: dict[tuple[str, int], int] = {}
         self.counters = dict.fromkeys(COUNTERS, 0)
         self._stores: dict[tuple[str, str], WeightStore] = {}     # (model, device type) -> store
-        self._loading: dict[tuple[str, str, Any], list[int]] = {}   # (device, model, tile) -> [bytes, loads]
+        # NOTE: (device, model, tile) -> [bytes, loads, plan version] of the tiles being read to keep
+        self._loading: dict[tuple[str, str, Any], list[int]] = {}
         self._lock = threading.Lock()
         self.kv = KVStore(self._reserve_cache)         # generation sessions' KV caches
 
@@ -161,6 +162,11 @@ class ResidentBlocks:
         if spec.checkpoint_dir and spec.model not in self.checkpoint_dirs:
             self.checkpoint_dirs[spec.model] = writable(spec.checkpoint_dir, self.address)
 
+    def _will_hold(self, key: tuple[str, str, Any]) -> bool:
+        """Whether a tile being read (``_loading``) is read for the model's current plan (lock held)."""
+        entry = self._loading.get(key)
+        return entry is not None and entry[2] >= self.versions.get(key[1], -1)
+
     def load(self, spec: BlockSpec, keep: bool = True) -> BlockProgram:
         """Compile ``spec`` and load its tiles; resident (counted) when ``keep``.
 
@@ -181,9 +187,12 @@ class ResidentBlocks:
             todo = {tile_key(p): (n, p) for n, p in spec.params.items() if tile_key(p) not in tiles}
             # NOTE: a tile another load is reading now is counted once, not once per load
             need = sum(p.nbytes for k, (_, p) in todo.items()
-                       if (dev.type, spec.model, k) not in self._loading)
-            held = sum(self.bytes_on(dev)) + sum(b for (d, _, _), (b, _) in self._loading.items()
-                                                 if d == dev.type)     # NOTE: caches count too
+                       if not self._will_hold((dev.type, spec.model, k)))
+            # NOTE: caches count too; a tile read for an older plan (dropped when its read ends) does
+            # not, nor one another load of it has made resident meanwhile
+            held = sum(self.bytes_on(dev)) + sum(
+                e[0] for key, e in self._loading.items() if key[0] == dev.type and self._will_hold(key)
+                and key[2] not in self.tiles.get(key[1], {}))
             budget = self.budget_for(dev)
             if keep and held + need > budget:
                 raise ClusterTooSmall(
@@ -192,8 +201,9 @@ class ResidentBlocks:
                     f"budget is {fmt_bytes(budget)} ({held} + {need} > {budget} bytes)")
             mine = [(dev.type, spec.model, k) for k in todo] if keep else []
             for k in mine:
-                entry = self._loading.setdefault(k, [todo[k[2]][1].nbytes, 0])
+                entry = self._loading.setdefault(k, [todo[k[2]][1].nbytes, 0, spec.version])
                 entry[1] += 1
+                entry[2] = max(entry[2], spec.version)
         fuse = should_fuse(dev, config.get("lower.fuse-tiles", "auto"))
         try:
             read = {k: self._read_tile(spec, n, p, dev) for k, (n, p) in todo.items()}
