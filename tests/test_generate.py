@@ -33,11 +33,15 @@ def decoder(family: str, seed: int = 0) -> torch.nn.Module:
         cfg = tf.GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=128, bos_token_id=1,
                             eos_token_id=2, **common)
         return tf.GPT2LMHeadModel(cfg).eval()
-    cls = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM), "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM)}
-    config, model = cls[family]
+    cls = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM), "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+           "mistral": (tf.MistralConfig, tf.MistralForCausalLM)}
+    # NOTE: a window of 5 tokens: Mistral slides on every layer, this Qwen2 on its second only
+    window = {"mistral": {"sliding_window": 5},
+              "qwen2-window": {"sliding_window": 5, "use_sliding_window": True, "max_window_layers": 1}}
+    config, model = cls[family.removesuffix("-window")]
     cfg = config(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=family == "llama",
-                 **common)
+                 **window.get(family, {}), **common)
     return model(cfg).eval()
 
 
@@ -108,6 +112,33 @@ def test_long_prompt_is_prefilled_in_chunks() -> None:
     wide = Engine(engine.runner)
     assert wide.chunking(145) == [(145, 160)] and wide.chunking(17) == [(17, 32)]
     assert wide.chunking(600) == [(256, 256), (256, 256), (88, 96)]
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2-window"])
+def test_sliding_window_decoders_generate_as_hugging_face_past_their_window(family: str) -> None:
+    """Prompts longer than the window, prefilled in chunks that start past it, and decoding past
+    it: a token sees its latest 5 slots on the sliding layers, all of them on the others."""
+    from seabiscuit_dask.trace.decoder import attention_windows
+
+    model = decoder(family, seed=1)
+    assert attention_windows(model.config) == ([5, 5] if family == "mistral" else [None, 5])
+    ids, mask = padded_batch((23, 9), seed=4)
+    want = hf_greedy(model, ids, mask, 12)
+    engine = Engine(LocalRunner(model, "64KiB"), max_chunk=16)
+    assert torch.equal(local_greedy(model, ids, mask, 12, engine), want)
+    kv = [op for op in trace_step(model, 1, 1).ops if op.kind == "kv_attention"]
+    assert [op.attrs["args"][8] for op in kv] == attention_windows(model.config)
+
+
+def test_attention_of_a_kind_generation_cannot_serve_is_refused() -> None:
+    import transformers as tf
+
+    from seabiscuit_dask.trace.decoder import attention_windows
+
+    cfg = tf.MistralConfig(sliding_window=8)
+    cfg.layer_types = ["chunked_attention", "full_attention"]
+    with pytest.raises(sb.UnsupportedModel, match="chunked_attention"):
+        attention_windows(cfg, "Llama4")
 
 
 def test_sampling_is_reproducible_from_a_seeded_generator() -> None:

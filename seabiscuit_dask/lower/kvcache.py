@@ -145,8 +145,10 @@ def using(store: KVStore, model: str) -> Iterator[None]:
 
 @register_kernel("sb.kv_attention")
 def kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sessions: torch.Tensor,
-                 start: torch.Tensor, valid: torch.Tensor, layer: int, scale: float | None) -> torch.Tensor:
-    """Causal attention of each row's new tokens over its session's cache, after caching them.
+                 start: torch.Tensor, valid: torch.Tensor, layer: int, scale: float | None,
+                 window: int | None = None) -> torch.Tensor:
+    """Causal attention of each row's new tokens over its session's cache, after caching them;
+    with a sliding ``window``, a token sees only the latest ``window`` slots (itself included).
 
     ``q`` is (B, H, L, E), ``k``/``v`` (B, Hk, L, E) with H a multiple of Hk. Row b's
     real tokens (``valid[b]``) take cache slots ``start[b]`` on, in order; real token r
@@ -165,24 +167,25 @@ def kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sessions: to
         st = int(start[b])
         if bool(row.all()):          # NOTE: every token real (most steps): slices, no gathers
             keys, values = store.write(model, s, int(layer), st, k[b], v[b])
-            out[b] = _attend(q[b], keys, values, st, scale)
+            out[b] = _attend(q[b], keys, values, st, scale, window)
             continue
         idx = row.nonzero().flatten()
         if not len(idx):
             continue
         keys, values = store.write(model, s, int(layer), st, k[b][:, idx], v[b][:, idx])
-        out[b][:, idx] = _attend(q[b][:, idx], keys, values, st, scale)
+        out[b][:, idx] = _attend(q[b][:, idx], keys, values, st, scale, window)
     return out
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
-            scale: float | None) -> torch.Tensor:
+            scale: float | None, window: int | None = None) -> torch.Tensor:
     """(H, n, E) queries at slots start.. against (Hk, S, E) keys, causal, in chunks of queries.
 
     Query head h reads key head ``h // (H // Hk)`` (``enable_gqa``: the cache is read as it
     is, never repeated per head). A chunk's queries see the keys up to their own slot: the
     whole cache for one token, a causal mask from the top left when the chunk starts the
-    cache (a fresh prompt), else from the bottom right.
+    cache (a fresh prompt), else from the bottom right; a sliding ``window`` reads only the
+    slots some query of the chunk sees, masked to the latest ``window`` of each.
     """
     from torch.nn.attention.bias import causal_lower_right
 
@@ -193,8 +196,13 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
     for a in range(0, n, rows):
         b = min(n, a + rows)
         m, seen = b - a, start + b
-        keys, values = k[:, :seen].unsqueeze(0), v[:, :seen].unsqueeze(0)
-        if m == 1:
+        lo = 0 if window is None else max(0, start + a - window + 1)
+        keys, values = k[:, lo:seen].unsqueeze(0), v[:, lo:seen].unsqueeze(0)
+        if window is not None and m > 1:
+            pos = (start + torch.arange(a, b, device=q.device)).unsqueeze(1)
+            slot = torch.arange(lo, seen, device=q.device).unsqueeze(0)
+            mask, causal = (slot <= pos) & (slot > pos - window), False
+        elif m == 1:
             mask, causal = None, False        # NOTE: one token sees every slot up to its own
         elif m == seen:
             mask, causal = None, True

@@ -73,15 +73,37 @@ def trace_step(model: Any, batch: int, length: int) -> OpGraph:
     if "logits_to_keep" in params:
         kwargs["logits_to_keep"] = 1
     graph = trace(model, (), kwargs)
-    return kv_program(graph, batch, length)
+    return kv_program(graph, batch, length, attention_windows(model.config, type(model).__name__))
 
 
-def kv_program(graph: OpGraph, batch: int, length: int) -> OpGraph:
-    """``graph`` (a traced causal LM step) with its attentions reading and writing the KV cache."""
+def attention_windows(config: Any, name: str = "model") -> list[int | None] | None:
+    """Per attention layer, how many of the latest tokens (itself included) a token sees (None:
+    all), as Hugging Face masks them: ``layer_types`` where the config has them, else
+    ``sliding_window`` on every layer; None when no layer has a window."""
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if not window or (types is None and getattr(config, "use_sliding_window", True) is False):
+        return None
+    if types is None:
+        return [int(window)] * int(getattr(config, "num_hidden_layers", 0) or 0) or None
+    unknown = sorted({str(t) for t in types} - {"sliding_attention", "full_attention"})
+    if unknown:
+        raise UnsupportedModel(f"{name} has attention layers of kind {unknown[0]!r}; generation through "
+                               "SeaBiscuit serves full and sliding-window attention only")
+    return [int(window) if t == "sliding_attention" else None for t in types]
+
+
+def kv_program(graph: OpGraph, batch: int, length: int,
+               windows: list[int | None] | None = None) -> OpGraph:
+    """``graph`` (a traced causal LM step) with its attentions reading and writing the KV cache;
+    ``windows``: each attention's sliding window, in order (``attention_windows``)."""
     name = graph.meta.get("name", "model")
     attn = [op for op in graph.ops if op.target == SDPA]
     if not attn:
         raise UnsupportedModel(f"{name} has no scaled_dot_product_attention to keep a KV cache for")
+    if windows is not None and len(windows) != len(attn):
+        raise UnsupportedModel(f"{name}: its config gives {len(windows)} attention windows for the "
+                               f"{len(attn)} attentions traced; SeaBiscuit cannot tell which layer has which")
     tensors = dict(graph.tensors)
     tensors["sb_sessions"] = TensorSpec((batch,), "int64")
     tensors["sb_start"] = TensorSpec((batch,), "int64")
@@ -92,7 +114,7 @@ def kv_program(graph: OpGraph, batch: int, length: int) -> OpGraph:
         if op.target != SDPA:
             ops.append(op)
             continue
-        ops.append(_cached(graph, op, len(layers), tensors))
+        ops.append(_cached(graph, op, len(layers), tensors, windows[len(layers)] if windows else None))
         k = ops[-1].inputs[1]
         layers.append({"op": op.name, "heads": tensors[k].shape[1], "dim": tensors[k].shape[3],
                        "value_dim": tensors[ops[-1].inputs[2]].shape[3], "dtype": tensors[k].dtype})
@@ -119,7 +141,8 @@ def _source_hash() -> str:
     return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]
 
 
-def _cached(graph: OpGraph, op: Op, layer: int, tensors: Mapping[str, TensorSpec]) -> Op:
+def _cached(graph: OpGraph, op: Op, layer: int, tensors: Mapping[str, TensorSpec],
+            window: int | None = None) -> Op:
     """The ``sb.kv_attention`` op in place of one SDPA (dropout-free, causal self-attention)."""
     from .. import ops as O
 
@@ -132,7 +155,7 @@ def _cached(graph: OpGraph, op: Op, layer: int, tensors: Mapping[str, TensorSpec
     qs = tensors[q].shape
     k, v = _unrepeated(graph, k, qs), _unrepeated(graph, v, qs)
     new_args = [{"t": q}, {"t": k}, {"t": v}, {"t": "sb_sessions"}, {"t": "sb_start"}, {"t": "sb_valid"},
-                layer, None if scale is None else float(scale)]
+                layer, None if scale is None else float(scale), window]
     return Op(op.name, "kv_attention", KV_ATTENTION, (q, k, v, *STEP_INPUTS), op.outputs, (),
               {"args": new_args, "kwargs": {}}, op.scope, op.flops)
 
