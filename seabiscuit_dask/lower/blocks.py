@@ -213,11 +213,13 @@ class BlockProgram:
                 kernel, members = fused[i]
                 ins = tuple(dict.fromkeys(t for j in members for t in spec.ops[j].inputs))
                 outs = tuple(spec.ops[j].outputs[0] for j in members)
-                kernels.append((kernel, compile_args([spec.ops[i].attrs["args"][0]], device),
-                                compile_args({}, device), ins, outs, True))
+                kernels.append((kernel, compile_args([spec.ops[i].attrs["args"][0]], device), None, ins,
+                                outs, True))
             elif i not in skip:
-                kernels.append((resolve_target(op.target, op), compile_args(op.attrs.get("args", ()), device),
-                                compile_args(op.attrs.get("kwargs", {}), device), op.inputs, op.outputs,
+                kw = op.attrs.get("kwargs")
+                kernels.append((_direct(resolve_target(op.target, op)),
+                                compile_args(op.attrs.get("args", ()), device),
+                                compile_args(kw, device) if kw else None, op.inputs, op.outputs,
                                 bool(op.attrs.get("multi"))))
         self.fused_groups = len(fused)
         keep = set(spec.exports)
@@ -269,7 +271,7 @@ class BlockProgram:
             env[name] = x.to(dev) if x.device != dev else x
         with torch.no_grad():
             for fn, args, kwargs, outs, multi, frees in self.steps:
-                out = fn(*args(env), **kwargs(env))
+                out = fn(*args(env)) if kwargs is None else fn(*args(env), **kwargs(env))
                 if multi:
                     env.update(zip(outs, out))
                 else:
@@ -278,6 +280,13 @@ class BlockProgram:
                     del env[t]
         cpu = dev.type != "cpu"
         return {t: (env[t].cpu() if cpu else env[t]) for t in self.spec.exports}
+
+
+def _direct(fn: Any) -> Any:
+    """An ATen overload's own C++ callable (what ``OpOverload.__call__`` calls: one Python frame
+    less for each of a block's thousands of ops); any other kernel as it is."""
+    op = getattr(fn, "_op", None) if isinstance(fn, torch._ops.OpOverload) else None
+    return op if callable(op) else fn
 
 
 def run_block(program: BlockProgram, graph_inputs: Mapping[str, torch.Tensor],

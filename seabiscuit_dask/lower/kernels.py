@@ -130,6 +130,9 @@ def _compile(value: Any, device: torch.device) -> tuple[bool, Any]:
         parts = [_compile(x, device) for x in value]
         if all(c for c, _ in parts):
             return True, [x for _, x in parts]
+        names = [_ref(x) for x in value]
+        if all(names) and len(names) > 1:        # NOTE: only tensors (most ops): one C-level lookup
+            return False, operator.itemgetter(*names)
         template = [x if c else None for c, x in parts]
         reads = [(i, f) for i, (c, f) in enumerate(parts) if not c]
 
@@ -140,6 +143,15 @@ def _compile(value: Any, device: torch.device) -> tuple[bool, Any]:
             return out
         return False, sequence
     return True, value
+
+
+def _ref(value: Any) -> str | None:
+    """The name a plain tensor or param reference (``{"t": name}``, ``{"p": name}``) reads, else None."""
+    if isinstance(value, Mapping) and len(value) == 1:
+        tag, v = next(iter(value.items()))
+        if tag in ("t", "p") and isinstance(v, str):
+            return v
+    return None
 
 
 def execute_op(op: Op, env: Mapping[str, torch.Tensor], device: torch.device) -> list[torch.Tensor]:
