@@ -79,8 +79,16 @@ def trace_step(model: Any, batch: int, length: int) -> OpGraph:
 def attention_windows(config: Any, name: str = "model") -> list[int | None] | None:
     """Per attention layer, how many of the latest tokens (itself included) a token sees (None:
     all), as Hugging Face masks them: ``layer_types`` where the config has them, else
-    ``sliding_window`` on every layer; None when no layer has a window."""
-    window = getattr(config, "sliding_window", None)
+    ``sliding_window`` on every layer; None when no layer has a window. A ``sliding_window``
+    the config's class does not declare (an extra key, which e.g. Llama ignores) is no window."""
+    import inspect
+
+    declared = any("sliding_window" in getattr(k, "__annotations__", {}) for k in type(config).__mro__)
+    try:
+        declared = declared or "sliding_window" in inspect.signature(type(config).__init__).parameters
+    except (TypeError, ValueError):
+        pass
+    window = getattr(config, "sliding_window", None) if declared else None
     types = getattr(config, "layer_types", None)
     if not window or (types is None and getattr(config, "use_sliding_window", True) is False):
         return None
