@@ -8,11 +8,12 @@ device: nothing is allocated, so a 40 GB model is traced in well under 1 GB.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import operator
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -72,12 +73,38 @@ def default_kwargs(model: torch.nn.Module, kwargs: Mapping[str, Any] | None) -> 
 _EXPORT_LOCK = threading.Lock()
 
 
+@contextlib.contextmanager
+def _batched_experts(model: torch.nn.Module) -> Iterator[None]:
+    """Mixture-of-experts layers of Hugging Face models traced with ``batched_mm`` (plain ATen
+    matmuls over the experts' weights) instead of a grouped-matmul kernel of transformers' own,
+    which no worker runs; the same numbers. The model's setting is restored afterwards."""
+    changed: list[tuple[Any, Any]] = []
+    seen: set[int] = set()
+    for m in model.modules():
+        cfg = getattr(m, "config", None)
+        if cfg is None or id(cfg) in seen:
+            continue
+        seen.add(id(cfg))
+        impl = getattr(cfg, "_experts_implementation", None)
+        if impl is not None and impl not in ("eager", "batched_mm"):
+            try:
+                cfg._experts_implementation = "batched_mm"
+            except (AttributeError, ValueError, TypeError):
+                continue
+            changed.append((cfg, impl))
+    try:
+        yield
+    finally:
+        for cfg, impl in changed:
+            cfg._experts_implementation = impl
+
+
 def export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Run non-strict ``torch.export``; any failure becomes ``UnsupportedModel``."""
     was_training = model.training
     model.eval()
     try:
-        with _EXPORT_LOCK, torch.no_grad():
+        with _EXPORT_LOCK, torch.no_grad(), _batched_experts(model):
             return torch.export.export(model, args, kwargs=kwargs, strict=False)
     except SeaBiscuitError:
         raise                      # NOTE: the model's own refusal (an ONNX node) says it best
