@@ -66,6 +66,9 @@ class DataPlane:
         self._telling: set[Any] = set()            # failures and loop steps being sent to peers
         self.loops: dict[RunKey, Loop] = {}         # (model, request) -> the decode loop that follows it
         self.last_s: dict[tuple[str, int], float] = {}     # (model, block) -> its last run's seconds
+        # NOTE: the only messages a peer's stream may carry (``receive``)
+        self._stream_ops: dict[str, Callable[..., Awaitable[Any]]] = {"push": self.push, "feed": self.feed,
+                                                                      "fail": self.fail}
 
     # --- handlers ------------------------------------------------------------------------------
     async def feed(self, model: str, ticket: Any, version: int, request: int,
@@ -152,9 +155,7 @@ class DataPlane:
         try:
             msg = dict(msg)
             op, sender = str(msg.pop("op")), str(msg.pop("sender", ""))
-            ops: dict[str, Callable[..., Awaitable[Any]]] = {"push": self.push, "feed": self.feed,
-                                                             "fail": self.fail}
-            handler = ops[op]
+            handler = self._stream_ops[op]
             if op == "feed":
                 msg["inputs"] = {int(b): ts for b, ts in msg.get("inputs") or ()}
         except (KeyError, TypeError, ValueError) as e:
