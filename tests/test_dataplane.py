@@ -17,7 +17,7 @@ from seabiscuit_dask.errors import AccessDenied, SeaBiscuitError
 from seabiscuit_dask.lower.blocks import block_specs
 from seabiscuit_dask.runtime.dataplane import DataPlane, RunFailed, StaleRun, Tensors, timed
 from seabiscuit_dask.runtime.dataplane.client import route
-from seabiscuit_dask.runtime.dataplane.manager import greedy
+from seabiscuit_dask.runtime.dataplane.runs import greedy
 from seabiscuit_dask.runtime.dataplane.wire import from_bytes, pack, unpack
 from seabiscuit_dask.runtime.resident import ResidentBlocks
 

@@ -310,10 +310,12 @@ class Engine:
     def _admit_all(self, calls: list[Call]) -> None:
         """Prefill the calls that arrived, ``pipeline`` at a time (sessions share no cache, so
         one prompt runs on a stage while another runs on the next); they join in arrival order."""
-        todo = [c for c in calls if not (c.cancelled or c.closing)]
+        todo = []
         for c in calls:
-            if c not in todo:
+            if c.cancelled or c.closing:
                 self._finish(c, c.closing)
+            else:
+                todo.append(c)
         picked: dict[int, list[int] | BaseException] = {}
 
         def admit(call: Call) -> None:
@@ -447,7 +449,7 @@ class Engine:
         if not (self.lookahead and greedy):
             if ahead is not None:
                 self._queueing.discard(ahead[0])
-            logits = self._run(sessions, batch, 1, feed)
+            out = self._run(sessions, batch, 1, feed)
         else:
             handle = ahead[0] if ahead is not None and ahead[1] == starts else None
             if handle is None:
@@ -461,17 +463,17 @@ class Engine:
                     with self._ahead_lock:
                         self._ahead[key] = (queued, tuple(n + 1 for n in starts))
             try:
-                logits = self._queueing.step_tokens(handle)
+                out = self._queueing.step_tokens(handle)
             except WorkerLost as e:
                 self._drop_ahead()
                 if isinstance(e, StaleRun):   # NOTE: a cache that moved says so in the step again
                     self.runner.recover(e)
                 else:
                     self._recover(e, sessions, starts)
-                logits = self._run(sessions, batch, 1, feed).argmax(dim=-1)
+                out = self._run(sessions, batch, 1, feed).argmax(dim=-1)
         for s in sessions:
             s.cached = len(s.tokens)
-        return logits[:len(sessions)]
+        return out[:len(sessions)]
 
     def _drop_ahead(self, keep: set[tuple[int, ...]] | None = None) -> None:
         """Let go of the queued steps of groups that changed (their work was never needed)."""

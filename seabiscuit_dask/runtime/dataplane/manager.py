@@ -32,7 +32,7 @@ import torch
 
 from ...errors import AccessDenied, RunFailed, SeaBiscuitError, StaleRun
 from ...lower.blocks import BlockSpec, split_block
-from .runs import DONE, RUNNING, BlockRun, Loop, Run
+from .runs import DONE, RUNNING, BlockRun, Loop, Run, greedy
 from .wire import Tensors, nbytes
 
 logger = logging.getLogger(__name__)
@@ -438,14 +438,6 @@ class DataPlane:
 
     def held_bytes(self) -> int:
         return sum(r.held_bytes for r in list(self.runs.values()))
-
-
-def greedy(logits: torch.Tensor) -> torch.Tensor:
-    """(B, L, V) logits -> (B,) int64 tokens, the last position's argmax (``Loop.following``'s pick)."""
-    if logits.dim() != 3 or not logits.is_floating_point():
-        raise SeaBiscuitError(f"greedy tokens need (batch, length, vocab) float logits, got "
-                              f"{tuple(logits.shape)} {logits.dtype}")
-    return logits[:, -1].argmax(dim=-1).to(torch.long)
 
 
 def timed(compute: Callable[..., tuple[dict[str, torch.Tensor], str]], address: str) -> Compute:

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ...errors import WorkerLost
+from ...errors import SeaBiscuitError, WorkerLost
 from ...lower.blocks import BlockSpec
 
 WAITING, RUNNING, DONE = "waiting", "running", "done"
@@ -96,12 +96,21 @@ class Loop:
         the loop after it."""
         x = self.inputs
         live = x["sb_sessions"] >= 0
-        ids = logits[:, -1].argmax(dim=-1).reshape(-1, 1).to(torch.long)    # NOTE: as manager.greedy picks
+        ids = greedy(logits).reshape(-1, 1)
         nxt = {"input_ids": torch.where(live.reshape(-1, 1), ids, torch.zeros_like(ids)),
                "position_ids": x["position_ids"] + live.reshape(-1, 1).long(),
                "sb_sessions": x["sb_sessions"], "sb_start": x["sb_start"] + live.long(),
                "sb_valid": x["sb_valid"]}
         return nxt, Loop(self.requests[1:], self.route, self.logits, nxt)
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """(B, L, V) logits -> (B,) int64 tokens, the last position's argmax: what a decode loop feeds
+    on, and what its caller collects in place of the logits."""
+    if logits.dim() != 3 or not logits.is_floating_point():
+        raise SeaBiscuitError(f"greedy tokens need (batch, length, vocab) float logits, got "
+                              f"{tuple(logits.shape)} {logits.dtype}")
+    return logits[:, -1].argmax(dim=-1).to(torch.long)
 
 
 def decode_loop(msg: Any) -> Loop | None:
