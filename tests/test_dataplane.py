@@ -13,8 +13,8 @@ import pytest
 import torch
 from distributed.protocol import deserialize, serialize
 
-from seabiscuit_dask.errors import AccessDenied, SeaBiscuitError
-from seabiscuit_dask.lower.blocks import block_specs
+from seabiscuit_dask.errors import AccessDenied, ClusterTooSmall, SeaBiscuitError
+from seabiscuit_dask.lower.blocks import BlockSpec, block_specs
 from seabiscuit_dask.runtime.dataplane import DataPlane, RunFailed, StaleRun, Tensors, timed
 from seabiscuit_dask.runtime.dataplane.client import route
 from seabiscuit_dask.runtime.dataplane.runs import greedy
@@ -36,7 +36,8 @@ def planned(blocks):  # noqa: F811 - the imported fixture
 class Mesh:
     """One ``DataPlane`` per worker of a plan; a message to a worker goes through the wire format."""
 
-    def __init__(self, specs: list, fail_on: int | None = None, gone: str = "", max_runs: int = 256) -> None:
+    def __init__(self, specs: list, fail_on: int | None = None, gone: str = "", max_runs: int = 256,
+                 unloadable: int | None = None) -> None:
         self.specs = {s.index: s for s in specs}
         self.pool = ThreadPoolExecutor(1)
         self.resident: dict[str, ResidentBlocks] = {}
@@ -46,11 +47,16 @@ class Mesh:
             r = self.resident[addr] = ResidentBlocks(64 * 2**20, "cpu", addr)
             self.planes[addr] = DataPlane(
                 addr, compute=timed(self._compute(r, fail_on), addr), spec_of=lambda m, v, b: None,
-                load_spec=self._loader(r), version_of=lambda m, r=r: r.versions.get(m, -1),
-                send=self._sender(addr), check=self.check, executor=self.pool, max_runs=max_runs)
+                load_spec=self._loader(r, unloadable), version_of=lambda m, r=r: r.versions.get(m, -1),
+                send=self._sender(addr), check=self.check, executor=self.pool, max_runs=max_runs,
+                describe=lambda m, v, b: BlockSpec.from_dict(self.fetch(m, v, b)))
 
-    def _loader(self, r: ResidentBlocks) -> Any:
-        return lambda m, v, b: r.program(m, v, b, self.fetch).spec
+    def _loader(self, r: ResidentBlocks, unloadable: int | None) -> Any:
+        def load(m, v, b):
+            if b == unloadable:
+                raise ClusterTooSmall(f"block {b} does not fit")
+            return r.program(m, v, b, self.fetch).spec
+        return load
 
     def _compute(self, r: ResidentBlocks, fail_on: int | None) -> Any:
         def run(model, version, request, block, imports):
@@ -206,6 +212,16 @@ def test_a_failed_block_fails_the_run_downstream_at_once(planned) -> None:
     first = next(s for s in specs if s.sends)         # a block others wait on
     mesh = Mesh(specs, fail_on=first.index)
     with pytest.raises(SeaBiscuitError, match=f"block {first.index} broke"):
+        asyncio.run(mesh.call(graph, x))
+    assert not any(p.runs for p in mesh.planes.values())
+
+
+def test_a_block_that_cannot_load_fails_the_run_downstream(planned) -> None:
+    """Its spec is not loaded, yet the blocks after it hear of the failure (they would wait forever)."""
+    graph, specs, x, _, _ = planned
+    first = next(s for s in specs if any(a != s.address for _, a, _ in s.sends))   # read on another worker
+    mesh = Mesh(specs, unloadable=first.index)
+    with pytest.raises(ClusterTooSmall, match=f"block {first.index} does not fit"):
         asyncio.run(mesh.call(graph, x))
     assert not any(p.runs for p in mesh.planes.values())
 

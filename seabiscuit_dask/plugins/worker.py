@@ -24,6 +24,7 @@ from distributed.protocol import to_serialize
 
 from .. import config
 from ..errors import AccessDenied
+from ..lower.blocks import BlockSpec
 from ..runtime import access, agent
 from ..runtime.dataplane import DataPlane, Links, decode_loop, timed
 from ..runtime.dataplane.streams import opener, read_batch
@@ -78,7 +79,8 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
             worker.address, compute=timed(self._compute, worker.address), spec_of=self._known_spec,
             load_spec=self._load_spec, version_of=lambda m: self.resident.versions.get(m, -1),
             send=self._send, check=self._check_ticket, executor=self._pool,
-            max_runs=int(config.get("runtime.data-plane-runs")))
+            max_runs=int(config.get("runtime.data-plane-runs")),
+            describe=lambda m, v, b: BlockSpec.from_dict(self._fetch(m, v, b)))
         self._links = Links(opener(lambda: worker.connection_args))
         for op in DP_OPS:
             worker.handlers[f"seabiscuit_dp_{op}"] = refusing(getattr(self, f"dp_{op}"))
@@ -212,8 +214,8 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
         return [[b, to_serialize(ts)] for b, ts in out.items()]
 
     async def dp_fail(self, comm: Any = None, model: str = "", ticket: str = "", version: int = 0,
-                      request: int = 0, reason: str = "", block: int = -1) -> bool:
-        return await self.dataplane.fail(model, ticket, version, request, reason, block)
+                      request: int = 0, reason: str = "", block: int = -1, kind: str = "") -> bool:
+        return await self.dataplane.fail(model, ticket, version, request, reason, block, str(kind))
 
     async def dp_forget(self, comm: Any = None, model: str = "", ticket: str = "", requests: Any = ()) -> int:
         return await self.dataplane.forget(model, ticket, list(requests or ()))

@@ -277,6 +277,29 @@ class DistributedModel:
                              for (b, n), p in sorted(self._programs.items())}
         return stats
 
+    def warm(self, progress: Any = None) -> list[str]:
+        """Build now every step program generation can ask for: a prefill program per bucket
+        length (``seabiscuit.generate.prefill-buckets``) and a decode program per batch size
+        (``batch-buckets``, up to the deployment's sessions), so no request pays for building
+        one. Returns the shapes ("batch x tokens") built; ``progress``: called with a line each.
+
+        Examples
+        --------
+        >>> dm.warm()                                   # doctest: +SKIP
+        ['1x16', '1x32', ..., '1x1', '2x1', '4x1', '8x1']
+        """
+        engine = self._generation_engine()
+        shapes = [(1, n) for n in engine.prefill_sizes] + \
+            [(b, 1) for b in engine.batch_sizes if b <= max(1, engine.max_sessions)]
+        built = []
+        for b, n in shapes:
+            t0 = time.perf_counter()
+            self.prepare(b, n)
+            built.append(f"{b}x{n}")
+            if progress is not None:
+                progress(f"step program {b}x{n} ready in {time.perf_counter() - t0:.2f} s")
+        return built
+
     def _generation_args(self, input_ids: Any, max_new_tokens: Any, do_sample: Any, temperature: Any,
                          top_k: Any, top_p: Any, eos: Any, pad: Any, generator: Any,
                          attention_mask: Any = None) -> tuple[Any, Any]:

@@ -34,7 +34,7 @@ from typing import Any, Protocol
 import torch
 
 from .. import config
-from ..errors import BadInput, ModelClosed, StaleRun, WorkerLost
+from ..errors import BadInput, Busy, ModelClosed, StaleRun, WorkerLost
 
 STALE_TRIES = 10     # NOTE: times a step is sent again because the plan changed while it ran
 
@@ -219,7 +219,7 @@ class Engine:
                                "ask for fewer tokens")
             with self._cond:
                 if self._open + len(prompts) > self.max_sessions:
-                    raise BadInput(f"{self.name} has {self._open} session(s) open and this call asks for "
+                    raise Busy(f"{self.name} has {self._open} session(s) open and this call asks for "
                                    f"{len(prompts)} more; the limit is {self.max_sessions} "
                                    "(seabiscuit.generate.max-sessions): wait for calls to finish or "
                                    "raise the limit")
@@ -248,7 +248,7 @@ class Engine:
         """A session kept across calls (``DistributedModel.session``); counted until ``close_session``."""
         with self._cond:
             if self._open + 1 > self.max_sessions:
-                raise BadInput(f"{self.name} has {self._open} session(s) open; the limit is "
+                raise Busy(f"{self.name} has {self._open} session(s) open; the limit is "
                                f"{self.max_sessions} (seabiscuit.generate.max-sessions)")
             self._open += 1
         return Session(next(self._ids), [])

@@ -30,7 +30,16 @@ from typing import Any
 
 import torch
 
-from ...errors import AccessDenied, RunFailed, SeaBiscuitError, StaleRun
+from ...errors import (
+    AccessDenied,
+    BadCheckpoint,
+    BadInput,
+    BudgetTooSmall,
+    ClusterTooSmall,
+    RunFailed,
+    SeaBiscuitError,
+    StaleRun,
+)
 from ...lower.blocks import BlockSpec, split_block
 from .runs import DONE, RUNNING, BlockRun, Loop, Run, greedy
 from .wire import Tensors, nbytes
@@ -42,6 +51,10 @@ Compute = Callable[[str, int, int, int, Imports], tuple[dict[str, torch.Tensor],
 Send = Callable[..., Awaitable[Any]]
 RunKey = tuple[str, int]
 
+# NOTE: failures a peer may name by class (data, read from a message): those running the request
+# again cannot cure; any other arrives as RunFailed, which the caller retries under a new id
+FINAL: dict[str, type[SeaBiscuitError]] = {c.__name__: c for c in (ClusterTooSmall, BudgetTooSmall, BadInput,
+                                                                    BadCheckpoint)}
 REMEMBERED = 4096      # NOTE: blocks run and runs ended, kept to refuse repeats and late messages
 INLINE_S = 2e-4        # NOTE: blocks quicker than this run on the event loop, not a compute thread
 
@@ -53,8 +66,11 @@ class DataPlane:
                  spec_of: Callable[[str, int, int], BlockSpec | None],
                  load_spec: Callable[[str, int, int], BlockSpec], version_of: Callable[[str], int],
                  send: Send, check: Callable[[str, Any], Awaitable[str]], executor: Executor,
-                 max_runs: int = 256) -> None:
+                 max_runs: int = 256, describe: Callable[[str, int, int], BlockSpec] | None = None) -> None:
         self.address = address
+        # NOTE: a block's spec without loading it (where its outputs go): how a block whose load
+        # failed tells the blocks downstream of it, which would otherwise wait for it forever
+        self.describe = describe
         self.compute, self.spec_of, self.load_spec, self.version_of = compute, spec_of, load_spec, version_of
         self.send, self.check, self.executor, self.max_runs = send, check, executor, max_runs
         self.runs: dict[RunKey, Run] = {}
@@ -114,9 +130,10 @@ class DataPlane:
         return await self._collect(model, int(version), int(request), [int(b) for b in blocks], str(tokens))
 
     async def fail(self, model: str, ticket: Any, version: int, request: int, reason: str = "",
-                   block: int = -1) -> bool:
+                   block: int = -1, kind: str = "") -> bool:
         """A peer failed the run, which ``block`` here waited on: fail it here too, and downstream
-        of ``block`` (whose spec says where)."""
+        of ``block`` (whose spec says where). ``kind``: the error's class when it is one that
+        running again cannot cure (``FINAL``), so the caller gets it as it was; else ``RunFailed``."""
         ticket = await self.check(model, ticket)
         run = self._run(model, int(version), int(request))
         if run is None:
@@ -126,10 +143,11 @@ class DataPlane:
             if br.spec is None:
                 try:
                     br.spec = self.spec_of(model, run.version, br.block) or await asyncio.get_running_loop(
-                    ).run_in_executor(self.executor, self.load_spec, model, run.version, br.block)
+                    ).run_in_executor(self.executor, self.describe or self.load_spec, model, run.version,
+                                      br.block)
                 except Exception as e:  # noqa: BLE001 - then downstream of it hears from its caller
                     logger.info("seabiscuit: block b%s of %s not known: %s", block, run.where(), e)
-        self._fail(run, RunFailed(str(reason)[:2000]), ticket)
+        self._fail(run, FINAL.get(str(kind), RunFailed)(str(reason)[:2000]), ticket)
         return True
 
     async def forget(self, model: str, ticket: Any, requests: Sequence[int]) -> int:
@@ -271,6 +289,13 @@ class DataPlane:
                 self.executor, self.load_spec, run.model, run.version, br.block)
             self._check_imports(run, br)
         except BaseException as e:  # noqa: BLE001 - the run fails, everywhere
+            if br.spec is None and self.describe is not None:
+                try:
+                    br.spec = await asyncio.get_running_loop().run_in_executor(
+                        self.executor, self.describe, run.model, run.version, br.block)
+                except Exception as why:  # noqa: BLE001 - then only what is known hears of it
+                    logger.warning("seabiscuit: the blocks after b%s of %s are not told it failed: %s",
+                                   br.block, run.where(), why)
             self._fail(run, e, ticket)
             return
         self._start(run, br, ticket)
@@ -390,7 +415,7 @@ class DataPlane:
         if spread and ticket:
             for block, addr in self._downstream(run):
                 self._tell(self._tell_failed(addr, run.model, run.version, run.request, ticket, str(error),
-                                             block))
+                                             block, kind=type(error).__name__))
 
     def _downstream(self, run: Run) -> set[tuple[int, str]]:
         """The blocks on other workers that wait, directly or through blocks here, on blocks of ``run``."""
@@ -416,10 +441,11 @@ class DataPlane:
         task.add_done_callback(self._telling.discard)
 
     async def _tell_failed(self, address: str, model: str, version: int, request: int, ticket: str,
-                           reason: str, block: int = -1) -> None:
+                           reason: str, block: int = -1, kind: str = "") -> None:
         try:
             await self.send(address, "seabiscuit_dp_fail", model=model, ticket=ticket,
-                            version=version, request=request, reason=reason, block=block)
+                            version=version, request=request, reason=reason, block=block,
+                            kind=kind if kind in FINAL else "")
         except Exception as e:  # noqa: BLE001 - a peer gone has nothing to fail
             logger.debug("seabiscuit: %s not told of the failure of request %s: %s", address, request, e)
 

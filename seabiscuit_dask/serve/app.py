@@ -1,0 +1,401 @@
+"""The HTTP side of ``seabiscuit serve``: an ASGI app (Starlette) with OpenAI's routes.
+
+It owns no model logic: bodies are read and checked by ``api``, answered by ``ServedModel``,
+and every refusal maps onto OpenAI's error JSON and status (``api.error_reply``). The HTTP
+side is the untrusted side: bodies are bounded before they are read, an API key is asked for
+when one is set, and each key has a bounded number of requests running at once. A model's
+blocking calls run on threads of their own, so the event loop only moves bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import threading
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from .. import config
+from ..errors import Busy, SeaBiscuitError
+from . import api
+from .metrics import Metrics
+from .models import Delta, Finish, ServedModel, Usage
+from .page import PAGE
+
+logger = logging.getLogger("seabiscuit.serve")
+
+_END = object()
+
+
+class _Failed:
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+class Server:
+    """The state behind the app: the served models (by name), the API key, the limits, metrics."""
+
+    def __init__(self, models: list[ServedModel] | None = None, *, api_key: str | None = None,
+                 max_body_bytes: int | None = None, max_per_key: int | None = None) -> None:
+        self.models: dict[str, ServedModel] = {}
+        for m in models or ():
+            self.add(m)
+        self.api_key = api_key or None
+        self.max_body = int(max_body_bytes if max_body_bytes is not None
+                            else config.to_bytes(config.get("serve.max-body-bytes")))
+        self.max_per_key = int(max_per_key if max_per_key is not None
+                               else config.get("serve.max-concurrent-per-key"))
+        self.retry_after = str(int(config.get("serve.retry-after-s")))
+        self.metrics = Metrics(self)
+        self._running: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self.loading: list[str] = []      # models still being deployed (named by /health)
+
+    def add(self, model: ServedModel) -> None:
+        if model.name in self.models:
+            raise api.BadParam(f"two models are named {model.name!r}: name them apart")
+        self.models[model.name] = model
+
+    @property
+    def ready(self) -> bool:
+        return not self.loading and bool(self.models) and all(m.ready.is_set() for m in self.models.values())
+
+    def model(self, name: str, kind: str) -> ServedModel:
+        if name in self.loading:
+            raise api.Starting(f"model {name!r} is still being deployed: GET /health answers 200 once it is "
+                               "ready")
+        m = self.models.get(name)
+        if m is None:
+            raise api.UnknownModel(f"model {name!r} is not served here; GET /v1/models lists "
+                                   f"{', '.join(sorted(self.models)) or 'none yet'}")
+        if m.kind != kind:
+            route = "/v1/embeddings" if m.kind == "embed" else "/v1/chat/completions or /v1/completions"
+            raise api.BadParam(f"model {name!r} serves {route}, not this route", "model")
+        if not m.ready.is_set():
+            raise api.Starting(f"model {name!r} is still building its step programs: GET /health answers "
+                               "200 once it is ready")
+        return m
+
+    # --- the untrusted side ---------------------------------------------------------------------------
+    def caller(self, request: Request) -> str:
+        """The caller's key (checked when the server has one)."""
+        if self.api_key is None:
+            return ""
+        got = request.headers.get("authorization", "")
+        scheme, _, key = got.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), self.api_key.encode()):
+            raise api.Unauthorized("a valid API key is required: send 'Authorization: Bearer <key>'")
+        return key
+
+    @contextmanager
+    def slot(self, key: str) -> Iterator[None]:
+        """One of ``key``'s running requests, or ``Busy`` when it has ``max_per_key`` already."""
+        with self._lock:
+            if self._running.get(key, 0) >= self.max_per_key:
+                raise Busy(f"this key has {self.max_per_key} requests running, the most it may "
+                           "(seabiscuit.serve.max-concurrent-per-key): retry when one finishes")
+            self._running[key] = self._running.get(key, 0) + 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._running[key] -= 1
+
+    async def body(self, request: Request) -> dict[str, Any]:
+        """The JSON body, read no further than ``max_body`` bytes."""
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body:
+            raise api.TooLarge(f"the request body is {int(declared)} bytes, more than the "
+                               f"{self.max_body} this server reads (seabiscuit.serve.max-body-bytes)")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.max_body:
+                raise api.TooLarge(f"the request body is more than the {self.max_body} bytes this server "
+                                   "reads (seabiscuit.serve.max-body-bytes)")
+            chunks.append(chunk)
+        return api.parse_json(b"".join(chunks))
+
+
+def error_response(error: BaseException, retry_after: str = "1") -> JSONResponse:
+    status, body = api.error_reply(error)
+    if status == 500:
+        logger.error("serving a request failed", exc_info=error)
+    headers = {"Retry-After": retry_after} if status in (429, 503) else None
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _sse(data: Any) -> bytes:
+    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
+
+
+async def _events(run: Callable[[threading.Event], Iterator[Any]]) -> AsyncGenerator[Any, None]:
+    """The items ``run`` yields on a thread of its own, here as they come. Leaving early (the
+    caller went away) sets the event ``run`` watches, so it ends at its next item."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[Any] = asyncio.Queue()
+    stopped = threading.Event()
+
+    def put(item: Any) -> None:
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+        except RuntimeError:           # NOTE: the loop closed: nobody is waiting any more
+            stopped.set()
+
+    def work() -> None:
+        try:
+            for item in run(stopped):
+                put(item)
+                if stopped.is_set():
+                    break
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting request, which answers with it
+            put(_Failed(e))
+        finally:
+            put(_END)
+
+    threading.Thread(target=work, name="seabiscuit-serve-call", daemon=True).start()
+    try:
+        while True:
+            item = await queue.get()
+            if item is _END:
+                return
+            if isinstance(item, _Failed):
+                raise item.error
+            yield item
+    finally:
+        stopped.set()
+
+
+class _Timing:
+    """Time to first token and between tokens of one request, for the metrics."""
+
+    def __init__(self, metrics: Metrics, model: str) -> None:
+        self.metrics, self.model = metrics, model
+        self.t0 = self.last = time.perf_counter()
+        self.first = True
+
+    def token(self) -> None:
+        now = time.perf_counter()
+        if self.first:
+            self.metrics.ttft.labels(self.model).observe(now - self.t0)
+            self.first = False
+        else:
+            self.metrics.itl.labels(self.model).observe(now - self.last)
+        self.last = now
+
+
+def make_app(server: Server) -> Starlette:
+    """The ASGI app of ``server``."""
+
+    async def guarded(request: Request, route: str, handler: Callable[[], Any]) -> Response:
+        try:
+            key = server.caller(request)
+            with server.slot(key):
+                response = await handler()
+                if isinstance(response, StreamingResponse):
+                    return _hold_slot(server, key, response, route)
+        except SeaBiscuitError as e:
+            response = error_response(e, server.retry_after)
+        except Exception as e:  # noqa: BLE001 - never a traceback to the caller; logged as an error
+            response = error_response(e, server.retry_after)
+        server.metrics.requests.labels(route, str(response.status_code)).inc()
+        return response
+
+    async def generation(request: Request, chat: bool) -> Response:
+        route = "/v1/chat/completions" if chat else "/v1/completions"
+
+        async def handle() -> Response:
+            body = await server.body(request)
+            req = api.parse_chat(body) if chat else api.parse_completion(body)
+            model = server.model(req.model, "generate")
+            rows = model.prompt_ids(req)
+            max_new = model.budget(rows, req.max_tokens)
+            usage = Usage(prompt_tokens=sum(len(r) for r in rows))
+            timing = _Timing(server.metrics, model.name)
+            events = _events(lambda stopped: model.answer(req, rows, max_new, stopped))
+            first = await _first(events)      # NOTE: a refusal (no session free, ...) is still an HTTP error
+            server.metrics.prompt_tokens.labels(model.name).inc(usage.prompt_tokens)
+            if req.stream:
+                return StreamingResponse(_stream(server, model, req, rows, first, events, usage, timing),
+                                         media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            texts = [""] * (len(rows) * req.n)
+            reasons = ["length"] * len(texts)
+            async for ev in _chain(first, events):
+                if isinstance(ev, Delta):
+                    texts[ev.index] += ev.text
+                    timing.token()
+                elif isinstance(ev, Finish):
+                    reasons[ev.index] = ev.reason
+                    usage.completion_tokens += ev.tokens
+            server.metrics.completion_tokens.labels(model.name).inc(usage.completion_tokens)
+            return JSONResponse(_complete(model, req, rows, texts, reasons, usage))
+
+        return await guarded(request, route, handle)
+
+    async def chat(request: Request) -> Response:
+        return await generation(request, chat=True)
+
+    async def completions(request: Request) -> Response:
+        return await generation(request, chat=False)
+
+    async def embeddings(request: Request) -> Response:
+        async def handle() -> Response:
+            req = api.parse_embedding(await server.body(request))
+            model = server.model(req.model, "embed")
+            data, used = await asyncio.to_thread(model.embed, req)
+            server.metrics.prompt_tokens.labels(model.name).inc(used)
+            return JSONResponse({"object": "list", "model": model.name,
+                                 "data": [{"object": "embedding", "index": i, "embedding": d}
+                                          for i, d in enumerate(data)],
+                                 "usage": {"prompt_tokens": used, "total_tokens": used}})
+
+        return await guarded(request, "/v1/embeddings", handle)
+
+    async def models(request: Request) -> Response:
+        async def handle() -> Response:
+            return JSONResponse({"object": "list", "data": [
+                {"id": m.name, "object": "model", "created": m.created, "owned_by": "seabiscuit",
+                 "kind": m.kind, "context": m.context, "ready": m.ready.is_set()}
+                for m in server.models.values()]})
+
+        return await guarded(request, "/v1/models", handle)
+
+    async def health(request: Request) -> Response:
+        if server.ready:
+            return JSONResponse({"status": "ok", "models": sorted(server.models)})
+        waiting = server.loading + [m.name for m in server.models.values() if not m.ready.is_set()]
+        return JSONResponse({"status": "starting", "waiting_for": waiting}, status_code=503,
+                            headers={"Retry-After": server.retry_after})
+
+    async def metrics(request: Request) -> Response:
+        body, kind = await asyncio.to_thread(server.metrics.render)
+        return Response(body, media_type=kind)
+
+    async def page(request: Request) -> Response:
+        return HTMLResponse(PAGE)
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        status = exc.status_code if isinstance(exc, HTTPException) else 500
+        detail = exc.detail if isinstance(exc, HTTPException) else "internal error"
+        code = {404: "not_found", 405: "method_not_allowed"}.get(status)
+        message = f"{request.method} {request.url.path}: {detail}"
+        return JSONResponse(api.error_body(message, "invalid_request_error", None, code), status_code=status)
+
+    routes = [
+        Route("/", page, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/chat/completions", chat, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/embeddings", embeddings, methods=["POST"]),
+    ]
+    app = Starlette(routes=routes, exception_handlers={HTTPException: http_error})
+    app.state.server = server
+    return app
+
+
+def _hold_slot(server: Server, key: str, response: StreamingResponse, route: str) -> StreamingResponse:
+    """Keep ``key``'s slot taken until the stream ends (the slot's ``with`` has left already)."""
+    with server._lock:
+        server._running[key] = server._running.get(key, 0) + 1
+    inner = response.body_iterator
+
+    async def held() -> AsyncIterator[Any]:
+        try:
+            async for chunk in inner:
+                yield chunk
+        finally:
+            with server._lock:
+                server._running[key] -= 1
+            server.metrics.requests.labels(route, str(response.status_code)).inc()
+
+    response.body_iterator = held()
+    return response
+
+
+async def _first(events: AsyncIterator[Any]) -> Any:
+    try:
+        return await events.__anext__()
+    except StopAsyncIteration:
+        return None
+
+
+async def _chain(first: Any, events: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    if first is not None:
+        yield first
+        async for ev in events:
+            yield ev
+
+
+def _complete(model: ServedModel, req: api.GenerationRequest, rows: list[list[int]], texts: list[str],
+              reasons: list[str], usage: Usage) -> dict[str, Any]:
+    if req.chat:
+        choices = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None,
+                    "finish_reason": r} for i, (t, r) in enumerate(zip(texts, reasons))]
+        kind = "chat.completion"
+    else:
+        prefix = [model.tokenizer.decode(r) if req.echo else "" for r in rows]
+        choices = [{"index": i, "text": prefix[i // req.n] + t, "logprobs": None, "finish_reason": r}
+                   for i, (t, r) in enumerate(zip(texts, reasons))]
+        kind = "text_completion"
+    return {"id": req.id, "object": kind, "created": req.created, "model": model.name, "choices": choices,
+            "usage": usage.as_dict(), "system_fingerprint": None}
+
+
+async def _stream(server: Server, model: ServedModel, req: api.GenerationRequest, rows: list[list[int]],
+                  first: Any, events: AsyncGenerator[Any, None], usage: Usage,
+                  timing: _Timing) -> AsyncIterator[bytes]:
+    """Server-sent events as OpenAI streams them: a chunk per piece of text, the finish reasons,
+    the usage when asked for, then ``[DONE]``. An error after the first byte is an ``error`` event."""
+    kind = "chat.completion.chunk" if req.chat else "text_completion"
+    head = {"id": req.id, "object": kind, "created": req.created, "model": model.name,
+            "system_fingerprint": None}
+    extra = {"usage": None} if req.include_usage else {}
+
+    def chunk(index: int, text: str | None, reason: str | None, role: bool = False) -> bytes:
+        if req.chat:
+            delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else \
+                ({"content": text} if text is not None else {})
+            choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": None,
+                                      "finish_reason": reason}
+        else:
+            choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": reason}
+        return _sse({**head, "choices": [choice], **extra})
+
+    try:
+        if req.chat:
+            for i in range(len(rows) * req.n):
+                yield chunk(i, None, None, role=True)
+        if req.echo and not req.chat:
+            for i in range(len(rows) * req.n):
+                yield chunk(i, model.tokenizer.decode(rows[i // req.n]), None)
+        async for ev in _chain(first, events):
+            if isinstance(ev, Delta):
+                timing.token()
+                yield chunk(ev.index, ev.text, None)
+            elif isinstance(ev, Finish):
+                usage.completion_tokens += ev.tokens
+                yield chunk(ev.index, None if req.chat else "", ev.reason)
+        if req.include_usage:
+            yield _sse({**head, "choices": [], "usage": usage.as_dict()})
+        yield b"data: [DONE]\n\n"
+    except SeaBiscuitError as e:
+        yield _sse(api.error_reply(e)[1])
+    except Exception as e:
+        logger.error("a streamed answer failed", exc_info=e)
+        yield _sse(api.error_reply(e)[1])
+    finally:
+        server.metrics.completion_tokens.labels(model.name).inc(usage.completion_tokens)
+        await events.aclose()

@@ -1,0 +1,192 @@
+"""The models a server answers with: a deployment, its tokenizer, and how text maps onto them.
+
+``ServedModel.answer`` turns a checked ``GenerationRequest`` into events (text deltas and
+finish reasons per choice) as the deployment's tokens come; ``ServedModel.embed`` pools an
+encoder's last hidden states. Both block: the HTTP side runs them on threads of their own.
+"""
+
+from __future__ import annotations
+
+import base64
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..errors import BadInput
+from .api import BadParam, EmbeddingRequest, GenerationRequest, StopScan
+
+
+@dataclass(frozen=True)
+class Delta:
+    """New text of choice ``index``; ``tokens``: how many tokens it has produced so far."""
+
+    index: int
+    text: str
+    tokens: int
+
+
+@dataclass(frozen=True)
+class Finish:
+    """Choice ``index`` ended: ``reason`` is "stop" (an end-of-text token or a stop string) or
+    "length" (``max_tokens`` or the context reached)."""
+
+    index: int
+    reason: str
+    tokens: int
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens}
+
+
+EMBED_BUCKETS = (16, 32, 64, 128, 256, 512)
+
+
+@dataclass(eq=False)
+class ServedModel:
+    """One model of a server. ``kind``: "generate" (a causal LM: chat and text completions) or
+    "embed" (an encoder: embeddings, mean-pooled over the real tokens and L2-normalised)."""
+
+    name: str
+    dm: Any
+    tokenizer: Any
+    kind: str
+    context: int
+    eos: tuple[int, ...] = ()
+    created: int = field(default_factory=lambda: int(time.time()))
+    ready: threading.Event = field(default_factory=threading.Event)
+
+    # --- generation ---------------------------------------------------------------------------
+    def prompt_ids(self, request: GenerationRequest) -> list[list[int]]:
+        """The token ids of each prompt of ``request`` (a chat through the model's chat template)."""
+        tok = self.tokenizer
+        if request.chat:
+            if not getattr(tok, "chat_template", None):
+                raise BadParam(f"model {self.name!r} has no chat template: use /v1/completions", "messages")
+            out = tok.apply_chat_template(request.prompts[0], add_generation_prompt=True, tokenize=True)
+            ids = out["input_ids"] if hasattr(out, "keys") else out
+            rows = [list(map(int, ids))]
+        else:
+            rows = [list(p) if isinstance(p, list) else list(tok(p)["input_ids"]) for p in request.prompts]
+        vocab = len(tok)
+        for i, r in enumerate(rows):
+            if not r:
+                raise BadParam(f"prompt {i} has no tokens", "prompt")
+            bad = [t for t in r if not 0 <= t < vocab]
+            if bad:
+                raise BadParam(f"prompt {i} holds token ids outside the vocabulary of {vocab}: {bad[:5]}",
+                               "prompt")
+        return rows
+
+    def budget(self, rows: Sequence[Sequence[int]], max_tokens: int | None) -> int:
+        """New tokens each answer may have: ``max_tokens``, or what the context leaves (at most
+        ``serve.default-max-tokens``); a prompt or ``max_tokens`` past the context is refused."""
+        from .. import config
+
+        longest = max(len(r) for r in rows)
+        room = self.context - longest
+        if room < 1:
+            raise BadParam(f"the prompt is {longest} tokens and model {self.name!r} has a context of "
+                           f"{self.context}: shorten it", "messages")
+        if max_tokens is None:
+            return min(room, int(config.get("serve.default-max-tokens")))
+        if max_tokens > room:
+            raise BadParam(f"max_tokens={max_tokens} and the prompt's {longest} tokens exceed model "
+                           f"{self.name!r}'s context of {self.context} tokens: ask for at most {room}",
+                           "max_tokens")
+        return max_tokens
+
+    def answer(self, request: GenerationRequest, rows: list[list[int]], max_new: int,
+               stopped: threading.Event | None = None) -> Iterator[Delta | Finish]:
+        """Generate for every prompt ``n`` times; events as tokens come. Setting ``stopped``
+        (the caller went away) ends the call at its next token and frees its sessions."""
+        choices = [r for r in rows for _ in range(request.n)]
+        width = max(len(r) for r in choices)
+        ids = torch.zeros((len(choices), width), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, r in enumerate(choices):
+            ids[i, width - len(r):] = torch.tensor(r)
+            mask[i, width - len(r):] = 1
+        s = request.sampling
+        generator = torch.Generator().manual_seed(s.seed % 2**63) if s.seed is not None else None
+        kwargs: dict[str, Any] = {}
+        if s.greedy is not None:
+            kwargs["do_sample"] = not s.greedy
+        if s.temperature:
+            kwargs["temperature"] = s.temperature
+        if s.top_p is not None:
+            kwargs["top_p"] = s.top_p
+        if s.greedy is False:
+            kwargs["top_k"] = 0            # NOTE: the API has no top-k; Hugging Face's default is 50
+        stream = self.dm.stream(ids, max_new, attention_mask=mask, generator=generator,
+                                eos_token_id=list(self.eos) or None, **kwargs)
+        made: list[list[int]] = [[] for _ in choices]
+        scans = [StopScan(request.stop) for _ in choices]
+        done = [False] * len(choices)
+        eos = set(self.eos)
+        try:
+            for step in stream:
+                for i, t in enumerate(step.tolist()):
+                    if done[i]:
+                        continue
+                    made[i].append(t)
+                    end = t in eos
+                    text = self.tokenizer.decode(made[i], skip_special_tokens=True)
+                    final = end or len(made[i]) >= max_new
+                    if text.endswith("\ufffd") and not final:
+                        continue              # NOTE: half a character: wait for its other bytes
+                    delta = scans[i].feed(text, final=final)
+                    if delta:
+                        yield Delta(i, delta, len(made[i]))
+                    if scans[i].stopped or final:
+                        done[i] = True
+                        yield Finish(i, "length" if not (end or scans[i].stopped) else "stop", len(made[i]))
+                if all(done) or (stopped is not None and stopped.is_set()):
+                    break
+        finally:
+            stream.close()          # NOTE: ends the call at its next step and frees its sessions
+
+    # --- embeddings -----------------------------------------------------------------------------
+    def embed(self, request: EmbeddingRequest) -> tuple[list[Any], int]:
+        """(one embedding per input, float lists or base64 of float32; tokens read)."""
+        tok = self.tokenizer
+        data, used = [], 0
+        for i, item in enumerate(request.inputs):
+            row = list(item) if isinstance(item, list) else list(tok(item, truncation=True,
+                                                                      max_length=self.context)["input_ids"])
+            if len(row) > self.context:
+                raise BadParam(f"input {i} is {len(row)} tokens; model {self.name!r} reads at most "
+                               f"{self.context}", "input")
+            if any(not 0 <= t < len(tok) for t in row):
+                raise BadParam(f"input {i} holds token ids outside the vocabulary of {len(tok)}", "input")
+            used += len(row)
+            vec = self.pool(row)
+            data.append(vec.tolist() if request.encoding == "float" else
+                        base64.b64encode(vec.numpy().astype("<f4").tobytes()).decode())
+        return data, used
+
+    def pool(self, row: list[int]) -> torch.Tensor:
+        """The embedding of one token row: the row padded to a bucket length (one program per
+        bucket), its last hidden states averaged over the real tokens, L2-normalised."""
+        length = next((b for b in EMBED_BUCKETS if b >= len(row)), len(row))
+        ids = torch.zeros((1, length), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        ids[0, :len(row)] = torch.tensor(row)
+        mask[0, :len(row)] = 1
+        out = self.dm(ids, attention_mask=mask)
+        hidden = out[0] if isinstance(out, (tuple, list)) else getattr(out, "last_hidden_state", out)
+        if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3:
+            raise BadInput(f"model {self.name!r} does not give (batch, tokens, width) hidden states to pool")
+        m = mask.unsqueeze(-1).to(hidden.dtype)
+        vec = (hidden * m).sum(1) / m.sum(1)
+        return torch.nn.functional.normalize(vec.float(), dim=-1)[0]

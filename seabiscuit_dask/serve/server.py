@@ -1,0 +1,226 @@
+"""``seabiscuit serve``: load models, deploy them on a Dask cluster, answer over HTTP.
+
+The HTTP server starts first and answers ``GET /health`` with 503 while the models deploy
+and their step programs are built (``DistributedModel.warm``), 200 once every model can
+answer without building anything. Ctrl-C stops it, closes the models and the cluster.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .. import config
+from ..errors import SeaBiscuitError
+from ..ir import fmt_bytes
+from .app import Server, make_app
+from .models import EMBED_BUCKETS, ServedModel
+
+
+@dataclass
+class Source:
+    """A model to serve: ``kind`` gguf (a GGUF file; None: SmolLM2-135M-Instruct), folder (a
+    Hugging Face folder: a causal LM is chatted with, any other model gives embeddings)."""
+
+    kind: str
+    path: str | None
+    name: str | None = None
+
+    @classmethod
+    def parse(cls, kind: str, text: str | None) -> Source:
+        """``PATH`` or ``NAME=PATH``."""
+        if text and "=" in text and not os.path.exists(text):
+            name, _, path = text.partition("=")
+            return cls(kind, path, name)
+        return cls(kind, text)
+
+
+@dataclass
+class Loaded:
+    source: Source
+    model: Any            # a module, or a folder for the workers to read
+    weights: torch.nn.Module      # the module (or its skeleton) for the sizes
+    tokenizer: Any
+    name: str
+    kind: str             # generate | embed
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.weights.parameters())
+
+
+def load(source: Source, say: Any = print) -> Loaded:
+    """The model, its tokenizer and what it serves."""
+    import transformers as tf
+
+    from ..models import gguf_path, load_gguf
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if source.kind == "gguf":
+        file = gguf_path(source.path)
+        say(f"loading {os.path.basename(file)} (de-quantising GGUF to float32) ...")
+        lm, tok = load_gguf(file)
+        name = source.name or os.path.splitext(os.path.basename(file))[0]
+        return Loaded(source, lm, lm, tok, name, "generate")
+    folder = source.path or ""
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        raise SeaBiscuitError(f"--model {folder!r} is not a Hugging Face model folder (no config.json)")
+    cfg = tf.AutoConfig.from_pretrained(folder)
+    tok = tf.AutoTokenizer.from_pretrained(folder)
+    name = source.name or os.path.basename(os.path.abspath(folder))
+    causal = any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in cfg.architectures or ())
+    say(f"reading {name} ({'a causal LM' if causal else 'an encoder: embeddings'}) ...")
+    with torch.device("meta"):
+        skeleton = (tf.AutoModelForCausalLM if causal else tf.AutoModel).from_config(cfg)
+    return Loaded(source, folder, skeleton.eval(), tok, name, "generate" if causal else "embed")
+
+
+def deploy(item: Loaded, client: Any, *, sessions: int, context: int, budget: str | None,
+           device: str | None, say: Any = print) -> ServedModel:
+    """``item`` distributed on ``client``'s workers, its programs built (ready to answer)."""
+    import seabiscuit_dask as sb
+
+    from ..demo import accepts
+    from ..runtime.client import max_positions
+
+    cfg = getattr(item.weights, "config", None)
+    most = max_positions(getattr(cfg, "get_text_config", lambda: cfg)()) or context
+    context = min(context, most)
+    t0 = time.perf_counter()
+    if item.kind == "generate":
+        example = torch.zeros((1, min(256, context)), dtype=torch.long)
+        keep = {"logits_to_keep": 1} if accepts(item.weights, "logits_to_keep") else None
+        dm = sb.distribute(item.model, client, example, budget=budget, kwargs=keep, sessions=sessions,
+                           context=context, device=device)
+        gen = getattr(item.weights, "generation_config", None)
+        eos = getattr(gen, "eos_token_id", None)
+        eos = getattr(item.tokenizer, "eos_token_id", None) if eos is None else eos
+        eos_ids = tuple(int(e) for e in ([eos] if isinstance(eos, int) else eos or ()))
+        served = ServedModel(item.name, dm, item.tokenizer, "generate", context, eos_ids)
+        say(f"{item.name}: deployed in {time.perf_counter() - t0:.1f} s; building its step programs ...")
+        t1 = time.perf_counter()
+        shapes = dm.warm()
+        say(f"{item.name}: {len(shapes)} step programs ({', '.join(shapes)}) built in "
+            f"{time.perf_counter() - t1:.1f} s")
+    else:
+        # NOTE: traced at the longest input it takes: shorter ones then read the same weight tiles
+        context = max([b for b in EMBED_BUCKETS if b <= context] or [context])
+        example = torch.zeros((1, context), dtype=torch.long)
+        dm = sb.distribute(item.model, client, example, budget=budget,
+                           kwargs={"attention_mask": torch.ones_like(example)}, device=device)
+        served = ServedModel(item.name, dm, item.tokenizer, "embed", context)
+        t1 = time.perf_counter()
+        for n in (b for b in EMBED_BUCKETS if b <= context):
+            served.pool([0] * n)
+        say(f"{item.name}: deployed in {t1 - t0:.1f} s; programs for inputs up to {context} tokens built in "
+            f"{time.perf_counter() - t1:.1f} s")
+    served.ready.set()
+    return served
+
+
+def readable(folders: list[str]) -> Any:
+    """A config context in which an embedded cluster may read these model folders (added to
+    ``seabiscuit.roots``: set it before the cluster starts, its workers inherit it)."""
+    import dask.config
+
+    have = list(config.get("roots") or [])
+    more = [os.path.abspath(f) for f in folders if os.path.abspath(f) not in have]
+    return dask.config.set({"seabiscuit.roots": have + more})
+
+
+@contextlib.contextmanager
+def running(app: Any, host: str = "127.0.0.1", port: int = 0) -> Iterator[str]:
+    """``app`` served by uvicorn on a thread of its own; yields its base URL (``port=0``: any free port)."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, name="seabiscuit-serve-http", daemon=True)
+    thread.start()
+    while not server.started:
+        if not thread.is_alive():
+            raise SeaBiscuitError(f"the HTTP server did not start on {host}:{port} (is the port taken?)")
+        time.sleep(0.01)    # NOTE: uvicorn offers no event for "listening"; this only waits for it
+    sock = server.servers[0].sockets[0].getsockname()
+    try:
+        yield f"http://{sock[0]}:{sock[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def run(sources: list[Source], *, workers: int, scheduler: str | None, host: str, port: int, sessions: int,
+        context: int, budget: str | None, api_key: str | None, device: str | None) -> int:
+    """``seabiscuit serve``: until Ctrl-C."""
+    import uvicorn
+
+    import seabiscuit_dask as sb
+
+    from ..demo import connect, local_cluster, say, worker_budget_bytes
+    from ..runtime.client import kv_reserve
+
+    api_key = api_key or os.environ.get(str(config.get("serve.api-key-env")) or "", "") or None
+    if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
+        say(f"warning: listening on {host} with no API key: anyone who reaches it may use the models")
+    loaded = [load(s, say) for s in sources]
+    names = [m.name for m in loaded]
+    if len(set(names)) != len(names):
+        raise SeaBiscuitError(f"two models have the same name in {names}: name them with NAME=PATH")
+    with contextlib.ExitStack() as stack:
+        if scheduler:
+            client = stack.enter_context(connect(scheduler))
+            client.register_plugin(sb.SeaBiscuitSchedulerPlugin())
+        else:
+            stack.enter_context(readable([m.model for m in loaded if isinstance(m.model, str)]))
+            total = sum(m.weight_bytes for m in loaded)
+            reserve = 0
+            for m in loaded:
+                per_layer, _ = kv_reserve(m.weights, sessions if m.kind == "generate" else 0, context)
+                layers = getattr(getattr(m.weights, "config", None), "num_hidden_layers", 0) or 0
+                reserve += per_layer * layers
+            client = stack.enter_context(local_cluster(workers, worker_budget_bytes(total, workers)
+                                                       + reserve // workers))
+        server = Server(api_key=api_key)
+        server.loading = list(names)
+        http = uvicorn.Server(uvicorn.Config(make_app(server), host=host, port=port, log_level="warning",
+                                             lifespan="off"))
+        failed: list[BaseException] = []
+        served: list[ServedModel] = []
+
+        def deploy_all() -> None:
+            try:
+                for m in loaded:
+                    s = deploy(m, client, sessions=sessions, context=context, budget=budget, device=device,
+                               say=say)
+                    served.append(s)
+                    server.add(s)
+                    server.loading.remove(m.name)
+                weights = fmt_bytes(sum(m.weight_bytes for m in loaded))
+                say(f"\nready: {len(served)} model(s), {weights} of weights on "
+                    f"{len(client.scheduler_info()['workers'])} workers")
+                say(f"chat page    http://{host}:{port}/")
+                say(f"API          http://{host}:{port}/v1 (OpenAI-compatible: /chat/completions, "
+                    "/completions, /embeddings, /models)")
+                say(f"dashboard    {client.dashboard_link.rsplit('/', 1)[0]}/seabiscuit")
+            except BaseException as e:  # noqa: BLE001 - reported by the main thread, which stops the server
+                failed.append(e)
+                http.should_exit = True
+
+        say(f"listening on http://{host}:{port} (GET /health answers 503 until the models are ready)")
+        loader = threading.Thread(target=deploy_all, name="seabiscuit-serve-deploy", daemon=True)
+        loader.start()
+        try:
+            http.run()
+        finally:
+            say("stopping ...")
+            for s in served:
+                s.dm.close()
+        if failed:
+            raise failed[0]
+    return 0
