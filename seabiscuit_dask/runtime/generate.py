@@ -217,12 +217,16 @@ class Engine:
                 raise BadInput(f"{self.name}: a prompt of {longest} tokens plus max_new_tokens={max_new} "
                                f"exceeds the context of {self.context} tokens; shorten the prompt or "
                                "ask for fewer tokens")
+            if len(prompts) > self.max_sessions:
+                raise BadInput(f"{self.name}: this call asks for {len(prompts)} sessions (rows) at once and "
+                               f"the deployment serves at most {self.max_sessions}; send fewer rows or deploy "
+                               "with more sessions")
             with self._cond:
                 if self._open + len(prompts) > self.max_sessions:
                     raise Busy(f"{self.name} has {self._open} session(s) open and this call asks for "
-                                   f"{len(prompts)} more; the limit is {self.max_sessions} "
-                                   "(seabiscuit.generate.max-sessions): wait for calls to finish or "
-                                   "raise the limit")
+                               f"{len(prompts)} more; the limit is {self.max_sessions} "
+                               "(seabiscuit.generate.max-sessions): wait for calls to finish or "
+                               "raise the limit")
                 self._open += len(prompts)
             sessions = [Session(next(self._ids), list(p)) for p in prompts]
             call = Call(sessions, max_new, sampling, frozenset(eos), pad)

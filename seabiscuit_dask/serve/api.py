@@ -194,9 +194,9 @@ def _common(data: Mapping[str, Any], chat: bool) -> dict[str, Any]:
         raise BadParam(f"'stop' must be a non-empty string or up to {MAX_STOP} of them, got "
                        f"{_short(list(stop))}", "stop")
     stream = _take(data, "stream", bool, False)
-    options = _take(data, "stream_options", dict, {})
-    include_usage = _take(options, "include_usage", bool, False)
-    if options and not stream:
+    options = _take(data, "stream_options", dict)
+    include_usage = _take(options or {}, "include_usage", bool, False)
+    if options is not None and not stream:
         raise BadParam("'stream_options' is only allowed with 'stream': true", "stream_options")
     _unsupported(data)
     return {"model": model, "max_tokens": limit, "sampling": Sampling(temperature, top_p, seed), "stop": stop,
@@ -288,14 +288,18 @@ def parse_embedding(data: Mapping[str, Any]) -> EmbeddingRequest:
 # --- stop strings --------------------------------------------------------------------------------
 class StopScan:
     """The text of one answer as its tokens come, cut at the first stop string. ``feed`` returns
-    what can be sent now: text that may still turn out to begin a stop string is held back."""
+    what can be sent now: an end of the text that may still grow into a stop string is held back."""
 
     def __init__(self, stop: tuple[str, ...]) -> None:
         self.stop = stop
-        self.hold = max((len(s) for s in stop), default=1) - 1
         self.text = ""
         self.sent = 0
         self.stopped = False
+
+    def _held(self, text: str) -> int:
+        """Characters at the end of ``text`` that begin some stop string."""
+        return max((k for s in self.stop for k in range(min(len(s) - 1, len(text)), 0, -1)
+                    if text.endswith(s[:k])), default=0)
 
     def feed(self, text: str, final: bool = False) -> str:
         """``text``: the whole answer so far; what to send of it now."""
@@ -308,6 +312,6 @@ class StopScan:
             self.text = text[:cut]
             end = cut
         else:
-            end = len(text) if final else max(self.sent, len(text) - self.hold)
+            end = len(text) if final else max(self.sent, len(text) - self._held(text))
         out, self.sent = self.text[self.sent:end], max(self.sent, end)
         return out

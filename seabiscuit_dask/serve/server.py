@@ -156,8 +156,9 @@ def running(app: Any, host: str = "127.0.0.1", port: int = 0) -> Iterator[str]:
 
 
 def run(sources: list[Source], *, workers: int, scheduler: str | None, host: str, port: int, sessions: int,
-        context: int, budget: str | None, api_key: str | None, device: str | None) -> int:
-    """``seabiscuit serve``: until Ctrl-C."""
+        context: int, budget: str | None, api_key: str | None, device: str | None,
+        stop: threading.Event | None = None) -> int:
+    """``seabiscuit serve``: until Ctrl-C (or until ``stop`` is set)."""
     import uvicorn
 
     import seabiscuit_dask as sb
@@ -215,6 +216,9 @@ def run(sources: list[Source], *, workers: int, scheduler: str | None, host: str
         say(f"listening on http://{host}:{port} (GET /health answers 503 until the models are ready)")
         loader = threading.Thread(target=deploy_all, name="seabiscuit-serve-deploy", daemon=True)
         loader.start()
+        if stop is not None:
+            threading.Thread(target=lambda: (stop.wait(), setattr(http, "should_exit", True)), daemon=True,
+                             name="seabiscuit-serve-stop").start()
         try:
             http.run()
         finally:

