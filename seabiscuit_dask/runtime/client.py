@@ -27,7 +27,7 @@ import statistics
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -277,24 +277,39 @@ class DistributedModel:
                              for (b, n), p in sorted(self._programs.items())}
         return stats
 
-    def warm(self, progress: Any = None) -> list[str]:
-        """Build now every step program generation can ask for: a prefill program per bucket
-        length (``seabiscuit.generate.prefill-buckets``) and a decode program per batch size
-        (``batch-buckets``, up to the deployment's sessions), so no request pays for building
-        one. Returns the shapes ("batch x tokens") built; ``progress``: called with a line each.
+    def warm(self, lengths: Sequence[int] | None = None, batches: Sequence[int] | None = None,
+             progress: Any = None) -> list[str]:
+        """Build now the step programs generation asks for, and run each once, so no request pays
+        for building one, nor for the workers' first run of its blocks (their kernels' first
+        calls, the data plane's connections): by default every one (a prefill program per bucket
+        length, ``seabiscuit.generate.prefill-buckets``, and a decode program per batch size,
+        ``batch-buckets``, up to the deployment's sessions); ``lengths``: only the prefill chunks
+        of prompts this long; ``batches``: only these decode batch sizes. Returns the shapes
+        ("batch x tokens") made ready; ``progress``: called with a line each.
 
         Examples
         --------
         >>> dm.warm()                                   # doctest: +SKIP
         ['1x16', '1x32', ..., '1x1', '2x1', '4x1', '8x1']
         """
+        from .generate import _feed
+
         engine = self._generation_engine()
-        shapes = [(1, n) for n in engine.prefill_sizes] + \
-            [(b, 1) for b in engine.batch_sizes if b <= max(1, engine.max_sessions)]
+        sizes = engine.prefill_sizes if lengths is None else \
+            sorted({size for n in lengths for _, size in engine.chunking(int(n))})
+        batches = batches if batches is not None else [b for b in engine.batch_sizes
+                                                       if b <= max(1, engine.max_sessions)]
+        shapes = [(1, n) for n in sizes] + [(int(b), 1) for b in batches]
         built = []
         for b, n in shapes:
             t0 = time.perf_counter()
             self.prepare(b, n)
+            # NOTE: sessions of its own, each a first chunk at slot 0, ended at once
+            sids = [next(engine._ids) for _ in range(b)]
+            try:
+                self.run_step(b, n, _feed([(sid, 0, [0] * n) for sid in sids], b, n))
+            finally:
+                self.end_sessions(sids)
             built.append(f"{b}x{n}")
             if progress is not None:
                 progress(f"step program {b}x{n} ready in {time.perf_counter() - t0:.2f} s")

@@ -219,8 +219,8 @@ class Engine:
                                "ask for fewer tokens")
             if len(prompts) > self.max_sessions:
                 raise BadInput(f"{self.name}: this call asks for {len(prompts)} sessions (rows) at once and "
-                               f"the deployment serves at most {self.max_sessions}; send fewer rows or deploy "
-                               "with more sessions")
+                               f"the deployment serves at most {self.max_sessions}; send fewer rows or "
+                               "deploy with more sessions")
             with self._cond:
                 if self._open + len(prompts) > self.max_sessions:
                     raise Busy(f"{self.name} has {self._open} session(s) open and this call asks for "
