@@ -402,11 +402,15 @@ def test_the_serve_command_answers_once_healthy(live: Live) -> None:
     done: list[Any] = []
     thread = threading.Thread(target=lambda: done.append(run(
         [Source.parse("folder", f"chat={live.folder}")], workers=2, scheduler=None, host="127.0.0.1",
-        port=port, sessions=2, context=64, budget="256KiB", api_key=None, device=None, stop=stop)))
+        port=port, sessions=2, context=64, budget=None, api_key=None, device=None, stop=stop)))
     thread.start()
     try:
         url = f"http://127.0.0.1:{port}"
-        wait_for(lambda: _status(url + "/health") == 200, "the server to say it is ready", 180)
+        def healthy() -> bool:
+            assert thread.is_alive() or done, "the server stopped before it was ready"
+            return _status(url + "/health") == 200
+
+        wait_for(healthy, "the server to say it is ready", 180)
         api = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
         got = api.chat.completions.create(model="chat", messages=MESSAGES, max_tokens=4, temperature=0)
         ids = live.chat_ids(MESSAGES)

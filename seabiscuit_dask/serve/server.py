@@ -217,8 +217,11 @@ def run(sources: list[Source], *, workers: int, scheduler: str | None, host: str
         loader = threading.Thread(target=deploy_all, name="seabiscuit-serve-deploy", daemon=True)
         loader.start()
         if stop is not None:
-            threading.Thread(target=lambda: (stop.wait(), setattr(http, "should_exit", True)), daemon=True,
-                             name="seabiscuit-serve-stop").start()
+            def stopper() -> None:
+                stop.wait()
+                http.should_exit = True
+
+            threading.Thread(target=stopper, daemon=True, name="seabiscuit-serve-stop").start()
         try:
             http.run()
         finally:
