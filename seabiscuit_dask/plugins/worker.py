@@ -189,6 +189,7 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
         Data-plane runs of older plans fail here at once (their callers run them again)."""
         access.check_model_id(model)
         w = self.worker
+        await self._secret_known()
         owned = await w.scheduler.seabiscuit_owned(model=model, address=w.address, secret=self.secret)
         self.dataplane.retire(model, None if owned.get("released") else int(owned["version"]))
         if owned.get("released"):
@@ -220,6 +221,12 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
     async def dp_forget(self, comm: Any = None, model: str = "", ticket: str = "", requests: Any = ()) -> int:
         return await self.dataplane.forget(model, ticket, list(requests or ()))
 
+    async def _secret_known(self) -> None:
+        """Wait for the scheduler plugin's secret (a worker that just joined may be asked to sync
+        or run before its stream has brought it)."""
+        if not self.has_secret.is_set():
+            await asyncio.to_thread(self.has_secret.wait, seconds("runtime.sync-timeout"))
+
     async def _check_ticket(self, model: Any, ticket: Any) -> str:
         """``ticket`` if it is ``model``'s (the scheduler plugin tells the real one once), else
         ``AccessDenied``."""
@@ -227,8 +234,7 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
         want = self._tickets.get(model)
         if want is None:
             w = self.worker
-            if not self.has_secret.is_set():      # NOTE: a worker that just joined
-                await asyncio.to_thread(self.has_secret.wait, seconds("runtime.sync-timeout"))
+            await self._secret_known()
             try:
                 want = str(await w.scheduler.seabiscuit_ticket(model=model, address=w.address,
                                                                secret=self.secret))
