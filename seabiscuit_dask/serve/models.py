@@ -63,6 +63,7 @@ class ServedModel:
     kind: str
     context: int
     eos: tuple[int, ...] = ()
+    inputs: tuple[str, ...] = ()       # an ONNX encoder's graph inputs, fed by name
     created: int = field(default_factory=lambda: int(time.time()))
     ready: threading.Event = field(default_factory=threading.Event)
 
@@ -183,7 +184,11 @@ class ServedModel:
         mask = torch.zeros_like(ids)
         ids[0, :len(row)] = torch.tensor(row)
         mask[0, :len(row)] = 1
-        out = self.dm(ids, attention_mask=mask)
+        if self.inputs:
+            feed = {"input_ids": ids, "attention_mask": mask, "token_type_ids": torch.zeros_like(ids)}
+            out = self.dm(**{n: feed[n] for n in self.inputs})
+        else:
+            out = self.dm(ids, attention_mask=mask)
         hidden = out[0] if isinstance(out, (tuple, list)) else getattr(out, "last_hidden_state", out)
         if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3:
             raise BadInput(f"model {self.name!r} does not give (batch, tokens, width) hidden states to pool")

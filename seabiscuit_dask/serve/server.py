@@ -27,19 +27,22 @@ from .models import EMBED_BUCKETS, ServedModel
 @dataclass
 class Source:
     """A model to serve: ``kind`` gguf (a GGUF file; None: SmolLM2-135M-Instruct), folder (a
-    Hugging Face folder: a causal LM is chatted with, any other model gives embeddings)."""
+    Hugging Face folder: a causal LM is chatted with, any other model gives embeddings) or onnx
+    (an encoder's ``.onnx`` file, or a folder with ``model.onnx``: embeddings; its tokenizer from
+    ``tokenizer``, else from the file's folder)."""
 
     kind: str
     path: str | None
     name: str | None = None
+    tokenizer: str | None = None
 
     @classmethod
-    def parse(cls, kind: str, text: str | None) -> Source:
+    def parse(cls, kind: str, text: str | None, tokenizer: str | None = None) -> Source:
         """``PATH`` or ``NAME=PATH``."""
         if text and "=" in text and not os.path.exists(text):
             name, _, path = text.partition("=")
-            return cls(kind, path, name)
-        return cls(kind, text)
+            return cls(kind, path, name, tokenizer)
+        return cls(kind, text, None, tokenizer)
 
 
 @dataclass
@@ -50,6 +53,7 @@ class Loaded:
     tokenizer: Any
     name: str
     kind: str             # generate | embed
+    inputs: tuple[str, ...] = ()      # an ONNX graph's inputs, fed by name
 
     @property
     def weight_bytes(self) -> int:
@@ -69,6 +73,31 @@ def load(source: Source, say: Any = print) -> Loaded:
         lm, tok = load_gguf(file)
         name = source.name or os.path.splitext(os.path.basename(file))[0]
         return Loaded(source, lm, lm, tok, name, "generate")
+    if source.kind == "onnx":
+        import onnx
+
+        from ..trace.onnx import load_onnx
+
+        path = source.path or ""
+        file = os.path.join(path, "model.onnx") if os.path.isdir(path) else path
+        if not os.path.isfile(file):
+            raise SeaBiscuitError(f"--onnx {path!r}: no such ONNX file (or folder with model.onnx)")
+        where = source.tokenizer or os.path.dirname(os.path.abspath(file))
+        try:
+            tok = tf.AutoTokenizer.from_pretrained(where)
+        except (OSError, ValueError) as e:
+            raise SeaBiscuitError(f"--onnx {file}: no tokenizer in {where} ({type(e).__name__}); name a "
+                                  "folder that has one with --tokenizer") from e
+        graph = onnx.load(file, load_external_data=False).graph
+        known = {i.name for i in graph.initializer}
+        inputs = tuple(i.name for i in graph.input if i.name not in known)
+        unread = [n for n in inputs if n not in ("input_ids", "attention_mask", "token_type_ids")]
+        if "input_ids" not in inputs or unread:
+            raise SeaBiscuitError(f"--onnx {file}: an encoder reads input_ids (and attention_mask, "
+                                  f"token_type_ids); this graph reads {list(inputs)}")
+        name = source.name or os.path.splitext(os.path.basename(file))[0]
+        say(f"reading {name} (an ONNX encoder: embeddings) ...")
+        return Loaded(source, file, load_onnx(file, lazy=True), tok, name, "embed", inputs)
     folder = source.path or ""
     if not os.path.isfile(os.path.join(folder, "config.json")):
         raise SeaBiscuitError(f"--model {folder!r} is not a Hugging Face model folder (no config.json)")
@@ -113,9 +142,15 @@ def deploy(item: Loaded, client: Any, *, sessions: int, context: int, budget: st
         # NOTE: traced at the longest input it takes: shorter ones then read the same weight tiles
         context = max([b for b in EMBED_BUCKETS if b <= context] or [context])
         example = torch.zeros((1, context), dtype=torch.long)
-        dm = sb.distribute(item.model, client, example, budget=budget,
-                           kwargs={"attention_mask": torch.ones_like(example)}, device=device)
-        served = ServedModel(item.name, dm, item.tokenizer, "embed", context)
+        feed = {"input_ids": example, "attention_mask": torch.ones_like(example),
+                "token_type_ids": torch.zeros_like(example)}
+        if item.inputs:
+            dm = sb.distribute(item.model, client, {n: feed[n] for n in item.inputs}, budget=budget,
+                               device=device)
+        else:
+            dm = sb.distribute(item.model, client, example, budget=budget,
+                               kwargs={"attention_mask": feed["attention_mask"]}, device=device)
+        served = ServedModel(item.name, dm, item.tokenizer, "embed", context, inputs=item.inputs)
         t1 = time.perf_counter()
         for n in (b for b in EMBED_BUCKETS if b <= context):
             served.pool([0] * n)
@@ -131,7 +166,8 @@ def readable(folders: list[str]) -> Any:
     import dask.config
 
     have = list(config.get("roots") or [])
-    more = [os.path.abspath(f) for f in folders if os.path.abspath(f) not in have]
+    tops = [os.path.dirname(os.path.abspath(f)) if os.path.isfile(f) else os.path.abspath(f) for f in folders]
+    more = [t for t in dict.fromkeys(tops) if t not in have]
     return dask.config.set({"seabiscuit.roots": have + more})
 
 
