@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import seabiscuit_dask as sb
-from seabiscuit_dask.errors import BadInput, ClusterTooSmall
+from seabiscuit_dask.errors import BadInput, Busy, ClusterTooSmall
 from seabiscuit_dask.lower.kvcache import CacheLost, KVStore
 from seabiscuit_dask.placement.follow import follow
 from seabiscuit_dask.runtime.generate import Engine, GenerateArgs, LocalRunner, generate_tokens
@@ -202,8 +202,14 @@ def test_limits_are_clear_errors() -> None:
     model = decoder("llama")
     engine = Engine(LocalRunner(model, "64KiB"), max_sessions=2, context=32)
     args = GenerateArgs.make(model.generation_config, 4, max_new_tokens=4)
-    with pytest.raises(BadInput, match="limit is 2"):
+    with pytest.raises(BadInput, match="serves at most 2") as never:      # it can never fit
         engine.submit([[5, 6]] * 3, 4, args.sampling, args.eos, args.pad)
+    assert not isinstance(never.value, Busy)
+    held = [engine.open_session(), engine.open_session()]
+    with pytest.raises(Busy, match="limit is 2"):                        # it fits once one ends
+        engine.submit([[5, 6]], 4, args.sampling, args.eos, args.pad)
+    for s in held:
+        engine.close_session(s)
     with pytest.raises(BadInput, match="context of 32"):
         engine.submit([[5] * 30], 4, args.sampling, args.eos, args.pad)
     with pytest.raises(BadInput, match="LongTensor"):
