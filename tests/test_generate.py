@@ -112,7 +112,7 @@ def test_long_prompt_is_prefilled_in_chunks() -> None:
     assert Engine(engine.runner, max_chunk=16).chunking(40) == [(16, 16), (16, 16), (8, 16)]
     # NOTE: a chunk costs its padding and a step's fixed cost: one chunk of 160 beats 128 + 32
     wide = Engine(engine.runner)
-    assert wide.chunking(145) == [(145, 160)] and wide.chunking(17) == [(17, 32)]
+    assert wide.chunking(145) == [(145, 160)] and wide.chunking(17) == [(17, 24)]
     assert wide.chunking(600) == [(256, 256), (256, 256), (88, 96)]
 
 

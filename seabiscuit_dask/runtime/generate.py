@@ -180,7 +180,7 @@ class Engine:
         self.max_sessions = int(max_sessions if max_sessions is not None
                                 else config.get("generate.max-sessions", 16))
         self.context = context
-        sizes = buckets("prefill-buckets", (16, 32, 64, 96, 128, 160, 192, 256))
+        sizes = buckets("prefill-buckets", (16, 24, 32, 48, 64, 96, 128, 160, 192, 256))
         # NOTE: chunks no longer than the deployment's own input: its weight tiles fit them too,
         # so every step program reads the tiles the workers already hold
         fit = tuple(b for b in sizes if max_chunk is None or b <= max_chunk)
