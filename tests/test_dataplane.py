@@ -15,6 +15,7 @@ from distributed.protocol import deserialize, serialize
 
 from seabiscuit_dask.errors import AccessDenied, ClusterTooSmall, SeaBiscuitError
 from seabiscuit_dask.lower.blocks import BlockSpec, block_specs
+from seabiscuit_dask.lower.kvcache import CacheLost
 from seabiscuit_dask.runtime.dataplane import DataPlane, RunFailed, StaleRun, Tensors, timed
 from seabiscuit_dask.runtime.dataplane.client import route
 from seabiscuit_dask.runtime.dataplane.runs import greedy
@@ -37,7 +38,8 @@ class Mesh:
     """One ``DataPlane`` per worker of a plan; a message to a worker goes through the wire format."""
 
     def __init__(self, specs: list, fail_on: int | None = None, gone: str = "", max_runs: int = 256,
-                 unloadable: int | None = None) -> None:
+                 unloadable: int | None = None, fail_with: Exception | None = None) -> None:
+        self.fail_with = fail_with
         self.specs = {s.index: s for s in specs}
         self.pool = ThreadPoolExecutor(1)
         self.resident: dict[str, ResidentBlocks] = {}
@@ -61,7 +63,7 @@ class Mesh:
     def _compute(self, r: ResidentBlocks, fail_on: int | None) -> Any:
         def run(model, version, request, block, imports):
             if block == fail_on:
-                raise RuntimeError(f"block {block} broke")
+                raise self.fail_with or RuntimeError(f"block {block} broke")
             return r.run(model, version, request, block, imports, (), self.fetch)
         return run
 
@@ -224,6 +226,18 @@ def test_a_block_that_cannot_load_fails_the_run_downstream(planned) -> None:
     with pytest.raises(ClusterTooSmall, match=f"block {first.index} does not fit"):
         asyncio.run(mesh.call(graph, x))
     assert not any(p.runs for p in mesh.planes.values())
+
+
+def test_a_lost_cache_reaches_the_caller_as_such(planned) -> None:
+    """Not as a plain RunFailed, which has the caller wait for a newer plan: a session's cache lost
+    with a worker is cured by replaying the session on the plan the caller holds."""
+    graph, specs, x, _, _ = planned
+    first = next(s for s in specs if any(a != s.address for _, a, _ in s.sends))   # read on another worker
+    lost = CacheLost("session 3 of model m: layer 0 holds 0 cached token(s) here", "m", 3, 0)
+    mesh = Mesh(specs, fail_on=first.index, fail_with=lost)
+    with pytest.raises(CacheLost, match="session 3 of model m") as e:
+        asyncio.run(mesh.call(graph, x))
+    assert not isinstance(e.value, RunFailed)
 
 
 def test_runs_in_flight_are_bounded_and_forgotten_runs_are_dropped(planned) -> None:

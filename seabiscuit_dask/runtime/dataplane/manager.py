@@ -41,6 +41,7 @@ from ...errors import (
     StaleRun,
 )
 from ...lower.blocks import BlockSpec, split_block
+from ...lower.kvcache import CacheLost
 from .runs import DONE, RUNNING, BlockRun, Loop, Run, greedy
 from .wire import Tensors, nbytes
 
@@ -51,10 +52,12 @@ Compute = Callable[[str, int, int, int, Imports], tuple[dict[str, torch.Tensor],
 Send = Callable[..., Awaitable[Any]]
 RunKey = tuple[str, int]
 
-# NOTE: failures a peer may name by class (data, read from a message): those running the request
-# again cannot cure; any other arrives as RunFailed, which the caller retries under a new id
-FINAL: dict[str, type[SeaBiscuitError]] = {c.__name__: c for c in (ClusterTooSmall, BudgetTooSmall, BadInput,
-                                                                    BadCheckpoint)}
+# NOTE: failures a peer may name by class (data, read from a message), so the caller acts on what
+# happened: those running the request again cannot cure, and a session's cache lost with a worker
+# (the caller replays the session at once, on the plan it holds). Any other arrives as RunFailed,
+# which the caller retries under a new id once a newer plan comes.
+KINDS: dict[str, type[SeaBiscuitError]] = {c.__name__: c for c in (ClusterTooSmall, BudgetTooSmall, BadInput,
+                                                                    BadCheckpoint, CacheLost)}
 REMEMBERED = 4096      # NOTE: blocks run and runs ended, kept to refuse repeats and late messages
 INLINE_S = 2e-4        # NOTE: blocks quicker than this run on the event loop, not a compute thread
 
@@ -133,7 +136,7 @@ class DataPlane:
                    block: int = -1, kind: str = "") -> bool:
         """A peer failed the run, which ``block`` here waited on: fail it here too, and downstream
         of ``block`` (whose spec says where). ``kind``: the error's class when it is one that
-        running again cannot cure (``FINAL``), so the caller gets it as it was; else ``RunFailed``."""
+        the caller acts on (``KINDS``), so it gets it as it was; else ``RunFailed``."""
         ticket = await self.check(model, ticket)
         run = self._run(model, int(version), int(request))
         if run is None:
@@ -147,7 +150,7 @@ class DataPlane:
                                       br.block)
                 except Exception as e:  # noqa: BLE001 - then downstream of it hears from its caller
                     logger.info("seabiscuit: block b%s of %s not known: %s", block, run.where(), e)
-        self._fail(run, FINAL.get(str(kind), RunFailed)(str(reason)[:2000]), ticket)
+        self._fail(run, KINDS.get(str(kind), RunFailed)(str(reason)[:2000]), ticket)
         return True
 
     async def forget(self, model: str, ticket: Any, requests: Sequence[int]) -> int:
@@ -445,7 +448,7 @@ class DataPlane:
         try:
             await self.send(address, "seabiscuit_dp_fail", model=model, ticket=ticket,
                             version=version, request=request, reason=reason, block=block,
-                            kind=kind if kind in FINAL else "")
+                            kind=kind if kind in KINDS else "")
         except Exception as e:  # noqa: BLE001 - a peer gone has nothing to fail
             logger.debug("seabiscuit: %s not told of the failure of request %s: %s", address, request, e)
 
