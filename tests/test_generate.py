@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import seabiscuit_dask as sb
-from seabiscuit_dask.errors import BadInput, Busy, ClusterTooSmall
+from seabiscuit_dask.errors import BadInput, Busy, ClusterTooSmall, RunFailed
 from seabiscuit_dask.lower.kvcache import CacheLost, KVStore
 from seabiscuit_dask.placement.follow import follow
 from seabiscuit_dask.runtime.generate import Engine, GenerateArgs, LocalRunner, generate_tokens
@@ -196,6 +196,37 @@ def test_a_full_worker_refuses_to_grow_a_cache() -> None:
     k = torch.zeros(2, 1, 64)
     with pytest.raises(ClusterTooSmall, match="w9 cannot grow the KV cache of session 4"):
         r.kv.write("m", 4, 0, 0, k, k)
+
+
+class LosingRunner(LocalRunner):
+    """Loses every cache at its ``lose_at``-th step (CacheLost, as a step on a moved block finds),
+    then fails the first replay too (RunFailed: sent before the plan was repaired around the
+    dead worker); ``recover`` notes what it was given."""
+
+    def __init__(self, model: torch.nn.Module, lose_at: int) -> None:
+        super().__init__(model, "64KiB")
+        self.calls, self.lose_at, self.recovered = 0, lose_at, []
+
+    def run_step(self, batch: int, length: int, feed: dict[str, torch.Tensor]) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == self.lose_at:
+            self.store.drop("local", set(self.store.sessions("local")))
+            raise CacheLost("every cache was lost with a worker")
+        if self.calls == self.lose_at + 1:
+            raise RunFailed("worker w1 could not be reached")
+        return super().run_step(batch, length, feed)
+
+    def recover(self, error: BaseException) -> None:
+        self.recovered.append(type(error).__name__)
+
+
+def test_a_recovery_that_meets_a_dead_worker_recovers_again() -> None:
+    model = decoder("llama")
+    ids, mask = padded_batch((7,), seed=2)
+    runner = LosingRunner(model, lose_at=4)
+    got = local_greedy(model, ids, None, 8, Engine(runner))
+    assert torch.equal(got, hf_greedy(model, ids, mask, 8))
+    assert runner.recovered == ["CacheLost", "RunFailed"]
 
 
 def test_limits_are_clear_errors() -> None:

@@ -472,9 +472,8 @@ class Engine:
                 self._drop_ahead()
                 if isinstance(e, StaleRun):   # NOTE: a cache that moved says so in the step again
                     self.runner.recover(e)
-                else:
-                    self._recover(e, sessions, starts)
-                out = self._run(sessions, batch, 1, feed).argmax(dim=-1)
+                out = self._run(sessions, batch, 1, feed, lost=None if isinstance(e, StaleRun) else e
+                                ).argmax(dim=-1)
         for s in sessions:
             s.cached = len(s.tokens)
         return out[:len(sessions)]
@@ -497,16 +496,21 @@ class Engine:
         return [rows[i:i + size] for i in range(0, len(rows), size)]
 
     def _run(self, sessions: list[Session], batch: int, length: int, feed: dict[str, torch.Tensor],
-             tries: int = 3) -> torch.Tensor:
-        """One step; after a worker loss, replay the sessions' cached tokens and try again."""
-        for attempt in range(tries):
+             tries: int = 4, lost: WorkerLost | None = None) -> torch.Tensor:
+        """One step; after a worker loss (``lost``: one met already), replay the sessions' cached
+        tokens and try again. A recovery that meets a loss itself (a replay sent before the
+        scheduler repaired the plan around a dead worker) counts as a try, and the next one
+        waits for the repaired plan."""
+        error = lost
+        for _ in range(tries):
             try:
+                if error is not None:
+                    self._recover(error, sessions, feed["sb_start"][:len(sessions)].tolist())
                 return self._step(batch, length, feed)
             except WorkerLost as e:
-                if attempt == tries - 1:
-                    raise
-                self._recover(e, sessions, feed["sb_start"][:len(sessions)].tolist())
-        raise AssertionError("unreachable")   # pragma: no cover
+                error = e
+        assert error is not None
+        raise error
 
     def _step(self, batch: int, length: int, feed: dict[str, torch.Tensor]) -> torch.Tensor:
         """One step, sent again (on the plan the runner then holds) while the plan changes under it."""
