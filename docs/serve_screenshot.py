@@ -34,7 +34,7 @@ def main(out: Path) -> None:
         wait_for(lambda: _status(url + "/health") == 200, "the server to be ready", 600)
         with chromium_page(1100, 640) as page:
             page.navigate(url + "/")
-            wait_for(lambda: page.evaluate("document.getElementById('model').value") == "smollm2",
+            wait_for(lambda: page.evaluate("document.getElementById('model')?.value") == "smollm2",
                      "the model picker")
             page.evaluate("document.getElementById('max').value = 64")
             for i, prompt in enumerate(PROMPTS):

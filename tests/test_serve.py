@@ -389,11 +389,12 @@ def test_the_chat_page_streams_an_answer_typed_in_chromium(live: Live, tmp_path:
                            skip_special_tokens=True)
     with chromium_page(1100, 700) as page:
         page.navigate(live.url + "/")
-        wait_for(lambda: page.evaluate("document.getElementById('status').textContent").endswith("API key"),
-                 "the page to ask for the API key")
+        # NOTE: ``?.``: the page may still be loading when asked
+        wait_for(lambda: (page.evaluate("document.getElementById('status')?.textContent") or "").endswith(
+            "API key"), "the page to ask for the API key")
         _type(page, "#key", KEY)
         page.evaluate("document.getElementById('key').dispatchEvent(new Event('change'))")
-        wait_for(lambda: page.evaluate("document.getElementById('model').value") == "tiny",
+        wait_for(lambda: page.evaluate("document.getElementById('model')?.value") == "tiny",
                  "the chat models in the picker")
         page.evaluate("document.getElementById('max').value = 8")
         _type(page, "#prompt", prompt)
