@@ -16,7 +16,6 @@ import logging
 import threading
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
-from contextlib import contextmanager
 from typing import Any
 
 from starlette.applications import Starlette
@@ -97,19 +96,18 @@ class Server:
             raise api.Unauthorized("a valid API key is required: send 'Authorization: Bearer <key>'")
         return key
 
-    @contextmanager
-    def slot(self, key: str) -> Iterator[None]:
-        """One of ``key``'s running requests, or ``Busy`` when it has ``max_per_key`` already."""
+    def take(self, key: str) -> None:
+        """Take one of ``key``'s running requests, or ``Busy`` when it has ``max_per_key`` already;
+        ``give`` hands it back."""
         with self._lock:
             if self._running.get(key, 0) >= self.max_per_key:
                 raise Busy(f"this key has {self.max_per_key} requests running, the most it may "
                            "(seabiscuit.serve.max-concurrent-per-key): retry when one finishes")
             self._running[key] = self._running.get(key, 0) + 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._running[key] -= 1
+
+    def give(self, key: str) -> None:
+        with self._lock:
+            self._running[key] -= 1
 
     async def body(self, request: Request) -> dict[str, Any]:
         """The JSON body, read no further than ``max_body`` bytes."""
@@ -198,16 +196,22 @@ def make_app(server: Server) -> Starlette:
     """The ASGI app of ``server``."""
 
     async def guarded(request: Request, route: str, handler: Callable[[], Any]) -> Response:
+        held = None
         try:
             key = server.caller(request)
-            with server.slot(key):
-                response = await handler()
-                if isinstance(response, StreamingResponse):
-                    return _hold_slot(server, key, response, route)
+            server.take(key)
+            held = key
+            response = await handler()
+            if isinstance(response, StreamingResponse):     # NOTE: its slot is given back as it ends
+                held = None
+                return _hold_slot(server, key, response, route)
         except SeaBiscuitError as e:
             response = error_response(e, server.retry_after)
         except Exception as e:  # noqa: BLE001 - never a traceback to the caller; logged as an error
             response = error_response(e, server.retry_after)
+        finally:
+            if held is not None:
+                server.give(held)
         server.metrics.requests.labels(route, str(response.status_code)).inc()
         return response
 
@@ -307,9 +311,7 @@ def make_app(server: Server) -> Starlette:
 
 
 def _hold_slot(server: Server, key: str, response: StreamingResponse, route: str) -> StreamingResponse:
-    """Keep ``key``'s slot taken until the stream ends (the slot's ``with`` has left already)."""
-    with server._lock:
-        server._running[key] = server._running.get(key, 0) + 1
+    """Keep ``key``'s slot (taken) until the stream ends, then give it back."""
     inner = response.body_iterator
 
     async def held() -> AsyncIterator[Any]:
@@ -317,8 +319,7 @@ def _hold_slot(server: Server, key: str, response: StreamingResponse, route: str
             async for chunk in inner:
                 yield chunk
         finally:
-            with server._lock:
-                server._running[key] -= 1
+            server.give(key)
             server.metrics.requests.labels(route, str(response.status_code)).inc()
 
     response.body_iterator = held()
