@@ -61,11 +61,11 @@ def test_int8_minilm_decomposed_equals_onnxruntime() -> None:
     want = reference(path, x)
     graph = sb.trace(path, x)                       # the file, a folder with model.onnx, or a ModelProto
     assert graph.meta["call"]["positional"] == ("input_ids", "attention_mask", "token_type_ids")
-    module = load_onnx(path)
     micro = sb.decompose(graph, "1MiB")
     sb.verify(micro, budget=1 << 20)
     assert len(micro.ops) > len(graph.ops)
-    assert rel(sb.run_local(micro, **x, weights=module), want) <= 1e-4
+    assert rel(sb.run_local(micro, **x), want) <= 1e-4          # NOTE: weights read from the file
+    assert rel(sb.run_local(micro, **x, weights=load_onnx(path)), want) <= 1e-4
 
 
 def test_int8_minilm_on_workers_that_cannot_hold_it_serves_two_lengths() -> None:
@@ -131,6 +131,54 @@ def _graph(nodes, inputs, outputs, inits=(), opset=17):
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
 
 
+def test_a_graph_traced_from_a_file_reads_its_weights_from_that_file(tmp_path: Path) -> None:
+    """Embedded initializers are read where the .onnx file holds them (raw_data, or packed
+    float_data), a tile its own bytes; what load computed from them (here: a table of int64
+    varints, cast) is in one file in the cache folder. No ``weights=`` anywhere."""
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((48, 80)).astype(np.float32)
+    b = rng.standard_normal(80).astype(np.float32)
+    table = rng.integers(-50, 50, (80, 96)).astype(np.int64)
+    inits = [helper.make_tensor("w", TensorProto.FLOAT, w.shape, w.ravel().tolist()),   # float_data
+             numpy_helper.from_array(b, "b"),                                          # raw_data
+             helper.make_tensor("t", TensorProto.INT64, table.shape, table.ravel().tolist())]
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Add", ["h", "b"], ["a"]),
+             helper.make_node("Cast", ["t"], ["tf"], to=TensorProto.FLOAT),
+             helper.make_node("MatMul", ["a", "tf"], ["y"])]
+    model = _graph(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 48])],
+                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+    assert not model.graph.initializer[0].raw_data and model.graph.initializer[0].float_data
+    path = tmp_path / "m.onnx"
+    onnx.save_model(model, str(path))
+    x = torch.randn(3, 48)
+    want = (x @ torch.from_numpy(w) + torch.from_numpy(b)) @ torch.from_numpy(table).float()
+
+    micro = sb.decompose(sb.trace(path, (x,)), "4KiB")
+    kinds = {p.source.key: (p.source.kind, p.source.file) for p in micro.params.values()}
+    assert {k for k, (kind, f) in kinds.items() if kind == "raw" and f == str(path)} == {"w", "b"}
+    (_, (kind, f)), = [(k, v) for k, v in kinds.items() if k not in ("w", "b")]
+    assert kind == "safetensors" and Path(f).parent == sb.config.cache_dir() / "onnx"
+    assert sum(len(p.source.slices or ()) > 0 for p in micro.params.values()) > 3      # cut into tiles
+    torch.testing.assert_close(sb.run_local(micro, x), want, rtol=1e-5, atol=1e-3)
+
+    path.write_bytes(path.read_bytes()[:4096])     # NOTE: a truncated file is named, with its size
+    with pytest.raises(sb.BadCheckpoint, match=r"m.onnx.*truncated"):
+        sb.run_local(micro, x)
+
+
+def test_an_exported_model_deploys_from_its_file_with_no_copy(tmp_path: Path) -> None:
+    path, model, x = _conv_model(tmp_path)
+    with torch.no_grad():
+        want = model(x)
+    graph = sb.trace(path, (x,))
+    assert {p.source.file for p in graph.params.values() if p.source.kind != "inline"} == {str(path)}
+    assert M.rel_err(sb.run_local(sb.decompose(graph, "16KiB"), x), want) <= 1e-4
+    with seabiscuit_cluster(2, 2_000_000) as client:
+        with sb.distribute(path, client, (x,), budget="16KiB") as dm:
+            assert dm._store is None                 # NOTE: no store written: workers read the file
+            assert M.rel_err(dm(x), want) <= 1e-4
+
+
 def test_shape_arithmetic_is_folded_for_the_traced_shapes() -> None:
     # y = reshape(x, concat(shape(x)[0:1], [-1])) * 2 : a flatten computed from the input's shape
     x_info = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3, 4])
@@ -166,7 +214,7 @@ def test_external_data_is_read_from_inside_the_model_folder_only(tmp_path: Path,
                     all_tensors_to_one_file=True, location="weights.bin", size_threshold=0)
     x = torch.randn(2, 64)
     with monkeypatch.context() as m:            # NOTE: tracing a path reads no byte of its weights
-        m.setattr(sys.modules["seabiscuit_dask.trace.onnx"], "_external", None)
+        m.setattr(sys.modules["seabiscuit_dask.trace.onnx_read"], "read_external", None)
         micro = sb.decompose(sb.trace(folder, (x,)), "4KiB")
         lazy = load_onnx(folder, lazy=True)
     assert lazy.lazy_buffers
@@ -219,9 +267,9 @@ def test_external_int8_weights_go_to_workers_as_their_own_bytes(form: str, tmp_p
                     all_tensors_to_one_file=True, location="weights.bin", size_threshold=0)
     x = torch.randn(3, 256)
     want = x @ torch.from_numpy(q.astype(np.float32) * scale)
-    real = sys.modules["seabiscuit_dask.trace.onnx"]._external
+    real = sys.modules["seabiscuit_dask.trace.onnx_read"].read_external
     with monkeypatch.context() as m:            # NOTE: the int8 weight is never read here ...
-        m.setattr(sys.modules["seabiscuit_dask.trace.onnx"], "_external",
+        m.setattr(sys.modules["seabiscuit_dask.trace.onnx_read"], "read_external",
                   lambda t, folder: real(t, folder) if t.name == "s" else pytest.fail(f"read {t.name}"))
         graph = sb.trace(folder, (x,))
     assert [op.target for op in graph.ops].count("sb.qlinear.default") == 1
@@ -247,7 +295,10 @@ def test_an_external_initializer_given_as_a_constant_is_the_constant(tmp_path: P
     module = load_onnx(tmp_path, constants={"w": 2 * w}, lazy=True)
     x = torch.ones(2, 8)
     graph = sb.trace(module, (x,))
-    assert {p.source.kind for p in graph.params.values()} == {"model"}     # NOTE: not the file's w
+    files = {p.source.file for p in graph.params.values()}
+    assert {p.source.kind for p in graph.params.values()} == {"safetensors"}     # NOTE: not the file's w
+    assert not any(f.endswith("w.bin") for f in files)
+    torch.testing.assert_close(sb.run_local(graph, x), torch.full((2, 16), 16.0))
     torch.testing.assert_close(sb.run_local(graph, x, weights=module), torch.full((2, 16), 16.0))
 
 

@@ -46,7 +46,7 @@ from .dataplane import client as p2p
 from .discover import measure_cluster, workers_info
 from .local import assemble_outputs, bind_call, check_ids, flatten_inputs, split_inputs, unflatten_outputs
 from .resident import writable
-from .store import stored
+from .store import copied_if_unreadable, stored
 from .tasks import PICK, load_block, run_block_task
 from .watch import Deadline, seconds
 
@@ -398,11 +398,11 @@ class DistributedModel:
         from ..trace import bind_checkpoint
 
         t0 = time.perf_counter()
-        graph = decompose(make(), self._budget, like=self.graph)
+        graph = copied_if_unreadable(decompose(make(), self._budget, like=self.graph), self._source)
         if any(p.source.kind == "model" for p in graph.params.values()):
             if self._weights_path is None:
                 raise BadInput(f"model {self.model_id}: no weights file to bind another program to")
-            graph = bind_checkpoint(graph, self._weights_path)
+            graph = bind_checkpoint(graph, self._weights_path, kinds=("model",))
         graph = _with_checksums(graph, self.graph)
         reply = self.client.sync(self.client.scheduler.seabiscuit_program, model=self.model_id,
                                  token=self._token, graph=graph.to_json())

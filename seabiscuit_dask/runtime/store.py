@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from .. import config
-from ..errors import SeaBiscuitError
+from ..errors import AccessDenied, SeaBiscuitError
 from ..ir import OpGraph
 from ..trace import bind_checkpoint
 from ..weights import WeightStore
@@ -67,6 +67,7 @@ def stored(graph: OpGraph, weights: Any, owner: object) -> tuple[OpGraph, Path |
     The store folder goes away with ``owner`` (or at interpreter exit), so a client
     that never calls ``close()`` leaves nothing behind.
     """
+    graph = copied_if_unreadable(graph, weights)
     if not any(p.source.kind == "model" for p in graph.params.values()):
         return graph, None
     if not isinstance(weights, torch.nn.Module):
@@ -77,8 +78,41 @@ def stored(graph: OpGraph, weights: Any, owner: object) -> tuple[OpGraph, Path |
     weakref.finalize(owner, shutil.rmtree, folder, ignore_errors=True)
     (folder / OWNER).write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
     crcs = tile_checksums(weights, graph)
-    bound = bind_checkpoint(graph, write_store(weights, graph, folder)).with_meta(tile_crc32=crcs)
+    bound = bind_checkpoint(graph, write_store(weights, graph, folder), kinds=("model",))
+    bound = bound.with_meta(tile_crc32=crcs)
     return bound, folder
+
+
+def copied_if_unreadable(graph: OpGraph, weights: Any) -> OpGraph:
+    """``graph`` with the params whose file lies outside ``seabiscuit.roots`` taken from ``weights``
+    (so ``stored`` copies them to the store), where ``weights`` holds them: an ONNX model bound to
+    its own file (``sb.trace``) deploys from a folder the workers may not read, as a model in
+    memory does. Params ``weights`` does not hold stay as they are (the workers refuse them)."""
+    from dataclasses import replace
+
+    from ..ir import ParamSource, ParamSpec
+    from .access import check_source
+
+    if not isinstance(weights, torch.nn.Module):
+        return graph
+    held = dict(weights.named_buffers(remove_duplicate=False))
+    held.update(weights.named_parameters(remove_duplicate=False))
+    lazy = set(getattr(weights, "lazy_buffers", ()))
+    unreadable: dict[str, bool] = {}
+    params = {}
+    for name, p in graph.params.items():
+        src = p.source
+        if src.file and src.key in held and src.key not in lazy:
+            if src.file not in unreadable:
+                try:
+                    check_source(src)
+                    unreadable[src.file] = False
+                except AccessDenied:
+                    unreadable[src.file] = True
+            if unreadable[src.file]:
+                p = ParamSpec(name, p.shape, p.dtype, ParamSource("model", src.key, src.slices))
+        params[name] = p
+    return replace(graph, params=params) if any(unreadable.values()) else graph
 
 
 PREFIX = "seabiscuit-store-"

@@ -59,7 +59,7 @@ def trace(model_or_path: Any, example_inputs: Any, kwargs: Mapping[str, Any] | N
     kw = default_kwargs(model, kwargs)
     graph = cached_trace(model, args, kw, lambda: trace_module(model, args, kw))
     if isinstance(model, OnnxModule):     # NOTE: after the cache: the files are this model's own
-        graph = model.bind_external(graph)
+        graph = model.bind_stored(graph)
     graph = graph.with_meta(call=call_signature(model, len(args)), index_ranges=index_ranges(graph))
     if checkpoint is not None:
         graph = bind_checkpoint(graph, checkpoint)

@@ -20,13 +20,15 @@ def _candidates(key: str, aliases: Iterable[str]) -> list[str]:
     return keys + extra
 
 
-def bind_checkpoint(graph: OpGraph, path: str | os.PathLike[str]) -> OpGraph:
+def bind_checkpoint(graph: OpGraph, path: str | os.PathLike[str],
+                    kinds: tuple[str, ...] = ("model", "safetensors")) -> OpGraph:
     """Return a graph whose parameters load from the safetensors checkpoint at ``path``.
 
-    Works before or after ``decompose``: tiles keep their slices. Every param must
-    be found (by key, a tied alias, or without its top-level prefix) with a stored
-    shape that holds its slices; otherwise ``BadCheckpoint`` lists what is missing
-    and which shapes differ.
+    Works before or after ``decompose``: tiles keep their slices. Every param whose
+    source is of one of ``kinds`` must be found (by key, a tied alias, or without its
+    top-level prefix) with a stored shape that holds its slices; otherwise
+    ``BadCheckpoint`` lists what is missing and which shapes differ. Params of other
+    kinds keep their sources (``kinds=("model",)``: bind only what is read from memory).
     """
     stored: dict[str, StoredTensor] = {}
     for f in safetensors_files(path):
@@ -39,7 +41,7 @@ def bind_checkpoint(graph: OpGraph, path: str | os.PathLike[str]) -> OpGraph:
     params: dict[str, ParamSpec] = {}
     for name, p in graph.params.items():
         src = p.source
-        if src.kind in ("inline", "raw"):     # NOTE: their bytes are in the graph, or in their own file
+        if src.kind not in kinds:     # NOTE: inline, raw: their bytes are in the graph, or in their own file
             params[name] = p
             continue
         hit = next((stored[k] for k in _candidates(src.key, aliases.get(src.key, ()))

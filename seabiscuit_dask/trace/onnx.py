@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from ..errors import BadCheckpoint, BadInput, UnsupportedModel, UnsupportedOp
 from ..lower import quant as _quant  # noqa: F401  (defines torch.ops.sb.qlinear)
+from .onnx_read import Place, embedded_places, external_place, initializer_array, read_model
 
 Value = Any              # a torch.Tensor (traced) or an np.ndarray (a constant, folded)
 OpFn = Callable[["Node", list[Value]], list[Value]]
@@ -160,70 +161,9 @@ class Node:
         return UnsupportedOp(f"ONNX node {self.name!r} ({self.op_type}): {what}")
 
 
-def _read(source: Any) -> tuple[Any, Path | None]:
-    import onnx
-
-    if type(source).__name__ == "ModelProto":
-        return source, None
-    p = Path(source)
-    if p.is_dir():
-        p = p / "model.onnx"
-    if not p.is_file():
-        raise BadCheckpoint(f"no ONNX model at {p}")
-    try:
-        model = onnx.load(str(p), load_external_data=False)
-    except Exception as e:
-        raise BadCheckpoint(f"{p} ({p.stat().st_size} bytes) is not a readable ONNX model: "
-                            f"{type(e).__name__}: {str(e)[:200]}; it may be truncated") from e
-    if not model.graph.node:
-        raise BadCheckpoint(f"{p} ({p.stat().st_size} bytes) holds no graph nodes; it may be truncated")
-    return model, p.parent
-
-
-def _external_place(t: Any, folder: Path | None) -> tuple[Path, int, np.dtype, tuple[int, ...]]:
-    """``(file, offset, dtype, shape)`` of an initializer stored outside the model file, checked:
-    the file lies inside the model's folder and holds the tensor's bytes."""
-    from onnx import helper
-
-    info = {e.key: e.value for e in t.external_data}
-    where = f"initializer {t.name!r}"
-    if folder is None:
-        raise BadCheckpoint(f"{where} lives in external file {info.get('location')!r}, but the model was "
-                            "given as a ModelProto: load it from its file, or with its data")
-    loc = info.get("location", "")
-    path = (folder / loc).resolve()
-    if not loc or os.path.isabs(loc) or folder.resolve() not in path.parents:
-        raise BadCheckpoint(f"{where}: external data location {loc!r} is outside the model's folder "
-                            f"{folder}; only files inside it are read")
-    if not path.is_file():
-        raise BadCheckpoint(f"{where}: external data file {path} is missing")
-    dtype = np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type))
-    shape = tuple(int(d) for d in t.dims)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    offset = int(info.get("offset", 0))
-    length = int(info.get("length", nbytes))
-    size = path.stat().st_size
-    if length != nbytes or offset + length > size:
-        raise BadCheckpoint(f"{where}: needs {nbytes} bytes at offset {offset} of {path} "
-                            f"({size} bytes, length given {length}): the file is truncated or wrong")
-    return path, offset, dtype, shape
-
-
-def _external(t: Any, folder: Path | None) -> np.ndarray:
-    """An initializer stored outside the model file: only its own bytes, from inside the model's folder."""
-    path, offset, dtype, shape = _external_place(t, folder)
-    with path.open("rb") as f:
-        f.seek(offset)
-        data = f.read(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
-    return np.frombuffer(data, dtype=dtype).reshape(shape).copy()
-
-
-def _array(t: Any, folder: Path | None) -> np.ndarray:
-    from onnx import numpy_helper
-
-    if t.data_location == 1:      # NOTE: TensorProto.EXTERNAL
-        return _external(t, folder)
-    return np.asarray(numpy_helper.to_array(t))
+def _same(place: Place, v: Any) -> bool:
+    """Whether a constant is the initializer at ``place`` as stored (its dtype and shape)."""
+    return bool(np.dtype(v.dtype) == place[2] and tuple(v.shape) == place[3])
 
 
 def _safe(name: str, taken: set[str]) -> str:
@@ -239,9 +179,11 @@ def _safe(name: str, taken: set[str]) -> str:
 class OnnxModule(torch.nn.Module):
     """An ONNX graph as a torch module (``load_onnx``): ``forward(*inputs)`` in the graph's input order."""
 
-    def __init__(self, model: Any, folder: Path | None = None, name: str = "",
+    def __init__(self, model: Any, path: Path | None = None, name: str = "",
                  constants: Mapping[str, Any] | None = None, lazy: bool = False) -> None:
         super().__init__()
+        self.path = path           # NOTE: the .onnx file it was read from (None: a ModelProto)
+        folder = path.parent if path is not None else None
         g = model.graph
         self.onnx_name = name or str(g.name) or "onnx"
         self.opset = max([int(o.version) for o in model.opset_import if o.domain in ("", "ai.onnx")] or [13])
@@ -253,17 +195,21 @@ class OnnxModule(torch.nn.Module):
             raise n.fail(f"op {n.domain + '.' if n.domain else ''}{n.op_type} is not supported "
                          f"({len(missing)} node(s) of {len(kinds)} unsupported op type(s): "
                          f"{', '.join(kinds[:10])}); supported: {len(ONNX_OPS)} op types")
-        places = {t.name: _external_place(t, folder) for t in g.initializer
-                  if t.data_location == 1 and t.name not in (constants or {})}
+        external = {t.name: external_place(t, folder) for t in g.initializer
+                    if t.data_location == 1 and t.name not in (constants or {})}
+        places: dict[str, Place] = {**(embedded_places(path) if path is not None else {}), **external}
+        for k in constants or {}:
+            places.pop(k, None)
         needed = _read_at_load(self.nodes, {t.name for t in g.initializer} | set(constants or {})) \
             if lazy else set()
         # NOTE: lazy: external weights (2-D and up) that no folding reads stay in their file
-        consts: dict[str, Any] = {t.name: LazyArray(places[t.name]) if lazy and t.name in places
+        consts: dict[str, Any] = {t.name: LazyArray(external[t.name]) if lazy and t.name in external
                                   and t.name not in needed and len(t.dims) >= 2
-                                  and int(np.prod(t.dims)) > INLINE_ELEMENTS else _array(t, folder)
+                                  and int(np.prod(t.dims)) > INLINE_ELEMENTS else initializer_array(t, folder)
                                   for t in g.initializer}
-        # NOTE: buffer -> (file, offset, stored shape, transposed) of buffers that are external data
-        self.external: dict[str, tuple[str, int, tuple[int, ...], bool]] = {}
+        # NOTE: buffer -> (file, offset, stored shape, transposed) of the buffers that are an initializer
+        # (or its transpose) as stored: in the model file or in its external data
+        self.stored_at: dict[str, tuple[str, int, tuple[int, ...], bool]] = {}
         self.lazy_buffers: set[str] = set()         # NOTE: buffers standing in for unread external data
         # NOTE: graph inputs given as constants (shape operands, say) are traced as their values
         consts.update({k: np.asarray(v) for k, v in (constants or {}).items()})
@@ -297,8 +243,8 @@ class OnnxModule(torch.nn.Module):
                 if isinstance(held, LazyArray):
                     self.lazy_buffers.add(b)
                 self.buffer_of[k] = b
-                if k in places:
-                    self.external[b] = (str(places[k][0]), places[k][1], places[k][3], k in weights_t)
+                if k in places and _same(places[k], v):
+                    self.stored_at[b] = (str(places[k][0]), places[k][1], places[k][3], k in weights_t)
         for n, (w, scale, zero, origin) in quant.items():
             names: list[str | None] = []
             for what, arr in (("w", w), ("scale", scale), ("zero", zero)):
@@ -312,7 +258,7 @@ class OnnxModule(torch.nn.Module):
                     self.lazy_buffers.add(b)
                 if what == "w" and origin[0] in places:
                     f, offset, _, shape = places[origin[0]]
-                    self.external[b] = (str(f), offset, shape, origin[1])
+                    self.stored_at[b] = (str(f), offset, shape, origin[1])
             n.quant = QuantSlot(B_SLOTS[n.op_type][0], names[0] or "", names[1], names[2])
         # NOTE: only what forward reads is kept; the buffers are the weights' one copy
         self.folded = set(self.consts)
@@ -321,25 +267,55 @@ class OnnxModule(torch.nn.Module):
         digest = hashlib.sha256(model.SerializeToString(deterministic=True)).hexdigest()[:16]
         self.fingerprint = digest
 
-    def bind_external(self, graph: Any) -> Any:
-        """``graph`` with the params that are external data read from the external file: a tile
-        reads only its own bytes there (``ParamSource`` kind ``raw``), and nothing is copied."""
+    def bind_stored(self, graph: Any) -> Any:
+        """``graph`` with the params that are initializers as stored read from the model's files: a
+        tile reads only its own bytes of the ``.onnx`` file or of its external data (``ParamSource``
+        kind ``raw``), and nothing is copied."""
         from dataclasses import replace
 
         from ..ir import ParamSource, ParamSpec
 
-        if not self.external:
+        if self.path is None:
             return graph
+        derived = {p.source.key for p in graph.params.values() if p.source.kind == "model"
+                   and p.source.key not in self.stored_at and p.source.key not in self.lazy_buffers}
+        made = self._derived_file(derived) if derived else None
         params = {}
         for name, p in graph.params.items():
-            place = self.external.get(p.source.key) if p.source.kind == "model" else None
+            place = self.stored_at.get(p.source.key) if p.source.kind == "model" else None
             if place is not None:
                 f, offset, stored, transposed = place
                 p = ParamSpec(name, p.shape, p.dtype, ParamSource("raw", p.source.key, p.source.slices, f,
                                                                   offset=offset, stored=stored,
                                                                   transposed=transposed))
+            elif made is not None and p.source.key in derived:
+                src = ParamSource("safetensors", p.source.key, p.source.slices, str(made))
+                p = ParamSpec(name, p.shape, p.dtype, src)
             params[name] = p
         return replace(graph, params=params)
+
+    def _derived_file(self, keys: set[str]) -> Path:
+        """A safetensors file in the cache folder holding the buffers ``keys``, which load computed
+        from the initializers (folded constants, dequantized tables, per-column scales): named by
+        their content, so it is written once and any worker that reads it reads these values."""
+        from safetensors.torch import save_file
+
+        from ..config import cache_dir
+
+        tensors, digest = {}, hashlib.sha256()
+        for k in sorted(keys):
+            t = getattr(self, k).detach().contiguous().clone()
+            tensors[k] = t
+            digest.update(f"{k}:{t.dtype}:{tuple(t.shape)}".encode())
+            digest.update(t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        path = cache_dir() / "onnx" / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', self.onnx_name)}-" \
+                                      f"{digest.hexdigest()[:24]}.safetensors"
+        if not path.is_file():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            part = path.with_name(f"{path.name}.{os.getpid()}.part")
+            save_file(tensors, os.fspath(part))
+            os.replace(part, path)
+        return path
 
     def extra_repr(self) -> str:
         # NOTE: in the template key (templates.architecture_key): the graph and the op functions
@@ -520,9 +496,9 @@ def load_onnx(source: Any, constants: Mapping[str, Any] | None = None, lazy: boo
     ``lazy``: external-data weights that no folding needs are not read: the module holds them on
     the meta device (it traces, it does not run eagerly) and workers read their tiles from the
     file; ``sb.trace`` and ``sb.distribute`` load a path so."""
-    model, folder = _read(source)
+    model, path = read_model(source)
     name = Path(source).stem if isinstance(source, (str, os.PathLike)) else ""
-    return OnnxModule(model, folder, name, constants, lazy).eval()
+    return OnnxModule(model, path, name, constants, lazy).eval()
 
 
 def symbolic_inputs(module: OnnxModule) -> dict[str, list[Any]]:
