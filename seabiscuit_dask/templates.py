@@ -9,10 +9,12 @@ JSON files under ``seabiscuit.cache.directory`` for the next one.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import os
 import tempfile
+import types
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from functools import cache
@@ -43,7 +45,6 @@ def _class_source_hash(cls: Any) -> str:
 
 
 @cache
-@cache
 def _code_hash(*parts: str) -> str:
     """A hash of these files and folders of the package: a template is reused only by the code
     that made it (a changed rule or op kind within one version makes new templates)."""
@@ -67,12 +68,66 @@ def _tracer_hash() -> str:
     return _code_hash("trace", "ir.py", "ops.py", "lower/registry.py")
 
 
-def _settings(module: torch.nn.Module) -> list[tuple[str, str]]:
-    """A module's plain settings (``count_include_pad``, ``ceil_mode``...), which its repr may omit."""
-    plain = (int, float, bool, str, type(None))
-    return sorted((k, repr(v)) for k, v in vars(module).items()
-                  if not k.startswith("_") and (isinstance(v, plain) or (
-                      isinstance(v, (tuple, list)) and all(isinstance(x, plain) for x in v))))
+def _settings(module: torch.nn.Module, seen: dict[int, str]) -> list[tuple[str, str]]:
+    """A module's own attributes, which its repr may omit and its forward may read: plain settings
+    (``ceil_mode``...), and also a tensor or array that is no buffer (baked into the trace as a
+    constant) by its values, a function by its code, a config by its JSON, anything else by its
+    type. ``seen``: descriptions already made in this key, by object id (a shared config)."""
+    return sorted((k, _describe(v, seen)) for k, v in vars(module).items() if not k.startswith("_"))
+
+
+_PLAIN = (int, float, bool, str, bytes, type(None))
+
+
+def _describe(v: Any, seen: dict[int, str], depth: int = 0) -> str:
+    """What of ``v`` tracing may depend on, as text (``_settings``)."""
+    if isinstance(v, _PLAIN):
+        return repr(v)
+    if depth > 3:
+        return type(v).__qualname__
+    if id(v) in seen:
+        return seen[id(v)]
+    if isinstance(v, (tuple, list, set, frozenset)):
+        items = sorted(v, key=repr) if isinstance(v, (set, frozenset)) else v
+        out = f"{type(v).__name__}[{', '.join(_describe(x, seen, depth + 1) for x in items)}]"
+    elif isinstance(v, Mapping):
+        out = "{" + ", ".join(f"{k!r}: {_describe(x, seen, depth + 1)}" for k, x in v.items()) + "}"
+    elif isinstance(v, torch.nn.Module):
+        out = "module"                   # NOTE: a submodule is keyed as one, by named_modules
+    elif isinstance(v, torch.Tensor):
+        out = f"tensor{tuple(v.shape)}{v.dtype}" + ("" if v.is_meta else ":" + _bytes_hash(
+            v.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()))
+    elif type(v).__module__ == "numpy" and hasattr(v, "tobytes"):
+        out = f"array{getattr(v, 'shape', ())}{v.dtype}:{_bytes_hash(v.tobytes())}"
+    elif hasattr(v, "to_json_string"):
+        out = str(v.to_json_string())
+    elif isinstance(v, types.MethodType):
+        out = f"method {type(v.__self__).__qualname__}.{_describe(v.__func__, seen, depth + 1)}"
+    elif isinstance(v, functools.partial):
+        out = f"partial {_describe((v.func, v.args, v.keywords), seen, depth + 1)}"
+    elif isinstance(v, types.FunctionType):
+        code = v.__code__
+        cells = [c.cell_contents for c in v.__closure__ or () if c.cell_contents is not v]
+        out = (f"function {v.__qualname__}:{_code_text(code)}:"
+               f"{_describe(cells, seen, depth + 1)}:{_describe(v.__defaults__, seen, depth + 1)}")
+    elif isinstance(v, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        out = f"op {v!r}"
+    elif hasattr(v, "__qualname__"):              # NOTE: a builtin function (torch.relu), a class
+        out = f"{getattr(v, '__module__', None)}.{v.__qualname__}"
+    else:
+        out = type(v).__qualname__
+    seen[id(v)] = out
+    return out
+
+
+def _code_text(code: types.CodeType) -> str:
+    """A function's code as text that is the same in every process (no addresses)."""
+    consts = [_code_text(c) if isinstance(c, types.CodeType) else repr(c) for c in code.co_consts]
+    return _bytes_hash(code.co_code + repr((code.co_names, consts)).encode())
+
+
+def _bytes_hash(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()[:16]
 
 
 def architecture_key(model: torch.nn.Module, args: tuple[Any, ...],
@@ -87,8 +142,9 @@ def architecture_key(model: torch.nn.Module, args: tuple[Any, ...],
 
     put(__version__, SCHEMA_VERSION, _tracer_hash(), torch.__version__, type(model).__module__,
         type(model).__qualname__, repr(model))
+    seen: dict[int, str] = {}
     for name, m in model.named_modules():
-        put(name, _settings(m))
+        put(name, _settings(m, seen))
     for cls in sorted({type(m) for m in model.modules()}, key=lambda c: c.__qualname__):
         put(cls.__qualname__, _class_source_hash(cls))  # type: ignore[arg-type]
     for name, p in model.named_parameters(remove_duplicate=False):

@@ -72,6 +72,31 @@ def test_module_settings_missing_from_repr_change_the_key() -> None:
     assert torch.equal(sb.run_local(b, x, weights=model), model(x))
 
 
+class _Calls(nn.Module):
+    """Its forward reads a function and a plain tensor attribute (no buffer): both are baked
+    into a trace, and neither shows in its repr."""
+
+    def __init__(self, fn, scale: torch.Tensor) -> None:
+        super().__init__()
+        self.fn, self.scale = fn, scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fn(x) * self.scale
+
+
+def test_functions_and_tensor_attributes_change_the_key() -> None:
+    x = torch.randn(4, 8)
+    one = torch.ones(8)
+    models = [_Calls(torch.relu, one), _Calls(torch.tanh, one), _Calls(lambda t: t + 1, one),
+              _Calls(lambda t: t - 1, one), _Calls(torch.relu, 2 * one)]
+    graphs = [sb.trace(m, (x,)) for m in models]
+    assert len({g.meta["template_key"] for g in graphs}) == len(models)
+    for g, m in zip(graphs, models):                # each runs as its own module, none as another's
+        torch.testing.assert_close(sb.run_local(g, x, weights=m), m(x))
+    again = sb.trace(_Calls(torch.relu, torch.ones(8)), (x,))      # equal values: the same template
+    assert again.meta["template_key"] == graphs[0].meta["template_key"]
+
+
 def test_other_tracing_or_decomposition_code_makes_new_templates(monkeypatch) -> None:
     """A template is reused only by the code that made it: an op kind or rule changed within one
     version must not be answered from a cache written before the change."""
