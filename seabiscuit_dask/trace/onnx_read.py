@@ -120,7 +120,8 @@ def embedded_places(path: Path) -> dict[str, Place]:
 
 
 def _tensor_place(buf: Any, start: int, stop: int, path: Path) -> tuple[str, Place] | None:
-    name, dtype_code, dims, data, location = "", 0, [], None, 0
+    name, dtype_code, data, location = "", 0, None, 0
+    dims: list[int] = []
     for num, a, b in _fields(buf, start, stop, path):
         if num == _NAME:
             name = bytes(buf[a:b]).decode("utf-8", "replace")
