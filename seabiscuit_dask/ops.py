@@ -7,7 +7,7 @@ may be cut into independent strips (``None``: it may not).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
@@ -41,7 +41,10 @@ ELEMENTWISE = {
         "round.default", "floor.default", "ceil.default", "sign.default",
         "detach_.default", "pow.Scalar", "square.default", "max.other", "min.other", "multiply.Tensor",
         "gt.Tensor", "ge.Tensor", "lt.Tensor", "le.Scalar", "where.ScalarOther", "where.ScalarSelf",
-        "div_.Tensor", "mul_.Tensor", "add_.Tensor",
+        "div_.Tensor", "mul_.Tensor", "add_.Tensor", "tan.default", "asin.default", "acos.default",
+        "atan.default", "sinh.default", "cosh.default", "asinh.default", "acosh.default", "atanh.default",
+        "mish.default", "celu.default", "fmod.Tensor", "remainder.Tensor", "__xor__.Tensor",
+        "__lshift__.Tensor", "__rshift__.Tensor",
     )
 }
 NORM = {
@@ -180,3 +183,13 @@ def ref_name(value: Any) -> tuple[str, str] | None:
     elif len(value) == 2 and "t" in value and "view" in value:
         return "t", value["t"]
     return None
+
+
+# Ops no rule cuts, and why: ``decompose`` names the reason when one of them is over the budget
+# (with the smallest budget that works). Every other registered op is cut to any budget
+# (``tests/test_every_op.py``).
+INDIVISIBLE: Mapping[str, str] = MappingProxyType({})
+
+# Tile ops that only decomposition rules make, each piece cut to fit when it is made (they are
+# never in a traced graph): the rule that makes them.
+PIECES: Mapping[str, str] = MappingProxyType({})

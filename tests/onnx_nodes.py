@@ -26,7 +26,12 @@ UNSUPPORTED_DTYPES = {"uint16", "uint32", "uint64", "bfloat16", "float8_e4m3fn",
 SHAPE_OPERANDS = {"Reshape": (1,), "Expand": (1,), "Tile": (1,), "Slice": (1, 2, 3, 4), "Unsqueeze": (1,),
                   "Squeeze": (1,), "ReduceSum": (1,), "ReduceMean": (1,), "ReduceMax": (1,),
                   "ReduceMin": (1,), "Range": (0, 1, 2), "ConstantOfShape": (0,), "Split": (1,),
-                  "Clip": (1, 2), "Dropout": (1, 2), "Pad": (1, 2, 3)}
+                  "Clip": (1, 2), "Dropout": (1, 2), "Pad": (1, 2, 3), "Resize": (1, 2, 3), "Upsample": (1,),
+                  "TopK": (1,), "CumSum": (1,), "CumProd": (1,), "OneHot": (1,), "Trilu": (1,),
+                  "Compress": (1,), "ReverseSequence": (1,), "CenterCropPad": (1,), "ReduceL1": (1,),
+                  "ReduceL2": (1,), "ReduceLogSum": (1,), "ReduceLogSumExp": (1,), "ReduceProd": (1,),
+                  "ReduceSumSquare": (1,), "Col2Im": (1, 2), "MaxUnpool": (2,), "AffineGrid": (1,),
+                  "HannWindow": (0,), "HammingWindow": (0,), "BlackmanWindow": (0,)}
 # The op types SeaBiscuit claims: at least 95% of the node test cases of each that run pass
 # (cases of dtypes torch does not compute with are skipped, and counted).
 CLAIMED = tuple("""
@@ -39,6 +44,13 @@ CLAIMED = tuple("""
     Pow QLinearMatMul QuantizeLinear Reciprocal ReduceMax ReduceMean ReduceMin ReduceSum Relu
     Reshape Round Selu Shape Sigmoid Sign Sin Size Slice Softmax Softplus Softsign Split Sqrt
     Squeeze Sub Sum Tanh Tile Transpose Unsqueeze Where
+    Acos Acosh AffineGrid ArgMax ArgMin Asin Asinh Atan Atanh BitShift BitwiseAnd BitwiseNot BitwiseOr
+    BitwiseXor BlackmanWindow CastLike Celu CenterCropPad Col2Im Compress ConvInteger Cosh CumProd CumSum
+    DepthToSpace Det Einsum EyeLike GroupNormalization HammingWindow HannWindow HardSwish Hardmax IsInf
+    LpNormalization LpPool MaxUnpool MeanVarianceNormalization Mish Mod NegativeLogLikelihoodLoss OneHot
+    QLinearConv RMSNormalization Range ReduceL1 ReduceL2 ReduceLogSum ReduceLogSumExp ReduceProd
+    ReduceSumSquare Resize ReverseSequence RotaryEmbedding Scatter ScatterElements ScatterND Shrink Sinh
+    SoftmaxCrossEntropyLoss SpaceToDepth SwiGLU Swish Tan ThresholdedRelu TopK Trilu Upsample Xor
 """.split())
 
 

@@ -52,7 +52,9 @@ ATEN_TARGETS: tuple[str, ...] = tuple(f"aten.{n}" for n in (
     "clamp.default", "clamp_min.default", "minimum.default", "maximum.default",
     "dropout.default", "round.default", "floor.default", "ceil.default", "sign.default",
     "pow.Scalar", "square.default", "max.other", "min.other", "multiply.Tensor", "div_.Tensor",
-    "mul_.Tensor",
+    "mul_.Tensor", "tan.default", "asin.default", "acos.default", "atan.default", "sinh.default",
+    "cosh.default", "asinh.default", "acosh.default", "atanh.default", "mish.default", "celu.default",
+    "fmod.Tensor", "remainder.Tensor", "__xor__.Tensor", "__lshift__.Tensor", "__rshift__.Tensor",
     # comparisons, logic, selection
     "eq.Tensor", "eq.Scalar", "ne.Tensor", "ne.Scalar", "gt.Tensor", "gt.Scalar",
     "ge.Tensor", "ge.Scalar", "lt.Tensor", "lt.Scalar", "le.Tensor", "le.Scalar",
@@ -70,7 +72,8 @@ ATEN_TARGETS: tuple[str, ...] = tuple(f"aten.{n}" for n in (
     # reductions
     "sum.default", "sum.dim_IntList", "mean.dim", "amax.default", "max.dim",
     "argmax.default", "cumsum.default", "diff.default", "max.default", "min.default", "topk.default",
-    "sort.default", "floor_divide.default", "histc.default",
+    "sort.default", "floor_divide.default", "histc.default", "argmin.default", "prod.dim_int",
+    "logsumexp.default", "cumprod.default", "sort.stable",
     "item.default",
     # weight normalisation (of a convolution's weight, from its parametrization)
     "_weight_norm.default",
@@ -85,12 +88,15 @@ ATEN_TARGETS: tuple[str, ...] = tuple(f"aten.{n}" for n in (
     "unflatten.int", "split.Tensor", "split_with_sizes.default", "chunk.default", "unbind.int",
     "repeat.default", "repeat_interleave.self_int", "cat.default", "stack.default",
     "reshape_as.default", "broadcast_to.default", "pad.default", "constant_pad_nd.default", "im2col.default",
+    "flip.default", "triu.default", "tril.default",
     # creation (sizes and values come from the graph, never data from outside it)
     "arange.default", "arange.start", "arange.start_step", "full.default", "zeros.default",
     "ones.default", "new_ones.default", "new_zeros.default", "full_like.default",
     "zeros_like.default", "ones_like.default", "scalar_tensor.default", "empty.memory_format",
     # indexing
-    "index.Tensor", "gather.default", "index_select.default",
+    "index.Tensor", "gather.default", "index_select.default", "scatter.src", "scatter_reduce.two",
+    # linear algebra on small matrices, and einsum (run whole)
+    "einsum.default", "linalg_det.default",
 ))
 
 # NOTE: dtype names are the IR's vocabulary (ir.DTYPE_BYTES); layouts and memory formats are

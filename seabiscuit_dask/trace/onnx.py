@@ -42,6 +42,8 @@ def onnx_op(*names: str, fold: bool = False) -> Callable[[OpFn], OpFn]:
     """Register ``fn`` for ONNX op types ``names`` (for constants too, when ``fold``)."""
     def deco(fn: OpFn) -> OpFn:
         for n in names:
+            if n in ONNX_OPS:
+                raise ValueError(f"ONNX op type {n!r} is registered twice")
             ONNX_OPS[n] = fn
             if fold:
                 FOLDS[n] = fn
@@ -562,6 +564,8 @@ for _name, _np, _t in [
     ("Greater", np.greater, lambda x, y: x > y), ("LessOrEqual", np.less_equal, lambda x, y: x <= y),
     ("GreaterOrEqual", np.greater_equal, lambda x, y: x >= y),
     ("And", np.logical_and, lambda x, y: x & y), ("Or", np.logical_or, lambda x, y: x | y),
+    ("Xor", np.logical_xor, lambda x, y: x ^ y), ("BitwiseAnd", np.bitwise_and, lambda x, y: x & y),
+    ("BitwiseOr", np.bitwise_or, lambda x, y: x | y), ("BitwiseXor", np.bitwise_xor, lambda x, y: x ^ y),
 ]:
     def _mk(np_fn: Any = _np, t_fn: Any = _t) -> OpFn:
         def run(node: Node, vals: list[Value]) -> list[Value]:
@@ -592,9 +596,12 @@ for _name, _fn in [
     ("Relu", torch.relu), ("Sigmoid", torch.sigmoid), ("Tanh", torch.tanh), ("Exp", torch.exp),
     ("Log", torch.log), ("Sqrt", torch.sqrt), ("Abs", torch.abs), ("Erf", torch.erf),
     ("Reciprocal", torch.reciprocal), ("Sin", torch.sin), ("Cos", torch.cos),
-    ("Softsign", lambda x: x / (1 + x.abs())), ("Softplus", F.softplus),
+    ("Softsign", lambda x: x / (1 + x.abs())),
     ("Floor", torch.floor), ("Ceil", torch.ceil), ("Round", torch.round), ("Sign", torch.sign),
-    ("IsNaN", lambda x: x != x),
+    ("IsNaN", lambda x: x != x), ("Tan", torch.tan), ("Asin", torch.asin), ("Acos", torch.acos),
+    ("Atan", torch.atan), ("Sinh", torch.sinh), ("Cosh", torch.cosh), ("Asinh", torch.asinh),
+    ("Acosh", torch.acosh), ("Atanh", torch.atanh), ("HardSwish", F.hardswish), ("Mish", F.mish),
+    ("BitwiseNot", torch.bitwise_not),
 ]:
     onnx_op(_name)(_unary(_fn))  # type: ignore[arg-type]
 
@@ -1316,5 +1323,588 @@ def _qlinear_matmul(node: Node, vals: list[Value]) -> list[Value]:
         acc = torch.matmul(a.to(torch.int32) - a_zp.to(torch.int32), b.to(torch.int32) - b_zp.to(torch.int32))
     scale = (a_scale * b_scale / y_scale).to(torch.float32)
     q = torch.round(acc.to(torch.float32) * scale) + y_zp.to(torch.float32)
+    lo, hi = _RANGES[y_zp.dtype]
+    return [torch.clamp(q, lo, hi).to(y_zp.dtype)]
+
+
+# --- more elementwise, reductions and selections ---------------------------------------------
+@onnx_op("Celu")
+def _celu(node: Node, vals: list[Value]) -> list[Value]:
+    return [F.celu(_tensor(vals[0]), float(node.attr("alpha", 1.0)))]
+
+
+@onnx_op("ThresholdedRelu")
+def _thresholded_relu(node: Node, vals: list[Value]) -> list[Value]:
+    x = _tensor(vals[0])
+    return [torch.where(x > float(node.attr("alpha", 1.0)), x, 0.0)]
+
+
+@onnx_op("Shrink")
+def _shrink(node: Node, vals: list[Value]) -> list[Value]:
+    x = _tensor(vals[0])
+    lambd, bias = float(node.attr("lambd", 0.5)), float(node.attr("bias", 0.0))
+    return [torch.where(x < -lambd, x + bias, torch.where(x > lambd, x - bias, 0.0)).to(x.dtype)]
+
+
+@onnx_op("Swish")
+def _swish(node: Node, vals: list[Value]) -> list[Value]:
+    x = _tensor(vals[0])
+    return [x * torch.sigmoid(x * float(node.attr("alpha", 1.0)))]
+
+
+@onnx_op("SwiGLU")
+def _swiglu(node: Node, vals: list[Value]) -> list[Value]:
+    a, b = _tensor(vals[0]), _tensor(vals[1])
+    return [a * torch.sigmoid(a * float(node.attr("alpha", 1.0))) * b]
+
+
+@onnx_op("IsInf")
+def _isinf(node: Node, vals: list[Value]) -> list[Value]:
+    x = _tensor(vals[0])
+    hits = [x == s for s, on in ((float("inf"), node.attr("detect_positive", 1)),
+                                 (float("-inf"), node.attr("detect_negative", 1))) if on]
+    if not hits:
+        return [torch.zeros_like(x, dtype=torch.bool)]
+    return [hits[0] | hits[1] if len(hits) == 2 else hits[0]]
+
+
+@onnx_op("Mod")
+def _mod(node: Node, vals: list[Value]) -> list[Value]:
+    a, b = _tensor(vals[0]), _tensor(vals[1])      # NOTE: fmod: C's sign (of a); else Python's (of b)
+    return [torch.fmod(a, b) if node.attr("fmod", 0) else torch.remainder(a, b)]
+
+
+@onnx_op("BitShift")
+def _bitshift(node: Node, vals: list[Value]) -> list[Value]:
+    a, b = _tensor(vals[0]), _tensor(vals[1])      # NOTE: torch's out-of-range shifts are ONNX's
+    return [a << b if node.attr("direction") == "LEFT" else a >> b]
+
+
+@onnx_op("CastLike", fold=True)
+def _cast_like(node: Node, vals: list[Value]) -> list[Value]:
+    v, like = vals[0], vals[1]
+    if isinstance(v, np.ndarray) and isinstance(like, np.ndarray):
+        return [v.astype(like.dtype)]
+    return [_tensor(v).to(like.dtype if isinstance(like, torch.Tensor) else _tensor(like).dtype)]
+
+
+@onnx_op("ArgMax", "ArgMin")
+def _arg_extreme(node: Node, vals: list[Value]) -> list[Value]:
+    x = _tensor(vals[0])
+    axis = _axis(int(node.attr("axis", 0)), x.dim())
+    keep = bool(node.attr("keepdims", 1))
+    fn = torch.argmax if node.op_type == "ArgMax" else torch.argmin
+    if not node.attr("select_last_index", 0):
+        return [fn(x, axis, keepdim=keep)]
+    return [x.shape[axis] - 1 - fn(x.flip(axis), axis, keepdim=keep)]     # NOTE: the last of equal ones
+
+
+def _reduce_axes(node: Node, vals: list[Value], rank: int) -> list[int] | None:
+    """The dims a Reduce* node reduces (axes an input from opset 18, an attribute before);
+    None: none (an empty axes with ``noop_with_empty_axes``)."""
+    axes = _axes(node, vals, 1) if node.opset >= 18 else node.attr("axes")
+    if not axes:
+        return None if axes is not None and node.attr("noop_with_empty_axes", 0) else list(range(rank))
+    return sorted(_axis(a, rank) for a in axes)
+
+
+def _prod(x: torch.Tensor, dims: list[int], keep: bool) -> torch.Tensor:
+    for d in reversed(dims):
+        x = x.prod(d, keepdim=keep)
+    return x
+
+
+_REDUCERS: dict[str, Callable[[torch.Tensor, list[int], bool], torch.Tensor]] = {
+    "ReduceL1": lambda x, d, k: x.abs().sum(d, keepdim=k),
+    "ReduceL2": lambda x, d, k: torch.sqrt((x * x).sum(d, keepdim=k)),
+    "ReduceSumSquare": lambda x, d, k: (x * x).sum(d, keepdim=k),
+    "ReduceLogSum": lambda x, d, k: torch.log(x.sum(d, keepdim=k)),
+    "ReduceLogSumExp": lambda x, d, k: torch.logsumexp(x, d, keepdim=k),
+    "ReduceProd": _prod,
+}
+
+
+@onnx_op(*_REDUCERS)
+def _reduce_more(node: Node, vals: list[Value]) -> list[Value]:
+    x = _tensor(vals[0])
+    dims = _reduce_axes(node, vals, x.dim())
+    if dims is None:
+        return [x]
+    return [_REDUCERS[node.op_type](x, dims, bool(node.attr("keepdims", 1))).to(x.dtype)]
+
+
+@onnx_op("Hardmax")
+def _hardmax(node: Node, vals: list[Value]) -> list[Value]:
+    x = _tensor(vals[0])
+    if node.opset < 13:
+        raise node.fail("Hardmax before opset 13 (the input coerced to 2-D) is not supported")
+    axis = _axis(int(node.attr("axis", -1)), x.dim())
+    shape = [1] * x.dim()
+    shape[axis] = x.shape[axis]
+    hot = x.argmax(axis, keepdim=True) == torch.arange(x.shape[axis]).reshape(shape)
+    return [hot.to(x.dtype)]
+
+
+@onnx_op("TopK")
+def _topk(node: Node, vals: list[Value]) -> list[Value]:
+    x = _tensor(vals[0])
+    k = _ints(vals[1])[0] if len(vals) > 1 else int(node.attr("k"))
+    axis = _axis(int(node.attr("axis", -1)), x.dim())
+    # NOTE: a stable sort: of equal values the one of lower index comes first, as ONNX asks
+    y, idx = torch.sort(x, stable=True, dim=axis, descending=bool(node.attr("largest", 1)))
+    return [y.narrow(axis, 0, k), idx.narrow(axis, 0, k)]
+
+
+@onnx_op("CumSum", "CumProd")
+def _cumulative(node: Node, vals: list[Value]) -> list[Value]:
+    x = _tensor(vals[0])
+    axis = _axis(_ints(vals[1])[0], x.dim())
+    reverse, exclusive = bool(node.attr("reverse", 0)), bool(node.attr("exclusive", 0))
+    x = x.flip(axis) if reverse else x
+    y = (torch.cumsum if node.op_type == "CumSum" else torch.cumprod)(x, axis, dtype=x.dtype)
+    if exclusive:          # NOTE: shifted by one: the identity first, the last total dropped
+        first = (torch.zeros_like if node.op_type == "CumSum" else torch.ones_like)(y.narrow(axis, 0, 1))
+        y = torch.cat([first, y.narrow(axis, 0, y.shape[axis] - 1)], dim=axis)
+    return [y.flip(axis) if reverse else y]
+
+
+@onnx_op("Trilu")
+def _trilu(node: Node, vals: list[Value]) -> list[Value]:
+    x = _tensor(vals[0])
+    k = _ints(vals[1])[0] if len(vals) > 1 and vals[1] is not None else 0
+    return [torch.triu(x, k) if node.attr("upper", 1) else torch.tril(x, k)]
+
+
+@onnx_op("EyeLike", fold=True)
+def _eye_like(node: Node, vals: list[Value]) -> list[Value]:
+    shape = list(vals[0].shape)
+    if len(shape) != 2:
+        raise node.fail(f"EyeLike of a {len(shape)}-d input is not supported (2-d only)")
+    eye, to = np.eye(shape[0], shape[1], k=int(node.attr("k", 0))), node.attr("dtype")
+    if to is not None:
+        return [eye.astype(_np_dtype(to))]
+    return [eye.astype(vals[0].dtype) if isinstance(vals[0], np.ndarray) else _tensor(eye).to(vals[0].dtype)]
+
+
+@onnx_op("OneHot")
+def _one_hot(node: Node, vals: list[Value]) -> list[Value]:
+    idx, values = _tensor(vals[0]), _tensor(vals[2])
+    depth = _ints(vals[1])[0]
+    axis = _axis(int(node.attr("axis", -1)), idx.dim() + 1)
+    shape = [1] * (idx.dim() + 1)
+    shape[axis] = depth
+    idx = torch.where(idx < 0, idx + depth, idx).unsqueeze(axis)
+    hot = idx == torch.arange(depth, dtype=idx.dtype).reshape(shape)
+    return [torch.where(hot, values[1], values[0])]
+
+
+@onnx_op("Compress")
+def _compress(node: Node, vals: list[Value]) -> list[Value]:
+    if isinstance(vals[1], torch.Tensor):
+        raise node.fail("a Compress condition that depends on the inputs is not supported (its output "
+                        "shape would depend on values)")
+    x, keep = _tensor(vals[0]), np.flatnonzero(np.asarray(vals[1]))
+    axis = node.attr("axis")
+    if axis is None:
+        x, axis = x.reshape(-1), 0
+    return [torch.index_select(x, _axis(int(axis), x.dim()), torch.from_numpy(keep.astype(np.int64)))]
+
+
+@onnx_op("ReverseSequence")
+def _reverse_sequence(node: Node, vals: list[Value]) -> list[Value]:
+    x, lens = _tensor(vals[0]), _ints(vals[1])
+    b, t = int(node.attr("batch_axis", 1)), int(node.attr("time_axis", 0))
+    steps = np.arange(x.shape[t])
+    src = np.stack([np.where(steps < n, n - 1 - steps, steps) for n in lens], axis=1 if b > t else 0)
+    shape = [1] * x.dim()
+    shape[b], shape[t] = len(lens), x.shape[t]
+    idx = torch.from_numpy(src.reshape(shape).astype(np.int64)).expand(*x.shape)
+    return [torch.gather(x, t, idx)]
+
+
+@onnx_op("ScatterElements", "Scatter")
+def _scatter_elements(node: Node, vals: list[Value]) -> list[Value]:
+    data, idx, upd = _tensor(vals[0]), _tensor(vals[1]).long(), _tensor(vals[2])
+    axis = _axis(int(node.attr("axis", 0)), data.dim())
+    idx = torch.where(idx < 0, idx + data.shape[axis], idx)
+    return [_scatter(node, data, axis, idx, upd)]
+
+
+_SCATTER_REDUCE = {"add": "sum", "mul": "prod", "max": "amax", "min": "amin"}
+
+
+def _scatter(node: Node, data: torch.Tensor, axis: int, idx: torch.Tensor, upd: torch.Tensor) -> torch.Tensor:
+    how = node.attr("reduction", "none")
+    if how == "none":
+        return data.scatter(axis, idx, upd)
+    if how not in _SCATTER_REDUCE:
+        raise node.fail(f"reduction {how!r} is not supported")
+    return data.scatter_reduce(axis, idx, upd, _SCATTER_REDUCE[how], include_self=True)
+
+
+@onnx_op("ScatterND")
+def _scatter_nd(node: Node, vals: list[Value]) -> list[Value]:
+    data, idx, upd = _tensor(vals[0]), _tensor(vals[1]).long(), _tensor(vals[2])
+    k = idx.shape[-1]          # NOTE: an index names a slice data[i_0, .., i_k-1]: a row of [lead, rest]
+    lead, rest = list(data.shape[:k]), list(data.shape[k:])
+    dims = torch.tensor(lead, dtype=torch.long)
+    strides = torch.tensor([int(np.prod(lead[i + 1:])) for i in range(k)], dtype=torch.long)
+    rows = (torch.where(idx < 0, idx + dims, idx) * strides).sum(-1).reshape(-1, *([1] * len(rest)))
+    flat, upd = data.reshape(-1, *rest), upd.reshape(-1, *rest)
+    return [_scatter(node, flat, 0, rows.expand(*upd.shape), upd).reshape(data.shape)]
+
+
+# --- layout and normalization ----------------------------------------------------------------
+@onnx_op("DepthToSpace", "SpaceToDepth")
+def _depth_space(node: Node, vals: list[Value]) -> list[Value]:
+    x = _tensor(vals[0])
+    b, crd = int(node.attr("blocksize")), node.attr("mode", "DCR") == "CRD"
+    n, c, h, w = x.shape
+    if node.op_type == "DepthToSpace":
+        y = x.reshape(n, c // (b * b), b, b, h, w).permute(0, 1, 4, 2, 5, 3) if crd else \
+            x.reshape(n, b, b, c // (b * b), h, w).permute(0, 3, 4, 1, 5, 2)
+        return [y.reshape(n, c // (b * b), h * b, w * b)]
+    y = x.reshape(n, c, h // b, b, w // b, b)
+    y = y.permute(0, 1, 3, 5, 2, 4) if crd else y.permute(0, 3, 5, 1, 2, 4)
+    return [y.reshape(n, c * b * b, h // b, w // b)]
+
+
+@onnx_op("CenterCropPad")
+def _center_crop_pad(node: Node, vals: list[Value]) -> list[Value]:
+    x, sizes = _tensor(vals[0]), _ints(vals[1])
+    axes = node.attr("axes") or list(range(x.dim()))
+    for a, want in zip((_axis(a, x.dim()) for a in axes), sizes):
+        have = x.shape[a]
+        if want < have:
+            x = x.narrow(a, (have - want) // 2, want)
+        elif want > have:
+            before = (want - have) // 2
+            shape = list(x.shape)
+            parts = []
+            for m in (before, want - have - before):
+                shape[a] = m
+                parts.append(torch.zeros(shape, dtype=x.dtype))
+            x = torch.cat([parts[0], x, parts[1]], dim=a)
+    return [x]
+
+
+@onnx_op("GroupNormalization")
+def _group_norm(node: Node, vals: list[Value]) -> list[Value]:
+    x, scale, bias = (_tensor(v) for v in vals[:3])
+    groups = int(node.attr("num_groups"))
+    if scale.numel() == groups != x.shape[1]:       # NOTE: opset 18: one scale and bias per group
+        scale, bias = (v.repeat_interleave(x.shape[1] // groups) for v in (scale, bias))
+    return [F.group_norm(x, groups, scale, bias, float(node.attr("epsilon", 1e-5)))]
+
+
+@onnx_op("RMSNormalization")
+def _rms_norm(node: Node, vals: list[Value]) -> list[Value]:
+    x, scale = _tensor(vals[0]), _tensor(vals[1])
+    axis = _axis(int(node.attr("axis", -1)), x.dim())
+    return [F.rms_norm(x, list(x.shape[axis:]), None, float(node.attr("epsilon", 1e-5))) * scale]
+
+
+@onnx_op("LpNormalization")
+def _lp_normalization(node: Node, vals: list[Value]) -> list[Value]:
+    x = _tensor(vals[0])
+    axis, p = int(node.attr("axis", -1)), int(node.attr("p", 2))
+    if p not in (1, 2):
+        raise node.fail(f"p={p} is not supported (1 or 2)")
+    norm = x.abs().sum(axis, keepdim=True) if p == 1 else torch.sqrt((x * x).sum(axis, keepdim=True))
+    return [torch.where(norm == 0, 0.0, x / norm)]       # NOTE: a zero vector stays zero
+
+
+@onnx_op("MeanVarianceNormalization")
+def _mvn(node: Node, vals: list[Value]) -> list[Value]:
+    x = _tensor(vals[0])
+    dims = [_axis(a, x.dim()) for a in node.attr("axes", [0, 2, 3])]
+    mean = x.mean(dims, keepdim=True)
+    std = torch.sqrt((x * x).mean(dims, keepdim=True) - mean * mean)     # NOTE: ONNX's formula, as it is
+    return [(x - mean) / (std + 1e-9)]
+
+
+@onnx_op("LpPool", "GlobalLpPool")
+def _lp_pool(node: Node, vals: list[Value]) -> list[Value]:
+    x = _tensor(vals[0])
+    p = float(node.attr("p", 2))
+    xp = x.abs() ** p
+    if node.op_type == "GlobalLpPool":
+        return [xp.sum(list(range(2, x.dim())), keepdim=True) ** (1.0 / p)]
+    if node.attr("ceil_mode", 0):
+        raise node.fail("LpPool with ceil_mode is not supported")
+    rank = x.dim() - 2
+    kernel = list(node.attr("kernel_shape"))
+    strides, dil = list(node.attr("strides") or [1] * rank), list(node.attr("dilations") or [1] * rank)
+    conv: Any = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[rank]
+    # NOTE: a window's sum as a convolution by ones per channel (dilated windows too)
+    xp, pads = _spatial(node, xp, [(k - 1) * d + 1 for k, d in zip(kernel, dil)], strides, [1] * rank, 0.0)
+    ones = torch.ones(x.shape[1], 1, *kernel, dtype=x.dtype)
+    return [conv(xp, ones, None, strides, pads, dil, x.shape[1]) ** (1.0 / p)]
+
+
+# --- linear algebra --------------------------------------------------------------------------
+@onnx_op("Einsum")
+def _einsum(node: Node, vals: list[Value]) -> list[Value]:
+    return [torch.einsum(str(node.attr("equation")).replace(" ", ""), *(_tensor(v) for v in vals))]
+
+
+@onnx_op("Det")
+def _det(node: Node, vals: list[Value]) -> list[Value]:
+    return [torch.linalg.det(_tensor(vals[0]))]
+
+
+# --- resizing: one axis at a time, by a constant [out, in] matrix (nearest: an index) --------
+def _resize_coords(ctm: str, n_in: int, n_out: int, scale: float, roi: tuple[float, float]) -> np.ndarray:
+    """Where each output position samples the input (ONNX Resize's coordinate_transformation_mode)."""
+    y = np.arange(n_out, dtype=np.float64)
+    wide = scale * n_in
+    if ctm == "align_corners":
+        return y * 0.0 if wide == 1 else y * (n_in - 1) / (wide - 1)
+    if ctm == "asymmetric":
+        return y / scale
+    if ctm == "tf_crop_and_resize":
+        span = (roi[1] - roi[0]) * (n_in - 1)
+        return roi[0] * (n_in - 1) + (y * 0.0 + span / 2 if wide == 1 else y * span / (wide - 1))
+    if ctm == "pytorch_half_pixel":
+        return y * 0.0 - 0.5 if wide == 1 else (y + 0.5) / scale - 0.5
+    if ctm == "half_pixel":
+        return (y + 0.5) / scale - 0.5
+    if ctm == "half_pixel_symmetric":
+        return n_in / 2 * (1 - n_out / wide) + (y + 0.5) / scale - 0.5
+    raise ValueError(f"coordinate_transformation_mode {ctm!r} is not supported")
+
+
+def _legacy_resize(node: Node) -> bool:
+    """Upsample, and Resize before opset 11: sampled at ``out / scale``, nearest rounding down."""
+    return node.op_type == "Upsample" or node.opset < 11
+
+
+def _cubic(x: np.ndarray, a: float) -> np.ndarray:
+    x = np.abs(x)
+    near = ((a + 2) * x - (a + 3)) * x * x + 1
+    far = ((a * x - 5 * a) * x + 8 * a) * x - 4 * a
+    return np.where(x <= 1, near, np.where(x < 2, far, 0.0))
+
+
+def _resize_taps(node: Node, ratio: float, scale: float) -> np.ndarray:
+    """The weights of an output position's neighbours, ``ratio`` past the one on its left."""
+    mode = node.attr("mode", "nearest")
+    if mode == "nearest":
+        if ratio == 1.0:
+            return np.array([0.0, 1.0])
+        how = node.attr("nearest_mode", "floor" if _legacy_resize(node) else "round_prefer_floor")
+        right = {"round_prefer_floor": ratio > 0.5, "round_prefer_ceil": ratio >= 0.5, "floor": False,
+                 "ceil": True}[how]
+        return np.array([0.0, 1.0]) if right else np.array([1.0, 0.0])
+    reach = {"linear": 1, "bilinear": 1, "cubic": 2}[mode]
+    s = min(scale, 1.0) if node.attr("antialias", 0) else 1.0      # NOTE: antialias widens when shrinking
+    start = int(np.floor(-reach / s) + 1)
+    x = (np.arange(start, 2 - start) - ratio) * s
+    w = np.clip(1 - np.abs(x), 0, 1) if reach == 1 else _cubic(x, float(node.attr("cubic_coeff_a", -0.75)))
+    return w / w.sum() if s != 1.0 else w
+
+
+def _resize_matrix(node: Node, n_in: int, n_out: int, scale: float,
+                   roi: tuple[float, float]) -> tuple[np.ndarray, np.ndarray | None]:
+    """(the [out, in] matrix of one axis, the outputs that take the extrapolation value or None),
+    as the ONNX reference resizes (``onnx.reference.ops.op_resize``)."""
+    ctm = node.attr("coordinate_transformation_mode", "asymmetric" if _legacy_resize(node) else "half_pixel")
+    x = _resize_coords(ctm, n_in, n_out, scale, roi)
+    out = (x < 0) | (x > n_in - 1) if ctm == "tf_crop_and_resize" else None
+    w = np.zeros((n_out, n_in))
+    for i, xi in enumerate(x):
+        left = np.floor(xi)
+        taps = _resize_taps(node, 1.0 if xi == left else float(xi - left), scale)
+        n = len(taps)
+        pad = -(-n // 2)       # NOTE: the n nearest positions of the edge-padded input, the left one on ties
+        p = np.floor(xi + pad)
+        frac = xi + pad - p
+        first = p + (-(n // 2) + (frac != 0) if n % 2 == 0 else -((n - 1) // 2) + (frac > 0.5)) - pad
+        idx = int(first) + np.arange(n)
+        if node.attr("exclude_outside", 0):
+            taps = np.where((idx < 0) | (idx >= n_in), 0.0, taps)
+            taps = taps / (taps.sum() or 1.0)
+        np.add.at(w[i], np.clip(idx, 0, n_in - 1), taps)
+    return w, (out if out is not None and out.any() else None)
+
+
+def _resize_plan(node: Node, vals: list[Value],
+                 shape: list[int]) -> tuple[list[float], list[int], list[float]]:
+    """(scale, output size, roi start and end) per dim of a Resize or Upsample node."""
+    rank = len(shape)
+    if node.op_type == "Upsample":
+        scales = [float(s) for s in (np.asarray(vals[1]) if len(vals) > 1 else node.attr("scales"))]
+        return scales, [int(n * s) for n, s in zip(shape, scales)], [0.0] * rank + [1.0] * rank
+    given = [v if v is not None and np.prod(v.shape) else None for v in [*vals[1:], None, None, None][:3]]
+    if any(isinstance(v, torch.Tensor) for v in given):
+        raise node.fail("roi, scales and sizes that depend on the inputs are not supported; "
+                        "SeaBiscuit needs them constant")
+    if node.opset < 11:
+        given = [None, given[0], None]
+    axes = [_axis(a, rank) for a in (node.attr("axes") or range(rank))]
+    roi = [0.0] * rank + [1.0] * rank
+    if given[0] is not None:
+        r = [float(v) for v in np.asarray(given[0]).reshape(-1)]
+        for i, a in enumerate(axes):
+            roi[a], roi[rank + a] = r[i], r[len(axes) + i]
+    scales, sizes = [1.0] * rank, list(shape)
+    if given[1] is not None:
+        for a, s in zip(axes, np.asarray(given[1]).reshape(-1)):
+            scales[a], sizes[a] = float(s), int(np.floor(shape[a] * float(s)))
+        return scales, sizes, roi
+    want = _ints(given[2])
+    ratios = [w / shape[a] for a, w in zip(axes, want)]
+    policy = node.attr("keep_aspect_ratio_policy", "stretch")
+    if policy != "stretch":
+        s = min(ratios) if policy == "not_larger" else max(ratios)
+        ratios, want = [s] * len(axes), [int(s * shape[a] + 0.5) for a in axes]
+    for a, s, w in zip(axes, ratios, want):
+        scales[a], sizes[a] = s, w
+    return scales, sizes, roi
+
+
+@onnx_op("Resize", "Upsample")
+def _resize(node: Node, vals: list[Value]) -> list[Value]:
+    x = _tensor(vals[0])
+    mode = node.attr("mode", "nearest")
+    if mode not in ("nearest", "linear", "cubic", "bilinear"):
+        raise node.fail(f"mode {mode!r} is not supported")
+    if not x.is_floating_point() and mode != "nearest":
+        raise node.fail(f"{mode} resizing of {x.dtype} is not supported")
+    scales, sizes, roi = _resize_plan(node, vals, list(x.shape))
+    rank = x.dim()
+    for a in range(rank):
+        if sizes[a] == x.shape[a] and scales[a] == 1.0 and (roi[a], roi[rank + a]) == (0.0, 1.0):
+            continue               # NOTE: the identity, as the reference skips it
+        w, out = _resize_matrix(node, x.shape[a], sizes[a], scales[a], (roi[a], roi[rank + a]))
+        if mode == "nearest":
+            x = torch.index_select(x, a, torch.from_numpy(w.argmax(1)))
+        else:
+            wt = _tensor(w.T if x.dtype == torch.float64 else w.T.astype(np.float32)).to(x.dtype)
+            x = torch.matmul(x.transpose(a, -1), wt).transpose(a, -1)
+        if out is not None:
+            mask = out.reshape([-1 if d == a else 1 for d in range(rank)])
+            x = torch.where(torch.from_numpy(mask), float(node.attr("extrapolation_value", 0.0)), x)
+    return [x]
+
+
+# --- more layers, windows and losses ---------------------------------------------------------
+@onnx_op("HannWindow", "HammingWindow", "BlackmanWindow", fold=True)
+def _window(node: Node, vals: list[Value]) -> list[Value]:
+    size = _ints(vals[0])[0]
+    a = 2 * np.pi * np.arange(size) / (size if node.attr("periodic", 1) else size - 1)
+    w = {"HannWindow": lambda: 0.5 - 0.5 * np.cos(a), "HammingWindow": lambda: (25 - 21 * np.cos(a)) / 46,
+         "BlackmanWindow": lambda: 0.42 - 0.5 * np.cos(a) + 0.08 * np.cos(2 * a)}[node.op_type]()
+    return [w.astype(_np_dtype(node.attr("output_datatype", 1)))]
+
+
+@onnx_op("MaxUnpool")
+def _max_unpool(node: Node, vals: list[Value]) -> list[Value]:
+    x, idx = _tensor(vals[0]), _tensor(vals[1]).long()
+    rank = x.dim() - 2
+    kernel = list(node.attr("kernel_shape"))
+    strides, pads = list(node.attr("strides") or [1] * rank), list(node.attr("pads") or [0] * (2 * rank))
+    full = [*x.shape[:2], *((n - 1) * s - b - e + k for n, s, b, e, k in
+                             zip(x.shape[2:], strides, pads[:rank], pads[rank:], kernel))]
+    # NOTE: an index counts over the whole (inferred) output, as MaxPool's indices do
+    y = torch.zeros(int(np.prod(full)), dtype=x.dtype).scatter(0, idx.reshape(-1), x.reshape(-1))
+    y = y.reshape(full)
+    want = _ints(vals[2]) if len(vals) > 2 and vals[2] is not None else full
+    return [_pad(y, [0] * rank, [w - f for w, f in zip(want[2:], full[2:])], 0.0)]
+
+
+@onnx_op("Col2Im")
+def _col2im(node: Node, vals: list[Value]) -> list[Value]:
+    x, image, block = _tensor(vals[0]), _ints(vals[1]), _ints(vals[2])
+    rank, k = len(block), int(np.prod(block))
+    strides, dil = list(node.attr("strides") or [1] * rank), list(node.attr("dilations") or [1] * rank)
+    pads = list(node.attr("pads") or [0] * (2 * rank))
+    fn: Any = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}.get(rank)
+    if fn is None:
+        raise node.fail(f"{rank}-d Col2Im is not supported")
+    blocks = [(n + b + e - d * (m - 1) - 1) // s + 1
+              for n, b, e, d, m, s in zip(image, pads[:rank], pads[rank:], dil, block, strides)]
+    # NOTE: each column adds its block back in place: a transposed convolution by one-hot kernels
+    channels = x.shape[1] // k
+    w = np.tile(np.eye(k).reshape(k, 1, *block), (channels, *([1] * (rank + 1))))
+    x = x.reshape(x.shape[0], x.shape[1], *blocks)
+    y = fn(x, _tensor(w).to(x.dtype), None, strides, 0, 0, channels, dil)
+    for i, (b, n) in enumerate(zip(pads[:rank], image)):
+        y = y.narrow(2 + i, b, n)
+    return [y]
+
+
+@onnx_op("AffineGrid")
+def _affine_grid(node: Node, vals: list[Value]) -> list[Value]:
+    theta, size = _tensor(vals[0]), _ints(vals[1])
+    spatial = size[2:]
+    axes = [np.linspace(-1, 1, n) if node.attr("align_corners", 0) else (2 * np.arange(n) + 1) / n - 1
+            for n in spatial]
+    # NOTE: (x, y[, z], 1) per output position: x runs along the last dim
+    grid = np.stack([*np.meshgrid(*axes, indexing="ij")[::-1], np.ones(spatial)], axis=-1)
+    base = _tensor(grid.reshape(-1, len(spatial) + 1).astype(np.float32)).to(theta.dtype)
+    return [torch.matmul(base, theta.transpose(1, 2)).reshape(theta.shape[0], *spatial, len(spatial))]
+
+
+@onnx_op("RotaryEmbedding")
+def _rotary(node: Node, vals: list[Value]) -> list[Value]:
+    x, cos, sin = (_tensor(v) for v in vals[:3])
+    shape = x.shape
+    x = x.transpose(1, 2) if x.dim() == 4 else x.reshape(*shape[:2], int(node.attr("num_heads")), -1)
+    if len(vals) > 3 and vals[3] is not None:          # NOTE: [batch, seq] positions into the caches
+        pos = _tensor(vals[3]).long()
+        cos, sin = F.embedding(pos, cos), F.embedding(pos, sin)
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    dim = int(node.attr("rotary_embedding_dim", 0)) or x.shape[-1]
+    rot, rest = x[..., :dim], x[..., dim:]
+    inter = bool(node.attr("interleaved", 0))
+    x1, x2 = (rot[..., 0::2], rot[..., 1::2]) if inter else (rot[..., :dim // 2], rot[..., dim // 2:])
+    real, imag = cos * x1 - sin * x2, sin * x1 + cos * x2
+    rot = torch.stack([real, imag], dim=-1).reshape(rot.shape) if inter else torch.cat([real, imag], dim=-1)
+    y = torch.cat([rot, rest], dim=-1)
+    return [y.transpose(1, 2) if len(shape) == 4 else y.reshape(shape)]
+
+
+@onnx_op("NegativeLogLikelihoodLoss", "SoftmaxCrossEntropyLoss")
+def _nll_loss(node: Node, vals: list[Value]) -> list[Value]:
+    x, t = _tensor(vals[0]), _tensor(vals[1]).long()
+    if node.op_type == "SoftmaxCrossEntropyLoss":
+        x = torch.log_softmax(x, 1)
+    ignore = node.attr("ignore_index")
+    keep = t != ignore if ignore is not None else None
+    t = torch.where(keep, t, 0) if keep is not None else t
+    loss = -x.gather(1, t.unsqueeze(1)).squeeze(1)
+    w = _tensor(vals[2])[t] if len(vals) > 2 and vals[2] is not None else None
+    if keep is not None:
+        w = torch.where(keep, w, 0.0) if w is not None else keep.to(x.dtype)
+    loss = loss * w if w is not None else loss
+    how = node.attr("reduction", "mean")
+    if how == "mean" and w is not None:        # NOTE: a weighted mean: an ignored target weighs 0
+        loss = loss.sum() / w.sum()
+    elif how in ("mean", "sum"):
+        loss = loss.sum() / loss.numel() if how == "mean" else loss.sum()
+    return [loss, x][:len(node.outputs)]
+
+
+@onnx_op("ConvInteger")
+def _conv_integer(node: Node, vals: list[Value]) -> list[Value]:
+    x, w = _tensor(vals[0]).to(torch.float64), _tensor(vals[1]).to(torch.float64)   # NOTE: exact in float64
+    if len(vals) > 2 and vals[2] is not None:
+        x = x - _tensor(vals[2]).to(torch.float64)
+    if len(vals) > 3 and vals[3] is not None:
+        zw = _tensor(vals[3]).to(torch.float64)
+        w = w - (zw.reshape(-1, *([1] * (w.dim() - 1))) if zw.numel() > 1 else zw)
+    return [_conv(node, [x, w])[0].to(torch.int32)]
+
+
+@onnx_op("QLinearConv")
+def _qlinear_conv(node: Node, vals: list[Value]) -> list[Value]:
+    x_scale, w_scale, y_scale, y_zp = (_tensor(vals[i]) for i in (1, 4, 6, 7))
+    acc = _conv_integer(node, [vals[0], vals[3], vals[2], vals[5]])[0]
+    if len(vals) > 8 and vals[8] is not None:
+        acc = acc + _tensor(vals[8]).reshape(-1, *([1] * (acc.dim() - 2)))
+    per_channel = w_scale.reshape(-1, *([1] * (acc.dim() - 2))) if w_scale.numel() > 1 else w_scale
+    scale = x_scale * per_channel / y_scale
+    q = torch.round(acc.to(torch.float32) * scale.to(torch.float32)) + y_zp.to(torch.float32)
     lo, hi = _RANGES[y_zp.dtype]
     return [torch.clamp(q, lo, hi).to(y_zp.dtype)]
