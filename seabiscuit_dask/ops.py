@@ -41,7 +41,8 @@ ELEMENTWISE = {
         "round.default", "floor.default", "ceil.default", "sign.default",
         "detach_.default", "pow.Scalar", "square.default", "max.other", "min.other", "multiply.Tensor",
         "gt.Tensor", "ge.Tensor", "lt.Tensor", "le.Scalar", "where.ScalarOther", "where.ScalarSelf",
-        "div_.Tensor", "mul_.Tensor", "add_.Tensor", "tan.default", "asin.default", "acos.default",
+        "div_.Tensor", "mul_.Tensor", "add_.Tensor", "floor_divide.default", "lift_fresh_copy.default",
+        "tan.default", "asin.default", "acos.default",
         "atan.default", "sinh.default", "cosh.default", "asinh.default", "acosh.default", "atanh.default",
         "mish.default", "celu.default", "fmod.Tensor", "remainder.Tensor", "__xor__.Tensor",
         "__lshift__.Tensor", "__rshift__.Tensor",
@@ -54,7 +55,12 @@ NORM = {
     "aten._native_batch_norm_legit_no_training.default",
 }
 REDUCTION = {"aten.mean.dim", "aten.sum.dim_IntList", "aten.amax.default", "aten.cumsum.default",
-             "aten.max.dim", "aten.argmax.default", "aten.diff.default"}
+             "aten.max.dim", "aten.argmax.default", "aten.diff.default", "aten.sum.default",
+             "aten.max.default", "aten.min.default", "aten.argmin.default", "aten.prod.dim_int",
+             "aten.logsumexp.default", "aten.cumprod.default", "aten.histc.default"}
+# NOTE: reductions over some dims: (dims, keepdim) from their args (``reduced``)
+DIM_REDUCTIONS = {"aten.mean.dim", "aten.sum.dim_IntList", "aten.amax.default", "aten.argmax.default",
+                  "aten.argmin.default", "aten.prod.dim_int", "aten.logsumexp.default"}
 POOL = {
     "aten.max_pool1d.default", "aten.max_pool2d.default", "aten.max_pool3d.default",
     "aten.avg_pool1d.default", "aten.avg_pool2d.default", "aten.avg_pool3d.default",
@@ -70,7 +76,7 @@ VIEW = {
         "expand.default", "slice.Tensor", "select.int", "flatten.using_ints",
         "split.Tensor", "split_with_sizes.default", "chunk.default", "unbind.int",
         "t.default", "numpy_T.default", "broadcast_to.default", "narrow.default", "unflatten.int",
-        "repeat.default",
+        "repeat.default", "reshape_as.default",
     )
 }
 CONCAT = {"aten.cat.default", "aten.stack.default"}
@@ -79,7 +85,8 @@ CREATION = {
     f"aten.{n}"
     for n in ("arange.default", "arange.start", "arange.start_step", "full.default",
               "zeros.default", "ones.default", "new_ones.default", "new_zeros.default",
-              "full_like.default", "zeros_like.default", "ones_like.default", "scalar_tensor.default")
+              "full_like.default", "zeros_like.default", "ones_like.default", "scalar_tensor.default",
+              "empty.memory_format")
 }
 INDEX = {"aten.index.Tensor", "aten.gather.default", "aten.index_select.default"}
 LIKE = {"aten.full_like.default", "aten.zeros_like.default", "aten.ones_like.default"}   # x's shape only
@@ -124,7 +131,7 @@ def row_split_forbidden_dims(target: str, args: Sequence[Any], out_rank: int) ->
     if target in ELEMENTWISE or target in LIKE:
         return set()
     if target in {"aten.softmax.int", "aten._softmax.default", "aten.log_softmax.int",
-                  "aten._log_softmax.default", "aten.cumsum.default"}:
+                  "aten._log_softmax.default"}:
         return _norm_dims(args[1], out_rank)
     if target in {"aten.layer_norm.default", "aten.rms_norm.default"}:
         n = len(args[1])
@@ -145,18 +152,56 @@ def row_split_forbidden_dims(target: str, args: Sequence[Any], out_rank: int) ->
     if target == "aten._weight_norm.default":     # NOTE: a norm per index of dim, over the rest
         dim = int(operand(args, 2, 0)) % out_rank
         return set(range(out_rank)) - {dim}
-    if target in {"aten.mean.dim", "aten.sum.dim_IntList", "aten.amax.default"}:
-        keep = len(args) > 2 and bool(args[2])
-        if keep:
-            return _norm_dims(args[1], out_rank)
-        if args[1] is None or (not isinstance(args[1], int) and not args[1]):
-            return None                 # NOTE: every dim reduced
-        # NOTE: the reduced dims are gone from the output, so only output dims after the last of
-        # them line up (right-aligned) with their input dims
-        n = 1 if isinstance(args[1], int) else len(args[1])
-        reduced = _norm_dims(args[1], out_rank + n)
-        return set(range(max(0, max(reduced) + 1 - n)))
+    if target in DIM_REDUCTIONS:
+        dims, keep = reduced(args, out_rank)
+        if dims is None:
+            return None                 # NOTE: every dim reduced: reduce_parts cuts it instead
+        # NOTE: without keepdim, output dim d is the d-th kept input dim (operand_dim)
+        return dims if keep else set()
+    if target in {"aten.cumsum.default", "aten.cumprod.default", "aten.gather.default",
+                  "aten.index_select.default", "aten.scatter.src", "aten.scatter_reduce.two"}:
+        return _norm_dims(args[1], out_rank)            # NOTE: the dim it runs, picks or scatters along
+    if target == "aten.diff.default":
+        return _norm_dims(operand(args, 2, -1), out_rank)
+    if target == "aten.repeat_interleave.self_int":
+        dim = operand(args, 2)
+        return None if dim is None else _norm_dims(dim, out_rank)
+    if target == "aten.flip.default":
+        return _norm_dims(args[1], out_rank)
+    if target in {"aten.triu.default", "aten.tril.default"}:
+        return set(range(max(0, out_rank - 2), out_rank))
+    if target in LEADING:
+        return set(range(LEADING[target], out_rank))
     return None
+
+
+# NOTE: ops whose first ``n`` output dims are their input's first dims (left-aligned), the rest
+# made from the input's other dims: im2col (the batch), a determinant (the batch of matrices)
+LEADING = {"aten.im2col.default": 1, "aten.linalg_det.default": 1 << 30}
+
+
+def reduced(args: Sequence[Any], out_rank: int) -> tuple[set[int] | None, bool]:
+    """``(input dims reduced, keepdim)`` of a reduction over some dims (``DIM_REDUCTIONS``);
+    ``None`` dims: every dim."""
+    dims, keep = operand(args, 1), bool(operand(args, 2, False))
+    if dims is None or (isinstance(dims, (list, tuple)) and not dims):
+        return None, keep
+    n = 1 if isinstance(dims, int) else len(dims)
+    return _norm_dims(dims, out_rank if keep else out_rank + n), keep
+
+
+def operand_dim(target: str, args: Sequence[Any], out_rank: int, dim: int, rank: int) -> int | None:
+    """The dim of an operand of rank ``rank`` that output dim ``dim`` of a strip-cut op lines up
+    with: right-aligned broadcasting, but the kept dims of a reduction without keepdim, and the
+    leading dims of ``LEADING`` ops; None when none does."""
+    if target in DIM_REDUCTIONS:
+        dims, keep = reduced(args, out_rank)
+        if dims is not None and not keep and rank == out_rank + len(dims):
+            return [i for i in range(rank) if i not in dims][dim]
+    if target in LEADING:
+        return dim if dim < rank else None
+    d = dim - (out_rank - rank)
+    return d if d >= 0 else None
 
 
 def pool_nd(target: str, args: Sequence[Any]) -> int:
@@ -188,8 +233,33 @@ def ref_name(value: Any) -> tuple[str, str] | None:
 # Ops no rule cuts, and why: ``decompose`` names the reason when one of them is over the budget
 # (with the smallest budget that works). Every other registered op is cut to any budget
 # (``tests/test_every_op.py``).
-INDIVISIBLE: Mapping[str, str] = MappingProxyType({})
+_TWO = "it has {} outputs and rules cut ops with one output"
+INDIVISIBLE: Mapping[str, str] = MappingProxyType({
+    "aten.max.dim": _TWO.format("two (values and indices)"),
+    "aten.topk.default": _TWO.format("two (values and indices)"),
+    "aten.sort.default": _TWO.format("two (values and indices)"),
+    "aten.sort.stable": _TWO.format("two (values and indices)"),
+    "aten.adaptive_max_pool2d.default": _TWO.format("two (values and indices)"),
+    "aten._native_batch_norm_legit_no_training.default": _TWO.format("three (the output, its mean and "
+                                                                     "its inverse deviation)"),
+    "aten.unbind.int": _TWO.format("one per index of its dim"),
+    "aten.einsum.default": "an einsum is an equation over all its operands; no rule reads one",
+    "aten.scalar_tensor.default": "it makes a single number",
+})
 
-# Tile ops that only decomposition rules make, each piece cut to fit when it is made (they are
-# never in a traced graph): the rule that makes them.
-PIECES: Mapping[str, str] = MappingProxyType({})
+# Tile ops that only decomposition rules (or generation's step trace) make, each piece cut to fit
+# when it is made, never in a traced graph: what makes them.
+PIECES: Mapping[str, str] = MappingProxyType({
+    "sb.attention": "decompose/rules/attention.py: query rows",
+    "sb.attention_part": "decompose/rules/attention.py: blocks of keys",
+    "sb.attention_merge": "decompose/rules/attention.py: blocks of keys, merged",
+    "sb.attention_finish": "decompose/rules/attention.py: blocks of keys, normalised",
+    "sb.conv_strip": "decompose/rules/conv.py: spatial strips",
+    "sb.max_pool_strip": "decompose/rules/pool.py: spatial strips",
+    "sb.avg_pool_strip": "decompose/rules/pool.py: spatial strips",
+    "sb.embedding_rows": "decompose/rules/embedding.py: blocks of the table's rows",
+    "sb.region": "decompose/decomposer.py: a region of a tiled tensor another cut needs",
+    "sb.assemble": "decompose/decomposer.py: tiles joined for an op that reads them whole",
+    "sb.kv_attention": "trace/decoder.py: a generation step's attention over its KV cache, kept whole "
+                       "beside the cache",
+})

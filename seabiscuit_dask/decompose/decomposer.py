@@ -37,7 +37,7 @@ R = TypeVar("R")
 REGION = "sb.region"       # x[region]: a multi-dim slice
 ASSEMBLE = "sb.assemble"   # tiles placed at their regions of a new tensor
 SAMPLE_K = 16       # pieces a split is judged at when none fits in one level
-WINDOWS = {"aten.slice.Tensor", "aten.split.Tensor", "aten.split_with_sizes.default"}
+WINDOWS = {"aten.slice.Tensor", "aten.split.Tensor", "aten.split_with_sizes.default", "aten.chunk.default"}
 
 
 class Decomposer:
@@ -347,7 +347,7 @@ class Decomposer:
             spans = [(lo, hi)]
         else:
             dim = int(O.operand(args, 2, kwargs.get("dim", 0))) % len(shape)
-            size = args[1]
+            size = args[1] if op.target != "aten.chunk.default" else -(-shape[dim] // max(int(args[1]), 1))
             sizes = [int(n) for n in size] if isinstance(size, (list, tuple)) else \
                 [min(int(size), shape[dim] - a) for a in range(0, shape[dim], max(int(size), 1))]
             if sum(sizes) != shape[dim]:

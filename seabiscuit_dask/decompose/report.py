@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+from .. import ops as O
 from ..ir import Op, OpGraph, TensorSpec, fmt_bytes
 from .split import Split
 
@@ -39,6 +40,8 @@ def why_unsplit(op: Op, splits: list[Split], budget: int, depth: int, max_depth:
     """Why none of ``splits`` cuts ``op`` (at cut ``depth``) into pieces within ``budget``."""
     if depth >= max_depth:
         return f"it is still too big after {max_depth} levels of cuts"
+    if op.target in O.INDIVISIBLE:
+        return f"{op.target} is not cut: {O.INDIVISIBLE[op.target]}"
     if len(op.outputs) != 1:
         return f"rules cut ops with one output, and it has {len(op.outputs)}"
     if not splits:

@@ -1,4 +1,5 @@
-"""conv_transpose1d/2d/3d: by output channels (one group) or by samples of the batch.
+"""conv_transpose1d/2d/3d: by output channels (one group), input channels (partial sums) or samples of
+the batch.
 
 ``conv_transpose(X, W, bias, stride, padding, output_padding, groups, dilation)`` with
 ``W`` of shape ``[C_in, C_out / groups, *kernel]``: an output channel reads every input
@@ -56,3 +57,27 @@ def batch(d: Decomposer, op: Op) -> Split | None:
 
     x, w, bb, y = d.nbytes(args[0]), d.nbytes(args[1]), d.nbytes(O.operand(args, 2)), out.nbytes
     return Split("n", "the batch", n, lambda k: (x + y) * frac(n, k) + w + bb, 0, piece, "concat", 0)
+
+
+@register("conv_transpose")
+def input_channels(d: Decomposer, op: Op) -> Split | None:
+    """Input channels, with their slice of W (dim 0): each tile's output is a partial sum over its
+    channels (a transposed convolution is linear in them), the tiles added and the bias added once."""
+    args = list(op.attrs["args"])
+    if len(args) < 2 or int(O.operand(args, 6, 1)) != 1 or O.ref_name(args[0]) is None:
+        return None
+    out = d.tensors[op.outputs[0]]
+    bias = O.operand(args, 2)
+    n = d.shape(args[1])[0]
+
+    def piece(i: int, lo: int, hi: int, pieces: Pieces) -> Piece:
+        new = list(args)
+        new[0] = d.cut(args[0], 1, lo, hi, op.scope, pieces)
+        new[1] = d.cut(args[1], 0, lo, hi, op.scope, pieces)
+        if i > 0 and bias is not None:
+            new[2] = None
+        return new, dict(op.attrs["kwargs"]), op.target, out
+
+    x, w, bb, y = d.nbytes(args[0]), d.nbytes(args[1]), d.nbytes(bias), out.nbytes
+    return Split("i", "the input channels", n, lambda k: (x + w) * frac(n, k) + bb + y, 0, piece, "sum", 1,
+                 along=(args[0], 1, 1))

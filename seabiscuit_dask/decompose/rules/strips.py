@@ -24,7 +24,12 @@ def strip_dim(op: Op, shape: tuple[int, ...]) -> int | None:
     return max(allowed, key=lambda i: (i != len(shape) - 1, shape[i], -i)) if allowed else None
 
 
-SLICES_WEIGHTS = {"aten._weight_norm.default", "aten.index.Tensor"}    # NOTE: beside elementwise ops
+SLICES_WEIGHTS = {"aten._weight_norm.default", "aten.index.Tensor",     # NOTE: beside elementwise ops
+                  "aten.index_select.default", "aten.gather.default"}
+FIRST_ONLY = {"aten.index.Tensor", "aten.index_select.default"}   # NOTE: the indices go whole to each strip
+# NOTE: every tensor operand is cut with the output (an index may be smaller than its data along
+# the other dims, so a whole operand would be read at the wrong rows)
+ALL_CUT = {"aten.gather.default", "aten.scatter.src", "aten.scatter_reduce.two"}
 
 
 # NOTE: "sum" ops are the partial sums a split leaves behind (aten.add.Tensor).
@@ -43,8 +48,8 @@ def strips(d: Decomposer, op: Op) -> Split | None:
     slice_params = op.target in O.ELEMENTWISE or op.target in SLICES_WEIGHTS
     # NOTE: x[idx] slices x alone (the dims after the indexed one), and only a 1-D idx keeps them
     # where they were
-    sliced = args[:1] if op.target == "aten.index.Tensor" else args
-    if op.target == "aten.index.Tensor" and len(d.shape(args[0])) != r:
+    sliced = args[:1] if op.target in FIRST_ONLY else args
+    if op.target in FIRST_ONLY and len(d.shape(args[0])) != r:
         return None
 
     def aligned(ref: Any) -> int | None:
@@ -52,8 +57,11 @@ def strips(d: Decomposer, op: Op) -> Split | None:
         if rr is None or (rr[0] == "p" and not slice_params):
             return None
         s = d.shape(ref)
-        di = dim - (r - len(s))
-        return di if di >= 0 and s[di] == n else None
+        di = O.operand_dim(op.target, args, r, dim, len(s))
+        return di if di is not None and s[di] == n else None
+
+    if op.target in ALL_CUT and any(aligned(a) is None for a in iter_refs(args)):
+        return None
 
     def piece(i: int, lo: int, hi: int, pieces: Pieces) -> Piece:
         def sub(v: Any) -> Any:
