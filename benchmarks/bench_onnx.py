@@ -111,9 +111,9 @@ def main() -> None:
 def kernels(reps: int) -> None:
     """``sb.qlinear`` over an int8 weight against ``F.linear`` over its float32 value, 1 thread:
     with the default slab (1/16 of the weight: a tile at the edge of its budget) and with the
-    widest (``ir.QLINEAR_SLAB``: a tile the budget leaves room for, as the decomposer widens it)."""
-    from seabiscuit_dask.ir import qlinear_columns
-    from seabiscuit_dask.lower import quant  # noqa: F401
+    widest (``ops.QLINEAR_SLAB``: a tile the budget leaves room for, as the decomposer widens it)."""
+    from seabiscuit_dask import qlinear  # noqa: F401
+    from seabiscuit_dask.ops import qlinear_columns
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

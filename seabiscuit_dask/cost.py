@@ -7,8 +7,7 @@ of a graph is known without running it.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from . import ops as O
@@ -17,49 +16,7 @@ from .ir import Op, OpCost, OpGraph
 SpecOf = Callable[[Any], "tuple[int, ...] | None"]
 
 
-def op_flops(target: str, args: Sequence[Any], out_shapes: Sequence[tuple[int, ...]],
-             shape_of: SpecOf) -> int:
-    """Flops of one call of ``target``; ``shape_of(arg)`` gives an operand's shape or None."""
-    out = out_shapes[0] if out_shapes else ()
-    out_numel = math.prod(out) if out_shapes else 0
-    if target in ("aten.linear.default", "sb.qlinear.default"):
-        w = shape_of(args[1])
-        return 2 * out_numel * (w[-1] if w else 1)
-    if target == "aten.addmm.default":
-        a = shape_of(args[1])
-        return 2 * out_numel * (a[-1] if a else 1)
-    if target in O.MATMUL:
-        a = shape_of(args[0])
-        return 2 * out_numel * (a[-1] if a else 1)
-    if target in O.CONV_TRANSPOSE:       # NOTE: every input element meets C_out/groups x kernel weights
-        x, w = shape_of(args[0]), shape_of(args[1])
-        return 2 * math.prod(x) * math.prod(w[1:]) if x and w else out_numel
-    if target in O.CONV:
-        w = shape_of(args[1])
-        return 2 * out_numel * (math.prod(w[1:]) if w else 1)
-    if target in O.ATTENTION:
-        q, k = shape_of(args[0]), shape_of(args[1])
-        if not q or not k:
-            return out_numel
-        # QK^T and AV: 2 * (L * S * E) each, per batch and head.
-        return 4 * math.prod(q[:-1]) * k[-2] * q[-1]
-    if target in O.NORM:
-        return 5 * out_numel
-    if target in O.POOL:
-        return out_numel * pool_window(target, args, out, shape_of)
-    if target in O.VIEW or target in O.CREATION:
-        return 0
-    return out_numel
-
-
-def pool_window(target: str, args: Sequence[Any], out: tuple[int, ...], shape_of: SpecOf) -> int:
-    """Input elements one output of a pooling op reads (one flop each)."""
-    nd = O.pool_nd(target, args)
-    if "adaptive" in target:
-        x = shape_of(args[0])
-        return math.prod(x[-nd:]) // max(math.prod(out[-nd:]), 1) if x else 1
-    sizes = [args[1]] if isinstance(args[1], int) else list(args[1])
-    return math.prod(sizes) ** (nd if len(sizes) == 1 else 1)   # NOTE: one size serves every dim
+op_flops = O.flops       # NOTE: the op table's entry says
 
 
 def graph_flops(graph: OpGraph) -> int:

@@ -48,12 +48,13 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from types import MappingProxyType
-from typing import Any, NamedTuple
+from typing import Any
 
+from . import ops as O
 from .errors import InvalidGraph
 
 SCHEMA_VERSION = 2
@@ -300,82 +301,21 @@ def input_bytes(op: Op, tensors: Mapping[str, TensorSpec]) -> int:
     return sum(seen.values())
 
 
-ATTENTION_SCORES = 4   # NOTE: bytes per attention score: kernels compute scores in float32
-
-
-QLINEAR = "sb.qlinear.default"
-QLINEAR_SLAB = 1 << 20     # NOTE: most bytes of weight sb.qlinear dequantizes at once (larger: no faster)
-QLINEAR_SHARE = 16         # NOTE: ... and at most 1/16 of the tile's 1-byte weight, so its tiles hold ~4x
-
-
-def qlinear_columns(n: int, k: int, itemsize: int, room: int = 0) -> int:
-    """Columns of an ``[n, k]`` 1-byte weight that ``sb.qlinear`` dequantizes at once into
-    ``itemsize``-byte elements: ``n * k / QLINEAR_SHARE`` bytes of them, or as many as ``room``
-    bytes hold when that is more (the budget a tile's working set leaves it), at most
-    ``QLINEAR_SLAB``; whole multiples of 16 columns where that many fit, at least one column."""
-    cap = min(QLINEAR_SLAB, max(n * k // QLINEAR_SHARE, room))
-    cols = cap // max(1, k * itemsize)
-    return max(1, min(n, cols // 16 * 16 if cols >= 16 else cols))
-
-
-def qlinear_scratch(n: int, k: int, itemsize: int, columns: int, rows: int, integer: bool) -> int:
-    """Bytes ``sb.qlinear`` needs beyond its operands, over ``rows`` rows of an ``[n, k]`` weight:
-    its slab of ``columns``, an integer input in float64, and one step's product (when it takes
-    several steps, or converts to int32)."""
-    x = rows * k * 8 if integer else 0
-    step = rows * columns * itemsize if integer or columns < n else 0
-    return columns * k * itemsize + x + step
-
-
-class QlinearSlab(NamedTuple):
-    """What an ``sb.qlinear`` op dequantizes: an ``[n, k]`` weight, ``columns`` at a time into
-    ``itemsize``-byte elements, for ``rows`` rows of an input that is ``integer`` or float."""
-
-    n: int
-    k: int
-    itemsize: int
-    columns: int
-    rows: int
-    integer: bool
-
-    def scratch(self, columns: int | None = None) -> int:
-        return qlinear_scratch(self.n, self.k, self.itemsize, self.columns if columns is None else columns,
-                               self.rows, self.integer)
-
-
-def qlinear_slab(op: Op, tensors: Mapping[str, TensorSpec]) -> QlinearSlab | None:
-    """The slab of an ``sb.qlinear`` op (columns: as its ``columns`` argument says, else
-    ``qlinear_columns``), or None when its operands are unknown."""
-    args = op.attrs.get("args", ())
-    refs = list(iter_refs(args[:1]))
-    if len(refs) != 1 or refs[0].get("t") not in tensors or not op.outputs or op.outputs[0] not in tensors:
-        return None
-    x = tensors[refs[0]["t"]]
-    shape = view_shape(refs[0], x.shape)
-    integer = not x.dtype.startswith(("float", "bfloat"))
-    itemsize = 8 if integer else DTYPE_BYTES.get(x.dtype, 4)
-    n, k = tensors[op.outputs[0]].shape[-1], shape[-1]
-    given = args[5] if len(args) > 5 and isinstance(args[5], int) and args[5] > 0 else 0
-    columns = min(n, given) if given else qlinear_columns(n, k, itemsize)
-    return QlinearSlab(n, k, itemsize, columns, math.prod(shape[:-1]), integer)
-
-
 def scratch_bytes(op: Op, tensors: Mapping[str, TensorSpec]) -> int:
-    """Memory an op needs beyond its operands: the score matrix of an attention op, the
-    dequantized slab of an ``sb.qlinear`` (and its float64 input, when integer)."""
-    if op.target == QLINEAR:
-        slab = qlinear_slab(op, tensors)
-        return slab.scratch() if slab is not None else 0
-    if op.kind != "attention" or len(op.inputs) < 2:
-        return 0
-    args = op.attrs.get("args", ())
-    refs = list(iter_refs(args[:2]))
-    if len(refs) != 2 or any(r.get("t") not in tensors for r in refs):
-        return 0
-    q, k = (view_shape(r, tensors[r["t"]].shape) for r in refs)
-    if len(q) < 2 or len(k) < 2:
-        return 0
-    return math.prod(q[:-1]) * k[-2] * ATTENTION_SCORES
+    """Memory an op needs beyond its operands (its entry of the op table, ``ops.scratch``): the
+    score matrix of an attention op, the dequantized slab of an ``sb.qlinear``."""
+    outs = [tensors[t].shape for t in op.outputs if t in tensors]
+    return O.scratch(op.target, op.kind, op.attrs.get("args", ()), outs, spec_of(tensors))
+
+
+def spec_of(tensors: Mapping[str, TensorSpec]) -> Callable[[Any], tuple[tuple[int, ...], str] | None]:
+    """``(shape, dtype)`` of an operand reference (a view's shape for a view) among ``tensors``."""
+    def spec(ref: Any) -> tuple[tuple[int, ...], str] | None:
+        if not isinstance(ref, Mapping) or ref.get("t") not in tensors:
+            return None
+        t = tensors[ref["t"]]
+        return view_shape(ref, t.shape), t.dtype
+    return spec
 
 
 @dataclass(frozen=True)

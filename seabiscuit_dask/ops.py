@@ -1,13 +1,18 @@
-"""What SeaBiscuit knows about operation targets, without importing torch.
+"""The op table: what SeaBiscuit knows of each operation target, without importing torch.
 
-``kind_of(target)`` gives the canonical kind that decomposition and cost
-understand; ``row_split_forbidden_dims`` says along which output dims an op
-may be cut into independent strips (``None``: it may not).
+One entry per target (``OPS``, an ``OpInfo``): its kind (which decomposition rules serve it),
+its flops, the scratch memory it needs beyond its operands, and, for the few that no rule cuts,
+why; ``row_split_forbidden_dims`` and ``operand_dim`` say how it is cut into strips. The kernel
+registry (``lower/registry.py``) runs exactly the ATen targets of this table, the cost model and
+the working sets read its flops and scratch, the decomposer its kinds: a new op is an entry here
+(and a case in ``tests/test_every_op.py``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
@@ -80,7 +85,6 @@ VIEW = {
     )
 }
 CONCAT = {"aten.cat.default", "aten.stack.default"}
-PAD = {"aten.pad.default", "aten.constant_pad_nd.default"}
 CREATION = {
     f"aten.{n}"
     for n in ("arange.default", "arange.start", "arange.start_step", "full.default",
@@ -90,6 +94,16 @@ CREATION = {
 }
 INDEX = {"aten.index.Tensor", "aten.gather.default", "aten.index_select.default"}
 LIKE = {"aten.full_like.default", "aten.zeros_like.default", "aten.ones_like.default"}   # x's shape only
+PAD = {"aten.pad.default", "aten.constant_pad_nd.default"}
+# NOTE: registered ops of no kind above: the rules that serve "opaque" ops cut them (strips), or
+# none does (INDIVISIBLE)
+OPAQUE = PAD | {
+    f"aten.{n}"
+    for n in ("baddbmm.default", "_weight_norm.default", "repeat_interleave.self_int", "im2col.default",
+              "sort.default", "sort.stable", "topk.default", "item.default", "einsum.default",
+              "linalg_det.default", "scatter.src", "scatter_reduce.two", "flip.default", "triu.default",
+              "tril.default")
+} | {"sb.attention_merge", "sb.attention_finish", "sb.region", "sb.assemble", "sb.kv_attention"}
 
 _KINDS: list[tuple[set[str], str]] = [
     (LINEAR, "linear"), (MATMUL, "matmul"), (CONV, "conv"), (CONV_TRANSPOSE, "conv_transpose"),
@@ -108,11 +122,9 @@ ASSERTS = {
 
 
 def kind_of(target: str) -> str:
-    """Canonical kind of a target; ``opaque`` when decomposition knows nothing of it."""
-    for targets, kind in _KINDS:
-        if target in targets:
-            return kind
-    return "opaque"
+    """Canonical kind of a target (its entry's); ``opaque`` when decomposition knows nothing of it."""
+    info = _ops.get(target)
+    return info.kind if info is not None else "opaque"
 
 
 def _norm_dims(dims: Sequence[int] | int, rank: int) -> set[int]:
@@ -263,3 +275,212 @@ PIECES: Mapping[str, str] = MappingProxyType({
     "sb.kv_attention": "trace/decoder.py: a generation step's attention over its KV cache, kept whole "
                        "beside the cache",
 })
+
+
+
+# --- flops ------------------------------------------------------------------------------------
+ShapeOf = Callable[[Any], "tuple[int, ...] | None"]
+"""``shape_of(arg)``: the shape of an operand reference (its view's, for a view), else None."""
+FlopsFn = Callable[[str, Sequence[Any], Sequence[tuple[int, ...]], ShapeOf], int]
+"""``flops(target, args, out_shapes, shape_of)``: flops of one call."""
+
+
+def _numel(shapes: Sequence[tuple[int, ...]]) -> int:
+    return math.prod(shapes[0]) if shapes else 0
+
+
+def _per_output(target: str, args: Sequence[Any], outs: Sequence[tuple[int, ...]], shape_of: ShapeOf) -> int:
+    return _numel(outs)
+
+
+def _free(target: str, args: Sequence[Any], outs: Sequence[tuple[int, ...]], shape_of: ShapeOf) -> int:
+    return 0
+
+
+def _dot(operand_i: int) -> FlopsFn:
+    """A multiply-add per output and element of the reduced (last) dim of operand ``operand_i``."""
+    def flops(target: str, args: Sequence[Any], outs: Sequence[tuple[int, ...]], shape_of: ShapeOf) -> int:
+        a = shape_of(args[operand_i]) if operand_i < len(args) else None
+        return 2 * _numel(outs) * (a[-1] if a else 1)
+    return flops
+
+
+def _conv(target: str, args: Sequence[Any], outs: Sequence[tuple[int, ...]], shape_of: ShapeOf) -> int:
+    w = shape_of(args[1])
+    return 2 * _numel(outs) * (math.prod(w[1:]) if w else 1)
+
+
+def _conv_transpose(target: str, args: Sequence[Any], outs: Sequence[tuple[int, ...]],
+                    shape_of: ShapeOf) -> int:
+    x, w = shape_of(args[0]), shape_of(args[1])   # NOTE: each input element meets C_out/groups x kernel
+    return 2 * math.prod(x) * math.prod(w[1:]) if x and w else _numel(outs)
+
+
+def _attention(target: str, args: Sequence[Any], outs: Sequence[tuple[int, ...]], shape_of: ShapeOf) -> int:
+    q, k = shape_of(args[0]), shape_of(args[1])
+    if not q or not k:
+        return _numel(outs)
+    return 4 * math.prod(q[:-1]) * k[-2] * q[-1]       # NOTE: QK^T and AV, 2 * L * S * E each
+
+
+def _norm(target: str, args: Sequence[Any], outs: Sequence[tuple[int, ...]], shape_of: ShapeOf) -> int:
+    return 5 * _numel(outs)
+
+
+def _pool(target: str, args: Sequence[Any], outs: Sequence[tuple[int, ...]], shape_of: ShapeOf) -> int:
+    """One flop per input element each output's window reads."""
+    out = outs[0] if outs else ()
+    nd = pool_nd(target, args)
+    if "adaptive" in target:
+        x = shape_of(args[0])
+        window = math.prod(x[-nd:]) // max(math.prod(out[-nd:]), 1) if x else 1
+    else:
+        sizes = [args[1]] if isinstance(args[1], int) else list(args[1])
+        window = math.prod(sizes) ** (nd if len(sizes) == 1 else 1)   # NOTE: one size serves every dim
+    return _numel(outs) * window
+
+
+FLOPS_BY_KIND: Mapping[str, FlopsFn] = MappingProxyType({
+    "linear": _dot(1), "matmul": _dot(0), "conv": _conv, "conv_transpose": _conv_transpose,
+    "attention": _attention, "norm": _norm, "pool": _pool, "view": _free, "creation": _free,
+})
+FLOPS_BY_TARGET: Mapping[str, FlopsFn] = MappingProxyType({"aten.addmm.default": _dot(1)})
+
+
+# --- scratch: memory beyond the operands -----------------------------------------------------------
+SpecOf = Callable[[Any], "tuple[tuple[int, ...], str] | None"]
+"""``spec_of(arg)``: ``(shape, dtype)`` of an operand reference (its view's shape), else None."""
+ScratchFn = Callable[[Sequence[Any], Sequence[tuple[int, ...]], SpecOf], int]
+"""``scratch(args, out_shapes, spec_of)``: bytes one call needs beyond its operands."""
+
+ATTENTION_SCORES = 4   # NOTE: bytes per attention score: kernels compute scores in float32
+QLINEAR = "sb.qlinear.default"
+QLINEAR_SLAB = 1 << 20     # NOTE: most bytes of weight sb.qlinear dequantizes at once (larger: no faster)
+QLINEAR_SHARE = 16         # NOTE: ... and at most 1/16 of the tile's 1-byte weight, so its tiles hold ~4x
+_ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def _scores(args: Sequence[Any], outs: Sequence[tuple[int, ...]], spec_of: SpecOf) -> int:
+    """The score matrix of an attention op."""
+    q, k = (spec_of(args[0]), spec_of(args[1])) if len(args) > 1 else (None, None)
+    if q is None or k is None or len(q[0]) < 2 or len(k[0]) < 2:
+        return 0
+    return math.prod(q[0][:-1]) * k[0][-2] * ATTENTION_SCORES
+
+
+def qlinear_columns(n: int, k: int, itemsize: int, room: int = 0) -> int:
+    """Columns of an ``[n, k]`` 1-byte weight that ``sb.qlinear`` dequantizes at once into
+    ``itemsize``-byte elements: ``n * k / QLINEAR_SHARE`` bytes of them, or as many as ``room``
+    bytes hold when that is more (the budget a tile's working set leaves it), at most
+    ``QLINEAR_SLAB``; whole multiples of 16 columns where that many fit, at least one column."""
+    cap = min(QLINEAR_SLAB, max(n * k // QLINEAR_SHARE, room))
+    cols = cap // max(1, k * itemsize)
+    return max(1, min(n, cols // 16 * 16 if cols >= 16 else cols))
+
+
+def qlinear_scratch(n: int, k: int, itemsize: int, columns: int, rows: int, integer: bool) -> int:
+    """Bytes ``sb.qlinear`` needs beyond its operands, over ``rows`` rows of an ``[n, k]`` weight:
+    its slab of ``columns``, an integer input in float64, and one step's product (when it takes
+    several steps, or converts to int32)."""
+    x = rows * k * 8 if integer else 0
+    step = rows * columns * itemsize if integer or columns < n else 0
+    return columns * k * itemsize + x + step
+
+
+@dataclass(frozen=True)
+class QlinearSlab:
+    """What an ``sb.qlinear`` op dequantizes: an ``[n, k]`` weight, ``columns`` at a time into
+    ``itemsize``-byte elements, for ``rows`` rows of an input that is ``integer`` or float."""
+
+    n: int
+    k: int
+    itemsize: int
+    columns: int
+    rows: int
+    integer: bool
+
+    def scratch(self, columns: int | None = None) -> int:
+        return qlinear_scratch(self.n, self.k, self.itemsize, self.columns if columns is None else columns,
+                               self.rows, self.integer)
+
+
+def qlinear_slab(args: Sequence[Any], outs: Sequence[tuple[int, ...]], spec_of: SpecOf) -> QlinearSlab | None:
+    """The slab of an ``sb.qlinear`` call (columns: as its ``columns`` argument says, else
+    ``qlinear_columns``), or None when its operands are unknown."""
+    x = spec_of(args[0]) if args else None
+    if x is None or not outs:
+        return None
+    shape, dtype = x
+    integer = not dtype.startswith(("float", "bfloat"))
+    itemsize = 8 if integer else _ITEMSIZE.get(dtype, 4)
+    n, k = outs[0][-1], shape[-1]
+    given = args[5] if len(args) > 5 and isinstance(args[5], int) and args[5] > 0 else 0
+    columns = min(n, given) if given else qlinear_columns(n, k, itemsize)
+    return QlinearSlab(n, k, itemsize, columns, math.prod(shape[:-1]), integer)
+
+
+def _slab(args: Sequence[Any], outs: Sequence[tuple[int, ...]], spec_of: SpecOf) -> int:
+    """The dequantized slab of an ``sb.qlinear`` (and its float64 input, when integer)."""
+    slab = qlinear_slab(args, outs, spec_of)
+    return slab.scratch() if slab is not None else 0
+
+
+SCRATCH_BY_KIND: Mapping[str, ScratchFn] = MappingProxyType({"attention": _scores})
+SCRATCH_BY_TARGET: Mapping[str, ScratchFn] = MappingProxyType({QLINEAR: _slab})
+
+
+# --- the table ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class OpInfo:
+    """What SeaBiscuit knows of one target."""
+
+    target: str
+    kind: str
+    flops: FlopsFn = _per_output
+    scratch: ScratchFn | None = None
+    indivisible: str = ""        # NOTE: why no rule cuts it ("" : rules do)
+    made_by: str = ""            # NOTE: a tile op only rules make: which
+
+
+def _info(target: str, kind: str) -> OpInfo:
+    return OpInfo(target, kind, FLOPS_BY_TARGET.get(target) or FLOPS_BY_KIND.get(kind, _per_output),
+                  SCRATCH_BY_TARGET.get(target) or SCRATCH_BY_KIND.get(kind),
+                  INDIVISIBLE.get(target, ""), PIECES.get(target, ""))
+
+
+_ops: dict[str, OpInfo] = {}
+for _targets, _kind in [*_KINDS, (OPAQUE, "opaque")]:
+    for _t in sorted(_targets):
+        _ops.setdefault(_t, _info(_t, _kind))          # NOTE: the first group naming a target sets its kind
+OPS: Mapping[str, OpInfo] = MappingProxyType(_ops)     # NOTE: a live view: declare() adds to it
+
+
+def declare(target: str, kind: str = "opaque") -> OpInfo:
+    """The entry of ``target``, made (of ``kind``) if it has none: a kernel registered at run time
+    (``lower.register_kernel``) is an op of the table, run whole unless rules serve its kind."""
+    if target not in _ops:
+        _ops[target] = _info(target, kind)
+    return _ops[target]
+
+
+def flops(target: str, args: Sequence[Any], out_shapes: Sequence[tuple[int, ...]], shape_of: ShapeOf) -> int:
+    """Flops of one call of ``target``."""
+    info = _ops.get(target)
+    fn = info.flops if info is not None else _per_output
+    return int(fn(target, args, out_shapes, shape_of))
+
+
+def scratch(target: str, kind: str, args: Sequence[Any], out_shapes: Sequence[tuple[int, ...]],
+            spec_of: SpecOf) -> int:
+    """Bytes one call of ``target`` (an op of ``kind``) needs beyond its operands."""
+    info = _ops.get(target)
+    fn = info.scratch if info is not None else SCRATCH_BY_KIND.get(kind)
+    return int(fn(args, out_shapes, spec_of)) if fn is not None else 0
+
+
+def registry_hint() -> str:
+    """What an ``UnsupportedOp`` message tells its reader to do."""
+    return (f"SeaBiscuit supports {len(_ops)} ops (the op table, seabiscuit_dask.ops.OPS); a graph naming "
+            "anything else is refused, since graphs are data, never code. To run another op, add its "
+            "entry to seabiscuit_dask/ops.py or call seabiscuit_dask.lower.register_kernel(target, fn) on "
+            "the client and on every worker")

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import seabiscuit_dask as sb
+from seabiscuit_dask import qlinear  # noqa: F401  (torch.ops.sb.qlinear)
 from seabiscuit_dask.config import to_bytes
-from seabiscuit_dask.ir import qlinear_columns
-from seabiscuit_dask.lower import quant  # noqa: F401  (torch.ops.sb.qlinear)
+from seabiscuit_dask.ops import qlinear_columns
 from seabiscuit_dask.trace.onnx import load_onnx
 
 onnx = pytest.importorskip("onnx")

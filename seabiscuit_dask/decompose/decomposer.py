@@ -15,7 +15,6 @@ from typing import Any, TypeVar
 from .. import ops as O
 from ..cost import op_flops
 from ..ir import (
-    QLINEAR,
     Op,
     OpGraph,
     ParamSpec,
@@ -23,9 +22,8 @@ from ..ir import (
     TensorSpec,
     input_bytes,
     operand_names,
-    qlinear_columns,
-    qlinear_slab,
     scratch_bytes,
+    spec_of,
 )
 from . import tiling as T
 from .report import Oversize, why_unsplit
@@ -267,11 +265,13 @@ class Decomposer:
     def widened(self, op: Op) -> Op:
         """An ``sb.qlinear`` whose slab takes the budget its working set leaves (fewer, larger
         dequantizing steps); any other op as it is."""
-        slab = qlinear_slab(op, self.tensors) if op.target == QLINEAR else None
+        slab = O.qlinear_slab(op.attrs["args"], [self.tensors[op.outputs[0]].shape], spec_of(self.tensors)) \
+            if op.target == O.QLINEAR else None
         if slab is None:
             return op
         room = max(0, self.budget - self.ws(op) + slab.scratch())   # NOTE: shared by the slab and its step
-        wider = qlinear_columns(slab.n, slab.k, slab.itemsize, room * slab.k // (slab.k + max(1, slab.rows)))
+        share = room * slab.k // (slab.k + max(1, slab.rows))
+        wider = O.qlinear_columns(slab.n, slab.k, slab.itemsize, share)
         if wider <= slab.columns:
             return op
         args = list(op.attrs["args"]) + [None] * (6 - len(op.attrs["args"]))

@@ -10,8 +10,8 @@ alike, is refused with ``UnsupportedOp`` before any op of the graph runs.
 Tagged values in op arguments (``{"dtype": "float32"}``) are decoded through the
 same kind of tables, never by ``getattr`` on a module.
 
-Adding a kernel is one entry: an ATen overload is one more name in
-``ATEN_TARGETS``; any other callable is one ``register_kernel`` call:
+Adding a kernel is one entry: an ATen overload is one more entry of the op
+table (``ops.py``); any other callable is one ``register_kernel`` call:
 
 >>> @register_kernel("sb.my_tile_op")                        # doctest: +SKIP
 ... def my_tile_op(x, n): ...
@@ -25,79 +25,16 @@ from typing import Any, TypeVar
 
 import torch
 
+from .. import ops as O
 from ..errors import SeaBiscuitError, UnsupportedOp
 from ..ir import DTYPE_BYTES, Op, OpGraph
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-# NOTE: every ATen overload SeaBiscuit runs: what tracing the supported model families emits
-# (GPT-2, Llama, BERT, conv nets, GPT-NeoX, Mistral, Qwen2, Phi, OPT, GPT-J, Bloom, Falcon,
-# RoBERTa, DistilBERT, Gemma, ViT) and what decomposition adds. Pure tensor computations
-# only: nothing here reads or writes files, sockets or other processes.
-ATEN_TARGETS: tuple[str, ...] = tuple(f"aten.{n}" for n in (
-    # linear algebra, convolution, embedding, attention
-    "linear.default", "addmm.default", "mm.default", "matmul.default", "bmm.default",
-    "baddbmm.default", "conv1d.default", "conv2d.default", "conv3d.default", "conv1d.padding",
-    "conv2d.padding", "conv3d.padding", "conv_transpose1d.default", "conv_transpose2d.input",
-    "conv_transpose3d.input",
-    "embedding.default", "scaled_dot_product_attention.default",
-    # elementwise arithmetic and activations
-    "add.Tensor", "add.Scalar", "add_.Tensor", "sub.Tensor", "sub.Scalar", "rsub.Scalar",
-    "mul.Tensor", "mul.Scalar", "div.Tensor", "div.Scalar", "div.Tensor_mode",
-    "pow.Tensor_Scalar", "pow.Tensor_Tensor", "neg.default", "exp.default", "log.default",
-    "sqrt.default", "rsqrt.default", "reciprocal.default", "abs.default", "cos.default",
-    "sin.default", "tanh.default", "erf.default", "sigmoid.default", "relu.default",
-    "relu_.default", "gelu.default", "silu.default", "silu_.default", "hardtanh.default",
-    "hardswish.default", "hardsigmoid.default", "leaky_relu.default", "elu.default",
-    "clamp.default", "clamp_min.default", "minimum.default", "maximum.default",
-    "dropout.default", "round.default", "floor.default", "ceil.default", "sign.default",
-    "pow.Scalar", "square.default", "max.other", "min.other", "multiply.Tensor", "div_.Tensor",
-    "mul_.Tensor", "tan.default", "asin.default", "acos.default", "atan.default", "sinh.default",
-    "cosh.default", "asinh.default", "acosh.default", "atanh.default", "mish.default", "celu.default",
-    "fmod.Tensor", "remainder.Tensor", "__xor__.Tensor", "__lshift__.Tensor", "__rshift__.Tensor",
-    # comparisons, logic, selection
-    "eq.Tensor", "eq.Scalar", "ne.Tensor", "ne.Scalar", "gt.Tensor", "gt.Scalar",
-    "ge.Tensor", "ge.Scalar", "lt.Tensor", "lt.Scalar", "le.Tensor", "le.Scalar",
-    "__and__.Tensor", "__or__.Tensor", "logical_not.default", "bitwise_not.default",
-    "where.self", "where.ScalarOther", "where.ScalarSelf", "masked_fill.Scalar",
-    "masked_fill.Tensor",
-    # dtype and memory: the device argument is always replaced by the worker's own
-    "to.dtype", "to.dtype_layout", "to.device", "_to_copy.default", "type_as.default",
-    "contiguous.default", "clone.default", "alias.default", "detach.default", "detach_.default",
-    "lift_fresh_copy.default",
-    # normalisation and softmax
-    "layer_norm.default", "batch_norm.default", "group_norm.default", "rms_norm.default",
-    "_native_batch_norm_legit_no_training.default", "softmax.int", "_softmax.default",
-    "log_softmax.int", "_log_softmax.default",
-    # reductions
-    "sum.default", "sum.dim_IntList", "mean.dim", "amax.default", "max.dim",
-    "argmax.default", "cumsum.default", "diff.default", "max.default", "min.default", "topk.default",
-    "sort.default", "floor_divide.default", "histc.default", "argmin.default", "prod.dim_int",
-    "logsumexp.default", "cumprod.default", "sort.stable",
-    "item.default",
-    # weight normalisation (of a convolution's weight, from its parametrization)
-    "_weight_norm.default",
-    # pooling
-    "max_pool1d.default", "max_pool2d.default", "max_pool3d.default", "avg_pool1d.default",
-    "avg_pool2d.default", "avg_pool3d.default", "adaptive_avg_pool1d.default",
-    "adaptive_avg_pool2d.default", "adaptive_avg_pool3d.default", "adaptive_max_pool2d.default",
-    # views and shape changes
-    "view.default", "reshape.default", "_unsafe_view.default", "transpose.int", "t.default",
-    "numpy_T.default", "permute.default", "unsqueeze.default", "squeeze.dim", "squeeze.default",
-    "expand.default", "slice.Tensor", "select.int", "narrow.default", "flatten.using_ints",
-    "unflatten.int", "split.Tensor", "split_with_sizes.default", "chunk.default", "unbind.int",
-    "repeat.default", "repeat_interleave.self_int", "cat.default", "stack.default",
-    "reshape_as.default", "broadcast_to.default", "pad.default", "constant_pad_nd.default", "im2col.default",
-    "flip.default", "triu.default", "tril.default",
-    # creation (sizes and values come from the graph, never data from outside it)
-    "arange.default", "arange.start", "arange.start_step", "full.default", "zeros.default",
-    "ones.default", "new_ones.default", "new_zeros.default", "full_like.default",
-    "zeros_like.default", "ones_like.default", "scalar_tensor.default", "empty.memory_format",
-    # indexing
-    "index.Tensor", "gather.default", "index_select.default", "scatter.src", "scatter_reduce.two",
-    # linear algebra on small matrices, and einsum (run whole)
-    "einsum.default", "linalg_det.default",
-))
+# NOTE: every ATen overload SeaBiscuit runs: the ATen entries of the op table (ops.OPS), what
+# tracing the supported model families emits and what decomposition adds. Pure tensor
+# computations only: nothing there reads or writes files, sockets or other processes.
+ATEN_TARGETS: tuple[str, ...] = tuple(t for t in O.OPS if t.startswith("aten."))
 
 # NOTE: dtype names are the IR's vocabulary (ir.DTYPE_BYTES); layouts and memory formats are
 # the few that tracing records.
@@ -134,6 +71,7 @@ def register_kernel(target: str, fn: F | None = None, *, replace: bool = False) 
     if target in _kernels and not replace and _kernels[target] is not fn:
         raise SeaBiscuitError(f"register_kernel: {target} already has a kernel; pass replace=True")
     _kernels[target] = fn
+    O.declare(target)       # NOTE: an op of the table, so tracing knows it too
     return fn
 
 
@@ -146,12 +84,7 @@ for _t in ATEN_TARGETS:
     register_kernel(_t, _aten(_t))
 
 
-def registry_hint() -> str:
-    """What an ``UnsupportedOp`` message tells its reader to do."""
-    return (f"SeaBiscuit supports {len(SUPPORTED)} ops (see seabiscuit_dask.lower.kernels.SUPPORTED); "
-            "a graph naming anything else is refused, since graphs are data, never code. To run "
-            "another op, add its name to seabiscuit_dask.lower.registry.ATEN_TARGETS or call "
-            "seabiscuit_dask.lower.register_kernel(target, fn) on the client and on every worker")
+registry_hint = O.registry_hint
 
 
 def resolve_target(target: str, op: Op | None = None) -> Callable[..., Any]:

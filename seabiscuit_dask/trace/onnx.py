@@ -25,8 +25,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .. import qlinear as _qlinear_op  # noqa: F401  (defines torch.ops.sb.qlinear)
 from ..errors import BadCheckpoint, BadInput, UnsupportedModel, UnsupportedOp
-from ..lower import quant as _quant  # noqa: F401  (defines torch.ops.sb.qlinear)
 from .onnx_read import Place, embedded_places, external_place, initializer_array, read_model
 
 Value = Any              # a torch.Tensor (traced) or an np.ndarray (a constant, folded)

@@ -24,7 +24,6 @@ from .. import ops as O
 from ..cost import op_flops
 from ..errors import SeaBiscuitError, UnsupportedModel, UnsupportedOp
 from ..ir import Op, OpGraph, ParamSource, ParamSpec, TensorSpec, operand_names
-from ..lower.registry import SUPPORTED, registry_hint
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -237,10 +236,10 @@ class _Converter:
         tname = target_name(target)
         if tname in O.ASSERTS:
             return
-        if tname not in SUPPORTED:
+        if tname not in O.OPS:
             # NOTE: refused here, so that no graph naming it is ever stored or sent to a worker.
             raise UnsupportedOp(f"{self.name}: {where} calls {tname}, which is not in SeaBiscuit's "
-                                f"op registry. {registry_hint()}")
+                                f"op registry. {O.registry_hint()}")
         args, kwargs = self.normalise(target, node.args, dict(node.kwargs), where)
         val = node.meta.get("val")
         op_name = f"{scope}.{node.name}" if scope else node.name

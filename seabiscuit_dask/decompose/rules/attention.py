@@ -6,7 +6,7 @@ and ``sb.attention_part`` (the same, unnormalised: its output carries the
 log-sum-exp of each row as one more column, so parts over key chunks merge exactly
 with ``sb.attention_merge``). Causal masks become a diagonal offset per chunk pair;
 key chunks that every query of a tile is masked from are never computed. The score
-matrix of a tile counts in its working set (``ir.scratch_bytes``), so no tile holds
+matrix of a tile counts in its working set (``ops.scratch``), so no tile holds
 a full one.
 """
 
@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ... import ops as O
-from ...ir import ATTENTION_SCORES, Op, TensorSpec
+from ...ir import Op, TensorSpec
+from ...ops import ATTENTION_SCORES
 from ..split import Piece, Pieces, Split, frac
 from .registry import register
 

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ... import ops as O
-from ...ir import DTYPE_BYTES, QLINEAR, Op, TensorSpec, qlinear_columns, qlinear_scratch
+from ...ir import DTYPE_BYTES, Op, TensorSpec
+from ...ops import QLINEAR, qlinear_columns, qlinear_scratch
 from ..split import Piece, Pieces, Split, frac, largest_piece
 from .registry import register
 
@@ -53,7 +54,7 @@ class Matmul:
     integer: bool = False     # sb.qlinear over integers (accumulated in float64)
 
     def scratch(self, n: int, k: int, rows: float) -> float:
-        """sb.qlinear's scratch (as ``ir.scratch_bytes`` counts it) for ``n`` columns over ``k`` of
+        """sb.qlinear's scratch (as ``ops.scratch`` counts it) for ``n`` columns over ``k`` of
         the reduction and ``rows`` rows: its slab, A in float64 when integer, one step's product."""
         if not self.slab_item:
             return 0

@@ -9,22 +9,25 @@ accumulation of ``MatMulInteger`` and ``QLinearMatMul``: products of 8-bit value
 summed in float64 are integers below 2**53, so nothing rounds.
 
 The weight stays integer wherever it is held; the kernel dequantizes ``columns``
-columns at a time into one slab (0: ``ir.qlinear_columns``'s default, at most 1/16 of
+columns at a time into one slab (0: ``ops.qlinear_columns``'s default, at most 1/16 of
 the weight's bytes), so a tile's working set is its 1-byte weights plus one slab, and a
 quantized model's tiles carry about four times the parameters of float32 tiles in the
 same budget. The decomposer widens the slab to what the budget leaves the tile (up to
-``ir.QLINEAR_SLAB``): a tile far below the budget dequantizes in one or a few steps. Output columns
+``ops.QLINEAR_SLAB``): a tile far below the budget dequantizes in one or a few steps. Output columns
 and the reduction cut exactly: scales and zero points go with their columns, and
 partial sums over the reduction add up (``decompose.rules.matmul``).
+
+It is a torch op (``torch.ops.sb.qlinear``, with a fake kernel, so ``torch.export`` keeps it as one
+node): tracing an ONNX model calls it, and ``lower.kernels`` registers it as the kernel of
+``sb.qlinear.default``.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..errors import UnsupportedOp
-from ..ir import qlinear_columns
-from .registry import register_kernel
+from .errors import UnsupportedOp
+from .ops import qlinear_columns
 
 
 @torch.library.custom_op("sb::qlinear", mutates_args=())
@@ -51,7 +54,7 @@ def qlinear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, zero: 
 
     if step >= n and not integer:
         return torch.nn.functional.linear(xs, dequantized(0, n), bias)
-    # NOTE: one step's product at a time (ir.scratch_bytes counts it), into the output's own dtype
+    # NOTE: one step's product at a time (ops.scratch counts it), into the output's own dtype
     y = torch.empty((*x.shape[:-1], n), dtype=torch.int32 if integer else dtype, device=x.device)
     for a in range(0, n, step):
         b = min(n, a + step)
@@ -67,5 +70,3 @@ def _qlinear_fake(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, 
     dtype = x.dtype if x.is_floating_point() else torch.int32
     return x.new_empty((*x.shape[:-1], w.shape[0]), dtype=dtype)
 
-
-register_kernel("sb.qlinear.default", torch.ops.sb.qlinear.default)
