@@ -170,7 +170,13 @@ class ParamSource:
     transposed: bool = False
 
     def sliced(self, dim: int, start: int, stop: int, full_shape: tuple[int, ...]) -> ParamSource:
-        """The source of ``self[..., start:stop, ...]`` along ``dim`` of the current view."""
+        """The source of ``self[..., start:stop, ...]`` along ``dim`` of the current view (an
+        inline constant: its own values, sliced)."""
+        if self.kind == "inline" and self.data is not None:
+            inner, n = math.prod(full_shape[dim + 1:]), full_shape[dim]
+            data = tuple(v for o in range(0, len(self.data), n * inner)
+                         for v in self.data[o + start * inner: o + stop * inner])
+            return replace(self, data=data, slices=None)
         base = self.slices or tuple((0, s) for s in full_shape)
         lo, _ = base[dim]
         new = list(base)

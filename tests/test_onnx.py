@@ -414,3 +414,23 @@ def test_a_transposed_convolution_is_cut_and_equals_the_reference(group: int) ->
     assert len(tiles) > 1
     got = sb.run_local(micro, torch.from_numpy(x), weights=load_onnx(model))
     np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-4)
+
+
+def test_an_onnx_op_type_has_one_function_and_patterns_make_new_nodes() -> None:
+    import dataclasses
+
+    from seabiscuit_dask.trace.onnx_ops import ONNX_OPS, onnx_op
+
+    with pytest.raises(ValueError, match="'Relu' is registered twice"):
+        onnx_op("Relu")(ONNX_OPS["Relu"])
+    w = np.random.default_rng(0).standard_normal((80, 96)).astype(np.float32)
+    model = _graph([helper.make_node("MatMul", ["x", "w"], ["y"])],
+                   [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 80])],
+                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                   [numpy_helper.from_array(w, "w")])
+    module = load_onnx(model)
+    node, = module.nodes
+    assert node.weight_t and module.buffer_of["w"] in dict(module.named_buffers())   # held [out, in]
+    assert tuple(getattr(module, module.buffer_of["w"]).shape) == (96, 80)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        node.weight_t = False         # type: ignore[misc]

@@ -96,10 +96,10 @@ def view_strips(d: Decomposer, op: Op) -> Split | None:
     out = d.tensors[op.outputs[0]]
     so, si = out.shape, d.shape(x)
     dims = dim_map(op, args, si, so)
-    dims = {k: v for k, v in dims.items() if so[k] > 1}
+    dims = {k: v for k, v in dims.items() if so[k] // v[2] > 1}      # NOTE: at least two units to cut
     if not dims:
         return None
-    dim = max(dims, key=lambda k: (so[k], -k))
+    dim = max(dims, key=lambda k: (so[k] // dims[k][2], -k))
     j, r, q = dims[dim]
     n = so[dim] // q
 
