@@ -172,16 +172,17 @@ class ParamSource:
     def sliced(self, dim: int, start: int, stop: int, full_shape: tuple[int, ...]) -> ParamSource:
         """The source of ``self[..., start:stop, ...]`` along ``dim`` of the current view (an
         inline constant: its own values, sliced)."""
-        if self.kind == "inline" and self.data is not None:
-            inner, n = math.prod(full_shape[dim + 1:]), full_shape[dim]
-            data = tuple(v for o in range(0, len(self.data), n * inner)
-                         for v in self.data[o + start * inner: o + stop * inner])
-            return replace(self, data=data, slices=None)
         base = self.slices or tuple((0, s) for s in full_shape)
         lo, _ = base[dim]
         new = list(base)
         new[dim] = (lo + start, lo + stop)
-        return replace(self, slices=tuple(new))
+        out = replace(self, slices=tuple(new))
+        if self.kind == "inline" and self.data is not None:     # NOTE: its data is the current view's
+            shape = tuple(b - a for a, b in base)
+            inner, n = math.prod(shape[dim + 1:]), shape[dim]
+            out = replace(out, data=tuple(v for o in range(0, len(self.data), n * inner)
+                                          for v in self.data[o + start * inner: o + stop * inner]))
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {

@@ -184,7 +184,7 @@ class WeightStore:
                                     "or bind a checkpoint (sb.bind_checkpoint)")
             value = t[index] if index else t
         elif src.kind == "inline" and src.data is not None:
-            # NOTE: inline constants are small and never tiled, so they have no slices.
+            # NOTE: an inline tile's data is its own values (ParamSource.sliced), its slices say where
             value = torch.tensor(src.data, dtype=dtype).reshape(spec.shape)
         elif src.kind == "raw" and src.file and src.stored is not None:
             value = read_raw(spec)

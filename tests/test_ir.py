@@ -103,3 +103,18 @@ def test_op_cost() -> None:
     assert c.param_bytes == (128 * 128 + 128) * 4
     assert c.working_set_bytes == c.param_bytes + c.input_bytes + c.output_bytes
     assert isinstance(op, Op)
+
+
+def test_an_inline_constant_cut_into_tiles_carries_each_tiles_own_values() -> None:
+    import numpy as np
+
+    from seabiscuit_dask.ir import ParamSource
+
+    full = np.arange(5 * 4 * 3).reshape(5, 4, 3)
+    src = ParamSource("inline", "w", data=tuple(full.ravel().tolist()))
+    rows = src.sliced(0, 1, 4, full.shape)                    # w[1:4]
+    cols = rows.sliced(1, 2, 4, full.shape)                   # w[1:4][:, 2:4]
+    assert rows.slices == ((1, 4), (0, 4), (0, 3)) and cols.slices == ((1, 4), (2, 4), (0, 3))
+    assert list(rows.data) == full[1:4].ravel().tolist()
+    assert list(cols.data) == full[1:4, 2:4].ravel().tolist()
+    assert ParamSource.from_dict(cols.to_dict()) == cols
