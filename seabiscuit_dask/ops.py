@@ -159,8 +159,8 @@ def row_split_forbidden_dims(target: str, args: Sequence[Any], out_rank: int) ->
     if target == "aten.index.Tensor":           # NOTE: x[idx]: the dims after the indexed first one
         idx = operand(args, 1, [])
         return {0} if len(idx) == 1 and ref_name(idx[0]) is not None else None
-    if target == "aten.baddbmm.default":          # NOTE: samples of the batch only (dim 0 of all three)
-        return set(range(1, out_rank))
+    if target in STRIP_OPERANDS:                 # NOTE: every dim, each cutting only its operands
+        return set()
     if target == "aten._weight_norm.default":     # NOTE: a norm per index of dim, over the rest
         dim = int(operand(args, 2, 0)) % out_rank
         return set(range(out_rank)) - {dim}
@@ -185,6 +185,14 @@ def row_split_forbidden_dims(target: str, args: Sequence[Any], out_rank: int) ->
     if target in LEADING:
         return set(range(LEADING[target], out_rank))
     return None
+
+
+# NOTE: ops whose strips along an output dim cut only some operands (by position), the others
+# whole: baddbmm(input, b1, b2) by samples (all three), by rows (input and b1: b2's rows are the
+# reduction) or by columns (input and b2)
+STRIP_OPERANDS: Mapping[str, Mapping[int, tuple[int, ...]]] = MappingProxyType({
+    "aten.baddbmm.default": MappingProxyType({0: (0, 1, 2), 1: (0, 1), 2: (0, 2)}),
+})
 
 
 # NOTE: ops whose first ``n`` output dims are their input's first dims (left-aligned), the rest

@@ -52,9 +52,14 @@ def strips(d: Decomposer, op: Op) -> Split | None:
     if op.target in FIRST_ONLY and len(d.shape(args[0])) != r:
         return None
 
+    only = O.STRIP_OPERANDS.get(op.target, {}).get(dim)
+    cut_ids = None if only is None else {id(args[i]) for i in only if i < len(args)}
+
     def aligned(ref: Any) -> int | None:
         rr = O.ref_name(ref)
         if rr is None or (rr[0] == "p" and not slice_params):
+            return None
+        if cut_ids is not None and id(ref) not in cut_ids:
             return None
         s = d.shape(ref)
         di = O.operand_dim(op.target, args, r, dim, len(s))
