@@ -144,6 +144,92 @@ def test_attention_of_a_kind_generation_cannot_serve_is_refused() -> None:
         attention_windows(cfg, "Llama4")
 
 
+def attention_variant(family: str, seed: int = 1) -> torch.nn.Module:
+    """A seeded 2-layer decoder whose attention SDPA alone does not compute: Gemma 2 soft-caps
+    its attention logits (at 4, which its tokens feel), Bloom, MPT and Falcon add ALiBi."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    common = {"vocab_size": VOCAB, "initializer_range": 0.3}
+    if family == "gemma2":
+        # NOTE: untied embeddings: tied ones make this tiny Gemma repeat one token
+        cfg = tf.Gemma2Config(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                              max_position_embeddings=128, sliding_window=5, attn_logit_softcapping=4.0,
+                              final_logit_softcapping=3.0, query_pre_attn_scalar=24,
+                              tie_word_embeddings=False, **common)
+        return tf.Gemma2ForCausalLM(cfg).eval()
+    if family == "bloom":
+        return tf.BloomForCausalLM(tf.BloomConfig(n_layer=2, hidden_size=64, n_head=4, **common)).eval()
+    if family == "mpt":
+        cfg = tf.MptConfig(n_layers=2, d_model=64, n_heads=4, max_seq_len=128, **common)
+        return tf.MptForCausalLM(cfg).eval()
+    cfg = tf.FalconConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, alibi=True, **common)
+    return tf.FalconForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("family", ["gemma2", "bloom", "mpt", "falcon-alibi"])
+def test_soft_capped_and_alibi_decoders_generate_as_hugging_face(family: str) -> None:
+    """A 40-token prompt prefilled in chunks of 16 beside a padded 9-token one, then decoding:
+    the soft-cap (and Gemma 2's query_pre_attn_scalar, its window, its final soft-cap) or the
+    ALiBi of each key's position (counted over real tokens, padding never cached) as Hugging Face."""
+    model = attention_variant(family)
+    ids, mask = padded_batch((40, 9), seed=4)
+    want = hf_greedy(model, ids, mask, 10)
+    engine = Engine(LocalRunner(model, "64KiB"), max_chunk=16)
+    assert torch.equal(local_greedy(model, ids, mask, 10, engine), want)
+    kv = [op for op in trace_step(model, 1, 1).ops if op.kind == "kv_attention"]
+    assert len(kv) == 2
+    if family == "gemma2":
+        assert [op.attrs["kwargs"] for op in kv] == [{"softcap": 4.0}] * 2
+        assert kv[0].attrs["args"][7] == pytest.approx(24 ** -0.5)
+        for layer in model.model.layers:       # the cap matters: without it the tokens differ
+            layer.self_attn.attn_logit_softcapping = None
+        assert not torch.equal(hf_greedy(model, ids, mask, 10), want)
+    else:
+        assert [list(op.attrs["kwargs"]["alibi"]) for op in kv] == [[2 ** -2, 2 ** -4, 2 ** -6, 2 ** -8]] * 2
+
+
+def test_attention_variants_generation_cannot_serve_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib
+
+    import transformers as tf
+
+    step_attention = importlib.import_module("seabiscuit_dask.trace.step_attention")
+    torch.manual_seed(0)
+    sinks = tf.GptOssForCausalLM(tf.GptOssConfig(
+        num_hidden_layers=2, hidden_size=64, intermediate_size=64, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+        vocab_size=VOCAB)).eval()
+    with pytest.raises(sb.UnsupportedModel, match=r"GptOssForCausalLM.*attention sinks"):
+        trace_step(sinks, 1, 1)
+    falcon = attention_variant("falcon-alibi")
+    falcon.config._attn_implementation = "eager"       # NOTE: its eager path adds the bias twice
+    with pytest.raises(sb.UnsupportedModel, match="FalconForCausalLM adds ALiBi in its eager attention"):
+        trace_step(falcon, 1, 1)
+    falcon.config._attn_implementation = "sdpa"
+    # an SDPA whose mask carries a bias SeaBiscuit does not know is refused, not dropped
+    monkeypatch.delitem(step_attention.ALIBI, "transformers.models.falcon.modeling_falcon.FalconAttention")
+    with pytest.raises(sb.UnsupportedModel, match="adds a float mask"):
+        trace_step(falcon, 1, 1)
+
+
+def test_eager_attention_is_served_after_a_check_on_numbers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model on eager attention traces through SDPA once its own eager attention is seen to
+    compute what the cache's attention does; one that computes something else is refused."""
+    import transformers.models.llama.modeling_llama as llama
+
+    model = decoder("llama")
+    model.set_attn_implementation("eager")
+    ids, mask = padded_batch((11, 5))
+    assert torch.equal(local_greedy(model, ids, mask, 8), hf_greedy(model, ids, mask, 8))
+    own = llama.eager_attention_forward
+    monkeypatch.setattr(llama, "eager_attention_forward",
+                        lambda *a, **k: (lambda out, w: (out * 1.5, w))(*own(*a, **k)))
+    with pytest.raises(sb.UnsupportedModel, match="LlamaAttention computes something other than causal"):
+        trace_step(model, 3, 7)        # NOTE: a shape not traced yet (a template is not checked again)
+
+
 def test_sampling_is_reproducible_from_a_seeded_generator() -> None:
     model = decoder("llama")
     ids, _ = padded_batch((7,))

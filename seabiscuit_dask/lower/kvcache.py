@@ -143,12 +143,36 @@ def using(store: KVStore, model: str) -> Iterator[None]:
         _current.reset(token)
 
 
+@dataclass(frozen=True)
+class ScoreSpec:
+    """What an attention adds to its scaled scores before the mask, as the model computes it:
+    a logit ``softcap`` (``cap * tanh(s / cap)``, Gemma 2), then ALiBi, ``slopes[h] * slot`` per
+    head and key slot (Bloom, MPT, Falcon), rounded to ``alibi_dtype`` and times ``alibi_scale``.
+    NOTE: a slot counts the session's real tokens (padding is never cached), as the positions
+    Hugging Face's ALiBi counts; a shift of every key's bias changes no softmax."""
+
+    softcap: float | None = None
+    slopes: tuple[float, ...] | None = None
+    alibi_dtype: str = "float32"
+    alibi_scale: float = 1.0
+
+    def bias(self, slot: torch.Tensor) -> torch.Tensor:
+        """(H, 1, S) ALiBi of key ``slot`` (S,)."""
+        assert self.slopes is not None
+        b = torch.tensor(self.slopes, device=slot.device)[:, None] * slot.float()[None, :]
+        b = b.to(getattr(torch, self.alibi_dtype)).float()
+        return (b if self.alibi_scale == 1.0 else b * self.alibi_scale).unsqueeze(1)
+
+
 @register_kernel("sb.kv_attention")
 def kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sessions: torch.Tensor,
                  start: torch.Tensor, valid: torch.Tensor, layer: int, scale: float | None,
-                 window: int | None = None) -> torch.Tensor:
+                 window: int | None = None, *, softcap: float | None = None,
+                 alibi: list[float] | None = None, alibi_dtype: str = "float32",
+                 alibi_scale: float = 1.0) -> torch.Tensor:
     """Causal attention of each row's new tokens over its session's cache, after caching them;
-    with a sliding ``window``, a token sees only the latest ``window`` slots (itself included).
+    with a sliding ``window``, a token sees only the latest ``window`` slots (itself included);
+    ``softcap`` and ``alibi`` (slopes per head) change the scores as ``ScoreSpec`` says.
 
     ``q`` is (B, H, L, E), ``k``/``v`` (B, Hk, L, E) with H a multiple of Hk. Row b's
     real tokens (``valid[b]``) take cache slots ``start[b]`` on, in order; real token r
@@ -158,6 +182,11 @@ def kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sessions: to
     if ctx is None:
         raise BadInput("sb.kv_attention runs only inside a generation step (a KV store is needed)")
     store, model = ctx
+    spec = None
+    if softcap is not None or alibi is not None:
+        spec = ScoreSpec(None if softcap is None else float(softcap),
+                         None if alibi is None else tuple(float(a) for a in alibi), alibi_dtype,
+                         float(alibi_scale))
     out = q.new_zeros((*q.shape[:3], v.shape[3]))
     for b in range(q.shape[0]):
         s = int(sessions[b])
@@ -167,25 +196,26 @@ def kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sessions: to
         st = int(start[b])
         if bool(row.all()):          # NOTE: every token real (most steps): slices, no gathers
             keys, values = store.write(model, s, int(layer), st, k[b], v[b])
-            out[b] = _attend(q[b], keys, values, st, scale, window)
+            out[b] = _attend(q[b], keys, values, st, scale, window, spec)
             continue
         idx = row.nonzero().flatten()
         if not len(idx):
             continue
         keys, values = store.write(model, s, int(layer), st, k[b][:, idx], v[b][:, idx])
-        out[b][:, idx] = _attend(q[b][:, idx], keys, values, st, scale, window)
+        out[b][:, idx] = _attend(q[b][:, idx], keys, values, st, scale, window, spec)
     return out
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
-            scale: float | None, window: int | None = None) -> torch.Tensor:
+            scale: float | None, window: int | None = None, spec: ScoreSpec | None = None) -> torch.Tensor:
     """(H, n, E) queries at slots start.. against (Hk, S, E) keys, causal, in chunks of queries.
 
     Query head h reads key head ``h // (H // Hk)`` (``enable_gqa``: the cache is read as it
     is, never repeated per head). A chunk's queries see the keys up to their own slot: the
     whole cache for one token, a causal mask from the top left when the chunk starts the
     cache (a fresh prompt), else from the bottom right; a sliding ``window`` reads only the
-    slots some query of the chunk sees, masked to the latest ``window`` of each.
+    slots some query of the chunk sees, masked to the latest ``window`` of each. With a
+    ``spec`` the scores are computed here (``_scored``), not by SDPA.
     """
     from torch.nn.attention.bias import causal_lower_right
 
@@ -197,6 +227,9 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
         b = min(n, a + rows)
         m, seen = b - a, start + b
         lo = 0 if window is None else max(0, start + a - window + 1)
+        if spec is not None:
+            parts.append(_scored(q[:, a:b], k[:, lo:seen], v[:, lo:seen], start + a, lo, scale, window, spec))
+            continue
         keys, values = k[:, lo:seen].unsqueeze(0), v[:, lo:seen].unsqueeze(0)
         if window is not None and m > 1:
             pos = (start + torch.arange(a, b, device=q.device)).unsqueeze(1)
@@ -213,3 +246,26 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
             enable_gqa=True)[0]
         parts.append(out)
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
+def _scored(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: int, lo: int, scale: float | None,
+            window: int | None, spec: ScoreSpec) -> torch.Tensor:
+    """(H, m, E) queries at slots first.. against (Hk, S, E) keys at slots lo.., as Hugging Face's
+    eager attention computes it: scaled scores, ``spec``'s soft-cap and ALiBi, the causal (window)
+    mask, softmax in float32. Query head h reads key head ``h // (H // Hk)``, nothing repeated."""
+    heads, m, e = q.shape
+    groups, total = k.shape[0], k.shape[1]
+    scores = (q.reshape(groups, heads // groups * m, e) @ k.transpose(1, 2)).reshape(heads, m, total)
+    scores = scores * (e ** -0.5 if scale is None else scale)
+    if spec.softcap is not None:
+        scores = torch.tanh(scores / spec.softcap) * spec.softcap
+    slot = torch.arange(lo, lo + total, device=q.device)
+    if spec.slopes is not None:
+        scores = scores + spec.bias(slot)
+    pos = torch.arange(first, first + m, device=q.device).unsqueeze(1)
+    seen = slot.unsqueeze(0) <= pos
+    if window is not None:
+        seen &= slot.unsqueeze(0) > pos - window
+    probs = torch.softmax(scores.masked_fill(~seen, float("-inf")), dim=-1, dtype=torch.float32).to(v.dtype)
+    out = probs.reshape(groups, heads // groups * m, total) @ v
+    return out.reshape(heads, m, v.shape[2])

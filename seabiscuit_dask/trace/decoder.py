@@ -4,7 +4,8 @@
 in each of ``batch`` rows, with explicit ``position_ids`` and the logits of the
 last position only, then turns every causal self-attention into
 ``sb.kv_attention`` (``lower/kvcache.py``): that op writes the new keys and
-values into the session's cache on its worker and attends over the whole cache.
+values into the session's cache on its worker and attends over the whole cache
+(a soft-cap or ALiBi included: ``step_attention.py`` has the model trace them as SDPA).
 Three graph inputs say what a step is:
 
 ``sb_sessions`` (B,) int64
@@ -24,11 +25,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from .. import ops as O
 from ..errors import UnsupportedModel
 from ..ir import Op, OpGraph, TensorSpec
 
 SDPA = "aten.scaled_dot_product_attention.default"
 KV_ATTENTION = "sb.kv_attention"
+STEP_KEY = "sb-step"       # NOTE: in a step template's key: no plain trace of the same inputs shares it
 STEP_INPUTS = ("sb_sessions", "sb_start", "sb_valid")
 _REPEAT_VIEWS = {"aten.reshape.default", "aten.view.default", "aten.expand.default",
                  "aten.unsqueeze.default", "aten.slice.Tensor", "aten.alias.default",
@@ -42,7 +45,8 @@ def trace_step(model: Any, batch: int, length: int) -> OpGraph:
     ----------
     model : nn.Module
         A Hugging Face causal LM (``...ForCausalLM``) whose ``forward`` takes
-        ``position_ids``; its parameters may live on the ``meta`` device.
+        ``position_ids`` (or that places its tokens by ALiBi alone: Bloom, MPT); its
+        parameters may live on the ``meta`` device.
     batch, length : int
         Rows per step and new tokens per row.
 
@@ -56,23 +60,37 @@ def trace_step(model: Any, batch: int, length: int) -> OpGraph:
 
     import torch
 
-    from . import trace
+    from ..templates import cached_trace
+    from . import index_ranges
+    from .step_attention import positions_by_alibi, step_tracing
+    from .torch_export import default_kwargs, trace_module
 
     try:
         params = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
         params = {}  # type: ignore[assignment]
-    if "position_ids" not in params or getattr(model, "config", None) is None:
+    positioned = "position_ids" in params or positions_by_alibi(model)
+    if not positioned or getattr(model, "config", None) is None:
         raise UnsupportedModel(f"{type(model).__name__} cannot generate through SeaBiscuit: its forward "
                                "takes no position_ids (a Hugging Face ...ForCausalLM is expected)")
     # NOTE: a model built without weights traces on meta inputs (its buffers are on meta too)
     device = next(model.parameters()).device
-    ids = torch.zeros((batch, length), dtype=torch.long, device=device)
-    pos = torch.arange(length, device=device).repeat(batch, 1)
-    kwargs: dict[str, Any] = {"input_ids": ids, "position_ids": pos}
+    kwargs: dict[str, Any] = {"input_ids": torch.zeros((batch, length), dtype=torch.long, device=device)}
+    if "position_ids" in params:
+        kwargs["position_ids"] = torch.arange(length, device=device).repeat(batch, 1)
     if "logits_to_keep" in params:
         kwargs["logits_to_keep"] = 1
-    graph = trace(model, (), kwargs)
+    kw = default_kwargs(model, kwargs)
+
+    def traced() -> OpGraph:
+        graph = trace_module(model, (), kw)
+        notes.check()
+        return graph.with_meta(step_attention=notes.kv_kwargs)
+
+    with step_tracing(model) as notes:
+        # NOTE: a step's template holds what its attentions add; its key is a step trace's own
+        graph = cached_trace(model, (), {**kw, "sb_step": STEP_KEY}, traced)
+    graph = graph.with_meta(index_ranges=index_ranges(graph))
     return kv_program(graph, batch, length, attention_windows(model.config, type(model).__name__))
 
 
@@ -104,7 +122,9 @@ def attention_windows(config: Any, name: str = "model") -> list[int | None] | No
 def kv_program(graph: OpGraph, batch: int, length: int,
                windows: list[int | None] | None = None) -> OpGraph:
     """``graph`` (a traced causal LM step) with its attentions reading and writing the KV cache;
-    ``windows``: each attention's sliding window, in order (``attention_windows``)."""
+    ``windows``: each attention's sliding window, in order (``attention_windows``). What each
+    attention adds to its scores (``step_tracing`` notes it in ``meta["step_attention"]``) goes
+    to its ``sb.kv_attention`` as keyword arguments."""
     name = graph.meta.get("name", "model")
     attn = [op for op in graph.ops if op.target == SDPA]
     if not attn:
@@ -112,6 +132,10 @@ def kv_program(graph: OpGraph, batch: int, length: int,
     if windows is not None and len(windows) != len(attn):
         raise UnsupportedModel(f"{name}: its config gives {len(windows)} attention windows for the "
                                f"{len(attn)} attentions traced; SeaBiscuit cannot tell which layer has which")
+    extras = list(graph.meta.get("step_attention") or [])
+    if extras and len(extras) != len(attn):
+        raise UnsupportedModel(f"{name}: {len(extras)} of its attentions were traced as a step traces them, "
+                               f"{len(attn)} attentions in all; SeaBiscuit cannot tell which layer is which")
     tensors = dict(graph.tensors)
     tensors["sb_sessions"] = TensorSpec((batch,), "int64")
     tensors["sb_start"] = TensorSpec((batch,), "int64")
@@ -122,7 +146,9 @@ def kv_program(graph: OpGraph, batch: int, length: int,
         if op.target != SDPA:
             ops.append(op)
             continue
-        ops.append(_cached(graph, op, len(layers), tensors, windows[len(layers)] if windows else None))
+        i = len(layers)
+        ops.append(_cached(graph, op, i, tensors, windows[i] if windows else None,
+                           extras[i] if extras else None))
         k = ops[-1].inputs[1]
         layers.append({"op": op.name, "heads": tensors[k].shape[1], "dim": tensors[k].shape[3],
                        "value_dim": tensors[ops[-1].inputs[2]].shape[3], "dtype": tensors[k].dtype})
@@ -131,7 +157,7 @@ def kv_program(graph: OpGraph, batch: int, length: int,
     inputs = tuple(t for t in graph.inputs if t in used) + STEP_INPUTS
     kept = {t for op in ops for t in (*op.inputs, *op.outputs)} | set(inputs)
     params = {p for op in ops for p in op.params}
-    meta = dict(graph.meta)
+    meta = {k: v for k, v in graph.meta.items() if k != "step_attention"}
     meta.update(out_spec=None, kv_layers=layers, step={"batch": batch, "length": length},
                 call={"positional": list(inputs)}, kwarg_order=[])
     meta["index_ranges"] = {k: v for k, v in dict(meta.get("index_ranges") or {}).items() if k in inputs}
@@ -150,14 +176,18 @@ def _source_hash() -> str:
 
 
 def _cached(graph: OpGraph, op: Op, layer: int, tensors: Mapping[str, TensorSpec],
-            window: int | None = None) -> Op:
-    """The ``sb.kv_attention`` op in place of one SDPA (dropout-free, causal self-attention)."""
-    from .. import ops as O
-
+            window: int | None = None, extra: Mapping[str, Any] | None = None) -> Op:
+    """The ``sb.kv_attention`` op in place of one SDPA (dropout-free, causal self-attention);
+    ``extra``: its keyword arguments (a soft-cap, ALiBi)."""
     args = list(op.attrs["args"])
     kwargs = dict(op.attrs.get("kwargs", {}))
     if float(O.operand(args, 4, kwargs.get("dropout_p", 0.0)) or 0.0) != 0.0:
         raise UnsupportedModel(f"attention {op.name!r} uses dropout; trace the model in eval mode")
+    mask = O.ref_name(O.operand(args, 3, kwargs.get("attn_mask")))
+    if mask is not None and (mask[0] != "t" or tensors[mask[1]].dtype != "bool"):
+        raise UnsupportedModel(f"{graph.meta.get('name', 'model')}: attention {op.name!r} adds a float mask "
+                               "to its scores, a bias (such as ALiBi) that generation through SeaBiscuit "
+                               "does not know; it serves causal masks only")
     q, k, v = (O.ref_name(a)[1] for a in args[:3])   # type: ignore[index]
     scale = O.operand(args, 6, kwargs.get("scale"))
     qs = tensors[q].shape
@@ -165,7 +195,7 @@ def _cached(graph: OpGraph, op: Op, layer: int, tensors: Mapping[str, TensorSpec
     new_args = [{"t": q}, {"t": k}, {"t": v}, {"t": "sb_sessions"}, {"t": "sb_start"}, {"t": "sb_valid"},
                 layer, None if scale is None else float(scale), window]
     return Op(op.name, "kv_attention", KV_ATTENTION, (q, k, v, *STEP_INPUTS), op.outputs, (),
-              {"args": new_args, "kwargs": {}}, op.scope, op.flops)
+              {"args": new_args, "kwargs": dict(extra or {})}, op.scope, op.flops)
 
 
 def _unrepeated(graph: OpGraph, name: str, q_shape: tuple[int, ...]) -> str:
@@ -195,8 +225,6 @@ def _is_repeat(graph: OpGraph, out: str, src: str) -> bool:
     """
     import torch
 
-    from ..lower.kernels import execute_op
-
     chain: list[Op] = []
     cur = out
     while cur != src:
@@ -206,7 +234,15 @@ def _is_repeat(graph: OpGraph, out: str, src: str) -> bool:
     shape = graph.tensors[src].shape
     env = {src: torch.arange(float(torch.Size(shape).numel())).reshape(shape)}
     for op in reversed(chain):
-        env.update(zip(op.outputs, execute_op(op, env, torch.device("cpu"))))
+        if O.kind_of(op.target) not in ("view", "elementwise") or len(op.outputs) != 1:
+            return False
+        _, name, overload = op.target.split(".")      # NOTE: a view of the graph just traced
+        fn = getattr(getattr(torch.ops.aten, name), overload)
+        args = [env[a["t"]] if isinstance(a, Mapping) and "t" in a else a for a in op.attrs["args"]]
+        kwargs = dict(op.attrs.get("kwargs", {}))
+        if any(isinstance(a, Mapping) for a in [*args[1:], *kwargs.values()]):
+            return False          # NOTE: a second operand or a tagged value: no plain view
+        env[op.outputs[0]] = fn(*args, **kwargs)
     want = env[src].repeat_interleave(graph.tensors[out].shape[1] // shape[1], dim=1)
     return bool(env[out].shape == want.shape and torch.equal(env[out], want))
 
