@@ -50,7 +50,7 @@ class Case:
     """One architecture: how to build it and what to call it with."""
 
     name: str
-    family: str              # decoder, encoder, encoder-decoder, vision, speech
+    family: str              # decoder, encoder, encoder-decoder, vision, detection, speech
     model_type: str
     auto: str = "AutoModel"
     inputs: str = "text"     # text, seq2seq, image, audio, features
@@ -154,6 +154,22 @@ def _vision() -> list[Case]:
     ]
 
 
+def _detection() -> list[Case]:
+    """Detection models: their backbones (a ResNet, a ViT) with the heads' encoders and queries.
+    (torchvision's own cannot run here: no CPU build of it for this torch is installable.)"""
+    det = "detection"
+    resnet = {"model_type": "resnet", "hidden_sizes": [16, 32], "depths": [1, 1], "embedding_size": 16,
+              "out_features": ["stage2"]}
+    return [
+        Case("detr", det, "detr", inputs="image", keep=("num_channels",), overrides={
+            "use_timm_backbone": False, "use_pretrained_backbone": False, "backbone_config": resnet,
+            "num_queries": 8, "encoder_layers": 1, "decoder_layers": 1}),
+        Case("yolos", det, "yolos", inputs="image", overrides={"num_detection_tokens": 4,
+                                                              "image_size": [IMAGE, IMAGE]}),
+        Case("rt_detr", det, "rt_detr", inputs="image", overrides={"num_queries": 8}),
+    ]
+
+
 def _speech() -> list[Case]:
     sp = "speech"
     conv = {"conv_dim": [16, 16], "conv_stride": [5, 2], "conv_kernel": [10, 3],
@@ -167,7 +183,7 @@ def _speech() -> list[Case]:
     ]
 
 
-ZOO = _decoders() + _encoders() + _encoder_decoders() + _vision() + _speech()
+ZOO = _decoders() + _encoders() + _encoder_decoders() + _vision() + _detection() + _speech()
 BF16_TOL = 3e-2
 
 

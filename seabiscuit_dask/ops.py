@@ -84,7 +84,7 @@ VIEW = {
         "repeat.default", "reshape_as.default",
     )
 }
-CONCAT = {"aten.cat.default", "aten.stack.default"}
+CONCAT = {"aten.cat.default", "aten.concat.default", "aten.stack.default"}
 CREATION = {
     f"aten.{n}"
     for n in ("arange.default", "arange.start", "arange.start_step", "full.default",
@@ -95,14 +95,16 @@ CREATION = {
 INDEX = {"aten.index.Tensor", "aten.gather.default", "aten.index_select.default"}
 LIKE = {"aten.full_like.default", "aten.zeros_like.default", "aten.ones_like.default"}   # x's shape only
 PAD = {"aten.pad.default", "aten.constant_pad_nd.default"}
+# NOTE: images resampled to another size: every sample and channel on its own
+RESAMPLE = {"aten.upsample_nearest2d.vec", "aten.upsample_bilinear2d.vec", "aten.upsample_bicubic2d.vec"}
 # NOTE: registered ops of no kind above: the rules that serve "opaque" ops cut them (strips), or
 # none does (INDIVISIBLE)
-OPAQUE = PAD | {
+OPAQUE = PAD | RESAMPLE | {
     f"aten.{n}"
     for n in ("baddbmm.default", "_weight_norm.default", "repeat_interleave.self_int", "im2col.default",
               "sort.default", "sort.stable", "topk.default", "item.default", "einsum.default",
               "linalg_det.default", "scatter.src", "scatter_reduce.two", "flip.default", "triu.default",
-              "tril.default")
+              "tril.default", "meshgrid.indexing", "outer.default")
 } | {"sb.attention_merge", "sb.attention_finish", "sb.region", "sb.assemble", "sb.kv_attention"}
 
 _KINDS: list[tuple[set[str], str]] = [
@@ -161,6 +163,8 @@ def row_split_forbidden_dims(target: str, args: Sequence[Any], out_rank: int) ->
         return {0} if len(idx) == 1 and ref_name(idx[0]) is not None else None
     if target in STRIP_OPERANDS:                 # NOTE: every dim, each cutting only its operands
         return set()
+    if target in RESAMPLE:
+        return set(range(2, out_rank))
     if target == "aten._weight_norm.default":     # NOTE: a norm per index of dim, over the rest
         dim = int(operand(args, 2, 0)) % out_rank
         return set(range(out_rank)) - {dim}
@@ -192,6 +196,7 @@ def row_split_forbidden_dims(target: str, args: Sequence[Any], out_rank: int) ->
 # reduction) or by columns (input and b2)
 STRIP_OPERANDS: Mapping[str, Mapping[int, tuple[int, ...]]] = MappingProxyType({
     "aten.baddbmm.default": MappingProxyType({0: (0, 1, 2), 1: (0, 1), 2: (0, 2)}),
+    "aten.outer.default": MappingProxyType({0: (0,), 1: (1,)}),      # NOTE: a's rows, b's columns
 })
 
 
@@ -220,6 +225,8 @@ def operand_dim(target: str, args: Sequence[Any], out_rank: int, dim: int, rank:
             return [i for i in range(rank) if i not in dims][dim]
     if target in LEADING:
         return dim if dim < rank else None
+    if target == "aten.outer.default":          # NOTE: each vector is one dim of the output
+        return 0
     d = dim - (out_rank - rank)
     return d if d >= 0 else None
 
@@ -263,6 +270,7 @@ INDIVISIBLE: Mapping[str, str] = MappingProxyType({
     "aten._native_batch_norm_legit_no_training.default": _TWO.format("three (the output, its mean and "
                                                                      "its inverse deviation)"),
     "aten.unbind.int": _TWO.format("one per index of its dim"),
+    "aten.meshgrid.indexing": _TWO.format("one per input"),
     "aten.einsum.default": "an einsum is an equation over all its operands; no rule reads one",
     "aten.scalar_tensor.default": "it makes a single number",
 })

@@ -220,10 +220,19 @@ case("aten.unbind.int", lambda x: A.unbind.int(x, 0)[1] * 2, img(4, R, C))
 case("aten.repeat.default", lambda x: A.repeat.default(x, [1, 2]), fx())
 case("aten.repeat_interleave.self_int", lambda x: A.repeat_interleave.self_int(x, 2, 0), fx())
 case("aten.cat.default", lambda x, y: A.cat.default([x, y], 1), fx(), pos())
+case("aten.concat.default", lambda x, y: A.concat.default([x, y], 1), fx(), pos())
 case("aten.stack.default", lambda x, y: A.stack.default([x, y], 0), fx(), pos())
 case("aten.reshape_as.default", lambda x, y: A.reshape_as.default(x * 2, y), fx(), img(R * 2, C // 2))
 case("aten.pad.default", lambda x: A.pad.default(x, [2, 3, 1, 1], "constant", 0.5), img(4, R, C))
 case("aten.constant_pad_nd.default", lambda x: A.constant_pad_nd.default(x, [2, 3, 1, 1], 0.5), img(4, R, C))
+case("aten.upsample_nearest2d.vec", lambda x: A.upsample_nearest2d.vec(x, [48, 96], None), img(2, 8, 32, 64))
+case("aten.upsample_bilinear2d.vec", lambda x: A.upsample_bilinear2d.vec(x, [48, 96], False, None),
+     img(2, 8, 32, 64), exact=False)
+case("aten.upsample_bicubic2d.vec", lambda x: A.upsample_bicubic2d.vec(x, [48, 96], False, None),
+     img(2, 8, 32, 64), exact=False)
+case("aten.meshgrid.indexing", lambda x, y: A.meshgrid.indexing([x, y], indexing="ij")[0] * 2,
+     torch.arange(256.0), torch.arange(128.0))
+case("aten.outer.default", A.outer.default, torch.randn(256), torch.randn(128))
 case("aten.im2col.default", lambda x: A.im2col.default(x, [3, 3], [1, 1], [1, 1], [1, 1]),
      img(8, 4, 16, 16))        # NOTE: cut by samples of the batch
 

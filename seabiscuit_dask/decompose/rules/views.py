@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 RESHAPES = {"aten.view.default", "aten.reshape.default", "aten._unsafe_view.default",
             "aten.flatten.using_ints", "aten.unflatten.int", "aten.unsqueeze.default",
             "aten.squeeze.dim", "aten.squeeze.default", "aten.reshape_as.default"}
-JOINS = ("aten.cat.default", "aten.stack.default")
+JOINS = ("aten.cat.default", "aten.concat.default", "aten.stack.default")
 DimMap = dict[int, tuple[int, int, int]]
 """output dim -> (input dim, ratio, quantum)."""
 
@@ -67,7 +67,7 @@ def dim_map(op: Op, args: list[Any], si: tuple[int, ...], so: tuple[int, ...]) -
     if t in EXPANDS:
         lead = len(so) - len(si)
         return {d: (d - lead, 1, 1) for d in range(lead, len(so)) if si[d - lead] == so[d]}
-    if t in ("aten.slice.Tensor", "aten.cat.default", "aten.narrow.default"):
+    if t in ("aten.slice.Tensor", "aten.cat.default", "aten.concat.default", "aten.narrow.default"):
         dim = int(O.operand(args, 1, 0)) % len(so)
         return {d: (d, 1, 1) for d in range(len(so)) if d != dim}
     if t == "aten.stack.default":             # NOTE: the new dim picks the input; the others are theirs
