@@ -259,7 +259,10 @@ largest op's working set and at 64 KiB, run with `sb.run_local` and compared wit
 torch (fp32: 1e-4 relative; bf16 against eager bf16: 3e-2). `not built` rows are configs
 this sweep could not make small, not SeaBiscuit failures, and are left out of the counts.
 Made by `python benchmarks/zoo.py --markdown docs/zoo.md`; `tests/test_zoo.py` runs a fast
-subset.
+subset. Classification and detection backbones are Hugging Face's (ResNet, RegNet, ConvNeXt,
+MobileNetV2, Swin, ViT; DETR's ResNet, YOLOS's ViT): torchvision itself has no CPU build for
+this torch among the packages this machine can install (PyPI's is a CUDA build whose ops do
+not load beside the CPU torch).
 """
 
 
