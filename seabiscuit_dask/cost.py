@@ -7,14 +7,8 @@ of a graph is known without running it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 from . import ops as O
 from .ir import Op, OpCost, OpGraph
-
-SpecOf = Callable[[Any], "tuple[int, ...] | None"]
-
 
 op_flops = O.flops       # NOTE: the op table's entry says
 

@@ -94,6 +94,7 @@ class OnnxModule(torch.nn.Module):
                  constants: Mapping[str, Any] | None = None, lazy: bool = False) -> None:
         super().__init__()
         self.path = path           # NOTE: the .onnx file it was read from (None: a ModelProto)
+        self._derived: dict[tuple[Path, frozenset[str]], Path] = {}    # NOTE: (folder, keys) -> file
         folder = path.parent if path is not None else None
         g = model.graph
         self.onnx_name = name or str(g.name) or "onnx"
@@ -205,6 +206,10 @@ class OnnxModule(torch.nn.Module):
 
         from ..config import cache_dir
 
+        made = (cache_dir(), frozenset(keys))
+        known = self._derived.get(made)
+        if known is not None and known.is_file():
+            return known                 # NOTE: a program of another size: hashed and written already
         tensors, digest = {}, hashlib.sha256()
         for k in sorted(keys):
             t = getattr(self, k).detach().contiguous().clone()
@@ -218,6 +223,7 @@ class OnnxModule(torch.nn.Module):
             part = path.with_name(f"{path.name}.{os.getpid()}.part")
             save_file(tensors, os.fspath(part))
             os.replace(part, path)
+        self._derived[made] = path
         return path
 
     def extra_repr(self) -> str:
