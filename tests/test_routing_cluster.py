@@ -52,7 +52,7 @@ def plan_version(dask_scheduler=None) -> int:
 
 
 def slow_down(src: str, dst: str, nbytes: float, dask_scheduler=None) -> list[str]:
-    """On the scheduler: the data plane of ``src`` reports three transfers to ``dst`` that took twenty
+    """On the scheduler: the data plane of ``src`` reports six transfers to ``dst`` that took twenty
     times what the link measured so far says, their bytes coming in at the link's new pace. Returns
     the instructions (a repair by its kind)."""
     from seabiscuit_dask.placement.cluster import LinkSpec
@@ -62,7 +62,7 @@ def slow_down(src: str, dst: str, nbytes: float, dask_scheduler=None) -> list[st
     now = plugin.state.links.links[(src, dst)].applied
     slow = LinkSpec(nbytes / (20 * sample_s(now, nbytes)), now.latency_s)
     read_s = 0.9 * nbytes / slow.bandwidth_bytes_per_s
-    samples = tuple((dst, nbytes, sample_s(slow, nbytes), 0.0, read_s) for _ in range(3))
+    samples = tuple((dst, nbytes, sample_s(slow, nbytes), 0.0, read_s) for _ in range(6))
     ins = plugin.state.handle(LinksObserved(src, samples))
     plugin._apply(ins)
     return [getattr(i, "kind", type(i).__name__) for i in ins]
@@ -79,13 +79,14 @@ def test_links_are_measured_from_requests_and_a_slow_one_is_left_while_requests_
             torch.testing.assert_close(dm(x), want)
 
         def measured() -> list:
-            """The current plan's cuts, once each link has four samples (a request more meanwhile:
-            the plan may change as the links are first measured, and its new cuts need theirs)."""
+            """The current plan's cuts, once each link has twelve samples, past its calibration (a
+            request more meanwhile: the plan may change as the links are first measured, and its new
+            cuts need theirs)."""
             torch.testing.assert_close(dm(x), want)
             dm._flush_runs()
             cut = client.run_on_scheduler(cuts)
             seen = links(client)
-            return cut if all(seen.get((a, b), {}).get("transfers", 0) >= 4 for a, b, _ in cut) else []
+            return cut if all(seen.get((a, b), {}).get("transfers", 0) >= 12 for a, b, _ in cut) else []
 
         cut = wait_for(measured, "a sample of each cut's transfers")
         seen = links(client)

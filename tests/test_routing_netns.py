@@ -72,7 +72,7 @@ def test_a_throttled_link_is_measured_and_left_while_requests_run(mesh) -> None:
         cuts = [(plan.spec.devices[a].address, plan.spec.devices[b].address)
                 for a in range(3) for b in range(3) if plan.bytes_between[a, b]]
         assert len({d for d in plan.device_of.tolist()}) == 3 and cuts
-        for _ in range(6):                              # NOTE: before: at 1 Gbit/s
+        for _ in range(12):                             # NOTE: before: at 1 Gbit/s, past calibration
             torch.testing.assert_close(dm(x), want)
         dm._flush_runs()
         src, dst = cuts[0]
@@ -88,7 +88,8 @@ def test_a_throttled_link_is_measured_and_left_while_requests_run(mesh) -> None:
         repair = repairs(client)[0]
         seen = links(client)[(src, dst)]
         changed = [(t, n) for t, n in seen["changed_at"] if t >= throttled_at]
-        assert changed and changed[0][1] - before["transfers"] <= 6      # within a few transfers
+        # NOTE: seen on the third large transfer, confirmed on the sixth; a small message goes with each
+        assert changed and changed[0][1] - before["transfers"] <= 14
         assert 0.5 < seen["applied_bandwidth_bytes_per_s"] / THROTTLED_BYTES_PER_S < 2
         assert repair["time"] - throttled_at < 30
 

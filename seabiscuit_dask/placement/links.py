@@ -16,15 +16,21 @@ prediction clipped before it enters the fit (one stall of an event loop is no ne
 It also watches for a change: samples whose time is ``change`` times off the figures the
 plan uses (``applied``), ``patience`` in a row (the same way; a message within the band
 breaks the row only if it is no smaller than those off, so a link shaped for large
-messages only, a token bucket, is still seen), re-estimate the link from those samples; ``observe``
-returns the new figures, and for ``cooldown`` samples the link then changes again only past
-``change`` squared (hysteresis: a noisy link does not churn the plan).
+messages only, a token bucket, is still seen), re-estimate the link from those samples. The
+new figures are then put to the test: of the next samples that tell the two apart, ``patience``
+vote, and only if most are explained better by the new figures does ``observe`` return them; else
+the link goes back to its figures before (a receiver whose event loop stalls for a block's
+compute delays a few messages in a row: that is no new link). A change seen within a link's
+first ``cooldown`` samples is calibration, not news: probes and the data plane are two
+instruments, and the first gap between them is taken without a repair. After a change, for
+``cooldown`` samples the link changes again only past ``change`` squared (hysteresis: a noisy
+link does not churn the plan).
 ``LinkLearner`` keeps an estimator per (sender, receiver) and a history of each for the
 dashboard. Plain Python and numpy: the scheduler plugin feeds it, tests drive it with
 synthetic traces.
 
 >>> est = LinkEstimator(LinkSpec(1.25e8, 1e-4))
->>> for _ in range(6):
+>>> for _ in range(16):
 ...     _ = est.observe(1 << 20, 2e-4 + (1 << 20) / 2.5e6)     # a 20 Mbit/s link now
 >>> round(est.applied.bandwidth_bytes_per_s / 2.5e6, 1)
 1.0
@@ -78,6 +84,10 @@ class LinkEstimator:
     count: int = 0
     bytes_total: float = 0.0
     changes: int = 0
+    trial: tuple[LinkSpec, LinkSpec, list[float], list[float], float] | None = None   # see _confirm
+    votes: list[int] = field(default_factory=list)   # +1: a sample the new figures explain better
+    calibrated: bool = False                    # the first gap to the probes' figures was taken
+    trial_at: int = 0                           # the sample that put the figures on trial
     history: deque[tuple[float, float, float]] = field(init=False)   # (time, bytes/s, latency s)
     changed_at: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=64))  # (time, count)
 
@@ -130,7 +140,10 @@ class LinkEstimator:
         self.rhs = [v * self.forget for v in self.rhs]
         # NOTE: clipped to the band of no change: a step past it is the detector's to act on
         self._add(nbytes, min(max(seconds, predicted / self.change), predicted * self.change))
-        changed = self._changed(nbytes, seconds, predicted, read_s if math.isfinite(read_s) else 0.0)
+        if self.trial is not None:
+            changed = self._confirm(nbytes, seconds)
+        else:
+            changed = self._changed(nbytes, seconds, predicted, read_s if math.isfinite(read_s) else 0.0)
         now = time.time() if now is None else now
         self._remember(now, changed is not None)
         if changed is not None:
@@ -162,10 +175,41 @@ class LinkEstimator:
         if now is None:
             self.off, self.within = [], []
             return None
+        # NOTE: the new figures on trial (see _confirm); the fit as it was kept to go back to
+        median = float(np.median([n for n, _, _ in self.off]))
+        self.trial = (self.applied, now, list(self.normal), list(self.rhs), median)
+        self.votes, self.trial_at = [], self.count
         self.applied = now
         self._refit(self.off + self.within, now)
         self.off, self.within = [], []
-        self.quiet_for, self.changes = self.cooldown, self.changes + 1
+        return None
+
+    def _confirm(self, nbytes: float, seconds: float) -> LinkSpec | None:
+        """A sample while new figures are on trial: it votes for them or for the figures before when
+        it tells the two apart (its log error under one is smaller by half the band's) and is no
+        smaller than the median of the samples that were off (a token bucket lets small ones by, and a
+        small message's time is mostly its event loops' noise); after
+        ``patience`` votes the change stands (returned; a link's first, within ``cooldown`` samples,
+        is calibration: taken, not returned) or the link goes back to its figures and fit before."""
+        assert self.trial is not None
+        before, now, normal, rhs, median = self.trial
+        if nbytes < median:
+            return None
+        e_now = abs(math.log(seconds / max(sample_s(now, nbytes), FLOOR_S)))
+        e_before = abs(math.log(seconds / max(sample_s(before, nbytes), FLOOR_S)))
+        if abs(e_now - e_before) >= math.log(self.change) / 2:
+            self.votes.append(1 if e_now < e_before else -1)
+        if len(self.votes) < self.patience:
+            return None
+        self.trial = None
+        if sum(self.votes) <= 0:
+            self.applied, self.normal, self.rhs = before, normal, rhs
+            return None
+        self.quiet_for = self.cooldown
+        first, self.calibrated = not self.calibrated and self.trial_at <= self.cooldown, True
+        if first:
+            return None
+        self.changes += 1
         return now
 
     def _fit_off(self, before: LinkSpec) -> LinkSpec | None:
