@@ -134,7 +134,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args()
     model = decoder("llama", seed=2)
-    with dask.config.set({"seabiscuit.learn.repair": False}), seabiscuit_cluster(3, 900_000) as client:
+    with dask.config.set({"seabiscuit.learn.repair": False, "seabiscuit.routing.repair": False}), \
+            seabiscuit_cluster(3, 900_000) as client:
         gen = generation_rows(client, model)
         hang = hang_rows(client, model, args.reps)
     print(f"\n{'generation':46s} {'wall s':>8s} {'equal HF':>9s} {'errors':>7s} {'tasks/step before':>18s} "

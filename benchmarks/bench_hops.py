@@ -44,8 +44,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     rows = []
-    # NOTE: the learner would repair so poor a plan (every op on the other worker) onto one worker
-    with dask.config.set({"seabiscuit.learn.repair": False}), \
+    # NOTE: the learners would repair so poor a plan (every op on the other worker) onto one worker
+    with dask.config.set({"seabiscuit.learn.repair": False, "seabiscuit.routing.repair": False}), \
             LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=None,
                          resources={"MEM": 200e6}) as cluster, Client(cluster) as client:
         client.register_plugin(sb.SeaBiscuitSchedulerPlugin())

@@ -35,6 +35,7 @@ from .placement import (
     DeviceAdded,
     DeviceLost,
     DeviceSpec,
+    LinkChanged,
     LinkSpec,
     Plan,
     place,
@@ -48,7 +49,8 @@ from .version import __version__ as __version__
 __all__ = [
     "AccessDenied", "BadCheckpoint", "BadInput", "BudgetTooSmall", "Busy", "CapacityChanged", "ClusterSpec",
     "ClusterTooSmall", "DaskSpec", "DeviceAdded", "DeviceLost", "DeviceSpec", "DeviceUnavailable",
-    "DistributedModel", "InvalidGraph", "LinkSpec", "Op", "OpCost", "OpGraph", "ParamSource", "ParamSpec",
+    "DistributedModel", "InvalidGraph", "LinkChanged", "LinkSpec", "Op", "OpCost", "OpGraph", "ParamSource",
+    "ParamSpec",
     "PlacementState", "Plan", "SeaBiscuitError", "SeaBiscuitSchedulerPlugin", "SeaBiscuitWorkerPlugin",
     "TensorSpec", "UnsupportedModel", "UnsupportedOp", "WorkerLost", "bind_checkpoint", "build_empty",
     "config", "decompose", "deploy", "distribute", "empty_weights", "measure_cluster", "place", "replan",

@@ -93,6 +93,37 @@ def namespace_hosts(n: int, rate: str = "100mbit") -> Iterator[NamespaceHosts]:
         subprocess.run(["ip", "link", "del", bridge], capture_output=True, timeout=30)
 
 
+def _tc(ns: str, *args: str) -> None:
+    subprocess.run(["ip", "netns", "exec", ns, "tc", *args], check=True, capture_output=True, timeout=30)
+
+
+@contextmanager
+def namespace_mesh(n: int, rate: str = "1gbit") -> Iterator[NamespaceHosts]:
+    """``n`` hosts as ``namespace_hosts`` makes them, but with a link of its own from each host to
+    each other one: an ``htb`` class per destination on the host's veth (traffic to the root
+    namespace is not limited), so one link can be throttled alone (``throttle``)."""
+    with namespace_hosts(n, rate) as hosts:
+        tag = f"sb{os.getpid() % 10000}"
+        for i, ns in enumerate(hosts.names):
+            dev = f"{tag}v{i}e"
+            _tc(ns, "qdisc", "replace", "dev", dev, "root", "handle", "1:", "htb", "default", "99")
+            _tc(ns, "class", "add", "dev", dev, "parent", "1:", "classid", "1:99", "htb", "rate", "10gbit")
+            for j, addr in enumerate(hosts.addresses):
+                if j != i:
+                    _tc(ns, "class", "add", "dev", dev, "parent", "1:", "classid", f"1:{10 + j}", "htb",
+                        "rate", rate, "ceil", rate, "burst", "128k", "cburst", "128k")
+                    _tc(ns, "filter", "add", "dev", dev, "protocol", "ip", "parent", "1:", "prio", "1", "u32",
+                        "match", "ip", "dst", f"{addr}/32", "flowid", f"1:{10 + j}")
+        yield hosts
+
+
+def throttle(hosts: NamespaceHosts, src: int, dst: int, rate: str, burst: str = "16k") -> None:
+    """``tc class change``: the link from host ``src`` to host ``dst`` now carries at most ``rate``."""
+    dev = f"sb{os.getpid() % 10000}v{src}e"
+    _tc(hosts.names[src], "class", "change", "dev", dev, "parent", "1:", "classid", f"1:{10 + dst}", "htb",
+        "rate", rate, "ceil", rate, "burst", burst, "cburst", burst)
+
+
 PRELOAD = "seabiscuit_dask.plugins.preload"
 
 

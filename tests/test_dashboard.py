@@ -45,7 +45,7 @@ def served():
     model, x = M.gpt2(), M.ids()
     # NOTE: no learned repair moves the plan while the routes are compared with it (runs are
     # reported in batches, so the learner may act after the requests)
-    with dask.config.set({"seabiscuit.learn.repair": False}), \
+    with dask.config.set({"seabiscuit.learn.repair": False, "seabiscuit.routing.repair": False}), \
             LocalCluster(n_workers=3, threads_per_worker=1, processes=False, dashboard_address="127.0.0.1:0",
                          resources={"MEM": WORKER_BUDGET}) as cluster, Client(cluster) as client:
         client.register_plugin(sb.SeaBiscuitSchedulerPlugin())

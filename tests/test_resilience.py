@@ -30,7 +30,8 @@ BUDGET = 1_600_000
 def client():
     # NOTE: speed repairs are tested on their own (test_learn); under this load they would
     # add plan versions the checks here do not count on.
-    with dask.config.set({"seabiscuit.learn.repair": False}), seabiscuit_cluster(4, BUDGET) as c:
+    with dask.config.set({"seabiscuit.learn.repair": False, "seabiscuit.routing.repair": False}), \
+            seabiscuit_cluster(4, BUDGET) as c:
         yield c
 
 

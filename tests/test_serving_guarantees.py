@@ -36,7 +36,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::ResourceWarn
 BUDGET = 900_000            # per worker: the decoder and 16 sessions of 96 tokens fit on any two of three
 X = torch.zeros(1, 16, dtype=torch.long)
 FAST_HANG = {"seabiscuit.runtime.hang-floor": "1s", "seabiscuit.runtime.probe-timeout": "1s",
-             "seabiscuit.runtime.sync-timeout": "2s", "seabiscuit.learn.repair": False}
+             "seabiscuit.runtime.sync-timeout": "2s", "seabiscuit.learn.repair": False,
+             "seabiscuit.routing.repair": False}
 
 
 @pytest.fixture(scope="module")

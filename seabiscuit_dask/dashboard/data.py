@@ -240,9 +240,16 @@ def events_data(events: Any) -> list[dict[str, Any]]:
     return out
 
 
+def links_data(state: PlacementState) -> list[dict[str, Any]]:
+    """Every link the data plane measured (``PlacementState.links_data``), with its ends' device names."""
+    names = {a: d.name for a, d in state.devices.items()}
+    return [{**x, "src_name": names.get(x["src"], x["src"]), "dst_name": names.get(x["dst"], x["dst"]),
+             "via_name": names.get(x["via"], x["via"])} for x in state.links_data()]
+
+
 def snapshot(plugin: Any, since: float = 0.0) -> dict[str, Any]:
     """Everything the page shows, at once."""
     return {"time": time.time(), "workers": workers_data(plugin.scheduler, plugin.state),
             "plans": plans_data(plugin.state, plugin.activity),
             "timeline": timeline_data(plugin.state, plugin.activity, since),
-            "events": events_data(plugin.events)}
+            "events": events_data(plugin.events), "links": links_data(plugin.state)}

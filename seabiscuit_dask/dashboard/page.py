@@ -2,12 +2,14 @@
 
 Per worker: memory (weights, activations, KV cache, free) and GPUs; per model (a
 selector): devices x blocks, bytes between devices, predicted vs measured latency;
+the links the data plane measured (a matrix coloured by bandwidth, and their history);
 a timeline of block runs per worker coloured by model and layer; replans and drains.
 Every figure reads ``dashboard.data``, as the JSON routes do.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from datetime import datetime
 from typing import Any
@@ -18,7 +20,7 @@ from bokeh.models.annotations import Title
 from bokeh.models.widgets.inputs import Select
 from bokeh.models.widgets.markups import Div
 from bokeh.models.widgets.tables import DataTable, NumberFormatter, TableColumn
-from bokeh.palettes import Blues9, Greens9, Greys9, Greys256, Oranges9, Purples9, Reds9
+from bokeh.palettes import Blues9, Category10_10, Greens9, Greys9, Greys256, Oranges9, Purples9, Reds9
 from bokeh.plotting import figure
 from bokeh.transform import linear_cmap
 
@@ -33,10 +35,18 @@ TITLES = {"memory": "Worker memory: weights, activations, KV cache, free",
           "gpu": "GPU memory used per worker (temperature in the tooltip)",
           "bytes": "Bytes between devices per request",
           "latency": "Request latency: predicted vs measured (ms)",
+          "links": "Links measured by the data plane: bandwidth (Mbit/s)",
+          "link_history": "Measured bandwidth per link over time (Mbit/s)",
           "timeline": "Block runs per worker (colour: model and layer)"}
 
 
 MODEL_PALETTES = (Blues9, Oranges9, Greens9, Purples9, Reds9, Greys9)
+LINK_DECADES = 6.0         # NOTE: the links' colour scale spans 1 Mbit/s to 1 Tbit/s
+
+
+def link_level(bytes_per_s: float) -> float:
+    """Where a link's bandwidth falls on the colour scale: decades above 1 Mbit/s, 0 to ``LINK_DECADES``."""
+    return min(max(math.log10(max(bytes_per_s * 8 / 1e6, 1e-9)), 0.0), LINK_DECADES)
 
 
 def run_color(model_index: int, layers: str) -> str:
@@ -56,12 +66,14 @@ class SeaBiscuitPage:
         self._memory_figure()
         self._gpu_figure()
         self._plan_views()
+        self._links_figures()
         self._timeline_figure()
         self._events_table()
         self.root = column(
             self.header, row(self.memory, self.gpu, sizing_mode="stretch_width"),
             row(self.select, self.plan_summary, sizing_mode="stretch_width"),
             row(self.devices, self.bytes, self.latency, sizing_mode="stretch_width"),
+            row(self.links, self.link_history, sizing_mode="stretch_width"),
             self.timeline, Div(text="<h3>Replans and drains</h3>"), self.events, sizing_mode="stretch_width")
         self.update()
 
@@ -125,6 +137,22 @@ class SeaBiscuitPage:
         f.add_tools(HoverTool(tooltips=[("", "@program"), ("ms", "@ms{0.0}"), ("", "@text")]))
         self.latency = f
 
+    def _links_figures(self) -> None:
+        self.links_source = ColumnDataSource({k: [] for k in ("src", "dst", "level", "text")})
+        self.links_x, self.links_y = FactorRange(factors=[]), FactorRange(factors=[])
+        f = figure(title=TITLES["links"], x_range=self.links_x, y_range=self.links_y, height=280, width=340,
+                   tools="", toolbar_location=None, x_axis_label="from", y_axis_label="to")
+        f.rect(x="src", y="dst", width=0.95, height=0.95, source=self.links_source,
+               color=linear_cmap("level", "Viridis256", 0, LINK_DECADES))
+        f.add_tools(HoverTool(tooltips=[("from", "@src"), ("to", "@dst"), ("", "@text")]))
+        self.links = f
+        self.history_source = ColumnDataSource({k: [] for k in ("xs", "ys", "link", "color")})
+        f = figure(title=TITLES["link_history"], x_axis_type="datetime", y_axis_type="log", height=280,
+                   sizing_mode="stretch_width", tools="xpan,xwheel_zoom,reset")
+        f.multi_line(xs="xs", ys="ys", line_color="color", line_width=2, source=self.history_source)
+        f.add_tools(HoverTool(tooltips=[("link", "@link")]))
+        self.link_history = f
+
     def _timeline_figure(self) -> None:
         self.timeline_source = ColumnDataSource({k: [] for k in (
             "x", "width", "worker", "color", "model", "layers", "block", "request", "ms", "how")})
@@ -153,6 +181,7 @@ class SeaBiscuitPage:
         self._update_workers(data.workers_data(p.scheduler, p.state))
         plans = data.plans_data(p.state, p.activity)
         self._update_plan(plans)
+        self._update_links(data.links_data(p.state))
         self._update_timeline(data.timeline_data(p.state, p.activity, self.since))
         self._update_events(data.events_data(p.events))
 
@@ -218,6 +247,25 @@ class SeaBiscuitPage:
         self.latency_source.data = {"program": [b[0] for b in bars], "kind": [b[1] for b in bars],
                                     "ms": [b[2] for b in bars], "text": [b[3] for b in bars]}
 
+    def _update_links(self, links: list[dict[str, Any]]) -> None:
+        names = sorted({x["src_name"] for x in links} | {x["dst_name"] for x in links})
+        self.links_x.factors = names
+        self.links_y.factors = names
+        self.links_source.data = {
+            "src": [x["src_name"] for x in links], "dst": [x["dst_name"] for x in links],
+            "level": [link_level(x["bandwidth_bytes_per_s"]) for x in links],
+            "text": [f"{x['bandwidth_bytes_per_s'] * 8 / 1e6:.1f} Mbit/s, {x['latency_s'] * 1e3:.2f} ms; "
+                     f"{x['transfers']} transfers, {fmt_bytes(x['bytes'])}"
+                     + (f"; relayed via {x['via_name']}" if x["via"] else "") for x in links]}
+        now = time.time()         # NOTE: each link's last estimate holds until now
+        history = [[*x["history"], [max(now, x["history"][-1][0]), *x["history"][-1][1:]]] if x["history"]
+                   else [] for x in links]
+        self.history_source.data = {
+            "xs": [[t * 1e3 for t, _, _ in h] for h in history],
+            "ys": [[bw * 8 / 1e6 for _, bw, _ in h] for h in history],
+            "link": [f"{x['src_name']} -> {x['dst_name']}" for x in links],
+            "color": [Category10_10[i % 10] for i in range(len(links))]}
+
     def _update_timeline(self, runs: list[dict[str, Any]]) -> None:
         if runs:
             self.since = max(r["start"] for r in runs)
@@ -254,7 +302,7 @@ class SeaBiscuitPage:
 
 # NOTE: the single figures dask-labextension lists as panes (``/individual-seabiscuit-<name>``)
 PANES = {"memory": "memory", "gpu": "gpu", "bytes": "bytes", "latency": "latency", "timeline": "timeline",
-         "replans": "events"}
+         "replans": "events", "links": "links", "link-history": "link_history"}
 
 
 def seabiscuit_doc(scheduler: Any, extra: dict[str, Any], doc: Any, pane: str = "") -> None:

@@ -1,4 +1,4 @@
-"""JSON routes on the scheduler's dashboard: ``/seabiscuit/api/{workers,plans,timeline,events}``.
+"""JSON routes on the scheduler's dashboard: ``/seabiscuit/api/{workers,plans,timeline,events,links}``.
 
 Read-only views of ``dashboard.data``; ``/seabiscuit/api`` returns all of them at once.
 The schema is documented in docs/dashboard.md.
@@ -40,6 +40,8 @@ class ApiHandler(web.RequestHandler):
             body = data.timeline_data(p.state, p.activity, since)
         elif self.view == "events":
             body = data.events_data(p.events)
+        elif self.view == "links":
+            body = data.links_data(p.state)
         else:
             body = data.snapshot(p, since)
         self.set_header("Content-Type", "application/json")
@@ -61,6 +63,6 @@ def handlers(plugin: Any, prefix: str = "/") -> list[tuple[str, type, dict[str, 
     base = "/" + prefix.strip("/") + "/" if prefix.strip("/") else "/"
     routes: list[tuple[str, type, dict[str, Any]]] = [
         (f"{base}{API}/{view}", ApiHandler, {"plugin": plugin, "view": view})
-        for view in ("workers", "plans", "plan", "timeline", "events")]
+        for view in ("workers", "plans", "plan", "timeline", "events", "links")]
     routes.append((f"{base}{API}/?", ApiHandler, {"plugin": plugin, "view": "all"}))
     return routes

@@ -20,10 +20,12 @@ from .partition import place
 from .plan import Block, Plan
 from .replan import CapacityChanged, DeviceAdded, DeviceLost, replan
 from .report import PlanReport
+from .reroute import LinkChanged, reroute
 from .simulate import Schedule, lower_bound_s, simulate
 
 __all__ = [
     "BASELINES", "NO_DASK", "PRESETS", "PROFILES", "Block", "CapacityChanged", "ClusterSpec", "DaskSpec",
-    "DeviceAdded", "DeviceLost", "DeviceSpec", "LinkSpec", "Plan", "PlanReport", "Schedule", "heft",
-    "lower_bound_s", "metis", "pipeline", "place", "replan", "round_robin", "simulate",
+    "DeviceAdded", "DeviceLost", "DeviceSpec", "LinkChanged", "LinkSpec", "Plan", "PlanReport", "Schedule",
+    "heft",
+    "lower_bound_s", "metis", "pipeline", "place", "replan", "reroute", "round_robin", "simulate",
 ]

@@ -25,12 +25,19 @@ YAML schema (``ClusterSpec.from_yaml``)::
     matrix:                              # optional, measured: overrides links
       bandwidth: [[...], ...]            # bytes/s, device order as listed
       latency: [[...], ...]
+    relays:                              # optional: transfers from -> to go through via
+      - [gpu0, gpu2, cpu0]               # (from, to, via) device names; see runtime/routing
     dask:                                # optional: what Dask itself costs (DaskSpec)
       task: 2.0e-4                       # scheduler time per task, s (one scheduler, serial)
       hop: 1.0e-3                        # a task's end to its dependent's start, s
       submit: 1.0e-3                     # client: send one request's graph, s
       gather: 1.0e-3                     # client: receive its results, s
       client_bandwidth: 1.0e9            # bytes/s between the client and the workers
+
+A relay makes the link between two devices the path through a third one: its bandwidth the
+slower leg's (the relay forwards chunk by chunk), its latency both legs' and half a
+data-plane hop (``dask.hop_s``). ``bandwidth`` and ``latency`` are the links transfers
+take (relays included); ``direct_bandwidth`` and ``direct_latency`` the links themselves.
 
 A device may carry ``scale: {matmul: 1.1, other: 0.9}``: measured over modelled time
 per op class, learned from observed block runs (``placement.learn``).
@@ -267,9 +274,11 @@ class ClusterSpec:
     links: Mapping[str, LinkSpec] = field(default_factory=lambda: dict(DEFAULT_LINKS))
     matrix: tuple[tuple[tuple[float, ...], ...], tuple[tuple[float, ...], ...]] | None = None
     dask: DaskSpec = field(default_factory=DaskSpec)
+    relays: tuple[tuple[str, str, str], ...] = ()       # (from, to, via) device names
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "devices", tuple(self.devices))
+        object.__setattr__(self, "relays", tuple(tuple(str(x) for x in r) for r in self.relays))
         if not isinstance(self.dask, DaskSpec):
             raise SeaBiscuitError(f"ClusterSpec.dask must be a DaskSpec, got {type(self.dask).__name__}")
         if not self.devices:
@@ -291,6 +300,21 @@ class ClusterSpec:
             off = ~np.eye(n, dtype=bool)
             if not ((bw[off] > 0).all() and (lat[off] >= 0).all()):
                 raise SeaBiscuitError("matrix: every off-diagonal bandwidth must be > 0 and latency >= 0")
+        self._check_relays()
+
+    def _check_relays(self) -> None:
+        names = {d.name for d in self.devices}
+        pairs = [(a, b) for a, b, _ in self.relays]
+        for r in self.relays:
+            if len(r) != 3 or not set(r) <= names or len(set(r)) != 3:
+                raise SeaBiscuitError(f"relay {list(r)}: a relay is [from, to, via], three different devices "
+                                      f"of the cluster (devices: {sorted(names)[:8]})")
+            if (r[0], r[2]) in pairs or (r[2], r[1]) in pairs:
+                raise SeaBiscuitError(f"relay {list(r)}: a leg of it is relayed itself; a transfer takes "
+                                      "one relay at most")
+        if len(set(pairs)) != len(pairs):
+            twice = next(p for p in pairs if pairs.count(p) > 1)
+            raise SeaBiscuitError(f"relays name the pair {twice} twice; a pair has one route")
 
     # --- construction ---------------------------------------------------------------
     @classmethod
@@ -370,7 +394,11 @@ class ClusterSpec:
                                for k in ("bandwidth", "latency"))
             except (KeyError, TypeError, ValueError) as e:
                 raise SeaBiscuitError(f"matrix needs numeric 'bandwidth' and 'latency' lists: {e}") from e
-        return cls(devices, links, matrix, dask)  # type: ignore[arg-type]
+        relays = d.get("relays") or ()
+        if not isinstance(relays, Sequence) or not all(isinstance(r, Sequence) and not isinstance(r, str)
+                                                       for r in relays):
+            raise SeaBiscuitError(f"'relays' must be a list of [from, to, via] device names, got {relays!r}")
+        return cls(devices, links, matrix, dask, tuple(tuple(r) for r in relays))  # type: ignore[arg-type]
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> ClusterSpec:
@@ -391,6 +419,8 @@ class ClusterSpec:
         if self.matrix is not None:
             out["matrix"] = {"bandwidth": [list(r) for r in self.matrix[0]],
                              "latency": [list(r) for r in self.matrix[1]]}
+        if self.relays:
+            out["relays"] = [list(r) for r in self.relays]
         return out
 
     # --- edits (each returns a new spec) ---------------------------------------------
@@ -412,7 +442,9 @@ class ClusterSpec:
         matrix = None
         if self.matrix is not None:
             matrix = tuple(tuple(r[:i] + r[i + 1:] for j, r in enumerate(m) if j != i) for m in self.matrix)
-        return replace(self, devices=self.devices[:i] + self.devices[i + 1:], matrix=matrix)  # type: ignore[arg-type]
+        gone = self.devices[i].name
+        return replace(self, devices=self.devices[:i] + self.devices[i + 1:], matrix=matrix,  # type: ignore[arg-type]
+                       relays=tuple(r for r in self.relays if gone not in r))
 
     def with_device(self, device: DeviceSpec) -> ClusterSpec:
         """A new spec with ``device`` added. With a measured matrix, the newcomer's links are
@@ -451,6 +483,35 @@ class ClusterSpec:
     def with_dask(self, dask: DaskSpec) -> ClusterSpec:
         return replace(self, dask=dask)
 
+    def with_link(self, a: str, b: str, link: LinkSpec) -> ClusterSpec:
+        """A new spec whose link from device ``a`` to ``b`` (names or addresses) is ``link``, as
+        measured; the other links stay as they are (a measured matrix is made if there is none)."""
+        i, j = self.index(a), self.index(b)
+        if i == j:
+            raise SeaBiscuitError(f"a link joins two devices; {a!r} and {b!r} are one")
+        bw, lat = self.direct_bandwidth.copy(), self.direct_latency.copy()
+        np.fill_diagonal(bw, 0.0)
+        bw[i, j], lat[i, j] = link.bandwidth_bytes_per_s, link.latency_s
+        matrix = tuple(tuple(tuple(float(x) for x in r) for r in m) for m in (bw, lat))
+        return replace(self, matrix=matrix)  # type: ignore[arg-type]
+
+    def with_relay(self, a: str, b: str, via: str | None) -> ClusterSpec:
+        """A new spec whose transfers from ``a`` to ``b`` go through ``via`` (None: directly)."""
+        names = [self.names[self.index(x)] for x in (a, b)]
+        kept = tuple(r for r in self.relays if list(r[:2]) != names)
+        if via is None:
+            return replace(self, relays=kept)
+        return replace(self, relays=(*kept, (names[0], names[1], self.names[self.index(via)])))
+
+    def relay(self, a: int, b: int) -> int:
+        """The device transfers from device ``a`` to ``b`` go through, or -1 (directly)."""
+        return self._relay_index.get((a, b), -1)
+
+    @cached_property
+    def _relay_index(self) -> dict[tuple[int, int], int]:
+        pos = {n: i for i, n in enumerate(self.names)}
+        return {(pos[a], pos[b]): pos[c] for a, b, c in self.relays}
+
     # --- derived views ----------------------------------------------------------------
     @cached_property
     def names(self) -> tuple[str, ...]:
@@ -480,14 +541,36 @@ class ClusterSpec:
         return out
 
     @cached_property
-    def bandwidth(self) -> np.ndarray:
-        """``[a, b]`` -> bytes/s from device a to device b (inf on the diagonal)."""
+    def direct_bandwidth(self) -> np.ndarray:
+        """``[a, b]`` -> bytes/s of the link from device a to device b itself (inf on the diagonal)."""
         return self._link_matrix(0, np.inf)
 
     @cached_property
-    def latency(self) -> np.ndarray:
-        """``[a, b]`` -> seconds from device a to device b (0 on the diagonal)."""
+    def direct_latency(self) -> np.ndarray:
+        """``[a, b]`` -> seconds of the link from device a to device b itself (0 on the diagonal)."""
         return self._link_matrix(1, 0.0)
+
+    @cached_property
+    def bandwidth(self) -> np.ndarray:
+        """``[a, b]`` -> bytes/s from device a to device b, through its relay if it has one."""
+        bw = self.direct_bandwidth
+        if not self.relays:
+            return bw
+        out = bw.copy()
+        for (a, b), c in self._relay_index.items():
+            out[a, b] = min(bw[a, c], bw[c, b])
+        return out
+
+    @cached_property
+    def latency(self) -> np.ndarray:
+        """``[a, b]`` -> seconds from device a to device b, through its relay if it has one."""
+        lat = self.direct_latency
+        if not self.relays:
+            return lat
+        out = lat.copy()
+        for (a, b), c in self._relay_index.items():
+            out[a, b] = lat[a, c] + lat[c, b] + self.dask.hop_s / 2
+        return out
 
     @cached_property
     def cut_latency(self) -> np.ndarray:
@@ -510,24 +593,29 @@ class ClusterSpec:
         Inside a host each ordered device pair has its own channel; between hosts a
         transfer holds the sender host's NIC (egress) and the receiver's (ingress), so
         transfers leaving one host contend. With a measured matrix, pairs are independent.
+        A relayed transfer holds the resources of both its legs.
         """
         n = len(self.devices)
-        hosts = sorted({d.where for d in self.devices})
-        hid = {h: i for i, h in enumerate(hosts)}
-        pair_base = 2 * len(hosts)
+        hid = {h: i for i, h in enumerate(sorted({d.where for d in self.devices}))}
         out = []
         for a in range(n):
             row: list[tuple[int, ...]] = []
             for b in range(n):
-                ha, hb = hid[self.devices[a].where], hid[self.devices[b].where]
+                c = self.relay(a, b)
                 if a == b:
                     row.append(())
-                elif self.matrix is not None or ha == hb:
-                    row.append((pair_base + a * n + b,))
+                elif c >= 0:        # NOTE: a relayed transfer holds both legs
+                    row.append(self._route(a, c, hid, n) + self._route(c, b, hid, n))
                 else:
-                    row.append((2 * ha, 2 * hb + 1))
+                    row.append(self._route(a, b, hid, n))
             out.append(tuple(row))
         return tuple(out)
+
+    def _route(self, a: int, b: int, hid: dict[tuple[str, str], int], n: int) -> tuple[int, ...]:
+        ha, hb = hid[self.devices[a].where], hid[self.devices[b].where]
+        if self.matrix is not None or ha == hb:
+            return (2 * len(hid) + a * n + b,)
+        return (2 * ha, 2 * hb + 1)
 
     @cached_property
     def groups(self) -> tuple[tuple[int, ...], ...]:

@@ -72,6 +72,7 @@ from ..pauses import no_gc
 from .capacity import weight_capacity
 from .cluster import ClusterSpec, DeviceSpec
 from .plan import Plan
+from .reroute import LinkChanged, reroute
 
 
 @dataclass(frozen=True)
@@ -102,12 +103,14 @@ class CapacityChanged:
 Event = DeviceLost | DeviceAdded | CapacityChanged
 
 
-def replan(plan: Plan, event: Event) -> Plan:
-    """Repair ``plan`` after ``event``; see the module docstring.
+def replan(plan: Plan, event: Event | LinkChanged) -> Plan:
+    """Repair ``plan`` after ``event``; see the module docstring (``LinkChanged``: ``reroute``).
 
     >>> plan2 = sb.replan(plan, sb.DeviceLost("h0-gpu1"))      # doctest: +SKIP
     >>> plan2.info["moved_bytes"]                               # doctest: +SKIP
     """
+    if isinstance(event, LinkChanged):
+        return reroute(plan, event).plan
     with no_gc():
         return _replan(plan, event, time.perf_counter())
 

@@ -47,12 +47,15 @@ from ..runtime.state import (
     DeviceRestored,
     ForModel,
     Instruction,
+    LinksObserved,
     ModelDeployed,
     ModelReleased,
     Pin,
     PlacementState,
     PlanChanged,
     ProgramAdded,
+    Rerouted,
+    RoutesChanged,
     Stranded,
     TasksForgotten,
     TasksSubmitted,
@@ -91,7 +94,8 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
         self.scheduler = scheduler
         scheduler.handlers.update({f"seabiscuit_{n}": refusing(getattr(self, n)) for n in (
             "deploy", "release", "block", "owned", "workers", "plan", "drain", "restore", "budget",
-            "pressure", "runs", "hello", "learned", "program", "end_sessions", "stalled", "ticket", "ran")})
+            "pressure", "runs", "hello", "learned", "program", "end_sessions", "stalled", "ticket", "ran",
+            "links")})
         # NOTE: a client's own batched stream: the scheduler fills in ``client=`` (as for Dask's own
         # update-graph, a client may name another there; see docs/runtime.md)
         scheduler.stream_handlers["seabiscuit_claim"] = self.claim
@@ -169,13 +173,31 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
         if topic == RUNS_TOPIC and isinstance(msg, dict):
             self._ran(msg)
 
-    def ran(self, comm: Any = None, address: str = "", secret: str = "", runs: Any = ()) -> int:
-        """A worker's data plane reports a batch of block runs (and request latencies)."""
+    def ran(self, comm: Any = None, address: str = "", secret: str = "", runs: Any = (),
+            links: Any = ()) -> int:
+        """A worker's data plane reports a batch of block runs (and request latencies), and the
+        transfers it timed: ``[receiver, bytes, seconds, when, read seconds]`` each."""
         self._check_worker(address, secret)
         batch = [r for r in list(runs or ())[:10_000] if isinstance(r, dict)]
         for one in batch:
             self._ran(one)
+        samples = []
+        for x in list(links or ())[:10_000]:
+            try:
+                samples.append((str(x[0]), float(x[1]), float(x[2]), float(x[3]),
+                                float(x[4]) if len(x) > 4 else 0.0))
+            except (TypeError, ValueError, IndexError):
+                continue
+        if samples:
+            try:
+                self._apply(self.state.handle(LinksObserved(address, tuple(samples))))
+            except SeaBiscuitError as e:       # NOTE: a repair that cannot be made leaves the plan
+                logger.warning("seabiscuit: %s", e)
         return len(batch)
+
+    def links(self, comm: Any = None) -> list[dict[str, Any]]:
+        """Every link the data plane measured: estimate, the figures plans use, relay, history."""
+        return self.state.links_data()
 
     def _ran(self, msg: dict[str, Any]) -> None:
         if str(msg.get("model")) not in self.state.models:
@@ -263,6 +285,12 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
             elif isinstance(ins, Stranded):
                 logger.error("seabiscuit: %s", ins.message)
                 self._publish({"action": "stranded", "model": ins.model, "message": ins.message})
+            elif isinstance(ins, Rerouted):
+                logger.info("seabiscuit: model %s: %s (%s)", ins.model, ins.reason, ins.kind)
+                self._publish({"action": f"link-{ins.kind}", "model": ins.model,
+                               "address": f"{ins.src} -> {ins.dst}", "reason": ins.reason})
+            elif isinstance(ins, RoutesChanged):
+                self._send_routes(ins.routes)
         if retry:
             self.scheduler.transitions(retry, stimulus_id="seabiscuit-repin")
         if not wait:
@@ -391,11 +419,32 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
     def _worker_secret(self, address: str) -> str:
         return hmac.new(self._secret.encode(), str(address).encode(), "sha256").hexdigest()
 
+    def _send_routes(self, routes: tuple[tuple[str, str, str], ...]) -> None:
+        """Tell every worker the relays and the links to probe (in the background)."""
+        if str(getattr(self.scheduler, "status", "")).endswith(("closing", "closed")):
+            return      # NOTE: the cluster is shutting down: no worker needs routes
+        self._publish({"action": "routes", "reason": ", ".join(f"{a} -> {b} via {c}" for a, b, c in routes)
+                       or "every link direct"})
+        for addr in list(self.scheduler.workers):
+            if addr not in self.fenced:
+                self._background_task(self._tell_routes(addr))
+
+    async def _tell_routes(self, address: str) -> None:
+        """The current relays and links to probe, to one worker (it checks this plugin's secret)."""
+        try:
+            await asyncio.wait_for(self.scheduler.rpc(address).seabiscuit_routes(
+                routes=[list(r) for r in self.state.routes], watch=[list(w) for w in self.state.watch],
+                secret=self._worker_secret(address)), seconds("runtime.sync-timeout"))
+        except Exception as e:  # noqa: BLE001 - a worker gone needs no routes; one back gets them at hello
+            logger.info("seabiscuit: worker %s did not take the routes: %s", address, e)
+
     def _send_secret(self, address: str) -> None:
         """Tell a worker its secret down its own stream (no other peer can write there)."""
         stream = self.scheduler.stream_comms.get(address)
         if stream is not None:
             stream.send({"op": "seabiscuit_secret", "secret": self._worker_secret(address)})
+            if self.state.routes or self.state.watch:    # NOTE: a worker that joins later takes them too
+                self._background_task(self._tell_routes(address))
 
     def _ticket(self, model: str) -> str:
         """What data-plane messages of ``model`` show: its client and its workers have it."""
@@ -471,7 +520,7 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
 
     async def _release(self, model: str, store_of: Any = None) -> None:
         """Forget ``model`` everywhere; with ``store_of`` (its graph), remove its weight store too."""
-        self.state.handle(ModelReleased(model))
+        self._apply(self.state.handle(ModelReleased(model)))
         for d in (self.block_runs, self.run_totals, self.owners):
             d.pop(model, None)
         self.activity.forget(model)

@@ -5,7 +5,9 @@ through ``worker.metrics["seabiscuit"]`` on every heartbeat, asks the scheduler 
 move work away under memory or heat pressure, and wraps the worker's
 ``ResidentBlocks`` (``runtime.resident``). Its RPCs: ``seabiscuit_sync`` (hold what
 the scheduler says this worker owns of a model; any peer may ask, the answer comes
-from the scheduler) and ``seabiscuit_report`` (the agent's figures now).
+from the scheduler), ``seabiscuit_report`` (the agent's figures now) and
+``seabiscuit_routes`` (the relays and links to probe, from the scheduler plugin only:
+``docs/routing.md``).
 """
 
 from __future__ import annotations
@@ -13,12 +15,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import psutil
 from distributed import WorkerPlugin
-from distributed.comm import CommClosedError
 from distributed.core import Status
 from distributed.protocol import to_serialize
 
@@ -26,8 +28,8 @@ from .. import config
 from ..errors import AccessDenied
 from ..lower.blocks import BlockSpec
 from ..runtime import access, agent
-from ..runtime.dataplane import DataPlane, Links, decode_loop, timed
-from ..runtime.dataplane.streams import opener, read_batch
+from ..runtime.dataplane import DataPlane, Links, Tensors, decode_loop, timed
+from ..runtime.dataplane.streams import Receiving, opener, serve
 from ..runtime.resident import ResidentBlocks
 from ..runtime.tasks import PLUGIN_NAME, fetch_spec
 from ..runtime.watch import seconds
@@ -69,6 +71,7 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
         self.has_secret = threading.Event()
         worker.metrics[PLUGIN_NAME] = self.metrics
         worker.stream_handlers["seabiscuit_secret"] = self._set_secret
+        worker.handlers["seabiscuit_routes"] = self.set_routes
         worker.handlers["seabiscuit_sync"] = self.sync
         worker.handlers["seabiscuit_report"] = self.report_now
         worker.handlers["seabiscuit_drop_sessions"] = self.drop_sessions
@@ -80,14 +83,18 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
             load_spec=self._load_spec, version_of=lambda m: self.resident.versions.get(m, -1),
             send=self._send, check=self._check_ticket, executor=self._pool,
             max_runs=int(config.get("runtime.data-plane-runs")),
-            describe=lambda m, v, b: BlockSpec.from_dict(self._fetch(m, v, b)))
+            describe=lambda m, v, b: BlockSpec.from_dict(self._fetch(m, v, b)),
+            forward=lambda address, msg: self._links.send(address, msg, direct=True))
         self._links = Links(opener(lambda: worker.connection_args))
+        self._receiving: dict[str, Receiving] = {}      # NOTE: per peer stream: bytes read, not yet handed on
         for op in DP_OPS:
             worker.handlers[f"seabiscuit_dp_{op}"] = refusing(getattr(self, f"dp_{op}"))
         from tornado.ioloop import PeriodicCallback
 
         self._flush = PeriodicCallback(self._report_runs, 200)    # NOTE: a tick skips while one runs
         self._flush.start()
+        self._probe = PeriodicCallback(self._probe_links, 1e3 * seconds("routing.probe-interval") / 2)
+        self._probe.start()
         worker.loop.add_callback(self._hello)
 
     @staticmethod
@@ -120,9 +127,11 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
         worker.handlers.pop("seabiscuit_report", None)
         worker.handlers.pop("seabiscuit_drop_sessions", None)
         worker.stream_handlers.pop("seabiscuit_secret", None)
+        worker.handlers.pop("seabiscuit_routes", None)
         for op in DP_OPS:
             worker.handlers.pop(f"seabiscuit_dp_{op}", None)
         self._flush.stop()
+        self._probe.stop()
         self._links.close()
         self._pool.shutdown(wait=False)
         self.resident.clear()
@@ -147,6 +156,7 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
                 "budget_bytes": r.budget_bytes, "resident_bytes": r.resident_bytes,
                 "weight_bytes": r.weight_bytes, "kv_cache_bytes": r.kv.nbytes, "kv_sessions": r.kv_sessions(),
                 "blocks": len(r.programs), "models": dict(r.versions), **r.counters,
+                "stream_held_bytes": sum(h.held_bytes for h in list(self._receiving.values())),
                 **self._as_cpu()}
 
     def _as_cpu(self) -> dict[str, Any]:
@@ -175,6 +185,34 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
         """Stream handler: the scheduler plugin's secret for this worker (only it writes there)."""
         self.secret = str(secret)
         self.has_secret.set()
+
+    async def set_routes(self, comm: Any = None, routes: Any = (), watch: Any = (), secret: str = "") -> int:
+        """The scheduler's relays, ``[from, to, via]`` worker addresses (it shows this worker's secret):
+        where this worker's messages to a peer go through another, and whose it forwards; ``watch``:
+        the links (``[from, to]``) a repair left, which their senders probe when idle."""
+        await self._secret_known()
+        if not access.same_token(self.secret, secret):
+            raise AccessDenied(f"routes for {self.worker.address} come from the scheduler plugin only")
+        me = self.worker.address
+        table = [(str(a), str(b), str(c)) for a, b, c in routes or ()]
+        self._links.routes = {b: c for a, b, c in table if a == me}
+        self._links.watch = {str(b) for a, b in watch or () if a == me}
+        self.dataplane.relaying = {(a, b) for a, b, c in table if c == me}
+        return len(self._links.routes)
+
+    async def _probe_links(self) -> None:
+        """One message of ``seabiscuit.routing.probe-bytes`` down each watched link that was idle for
+        ``seabiscuit.routing.probe-interval``: its acknowledgement times the link."""
+        import torch
+
+        nbytes = config.to_bytes(config.get("routing.probe-bytes"), "seabiscuit.routing.probe-bytes")
+        for peer in self._links.idle(time.monotonic(), seconds("routing.probe-interval")):
+            msg = {"op": "probe", "sender": self.worker.address,
+                   "tensors": Tensors(x=torch.zeros(nbytes, dtype=torch.uint8))}
+            try:
+                await self._links.send(peer, msg, direct=True)
+            except Exception as e:  # noqa: BLE001 - a peer gone is not probed
+                logger.info("seabiscuit: link to %s not probed: %s", peer, e)
 
     def drop_sessions(self, comm: Any = None, model: str = "", sessions: list[int] | None = None,
                       secret: str = "") -> int:
@@ -262,13 +300,14 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
 
     async def dp_stream(self, comm: Any = None, raw: bool = False, **kwargs: Any) -> Any:
         """A peer's stream of one-way data-plane messages (``dataplane.streams``), read until it closes."""
-        while True:
-            try:
-                msgs = await read_batch(comm, bool(raw))
-            except CommClosedError:
-                return Status.dont_reply
-            for msg in msgs:
-                await self.dataplane.receive(msg)
+        peer = str(getattr(comm, "peer_address", ""))
+        held = self._receiving[peer] = Receiving()
+        try:
+            await serve(comm, bool(raw), self.dataplane.receive, held, self._links.settings.priority_bytes)
+        finally:
+            if self._receiving.get(peer) is held:
+                del self._receiving[peer]
+        return Status.dont_reply
 
     async def _send(self, address: str, op: str, **msg: Any) -> None:
         """A one-way message to a peer, down the stream to it (``seabiscuit_dp_push|feed|fail``)."""
@@ -280,12 +319,15 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
         return await self._report_runs()
 
     async def _report_runs(self) -> int:
-        """Block runs of the data plane go to the scheduler in batches (one message a tick)."""
+        """Block runs of the data plane and samples of its links go to the scheduler in batches (one
+        message a tick)."""
         records = self.dataplane.take_records()
-        if records:
+        links = [[peer, *sample] for peer, samples in self._links.take_samples().items()
+                 for sample in samples]
+        if records or links:
             try:
                 await self.worker.scheduler.seabiscuit_ran(address=self.worker.address, secret=self.secret,
-                                                           runs=records)
+                                                           runs=records, links=links)
             except Exception as e:  # noqa: BLE001 - figures only: the requests stand
                 logger.info("seabiscuit: %d block runs not reported: %s", len(records), e)
         return len(records)

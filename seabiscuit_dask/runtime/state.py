@@ -33,9 +33,11 @@ from ..errors import AccessDenied, ClusterTooSmall, SeaBiscuitError
 from ..ir import OpGraph
 from ..lower.blocks import BlockSpec, Key, block_specs, parse_key, split_block
 from ..placement import CapacityChanged, DeviceAdded, DeviceLost, DeviceSpec, Plan, place, replan
-from ..placement.cluster import OP_CLASSES
+from ..placement.cluster import DEFAULT_LINKS, OP_CLASSES, ClusterSpec, LinkSpec
 from ..placement.follow import follow
 from ..placement.learn import CostLearner
+from ..placement.links import LinkLearner
+from ..placement.reroute import LinkChanged, RepairPolicy, reroute
 from . import access
 
 logger = logging.getLogger(__name__)
@@ -108,6 +110,15 @@ class BlockObserved:
 
 
 @dataclass(frozen=True)
+class LinksObserved:
+    """A worker's data plane timed transfers to its peers: (receiver, bytes, seconds, when, and the
+    seconds its bytes took to come in at the receiver: 0 where not known) each."""
+
+    sender: str
+    samples: tuple[tuple[str, float, float, float, float], ...]
+
+
+@dataclass(frozen=True)
 class ProgramAdded:
     """Another program of a deployed model (a generation step): placed where its weights are."""
 
@@ -126,7 +137,7 @@ class TasksForgotten:
 
 
 Event = (ModelDeployed | ModelReleased | DeviceEvent | ForModel | TasksSubmitted | TasksForgotten
-         | BlockObserved | ProgramAdded)
+         | BlockObserved | ProgramAdded | LinksObserved)
 
 
 # --- instructions ----------------------------------------------------------------------
@@ -159,7 +170,27 @@ class Stranded:
     message: str
 
 
-Instruction = Pin | PlanChanged | Stranded
+@dataclass(frozen=True)
+class RoutesChanged:
+    """Workers' messages now go through these relays: (from, to, via) worker addresses, all of them;
+    ``watch``: links a repair left (from, to) that no plan uses now, which their senders probe."""
+
+    routes: tuple[tuple[str, str, str], ...]
+    watch: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True)
+class Rerouted:
+    """A link of ``model``'s plan changed and was weighed (``kind``: ``keep``, ``relay`` or ``recut``)."""
+
+    model: str
+    src: str
+    dst: str
+    kind: str
+    reason: str
+
+
+Instruction = Pin | PlanChanged | Stranded | RoutesChanged | Rerouted
 
 
 @dataclass
@@ -328,11 +359,24 @@ class PlacementState:
         self.learner = CostLearner(change=float(config.get("learn.speed-change", 1.5)),
                                    patience=int(config.get("learn.patience", 4)),
                                    cooldown=int(config.get("learn.cooldown", 40)))
+        self.links = LinkLearner(forget=float(config.get("routing.forget")),
+                                 prior=float(config.get("routing.prior")),
+                                 change=float(config.get("routing.change")),
+                                 patience=int(config.get("routing.patience")),
+                                 cooldown=int(config.get("routing.cooldown")),
+                                 history=int(config.get("routing.history")))
+        self.routes: tuple[tuple[str, str, str], ...] = ()       # (from, to, via) worker addresses
+        self.watch: tuple[tuple[str, str], ...] = ()            # links left by a repair, idle now
+        self.avoided: set[tuple[str, str]] = set()              # links a repair left
+        self.probed: dict[tuple[str, str], LinkSpec] = {}        # links as the deployed plans first had them
+        self.pending: set[tuple[str, str]] = set()             # links that changed, repair not yet weighed
 
     def handle(self, event: Event) -> list[Instruction]:
         self.log.append(event)
         if isinstance(event, BlockObserved):
             return self._observed(event)
+        if isinstance(event, LinksObserved):
+            return self._links_observed(event)
         if isinstance(event, TasksSubmitted):
             return self._pin(event.keys)
         if isinstance(event, TasksForgotten):
@@ -343,7 +387,7 @@ class PlacementState:
             return self._program(event)
         if isinstance(event, ModelReleased):
             self.models.pop(event.model, None)
-            return []
+            return self._routes_now()
         if isinstance(event, ForModel):
             return self._device_event(event.event, [self.deployment(event.model)])
         return self._device_event(event, list(self.models.values()))
@@ -380,12 +424,13 @@ class PlacementState:
         self.drained.pop(address, None)
         if len(deps) == len(self.models):   # NOTE: a gone worker is no peer to compare speeds with
             self.learner.forget_device(address)
+            self.links.forget_device(address)
         out: list[Instruction] = []
         for dep in deps:
             dep.excluded.pop(address, None)
             out += self._move_off(dep, address, f"worker {address} left", stranded=True)
         stuck = tuple(k for k, a in self.pinned.items() if a == address)
-        return out + self._pin(stuck, repin=True)
+        return out + self._routes_now() + self._pin(stuck, repin=True)
 
     def _drain(self, address: str, reason: str, deps: list[Deployment], everyone: bool) -> list[Instruction]:
         """Move models off a live worker; its in-flight tasks still run there. All or nothing."""
@@ -491,6 +536,125 @@ class PlacementState:
         return (f"worker {address} runs at " + ", ".join(f"{v:.2f}x" for v in scale.values())
                 + " the modelled time (" + ", ".join(scale) + ")")
 
+    # --- links ----------------------------------------------------------------------------------
+    def _links_observed(self, e: LinksObserved) -> list[Instruction]:
+        """Learn each link from its transfers; a link that changed gets the repair that pays, in
+        every model whose plan uses both its ends (``placement.reroute``), once every link those
+        plans send over is measured (till then the change waits: a repair that weighs a measured
+        link against ones only probed compares two instruments)."""
+        for dst, nbytes, seconds, when, read_s in e.samples:
+            if dst == e.sender:
+                continue
+            link = self.links.observe(e.sender, dst, nbytes, seconds, self.link_figures(e.sender, dst), when,
+                                      read_s)
+            if link is not None:
+                logger.info("seabiscuit: link %s -> %s now measures %.3g bytes/s, %.3g s", e.sender, dst,
+                            link.bandwidth_bytes_per_s, link.latency_s)
+                self.pending.add((e.sender, dst))
+        out: list[Instruction] = []
+        for src, dst in sorted(self.pending):
+            deps = [d for d in self.models.values() if {src, dst} <= d.addresses()]
+            if all(self._measured(d) for d in deps):
+                self.pending.discard((src, dst))
+                out += self._reroute(src, dst, self.links.links[(src, dst)].applied)
+        return out
+
+    def _measured(self, dep: Deployment) -> bool:
+        """Whether every link ``dep``'s plan sends over directly has ``patience`` transfers measured."""
+        spec, bb = dep.plan.spec, dep.plan.bytes_between
+        for i, j in zip(*np.nonzero(bb)):
+            est = self.links.links.get((spec.devices[int(i)].address, spec.devices[int(j)].address))
+            if spec.relay(int(i), int(j)) < 0 and (est is None or est.count < self.links.patience):
+                return False
+        return True
+
+    def link_figures(self, src: str, dst: str) -> LinkSpec:
+        """The link ``src -> dst`` as the plans first had it (measured by probes, or the topology's
+        figure), else the topology's figure between hosts."""
+        return self.probed.get((src, dst), DEFAULT_LINKS["network"])
+
+    def calibrated(self, spec: ClusterSpec, but: tuple[str, str] = ("", "")) -> ClusterSpec:
+        """``spec`` with each link the data plane has measured at its estimate, and each other one at
+        its first figures scaled as the measured links' were (the median ratio, ``but`` left out):
+        probes and the data plane are two instruments, and a repair compares like with like."""
+        measured = {k: e for k, e in self.links.links.items() if e.count >= self.links.patience}
+        ratios = [(e.estimate().bandwidth_bytes_per_s / e.prior.bandwidth_bytes_per_s,
+                   e.estimate().latency_s / max(e.prior.latency_s, 1e-9))
+                  for k, e in measured.items() if k != but]
+        rb, rl = (float(np.median([r[x] for r in ratios])) for x in (0, 1)) if ratios else (1.0, 1.0)
+        n = len(spec.devices)
+        bw, lat = spec.direct_bandwidth.copy(), spec.direct_latency.copy()
+        for i, a in enumerate(spec.devices):
+            for j, b in enumerate(spec.devices):
+                est = measured.get((a.address, b.address))
+                first = self.probed.get((a.address, b.address))
+                if i == j:
+                    bw[i, j] = lat[i, j] = 0.0
+                elif est is not None:
+                    now = est.estimate()
+                    bw[i, j], lat[i, j] = now.bandwidth_bytes_per_s, now.latency_s
+                elif first is not None:
+                    bw[i, j], lat[i, j] = first.bandwidth_bytes_per_s * rb, first.latency_s * rl
+        def rows(m: np.ndarray) -> tuple[tuple[float, ...], ...]:
+            return tuple(tuple(float(m[i, j]) for j in range(n)) for i in range(n))
+
+        return replace(spec, matrix=(rows(bw), rows(lat)))
+
+    def _reroute(self, src: str, dst: str, link: LinkSpec) -> list[Instruction]:
+        out: list[Instruction] = []
+        policy = RepairPolicy.from_config()
+        if not config.get("routing.repair"):        # NOTE: the figures are learned and reported only
+            policy = replace(policy, min_gain=float("inf"))
+        for dep in self.models.values():
+            if dep.stranded or not {src, dst} <= dep.addresses():
+                continue
+            p = dep.plan
+            now = Plan(p.graph, self.calibrated(p.spec, (src, dst)), p.device_of, p.method, p.planning_s,
+                       dict(p.info))
+            r = reroute(now, LinkChanged(src, dst, link), policy)
+            out.append(Rerouted(dep.model, src, dst, r.kind, r.reason))
+            if r.kind != "keep":
+                self.avoided.add((src, dst))
+            if r.kind == "recut":
+                v = dep.advance(r.plan)
+                out.append(PlanChanged(dep.model, v, r.reason, r.moved_bytes, r.plan.planning_s))
+            else:
+                dep.plan = r.plan       # NOTE: the same placement and version, on the new figures
+        return out + self._routes_now()
+
+    def _routes_now(self) -> list[Instruction]:
+        """The relays of every model's plan as one table of addresses, and the links a repair left
+        that no plan uses directly now (to be probed); a ``RoutesChanged`` if either changed."""
+        table: dict[tuple[str, str], str] = {}
+        used: set[tuple[str, str]] = set()
+        for dep in self.models.values():
+            spec = dep.plan.spec
+            at = {d.name: d.address for d in spec.devices}
+            for a, b, c in spec.relays:
+                table[(at[a], at[b])] = at[c]
+            bb = dep.plan.bytes_between
+            used |= {(spec.devices[i].address, spec.devices[j].address) for i, j in zip(*np.nonzero(bb))
+                     if spec.relay(int(i), int(j)) < 0}
+        self.avoided &= {(a, b) for a, b in self.avoided if a in self.devices and b in self.devices}
+        routes = tuple(sorted((a, b, c) for (a, b), c in table.items()))
+        watch = tuple(sorted(self.avoided - used))
+        if (routes, watch) == (self.routes, self.watch):
+            return []
+        self.routes, self.watch = routes, watch
+        return [RoutesChanged(routes, watch)]
+
+    def links_data(self) -> list[dict[str, Any]]:
+        """Every link measured so far: its estimate, the figures plans use, and its history."""
+        relayed = {(a, b): c for a, b, c in self.routes}
+        return [{"src": src, "dst": dst, "bandwidth_bytes_per_s": est.estimate().bandwidth_bytes_per_s,
+                 "latency_s": est.estimate().latency_s, "applied_bandwidth_bytes_per_s":
+                 est.applied.bandwidth_bytes_per_s, "applied_latency_s": est.applied.latency_s,
+                 "transfers": est.count, "bytes": est.bytes_total, "changes": est.changes,
+                 "changed_at": [[t, n] for t, n in est.changed_at],
+                 "via": relayed.get((src, dst), ""),
+                 "history": [[t, bw, lat] for t, bw, lat in est.history]}
+                for (src, dst), est in sorted(self.links.links.items())]
+
     def learned(self, model: str, last: int = 100) -> dict[str, Any]:
         """The learned scales of ``model``'s workers, and the mean relative error of the last
         ``last`` block-time predictions (each made before its run was seen)."""
@@ -571,6 +735,12 @@ class PlacementState:
                                   "so); place the model on sb.measure_cluster(client) again")
         self.models[e.model] = Deployment(e.model, e.plan, e.token, checkpoint_dir=e.checkpoint_dir,
                                           verify_every=e.verify_every)
+        spec = e.plan.spec
+        for i, a in enumerate(spec.devices):
+            for j, b in enumerate(spec.devices):
+                if i != j:
+                    first = LinkSpec(float(spec.direct_bandwidth[i, j]), float(spec.direct_latency[i, j]))
+                    self.probed.setdefault((a.address, b.address), first)
         return [PlanChanged(e.model, 0, "deployed")]
 
     def _program(self, e: ProgramAdded) -> list[Instruction]:

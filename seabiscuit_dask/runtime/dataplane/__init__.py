@@ -6,7 +6,8 @@ comms (so TLS, ``Security`` and UCX apply), the way distributed's P2P shuffle mo
 its shards: ``manager.DataPlane`` is a worker's run manager, ``runs`` the state of
 one request there, ``wire`` how tensors of every dtype travel, and ``client`` what
 the caller sends and collects, ``streams`` the one connection per pipeline edge that a
-worker's messages to a peer go down. Setting ``seabiscuit.runtime.data-plane``: ``p2p`` (this)
+worker's messages to a peer go down (``flow``: what goes next on it, and how it times the link;
+docs/routing.md). Setting ``seabiscuit.runtime.data-plane``: ``p2p`` (this)
 or ``tasks`` (one Dask task per block, activations through Dask).
 """
 

@@ -69,8 +69,13 @@ class DataPlane:
                  spec_of: Callable[[str, int, int], BlockSpec | None],
                  load_spec: Callable[[str, int, int], BlockSpec], version_of: Callable[[str], int],
                  send: Send, check: Callable[[str, Any], Awaitable[str]], executor: Executor,
-                 max_runs: int = 256, describe: Callable[[str, int, int], BlockSpec] | None = None) -> None:
+                 max_runs: int = 256, describe: Callable[[str, int, int], BlockSpec] | None = None,
+                 forward: Callable[[str, dict[str, Any]], Awaitable[Any]] | None = None) -> None:
         self.address = address
+        # NOTE: how a message this worker relays goes on (down its own link, never relayed again),
+        # and the (sender, receiver) pairs the scheduler has it relay for (``streams.Links.routes``)
+        self.forward = forward
+        self.relaying: set[tuple[str, str]] = set()
         # NOTE: a block's spec without loading it (where its outputs go): how a block whose load
         # failed tells the blocks downstream of it, which would otherwise wait for it forever
         self.describe = describe
@@ -81,13 +86,13 @@ class DataPlane:
         self.ended: OrderedDict[RunKey, BaseException] = OrderedDict()       # failed or forgotten runs
         self.records: list[dict[str, Any]] = []                               # block runs to report
         self.counters = {"messages": 0, "repeats": 0, "stale": 0, "runs_failed": 0, "bytes_in": 0,
-                         "loop_steps": 0}
+                         "loop_steps": 0, "relayed": 0, "relays_refused": 0, "probes": 0}
         self._telling: set[Any] = set()            # failures and loop steps being sent to peers
         self.loops: dict[RunKey, Loop] = {}         # (model, request) -> the decode loop that follows it
         self.last_s: dict[tuple[str, int], float] = {}     # (model, block) -> its last run's seconds
         # NOTE: the only messages a peer's stream may carry (``receive``)
         self._stream_ops: dict[str, Callable[..., Awaitable[Any]]] = {"push": self.push, "feed": self.feed,
-                                                                      "fail": self.fail}
+                                                                      "fail": self.fail, "probe": self.probe}
 
     # --- handlers ------------------------------------------------------------------------------
     async def feed(self, model: str, ticket: Any, version: int, request: int,
@@ -153,6 +158,10 @@ class DataPlane:
         self._fail(run, KINDS.get(str(kind), RunFailed)(str(reason)[:2000]), ticket)
         return True
 
+    async def probe(self, **msg: Any) -> None:
+        """A peer timing its link to this worker (``streams.Links.idle``): its bytes are dropped."""
+        self.counters["probes"] += 1
+
     async def forget(self, model: str, ticket: Any, requests: Sequence[int]) -> int:
         """The caller is done with these runs (answered, failed or abandoned): drop what is left."""
         await self.check(model, ticket)
@@ -172,11 +181,16 @@ class DataPlane:
     async def receive(self, msg: Any) -> None:
         """One message of a peer's stream (``streams``): a push, a feed or a fail. A push or feed
         that is refused (a stale plan, a tensor the block does not read) goes back to its sender
-        as a fail of the run; a message that is not one of these three is dropped with a log line."""
+        as a fail of the run; a message that is not one of these three is dropped with a log line.
+        A message for another worker (``to``) is relayed (``_relay``)."""
         try:
             msg = dict(msg)
             op, sender = str(msg.pop("op")), str(msg.pop("sender", ""))
             handler = self._stream_ops[op]
+            to = msg.pop("to", None)
+            if to is not None and str(to) != self.address:
+                await self._relay(op, sender, str(to), msg)
+                return
             if op == "feed":
                 msg["inputs"] = {int(b): ts for b, ts in msg.get("inputs") or ()}
         except (KeyError, TypeError, ValueError) as e:
@@ -195,6 +209,28 @@ class DataPlane:
         except Exception as e:  # noqa: BLE001 - fields missing or of the wrong kind: the stream goes on
             logger.info("seabiscuit: a malformed data-plane %s from %s dropped: %s: %s", op, sender,
                         type(e).__name__, e)
+
+    async def _relay(self, op: str, sender: str, to: str, msg: dict[str, Any]) -> None:
+        """Forward a message down this worker's own link to ``to``: only for a pair the scheduler
+        has it relay for, only with its model's ticket. One that cannot go on fails its run at
+        the sender, as a push that cannot land does."""
+        model = str(msg.get("model"))
+        try:
+            if (sender, to) not in self.relaying or self.forward is None:
+                raise AccessDenied(f"worker {self.address} relays nothing from {sender} to {to}")
+            ticket = await self.check(model, msg.get("ticket"))
+        except AccessDenied as e:
+            self.counters["relays_refused"] += 1
+            logger.info("seabiscuit: a data-plane %s not relayed: %s", op, e)
+            return
+        try:
+            await self.forward(to, {"op": op, "sender": sender, **msg})
+            self.counters["relayed"] += 1
+        except BaseException as e:  # noqa: BLE001 - the run fails at its sender
+            if op != "fail":
+                why = f"worker {self.address} could not relay a {op} to {to}: {type(e).__name__}: {e}"
+                self._tell(self._tell_failed(sender, model, int(msg.get("version", 0)),
+                                             int(msg.get("request", 0)), ticket, why))
 
     def retire(self, model: str, version: int | None = None) -> int:
         """Fail the runs of ``model`` older than ``version`` (every run, for None: released)."""

@@ -1,39 +1,85 @@
 """One persistent connection per pipeline edge: a worker's one-way data-plane messages to
-a peer (block outputs, decode-loop feeds, failures) go down one comm, in order, with no
-reply. A request/reply RPC per activation would cost two messages and a connection
-taken from the pool each hop.
+a peer (block outputs, decode-loop feeds, failures) go down one comm, with no reply. A
+request/reply RPC per activation would cost two messages and a connection taken from the
+pool each hop.
 
 ``Links`` keeps a ``Link`` per peer. ``Link.send`` queues a message and returns once it
-is written (or raises when it cannot be: the caller fails the run); a writer task
-writes what queued meanwhile as one batch, so a burst of small activations costs one
-write. The peer's refusals (a stale plan, a failed run) come back as messages of their
-own (``DataPlane.receive``), not as replies.
+is written (or raises when it cannot be: the caller fails the run). What is written next
+is ``flow.FlowState``'s to say: small messages first, large ones in chunks with the
+requests taking turns, within the peer's credit and the link's measured pipe. The peer
+acknowledges every unit it reads (``serve``); the acknowledgements return credit and
+time the link, and the samples go to the scheduler (``Links.take_samples``). The peer's
+refusals (a stale plan, a failed run) come back as messages of their own
+(``DataPlane.receive``), not as replies.
+
+A link may be *relayed* (``Links.routes``, from the scheduler: ``placement.reroute``):
+its messages go to the relay with a ``to`` field, and the relay's data plane forwards
+them, directly, down its own link to ``to``.
 
 The connection is one of distributed's comms, opened with the cluster's connection
-arguments (so TLS and ``Security`` apply). Over TCP and TLS a batch goes down the
-comm's stream as ``wire.pack`` frames: a hop is a few hundred microseconds of Python,
-and distributed's general message framing and serializer dispatch were most of it.
-Over any other comm (UCX, in-process) batches go through ``comm.write``.
+arguments (so TLS and ``Security`` apply). Over TCP and TLS units go down the comm's
+stream as raw frames: a 17-byte header (``UNIT``: kind, message id, length, the
+message's total) and that many bytes of the message (``wire.pack_message``); an
+acknowledgement says which (``ACK``: kind, message id, length, seconds held, seconds its bytes
+took to come in after the header).
+Over any other comm (UCX, in-process) whole messages go through ``comm.write`` and
+acknowledgements come back the same way.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+import math
+import struct
+import time
+from collections.abc import Awaitable, Callable, Hashable
+from dataclasses import dataclass, field
 from typing import Any
 
 from distributed.comm import CommClosedError, connect
 from distributed.protocol import to_serialize
 from tornado.iostream import StreamClosedError
 
-from ...errors import RunFailed
-from .wire import Tensors, pack, read_packed
+from ... import config
+from ...errors import RunFailed, SeaBiscuitError
+from ..watch import seconds
+from .flow import FlowState, Unit
+from .wire import MAX_FRAME_BYTES, Tensors, nbytes, pack_message, unpack_message
 
 logger = logging.getLogger(__name__)
 
 HANDLER = "seabiscuit_dp_stream"
 Connect = Callable[[str], Awaitable[tuple[Any, bool]]]   # address -> (a comm its handler reads, raw frames)
+Receive = Callable[[Any], Awaitable[None]]
+
+UNIT = struct.Struct("<BIIQ")      # kind, message id, bytes of this unit, bytes of the whole message
+ACK = struct.Struct("<BIIdd")      # kind, message id, bytes taken, seconds held, seconds its bytes came in
+DATA, ACKED = 1, 2
+JOIN_BYTES = 1 << 16               # NOTE: units smaller than this are joined into one write
+ACK_DELAY_S = 0.01                 # NOTE: how long a small message's acknowledgement may be put off
+
+
+@dataclass(frozen=True)
+class FlowSettings:
+    """``seabiscuit.routing.*``: how a stream shares its link (``flow.FlowState``)."""
+
+    chunk_bytes: int
+    window_bytes: int
+    priority_bytes: int
+    pipe_delay_s: float
+
+    @classmethod
+    def from_config(cls) -> FlowSettings:
+        def size(key: str) -> int:
+            return config.to_bytes(config.get(f"routing.{key}"), f"seabiscuit.routing.{key}")
+
+        return cls(size("chunk-bytes"), size("window-bytes"), size("priority-bytes"),
+                   seconds("routing.pipe-delay"))
+
+    def state(self, whole: bool = False) -> FlowState:
+        return FlowState(self.chunk_bytes, self.window_bytes, self.priority_bytes, self.pipe_delay_s,
+                         whole=whole)
 
 
 def opener(connection_args: Callable[[], dict[str, Any]]) -> Connect:
@@ -48,30 +94,19 @@ def opener(connection_args: Callable[[], dict[str, Any]]) -> Connect:
     return open_stream
 
 
-async def read_batch(comm: Any, raw: bool) -> list[Any]:
-    """The next batch of messages a ``Link`` wrote; ``CommClosedError`` once the peer is gone."""
-    if not raw:
-        msgs = await comm.read()
-        return list(msgs) if isinstance(msgs, (list, tuple)) else [msgs]
-    stream = getattr(comm, "stream", None)
-    if stream is None:
-        raise CommClosedError(f"the data-plane stream from {comm.peer_address} is closed")
-    try:
-        return await read_packed(stream)
-    except (OSError, StreamClosedError) as e:
-        raise CommClosedError(f"the data-plane stream from {comm.peer_address} closed: {e}") from e
+def stream_of(msg: dict[str, Any]) -> Hashable:
+    """The stream a message belongs to, for taking turns: its request."""
+    return (msg.get("model"), msg.get("request"))
 
 
-async def write_batch(comm: Any, raw: bool, msgs: list[Any]) -> None:
-    if not raw:
-        await comm.write([_serialized(m) for m in msgs])
-        return
-    frames = pack(msgs)
-    if sum(memoryview(f).nbytes for f in frames) < 1 << 16:
-        frames = [b"".join(frames)]
-    for f in frames:
-        done = comm.stream.write(f)
-    await done
+def message_bytes(msg: dict[str, Any]) -> int:
+    """About the bytes ``msg`` takes on the wire (its tensors, and a header's worth)."""
+    n = 256
+    if isinstance(msg.get("tensors"), dict):
+        n += nbytes(msg["tensors"])
+    for _, ts in msg.get("inputs") or ():
+        n += nbytes(ts)
+    return n
 
 
 def _serialized(msg: dict[str, Any]) -> dict[str, Any]:
@@ -83,53 +118,163 @@ def _serialized(msg: dict[str, Any]) -> dict[str, Any]:
     return msg
 
 
-class Link:
-    """The stream to one peer: a queue and the task that writes it."""
+def _settle(sent: list[asyncio.Future[None]], flushed: Any = None) -> None:
+    """The messages whose last bytes were flushed (or failed to be: the link breaks, and they hear)."""
+    error = flushed.exception() if flushed is not None and not flushed.cancelled() else None
+    for fut in sent:
+        if not fut.done():
+            if error is None:
+                fut.set_result(None)
+            else:
+                fut.set_exception(RunFailed(f"a data-plane message was not written: {type(error).__name__}: "
+                                            f"{error}"))
 
-    def __init__(self, address: str, connect: Connect) -> None:
+
+def _pieces(frames: list[Any], offset: int, length: int) -> list[Any]:
+    """The bytes ``offset`` to ``offset + length`` of ``frames`` laid end to end, as views."""
+    out, pos, end = [], 0, offset + length
+    for f in frames:
+        mv = memoryview(f).cast("B")
+        lo, hi = max(offset - pos, 0), min(end - pos, mv.nbytes)
+        if lo < hi:
+            out.append(mv[lo:hi])
+        pos += mv.nbytes
+        if pos >= end:
+            break
+    return out
+
+
+class Link:
+    """The stream to one peer: a ``FlowState``, the task that writes it and the one that reads acks."""
+
+    def __init__(self, address: str, connect: Connect, settings: FlowSettings) -> None:
         self.address = address
         self.broken: BaseException | None = None
-        self._queue: list[tuple[Any, asyncio.Future[None]]] = []
+        self.settings = settings
+        self.flow: FlowState | None = None          # NOTE: made once connected (raw or whole messages)
+        self._pending: list[tuple[Any, asyncio.Future[None]]] = []
         self._wake = asyncio.Event()
         self._comm: Any = None
-        self._writing: list[tuple[Any, asyncio.Future[None]]] = []
+        self._raw = False
         self._task = asyncio.ensure_future(self._write(connect))
+        self._reader: asyncio.Future[None] | None = None
 
     async def send(self, msg: Any) -> None:
         """Queue ``msg``; returns once it is on the wire. Raises ``RunFailed`` when the link is broken."""
         if self.broken is not None:
             raise self._error(self.broken)
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._queue.append((msg, fut))
+        self._pending.append((msg, fut))
         self._wake.set()
         await fut
 
     async def _write(self, connect: Connect) -> None:
         try:
-            self._comm, raw = await connect(self.address)
+            self._comm, self._raw = await connect(self.address)
+            self.flow = self.settings.state(whole=not self._raw)
+            self._reader = asyncio.ensure_future(self._read_acks())
+            self._reader.add_done_callback(self._reader_ended)
             while True:
-                await self._wake.wait()
-                self._wake.clear()
-                self._writing, self._queue = self._queue, []
-                if not self._writing:
+                self._queue()
+                units = self.flow.take(time.perf_counter(), math.inf)
+                if not units:
+                    await self._wake.wait()
+                    self._wake.clear()
                     continue
-                await write_batch(self._comm, raw, [m for m, _ in self._writing])
-                for _, fut in self._writing:
-                    if not fut.done():
-                        fut.set_result(None)
-                self._writing = []
+                sent = [u.item.token[1] for u in units if u.last]
+                if not self._raw:
+                    await self._write_whole(units)
+                    _settle(sent)
+                    continue
+                # NOTE: not awaited: what the flow lets out goes at once (the pipe bounds it), and a
+                # message's sender hears when its last bytes are flushed
+                self._write_raw(units).add_done_callback(lambda f, sent=sent: _settle(sent, f))
         except BaseException as e:  # noqa: BLE001 - every sender waiting hears of it
-            self.broken = e
-            lost, self._writing, self._queue = self._writing + self._queue, [], []
-            for _, fut in lost:
-                if not fut.done():
-                    fut.set_exception(self._error(e))
-            if not isinstance(e, asyncio.CancelledError):
-                logger.info("seabiscuit: data-plane stream to %s broke: %s: %s", self.address,
-                            type(e).__name__, e)
+            self._break(e)
         finally:
+            if self._reader is not None:
+                self._reader.cancel()
             if self._comm is not None and not self._comm.closed():
                 self._comm.abort()
+
+    def _queue(self) -> None:
+        """Messages sent since the last look go to the flow (as their bytes, over a raw stream)."""
+        assert self.flow is not None
+        pending, self._pending = self._pending, []
+        for msg, fut in pending:
+            if self._raw:
+                frames, total = pack_message([msg])
+                self.flow.add((frames, fut), total, stream_of(msg))
+            else:
+                self.flow.add((msg, fut), message_bytes(msg), stream_of(msg))
+
+    def _write_raw(self, units: list[Unit]) -> Any:
+        """Write ``units`` to the stream; the future of their flush."""
+        pieces: list[Any] = []
+        for u in units:
+            pieces.append(UNIT.pack(DATA, u.item.msg_id, u.length, u.item.nbytes))
+            whole = u.length == u.item.nbytes       # NOTE: most messages go as one unit
+            pieces += u.item.token[0] if whole else _pieces(u.item.token[0], u.offset, u.length)
+        stream = self._comm.stream
+        if stream is None:
+            raise CommClosedError(f"the data-plane stream to {self.address} is closed")
+        small: list[Any] = []        # NOTE: headers and small frames go in one write with their neighbours
+        for p in pieces:
+            if memoryview(p).nbytes < JOIN_BYTES:
+                small.append(p)
+                continue
+            if small:
+                stream.write(b"".join(small))
+                small = []
+            done = stream.write(p)
+        return stream.write(b"".join(small)) if small else done
+
+    async def _write_whole(self, units: list[Unit]) -> None:
+        await self._comm.write([{"unit": u.item.msg_id, "n": u.length, "msg": _serialized(u.item.token[0])}
+                                for u in units])
+
+    async def _read_acks(self) -> None:
+        """The peer's acknowledgements: credit and pipe back, a sample of the link where one ends."""
+        while True:
+            for msg_id, length, hold_s, read_s in await self._acks():
+                assert self.flow is not None
+                self.flow.acked(msg_id, length, hold_s, time.perf_counter(), time.time(), read_s)
+            if self.flow is not None and self.flow.queued:     # NOTE: credit or pipe back for what waits
+                self._wake.set()
+
+    async def _acks(self) -> list[tuple[int, int, float, float]]:
+        if not self._raw:
+            msg = await self._comm.read()
+            return [(int(i), int(n), float(h), 0.0) for i, n, h in (msg or {}).get("acks", ())]
+        stream = self._comm.stream
+        if stream is None:
+            raise CommClosedError(f"the data-plane stream to {self.address} is closed")
+        try:
+            kind, msg_id, length, hold_s, read_s = ACK.unpack(await stream.read_bytes(ACK.size))
+        except (OSError, StreamClosedError) as e:
+            raise CommClosedError(f"the data-plane stream to {self.address} closed: {e}") from e
+        if kind != ACKED:
+            raise SeaBiscuitError(f"worker {self.address} sent a data-plane unit of kind {kind} back")
+        return [(msg_id, length, hold_s, read_s)]
+
+    def _reader_ended(self, task: asyncio.Future[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            self._break(task.exception())  # type: ignore[arg-type]
+            self._task.cancel()
+
+    def _break(self, e: BaseException) -> None:
+        if self.broken is not None:
+            return
+        self.broken = e
+        lost = [t for t in (self.flow.failed() if self.flow is not None else ())]
+        futs = [item.token[1] for item in lost] + [f for _, f in self._pending]
+        self._pending = []
+        for fut in futs:
+            if not fut.done():
+                fut.set_exception(self._error(e))
+        if not isinstance(e, asyncio.CancelledError):
+            logger.info("seabiscuit: data-plane stream to %s broke: %s: %s", self.address,
+                        type(e).__name__, e)
 
     def _error(self, e: BaseException) -> RunFailed:
         return RunFailed(f"the data-plane stream to {self.address} is broken ({type(e).__name__}: {e})")
@@ -139,19 +284,168 @@ class Link:
 
 
 class Links:
-    """A ``Link`` per peer, made on first use and made again after it broke."""
+    """A ``Link`` per peer, made on first use and made again after it broke; ``routes`` (peer ->
+    relay) from the scheduler say which peers are reached through another worker."""
 
-    def __init__(self, connect: Connect) -> None:
+    def __init__(self, connect: Connect, settings: FlowSettings | None = None) -> None:
         self.connect = connect
+        self.settings = settings or FlowSettings.from_config()
+        self.routes: dict[str, str] = {}
+        self.watch: set[str] = set()           # NOTE: peers whose links a repair left: probed when idle
         self._links: dict[str, Link] = {}
+        self._sent_at: dict[str, float] = {}   # NOTE: peer -> when a message last went down its link
+        self.relayed = 0
 
-    async def send(self, address: str, msg: Any) -> None:
+    async def send(self, address: str, msg: Any, direct: bool = False) -> None:
+        """Send ``msg`` to ``address``, through its relay unless ``direct`` (a relay's own forward)."""
+        via = None if direct else self.routes.get(address)
+        if via is not None:
+            msg, address = {**msg, "to": address}, via
+            self.relayed += 1
         link = self._links.get(address)
         if link is None or link.broken is not None:
-            link = self._links[address] = Link(address, self.connect)
+            link = self._links[address] = Link(address, self.connect, self.settings)
+        self._sent_at[address] = time.monotonic()
         await link.send(msg)
+
+    def idle(self, now: float, after_s: float) -> list[str]:
+        """Watched peers whose links carried nothing for ``after_s`` (monotonic ``now``): to probe,
+        so a link the plans left is still measured and its recovery seen."""
+        return sorted(a for a in self.watch if now - self._sent_at.get(a, -math.inf) >= after_s)
+
+    def take_samples(self) -> dict[str, list[tuple[float, float, float, float]]]:
+        """Per peer: the link samples (bytes, seconds, when, read seconds) taken since the last call."""
+        out = {}
+        for addr, link in self._links.items():
+            if link.flow is not None and link.flow.samples:
+                out[addr] = link.flow.take_samples()
+        return out
+
+    def counters(self) -> dict[str, dict[str, float]]:
+        """Per peer: messages, bytes and units written directly to it, and how many went urgent."""
+        return {addr: dict(link.flow.counters) for addr, link in self._links.items() if link.flow is not None}
 
     def close(self) -> None:
         for link in self._links.values():
             link.close()
         self._links.clear()
+
+
+@dataclass
+class Receiving:
+    """What the receiving end of one stream holds: bytes of messages read and not yet handed on."""
+
+    held_bytes: int = 0
+    peak_bytes: int = 0
+    messages: int = 0
+    partial: dict[int, tuple[bytearray, int]] = field(default_factory=dict)
+
+    def hold(self, nbytes: int) -> None:
+        self.held_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.held_bytes)
+
+
+class Acks:
+    """The acknowledgements of one stream's receiving end, written in batches: a large message's
+    units' on the loop's next turn (the sender's pipe waits on them), small messages' put off up to
+    ``ACK_DELAY_S`` or till the next prompt one, so a hop of small messages costs one write in many.
+    A small message's acknowledgement counts the time it was put off as held: it still times the
+    link."""
+
+    def __init__(self, comm: Any, raw: bool, small_bytes: int) -> None:
+        self.comm, self.raw, self.small_bytes = comm, raw, small_bytes
+        self.pending: list[tuple[int, int, float, float, float]] = []   # id, length, held, read, since
+        self._soon = False
+        self._later: asyncio.TimerHandle | None = None
+        self._writing: set[Any] = set()
+
+    def add(self, msg_id: int, length: int, hold_s: float, read_s: float, total: int) -> None:
+        loop = asyncio.get_running_loop()
+        small = total <= self.small_bytes
+        self.pending.append((msg_id, length, hold_s, read_s, time.perf_counter() if small else math.nan))
+        if small:
+            if not self._soon and self._later is None:
+                self._later = loop.call_later(ACK_DELAY_S, self.flush)
+        elif not self._soon:
+            self._soon = True
+            loop.call_soon(self.flush)
+
+    def flush(self) -> None:
+        if self._later is not None:
+            self._later.cancel()
+        self._soon, self._later = False, None
+        batch, self.pending = self.pending, []
+        if not batch:
+            return
+        now = time.perf_counter()
+        acks = [(i, n, h + (now - t if t == t else 0.0), r) for i, n, h, r, t in batch]
+        try:
+            if self.raw:
+                self.comm.stream.write(b"".join(ACK.pack(ACKED, *a) for a in acks))
+            else:
+                task = asyncio.ensure_future(self.comm.write({"acks": [list(a[:3]) for a in acks]}))
+                self._writing.add(task)
+                task.add_done_callback(self._writing.discard)
+        except (OSError, StreamClosedError, CommClosedError, AttributeError):
+            pass      # NOTE: the reader hears of a closed stream on its next read
+
+
+async def serve(comm: Any, raw: bool, receive: Receive, held: Receiving | None = None,
+                small_bytes: int = 0) -> None:
+    """Read a peer's stream until it closes: each message to ``receive``, each unit acknowledged
+    (``Acks``; after ``receive`` for a message's last one, with the seconds it took). Messages of
+    at most ``small_bytes`` are the urgent ones (``FlowSettings.priority_bytes``)."""
+    held = held if held is not None else Receiving()
+    acks = Acks(comm, raw, small_bytes)
+    try:
+        while True:
+            if raw:
+                await _read_unit(comm, held, receive, acks.add)
+            else:
+                units = await comm.read()
+                if not isinstance(units, (list, tuple)):
+                    return              # NOTE: not what a SeaBiscuit worker sends: the stream is dropped
+                for unit in units:
+                    t = time.perf_counter()
+                    await receive(unit["msg"])
+                    held.messages += 1
+                    acks.add(int(unit["unit"]), int(unit["n"]), time.perf_counter() - t, 0.0, int(unit["n"]))
+    except (CommClosedError, OSError, StreamClosedError):
+        return
+    finally:
+        acks.flush()
+
+
+async def _read_unit(comm: Any, held: Receiving, receive: Receive,
+                     ack: Callable[[int, int, float, float, int], None]) -> None:
+    stream = comm.stream
+    if stream is None:
+        raise CommClosedError("the data-plane stream is closed")
+    kind, msg_id, length, total = UNIT.unpack(await stream.read_bytes(UNIT.size))
+    started = time.perf_counter()
+    if kind != DATA or not 0 < total <= MAX_FRAME_BYTES or length > total:
+        raise CommClosedError(f"a data-plane unit of kind {kind}, {length} of {total} bytes: not one a "
+                              "SeaBiscuit worker sends; the stream is dropped")
+    buf, filled = held.partial.pop(msg_id, (None, 0))
+    if buf is None:
+        buf = bytearray(total)
+        held.hold(total)
+    if filled + length > len(buf):
+        raise CommClosedError(f"a data-plane message of {len(buf)} bytes sent {filled + length}")
+    if length:
+        await stream.read_into(memoryview(buf)[filled:filled + length])
+    filled += length
+    t = time.perf_counter()
+    if filled < len(buf):
+        held.partial[msg_id] = (buf, filled)
+        ack(msg_id, length, 0.0, t - started, total)
+        return
+    try:
+        msgs = unpack_message(buf)
+    except SeaBiscuitError as e:
+        raise CommClosedError(f"a malformed data-plane message ({e}); the stream is dropped") from e
+    for m in msgs:
+        await receive(m)
+    held.held_bytes -= len(buf)      # NOTE: the data plane holds it now (its runs are bounded)
+    held.messages += 1
+    ack(msg_id, length, time.perf_counter() - t, t - started, total)

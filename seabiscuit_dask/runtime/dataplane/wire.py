@@ -88,7 +88,7 @@ def nbytes(ts: Any) -> int:
     return sum(int(t.numel() * t.element_size()) for t in ts.values() if isinstance(t, torch.Tensor))
 
 
-# --- a batch of stream messages as frames (``streams``) ----------------------------------------
+# --- stream messages as frames (``streams``) ---------------------------------------------------
 MAX_FRAMES = 1 << 16            # NOTE: per batch; a header naming more is refused before reading on
 MAX_FRAME_BYTES = 1 << 33       # NOTE: 8 GiB: an activation bigger than this is not a real one
 FIELDS = ("tensors", "inputs")  # NOTE: the only fields that carry tensors
@@ -119,21 +119,41 @@ def pack(msgs: Sequence[dict[str, Any]]) -> list[Any]:
     return [struct.pack(f"<Q{len(lengths)}Q", len(lengths), *lengths), head, *frames]
 
 
-async def read_packed(stream: Any) -> list[dict[str, Any]]:
-    """The messages of one batch ``pack`` wrote, read off a tornado stream."""
-    (n,) = struct.unpack("<Q", await stream.read_bytes(8))
-    if not 1 <= n <= MAX_FRAMES:
-        raise SeaBiscuitError(f"a data-plane batch of {n} frames (at most {MAX_FRAMES})")
-    lengths = struct.unpack(f"<{n}Q", await stream.read_bytes(8 * n))
-    if max(lengths) > MAX_FRAME_BYTES:
-        raise SeaBiscuitError(f"a data-plane frame of {max(lengths)} bytes (at most {MAX_FRAME_BYTES})")
-    head = await stream.read_bytes(lengths[0])
-    frames = []
+ALIGN = 64                      # NOTE: tensors start at multiples of this in a packed message
+
+
+def pack_message(msgs: Sequence[dict[str, Any]]) -> tuple[list[Any], int]:
+    """``pack``'s frames laid end to end as one message of a stream (``streams``), each tensor's bytes
+    starting at a multiple of ``ALIGN`` (zero bytes between): the pieces and their total length."""
+    prefix, head, *data = pack(msgs)
+    out, pos = [prefix, head], len(prefix) + len(head)
+    for f in data:
+        pad = -pos % ALIGN
+        if pad:
+            out.append(bytes(pad))
+        n = memoryview(f).nbytes
+        out.append(f)
+        pos += pad + n
+    return out, pos
+
+
+def unpack_message(buf: Any) -> list[dict[str, Any]]:
+    """The messages of one ``pack_message`` buffer; each tensor is a view of ``buf`` (no copy)."""
+    mv = memoryview(buf).cast("B")
+    if mv.nbytes < 8:
+        raise SeaBiscuitError(f"a data-plane message of {mv.nbytes} bytes (it needs 8 at least)")
+    (n,) = struct.unpack_from("<Q", mv, 0)
+    if not 1 <= n <= MAX_FRAMES or 8 + 8 * n > mv.nbytes:
+        raise SeaBiscuitError(f"a data-plane message of {mv.nbytes} bytes names {n} frames")
+    lengths = struct.unpack_from(f"<{n}Q", mv, 8)
+    pos = 8 + 8 * n + lengths[0]
+    head, frames = bytes(mv[8 + 8 * n:pos]), []
     for length in lengths[1:]:
-        buf = bytearray(length)
-        if length:
-            await stream.read_into(buf)
-        frames.append(buf)
+        pos += -pos % ALIGN
+        frames.append(mv[pos:pos + length])
+        pos += length
+    if pos != mv.nbytes:
+        raise SeaBiscuitError(f"a data-plane message of {mv.nbytes} bytes whose frames take {pos}")
     return unpack(head, frames)
 
 
