@@ -76,6 +76,23 @@ def test_a_throttled_link_is_seen_within_a_few_transfers() -> None:
     assert est.applied == seen[5] and est.changes == 1
 
 
+def test_a_stray_small_message_off_does_not_hold_back_a_throttle() -> None:
+    """A request sends one large message and one small one. A small one delayed by its event loops
+    just before the throttle joins the row of slow large ones: it neither spoils their fit nor
+    delays the change past the third slow large transfer and its three confirming ones."""
+    est = LinkEstimator(GBIT)
+    for _ in range(12):
+        assert est.observe(1 << 18, sample_s(GBIT, 1 << 18)) is None
+        assert est.observe(273, sample_s(GBIT, 273)) is None
+    assert est.observe(273, 10 * sample_s(GBIT, 273)) is None          # NOTE: a stall, 3 ms
+    seen = []
+    for _ in range(6):
+        seen.append(est.observe(1 << 18, sample_s(SLOW, 1 << 18)))
+        seen.append(est.observe(273, sample_s(GBIT, 273)))
+    assert seen[-2] is not None and seen[:-2].count(None) == len(seen) - 2
+    assert seen[-2].bandwidth_bytes_per_s == pytest.approx(SLOW.bandwidth_bytes_per_s, rel=0.3)
+
+
 def test_a_stall_of_a_few_messages_is_no_change() -> None:
     """A receiver busy for 75 ms delays the messages that come meanwhile: three in a row look like a
     longer link, the next ones do not, and the link keeps its figures."""

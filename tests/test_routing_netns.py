@@ -72,11 +72,16 @@ def test_a_throttled_link_is_measured_and_left_while_requests_run(mesh) -> None:
         cuts = [(plan.spec.devices[a].address, plan.spec.devices[b].address)
                 for a in range(3) for b in range(3) if plan.bytes_between[a, b]]
         assert len({d for d in plan.device_of.tolist()}) == 3 and cuts
-        for _ in range(12):                             # NOTE: before: at 1 Gbit/s, past calibration
-            torch.testing.assert_close(dm(x), want)
-        dm._flush_runs()
         src, dst = cuts[0]
-        before = links(client)[(src, dst)]
+
+        def settled() -> dict | None:
+            """The link, once past its calibration with no change on trial (before: at 1 Gbit/s)."""
+            torch.testing.assert_close(dm(x), want)
+            dm._flush_runs()
+            seen = links(client).get((src, dst), {})
+            return seen if seen.get("transfers", 0) >= 16 and not seen["on_trial"] else None
+
+        before = wait_for(settled, "the link measured past its calibration")
         assert before["bandwidth_bytes_per_s"] > 10 * THROTTLED_BYTES_PER_S
 
         netns.throttle(hosts, host[src], host[dst], "20mbit")

@@ -15,8 +15,9 @@ plan started with standing in as ``prior`` transfers, and a sample far from the
 prediction clipped before it enters the fit (one stall of an event loop is no new link).
 It also watches for a change: samples whose time is ``change`` times off the figures the
 plan uses (``applied``), ``patience`` in a row (the same way; a message within the band
-breaks the row only if it is no smaller than those off, so a link shaped for large
-messages only, a token bucket, is still seen), re-estimate the link from those samples. The
+breaks the row only if it is no smaller than the median of those off, so a link shaped for large
+messages only, a token bucket, is still seen; of the row, the messages no smaller than its
+median count), re-estimate the link from those samples (a row no one link explains slides on). The
 new figures are then put to the test: of the next samples that tell the two apart, ``patience``
 vote, and only if most are explained better by the new figures does ``observe`` return them; else
 the link goes back to its figures before (a receiver whose event loop stalls for a block's
@@ -157,9 +158,10 @@ class LinkEstimator:
         ratio = seconds / predicted
         way = 1 if ratio > band else -1 if ratio < 1 / band else 0
         if way == 0:
-            # NOTE: an in-band message breaks the row only if it is no smaller than those off: a
-            # token bucket lets small messages through at full speed and slows only large ones
-            if self.off and nbytes >= min(n for n, _, _ in self.off):
+            # NOTE: an in-band message breaks the row only if it is no smaller than the median of
+            # those off: a token bucket lets small messages through at full speed and slows only
+            # large ones (and a stray small one off must not make the small ones after it count)
+            if self.off and nbytes >= float(np.median([n for n, _, _ in self.off])):
                 self.off, self.within = [], []
             elif self.off:
                 self.within = [*self.within[-4 * self.patience + 1:], (nbytes, seconds, read_s)]
@@ -167,16 +169,20 @@ class LinkEstimator:
         if way != self.off_way:
             self.off, self.within, self.off_way = [], [], way
         self.off = [*self.off[-4 * self.patience + 1:], (nbytes, seconds, read_s)]
-        if len(self.off) < self.patience:
+        # NOTE: the row's messages no smaller than its median count: a stray small one off (its time
+        # mostly event-loop noise) neither makes a change nor spoils the fit of the large ones'
+        median = float(np.median([n for n, _, _ in self.off]))
+        row = [o for o in self.off if o[0] >= median]
+        if len(row) < self.patience:
             return None
         # NOTE: the fit lags a step change: what came before says nothing of now. The figures that
         # best explain the samples off in a row are the link's; the fit starts again from there.
+        whole, self.off = self.off, row
         now = self._fit_off(self.estimate())
         if now is None:
-            self.off, self.within = [], []
+            self.off = whole[1:]        # NOTE: no one link explains the row: it slides on
             return None
         # NOTE: the new figures on trial (see _confirm); the fit as it was kept to go back to
-        median = float(np.median([n for n, _, _ in self.off]))
         self.trial = (self.applied, now, list(self.normal), list(self.rhs), median)
         self.votes, self.trial_at = [], self.count
         self.applied = now

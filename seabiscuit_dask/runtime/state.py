@@ -650,6 +650,7 @@ class PlacementState:
                  "latency_s": est.estimate().latency_s, "applied_bandwidth_bytes_per_s":
                  est.applied.bandwidth_bytes_per_s, "applied_latency_s": est.applied.latency_s,
                  "transfers": est.count, "bytes": est.bytes_total, "changes": est.changes,
+                 "on_trial": est.trial is not None, "calibrated": est.calibrated,
                  "changed_at": [[t, n] for t, n in est.changed_at],
                  "via": relayed.get((src, dst), ""),
                  "history": [[t, bw, lat] for t, bw, lat in est.history]}
