@@ -23,7 +23,7 @@ import seabiscuit_dask as sb
 from seabiscuit_dask.plugins import PluginMissing
 
 from . import models as M
-from .clusters import seabiscuit_cluster
+from .clusters import seabiscuit_cluster, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::ResourceWarning")]
 
@@ -262,6 +262,53 @@ def test_cluster_spec_from_client_reports_the_workers(client) -> None:
     for r in reports.values():
         assert r["cpu_count"] >= 1 and r["memory_total_bytes"] > 0
         assert r["mem_bytes_per_s"] > 0 and "caches" in r and "numa_nodes" in r
+
+
+def test_a_worker_that_just_joined_is_waited_for_and_one_without_an_agent_is_named() -> None:
+    """A worker restarted by its nanny is in the scheduler's table before its agent is set up: a
+    model deployed then waits for its hello; one that never says hello is named as agentless."""
+    from seabiscuit_dask.plugins.worker import PLUGIN_NAME
+    from seabiscuit_dask.runtime.discover import workers_info
+    from seabiscuit_dask.runtime.state import DeviceLost
+
+    with dask.config.set({"seabiscuit.runtime.sync-timeout": "60s"}), \
+            seabiscuit_cluster(2, WORKER_BUDGET, processes=False) as c:
+        scheduler = c.cluster.scheduler
+        plugin = scheduler.plugins["seabiscuit"]
+        worker = next(iter(c.cluster.workers.values()))
+        addr = worker.address
+
+        def just_joined() -> object:
+            """The worker as it is between joining and its agent's setup; its report handler back."""
+            handler = worker.handlers.pop("seabiscuit_report")
+            scheduler.workers[addr].metrics.pop(PLUGIN_NAME, None)
+            plugin._hellos.pop(addr, None)
+            plugin.state.handle(DeviceLost(addr))
+            return handler
+
+        wait_for(lambda: addr in plugin._hellos and plugin._hellos[addr].is_set(), "the worker's first hello")
+        handler = just_joined()
+        got: list = []
+        def ask() -> None:
+            try:
+                got.append(workers_info(c))
+            except BaseException as e:  # noqa: BLE001
+                got.append(e)
+
+        asking = threading.Thread(target=ask)
+        asking.start()
+        wait_for(lambda: addr in plugin._hellos, "the scheduler to wait for the worker's hello")
+        assert not got
+        worker.handlers["seabiscuit_report"] = handler
+        worker.loop.add_callback(worker.plugins[PLUGIN_NAME]._hello)
+        asking.join()
+        (info,) = [i for i in got[0] if i["address"] == addr]
+        assert info["report"]["cpu_count"] >= 1 and addr in plugin.state.devices
+
+        just_joined()       # NOTE: and this time no hello comes
+        with dask.config.set({"seabiscuit.runtime.sync-timeout": "0.2s"}), \
+                pytest.raises(PluginMissing, match=f"workers \\['{addr}'\\] have no SeaBiscuit agent"):
+            workers_info(c)
 
 
 def test_a_cluster_without_the_plugin_says_how_to_install_it() -> None:

@@ -119,6 +119,8 @@ def test_sixteen_calls_survive_drains_restores_and_a_kill(client, model) -> None
         assert dm.version >= 3                      # two drains and a kill, at least
         after = {k: p["tasks"] for k, p in dm.generation_stats()["programs"].items()}
         assert all(after[k] <= before[k] for k in before), (before, after)
+    # NOTE: the next test deploys on every worker: the killed one restarts and reports first
+    wait_for(lambda: len(plugin(client).state.devices) == 3, "the killed worker back")
 
 
 def test_close_ends_calls_in_flight_with_a_typed_error(client, model) -> None:

@@ -85,6 +85,7 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
         self.run_totals: dict[str, dict[str, int]] = {}
         self.activity = Activity()                           # block runs and request latencies, for the page
         self.fenced: dict[str, str] = {}                     # address -> why: hung, replanned around
+        self._hellos: dict[str, asyncio.Event] = {}          # address -> set once its agent said hello
         self._secret = access.new_token()                    # NOTE: each worker gets its own HMAC of it
         self._claims: dict[str, tuple[str, float]] = {}      # deploy claim -> (client, when it came)
         self._claim_waiters: dict[str, asyncio.Future[str]] = {}
@@ -233,7 +234,11 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
             return
         self._apply(self.state.handle(DeviceAdded(device)))
 
+    def _hello_of(self, address: str) -> asyncio.Event:
+        return self._hellos.setdefault(address, asyncio.Event())
+
     def remove_worker(self, scheduler: Any = None, worker: str = "", **kwargs: Any) -> None:
+        self._hellos.pop(worker, None)
         if str(getattr(self.scheduler, "status", "")).endswith(("closing", "closed")):
             return      # NOTE: the cluster is shutting down: nothing to repair
         self.fenced.pop(worker, None)
@@ -582,11 +587,27 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
                if ws.address not in self.fenced and (everyone or ws.address not in drained)]
         timeout = seconds("runtime.probe-timeout")
 
-        async def fresh(ws: Any) -> Any:
-            try:
+        async def report(ws: Any) -> Any:
+            try:    # NOTE: a worker without the handler answers None
                 return await asyncio.wait_for(self.scheduler.rpc(ws.address).seabiscuit_report(), timeout)
-            except Exception:  # noqa: BLE001 - the last heartbeat's figures will do
-                return ws.metrics.get(PLUGIN_NAME)
+            except Exception:  # noqa: BLE001 - the caller falls back
+                return None
+
+        async def fresh(ws: Any) -> Any:
+            got = await report(ws)
+            if got is not None:
+                return got
+            last = ws.metrics.get(PLUGIN_NAME)      # NOTE: the last heartbeat's figures will do
+            if last is not None:
+                return last
+            # NOTE: no report ever: a worker that just joined (a restarted one) may still be setting
+            # its agent up; its hello is awaited for the sync timeout before it counts as one without
+            # (one that said hello already is asked once more at once)
+            try:
+                await asyncio.wait_for(self._hello_of(ws.address).wait(), seconds("runtime.sync-timeout"))
+            except asyncio.TimeoutError:
+                return None
+            return await report(ws)
 
         reports = await asyncio.gather(*(fresh(ws) for ws in wss))
         return [{**_worker_info(ws, r), "held_bytes": self.state.held_bytes(ws.address)}
@@ -693,6 +714,7 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
         except Exception:  # noqa: BLE001 - no agent there (yet): nothing to send or place
             return False
         self._send_secret(address)
+        self._hello_of(address).set()
         if address in self.state.devices or address in self.fenced:
             return False
         device = self._device_of(address, dict(report) if isinstance(report, dict) else None)
