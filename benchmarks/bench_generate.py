@@ -9,8 +9,10 @@ cores (1 thread, and 2 threads), medians over --reps:
   their time);
 - aggregate decode tokens/s of --sessions concurrent sessions (each a thread calling
   ``generate``; continuous batching puts their steps into the same block tasks);
-- Dask tasks per token, and Dask's cost per decode step (a step on the cluster less
-  the same step program run in this process, 1 thread);
+- blocks per token, and the cost of distribution per decode step (a step on the
+  cluster less the same step program run in this process, 1 thread, over a KV cache
+  as long as the session's), split into the block runs the workers report and the
+  hand-offs between them;
 - KV-cache bytes per session per token, and the cost of building a new step shape.
 
     python benchmarks/bench_generate.py [--workers 2] [--new 32] [--sessions 8] [--reps 3]
@@ -117,18 +119,18 @@ def sb_single(dm, ids: torch.Tensor, new: int, reps: int) -> tuple[float, float]
     return statistics.median(prefill[1:]), statistics.median(rate[1:])
 
 
-def sb_concurrent(dm, prompts: list[torch.Tensor], new: int) -> tuple[float, float]:
-    """(aggregate decode tokens/s while every session decodes, seconds in all) of
-    ``len(prompts)`` sessions generating at once, each from its own thread."""
+def sb_concurrent(dm, prompts: list[torch.Tensor], new: int) -> tuple[float, float, tuple[float, float]]:
+    """(aggregate decode tokens/s while every session decodes, seconds in all, that window in
+    ``time.time()`` seconds) of ``len(prompts)`` sessions generating at once, each from its own thread."""
     stamps: list[list[float]] = []
     barrier = threading.Barrier(len(prompts))
 
     def one(ids: torch.Tensor) -> None:
         barrier.wait()
-        stamps.append([time.perf_counter() for _ in dm.stream(ids, new, eos_token_id=[])])
+        stamps.append([time.time() for _ in dm.stream(ids, new, eos_token_id=[])])
 
     threads = [threading.Thread(target=one, args=(p,)) for p in prompts]
-    t = time.perf_counter()
+    t = time.time()
     for th in threads:
         th.start()
     for th in threads:
@@ -136,12 +138,35 @@ def sb_concurrent(dm, prompts: list[torch.Tensor], new: int) -> tuple[float, flo
     # NOTE: steady state: from the last session's first token to the first session's last one
     start, end = max(s[0] for s in stamps), min(s[-1] for s in stamps)
     tokens = sum(sum(start < x <= end for x in s) for s in stamps)
-    return tokens / (end - start), max(s[-1] for s in stamps) - t
+    return tokens / (end - start), max(s[-1] for s in stamps) - t, (start, end)
 
 
-def local_step_s(model, lead, reps: int) -> float:
+def block_runs(client, since: float, until: float) -> list[dict]:
+    """The block runs the workers reported to the scheduler's timeline (the dashboard's) that
+    started at ``since`` or later and ended by ``until``; waits for the reports of runs up to
+    ``until`` (workers send them in batches)."""
+    from seabiscuit_dask.plugins.scheduler import PLUGIN_NAME
+
+    def runs(dask_scheduler, since: float) -> list[dict]:
+        from seabiscuit_dask.dashboard.data import timeline_data
+
+        plugin = dask_scheduler.plugins[PLUGIN_NAME]
+        return timeline_data(plugin.state, plugin.activity, since)
+
+    deadline = time.monotonic() + 30.0
+    seen: list[dict] = []
+    while time.monotonic() < deadline:
+        seen = client.run_on_scheduler(runs, since=since)
+        if any(r["start"] + r["duration_s"] >= until - 0.1 for r in seen):
+            break
+        time.sleep(0.05)
+    return [r for r in seen if r["start"] >= since and r["start"] + r["duration_s"] <= until]
+
+
+def local_step_s(model, lead, reps: int, context: int = 0) -> float:
     """One decode step of the same step program in this process, 1 thread, run as the workers run
-    it (its ops as one ``BlockProgram`` over the same tiles), with no data plane or Dask."""
+    it (its ops as one ``BlockProgram`` over the same tiles), with no data plane or Dask, once its
+    KV cache holds ``context`` tokens (as a session's does on the cluster)."""
     import numpy as np
 
     import seabiscuit_dask as sb
@@ -161,15 +186,33 @@ def local_step_s(model, lead, reps: int) -> float:
     torch.set_num_threads(1)
     try:
         times = []
-        for i in range(reps + 3):
+        for i in range(context + reps + 3):
             feed = _feed([(0, i, [1])], 1, 1)
             t = time.perf_counter()
             with using(store, "m"):
                 program.run({n: feed[n] for n in graph.inputs})
             times.append(time.perf_counter() - t)
-        return statistics.median(times[3:])
+        return statistics.median(times[-reps:])
     finally:
         torch.set_num_threads(old)
+
+
+def step_breakdown(client, dm, ids: torch.Tensor, new: int) -> tuple[float, float, int]:
+    """(step s, block compute s per step, block runs) of one session's decode on the cluster: what
+    a step spends in block runs on the workers, and (the rest) in hand-offs between blocks,
+    workers and the caller."""
+    stamps = [time.time() for _ in dm.stream(ids, new, eos_token_id=[])]
+    inside = block_runs(client, stamps[1], stamps[-1])
+    steps = len(stamps) - 2
+    return (stamps[-1] - stamps[1]) / steps, sum(r["duration_s"] for r in inside) / steps, len(inside)
+
+
+def busy(runs: list[dict], window: tuple[float, float]) -> dict[str, float]:
+    """Each worker's share of ``window`` spent in block runs."""
+    out: dict[str, float] = {}
+    for r in runs:
+        out[r["worker"]] = out.get(r["worker"], 0.0) + r["duration_s"] / (window[1] - window[0])
+    return out
 
 
 def main() -> None:
@@ -213,11 +256,13 @@ def main() -> None:
             dm.generate(torch.cat([prompts[0]] * batch), 2, eos_token_id=[])
             batch *= 2
         before = dm.generation_stats()
-        agg_tps, agg_s = sb_concurrent(dm, prompts, args.new)
+        agg_tps, agg_s, window = sb_concurrent(dm, prompts, args.new)
+        shares = busy(block_runs(client, *window), window)
         stats = dm.generation_stats()
         steps = max(1, stats["decode_steps"] - before["decode_steps"])
         rows_per_step = (stats["rows"] - before["rows"]) / steps
-        step_local = local_step_s(model, dm.graph, 5)
+        step_s, compute_s, n_runs = step_breakdown(client, dm, ids, args.new)
+        step_local = local_step_s(model, dm.graph, 5, context=ids.shape[1] + args.new // 2)
         probe = dm.stream(ids, args.new, eos_token_id=[])
         for _ in range(8):
             next(probe)
@@ -250,6 +295,9 @@ def main() -> None:
     print(f"decode step                   {dist_step * 1e3:.1f} ms on the cluster, {step_local * 1e3:.1f} ms "
           f"the same program in one process: coordination costs "
           f"{max(0.0, dist_step - step_local) * 1e3:.1f} ms per step")
+    print(f"  where it goes               a step of {step_s * 1e3:.1f} ms: {compute_s * 1e3:.1f} ms of block "
+          f"runs on the workers ({compute_s / step_local:.2f}x the program in one process; {n_runs} runs), "
+          f"{(step_s - compute_s) * 1e3:.1f} ms of hand-offs between them")
     per_token = 2 * model.config.num_hidden_layers * model.config.num_key_value_heads \
         * (model.config.hidden_size // model.config.num_attention_heads) * 4
     held = sum(kv.values()) / 2**20
@@ -259,7 +307,8 @@ def main() -> None:
         f"{k}: {v['build_s']:.1f} s" for k, v in stats["programs"].items())
         + f"; first call with new shapes {first_build_s:.1f} s")
     print(f"{args.sessions} sessions                    {rows_per_step:.2f} rows per decode step on average "
-          f"(in {dm_pipeline} groups in flight), {agg_s:.1f} s in all")
+          f"(in {dm_pipeline} groups in flight), {agg_s:.1f} s in all; while all decode, the workers spend "
+          f"{', '.join(f'{v:.0%}' for v in sorted(shares.values(), reverse=True))} of the time in block runs")
 
 
 if __name__ == "__main__":
