@@ -177,6 +177,18 @@ def test_an_exported_model_deploys_from_its_file_with_no_copy(tmp_path: Path) ->
         with sb.distribute(path, client, (x,), budget="16KiB") as dm:
             assert dm._store is None                 # NOTE: no store written: workers read the file
             assert M.rel_err(dm(x), want) <= 1e-4
+        # NOTE: the file rewritten after the module was read, at its size: each tile the workers
+        # read is checked against the module's own values, so the change is named, not served
+        module = load_onnx(path)
+        raw = [p.source for p in sb.trace(module, (x,)).params.values() if p.source.kind == "raw"]
+        assert raw and all(s.file == str(path) for s in raw)
+        data = bytearray(path.read_bytes())
+        at = int(raw[0].offset or 0)
+        data[at:at + 4] = np.float32(1e4).tobytes()
+        path.write_bytes(bytes(data))
+        with pytest.raises(sb.BadCheckpoint, match=r"convnet\.onnx.*CRC-32"):
+            with sb.distribute(module, client, (x,), budget="16KiB") as dm:
+                dm(x)
 
 
 def test_shape_arithmetic_is_folded_for_the_traced_shapes() -> None:

@@ -28,9 +28,14 @@ from .integrity import crc32
 
 
 def tile_checksums(model: torch.nn.Module, graph: OpGraph) -> dict[str, int]:
-    """CRC-32 of every weight tile ``graph`` reads from ``model``: the reference the workers check."""
+    """CRC-32 of every weight tile ``graph`` reads from ``model``, and of every tile it reads in
+    place from an ONNX file (``raw``) whose values ``model`` holds as it read them: the reference
+    the workers check, so a file rewritten since the trace is refused by name, not read at the
+    old offsets. External data that ``model`` left unread (lazy) has no reference."""
     store = WeightStore.from_weights(model)
-    return {name: crc32(store.load(p)) for name, p in graph.params.items() if p.source.kind == "model"}
+    return {name: crc32(store.load(p)) for name, p in graph.params.items()
+            if p.source.kind == "model" or (p.source.kind == "raw" and p.source.key in store.tensors
+                                            and not store.tensors[p.source.key].is_meta)}
 
 
 def write_store(model: torch.nn.Module, graph: OpGraph, folder: Path) -> Path:
@@ -69,7 +74,8 @@ def stored(graph: OpGraph, weights: Any, owner: object) -> tuple[OpGraph, Path |
     """
     graph = copied_if_unreadable(graph, weights)
     if not any(p.source.kind == "model" for p in graph.params.values()):
-        return graph, None
+        crcs = tile_checksums(weights, graph) if isinstance(weights, torch.nn.Module) else {}
+        return (graph.with_meta(tile_crc32=crcs) if crcs else graph), None
     if not isinstance(weights, torch.nn.Module):
         raise SeaBiscuitError("the graph reads weights from a model in memory, but no module was given "
                               "(pass weights=model)")
