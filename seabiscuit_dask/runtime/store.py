@@ -73,8 +73,8 @@ def stored(graph: OpGraph, weights: Any, owner: object) -> tuple[OpGraph, Path |
     that never calls ``close()`` leaves nothing behind.
     """
     graph = copied_if_unreadable(graph, weights)
+    crcs = tile_checksums(weights, graph) if isinstance(weights, torch.nn.Module) else {}
     if not any(p.source.kind == "model" for p in graph.params.values()):
-        crcs = tile_checksums(weights, graph) if isinstance(weights, torch.nn.Module) else {}
         return (graph.with_meta(tile_crc32=crcs) if crcs else graph), None
     if not isinstance(weights, torch.nn.Module):
         raise SeaBiscuitError("the graph reads weights from a model in memory, but no module was given "
@@ -83,7 +83,6 @@ def stored(graph: OpGraph, weights: Any, owner: object) -> tuple[OpGraph, Path |
     folder = Path(tempfile.mkdtemp(prefix=PREFIX, dir=store_root()))
     weakref.finalize(owner, shutil.rmtree, folder, ignore_errors=True)
     (folder / OWNER).write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
-    crcs = tile_checksums(weights, graph)
     bound = bind_checkpoint(graph, write_store(weights, graph, folder), kinds=("model",))
     bound = bound.with_meta(tile_crc32=crcs)
     return bound, folder
