@@ -26,6 +26,7 @@ from ..errors import SeaBiscuitError
 from ..ir import Op, ParamSpec, TensorSpec
 from .fuse import fused_linear, linear_groups, span
 from .kernels import compile_args, resolve_target
+from .layout import check_layouts
 from .registry import require_registered
 
 KEY_PREFIX = "sb-"
@@ -89,6 +90,7 @@ class BlockSpec:
     # NOTE: the data plane's routes: per consumer block, its worker and the exports it reads
     sends: tuple[tuple[int, str, tuple[str, ...]], ...] = ()
     outputs: tuple[str, ...] = ()         # exports that are graph outputs (the caller collects them)
+    layouts: Mapping[str, str] = field(default_factory=dict)   # param -> how it is held (``layout``)
 
     @property
     def weight_bytes(self) -> int:
@@ -113,6 +115,7 @@ class BlockSpec:
             "checksums": dict(self.checksums), "checkpoint_dir": self.checkpoint_dir,
             "verify_every": self.verify_every, "kind": self.kind,
             "sends": [[b, a, list(ts)] for b, a, ts in self.sends], "outputs": list(self.outputs),
+            "layouts": dict(self.layouts),
         }
 
     @classmethod
@@ -127,6 +130,7 @@ class BlockSpec:
             int(d.get("verify_every", 0)), str(d.get("kind", "")),
             tuple((int(b), str(a), tuple(str(t) for t in ts)) for b, a, ts in d.get("sends") or ()),
             tuple(str(t) for t in d.get("outputs") or ()),
+            check_layouts(d.get("layouts") or {}, f"block spec b{d['index']} of model {d['model']}"),
         )
 
 
@@ -135,7 +139,8 @@ def block_specs(plan: Any, model_id: str, version: int = 0, checkpoint_dir: str 
     """Cut ``plan`` (a ``Plan``) into self-contained block specs, in block order.
 
     Tile checksums come from ``graph.meta["tile_crc32"]`` when the weights were
-    written by SeaBiscuit (``deploy.write_store``). ``program`` > 0 numbers the
+    written by SeaBiscuit (``deploy.write_store``), and how each tile is held from
+    ``graph.meta["weight_layouts"]`` (``lower.layout``). ``program`` > 0 numbers the
     blocks of another program of the model (``program_block``).
     """
     if program:
@@ -146,6 +151,7 @@ def block_specs(plan: Any, model_id: str, version: int = 0, checkpoint_dir: str 
                 for s in block_specs(plan, model_id, version, checkpoint_dir, verify_every)]
     graph = plan.graph
     crcs = graph.meta.get("tile_crc32") or {}
+    layouts = graph.meta.get("weight_layouts") or {}
     block_of = plan.block_of.tolist()
     blocks = plan.blocks
     made_in: dict[str, int] = {}
@@ -184,7 +190,8 @@ def block_specs(plan: Any, model_id: str, version: int = 0, checkpoint_dir: str 
                              tuple(imports[b].values()), dev.address,
                              {p: int(crcs[p]) for p in params if p in crcs}, checkpoint_dir, verify_every,
                              dev.kind, tuple((c, address[c], tuple(ts)) for c, ts in sends[b].items()),
-                             tuple(t for t in exported[b] if t in leaves)))
+                             tuple(t for t in exported[b] if t in leaves),
+                             {p: str(layouts[p]) for p in params if p in layouts}))
     return out
 
 

@@ -918,11 +918,16 @@ class StepProgram:
 
 
 def _with_checksums(graph: Any, model_graph: Any) -> Any:
-    """``graph`` with the tile checksums of the model's graph, for the tiles both read."""
-    crcs = model_graph.meta.get("tile_crc32") or {}
-    same = {n: crcs[n] for n, p in graph.params.items() if n in crcs and n in model_graph.params
-            and model_graph.params[n].source == p.source}
-    return graph.with_meta(tile_crc32=same) if same else graph
+    """``graph`` with the tile checksums and weight layouts of the model's graph, for the tiles
+    both read (so every program holds a shared tile the same way)."""
+    shared = {n for n, p in graph.params.items()
+              if n in model_graph.params and model_graph.params[n].source == p.source}
+    meta = {}
+    for key in ("tile_crc32", "weight_layouts"):
+        of_model = model_graph.meta.get(key) or {}
+        if any(n in of_model for n in shared):
+            meta[key] = {n: of_model[n] for n in shared if n in of_model}
+    return graph.with_meta(**meta) if meta else graph
 
 
 def _request_error(request: int, model_id: str, stranded: str | None, e: BaseException) -> SeaBiscuitError:
@@ -941,7 +946,7 @@ def _request_error(request: int, model_id: str, stranded: str | None, e: BaseExc
 
 def deploy(plan: Plan, client: Any, *, weights: Any = None,
            checkpoint_dir: str | os.PathLike[str] | None = None, verify_every: int | None = None,
-           progress: Progress | None = None) -> DistributedModel:
+           progress: Progress | None = None, decode_rows: int | None = None) -> DistributedModel:
     """Put a ready ``plan`` onto the cluster behind ``client``; returns a callable ``DistributedModel``.
 
     Parameters
@@ -963,6 +968,11 @@ def deploy(plan: Plan, client: Any, *, weights: Any = None,
         (default: config ``seabiscuit.integrity.verify-every``; 0: only when read).
     progress : callable, optional
         Called with a line of text at each long step.
+    decode_rows : int, optional
+        Generation: the rows a decode step multiplies (``distribute`` gives it from
+        ``sessions``). Each matmul weight on a CPU is held in the order its kernel runs
+        fastest for these rows, else for the rows of the plan's graph, measured on one
+        worker (config ``seabiscuit.lower.weight-layout``; ``lower.layout``).
 
     Examples
     --------
@@ -977,6 +987,11 @@ def deploy(plan: Plan, client: Any, *, weights: Any = None,
     graph, folder = stored(plan.graph, weights, holder)
     if folder is not None:
         say(f"wrote {fmt_bytes(graph.param_bytes)} of weights to {folder}")
+    layouts = weight_layouts(client, plan, graph, decode_rows)
+    if layouts:
+        graph = graph.with_meta(weight_layouts=layouts)
+        say(f"{len(layouts)} matmul weight tile(s) held transposed, where their kernel runs faster so")
+    if graph is not plan.graph:
         plan = Plan(graph, plan.spec, plan.device_of, plan.method, plan.planning_s, dict(plan.info))
     reply = client.sync(client.scheduler.seabiscuit_deploy, graph=graph.to_json(),
                         plan=plan.to_json(stats=False), checkpoint_dir=ckpt, verify_every=every,
@@ -995,6 +1010,31 @@ def deploy(plan: Plan, client: Any, *, weights: Any = None,
         dm.close()      # NOTE: nothing half-deployed stays behind on the cluster
         raise
     return dm
+
+
+def weight_layouts(client: Any, plan: Plan, graph: Any, rows: int | None = None) -> dict[str, str]:
+    """How the workers hold ``graph``'s matmul weights on CPU devices of ``plan``
+    (``lower.layout``): measured on the plan's first CPU worker, unless config
+    ``seabiscuit.lower.weight-layout`` says ``traced`` (as the model holds them) or
+    ``transposed`` (every one the other way, small ones too)."""
+    from ..lower import layout
+
+    setting = str(config.get("lower.weight-layout", "auto")).lower()
+    if setting not in ("auto", "traced", "transposed"):
+        raise BadInput(f"seabiscuit.lower.weight-layout is {setting!r}: use auto, traced or transposed")
+    if setting == "traced" or graph.meta.get("weight_layouts"):
+        return dict(graph.meta.get("weight_layouts") or {})
+    cpu = {i for i, d in enumerate(plan.spec.devices) if d.kind == "cpu"}
+    on_cpu = {p for op, d in zip(graph.ops, plan.device_of.tolist()) if d in cpu for p in op.params}
+    if not on_cpu:
+        return {}
+    if setting == "transposed":
+        return layout.decide(graph, lambda cases: {c.key(): (2.0, 1.0) for c in cases}, rows, on_cpu, 0)
+    address = next(plan.spec.devices[i].address for i in sorted(cpu))
+
+    def timer(cases: list[Any]) -> Mapping[str, tuple[float, float]]:
+        return client.run(layout.measure, cases, workers=[address])[address]
+    return layout.decide(graph, timer, rows, on_cpu)
 
 
 def claim(client: Any) -> str:
@@ -1059,6 +1099,7 @@ def distribute(model_or_path: Any, client: Any, example_inputs: Any, budget: int
     from ..decompose import decompose
     from ..trace import trace
     from ..trace.onnx import is_onnx, load_onnx
+    from .generate import decode_rows as rows_for
 
     say = progress or _quiet
     nbytes = config.to_bytes(budget if budget is not None else config.get("budget"))
@@ -1098,7 +1139,7 @@ def distribute(model_or_path: Any, client: Any, example_inputs: Any, budget: int
     say(f"placed in {plan.planning_s:.2f} s: {len(plan.blocks)} blocks")
     weights = model_or_path if not isinstance(model_or_path, (str, os.PathLike)) else None
     dm = deploy(plan, client, weights=weights, checkpoint_dir=checkpoint_dir, verify_every=verify_every,
-                progress=say)
+                progress=say, decode_rows=rows_for(n_sessions) if reserve else None)
     dm._source, dm._budget = model_or_path, nbytes
     dm._trace_kwargs = {k: v for k, v in (kwargs or {}).items() if not isinstance(v, torch.Tensor)}
     dm._limits = (n_sessions or None, limit if reserve else context)

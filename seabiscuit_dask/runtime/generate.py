@@ -86,6 +86,20 @@ def bucket(n: int, sizes: Sequence[int]) -> int:
     return next((s for s in sizes if s >= n), sizes[-1])
 
 
+def group_size(sessions: int, top: int, pipeline: int) -> int:
+    """Rows per group when ``sessions`` decode together: ``pipeline`` groups at least (when there
+    are that many sessions), none over ``top`` rows."""
+    n = max(-(-sessions // top), min(pipeline, sessions))
+    return -(-sessions // max(1, n))
+
+
+def decode_rows(sessions: int) -> int:
+    """The rows a decode step multiplies when ``sessions`` decode together (a batch bucket)."""
+    sizes = buckets("batch-buckets", (1, 2, 4, 8))
+    pipeline = max(1, int(config.get("generate.pipeline", 2)))
+    return bucket(group_size(max(1, sessions), sizes[-1], pipeline), sizes)
+
+
 # --- sampling ----------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Sampling:
@@ -490,9 +504,7 @@ class Engine:
         """Rows in ``pipeline`` groups at least (when there are that many), none over the largest batch."""
         if not rows:
             return []
-        top = self.batch_sizes[-1]
-        n = max(-(-len(rows) // top), min(self.pipeline, len(rows)))
-        size = -(-len(rows) // max(1, n))
+        size = group_size(len(rows), self.batch_sizes[-1], self.pipeline)
         return [rows[i:i + size] for i in range(0, len(rows), size)]
 
     def _run(self, sessions: list[Session], batch: int, length: int, feed: dict[str, torch.Tensor],

@@ -23,6 +23,7 @@ from ..ir import ParamSpec, fmt_bytes
 from ..lower.blocks import BlockProgram, BlockSpec, run_block
 from ..lower.fuse import linear_groups, pack_rows, should_fuse
 from ..lower.kvcache import KVStore, using
+from ..lower.layout import held as laid_out
 from ..weights import WeightStore
 from . import access
 from .integrity import crc32, load_checkpoint, save_checkpoint
@@ -209,6 +210,8 @@ class ResidentBlocks:
             read = {k: self._read_tile(spec, n, p, dev) for k, (n, p) in todo.items()}
             if fuse:
                 read = _packed(spec, read)
+            else:       # NOTE: checked as read; held in the order its matmul runs fastest (lower.layout)
+                read = {k: (laid_out(t, spec.layouts.get(todo[k][0])), c) for k, (t, c) in read.items()}
         finally:
             with self._lock:
                 for k in mine:

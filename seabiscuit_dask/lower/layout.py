@@ -1,0 +1,200 @@
+"""How a worker holds each matmul weight in memory: as traced, or transposed.
+
+A weight ``W`` of a linear layer is one logical tensor, and the matmul kernel reads
+it in either of two physical orders: rows of ``W`` or rows of ``W.T``. On CPUs the
+faster one depends on the rows that multiply it. Measured here on one core (MKL,
+fp32): a ``[1024, 4096]`` weight times 4 rows runs 1.7x faster held ``[in, out]``
+than ``[out, in]``, and times 128 rows 1.2x slower. So a model decoding a few
+sessions at a time wants the other order from the one a 128-token forward pass
+wants, and neither is always the order the model was written in (``nn.Linear``
+holds ``[out, in]``, GPT-2's ``Conv1D`` ``[in, out]``).
+
+The order is chosen once per deployment, by measurement on one worker of the
+plan (``measure``), for the rows the deployment will run (``matmul_cases``), and
+recorded in ``graph.meta["weight_layouts"]`` (param name -> ``"t"``: held
+transposed). Every block spec carries it, so every worker, every plan version
+and every program of the model hold a tile the same way, and a replayed request
+computes the same bits. Holding a tile transposed changes only its strides: the
+graph, the kernels and every result's logical shape are the same.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import BadInput
+
+TRANSPOSED = "t"
+LAYOUTS = (TRANSPOSED,)
+# NOTE: target -> (position of the input, position of the weight, whether the weight is [out, in])
+MATMULS = {
+    "aten.linear.default": (0, 1, True),
+    "aten.addmm.default": (1, 2, False),
+    "aten.mm.default": (0, 1, False),
+    "aten.matmul.default": (0, 1, False),
+}
+MARGIN = 1.1        # NOTE: the other order is taken only when it runs at least this much faster
+# NOTE: below this a matmul's time is mostly the call's own, and a timing would choose at random
+MIN_BYTES = 1 << 20
+MAX_ROWS = 512      # NOTE: more rows are timed as this many (the orders run alike there)
+
+
+@dataclass(frozen=True)
+class Case:
+    """A matmul to time: ``rows`` x ``k`` input times a weight as traced (``out_in``: ``[n, k]``)."""
+
+    rows: int
+    k: int
+    n: int
+    dtype: str
+    out_in: bool
+    bias: bool
+
+    def key(self) -> str:
+        return f"{self.rows}x{self.k}x{self.n}:{self.dtype}:{'oi' if self.out_in else 'io'}:{int(self.bias)}"
+
+
+def check_layouts(layouts: Mapping[str, Any], where: str) -> dict[str, str]:
+    """``layouts`` (param -> layout) with every value a known layout, else ``BadInput``."""
+    out = {}
+    for name, value in dict(layouts or {}).items():
+        if value not in LAYOUTS:
+            raise BadInput(f"{where}: weight layout {value!r} for {name!r} is not one of {list(LAYOUTS)}")
+        out[str(name)] = str(value)
+    return out
+
+
+def _ref(x: Any) -> tuple[str, str] | None:
+    """("t", name) or ("p", name) of a plain operand reference, else None."""
+    if isinstance(x, Mapping) and len(x) == 1:
+        (kind, name), = x.items()
+        if kind in ("t", "p"):
+            return str(kind), str(name)
+    return None
+
+
+def matmul_cases(graph: Any, rows: int | None = None) -> dict[str, Case]:
+    """Each 2-D weight a matmul of ``graph`` reads -> the case its kernel runs.
+
+    ``rows``: the rows the deployment will multiply (a generation deployment's decode
+    batch) instead of the traced ones. A weight read by matmuls of different cases,
+    or by anything else as well, is left out: it is held as traced.
+    """
+    cases: dict[str, Case] = {}
+    other: set[str] = set()
+    for op in graph.ops:
+        spec = MATMULS.get(op.target)
+        args = list(op.attrs.get("args", ()))
+        if spec is None or op.attrs.get("kwargs") or len(args) <= max(spec[:2]):
+            other.update(op.params)
+            continue
+        xi, wi, out_in = spec
+        x, w = _ref(args[xi]), _ref(args[wi])
+        if x is None or w is None or x[0] != "t" or w[0] != "p":
+            other.update(op.params)
+            continue
+        p = graph.params[w[1]]
+        shape = tuple(graph.tensors[x[1]].shape)
+        if len(p.shape) != 2 or not shape or shape[-1] != p.shape[1 if out_in else 0]:
+            other.update(op.params)
+            continue
+        m = min(MAX_ROWS, int(rows) if rows is not None else max(1, int(torch.Size(shape[:-1]).numel())))
+        n, k = (p.shape[0], p.shape[1]) if out_in else (p.shape[1], p.shape[0])
+        bias = op.target == "aten.addmm.default" or (len(args) > 2 and args[2] is not None)
+        case = Case(m, int(k), int(n), p.dtype, out_in, bool(bias))
+        if cases.setdefault(w[1], case) != case:
+            other.add(w[1])
+        other.update(q for q in op.params if q != w[1])
+    return {name: c for name, c in cases.items() if name not in other}
+
+
+def time_case(case: Case, reps: int = 5) -> tuple[float, float]:
+    """Seconds of one run of ``case`` with its weight held as traced, and held transposed (here,
+    on this process's CPU threads)."""
+    from ..runtime.agent import median_s
+    from .registry import DTYPES
+
+    dt = DTYPES.get(case.dtype)
+    if dt is None or not dt.is_floating_point:
+        raise BadInput(f"cannot time a matmul of {case.dtype}")
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(case.rows, case.k, generator=gen).to(dt)
+    w = torch.randn(case.n, case.k, generator=gen).to(dt)
+    if not case.out_in:
+        w = w.t().contiguous()
+    b = torch.randn(case.n, generator=gen).to(dt) if case.bias else None
+    flipped = transposed(w)
+
+    def run(weight: torch.Tensor) -> Callable[[], Any]:
+        if case.out_in:
+            return lambda: torch.nn.functional.linear(x, weight, b)
+        if b is not None:
+            return lambda: torch.addmm(b, x, weight)
+        return lambda: torch.mm(x, weight)
+
+    def timed(fn: Callable[[], Any]) -> float:
+        fn()                                    # NOTE: warm: the first call pays for allocations
+        return median_s(fn, reps)
+
+    with torch.inference_mode():
+        return timed(run(w)), timed(run(flipped))
+
+
+def measure(cases: Sequence[Case], reps: int = 5) -> dict[str, tuple[float, float]]:
+    """``time_case`` of each distinct case, by ``Case.key``."""
+    out: dict[str, tuple[float, float]] = {}
+    for c in cases:
+        if c.key() not in out:
+            out[c.key()] = time_case(c, reps)
+    return out
+
+
+def choose(cases: Mapping[str, Case], timings: Mapping[str, tuple[float, float]],
+           margin: float = MARGIN) -> dict[str, str]:
+    """Params to hold transposed: those whose case ran at least ``margin`` times faster so."""
+    out = {}
+    for name, c in cases.items():
+        t = timings.get(c.key())
+        if t is not None and t[1] > 0 and t[0] >= margin * t[1]:
+            out[name] = TRANSPOSED
+    return out
+
+
+def transposed(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (2-D) with the same shape and values, its bytes in the other order."""
+    return t.t().contiguous().t()
+
+
+def held(t: torch.Tensor, layout: str | None) -> torch.Tensor:
+    """A tile as a block holds it: transposed for ``"t"`` (2-D tiles only), else as read."""
+    if layout == TRANSPOSED and t.dim() == 2 and t.shape[0] > 1 and t.shape[1] > 1 and t.stride(0) != 1:
+        return transposed(t)
+    return t
+
+
+def decide(graph: Any, timer: Callable[[list[Case]], Mapping[str, tuple[float, float]]],
+           rows: int | None = None, only: Iterable[str] | None = None,
+           min_bytes: int = MIN_BYTES) -> dict[str, str]:
+    """The layouts for ``graph``'s matmul weights of at least ``min_bytes`` (``only``: among these
+    params), timing each distinct case once with ``timer`` (``measure`` on a worker)."""
+    cases = matmul_cases(graph, rows)
+    keep = set(only) if only is not None else set(cases)
+    cases = {n: c for n, c in cases.items() if n in keep and graph.params[n].nbytes >= min_bytes
+             and c.dtype in ("float32", "float16", "bfloat16", "float64")}
+    if not cases:
+        return {}
+    distinct = list({c.key(): c for c in cases.values()}.values())
+    chosen = choose(cases, timer(distinct))
+    # NOTE: a worker shares one tile among the params that read the same bytes (a tied embedding and
+    # lm head): it is held transposed only when every one of them wants it so
+    tiles: dict[Any, set[str]] = {}
+    for name, p in graph.params.items():
+        tiles.setdefault((p.source.file, p.source.key, p.source.slices), set()).add(name)
+    return {name: v for name, v in chosen.items()
+            if all(chosen.get(other) == v for other in tiles[(graph.params[name].source.file,
+                                                               graph.params[name].source.key,
+                                                               graph.params[name].source.slices)])}

@@ -1,0 +1,154 @@
+"""How workers hold matmul weights: as traced, or transposed where the kernel runs faster
+so (``lower.layout``): the choice, the specs that carry it, and results that do not change."""
+
+from __future__ import annotations
+
+import dask.config
+import pytest
+import torch
+
+import seabiscuit_dask as sb
+from seabiscuit_dask.lower import layout
+from seabiscuit_dask.lower.blocks import BlockSpec, block_specs
+from seabiscuit_dask.runtime.client import _with_checksums
+from seabiscuit_dask.runtime.generate import decode_rows
+from seabiscuit_dask.runtime.resident import ResidentBlocks
+from seabiscuit_dask.runtime.store import stored
+
+from . import models as M
+from .clusters import seabiscuit_cluster
+from .test_runtime_resident import MODEL, Owner, run_all
+
+
+class TwoLayouts(torch.nn.Module):
+    """A linear layer ([out, in]), a GPT-2 style addmm ([in, out]), and a weight read twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.fc = torch.nn.Linear(32, 48)
+        self.w = torch.nn.Parameter(torch.randn(48, 24, generator=g))
+        self.b = torch.nn.Parameter(torch.randn(24, generator=g))
+        self.shared = torch.nn.Parameter(torch.randn(24, 24, generator=g))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.addmm(self.b, self.fc(x).reshape(-1, 48), self.w)
+        return torch.mm(h, self.shared) + self.shared.sum()
+
+
+def test_each_matmul_weight_is_found_with_the_rows_that_multiply_it() -> None:
+    graph = sb.trace(TwoLayouts(), (torch.randn(3, 5, 32),))
+    cases = layout.matmul_cases(graph)
+    names = {graph.params[n].source.key: c for n, c in cases.items()}
+    assert names == {
+        "fc.weight": layout.Case(15, 32, 48, "float32", True, True),
+        "w": layout.Case(15, 48, 24, "float32", False, True),
+    }                                               # ``shared`` is read by a sum too: held as traced
+    # a generation deployment times the rows of its decode step instead
+    assert {c.rows for c in layout.matmul_cases(graph, rows=4).values()} == {4}
+
+
+def test_the_other_order_is_taken_only_when_it_runs_clearly_faster() -> None:
+    graph = sb.trace(TwoLayouts(), (torch.randn(3, 5, 32),))
+    cases = layout.matmul_cases(graph)
+    fc, w = sorted(cases, key=lambda n: graph.params[n].source.key)
+    timings = {cases[fc].key(): (2.0e-3, 1.0e-3),        # twice as fast transposed
+               cases[w].key(): (1.05e-3, 1.0e-3)}        # within the margin: a toss-up
+    assert layout.choose(cases, timings) == {fc: layout.TRANSPOSED}
+    asked: list[list[layout.Case]] = []
+
+    def timer(distinct):
+        asked.append(distinct)
+        return timings
+
+    assert layout.decide(graph, timer, min_bytes=0) == {fc: layout.TRANSPOSED}
+    assert len(asked) == 1 and len(asked[0]) == 2        # each distinct case timed once
+    assert layout.decide(graph, timer) == {} and len(asked) == 1    # all under 1 MiB: not timed
+    t_io, t_oi = layout.time_case(layout.Case(8, 64, 96, "float32", False, True), reps=2)
+    assert t_io > 0 and t_oi > 0
+
+
+def test_a_tile_held_transposed_has_its_values_and_shape() -> None:
+    t = torch.randn(6, 4)
+    h = layout.held(t, layout.TRANSPOSED)
+    assert torch.equal(h, t) and h.shape == t.shape and h.stride() == (1, 6)
+    assert layout.held(t, None) is t
+    v = torch.randn(5)
+    assert layout.held(v, layout.TRANSPOSED) is v            # only 2-D tiles
+
+
+def test_specs_carry_the_layouts_and_refuse_an_unknown_one() -> None:
+    model, x = M.gpt2(), M.ids()
+    graph = sb.decompose(sb.trace(model, x), "64KiB")
+    chosen = layout.decide(graph, lambda cases: {c.key(): (2.0, 1.0) for c in cases}, min_bytes=0)
+    assert chosen and all(v == layout.TRANSPOSED for v in chosen.values())
+    graph = graph.with_meta(weight_layouts=chosen)
+    plan = sb.place(graph, sb.ClusterSpec.synthetic("4xcpu", hosts=3, cpu_memory="2MiB"))
+    specs = block_specs(plan, MODEL, 0)
+    assert {n for s in specs for n in s.layouts} == set(chosen)
+    for s in specs:
+        assert BlockSpec.from_dict(s.to_dict()) == s
+    bad = specs[0].to_dict()
+    bad["layouts"] = {next(iter(specs[0].params)): "sideways"}
+    with pytest.raises(sb.BadInput, match="weight layout 'sideways'"):
+        BlockSpec.from_dict(bad)
+    # another program of the model holds the tiles it shares with the model's graph the same way
+    step = _with_checksums(sb.decompose(sb.trace(model, M.ids(seq=3)), "64KiB", like=graph), graph)
+    shared = set(step.params) & set(chosen)
+    assert shared and step.meta["weight_layouts"] == {n: chosen[n] for n in shared}
+
+
+@pytest.mark.parametrize("model_fn", [M.llama, M.gpt2], ids=["llama", "gpt2"])
+def test_blocks_with_weights_held_transposed_give_the_models_output(model_fn) -> None:
+    model, x = model_fn(), M.ids()
+    graph = sb.decompose(sb.trace(model, x), "64KiB")
+    owner = Owner()
+    graph, _ = stored(graph, model, owner)
+    chosen = layout.decide(graph, lambda cases: {c.key(): (2.0, 1.0) for c in cases}, min_bytes=0)
+    spec = sb.ClusterSpec.synthetic("4xcpu", hosts=3, cpu_memory="2MiB")
+    plan = sb.place(graph, spec)
+    with torch.no_grad():
+        expected = model(x).logits
+    got = {}
+    for name, g in (("traced", graph), ("transposed", graph.with_meta(weight_layouts=chosen))):
+        r = ResidentBlocks(1 << 30)
+        r.versions[MODEL] = 0
+        got[name] = run_all(r, block_specs(sb.Plan(g, spec, plan.device_of), MODEL, 0), g, x)
+        flipped = {n for p in r.programs.values() for n, t in p.weights.items()
+                   if t.dim() == 2 and t.stride() == (1, t.shape[0])}
+        assert flipped == (set(chosen) if name == "transposed" else set())
+    torch.testing.assert_close(got["transposed"], got["traced"], rtol=1e-5, atol=1e-5)
+    assert M.rel_err(got["transposed"], expected) <= 1e-4
+
+
+def test_decode_rows_follow_the_groups_sessions_decode_in() -> None:
+    assert decode_rows(1) == 1 and decode_rows(2) == 1
+    assert decode_rows(8) == 4 and decode_rows(5) == 4 and decode_rows(16) == 8 and decode_rows(40) == 8
+
+
+@pytest.mark.slow
+def test_a_deployment_holds_its_weights_as_measured_and_answers_the_same() -> None:
+    model, x = M.gpt2(), M.ids()
+    with torch.no_grad():
+        expected = model(x).logits
+
+    def strides(dask_worker):
+        r = dask_worker.plugins["seabiscuit"].resident
+        return {n: tuple(t.stride()) for p in r.programs.values() for n, t in p.weights.items()}
+
+    with seabiscuit_cluster(2, 4_000_000) as client:
+        with dask.config.set({"seabiscuit.lower.weight-layout": "transposed"}):
+            with sb.distribute(model, client, (x,), budget="256KiB") as dm:
+                chosen = dict(dm.graph.meta["weight_layouts"])
+                assert chosen and M.rel_err(dm(x).logits, expected) <= 1e-4
+                held = {n: s for w in client.run(strides).values() for n, s in w.items()}
+                for n in chosen:
+                    rows = dm.graph.params[n].shape[0]
+                    assert held[n] == (1, rows), n          # transposed on the worker that holds it
+        # measured: a model this small is held as traced (its weights are under 1 MiB)
+        with sb.distribute(model, client, (x,), budget="256KiB") as dm:
+            assert "weight_layouts" not in dm.graph.meta
+            assert M.rel_err(dm(x).logits, expected) <= 1e-4
+        with dask.config.set({"seabiscuit.lower.weight-layout": "sideways"}), \
+                pytest.raises(sb.BadInput, match="weight-layout is 'sideways'"):
+            sb.distribute(model, client, (x,), budget="256KiB")
