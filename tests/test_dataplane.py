@@ -6,6 +6,7 @@ blocks run from ``ResidentBlocks``."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -18,6 +19,7 @@ from seabiscuit_dask.lower.blocks import BlockSpec, block_specs
 from seabiscuit_dask.lower.kvcache import CacheLost
 from seabiscuit_dask.runtime.dataplane import DataPlane, RunFailed, StaleRun, Tensors, timed
 from seabiscuit_dask.runtime.dataplane.client import route
+from seabiscuit_dask.runtime.dataplane.ordered import OrderedExecutor
 from seabiscuit_dask.runtime.dataplane.runs import greedy
 from seabiscuit_dask.runtime.dataplane.wire import from_bytes, pack, unpack
 from seabiscuit_dask.runtime.resident import ResidentBlocks
@@ -38,7 +40,8 @@ class Mesh:
     """One ``DataPlane`` per worker of a plan; a message to a worker goes through the wire format."""
 
     def __init__(self, specs: list, fail_on: int | None = None, gone: str = "", max_runs: int = 256,
-                 unloadable: int | None = None, fail_with: Exception | None = None) -> None:
+                 unloadable: int | None = None, fail_with: Exception | None = None,
+                 ordered: bool = False) -> None:
         self.fail_with = fail_with
         self.specs = {s.index: s for s in specs}
         self.pool = ThreadPoolExecutor(1)
@@ -47,10 +50,12 @@ class Mesh:
         self.gone = gone
         for addr in sorted({s.address for s in specs}):
             r = self.resident[addr] = ResidentBlocks(64 * 2**20, "cpu", addr)
+            # NOTE: ``ordered``: each worker its own compute thread, oldest run first, as the plugin runs
+            pool = OrderedExecutor(1, f"mesh-{addr}") if ordered else self.pool
             self.planes[addr] = DataPlane(
                 addr, compute=timed(self._compute(r, fail_on), addr), spec_of=lambda m, v, b: None,
                 load_spec=self._loader(r, unloadable), version_of=lambda m, r=r: r.versions.get(m, -1),
-                send=self._sender(addr), check=self.check, executor=self.pool, max_runs=max_runs,
+                send=self._sender(addr), check=self.check, executor=pool, max_runs=max_runs,
                 describe=lambda m, v, b: BlockSpec.from_dict(self.fetch(m, v, b)))
 
     def _loader(self, r: ResidentBlocks, unloadable: int | None) -> Any:
@@ -109,6 +114,44 @@ def test_a_request_crosses_the_workers_and_equals_the_model(planned) -> None:
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
     assert mesh.runs() == len(specs)                          # every block ran once
     assert not any(p.runs for p in mesh.planes.values())      # and nothing of it is held
+
+
+def test_compute_threads_take_the_oldest_runs_work_first() -> None:
+    pool = OrderedExecutor(1, "test")
+    gate, started, order = threading.Event(), threading.Event(), []
+
+    def hold() -> None:
+        started.set()
+        gate.wait()
+
+    first = pool.submit(hold)
+    started.wait()                          # the one thread is busy: what follows queues
+    done = [pool.submit_ordered(3.0, order.append, "newest"),
+            pool.submit_ordered(1.0, order.append, "oldest"),
+            pool.submit_ordered(2.0, order.append, "middle"),
+            pool.submit(order.append, "a spec to load")]
+    failing = pool.submit_ordered(0.5, lambda: 1 / 0)
+    gate.set()
+    for f in (first, *done):
+        f.result()
+    assert order == ["a spec to load", "oldest", "middle", "newest"]
+    with pytest.raises(ZeroDivisionError):
+        failing.result()
+    pool.shutdown()
+    with pytest.raises(RuntimeError, match="after shutdown"):
+        pool.submit(order.append, "late")
+
+
+def test_requests_in_flight_together_each_equal_the_model(planned) -> None:
+    graph, specs, x, expected, _ = planned
+    mesh = Mesh(specs, ordered=True)
+
+    async def together() -> list[Any]:
+        return await asyncio.gather(*(mesh.call(graph, x, request=r) for r in range(1, 5)))
+
+    for got in asyncio.run(together()):
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    assert mesh.runs() == 4 * len(specs)
 
 
 def test_repeated_messages_change_nothing(planned) -> None:

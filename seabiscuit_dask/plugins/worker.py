@@ -16,7 +16,6 @@ import asyncio
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import psutil
@@ -29,6 +28,7 @@ from ..errors import AccessDenied
 from ..lower.blocks import BlockSpec
 from ..runtime import access, agent
 from ..runtime.dataplane import DataPlane, Links, Tensors, decode_loop, timed
+from ..runtime.dataplane.ordered import OrderedExecutor
 from ..runtime.dataplane.streams import Receiving, opener, serve
 from ..runtime.resident import ResidentBlocks
 from ..runtime.tasks import PLUGIN_NAME, fetch_spec
@@ -76,8 +76,7 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
         worker.handlers["seabiscuit_report"] = self.report_now
         worker.handlers["seabiscuit_drop_sessions"] = self.drop_sessions
         self._tickets: dict[str, str] = {}
-        self._pool = ThreadPoolExecutor(max(1, int(worker.state.nthreads)),
-                                        thread_name_prefix="seabiscuit-dp")
+        self._pool = OrderedExecutor(max(1, int(worker.state.nthreads)), "seabiscuit-dp")
         self.dataplane = DataPlane(
             worker.address, compute=timed(self._compute, worker.address), spec_of=self._known_spec,
             load_spec=self._load_spec, version_of=lambda m: self.resident.versions.get(m, -1),

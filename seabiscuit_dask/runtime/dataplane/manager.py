@@ -307,8 +307,12 @@ class DataPlane:
                 and self.spec_of(run.model, run.version, br.block) is not None:
             self._spawn(run, self._compute(run, br, ticket, None))
         else:
-            self._spawn(run, self._compute(run, br, ticket, asyncio.get_running_loop().run_in_executor(
-                self.executor, self.compute, *args)))
+            # NOTE: the oldest run's blocks first (``ordered``): a stage hands a request on down the
+            # pipeline before it starts the next one
+            ordered = getattr(self.executor, "submit_ordered", None)
+            running = asyncio.wrap_future(ordered(run.created, self.compute, *args)) if ordered is not None \
+                else asyncio.get_running_loop().run_in_executor(self.executor, self.compute, *args)
+            self._spawn(run, self._compute(run, br, ticket, running))
 
     def _check_imports(self, run: Run, br: BlockRun) -> None:
         assert br.spec is not None
