@@ -45,3 +45,42 @@ def test_requests_survive_a_worker_leaving() -> None:
             held = client.run(lambda dask_worker: (dask_worker.plugins["seabiscuit"].resident_bytes,
                                                    dask_worker.plugins["seabiscuit"].budget_bytes))
             assert all(h <= b for h, b in held.values())
+
+
+def test_a_request_whose_run_was_lost_is_sent_again_not_waited_on_forever() -> None:
+    """A message lost on the data plane leaves nothing running anywhere: past its bound the
+    caller finds that no worker holds any of the run that moves, and sends it again."""
+    import dask.config
+
+    model, x = M.llama(), M.ids()
+    with torch.no_grad():
+        expected = model(x).logits
+    with dask.config.set({"seabiscuit.runtime.hang-floor": "0.3s", "seabiscuit.runtime.probe-timeout": "0.3s",
+                          "seabiscuit.learn.repair": False, "seabiscuit.routing.repair": False}), \
+            seabiscuit_cluster(2, 4_000_000, processes=False) as client:
+        with sb.distribute(model, client, (x,), budget="256KiB") as dm:
+            assert M.rel_err(dm(x).logits, expected) <= 1e-4
+            (collector,) = {s.address for s in dm.specs if s.outputs}
+            plane = next(w for w in client.cluster.workers.values()
+                         if w.address == collector).plugins["seabiscuit"].dataplane
+            dropped: list[int] = []
+            deliver = plane._deliver
+
+            def lose_the_first(run, block, tensors, ticket):      # NOTE: its inputs never land
+                if not dropped or dropped[0] == run.request:
+                    dropped.append(run.request)
+                    return True
+                return deliver(run, block, tensors, ticket)
+
+            plane._deliver = lose_the_first
+            got: list[torch.Tensor] = []
+            caller = threading.Thread(target=lambda: got.append(dm(x).logits))
+            try:
+                caller.start()
+                caller.join(timeout=120)
+                assert not caller.is_alive(), "the request hung"
+            finally:
+                plane._deliver = deliver
+            assert M.rel_err(got[0], expected) <= 1e-4
+            assert len(set(dropped)) == 1 and dropped[0] >> 32 > 0     # one request lost, then sent anew
+            assert dm.version == 0                                     # no plan change was needed

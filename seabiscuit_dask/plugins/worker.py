@@ -37,7 +37,7 @@ from .refusing import refusing
 
 logger = logging.getLogger(__name__)
 
-DP_OPS = ("feed", "push", "collect", "fail", "forget", "flush", "stream")
+DP_OPS = ("feed", "push", "collect", "fail", "forget", "flush", "stream", "status")
 
 
 class SeaBiscuitWorkerPlugin(WorkerPlugin):
@@ -257,6 +257,10 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
 
     async def dp_forget(self, comm: Any = None, model: str = "", ticket: str = "", requests: Any = ()) -> int:
         return await self.dataplane.forget(model, ticket, list(requests or ()))
+
+    async def dp_status(self, comm: Any = None, model: str = "", ticket: str = "",
+                        request: int = 0) -> list[int]:
+        return await self.dataplane.status(model, ticket, int(request))
 
     async def _secret_known(self) -> None:
         """Wait for the scheduler plugin's secret (a worker that just joined may be asked to sync

@@ -582,8 +582,29 @@ class DistributedModel:
                         f"{time.perf_counter() - t0:.1f} s (bound {bound:.1f} s): worker(s) "
                         f"{', '.join(reply['fenced'])} did not answer a probe, were fenced and the work "
                         "runs again on the others") from None
+                if handle.pending is not None and self._lost(handle):
+                    raise RunFailed(
+                        f"request {request} of model {self.model_id} made no progress for "
+                        f"{time.perf_counter() - t0:.1f} s (bound {bound:.1f} s) and no worker of "
+                        f"{handle.layout.addresses} holds any of it that moves: it was lost, and runs "
+                        "again") from None
                 bound *= 2       # NOTE: every worker answered: slow, not hung; look again later
         self._deadline.observe(program, time.perf_counter() - t0)
+
+    def _lost(self, handle: Handle) -> bool:
+        """Whether a data-plane request past its bound is lost: no worker runs a block of it, and
+        what they hold of it stays the same over a probe timeout while its reply does not come."""
+        assert handle.pending is not None
+
+        def look() -> list[list[int]]:
+            return p2p.progress(self.client, self.model_id, self._ticket, handle.request,
+                                handle.layout.addresses)
+
+        first = look()
+        if any(p[0] for p in first):
+            return False
+        concurrent.futures.wait([handle.pending], timeout=seconds("runtime.probe-timeout"))
+        return not handle.pending.done() and look() == first and not handle.pending.done()
 
     def _request_error(self, request: int, e: BaseException) -> SeaBiscuitError:
         if self._closed:

@@ -132,3 +132,19 @@ def forget(client: Any, model: str, ticket: str, requests: Sequence[int], addres
 
     if client.status == "running":
         asyncio.run_coroutine_threadsafe(all_of(), client.loop.asyncio_loop)
+
+
+def progress(client: Any, model: str, ticket: str, request: int, addresses: Sequence[str]) -> list[list[int]]:
+    """What each of ``addresses`` holds of a run (``DataPlane.status``), from any thread but the
+    client's loop; a worker that does not answer holds nothing."""
+    async def one(addr: str) -> list[int]:
+        try:
+            return [int(v) for v in await client.rpc(addr).seabiscuit_dp_status(
+                model=model, ticket=ticket, request=request)]
+        except Exception:  # noqa: BLE001 - a worker gone or refusing holds nothing of it
+            return [0, 0, 0, 0]
+
+    async def all_of() -> list[list[int]]:
+        return list(await asyncio.gather(*(one(a) for a in addresses)))
+
+    return asyncio.run_coroutine_threadsafe(all_of(), client.loop.asyncio_loop).result()

@@ -158,6 +158,17 @@ class DataPlane:
         self._fail(run, KINDS.get(str(kind), RunFailed)(str(reason)[:2000]), ticket)
         return True
 
+    async def status(self, model: str, ticket: Any, request: int) -> list[int]:
+        """What this worker holds of a run, for a caller that waited past its bound: blocks
+        running (or queued to, or loading their spec), blocks done, tensors received and
+        outputs not yet taken; all zero when it holds none. A run no worker holds anything of
+        that moves (``runs.progress``) is lost."""
+        await self.check(model, ticket)
+        run = self.runs.get((model, int(request)))
+        if run is None or run.error is not None:
+            return [0, 0, 0, 0]
+        return run.progress()
+
     async def probe(self, **msg: Any) -> None:
         """A peer timing its link to this worker (``streams.Links.idle``): its bytes are dropped."""
         self.counters["probes"] += 1

@@ -71,6 +71,12 @@ class Run:
         """Every block that was named here ran, and the caller took every output it waits for."""
         return all(b.state == DONE for b in self.blocks.values()) and not self.outputs and not self.wanted
 
+    def progress(self) -> list[int]:
+        """[blocks running or about to, blocks done, tensors received, outputs waiting]."""
+        return [sum(b.state == RUNNING or b.resolving for b in self.blocks.values()),
+                sum(b.state == DONE for b in self.blocks.values()),
+                sum(len(b.imports) for b in self.blocks.values()), len(self.outputs)]
+
     @property
     def held_bytes(self) -> int:
         held = [t for b in self.blocks.values() for t in b.imports.values()]
