@@ -82,6 +82,11 @@ def test_specs_carry_the_layouts_and_refuse_an_unknown_one() -> None:
     graph = sb.decompose(sb.trace(model, x), "64KiB")
     chosen = layout.decide(graph, lambda cases: {c.key(): (2.0, 1.0) for c in cases}, min_bytes=0)
     assert chosen and all(v == layout.TRANSPOSED for v in chosen.values())
+    # the tied embedding gathers rows of some of the lm head's tiles: any order serves a gather
+    gathered = {p for op in graph.ops if op.target in layout.GATHERS for p in op.params}
+    multiplied = {p for op in graph.ops if op.target in layout.MATMULS for p in op.params}
+    assert gathered & multiplied and gathered & multiplied <= set(chosen)
+    assert "transformer.wpe.weight" not in chosen           # gathered only: nothing to gain
     graph = graph.with_meta(weight_layouts=chosen)
     plan = sb.place(graph, sb.ClusterSpec.synthetic("4xcpu", hosts=3, cpu_memory="2MiB"))
     specs = block_specs(plan, MODEL, 0)

@@ -37,6 +37,8 @@ MATMULS = {
     "aten.mm.default": (0, 1, False),
     "aten.matmul.default": (0, 1, False),
 }
+# NOTE: ops that read rows of a weight: any order serves them (a tied embedding beside its lm head)
+GATHERS = frozenset({"aten.embedding.default", "sb.embedding_rows", "aten.index_select.default"})
 MARGIN = 1.2        # NOTE: the other order is taken only when it runs at least this much faster
 # NOTE: below this a matmul's time is mostly the call's own, and a timing would choose at random
 MIN_BYTES = 1 << 20
@@ -83,11 +85,14 @@ def matmul_cases(graph: Any, rows: int | None = None) -> dict[str, Case]:
 
     ``rows``: the rows the deployment will multiply (a generation deployment's decode
     batch) instead of the traced ones. A weight read by matmuls of different cases,
-    or by anything else as well, is left out: it is held as traced.
+    or by anything else but row gathers (``GATHERS``) as well, is left out: it is held
+    as traced.
     """
     cases: dict[str, Case] = {}
     other: set[str] = set()
     for op in graph.ops:
+        if op.target in GATHERS:
+            continue
         spec = MATMULS.get(op.target)
         args = list(op.attrs.get("args", ()))
         if spec is None or op.attrs.get("kwargs") or len(args) <= max(spec[:2]):
@@ -203,11 +208,19 @@ def decide(graph: Any, timer: Callable[[list[Case]], Mapping[str, tuple[float, f
     distinct = list({c.key(): c for c in cases.values()}.values())
     chosen = choose(cases, timer(distinct))
     # NOTE: a worker shares one tile among the params that read the same bytes (a tied embedding and
-    # lm head): it is held transposed only when every one of them wants it so
-    tiles: dict[Any, set[str]] = {}
+    # lm head): it is held transposed when every matmul that reads it wants it so and nothing else
+    # but row gathers reads it, and then under every name it has (whichever block loads it first)
+    readers: dict[str, set[str]] = {}
+    for op in graph.ops:
+        for q in op.params:
+            readers.setdefault(q, set()).add(op.target)
+    tiles: dict[Any, list[str]] = {}
     for name, p in graph.params.items():
-        tiles.setdefault((p.source.file, p.source.key, p.source.slices), set()).add(name)
-    return {name: v for name, v in chosen.items()
-            if all(chosen.get(other) == v for other in tiles[(graph.params[name].source.file,
-                                                               graph.params[name].source.key,
-                                                               graph.params[name].source.slices)])}
+        tiles.setdefault((p.source.file, p.source.key, p.source.slices), []).append(name)
+    out = {}
+    for names in tiles.values():
+        gathered = [n for n in names if readers.get(n, set()) <= GATHERS]
+        multiplied = [n for n in names if n not in gathered]
+        if multiplied and all(chosen.get(n) == TRANSPOSED for n in multiplied):
+            out.update({n: TRANSPOSED for n in names})
+    return out
