@@ -132,7 +132,7 @@ def test_decode_rows_follow_the_groups_sessions_decode_in() -> None:
 
 
 @pytest.mark.slow
-def test_a_deployment_holds_its_weights_as_measured_and_answers_the_same() -> None:
+def test_a_deployment_holds_its_weights_as_measured_and_answers_the_same(monkeypatch) -> None:
     model, x = M.gpt2(), M.ids()
     with torch.no_grad():
         expected = model(x).logits
@@ -154,6 +154,17 @@ def test_a_deployment_holds_its_weights_as_measured_and_answers_the_same() -> No
         with sb.distribute(model, client, (x,), budget="256KiB") as dm:
             assert "weight_layouts" not in dm.graph.meta
             assert M.rel_err(dm(x).logits, expected) <= 1e-4
+        # timed on a worker when they count: each distinct case, both ways
+        timed: list[dict] = []
+        choose = layout.choose
+        monkeypatch.setattr(layout, "MIN_BYTES", 0)
+        monkeypatch.setattr(layout, "choose",
+                            lambda cases, timings: timed.append(timings) or choose(cases, timings))
+        with sb.distribute(model, client, (x,), budget="256KiB") as dm:
+            assert M.rel_err(dm(x).logits, expected) <= 1e-4
+            distinct = {c.key() for c in layout.matmul_cases(dm.graph).values()}
+            assert len(timed) == 1 and set(timed[0]) == distinct
+            assert all(a > 0 and b > 0 for a, b in timed[0].values())
         with dask.config.set({"seabiscuit.lower.weight-layout": "sideways"}), \
                 pytest.raises(sb.BadInput, match="weight-layout is 'sideways'"):
             sb.distribute(model, client, (x,), budget="256KiB")

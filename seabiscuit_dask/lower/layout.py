@@ -171,6 +171,14 @@ def measure(cases: Sequence[Case], reps: int = 5) -> dict[str, tuple[float, floa
     return out
 
 
+async def measure_off_loop(cases: Sequence[Case], reps: int = 5) -> dict[str, tuple[float, float]]:
+    """``measure`` on a thread of its own, so the worker's event loop (heartbeats, other
+    models' requests) goes on meanwhile (for ``Client.run``)."""
+    import asyncio
+
+    return await asyncio.get_running_loop().run_in_executor(None, measure, cases, reps)
+
+
 def choose(cases: Mapping[str, Case], timings: Mapping[str, tuple[float, float]],
            margin: float = MARGIN) -> dict[str, str]:
     """Params to hold transposed: those whose case ran at least ``margin`` times faster so."""
@@ -196,12 +204,14 @@ def held(t: torch.Tensor, layout: str | None) -> torch.Tensor:
 
 def decide(graph: Any, timer: Callable[[list[Case]], Mapping[str, tuple[float, float]]],
            rows: int | None = None, only: Iterable[str] | None = None,
-           min_bytes: int = MIN_BYTES) -> dict[str, str]:
-    """The layouts for ``graph``'s matmul weights of at least ``min_bytes`` (``only``: among these
-    params), timing each distinct case once with ``timer`` (``measure`` on a worker)."""
+           min_bytes: int | None = None) -> dict[str, str]:
+    """The layouts for ``graph``'s matmul weights of at least ``min_bytes`` (default ``MIN_BYTES``;
+    ``only``: among these params), timing each distinct case once with ``timer`` (``measure`` on
+    a worker)."""
+    least = MIN_BYTES if min_bytes is None else int(min_bytes)
     cases = matmul_cases(graph, rows)
     keep = set(only) if only is not None else set(cases)
-    cases = {n: c for n, c in cases.items() if n in keep and graph.params[n].nbytes >= min_bytes
+    cases = {n: c for n, c in cases.items() if n in keep and graph.params[n].nbytes >= least
              and c.dtype in ("float32", "float16", "bfloat16", "float64")}
     if not cases:
         return {}

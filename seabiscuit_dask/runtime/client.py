@@ -598,7 +598,7 @@ class DistributedModel:
 
         def look() -> list[list[int]]:
             return p2p.progress(self.client, self.model_id, self._ticket, handle.request,
-                                handle.layout.addresses)
+                                handle.layout.addresses, seconds("runtime.probe-timeout"))
 
         first = look()
         if any(p[0] for p in first):
@@ -1054,7 +1054,7 @@ def weight_layouts(client: Any, plan: Plan, graph: Any, rows: int | None = None)
     address = next(plan.spec.devices[i].address for i in sorted(cpu))
 
     def timer(cases: list[Any]) -> Mapping[str, tuple[float, float]]:
-        return client.run(layout.measure, cases, workers=[address])[address]
+        return client.run(layout.measure_off_loop, cases, workers=[address])[address]
     return layout.decide(graph, timer, rows, on_cpu)
 
 

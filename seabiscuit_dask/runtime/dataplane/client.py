@@ -134,13 +134,17 @@ def forget(client: Any, model: str, ticket: str, requests: Sequence[int], addres
         asyncio.run_coroutine_threadsafe(all_of(), client.loop.asyncio_loop)
 
 
-def progress(client: Any, model: str, ticket: str, request: int, addresses: Sequence[str]) -> list[list[int]]:
+def progress(client: Any, model: str, ticket: str, request: int, addresses: Sequence[str],
+             timeout_s: float) -> list[list[int]]:
     """What each of ``addresses`` holds of a run (``DataPlane.status``), from any thread but the
-    client's loop; a worker that does not answer holds nothing."""
+    client's loop. A worker gone or refusing holds nothing; one that does not answer within
+    ``timeout_s`` counts as running a block of it (a hung worker is for the probes to fence)."""
     async def one(addr: str) -> list[int]:
         try:
-            return [int(v) for v in await client.rpc(addr).seabiscuit_dp_status(
-                model=model, ticket=ticket, request=request)]
+            return [int(v) for v in await asyncio.wait_for(client.rpc(addr).seabiscuit_dp_status(
+                model=model, ticket=ticket, request=request), timeout_s)]
+        except asyncio.TimeoutError:
+            return [1, 0, 0, 0]
         except Exception:  # noqa: BLE001 - a worker gone or refusing holds nothing of it
             return [0, 0, 0, 0]
 
