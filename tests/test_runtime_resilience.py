@@ -47,7 +47,7 @@ def test_requests_survive_a_worker_leaving() -> None:
             assert all(h <= b for h, b in held.values())
 
 
-def test_a_request_whose_run_was_lost_is_sent_again_not_waited_on_forever() -> None:
+def test_a_request_whose_run_was_lost_is_sent_again_not_waited_on_forever(caplog) -> None:
     """A message lost on the data plane leaves nothing running anywhere: past its bound the
     caller finds that no worker holds any of the run that moves, and sends it again."""
     import dask.config
@@ -84,3 +84,4 @@ def test_a_request_whose_run_was_lost_is_sent_again_not_waited_on_forever() -> N
             assert M.rel_err(got[0], expected) <= 1e-4
             assert len(set(dropped)) == 1 and dropped[0] >> 32 > 0     # one request lost, then sent anew
             assert dm.version == 0                                     # no plan change was needed
+            assert any("it was lost, and runs again" in r.getMessage() for r in caplog.records)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import itertools
+import logging
 import os
 import secrets
 import shutil
@@ -49,6 +50,8 @@ from .resident import writable
 from .store import copied_if_unreadable, stored
 from .tasks import PICK, load_block, run_block_task
 from .watch import Deadline, seconds
+
+logger = logging.getLogger(__name__)
 
 Progress = Callable[[str], None]
 STALE_TRIES = 10     # NOTE: times a request is sent again because the plan changed while it ran
@@ -583,11 +586,13 @@ class DistributedModel:
                         f"{', '.join(reply['fenced'])} did not answer a probe, were fenced and the work "
                         "runs again on the others") from None
                 if handle.pending is not None and self._lost(handle):
-                    raise RunFailed(
+                    lost = RunFailed(
                         f"request {request} of model {self.model_id} made no progress for "
                         f"{time.perf_counter() - t0:.1f} s (bound {bound:.1f} s) and no worker of "
                         f"{handle.layout.addresses} holds any of it that moves: it was lost, and runs "
-                        "again") from None
+                        "again")
+                    logger.warning("seabiscuit: %s", lost)     # NOTE: the retry hides it from the caller
+                    raise lost from None
                 bound *= 2       # NOTE: every worker answered: slow, not hung; look again later
         self._deadline.observe(program, time.perf_counter() - t0)
 
