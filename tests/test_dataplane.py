@@ -41,33 +41,22 @@ class Mesh:
 
     def __init__(self, specs: list, fail_on: int | None = None, gone: str = "", max_runs: int = 256,
                  unloadable: int | None = None, fail_with: Exception | None = None,
-                 ordered: bool = False, inline_s: float = 0.0) -> None:
+                 ordered: bool = False) -> None:
         self.fail_with = fail_with
         self.specs = {s.index: s for s in specs}
         self.pool = ThreadPoolExecutor(1)
         self.resident: dict[str, ResidentBlocks] = {}
         self.planes: dict[str, DataPlane] = {}
         self.gone = gone
-        self.ran_on: list[str] = []         # the thread each block ran on
         for addr in sorted({s.address for s in specs}):
             r = self.resident[addr] = ResidentBlocks(64 * 2**20, "cpu", addr)
             # NOTE: ``ordered``: each worker its own compute thread, oldest run first, as the plugin runs
             pool = OrderedExecutor(1, f"mesh-{addr}") if ordered else self.pool
             self.planes[addr] = DataPlane(
-                addr, compute=timed(self._compute(r, fail_on), addr),
-                spec_of=self._known(r) if inline_s else lambda m, v, b: None,
+                addr, compute=timed(self._compute(r, fail_on), addr), spec_of=lambda m, v, b: None,
                 load_spec=self._loader(r, unloadable), version_of=lambda m, r=r: r.versions.get(m, -1),
                 send=self._sender(addr), check=self.check, executor=pool, max_runs=max_runs,
-                inline_s=inline_s,
                 describe=lambda m, v, b: BlockSpec.from_dict(self.fetch(m, v, b)))
-
-    @staticmethod
-    def _known(r: ResidentBlocks) -> Any:
-        """A resident block's spec (as the plugin knows it), else None."""
-        def known(m, v, b):
-            program = r.programs.get((m, b))
-            return program.spec if program is not None and program.spec.version == v else None
-        return known
 
     def _loader(self, r: ResidentBlocks, unloadable: int | None) -> Any:
         def load(m, v, b):
@@ -78,7 +67,6 @@ class Mesh:
 
     def _compute(self, r: ResidentBlocks, fail_on: int | None) -> Any:
         def run(model, version, request, block, imports):
-            self.ran_on.append(threading.current_thread().name)
             if block == fail_on:
                 raise self.fail_with or RuntimeError(f"block {block} broke")
             return r.run(model, version, request, block, imports, (), self.fetch)
@@ -136,10 +124,8 @@ def test_compute_threads_take_the_oldest_runs_work_first() -> None:
         started.set()
         gate.wait()
 
-    assert pool.idle()
     first = pool.submit(hold)
     started.wait()                          # the one thread is busy: what follows queues
-    assert not pool.idle()
     done = [pool.submit_ordered(3.0, order.append, "newest"),
             pool.submit_ordered(1.0, order.append, "oldest"),
             pool.submit_ordered(2.0, order.append, "middle"),
@@ -151,26 +137,21 @@ def test_compute_threads_take_the_oldest_runs_work_first() -> None:
     assert order == ["a spec to load", "oldest", "middle", "newest"]
     with pytest.raises(ZeroDivisionError):
         failing.result()
-    assert pool.idle()                      # a call counts as done before its future says so
     pool.shutdown()
     with pytest.raises(RuntimeError, match="after shutdown"):
         pool.submit(order.append, "late")
 
 
-@pytest.mark.parametrize("inline_s", [0.0, 60.0], ids=["threads", "on-the-loop-when-idle"])
-def test_requests_in_flight_together_each_equal_the_model(planned, inline_s: float) -> None:
+def test_requests_in_flight_together_each_equal_the_model(planned) -> None:
     graph, specs, x, expected, _ = planned
-    mesh = Mesh(specs, ordered=True, inline_s=inline_s)
+    mesh = Mesh(specs, ordered=True)
 
-    async def together(first: int) -> list[Any]:
-        return await asyncio.gather(*(mesh.call(graph, x, request=r) for r in range(first, first + 4)))
+    async def together() -> list[Any]:
+        return await asyncio.gather(*(mesh.call(graph, x, request=r) for r in range(1, 5)))
 
-    for first in (1, 5):        # NOTE: the second round knows each block's time: quick ones may run inline
-        for got in asyncio.run(together(first)):
-            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
-    assert mesh.runs() == 8 * len(specs)
-    if inline_s:                # NOTE: quick blocks whose worker had no thread busy ran on the loop
-        assert threading.main_thread().name in mesh.ran_on[len(mesh.ran_on) // 2:], mesh.ran_on
+    for got in asyncio.run(together()):
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    assert mesh.runs() == 4 * len(specs)
 
 
 def test_repeated_messages_change_nothing(planned) -> None:

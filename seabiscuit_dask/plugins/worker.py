@@ -81,7 +81,7 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
             worker.address, compute=timed(self._compute, worker.address), spec_of=self._known_spec,
             load_spec=self._load_spec, version_of=lambda m: self.resident.versions.get(m, -1),
             send=self._send, check=self._check_ticket, executor=self._pool,
-            max_runs=int(config.get("runtime.data-plane-runs")), inline_s=seconds("runtime.inline-block"),
+            max_runs=int(config.get("runtime.data-plane-runs")),
             describe=lambda m, v, b: BlockSpec.from_dict(self._fetch(m, v, b)),
             forward=lambda address, msg: self._links.send(address, msg, direct=True))
         self._links = Links(opener(lambda: worker.connection_args))

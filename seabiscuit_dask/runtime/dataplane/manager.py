@@ -59,7 +59,7 @@ RunKey = tuple[str, int]
 KINDS: dict[str, type[SeaBiscuitError]] = {c.__name__: c for c in (ClusterTooSmall, BudgetTooSmall, BadInput,
                                                                     BadCheckpoint, CacheLost)}
 REMEMBERED = 4096      # NOTE: blocks run and runs ended, kept to refuse repeats and late messages
-INLINE_S = 2e-4        # NOTE: blocks quicker than this run on the event loop, whatever the setting
+INLINE_S = 2e-4        # NOTE: blocks quicker than this run on the event loop, not a compute thread
 
 
 class DataPlane:
@@ -70,12 +70,8 @@ class DataPlane:
                  load_spec: Callable[[str, int, int], BlockSpec], version_of: Callable[[str], int],
                  send: Send, check: Callable[[str, Any], Awaitable[str]], executor: Executor,
                  max_runs: int = 256, describe: Callable[[str, int, int], BlockSpec] | None = None,
-                 forward: Callable[[str, dict[str, Any]], Awaitable[Any]] | None = None,
-                 inline_s: float = INLINE_S) -> None:
+                 forward: Callable[[str, dict[str, Any]], Awaitable[Any]] | None = None) -> None:
         self.address = address
-        # NOTE: blocks whose last run took less than this run on the event loop when no compute
-        # thread is busy (config runtime.inline-block)
-        self.inline_s = max(INLINE_S, float(inline_s))
         # NOTE: how a message this worker relays goes on (down its own link, never relayed again),
         # and the (sender, receiver) pairs the scheduler has it relay for (``streams.Links.routes``)
         self.forward = forward
@@ -315,14 +311,10 @@ class DataPlane:
             return
         br.state = RUNNING      # NOTE: at once, so a repeat that comes meanwhile starts nothing
         args = (run.model, run.version, run.request, br.block, br.imports)
-        # NOTE: a resident block whose last run took less than ``inline_s`` runs on the event loop
-        # when no compute thread is busy (so it overtakes nothing and shares no core): it saves the
-        # two hand-offs to a compute thread and back, about 0.5 ms a block, and holds the loop for
-        # at most ``inline_s``. Any other is handed to a compute thread now, before the loop writes
-        # replies or sends anything
-        idle = getattr(self.executor, "idle", None)
-        quick = self.last_s.get((run.model, br.block), self.inline_s)
-        if (quick < INLINE_S or (quick < self.inline_s and (idle is None or idle()))) \
+        # NOTE: a resident block whose last run took less than INLINE_S runs on the event loop:
+        # the two hand-offs to a compute thread would cost more than the block. Any other is
+        # handed to a compute thread now, before the loop writes replies or sends anything
+        if self.last_s.get((run.model, br.block), INLINE_S) < INLINE_S \
                 and self.spec_of(run.model, run.version, br.block) is not None:
             self._spawn(run, self._compute(run, br, ticket, None))
         else:

@@ -28,7 +28,6 @@ class OrderedExecutor(concurrent.futures.Executor):
         self._cv = threading.Condition()
         self._seq = itertools.count()
         self._closed = False
-        self._running = 0
         self._threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
                          for i in range(max(1, int(threads)))]
         for t in self._threads:
@@ -59,28 +58,14 @@ class OrderedExecutor(concurrent.futures.Executor):
                 if not self._heap:
                     return
                 _, _, future, fn, args, kwargs = heapq.heappop(self._heap)
-                self._running += 1
-            error: BaseException | None = None
-            result: Any = None
-            started = future.set_running_or_notify_cancel()
-            if started:
-                try:
-                    result = fn(*args, **kwargs)
-                except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
-                    error = e
-            with self._cv:          # NOTE: idle before its future says done: whoever it wakes sees so
-                self._running -= 1
-            if not started:
+            if not future.set_running_or_notify_cancel():
                 continue
-            if error is not None:
-                future.set_exception(error)
+            try:
+                result = fn(*args, **kwargs)
+            except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
+                future.set_exception(e)
             else:
                 future.set_result(result)
-
-    def idle(self) -> bool:
-        """No call is running or waiting."""
-        with self._cv:
-            return not self._heap and not self._running
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         with self._cv:
