@@ -314,16 +314,25 @@ class DataPlane:
         # NOTE: a resident block whose last run took less than INLINE_S runs on the event loop:
         # the two hand-offs to a compute thread would cost more than the block. Any other is
         # handed to a compute thread now, before the loop writes replies or sends anything
-        if self.last_s.get((run.model, br.block), INLINE_S) < INLINE_S \
-                and self.spec_of(run.model, run.version, br.block) is not None:
+        if self.last_s.get((run.model, br.block), INLINE_S) < INLINE_S and self._inline(run, br.block):
             self._spawn(run, self._compute(run, br, ticket, None))
         else:
-            # NOTE: the oldest run's blocks first (``ordered``): a stage hands a request on down the
-            # pipeline before it starts the next one
-            ordered = getattr(self.executor, "submit_ordered", None)
-            running = asyncio.wrap_future(ordered(run.created, self.compute, *args)) if ordered is not None \
-                else asyncio.get_running_loop().run_in_executor(self.executor, self.compute, *args)
-            self._spawn(run, self._compute(run, br, ticket, running))
+            self._spawn(run, self._compute(run, br, ticket, self._submit(run, args)))
+
+    def _submit(self, run: Run, args: tuple[Any, ...]) -> Awaitable[Any]:
+        """The block on a compute thread; the oldest run's blocks first (``ordered``): a stage hands
+        a request on down the pipeline before it starts the next one."""
+        ordered = getattr(self.executor, "submit_ordered", None)
+        if ordered is not None:
+            return asyncio.wrap_future(ordered(run.created, self.compute, *args))
+        return asyncio.get_running_loop().run_in_executor(self.executor, self.compute, *args)
+
+    def _inline(self, run: Run, block: int) -> bool:
+        """Whether the block may run on the event loop now: resident at the run's plan, with no tile
+        check or checkpoint due (either could read files, or fetch its spec from the scheduler by an
+        RPC the blocked loop could never answer)."""
+        spec = self.spec_of(run.model, run.version, block)
+        return spec is not None and spec.verify_every <= 0 and not spec.checkpoint_dir
 
     def _check_imports(self, run: Run, br: BlockRun) -> None:
         assert br.spec is not None
@@ -359,6 +368,8 @@ class DataPlane:
         spec = br.spec
         assert spec is not None
         try:
+            if running is None and not self._inline(run, br.block):     # NOTE: dropped since _start
+                running = self._submit(run, (run.model, run.version, run.request, br.block, br.imports))
             if running is None:
                 out, record = self.compute(run.model, run.version, run.request, br.block, br.imports)
             else:
