@@ -10,6 +10,7 @@ and iproute2; ``unavailable()`` says why not where they are missing.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from collections.abc import Iterator, Sequence
@@ -22,7 +23,20 @@ import numpy as np
 import seabiscuit_dask as sb
 from tests.clusters import stop, wait_for
 
-SUBNET = "10.213.0"
+SUBNET_PREFIX = "10.213"
+
+
+def _free_subnet() -> str:
+    """A /24 under ``SUBNET_PREFIX`` that no interface here uses: a run killed before its cleanup
+    leaves its bridge and address behind, and a second bridge on the same subnet would take half
+    the routes (workers in the new namespaces then never reach the scheduler)."""
+    used = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True,
+                          timeout=30).stdout
+    taken = {int(m) for m in re.findall(rf"inet {re.escape(SUBNET_PREFIX)}\.(\d+)\.", used)}
+    for k in range(256):
+        if k not in taken:
+            return f"{SUBNET_PREFIX}.{k}"
+    raise RuntimeError(f"every {SUBNET_PREFIX}.x.0/24 subnet is in use here; delete stale sb*br bridges")
 
 
 def _ip(*args: str, ns: str | None = None) -> None:
@@ -66,11 +80,12 @@ def namespace_hosts(n: int, rate: str = "100mbit") -> Iterator[NamespaceHosts]:
     tag = f"sb{os.getpid() % 10000}"
     bridge = f"{tag}br"
     names = tuple(f"{tag}h{i}" for i in range(n))
-    addrs = tuple(f"{SUBNET}.{10 + i}" for i in range(n))
+    subnet = _free_subnet()
+    addrs = tuple(f"{subnet}.{10 + i}" for i in range(n))
     made: list[str] = []
     try:
         _ip("link", "add", bridge, "type", "bridge")
-        _ip("addr", "add", f"{SUBNET}.1/24", "dev", bridge)
+        _ip("addr", "add", f"{subnet}.1/24", "dev", bridge)
         _ip("link", "set", bridge, "up")
         for i, (ns, addr) in enumerate(zip(names, addrs)):
             _ip("netns", "add", ns)
@@ -86,7 +101,7 @@ def namespace_hosts(n: int, rate: str = "100mbit") -> Iterator[NamespaceHosts]:
             subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", inner, "root", "tbf",
                             "rate", rate, "burst", "64kb", "latency", "100ms"],
                            check=True, capture_output=True, timeout=30)
-        yield NamespaceHosts(names, addrs, f"{SUBNET}.1", rate)
+        yield NamespaceHosts(names, addrs, f"{subnet}.1", rate)
     finally:
         for ns in made:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)

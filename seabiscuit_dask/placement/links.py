@@ -167,6 +167,11 @@ class LinkEstimator:
                 self.within = [*self.within[-4 * self.patience + 1:], (nbytes, seconds, read_s)]
             return None
         if way != self.off_way:
+            if self.off and nbytes < float(np.median([n for n, _, _ in self.off])):
+                # NOTE: nor does a smaller message off the other way: under a token bucket small ones
+                # pass at full speed, faster than a latency fitted from noisy ones may say
+                self.within = [*self.within[-4 * self.patience + 1:], (nbytes, seconds, read_s)]
+                return None
             self.off, self.within, self.off_way = [], [], way
         self.off = [*self.off[-4 * self.patience + 1:], (nbytes, seconds, read_s)]
         # NOTE: the row's messages no smaller than its median count: a stray small one off (its time
