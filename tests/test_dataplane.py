@@ -8,12 +8,14 @@ from __future__ import annotations
 import asyncio
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any
 
 import pytest
 import torch
 from distributed.protocol import deserialize, serialize
 
+import seabiscuit_dask as sb
 from seabiscuit_dask.errors import AccessDenied, ClusterTooSmall, SeaBiscuitError
 from seabiscuit_dask.lower.blocks import BlockSpec, block_specs
 from seabiscuit_dask.lower.kvcache import CacheLost
@@ -257,6 +259,49 @@ def test_a_failed_block_fails_the_run_downstream_at_once(planned) -> None:
     first = next(s for s in specs if s.sends)         # a block others wait on
     mesh = Mesh(specs, fail_on=first.index)
     with pytest.raises(SeaBiscuitError, match=f"block {first.index} broke"):
+        asyncio.run(mesh.call(graph, x))
+    assert not any(p.runs for p in mesh.planes.values())
+
+
+def test_the_status_of_a_run_whose_blocks_ran_shows_none_running(planned) -> None:
+    """Every block here loads its spec on its first message (``resolving``); once they ran, a
+    caller past its bound must hear that nothing of the run still moves: else a run that lost a
+    message elsewhere looks busy to ``_lost`` and its caller waits forever."""
+    graph, specs, x, _, _ = planned
+    mesh = Mesh(specs)
+    last = next(s for s in specs if graph.outputs[0] in s.outputs)
+    plan = route(list(mesh.specs.values()), [last.index])
+
+    async def fed_not_collected() -> list[list[int]]:
+        await asyncio.gather(*(mesh.planes[a].feed(MODEL, TICKET, 0, 1, {b: {t: x for t in names}
+                                                                          for b, names in feeds})
+                               for a, (feeds, _) in plan.items()))
+        run = mesh.planes[last.address].runs[(MODEL, 1)]
+        while last.index not in run.outputs and run.error is None:
+            await run.changed.wait()
+        return [await p.status(MODEL, TICKET, 1) for p in mesh.planes.values()]
+
+    status = asyncio.run(fed_not_collected())
+    assert all(s[0] == 0 for s in status), status              # no block runs, none loads its spec
+    assert [1, 1] in [[s[1], s[3]] for s in status]            # the last block ran; its output waits
+
+
+def test_a_failure_that_comes_back_to_a_worker_goes_on_past_it(blocks) -> None:  # noqa: F811
+    """Stages on h0, h1, h0 again, then h2. The first block fails: h0 ends the run, having heard of
+    no later block of its own, and tells h1, which tells h0's second stage. h0 must pass that on to
+    h2 (a run it ended already): else h2's last block, and the caller collecting it, wait forever."""
+    import numpy as np
+
+    graph, plan, x, _, _ = blocks
+    spec = sb.ClusterSpec(tuple(replace(d, memory_bytes=256 * 2**20) for d in plan.spec.devices[:3]),
+                          plan.spec.links)
+    order = np.arange(len(graph.ops)) * 4 // len(graph.ops)           # four contiguous stages
+    bounce = sb.Plan(graph, spec, np.array([0, 1, 0, 2])[order], info={"fused": True})
+    specs = block_specs(bounce, MODEL, 0)
+    where = [s.address[-1] for s in specs]
+    assert [w for i, w in enumerate(where) if not i or where[i - 1] != w] == ["0", "1", "0", "2"]
+    mesh = Mesh(specs, fail_on=specs[0].index)
+    with pytest.raises(SeaBiscuitError, match=f"block {specs[0].index} broke"):
         asyncio.run(mesh.call(graph, x))
     assert not any(p.runs for p in mesh.planes.values())
 

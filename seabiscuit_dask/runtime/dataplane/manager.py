@@ -84,6 +84,7 @@ class DataPlane:
         self.runs: dict[RunKey, Run] = {}
         self.ran: OrderedDict[tuple[str, int, int], None] = OrderedDict()     # (model, request, block)
         self.ended: OrderedDict[RunKey, BaseException] = OrderedDict()       # failed or forgotten runs
+        self.passed: OrderedDict[tuple[str, int, int], None] = OrderedDict()  # failures passed on, by block
         self.records: list[dict[str, Any]] = []                               # block runs to report
         self.counters = {"messages": 0, "repeats": 0, "stale": 0, "runs_failed": 0, "bytes_in": 0,
                          "loop_steps": 0, "relayed": 0, "relays_refused": 0, "probes": 0}
@@ -145,6 +146,11 @@ class DataPlane:
         ticket = await self.check(model, ticket)
         run = self._run(model, int(version), int(request))
         if run is None:
+            # NOTE: ended here already, when only the blocks it had heard of were told: the blocks
+            # after ``block`` (on peers reached through other workers) would wait for it forever
+            if int(block) >= 0:
+                await self._pass_on(model, int(version), int(request), int(block), ticket, str(reason)[:2000],
+                                    str(kind))
             return False
         if int(block) >= 0:
             br = run.block(int(block))
@@ -157,6 +163,31 @@ class DataPlane:
                     logger.info("seabiscuit: block b%s of %s not known: %s", block, run.where(), e)
         self._fail(run, KINDS.get(str(kind), RunFailed)(str(reason)[:2000]), ticket)
         return True
+
+    async def _pass_on(self, model: str, version: int, request: int, block: int, ticket: str, reason: str,
+                       kind: str) -> None:
+        """Tell the blocks downstream of ``block`` (of a run that ended here) that it failed: the
+        blocks of this worker after it by their specs, and those of peers by a message each.
+        Each block is passed on once (a diamond of blocks would tell its join twice)."""
+        todo = [block]
+        while todo:
+            b = todo.pop()
+            if (model, request, b) in self.passed:
+                continue
+            self._remember(self.passed, (model, request, b), None)
+            spec = self.spec_of(model, version, b)
+            if spec is None and self.describe is not None:
+                try:
+                    spec = await asyncio.get_running_loop().run_in_executor(
+                        self.executor, self.describe, model, version, b)
+                except Exception as e:  # noqa: BLE001 - then downstream of it hears from its caller
+                    logger.info("seabiscuit: block b%s of request %s of %s not known: %s", b, request,
+                                model, e)
+            for c, addr, _ in spec.sends if spec is not None else ():
+                if addr == self.address:
+                    todo.append(c)
+                else:
+                    self._tell(self._tell_failed(addr, model, version, request, ticket, reason, c, kind=kind))
 
     async def status(self, model: str, ticket: Any, request: int) -> list[int]:
         """What this worker holds of a run, for a caller that waited past its bound: blocks
@@ -350,8 +381,10 @@ class DataPlane:
         try:
             br.spec = await asyncio.get_running_loop().run_in_executor(
                 self.executor, self.load_spec, run.model, run.version, br.block)
+            br.resolving = False        # NOTE: else ``status`` says it runs while the run waits on others
             self._check_imports(run, br)
         except BaseException as e:  # noqa: BLE001 - the run fails, everywhere
+            br.resolving = False
             if br.spec is None and self.describe is not None:
                 try:
                     br.spec = await asyncio.get_running_loop().run_in_executor(
