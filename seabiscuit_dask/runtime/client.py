@@ -1016,7 +1016,8 @@ def deploy(plan: Plan, client: Any, *, weights: Any = None,
     layouts = weight_layouts(client, plan, graph, decode_rows)
     if layouts:
         graph = graph.with_meta(weight_layouts=layouts)
-        say(f"{len(layouts)} matmul weight tile(s) held transposed, where their kernel runs faster so")
+        say(f"{len(layouts)} matmul weight tile(s) held transposed: their kernel ran faster that way on a "
+            "worker, for the rows this deployment multiplies")
     if graph is not plan.graph:
         plan = Plan(graph, plan.spec, plan.device_of, plan.method, plan.planning_s, dict(plan.info))
     reply = client.sync(client.scheduler.seabiscuit_deploy, graph=graph.to_json(),
