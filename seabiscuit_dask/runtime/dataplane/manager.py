@@ -166,28 +166,21 @@ class DataPlane:
 
     async def _pass_on(self, model: str, version: int, request: int, block: int, ticket: str, reason: str,
                        kind: str) -> None:
-        """Tell the blocks downstream of ``block`` (of a run that ended here) that it failed: the
-        blocks of this worker after it by their specs, and those of peers by a message each.
-        Each block is passed on once (a diamond of blocks would tell its join twice)."""
-        todo = [block]
-        while todo:
-            b = todo.pop()
-            if (model, request, b) in self.passed:
-                continue
-            self._remember(self.passed, (model, request, b), None)
-            spec = self.spec_of(model, version, b)
-            if spec is None and self.describe is not None:
-                try:
-                    spec = await asyncio.get_running_loop().run_in_executor(
-                        self.executor, self.describe, model, version, b)
-                except Exception as e:  # noqa: BLE001 - then downstream of it hears from its caller
-                    logger.info("seabiscuit: block b%s of request %s of %s not known: %s", b, request,
-                                model, e)
-            for c, addr, _ in spec.sends if spec is not None else ():
-                if addr == self.address:
-                    todo.append(c)
-                else:
-                    self._tell(self._tell_failed(addr, model, version, request, ticket, reason, c, kind=kind))
+        """Tell the blocks downstream of ``block`` (of a run that ended here) that it failed, once
+        per block (a diamond of blocks would tell its join twice)."""
+        if (model, request, block) in self.passed:
+            return
+        self._remember(self.passed, (model, request, block), None)
+        spec = self.spec_of(model, version, block)
+        if spec is None and self.describe is not None:
+            try:
+                spec = await asyncio.get_running_loop().run_in_executor(self.executor, self.describe, model,
+                                                                        version, block)
+            except Exception as e:  # noqa: BLE001 - then downstream of it hears from its caller
+                logger.info("seabiscuit: block b%s of request %s of %s not known: %s", block, request,
+                            model, e)
+        for c, addr in self._downstream(model, version, [spec] if spec is not None else []):
+            self._tell(self._tell_failed(addr, model, version, request, ticket, reason, c, kind=kind))
 
     async def status(self, model: str, ticket: Any, request: int) -> list[int]:
         """What this worker holds of a run, for a caller that waited past its bound: blocks
@@ -511,14 +504,15 @@ class DataPlane:
             del self.runs[key]
         self._remember_end(key, error)
         if spread and ticket:
-            for block, addr in self._downstream(run):
+            for block, addr in self._downstream(run.model, run.version,
+                                                [b.spec for b in run.blocks.values() if b.spec is not None]):
                 self._tell(self._tell_failed(addr, run.model, run.version, run.request, ticket, str(error),
                                              block, kind=type(error).__name__))
 
-    def _downstream(self, run: Run) -> set[tuple[int, str]]:
-        """The blocks on other workers that wait, directly or through blocks here, on blocks of ``run``."""
+    def _downstream(self, model: str, version: int, specs: list[BlockSpec]) -> set[tuple[int, str]]:
+        """The blocks on other workers that wait, directly or through blocks here, on ``specs``."""
         out: set[tuple[int, str]] = set()
-        todo = [b.spec for b in run.blocks.values() if b.spec is not None]
+        todo = list(specs)
         seen: set[int] = set()
         while todo:
             spec = todo.pop()
@@ -527,7 +521,7 @@ class DataPlane:
                     out.add((c, addr))
                 elif c not in seen:
                     seen.add(c)
-                    local = self.spec_of(run.model, run.version, c)
+                    local = self.spec_of(model, version, c)
                     if local is not None:
                         todo.append(local)
         return out
