@@ -28,6 +28,8 @@ from ..ir import (
 from . import tiling as T
 from .report import Oversize, why_unsplit
 from .rules import RULES, RuleFn
+from .rules.strips import strips_along
+from .rules.views import view_strips_along
 from .split import Pieces, Split, bounds_for, min_pieces
 
 MAX_DEPTH = 8
@@ -35,6 +37,9 @@ R = TypeVar("R")
 REGION = "sb.region"       # x[region]: a multi-dim slice
 ASSEMBLE = "sb.assemble"   # tiles placed at their regions of a new tensor
 SAMPLE_K = 16       # pieces a split is judged at when none fits in one level
+FOLLOW_MAX = 8      # most tiles an op that fits whole is run over tile by tile (more: one join)
+FOLLOW: dict[str, Callable[[Decomposer, Op, int], Split | None]] = {     # kind -> its rule along a dim
+    "elementwise": strips_along, "view": view_strips_along}
 WINDOWS = {"aten.slice.Tensor", "aten.split.Tensor", "aten.split_with_sizes.default", "aten.chunk.default"}
 
 
@@ -236,15 +241,19 @@ class Decomposer:
         own = self.ws(op)
         ws = max(own, self.glue_ws(op))
         if ws <= self.budget:
-            self.ops.append(self.widened(self.bind(op)))
-            return
-        splits = self.splits(op) if depth < MAX_DEPTH and len(op.outputs) == 1 else []
-        choice = self.choose(op, splits)
-        if choice is None:
-            self.keep_oversize(op, ws, why_unsplit(op, splits, self.budget, depth, MAX_DEPTH))
-            return
-        split, k = choice
-        bounds = self.aligned(split, k) or split.bounds(k)
+            followed = self.follow(op)
+            if followed is None:
+                self.ops.append(self.widened(self.bind(op)))
+                return
+            split, bounds = followed
+        else:
+            splits = self.splits(op) if depth < MAX_DEPTH and len(op.outputs) == 1 else []
+            choice = self.choose(op, splits)
+            if choice is None:
+                self.keep_oversize(op, ws, why_unsplit(op, splits, self.budget, depth, MAX_DEPTH))
+                return
+            split, k = choice
+            bounds = self.aligned(split, k) or split.bounds(k)
         parts: list[str] = []
         for i in range(len(bounds) - 1):
             name = f"{split.tag}{i}"
@@ -255,12 +264,43 @@ class Decomposer:
             out = f"{op.outputs[0]}.{name}"
             kind = split.kind or op.kind
             tile = self.make(f"{op.name}.{name}", target, args, kwargs, out, spec, scope, kind)
-            if self.ws(tile) < self.ws(op):
+            if ws <= self.budget or self.ws(tile) < self.ws(op):   # NOTE: a followed op's tiles fit
                 self.emit(tile, depth + 1)
             else:
                 self.keep_oversize(tile, self.ws(tile), why_unsplit(tile, [], self.budget, depth, MAX_DEPTH))
             parts.append(out)
         self.join(op, split, parts)
+
+    def follow(self, op: Op) -> tuple[Split, list[int]] | None:
+        """``op`` (an elementwise op or a view that fits whole) cut along the tiles of its largest
+        tiled input, when that has at most ``FOLLOW_MAX`` tiles side by side along one dim: no
+        join is made, and the next op reads the tiles (an MLP's activation stays in the column
+        tiles of its first linear, so the second one sums partial products over them)."""
+        along = FOLLOW.get(op.kind)
+        if along is None or len(op.outputs) != 1 or "args" not in op.attrs \
+                or not self.tensors[op.outputs[0]].numel:
+            return None
+        tiled = [t for t in op.inputs if 1 < len(self.virtual.get(t, ())) <= FOLLOW_MAX]
+        if not tiled:
+            return None
+        name = max(tiled, key=lambda t: self.tensors[t].nbytes)
+        entries = self.virtual[name]
+        j = T.concat_dim([region for region, _, _ in entries])
+        if j is None:
+            return None
+        edges = sorted({e for region, _, _ in entries for e in region[j]})
+        for dim in range(len(self.tensors[op.outputs[0]].shape)):
+            split = along(self, op, dim)
+            if split is None or split.along is None or split.join != "concat":
+                continue
+            ref, cut_dim, ratio = split.along
+            r = O.ref_name(ref)
+            if r is None or r != ("t", name) or cut_dim % len(self.shape(ref)) != j:
+                continue
+            if any(e % ratio for e in edges) or edges[-1] // ratio != split.n:
+                return None
+            return split, [e // ratio for e in edges]
+        return None
 
     def widened(self, op: Op) -> Op:
         """An ``sb.qlinear`` whose slab takes the budget its working set leaves (fewer, larger
@@ -412,15 +452,18 @@ class Decomposer:
         """The split needing the fewest pieces to fit, reading their tiled inputs included
         (ties: ``tiebreak``, then rule order)."""
         usable = [s for s in splits if s.n >= 2 and s.glue <= self.budget]
-        best: tuple[int, int, int, Split] | None = None
+        best: tuple[int, int, int, int, Split] | None = None
         for rank, s in enumerate(usable):
             k = min_pieces(s, self.budget)
             k = self.fitting_k(op, s, k) if k is not None else None
-            key = (self.crosses_seeded_cut(s), k or 0, rank)
-            if k is not None and (best is None or key < best[:3]):
+            if k is None:
+                continue
+            # NOTE: of as many pieces, those that read tiles as they lie (no join) first
+            key = (self.crosses_seeded_cut(s), k, int(self.piece_ws(op, s, k) > 0), rank)
+            if best is None or key < best[:4]:
                 best = (*key, s)
         if best is not None:
-            return best[3], best[1]
+            return best[4], best[1]
         # Nothing fits in one level: cut along the dim that shrinks the op most, reading
         # included, until what is left of it takes at most half the budget; the pieces are
         # then cut along another dim.

@@ -131,6 +131,7 @@ def _settle(w: Workload, dev: np.ndarray) -> np.ndarray:
     return out
 
 
+SPREAD_MIN_S = (1e-3, 10e-3)   # NOTE: the shortest branches worth spreading, tried by simulation
 FLAT_MAX_OPS = 20_000   # NOTE: past this, a layer is wide enough to keep a host busy alone
 SLOW_CUT_WINDOW = 0.25   # NOTE: how far (share of the ops) a stage boundary between hosts looks
 
@@ -155,7 +156,79 @@ def _place(graph: OpGraph, spec: ClusterSpec, w: Workload, cap: np.ndarray, refi
         cands["flat"] = _list_schedule(g0, spec, cap, [list(range(len(cap)))] * g0.k, shared=shared)
     for k, dev in fewest_devices(w, spec, cap).items():
         cands[f"stages{k}"] = dev
+        if width > 1:
+            # NOTE: the stages with each layer's parallel branches spread over their host (how
+            # long a branch must be to pay for its hops is left to the simulator)
+            for min_s in SPREAD_MIN_S:
+                cands[f"stages{k}+spread{min_s * 1e3:g}ms"] = _settle(
+                    w, spread_branches(w, spec, cap, _settle(w, dev), times, min_s))
     return choose(graph, spec, cands, levels=[g.k for g, _ in levels])
+
+
+def branches(w: Workload, join: int, succs: Sequence[Sequence[int]]) -> list[list[int]]:
+    """The parallel branches that meet at op ``join``: for each of its inputs' producers, the ops
+    that feed only that one (walking back while every consumer of an op is in the branch). An
+    MLP cut into column tiles meets at the sum of its partial products, one branch per tile:
+    its slice of the first linear, the activation on it, its part of the second linear."""
+    out: list[list[int]] = []
+    for p in w.preds[join]:
+        seen, todo = {p}, [p]
+        while todo:
+            v = todo.pop()
+            for u in w.preds[v]:
+                if u not in seen and all(c in seen for c in succs[u]):
+                    seen.add(u)
+                    todo.append(u)
+        out.append(sorted(seen))
+    return out
+
+
+def spread_branches(w: Workload, spec: ClusterSpec, cap: np.ndarray, dev: np.ndarray, times: np.ndarray,
+                    min_s: float) -> np.ndarray:
+    """``dev`` with the parallel branches of each join (``branches``) spread over the devices of
+    the join's host, the longest first onto the least loaded, where each takes at least ``min_s``
+    and none reads a weight another op shares (a tied embedding stays whole). Moves that would
+    take a device past ``cap`` of weights are undone, those that gain least first. This is
+    intra-layer parallelism: two halves of an MLP at once on two devices, one sum after."""
+    dev = np.array(dev, copy=True)
+    succs = w.succs
+    shared = {u for _, users in w.shared for u in users}
+    fastest = times.min(axis=1)
+    host_of = [next(i for i, grp in enumerate(spec.groups) if d in grp) for d in range(len(cap))]
+    taken: set[int] = set()
+    moves: list[tuple[float, list[int], int]] = []      # (time the move overlaps, ops, from device)
+    for j in reversed(range(w.n)):
+        if len(w.preds[j]) < 2 or j in taken:
+            continue
+        parts = branches(w, j, succs)
+        if len(parts) < 2 or any(shared.intersection(b) for b in parts) \
+                or len({v for b in parts for v in b}) != sum(map(len, parts)):
+            continue
+        took = [float(fastest[b].sum()) for b in parts]
+        if min(took) < min_s:
+            continue
+        devices = list(spec.groups[host_of[int(dev[j])]])
+        load = dict.fromkeys(devices, 0.0)
+        home = int(dev[j])
+        for i in sorted(range(len(parts)), key=lambda i: -took[i]):
+            b = parts[i]
+            d = min(devices, key=lambda d: (load[d] + float(times[b, d].sum()), d != home))
+            load[d] += float(times[b, d].sum())
+            if any(int(dev[v]) != d for v in b):
+                moves.append((took[i], b, int(dev[b[0]])))
+                dev[b] = d
+            taken.update(b)
+        taken.add(j)
+    held = np.bincount(dev, weights=w.weight_bytes, minlength=len(cap))
+    for _, b, back in sorted(moves, key=lambda m: m[0]):
+        d = int(dev[b[0]])
+        if held[d] <= cap[d] + 0.5:
+            continue
+        moved = float(w.weight_bytes[b].sum())
+        held[d] -= moved
+        held[back] += moved
+        dev[b] = back
+    return dev
 
 
 def _join_shared(w: Workload, dev: np.ndarray) -> np.ndarray:

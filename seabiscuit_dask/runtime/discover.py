@@ -11,12 +11,16 @@ address. Everything else is measured through Dask itself, with tasks that do not
 - ``probe_links``: for each pair of hosts and inside each host, the latency and
   bandwidth of moving a small and a large result from one worker to a task on
   another, less the same hop without the move. The result is a measured matrix, so
-  a slow link between two hosts is seen as slow.
+  a slow link between two hosts is seen as slow. On the data plane (``runtime.data-plane:
+  p2p``) activations never go through a task: the hop is a worker-to-worker message
+  (``measure_data_plane``) and the links are timed with echoes between the workers'
+  comms (``probe_link_p2p``).
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 import statistics
 import time
 import uuid
@@ -166,6 +170,33 @@ def probe_link(client: Any, a: str, b: str) -> LinkSpec:
     return LinkSpec(PROBE_BYTES / max(large - small, 1e-6), max(small - stay, FLOOR_S))
 
 
+def probe_link_p2p(client: Any, a: str, b: str, reps: int = 5) -> LinkSpec:
+    """Latency and bandwidth of the link from worker ``a`` to ``b`` as the data plane uses it:
+    messages between the two workers' comms, with no scheduler and no task. An echo of one byte
+    and of ``PROBE_BYTES`` (random, so no compression flatters it) timed from ``a``; the same
+    echo to ``a`` itself is taken off the latency (that much is the data plane's own hop,
+    ``measure_data_plane``), and the payload crosses twice."""
+    def trips(to: str, nbytes: int) -> float:
+        return float(client.run(_echo_s, to, nbytes, reps, workers=[a])[a])
+
+    stay, small, large = trips(a, 1), trips(b, 1), trips(b, PROBE_BYTES)
+    return LinkSpec(2 * PROBE_BYTES / max(large - small, 2 * PROBE_BYTES / 1e11),   # NOTE: at most 100 GB/s
+                    max((small - stay) / 2, FLOOR_S))
+
+
+async def _echo_s(address: str, nbytes: int, reps: int, dask_worker: Any = None) -> float:
+    """Median seconds of an ``echo`` RPC carrying ``nbytes`` from this worker to ``address``."""
+    call = dask_worker.rpc(address)
+    data = os.urandom(nbytes)
+    await call.echo(data=data)                 # NOTE: the connection is made once, then pooled
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        await call.echo(data=data)
+        times.append(time.perf_counter() - t)
+    return float(statistics.median(times))
+
+
 def measure_dask(client: Any, worker: str, *, chain: int = 12, wide: int = 48, reps: int = 5) -> DaskSpec:
     """What Dask costs on this cluster, measured with tasks that do nothing (see the module doc).
 
@@ -205,19 +236,22 @@ def measure_dask(client: Any, worker: str, *, chain: int = 12, wide: int = 48, r
                     client_bytes_per_s=bandwidth)
 
 
-def probe_links(client: Any, infos: list[dict[str, Any]]) -> tuple[Any, dict[tuple[str, str], LinkSpec]]:
+def probe_links(client: Any, infos: list[dict[str, Any]],
+                probe: Any = probe_link) -> tuple[Any, dict[tuple[str, str], LinkSpec]]:
     """The measured link matrix between the workers of ``infos`` (bandwidth, latency), and the
     link measured for each host pair (``(h, h)``: inside host h). One pair of workers stands
-    for each pair of hosts; workers alone on their host have no inner link to measure."""
+    for each pair of hosts; workers alone on their host have no inner link to measure.
+    ``probe(client, a, b)`` measures one link (``probe_link``: through Dask's transfers;
+    ``probe_link_p2p``: as the data plane moves activations)."""
     by_host: dict[str, list[str]] = {}
     for i in infos:
         by_host.setdefault(str(i["host"]), []).append(str(i["address"]))
     measured: dict[tuple[str, str], LinkSpec] = {}
     for h, addrs in by_host.items():
         if len(addrs) > 1:
-            measured[(h, h)] = probe_link(client, addrs[0], addrs[1])
+            measured[(h, h)] = probe(client, addrs[0], addrs[1])
     for h1, h2 in itertools.combinations(sorted(by_host), 2):
-        measured[(h1, h2)] = measured[(h2, h1)] = probe_link(client, by_host[h1][0], by_host[h2][0])
+        measured[(h1, h2)] = measured[(h2, h1)] = probe(client, by_host[h1][0], by_host[h2][0])
     inner = [v for (a, b), v in measured.items() if a == b]
     fallback = inner[0] if inner else DEFAULT_LINKS["pcie"]
     hosts = [str(i["host"]) for i in infos]
@@ -379,7 +413,8 @@ def measure_cluster(client: Any, *, probe: bool = True, device: str | None = Non
         dask = measure_data_plane(client, [str(i["address"]) for i in infos], dask)
     if len(infos) == 1:
         return ClusterSpec(tuple(devices), links, None, dask)
-    matrix, measured = probe_links(client, infos)
+    probe_one = probe_link_p2p if config.data_plane() == "p2p" else probe_link
+    matrix, measured = probe_links(client, infos, probe_one)
     # NOTE: the levels stay as the measured links too, for a device that joins a new host
     same = [v for (a, b), v in measured.items() if a == b]
     across = [v for (a, b), v in measured.items() if a != b]

@@ -37,12 +37,18 @@ ALL_CUT = {"aten.gather.default", "aten.scatter.src", "aten.scatter_reduce.two"}
 def strips(d: Decomposer, op: Op) -> Split | None:
     """Slices of every operand aligned with the cut dim (right-aligned broadcasting);
     the strips are concatenated. Params are sliced only by elementwise ops (and weight norm)."""
+    dim = strip_dim(op, d.tensors[op.outputs[0]].shape)
+    return None if dim is None else strips_along(d, op, dim)
+
+
+def strips_along(d: Decomposer, op: Op, dim: int) -> Split | None:
+    """``strips`` along output dim ``dim`` (None where the op mixes that dim)."""
     args = list(op.attrs.get("args", ()))
     kwargs = dict(op.attrs.get("kwargs", {}))
     out = d.tensors[op.outputs[0]]
     r = len(out.shape)
-    dim = strip_dim(op, out.shape)
-    if dim is None:
+    forbidden = O.row_split_forbidden_dims(op.target, args, r)
+    if forbidden is None or dim in forbidden or not 0 <= dim < r or out.shape[dim] < 2:
         return None
     n = out.shape[dim]
     slice_params = op.target in O.ELEMENTWISE or op.target in SLICES_WEIGHTS

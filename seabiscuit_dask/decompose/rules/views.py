@@ -93,13 +93,25 @@ def view_strips(d: Decomposer, op: Op) -> Split | None:
     x = first_input(op, args)
     if O.ref_name(x) is None:        # NOTE: a view of a weight is cut as its weight tiles (x @ W.T)
         return None
-    out = d.tensors[op.outputs[0]]
-    so, si = out.shape, d.shape(x)
-    dims = dim_map(op, args, si, so)
+    so = d.tensors[op.outputs[0]].shape
+    dims = dim_map(op, args, d.shape(x), so)
     dims = {k: v for k, v in dims.items() if so[k] // v[2] > 1}      # NOTE: at least two units to cut
     if not dims:
         return None
-    dim = max(dims, key=lambda k: (so[k] // dims[k][2], -k))
+    return view_strips_along(d, op, max(dims, key=lambda k: (so[k] // dims[k][2], -k)))
+
+
+def view_strips_along(d: Decomposer, op: Op, dim: int) -> Split | None:
+    """``view_strips`` along output dim ``dim`` (None where it maps to no input dim)."""
+    args = list(op.attrs["args"])
+    x = first_input(op, args)
+    if O.ref_name(x) is None:
+        return None
+    out = d.tensors[op.outputs[0]]
+    so, si = out.shape, d.shape(x)
+    dims = dim_map(op, args, si, so)
+    if dim not in dims or so[dim] // dims[dim][2] < 2:
+        return None
     j, r, q = dims[dim]
     n = so[dim] // q
 
