@@ -394,3 +394,37 @@ def test_group_norm_is_cut_by_whole_groups() -> None:
     g = split(norm, (torch.randn(1, 64, 16, 16),), "40KiB")
     cut = [op for op in g.ops if op.target == "aten.group_norm.default"]
     assert len(cut) > 1 and all(g.tensors[op.outputs[0]].shape[1] % 8 == 0 for op in cut)
+
+
+class MLP(nn.Module):
+    def __init__(self, d: int = 64, h: int = 256) -> None:
+        super().__init__()
+        self.fc, self.act, self.proj = nn.Linear(d, h), nn.GELU(approximate="tanh"), nn.Linear(h, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.proj(self.act(self.fc(x)))
+
+
+def test_an_mlp_in_column_tiles_sums_partial_products_over_them() -> None:
+    # Megatron's form: each column tile of the first linear gets its activation and its slice of
+    # the second linear's reduction, one sum at the end; no join of the tiles anywhere.
+    torch.manual_seed(0)
+    g = split(MLP().eval(), (torch.randn(1, 16, 64),), "64KiB")
+    assert [op.name for op in g.ops] == ["fc.linear.c0", "fc.linear.c1", "act.gelu.s0", "act.gelu.s1",
+                                         "proj.linear_1.r0", "proj.linear_1.r1", "proj.linear_1.sum1.0",
+                                         "add"]
+    assert not any(op.kind == "concat" for op in g.ops)
+    fc = {op.name[-2:]: op.outputs[0] for op in g.ops if op.name.startswith("fc.")}
+    act = {op.name[-2:]: op.inputs for op in g.ops if op.name.startswith("act.")}
+    assert act == {"s0": (fc["c0"],), "s1": (fc["c1"],)}        # each activation reads its tile alone
+
+
+def test_an_op_over_more_tiles_than_it_follows_reads_them_joined() -> None:
+    # Ten column tiles: the activation (which fits whole) runs once, on their join, rather than
+    # as ten small ops.
+    torch.manual_seed(0)
+    g = split(MLP(64, 1024).eval(), (torch.randn(1, 4, 64),), "32KiB")
+    fc = [op for op in g.ops if op.name.startswith("fc.")]
+    assert len(fc) > 8
+    assert [(op.kind, op.name) for op in g.ops if op.name.startswith("act.")] == [
+        ("concat", "act.cat:linear.joined"), ("elementwise", "act.gelu")]

@@ -6,6 +6,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 import yaml
 
 import seabiscuit_dask as sb
@@ -212,6 +213,62 @@ def test_place_spreads_a_layer_over_one_host_first():
     bb = plan.bytes_between
     same_host = np.array([[a.host == b.host for b in spec.devices] for a in spec.devices])
     assert bb[same_host].sum() > bb[~same_host].sum()
+
+
+class MLPs(torch.nn.Module):
+    """Residual MLP layers, the shape of a transformer's feed-forward half."""
+
+    def __init__(self, layers: int = 4, d: int = 128, h: int = 512) -> None:
+        super().__init__()
+        nn = torch.nn
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(d, h), nn.GELU(approximate="tanh"),
+                                                  nn.Linear(h, d)) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for mlp in self.layers:
+            x = x + mlp(x)
+        return x
+
+
+def one_host_of_two(memory: int, hop_s: float) -> ClusterSpec:
+    d = dict(flops_per_s={"matmul": 1e9, "other": 1e9}, mem_bytes_per_s=1e10, op_overhead_s=1e-5)
+    devices = (DeviceSpec("a", "cpu", memory, host="h0", **d), DeviceSpec("b", "cpu", memory, host="h0", **d))
+    return ClusterSpec(devices, {lvl: LinkSpec(2e9, 1e-5) for lvl in ("nvlink", "pcie", "rack", "network")},
+                       dask=DaskSpec(task_s=1e-5, hop_s=hop_s, submit_s=1e-4, gather_s=1e-4))
+
+
+def mlp_graph() -> tuple[sb.OpGraph, int]:
+    torch.manual_seed(0)
+    model = MLPs().eval()
+    g = sb.decompose(sb.trace(model, (torch.randn(1, 64, 128),)), "320KiB")   # 256 KiB weights: 2 tiles
+    return g, sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def halves(g: sb.OpGraph, plan: Plan, layer: int, linear: int, tag: str) -> list[int]:
+    """The devices of the two tiles of a layer's first (0) or second (2) linear."""
+    found = [int(plan.device_of[i]) for i, op in enumerate(g.ops) for k in (0, 1)
+             if op.name.startswith(f"layers.{layer}.{linear}.") and op.name.endswith(f".{tag}{k}")]
+    assert len(found) == 2, (layer, linear)
+    return found
+
+
+def test_place_runs_the_halves_of_each_mlp_at_once_on_two_devices_of_a_host():
+    g, weights = mlp_graph()
+    plan = place(g, one_host_of_two(int(weights * 0.8), hop_s=1e-4))      # neither holds them all
+    assert "spread" in plan.info["tier"], plan.info["candidates"]
+    for layer in range(4):
+        first, second = halves(g, plan, layer, 0, "c"), halves(g, plan, layer, 2, "r")
+        assert len(set(second)) == 2 and len(set(first)) == 2, layer    # the two halves at once
+    stages = min(v for k, v in plan.info["candidates"].items() if "spread" not in k)
+    assert plan.makespan_s < 0.8 * stages
+    assert plan.feasible and block_graph_acyclic(plan)
+
+
+def test_halves_that_compute_for_less_than_a_hop_stay_on_one_device():
+    g, weights = mlp_graph()
+    plan = place(g, one_host_of_two(int(weights * 0.8), hop_s=0.05))
+    assert "spread" not in plan.info["tier"], plan.info["candidates"]
+    assert all(len(set(halves(g, plan, layer, 2, "r"))) == 1 for layer in range(4))
 
 
 def test_cluster_too_small_names_shortfall_and_op():

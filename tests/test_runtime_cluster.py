@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import dask
 import numpy as np
@@ -90,6 +91,35 @@ def test_distributed_matches_the_model(client, name: str) -> None:
         assert dm.run_counts() == {"computed": 2 * len(needed), "resumed": 0, "re_executed": 0}
     # closed: the shards are gone from every worker
     assert all(held == 0 for held, _ in shard_accounting(client).values())
+
+
+def test_the_halves_of_each_mlp_on_two_workers_give_the_models_answer(client) -> None:
+    # Intra-layer parallelism end to end: each MLP's two column tiles (and their parts of the
+    # second linear's sum) on two workers at once, activations between them on the data plane.
+    from seabiscuit_dask.placement.capacity import weight_capacity
+    from seabiscuit_dask.placement.partition import spread_branches
+    from seabiscuit_dask.placement.plan import make_plan
+    from seabiscuit_dask.placement.workload import workload
+
+    model, x = M.gpt2(), M.ids()
+    graph = sb.decompose(sb.trace(model, (x,)), OP_BUDGET)
+    spec = sb.measure_cluster(client)
+    w = workload(graph)
+    base = sb.place(graph, spec)
+    dev = spread_branches(w, spec, weight_capacity(spec), base.device_of, w.times(spec), 0.0)
+    plan = make_plan(graph, spec, dev, "spread", fused=False).check()
+    sums = [i for i, op in enumerate(graph.ops) if op.kind == "sum" and ".mlp." in op.name]
+    assert sums
+    apart = [i for i in sums if len({int(dev[u]) for u in w.preds[i]}) == 2]
+    assert len(apart) == len(sums)                       # every MLP's two partial products apart
+    with torch.no_grad():
+        expected = M.first(model(x))
+    with sb.deploy(plan, client, weights=model) as dm:
+        assert dm.p2p
+        got = M.first(dm(x))
+        assert M.rel_err(got, expected) <= 1e-5
+        assert torch.equal(M.first(dm(x)), got)           # and the same answer every time
+        assert dm.run_counts()["computed"] > 0
 
 
 def test_long_prompt_with_activations_over_the_budget() -> None:
@@ -262,6 +292,28 @@ def test_cluster_spec_from_client_reports_the_workers(client) -> None:
     for r in reports.values():
         assert r["cpu_count"] >= 1 and r["memory_total_bytes"] > 0
         assert r["mem_bytes_per_s"] > 0 and "caches" in r and "numa_nodes" in r
+
+
+@pytest.mark.parametrize("plane", ["p2p", "tasks"])
+def test_links_are_timed_the_way_the_data_plane_moves_activations(client, monkeypatch, plane: str) -> None:
+    # On the data plane an activation is a message between two workers: its links are timed by
+    # echoes between them, not by a task fetching another's result through the scheduler.
+    from seabiscuit_dask.runtime import discover
+
+    used = []
+
+    def counted(name: str) -> Any:
+        real = getattr(discover, name)
+        return lambda c, a, b: used.append(name) or real(c, a, b)
+
+    for name in ("probe_link", "probe_link_p2p"):
+        monkeypatch.setattr(discover, name, counted(name))
+    with dask.config.set({"seabiscuit.runtime.data-plane": plane}):
+        spec = sb.measure_cluster(client)
+    assert set(used) == {"probe_link_p2p" if plane == "p2p" else "probe_link"}
+    link = spec.links["pcie"]
+    assert np.isfinite(link.bandwidth_bytes_per_s) and link.bandwidth_bytes_per_s > 1e6
+    assert 0 < link.latency_s < 1
 
 
 def test_a_worker_that_just_joined_is_waited_for_and_one_without_an_agent_is_named() -> None:

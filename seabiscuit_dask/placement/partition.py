@@ -169,9 +169,13 @@ def branches(w: Workload, join: int, succs: Sequence[Sequence[int]]) -> list[lis
     """The parallel branches that meet at op ``join``: for each of its inputs' producers, the ops
     that feed only that one (walking back while every consumer of an op is in the branch). An
     MLP cut into column tiles meets at the sum of its partial products, one branch per tile:
-    its slice of the first linear, the activation on it, its part of the second linear."""
+    its slice of the first linear, the activation on it, its part of the second linear.
+    Empty unless every producer feeds ``join`` alone (else one branch would wait for another:
+    a residual add's two inputs are a layer and what the layer read)."""
     out: list[list[int]] = []
     for p in w.preds[join]:
+        if any(c != join for c in succs[p]):
+            return []
         seen, todo = {p}, [p]
         while todo:
             v = todo.pop()
@@ -186,48 +190,48 @@ def branches(w: Workload, join: int, succs: Sequence[Sequence[int]]) -> list[lis
 def spread_branches(w: Workload, spec: ClusterSpec, cap: np.ndarray, dev: np.ndarray, times: np.ndarray,
                     min_s: float) -> np.ndarray:
     """``dev`` with the parallel branches of each join (``branches``) spread over the devices of
-    the join's host, the longest first onto the least loaded, where each takes at least ``min_s``
-    and none reads a weight another op shares (a tied embedding stays whole). Moves that would
-    take a device past ``cap`` of weights are undone, those that gain least first. This is
-    intra-layer parallelism: two halves of an MLP at once on two devices, one sum after."""
+    the join's host, the longest first onto the least loaded with room for its weights (``cap``),
+    where each branch takes at least ``min_s`` and none reads a weight another op shares (a tied
+    embedding stays whole). Joins left whole for want of room are tried again while others move
+    (a full stage takes half of the next stage's layers once it gave half of its own away).
+    This is intra-layer parallelism: two halves of an MLP at once on two devices, one sum after."""
     dev = np.array(dev, copy=True)
     succs = w.succs
     shared = {u for _, users in w.shared for u in users}
     fastest = times.min(axis=1)
-    host_of = [next(i for i, grp in enumerate(spec.groups) if d in grp) for d in range(len(cap))]
+    host_of = {d: i for i, grp in enumerate(spec.groups) for d in grp}
+    held = np.bincount(dev, weights=w.weight_bytes, minlength=len(cap))
+    joins: list[tuple[int, list[list[int]]]] = []
     taken: set[int] = set()
-    moves: list[tuple[float, list[int], int]] = []      # (time the move overlaps, ops, from device)
     for j in reversed(range(w.n)):
         if len(w.preds[j]) < 2 or j in taken:
             continue
         parts = branches(w, j, succs)
         if len(parts) < 2 or any(shared.intersection(b) for b in parts) \
-                or len({v for b in parts for v in b}) != sum(map(len, parts)):
+                or len({v for b in parts for v in b}) != sum(map(len, parts)) \
+                or min(float(fastest[b].sum()) for b in parts) < min_s:
             continue
-        took = [float(fastest[b].sum()) for b in parts]
-        if min(took) < min_s:
-            continue
-        devices = list(spec.groups[host_of[int(dev[j])]])
-        load = dict.fromkeys(devices, 0.0)
-        home = int(dev[j])
-        for i in sorted(range(len(parts)), key=lambda i: -took[i]):
-            b = parts[i]
-            d = min(devices, key=lambda d: (load[d] + float(times[b, d].sum()), d != home))
-            load[d] += float(times[b, d].sum())
-            if any(int(dev[v]) != d for v in b):
-                moves.append((took[i], b, int(dev[b[0]])))
+        joins.append((j, parts))
+        taken.update(v for b in parts for v in b)
+    while joins:
+        left = []
+        for j, parts in joins:
+            devices = list(spec.groups[host_of[int(dev[j])]])
+            load = dict.fromkeys(devices, 0.0)
+            for b in sorted(parts, key=lambda b: -float(fastest[b].sum())):
+                need = float(w.weight_bytes[b].sum())
+                src = int(dev[b[0]])
+                room = [d for d in devices if d == src or held[d] + need <= cap[d] + 0.5]
+                d = min(room, key=lambda d: (load[d] + float(times[b, d].sum()), d != int(dev[j]), d))
+                load[d] += float(times[b, d].sum())
+                np.subtract.at(held, dev[b], w.weight_bytes[b])
+                held[d] += need
                 dev[b] = d
-            taken.update(b)
-        taken.add(j)
-    held = np.bincount(dev, weights=w.weight_bytes, minlength=len(cap))
-    for _, b, back in sorted(moves, key=lambda m: m[0]):
-        d = int(dev[b[0]])
-        if held[d] <= cap[d] + 0.5:
-            continue
-        moved = float(w.weight_bytes[b].sum())
-        held[d] -= moved
-        held[back] += moved
-        dev[b] = back
+            if len({int(dev[b[0]]) for b in parts}) == 1:
+                left.append((j, parts))
+        if len(left) == len(joins):
+            break
+        joins = left
     return dev
 
 
