@@ -9,7 +9,9 @@ Measured in one run, medians over --reps:
 - bytes moved between workers per request (the data plane's counters and Dask's
   transfer logs; the caller's inputs left out), against the plan's cut tensors;
 - the scheduler's event-loop CPU time per request (in a LocalCluster it is also
-  this client's comms thread: the outputs it receives are counted there).
+  this client's comms thread: the outputs it receives are counted there);
+- the latency of the same graph placed as contiguous stages alone (no layer split over
+  the workers), the A/B of intra-layer parallelism.
 
     python benchmarks/bench_runtime.py [--seq 128] [--reps 5] [--budget 16MiB] [--workers 2]
 
@@ -142,6 +144,13 @@ def main() -> None:
         with sb.deploy(blind, client, weights=model) as dm2:
             dm2(x)
             blind_s = median_s(lambda: dm2(x), args.reps)
+        # The same cluster without intra-layer parallelism: contiguous stages, no layer split.
+        from seabiscuit_dask.placement.partition import place_stages
+
+        staged = place_stages(graph, plan.spec)
+        with sb.deploy(staged, client, weights=model) as dm3:
+            dm3(x)
+            staged_s = median_s(lambda: dm3(x), args.reps)
 
     print(f"\ndeploy {deploy_s:.1f} s (trace, decompose, place, write store, load); max rel err {err:.1e}")
     print(f"{'figure':<44} {'distributed':>12} {'torch':>10} {'ratio':>7} {'target':>8}")
@@ -153,6 +162,9 @@ def main() -> None:
     print(f"{'a Dask-blind parallel plan, latency (ms)':<44} {blind_s * 1e3:>12.1f} {local_2t * 1e3:>10.1f} "
           f"{blind_s / local_2t:>7.3f}   ({len(blind.block_device)} tasks, predicted "
           f"{blind.makespan_s * 1e3:.0f} ms with Dask's costs)")
+    print(f"{'stages alone, no layer split (ms)':<44} {staged_s * 1e3:>12.1f} {local_1t * 1e3:>10.1f} "
+          f"{staged_s / local_1t:>7.3f}   ({len(staged.block_device)} tasks; the plan above is "
+          f"{dist_1 / staged_s:.3f}x its latency)")
     print("candidates place weighed (predicted ms): " + ", ".join(
         f"{k} {v * 1e3:.0f}" for k, v in plan.info.get("candidates", {}).items()))
     print(f"{'throughput, 8 concurrent (req/s)':<44} {dist_rps:>12.2f} {local_2t_rps:>10.2f} "

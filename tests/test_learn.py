@@ -148,3 +148,7 @@ def test_placement_budgets_follow_the_forecast():
     assert forecast_budget(two[2], two) == 9e9          # no forecast yet: its budget less what is held
     plenty = [info("a", 64e9)]
     assert forecast_budget(plenty[0], plenty) == 9e9
+    # A worker that holds more than its plans say (a generation deployment's KV caches) is
+    # planned with what it holds: a new model placed on the plans' figure would not load.
+    grown = {**plenty[0], "report": {**plenty[0]["report"], "resident_bytes": 3e9}}
+    assert forecast_budget(grown, [grown]) == 7e9

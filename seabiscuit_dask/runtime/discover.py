@@ -285,11 +285,13 @@ def workers_info(client: Any, everyone: bool = False) -> list[dict[str, Any]]:
 
 
 def forecast_budget(info: dict[str, Any], infos: list[dict[str, Any]]) -> int:
-    """A worker's free budget for a new model: its budget less what deployed models hold there,
-    and no more than its share of the memory its host is forecast to have free (the agent's
-    smoothed low of free memory, split among the host's workers)."""
+    """A worker's free budget for a new model: its budget less what deployed models hold there
+    (their plans' peaks, or what the worker reports it holds, weights and KV caches, where that
+    is more: a generation deployment's caches grow past its plan), and no more than its share
+    of the memory its host is forecast to have free (the agent's smoothed low of free memory,
+    split among the host's workers)."""
     r = info["report"]
-    free = int(r["budget_bytes"]) - int(info["held_bytes"])
+    free = int(r["budget_bytes"]) - max(int(info["held_bytes"]), int(r.get("resident_bytes") or 0))
     low = r.get("forecast_memory_available_bytes")
     if low is None:
         return free
