@@ -177,24 +177,11 @@ def probe_link_p2p(client: Any, a: str, b: str, reps: int = 5) -> LinkSpec:
     echo to ``a`` itself is taken off the latency (that much is the data plane's own hop,
     ``measure_data_plane``), and the payload crosses twice."""
     def trips(to: str, nbytes: int) -> float:
-        return float(client.run(_echo_s, to, nbytes, reps, workers=[a])[a])
+        return float(client.run(_rpc_trip_s, to, reps, nbytes=nbytes, workers=[a])[a])
 
     stay, small, large = trips(a, 1), trips(b, 1), trips(b, PROBE_BYTES)
     return LinkSpec(2 * PROBE_BYTES / max(large - small, 2 * PROBE_BYTES / 1e11),   # NOTE: at most 100 GB/s
                     max((small - stay) / 2, FLOOR_S))
-
-
-async def _echo_s(address: str, nbytes: int, reps: int, dask_worker: Any = None) -> float:
-    """Median seconds of an ``echo`` RPC carrying ``nbytes`` from this worker to ``address``."""
-    call = dask_worker.rpc(address)
-    data = os.urandom(nbytes)
-    await call.echo(data=data)                 # NOTE: the connection is made once, then pooled
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        await call.echo(data=data)
-        times.append(time.perf_counter() - t)
-    return float(statistics.median(times))
 
 
 def measure_dask(client: Any, worker: str, *, chain: int = 12, wide: int = 48, reps: int = 5) -> DaskSpec:
@@ -351,14 +338,22 @@ async def _handoff_s(reps: int, dask_worker: Any = None) -> float:
     return float(statistics.median(times[1:]))
 
 
-async def _rpc_trip_s(address: str, reps: int, dask_worker: Any = None, rpc: Any = None) -> float:
-    """Median seconds of an ``identity`` RPC to ``address`` from here (a worker, or ``rpc``'s owner)."""
+async def _rpc_trip_s(address: str, reps: int, dask_worker: Any = None, rpc: Any = None,
+                      nbytes: int = 0) -> float:
+    """Median seconds of an RPC to ``address`` from here (a worker, or ``rpc``'s owner): an
+    ``identity``, or with ``nbytes`` an ``echo`` of that many random bytes (no compression
+    flatters them)."""
     call = (rpc or dask_worker.rpc)(address)
-    await call.identity()                      # NOTE: the connection is made once, then pooled
+    data = os.urandom(nbytes) if nbytes else None
+
+    async def trip() -> None:
+        await (call.echo(data=data) if data is not None else call.identity())
+
+    await trip()                               # NOTE: the connection is made once, then pooled
     times = []
     for _ in range(reps):
         t = time.perf_counter()
-        await call.identity()
+        await trip()
         times.append(time.perf_counter() - t)
     return float(statistics.median(times))
 
