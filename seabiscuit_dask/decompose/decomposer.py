@@ -241,7 +241,7 @@ class Decomposer:
         own = self.ws(op)
         ws = max(own, self.glue_ws(op))
         if ws <= self.budget:
-            followed = self.follow(op)
+            followed = self.follow(op) or self.read_seeded_tiles(op)
             if followed is None:
                 self.ops.append(self.widened(self.bind(op)))
                 return
@@ -270,6 +270,29 @@ class Decomposer:
                 self.keep_oversize(tile, self.ws(tile), why_unsplit(tile, [], self.budget, depth, MAX_DEPTH))
             parts.append(out)
         self.join(op, split, parts)
+
+    def read_seeded_tiles(self, op: Op) -> tuple[Split, list[int]] | None:
+        """``op`` (one that fits whole) cut where ``weight_cuts`` cut a weight it reads, so that it
+        reads those tiles and not the whole weight a second time: a generation step of one token
+        reads the column tiles its deployment cut for longer inputs and holds (a worker held
+        both, 100 KiB over its plan). None when no rule cuts ``op`` along that dim."""
+        seeded = [p for p in op.params if p in self.seeded]
+        if not seeded or len(op.outputs) != 1:
+            return None
+        for split in self.splits(op):
+            if split.along is None:
+                continue
+            ref, dim, ratio = split.along
+            r = O.ref_name(ref)
+            if r is None or r[0] != "p" or r[1] not in seeded:
+                continue
+            want = self.seeded[r[1]]
+            if dim % len(self.shape(ref)) != want:
+                continue
+            edges = sorted(self.param_edges.get((r[1], want), ()))
+            if len(edges) > 2 and not any(e % ratio for e in edges) and edges[-1] // ratio == split.n:
+                return split, [e // ratio for e in edges]
+        return None
 
     def follow(self, op: Op) -> tuple[Split, list[int]] | None:
         """``op`` (an elementwise op or a view that fits whole) cut along the tiles of its largest
