@@ -419,12 +419,17 @@ def test_an_mlp_in_column_tiles_sums_partial_products_over_them() -> None:
     assert act == {"s0": (fc["c0"],), "s1": (fc["c1"],)}        # each activation reads its tile alone
 
 
-def test_an_op_over_more_tiles_than_it_follows_reads_them_joined() -> None:
+def test_an_op_over_more_or_smaller_tiles_than_it_follows_reads_them_joined() -> None:
     # Ten column tiles: the activation (which fits whole) runs once, on their join, rather than
     # as ten small ops.
     torch.manual_seed(0)
     g = split(MLP(64, 1024).eval(), (torch.randn(1, 4, 64),), "32KiB")
     fc = [op for op in g.ops if op.name.startswith("fc.")]
     assert len(fc) > 8
+    assert [(op.kind, op.name) for op in g.ops if op.name.startswith("act.")] == [
+        ("concat", "act.cat:linear.joined"), ("elementwise", "act.gelu")]
+    # Two tiles of one row each (a decode step): under 1/32 of the budget, so joined once too.
+    g = split(MLP().eval(), (torch.randn(1, 1, 64),), "64KiB")
+    assert len([op for op in g.ops if op.name.startswith("fc.")]) == 2
     assert [(op.kind, op.name) for op in g.ops if op.name.startswith("act.")] == [
         ("concat", "act.cat:linear.joined"), ("elementwise", "act.gelu")]

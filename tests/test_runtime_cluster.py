@@ -101,7 +101,7 @@ def test_the_halves_of_each_mlp_on_two_workers_give_the_models_answer(client) ->
     from seabiscuit_dask.placement.plan import make_plan
     from seabiscuit_dask.placement.workload import workload
 
-    model, x = M.gpt2(), M.ids()
+    model, x = M.gpt2(), M.ids(seq=16)      # MLP tiles of 16 KiB: at least 1/32 of the budget
     graph = sb.decompose(sb.trace(model, (x,)), OP_BUDGET)
     spec = sb.measure_cluster(client)
     w = workload(graph)

@@ -38,6 +38,7 @@ REGION = "sb.region"       # x[region]: a multi-dim slice
 ASSEMBLE = "sb.assemble"   # tiles placed at their regions of a new tensor
 SAMPLE_K = 16       # pieces a split is judged at when none fits in one level
 FOLLOW_MAX = 8      # most tiles an op that fits whole is run over tile by tile (more: one join)
+FOLLOW_SHARE = 32   # nor when a tile is under 1/32 of the budget: its ops would cost more than the join
 FOLLOW: dict[str, Callable[[Decomposer, Op, int], Split | None]] = {     # kind -> its rule along a dim
     "elementwise": strips_along, "view": view_strips_along}
 WINDOWS = {"aten.slice.Tensor", "aten.split.Tensor", "aten.split_with_sizes.default", "aten.chunk.default"}
@@ -296,9 +297,12 @@ class Decomposer:
 
     def follow(self, op: Op) -> tuple[Split, list[int]] | None:
         """``op`` (an elementwise op or a view that fits whole) cut along the tiles of its largest
-        tiled input, when that has at most ``FOLLOW_MAX`` tiles side by side along one dim: no
-        join is made, and the next op reads the tiles (an MLP's activation stays in the column
-        tiles of its first linear, so the second one sums partial products over them)."""
+        tiled input, when that has at most ``FOLLOW_MAX`` tiles side by side along one dim, none
+        under ``1 / FOLLOW_SHARE`` of the budget: no join is made, and the next op reads the tiles
+        (an MLP's activation stays in the column tiles of its first linear, so the second one sums
+        partial products over them). Small tiles (a decode step's one row, the heads of a short
+        prompt before their rotary embedding) are joined once instead: per-tile ops there cost
+        more in overhead than the join does, and they serve no placement."""
         along = FOLLOW.get(op.kind)
         if along is None or len(op.outputs) != 1 or "args" not in op.attrs \
                 or not self.tensors[op.outputs[0]].numel:
@@ -309,7 +313,9 @@ class Decomposer:
         name = max(tiled, key=lambda t: self.tensors[t].nbytes)
         entries = self.virtual[name]
         j = T.concat_dim([region for region, _, _ in entries])
-        if j is None:
+        spec = self.tensors[name]
+        smallest = min(math.prod(T.extent(region)) for region, _, _ in entries) * spec.nbytes // spec.numel
+        if j is None or smallest * FOLLOW_SHARE < self.budget:
             return None
         edges = sorted({e for region, _, _ in entries for e in region[j]})
         for dim in range(len(self.tensors[op.outputs[0]].shape)):
