@@ -252,12 +252,15 @@ def test_bad_inputs_fail_before_anything_is_submitted(client) -> None:
 def test_a_forward_pass_of_another_size_runs_as_a_program_of_the_deployment(client) -> None:
     model, x = M.gpt2(), M.ids()
     with sb.distribute(model, client, (x,), budget=OP_BUDGET) as dm, torch.no_grad():
-        tiles = dict(shard_accounting(client))
+        tiles, version = dict(shard_accounting(client)), dm.version
         for seq in (7, 2, 7):
             longer = M.ids(seq=seq, seed=seq)
             assert M.rel_err(dm(longer).logits, model(longer).logits) <= 1e-4
         assert len(dm._shape_programs) == 2                       # traced once per size
-        assert shard_accounting(client) == tiles                  # the same weight tiles serve them
+        after = shard_accounting(client)                          # the same weight tiles serve them:
+        assert sum(b for b, _ in after.values()) == sum(b for b, _ in tiles.values())
+        if dm.version == version:     # NOTE: a repair from learned costs may move them meanwhile
+            assert after == tiles
         with pytest.raises(sb.BadInput, match=r"id 2048 at position \[0, 1\]"):
             dm(torch.tensor([[1, M.VOCAB, 2, 3, 4, 5, 6]]))      # checked for the new size too
 
