@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
+import msgpack
 import pytest
 import torch
 from distributed.protocol import deserialize, serialize
@@ -23,7 +24,7 @@ from seabiscuit_dask.runtime.dataplane import DataPlane, RunFailed, StaleRun, Te
 from seabiscuit_dask.runtime.dataplane.client import route
 from seabiscuit_dask.runtime.dataplane.ordered import OrderedExecutor
 from seabiscuit_dask.runtime.dataplane.runs import greedy
-from seabiscuit_dask.runtime.dataplane.wire import from_bytes, pack, unpack
+from seabiscuit_dask.runtime.dataplane.wire import from_bytes, pack, pack_message, unpack, unpack_message
 from seabiscuit_dask.runtime.resident import ResidentBlocks
 
 from .test_runtime_resident import MODEL, blocks  # noqa: F401 - its module-scoped fixture
@@ -362,6 +363,34 @@ def test_tensors_of_every_dtype_cross_the_wire(dtype) -> None:
     for k, want in dict(a=x, b=view, c=x[0, 0, 0], d=x[:0]).items():
         assert got[k].dtype == dtype and got[k].shape == want.shape and torch.equal(got[k], want)
         assert streamed[k].dtype == dtype and torch.equal(streamed[k], want)
+
+
+def test_views_of_one_tensor_cross_the_wire_once_and_arrive_apart() -> None:
+    # A decode step sends each layer's view of one rotary table: its bytes go once, and each name
+    # still gets a tensor of its own (a block writing one would not change the others).
+    cos = torch.randn(1, 1, 64)
+    layers = {f"cos{i}": cos.unsqueeze(1) for i in range(15)}
+    other = cos[:, :, :32].unsqueeze(1)                     # NOTE: the same memory, another shape
+    msgs = [{"op": "push", "tensors": Tensors(h=torch.randn(1, 1, 576), **layers)},
+            {"op": "feed", "inputs": [[3, Tensors(c=cos.unsqueeze(1), half=other)]]}]
+    frames, total = pack_message(msgs)
+    assert len(pack(msgs)) == 2 + 3                      # prefix, header; h, one cos, half
+    push, feed = unpack_message(bytearray(b"".join(bytes(f) for f in frames)))
+    got = {**push["tensors"], **feed["inputs"][0][1]}
+    assert all(torch.equal(got[n], cos.unsqueeze(1)) for n in [*layers, "c"])
+    assert torch.equal(got["half"], other)
+    got["cos0"].zero_()
+    assert torch.equal(got["cos1"], cos.unsqueeze(1))
+    assert total < 64 * 16 + 4 * 64 * 15                 # NOTE: far less than fifteen copies of the table
+    _, _, *data = pack([{"op": "push", "tensors": Tensors(a=cos, b=cos)}])
+    bad = msgpack.packb({"msgs": [{"op": "push", "tensors": 0}],
+                         "tensors": [[["a", "float32", [1, 1, 64]], ["b", "float32", [1, 1, 64], 1]]]})
+    with pytest.raises(SeaBiscuitError, match="names frame"):
+        unpack(bad, [bytearray(f) for f in data])
+    bad = msgpack.packb({"msgs": [{"op": "push", "tensors": 0}],
+                         "tensors": [[["a", "float32", [1, 1, 64]], ["b", "float32", [64], 0]]]})
+    with pytest.raises(SeaBiscuitError, match="names frame"):
+        unpack(bad, [bytearray(f) for f in data])
 
 
 def test_the_wire_refuses_an_unknown_dtype_or_a_short_buffer() -> None:

@@ -40,6 +40,9 @@ def as_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")  # type: ignore[arg-type]
 
 
+ITEMSIZE: dict[torch.dtype, int] = {d: torch.empty((), dtype=d).element_size() for d in DTYPES.values()}
+
+
 def from_bytes(buf: Any, dtype: str, shape: list[int]) -> torch.Tensor:
     """A CPU tensor of ``dtype`` and ``shape`` over ``buf`` (copied once if it is read-only)."""
     kind = DTYPES.get(dtype)
@@ -50,7 +53,7 @@ def from_bytes(buf: Any, dtype: str, shape: list[int]) -> torch.Tensor:
     for s in shape:
         n *= int(s)
     mv = memoryview(buf).cast("B")
-    if mv.nbytes != n * torch.empty((), dtype=kind).element_size():
+    if mv.nbytes != n * ITEMSIZE[kind]:
         raise SeaBiscuitError(f"an activation of dtype {dtype} and shape {list(shape)} arrived with "
                               f"{mv.nbytes} bytes")
     if not n:
@@ -97,13 +100,25 @@ FIELDS = ("tensors", "inputs")  # NOTE: the only fields that carry tensors
 def pack(msgs: Sequence[dict[str, Any]]) -> list[Any]:
     """A batch of data-plane messages as frames: a prefix (frame count and lengths), a msgpack
     header (the messages, each tensor mapping replaced by its index), then each tensor's bytes.
-    A ``tensors`` field holds one mapping; an ``inputs`` field a list of (block, mapping)."""
+    A ``tensors`` field holds one mapping; an ``inputs`` field a list of (block, mapping).
+    A tensor that is another one of the batch (the same memory, shape and strides: each layer's
+    view of one rotary table) goes once; its header entry names the frame (``[name, dtype, shape,
+    frame]``)."""
     specs: list[list[list[Any]]] = []
     frames: list[Any] = []
+    sent: dict[tuple[Any, ...], int] = {}
+
+    def entry(name: Any, t: torch.Tensor) -> list[Any]:
+        head = [str(name), str(t.dtype).removeprefix("torch."), list(t.shape)]
+        key = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+        if t.numel() and key in sent:
+            return [*head, sent[key]]
+        sent[key] = len(frames)
+        frames.append(as_bytes(t))
+        return head
 
     def take(ts: Any) -> int:
-        specs.append([[str(n), str(t.dtype).removeprefix("torch."), list(t.shape)] for n, t in ts.items()])
-        frames.extend(as_bytes(t) for t in ts.values())
+        specs.append([entry(n, t) for n, t in ts.items()])
         return len(specs) - 1
 
     out = []
@@ -160,17 +175,26 @@ def unpack_message(buf: Any) -> list[dict[str, Any]]:
 def unpack(head: bytes, frames: list[Any]) -> list[dict[str, Any]]:
     """``pack``'s messages back, tensors and all; a header that does not match its frames is refused."""
     h = msgpack.unpackb(head, raw=False, strict_map_key=True)
-    built, pos = [], 0
+    built: list[Tensors] = []
+    read: list[torch.Tensor] = []
     for spec in h["tensors"]:
         ts = Tensors()
-        for name, dtype, shape in spec:
-            if pos >= len(frames):
+        for name, dtype, shape, *again in spec:
+            if again:           # NOTE: a frame read already: a tensor of its own, not the same memory
+                at = again[0]
+                ref = read[at] if len(again) == 1 and isinstance(at, int) and 0 <= at < len(read) else None
+                if ref is None or str(ref.dtype).removeprefix("torch.") != dtype or list(ref.shape) != shape:
+                    raise SeaBiscuitError(f"a data-plane batch names frame {again} for tensor {name!r} of "
+                                          f"{dtype} {shape}, after {len(read)} frames")
+                ts[str(name)] = ref.clone()
+                continue
+            if len(read) >= len(frames):
                 raise SeaBiscuitError(f"a data-plane batch names more tensors than its {len(frames)} frames")
-            ts[str(name)] = from_bytes(frames[pos], str(dtype), list(shape))
-            pos += 1
+            ts[str(name)] = t = from_bytes(frames[len(read)], str(dtype), list(shape))
+            read.append(t)
         built.append(ts)
-    if pos != len(frames):
-        raise SeaBiscuitError(f"a data-plane batch has {len(frames)} frames and names {pos} tensors")
+    if len(read) != len(frames):
+        raise SeaBiscuitError(f"a data-plane batch has {len(frames)} frames and names {len(read)} tensors")
     msgs = []
     for m in h["msgs"]:
         m = dict(m)
