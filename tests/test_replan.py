@@ -147,6 +147,26 @@ def test_lost_ops_go_farther_out_when_no_neighbour_fits_them():
     assert new.assignment["op0"] == "C" and new.feasible
 
 
+def test_lost_ops_go_to_a_gpu_of_another_host_before_their_hosts_cpu():
+    from tests.dags import chain
+
+    gpu = dict(flops_per_s={"matmul": 1e12, "other": 1e11}, mem_bytes_per_s=1e11)
+    cpu = dict(flops_per_s={"matmul": 2e10, "other": 5e9}, mem_bytes_per_s=1e10)
+    spec = sb.ClusterSpec((DeviceSpec("A", "gpu", 100 * 2**20, host="s0", **gpu),
+                           DeviceSpec("B", "gpu", 100 * 2**20, host="s0", **gpu),
+                           DeviceSpec("cpu", "cpu", 8 * 2**30, host="s0", **cpu),
+                           DeviceSpec("D", "gpu", 100 * 2**20, host="s1", **gpu)))
+    # A's 60 MiB op fits neither on B (holding 60 MiB) nor anywhere quick on its host: the CPU
+    # beside it has room but computes it 50 times slower than the GPU of the next host.
+    p = sb.Plan(chain([60 * 1024, 60 * 1024]), spec, np.array([0, 1]))
+    new = replan(p, DeviceLost("A"))
+    assert new.assignment == {"op0": "D", "op1": "B"} and new.feasible
+    assert new.makespan_s < sb.Plan(new.graph, new.spec, np.array([1, 0])).makespan_s
+    # With no quick device that has room, the CPU of its host takes it, as before.
+    crowded = sb.Plan(chain([60 * 1024] * 3), spec, np.array([0, 1, 3]))
+    assert replan(crowded, DeviceLost("A")).assignment["op0"] == "cpu"
+
+
 def test_weights_that_fit_in_total_but_not_in_pieces():
     from tests.dags import chain
 

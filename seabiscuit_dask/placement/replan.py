@@ -8,7 +8,9 @@ the new cluster and records what moved in ``plan.info`` (``moved_bytes``,
   topological order, to the device of the same host (then the same rack, then
   anywhere) with room that finishes it soonest by a cheap estimate: that
   device's work in the op's depth level, the op's time there, and the time to
-  bring its inputs.
+  bring its inputs. Devices more than ``QUICK`` times slower for that work than
+  the quickest anywhere are a last resort: a farther ring's quick devices with
+  room come before a near CPU.
 - ``DeviceAdded(device)``: a device joining a host takes over part of its peers'
   ops (up to its share of the host's speed) where that evens out a depth level.
   A device on a new host is spare capacity until the next ``place``.
@@ -212,20 +214,29 @@ def _rehome(plan: Plan, spec: ClusterSpec, dev: np.ndarray, moving: np.ndarray,
             f"{len(moving)} op(s) with {fmt_bytes(need)} of weights need a new device, but the remaining "
             f"{n_dev} devices have {fmt_bytes(room)} free: short by {fmt_bytes(need - room)} "
             f"({int(need - room)} bytes)")
-    cands: list[int] = []
     rings = [[d for d in ring if d != exclude] for ring in _nearby(spec, home)]
     everywhere = [d for ring in rings for d in ring]
-    for ring in rings:
-        cands += ring
-        if float(np.maximum(free[cands], 0).sum()) >= need:
-            break
     # NOTE: time columns per device, not the [ops x devices] matrix: a repair reads few of them.
     cols = [w.device_times(d) for d in spec.devices]
-    # Devices far slower than the best for this work (a CPU beside GPUs) are a last resort.
-    work = np.array([cols[d][moving].sum() for d in cands])
-    quick = [d for d, x in zip(cands, work.tolist()) if x <= QUICK * work.min()]
-    if float(np.maximum(free[quick], 0).sum()) >= need:
-        cands = quick
+    # Devices far slower than the quickest anywhere for this work (a CPU beside GPUs) are a last
+    # resort: the nearest rings whose quick devices have room, before the slow ones of a nearer
+    # ring (a lost GPU's layers on its host's CPU made a 41 GB Llama's plan 4.7x slower; on a GPU
+    # of the next host, one cut more).
+    work = {d: float(cols[d][moving].sum()) for d in everywhere}
+    fastest = min(work.values(), default=0.0)
+    cands: list[int] = []
+    for ring in rings:
+        cands += ring
+        quick = [d for d in cands if work[d] <= QUICK * fastest]
+        if float(np.maximum(free[quick], 0).sum()) >= need:
+            cands = quick
+            break
+    else:
+        cands = []
+        for ring in rings:
+            cands += ring
+            if float(np.maximum(free[cands], 0).sum()) >= need:
+                break
     cand = np.array(cands, dtype=np.int64)
     depth = w.depth
     levels = int(depth.max()) + 1
