@@ -167,6 +167,24 @@ def test_lost_ops_go_to_a_gpu_of_another_host_before_their_hosts_cpu():
     assert replan(crowded, DeviceLost("A")).assignment["op0"] == "cpu"
 
 
+def test_a_lost_stage_is_handed_over_whole_where_that_is_faster():
+    from tests import models as M
+
+    g = sb.decompose(sb.trace(M.llama(), M.ids(seq=16)), "32KiB")
+    weights = sum(p.nbytes for p in g.params.values())
+    gpu = dict(flops_per_s={"matmul": 1e12, "other": 1e11}, mem_bytes_per_s=1e11)
+    spec = sb.ClusterSpec(tuple(DeviceSpec(n, "gpu", weights, host=h, **gpu)
+                                for n, h in zip(["a0", "a1", "b0", "b1"], ("s0", "s0", "s1", "s1"))))
+    p = place(g, spec)
+    assert len(p.block_device) == 2 and p.weight_bytes[spec.index("a0")] > 0     # two stages on s0
+    new = replan(p, DeviceLost("a0"))
+    lost = [op for op, d in p.assignment.items() if d == "a0"]
+    # One by one its ops went to three devices (6 blocks, 1.39x a fresh plan); whole, to one
+    assert len({new.assignment[op] for op in lost}) == 1 and len(new.block_device) == 2
+    assert new.info["moved_bytes"] == pytest.approx(p.weight_bytes[spec.index("a0")])
+    assert new.makespan_s <= 1.01 * place(g, spec.without("a0")).makespan_s and new.feasible
+
+
 def test_weights_that_fit_in_total_but_not_in_pieces():
     from tests.dags import chain
 

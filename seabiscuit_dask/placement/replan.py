@@ -10,7 +10,10 @@ the new cluster and records what moved in ``plan.info`` (``moved_bytes``,
   device's work in the op's depth level, the op's time there, and the time to
   bring its inputs. Devices more than ``QUICK`` times slower for that work than
   the quickest anywhere are a last resort: a farther ring's quick devices with
-  room come before a near CPU.
+  room come before a near CPU. Then the lost ops all on one device with room
+  (the nearest and quickest ``WHOLE_TRIES``) are simulated too, and the
+  fastest of these repairs is kept: a stage handed over whole keeps one cut on
+  each side.
 - ``DeviceAdded(device)``: a device joining a host takes over part of its peers'
   ops (up to its share of the host's speed) where that evens out a depth level.
   A device on a new host is spare capacity until the next ``place``.
@@ -169,7 +172,45 @@ def _lose(plan: Plan, spec: ClusterSpec, lost: int, moving: np.ndarray) -> np.nd
     old = plan.device_of
     dev = np.where(old > lost, old - 1, old)
     dev[moving] = -1
-    return _rehome(plan, spec, dev, moving, plan.spec.devices[lost])
+    dev = _rehome(plan, spec, dev, moving, plan.spec.devices[lost])
+    return _whole_if_faster(plan, spec, dev, moving, plan.spec.devices[lost])
+
+
+def _whole_if_faster(plan: Plan, spec: ClusterSpec, dev: np.ndarray, moving: np.ndarray,
+                     home: DeviceSpec) -> np.ndarray:
+    """``dev``, or the lost device's ops all on one device with room for them (the nearest and
+    quickest ``WHOLE_TRIES``) where the simulator finds that faster: a stage handed over whole keeps
+    its one cut on each side, where ops spread one by one over five devices made a 41 GB Llama's
+    lost stage 268 blocks and its plan 2.6x a fresh one."""
+    if not len(moving):
+        return dev
+    w = plan.workload
+    n_dev = len(spec.devices)
+    cap = weight_capacity(spec)
+    staying = np.ones(len(dev), dtype=bool)
+    staying[moving] = False
+    held = np.bincount(dev[staying], weights=w.weight_bytes[staying], minlength=n_dev)
+    need = float(w.weight_bytes[moving].sum())
+    work = [float(w.device_times(d)[moving].sum()) for d in spec.devices]
+    fastest = min(work)
+    order = [d for ring in _nearby(spec, home) for d in sorted(ring, key=lambda d: work[d])]
+    tries = [d for d in order if held[d] + need <= cap[d] and work[d] <= QUICK * fastest][:WHOLE_TRIES]
+    if not tries:
+        return dev
+    info = {**{k: v for k, v in plan.info.items() if k != "phases_from"},
+            "phases_from": (plan.phases, *_window(w, moving))}
+
+    def simulated(d: np.ndarray) -> Plan:
+        return Plan(plan.graph, spec, d, plan.method, 0.0, info)
+
+    best, best_s = dev, simulated(dev).makespan_s
+    for d in tries:
+        alt = dev.copy()
+        alt[moving] = d
+        p = simulated(alt)
+        if p.makespan_s < best_s and p.weight_bytes[d] <= cap[d]:
+            best, best_s = alt, p.makespan_s
+    return best
 
 
 def _window(w: Any, moving: np.ndarray) -> tuple[int, int]:
@@ -182,6 +223,7 @@ def _window(w: Any, moving: np.ndarray) -> tuple[int, int]:
 
 LIGHT_FLOPS_PER_BYTE = 4   # an op without weights doing less per byte it moves follows its input
 QUICK = 4                  # a device this many times slower than the quickest for some work is a last resort
+WHOLE_TRIES = 4            # devices a lost device's ops are tried on whole (nearest, then quickest, first)
 
 
 def _nearby(spec: ClusterSpec, like: DeviceSpec) -> list[list[int]]:
