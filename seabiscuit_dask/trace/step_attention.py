@@ -296,10 +296,26 @@ def _mpt_kv(m: Any, model: str) -> dict[str, Any]:
 
 def _falcon_forward(self: Any, hidden_states: torch.Tensor, *args: Any,
                     **kwargs: Any) -> tuple[torch.Tensor, None]:
-    q, k, v = (t.transpose(1, 2) for t in self._split_heads(self.query_key_value(hidden_states)))
+    q, k, v = (t.transpose(1, 2) for t in _falcon_split(self, self.query_key_value(hidden_states)))
     b, _, n, _ = q.shape
     out = _sdpa(q, k, v, None).transpose(1, 2).reshape(b, n, self.num_heads * self.head_dim)
     return self.dense(out), None
+
+
+def _falcon_split(self: Any, fused: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Falcon's fused projection as (batch, length, heads, head_dim) queries, keys and values (what
+    ``FalconAttention._split_heads`` gave before transformers 5.25 dropped it)."""
+    b, n, _ = fused.shape
+    if self.new_decoder_architecture:
+        qkv = fused.view(b, n, -1, self.num_heads // self.num_kv_heads + 2, self.head_dim)
+        q, k, v = qkv[:, :, :, :-2], qkv[:, :, :, [-2]], qkv[:, :, :, [-1]]
+        k, v = torch.broadcast_to(k, q.shape), torch.broadcast_to(v, q.shape)
+        return q.flatten(2, 3), k.flatten(2, 3), v.flatten(2, 3)
+    if not self.multi_query:
+        qkv = fused.view(b, n, self.num_heads, 3, self.head_dim)
+        return qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :]
+    qkv = fused.view(b, n, self.num_heads + 2, self.head_dim)
+    return qkv[..., :-2, :], qkv[..., [-2], :], qkv[..., [-1], :]
 
 
 def _falcon_kv(m: Any, model: str) -> dict[str, Any] | None:
