@@ -206,14 +206,32 @@ def local_step(model, lead, context: int = 0):
     return timed
 
 
-def step_breakdown(client, dm, ids: torch.Tensor, new: int) -> tuple[float, float, int]:
-    """(step s, block compute s per step, block runs) of one session's decode on the cluster: what
-    a step spends in block runs on the workers, and (the rest) in hand-offs between blocks,
-    workers and the caller."""
+def step_breakdown(client, dm, ids: torch.Tensor, new: int) -> tuple[float, float, int, dict[str, float]]:
+    """(step s, block compute s per step, block runs, hand-offs) of one session's decode on the
+    cluster: what a step spends in block runs on the workers, and (the rest) in hand-offs between
+    blocks, workers and the caller; ``hand-offs``: the median gap from one block run's end to the
+    next one's start, per boundary of the chain (``handoffs``)."""
     stamps = [time.time() for _ in dm.stream(ids, new, eos_token_id=[])]
     inside = block_runs(client, stamps[1], stamps[-1])
     steps = len(stamps) - 2
-    return (stamps[-1] - stamps[1]) / steps, sum(r["duration_s"] for r in inside) / steps, len(inside)
+    return (stamps[-1] - stamps[1]) / steps, sum(r["duration_s"] for r in inside) / steps, len(inside), \
+        handoffs(inside)
+
+
+def handoffs(runs: list[dict]) -> dict[str, float]:
+    """The median seconds from one block run's end to the next one's start in a decode loop's chain
+    (one session: its runs follow one another), per boundary: "w0 b0 -> w1 b1" (workers by address
+    order, blocks by their index in the step program)."""
+    from seabiscuit_dask.lower.blocks import split_block
+
+    names = {a: f"w{i}" for i, a in enumerate(sorted({r["worker"] for r in runs}))}
+    chain = sorted(runs, key=lambda r: r["start"])
+    gaps: dict[str, list[float]] = {}
+    for a, b in zip(chain, chain[1:]):
+        key = (f"{names[a['worker']]} b{split_block(int(a['block']))[1]} -> "
+               f"{names[b['worker']]} b{split_block(int(b['block']))[1]}")
+        gaps.setdefault(key, []).append(b["start"] - (a["start"] + a["duration_s"]))
+    return {k: statistics.median(v) for k, v in gaps.items() if len(v) >= 2}
 
 
 def busy(runs: list[dict], window: tuple[float, float]) -> dict[str, float]:
@@ -276,7 +294,8 @@ def main() -> None:
         pairs = []
         for _ in range(args.reps):
             pairs.append((*step_breakdown(client, dm, ids, args.new), local(8)))
-        step_s, compute_s, n_runs, step_local = sorted(pairs, key=lambda p: p[0] - p[3])[len(pairs) // 2]
+        pairs.sort(key=lambda p: p[0] - p[4])
+        step_s, compute_s, n_runs, hops, step_local = pairs[len(pairs) // 2]
         probe = dm.stream(ids, args.new, eos_token_id=[])
         for _ in range(8):
             next(probe)
@@ -311,6 +330,9 @@ def main() -> None:
     print(f"  where it goes               a step of {step_s * 1e3:.1f} ms: {compute_s * 1e3:.1f} ms of block "
           f"runs on the workers ({compute_s / step_local:.2f}x the program in one process; {n_runs} runs), "
           f"{(step_s - compute_s) * 1e3:.1f} ms of hand-offs between them")
+    print("  hand-offs                   " + ", ".join(f"{k} {v * 1e3:.2f} ms"
+                                                      for k, v in sorted(hops.items()))
+          + " (the median gap from a block run's end to the next one's start)")
     per_token = 2 * model.config.num_hidden_layers * model.config.num_key_value_heads \
         * (model.config.hidden_size // model.config.num_attention_heads) * 4
     held = sum(kv.values()) / 2**20
