@@ -382,6 +382,14 @@ def test_generate_on_a_cluster_matches_hugging_face_and_frees_its_caches() -> No
                 two = chat.generate(ids[1:, 4:], 4, pad_token_id=0, eos_token_id=[])
                 whole = torch.cat([one, ids[1:, 4:]], 1)
                 assert torch.equal(two[:, -4:], hf_greedy(model, whole, torch.ones_like(whole), 4)[:, -4:])
+                before = torch.tensor([chat.tokens])
+                stream = chat.stream(ids[:1, 5:], 8, pad_token_id=0, eos_token_id=[])
+                heard = [next(stream) for _ in range(2)]
+                stream.close()                              # a turn stopped midway, then the next one
+                three = chat.generate(ids[1:, 6:], 4, pad_token_id=0, eos_token_id=[])
+                whole = torch.cat([before, ids[:1, 5:], torch.stack(heard, 1), ids[1:, 6:]], 1)
+                assert chat.tokens == torch.cat([whole, three[:, -4:]], 1)[0].tolist()
+                assert torch.equal(three[:, -4:], hf_greedy(model, whole, torch.ones_like(whole), 4)[:, -4:])
             after = client.run(lambda dask_worker: dask_worker.plugins["seabiscuit"].resident.kv.nbytes)
             assert sum(after.values()) == 0
             stats = dm.generation_stats()
@@ -462,3 +470,55 @@ def test_a_session_keeps_its_cache_between_turns() -> None:
     assert engine.stats.prefill_steps == 2       # each turn prefilled its own tokens only
     engine.close_session(s)
     assert engine.runner.store.nbytes == 0
+
+
+class HeldRunner(LocalRunner):
+    """A ``LocalRunner`` whose ``hold``-th step waits for ``go``: the engine has made more tokens
+    than its caller read, and is mid-step, when the caller stops reading."""
+
+    def __init__(self, model: torch.nn.Module, hold: int) -> None:
+        super().__init__(model, "64KiB")
+        self.hold, self.steps = hold, 0
+        self.held, self.go = threading.Event(), threading.Event()
+
+    def run_step(self, batch: int, length: int, feed: dict[str, torch.Tensor]) -> torch.Tensor:
+        self.steps += 1
+        if self.steps == self.hold:
+            self.held.set()
+            assert self.go.wait(60)
+        return super().run_step(batch, length, feed)
+
+
+def test_a_turn_stopped_midway_leaves_the_conversation_as_its_caller_read_it() -> None:
+    from seabiscuit_dask.runtime.generate import stream_tokens
+
+    model = decoder("llama")
+    runner = HeldRunner(model, hold=7)           # the prefill, five decode steps, then held
+    engine = Engine(runner)
+    turn1, _ = padded_batch((6,), seed=7)
+    turn2, _ = padded_batch((4,), seed=8)
+    args = GenerateArgs.make(model.generation_config, 6, max_new_tokens=12, pad_token_id=0, eos_token_id=[])
+    s = engine.open_session()
+    stream = stream_tokens(engine, turn1, args, session=s)
+    read = [int(next(stream)[0]) for _ in range(2)]
+    assert runner.held.wait(60)                  # six tokens made, two read, a seventh being made
+    stream.close()
+    first_id = s.sid
+    runner.go.set()
+    args2 = GenerateArgs.make(model.generation_config, 4, max_new_tokens=5, pad_token_id=0, eos_token_id=[])
+    second = torch.stack(list(stream_tokens(engine, turn2, args2, session=s)), 1)
+    assert s.tokens[:12] == turn1[0].tolist() + read + turn2[0].tolist() and len(s.tokens) == 17
+    whole = torch.cat([turn1, torch.tensor([read]), turn2], 1)
+    assert torch.equal(second, hf_greedy(model, whole, torch.ones_like(whole), 5)[:, whole.shape[1]:])
+    assert first_id not in runner.store.sessions("local")      # what the stopped turn cached is gone
+
+    runner.hold, runner.go = runner.steps + 3, threading.Event()
+    other = engine.open_session()
+    reading = stream_tokens(engine, turn1, args, session=other)
+    next(reading)                                # a turn being answered, its stream open
+    with pytest.raises(Busy, match="still answering its last turn"):
+        next(stream_tokens(engine, turn2, args2, session=other))
+    runner.go.set()
+    reading.close()
+    engine.close_session(other)
+    engine.close_session(s)

@@ -146,6 +146,7 @@ class Session:
     tokens: list[int]
     cached: int = 0
     done: bool = False
+    call: Call | None = None     # the call answering it now (a kept session's turn)
 
 
 @dataclass(eq=False)
@@ -162,6 +163,10 @@ class Call:
     keep: bool = False          # a caller-held session stays cached after the call
     cancelled: bool = False     # the caller stopped reading: end at the next step
     closing: BaseException | None = None    # the deployment closes: end at the next step with it
+    seen: int | None = None     # rows the caller read before it stopped (a cancelled call)
+    finished: bool = False      # the engine is done with it (under the engine's lock)
+    ended: threading.Event = field(default_factory=threading.Event)     # and its caller was told
+    base: list[int] = field(default_factory=list)     # each session's tokens before this call's
 
     @property
     def live(self) -> list[Session]:
@@ -245,13 +250,20 @@ class Engine:
             sessions = [Session(next(self._ids), list(p)) for p in prompts]
             call = Call(sessions, max_new, sampling, frozenset(eos), pad)
         else:
+            for s in sessions:
+                self._after_turn(s)
+            for s, p in zip(sessions, prompts):
+                if self.context is not None and len(s.tokens) + len(p) + max_new > self.context:
+                    raise BadInput(f"{self.name}: session {s.sid} would hold "
+                                   f"{len(s.tokens) + len(p) + max_new} tokens, more than the context of "
+                                   f"{self.context}")
             for s, p in zip(sessions, prompts):
                 s.tokens.extend(p)
                 s.done = False
-                if self.context is not None and len(s.tokens) + max_new > self.context:
-                    raise BadInput(f"{self.name}: session {s.sid} would hold {len(s.tokens) + max_new} "
-                                   f"tokens, more than the context of {self.context}")
-            call = Call(list(sessions), max_new, sampling, frozenset(eos), pad, keep=True)
+            call = Call(list(sessions), max_new, sampling, frozenset(eos), pad, keep=True,
+                        base=[len(s.tokens) for s in sessions])
+            for s in sessions:
+                s.call = call
         with self._cond:
             if self._closed:
                 raise ModelClosed(f"{self.name} is closed: it takes no more generate calls")
@@ -261,6 +273,19 @@ class Engine:
                 self._thread = threading.Thread(target=self._loop, name="seabiscuit-generate", daemon=True)
                 self._thread.start()
         return call
+
+    def _after_turn(self, s: Session) -> None:
+        """Wait for the call that answers kept session ``s`` (its last turn) to end: one its caller
+        stopped reading ends at the engine's next step; one still being read is an error."""
+        prev = s.call
+        if prev is None or prev.ended.is_set():
+            return
+        if not prev.cancelled:
+            raise Busy(f"{self.name}: session {s.sid} is still answering its last turn ({prev.produced} of "
+                       f"{prev.max_new} new tokens); read its stream to the end or close it first")
+        if not prev.ended.wait(TURN_WAIT_S):
+            raise Busy(f"{self.name}: session {s.sid}'s last turn, whose stream was closed, did not end "
+                       f"within {TURN_WAIT_S:.0f} s; try the next turn again later")
 
     def open_session(self) -> Session:
         """A session kept across calls (``DistributedModel.session``); counted until ``close_session``."""
@@ -572,17 +597,53 @@ class Engine:
             queued = [self._ahead.pop(k)[0] for k in gone]
         for h in queued:
             self._queueing.discard(h)
-        if not call.keep:
-            with self._cond:
+        with self._cond:
+            call.finished = True
+            seen = call.seen
+            if not call.keep:
                 self._open -= len(call.sessions)
-            try:
-                self.runner.end_sessions([s.sid for s in call.sessions])
-            except Exception as e:  # noqa: BLE001 - freeing is best effort; the answer stands
-                logger.warning("%s: caches of sessions %s not freed: %s", self.name,
-                               [s.sid for s in call.sessions], e)
+        gone_sids = [s.sid for s in call.sessions]
+        if call.keep:
+            # NOTE: a turn its caller stopped, or one whose decode loop ran on past its EOS
+            ahead = self.loop_steps > 1 and call.produced < call.max_new
+            gone_sids = self._rewind(call, call.produced if seen is None else seen) \
+                if seen is not None or ahead else []
+        self._free(gone_sids)
         call.out.put(error if error is not None else None)
+        call.ended.set()
+
+    def stopped(self, call: Call, seen: int) -> None:
+        """The caller of ``call`` stopped reading it after ``seen`` rows (or read them all): it ends
+        at the next step; a kept session's conversation keeps the tokens read (``_rewind``)."""
+        with self._cond:
+            call.cancelled = True
+            if not call.finished:
+                call.seen = seen
+                return
+        if call.keep and seen < call.produced:      # NOTE: it ended as the caller stopped
+            self._free(self._rewind(call, seen))
+
+    def _free(self, sids: list[int]) -> None:
+        if sids:
+            try:
+                self.runner.end_sessions(sids)
+            except Exception as e:  # noqa: BLE001 - freeing is best effort; the answer stands
+                logger.warning("%s: caches of sessions %s not freed: %s", self.name, sids, e)
+
+    def _rewind(self, call: Call, seen: int) -> list[int]:
+        """Keep the first ``seen`` tokens of a kept session's turn alone (those its caller read: not
+        the ones made meanwhile, nor what steps that ran ahead cached on the workers). Each
+        session goes on under a new id, so a step of this call still running writes nothing the
+        next turn reads; its next turn prefills it anew. Returns the ids whose caches go."""
+        old = []
+        for s, base in zip(call.sessions, call.base):
+            del s.tokens[base + seen:]
+            old.append(s.sid)
+            s.sid, s.cached = next(self._ids), 0
+        return old
 
 
+TURN_WAIT_S = 120.0  # NOTE: how long a kept session's next turn waits for its last one to end
 STEP_TOKENS = 48     # NOTE: a step's fixed cost (every weight read once) in tokens' worth of compute
 
 
@@ -695,13 +756,15 @@ def stream_tokens(engine: Engine, input_ids: torch.Tensor, args: GenerateArgs, a
                          sessions=[session] if session is not None else None)
     if streamer is not None:
         streamer.put(input_ids.cpu())
+    seen = 0
     try:
         for row in engine.results(call):
             if streamer is not None:
                 streamer.put(row)
+            seen += 1
             yield row
     finally:
-        call.cancelled = True          # NOTE: a caller that stops reading frees its sessions
+        engine.stopped(call, seen)     # NOTE: a caller that stops reading frees its sessions
         if streamer is not None:
             streamer.end()
 
