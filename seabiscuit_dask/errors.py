@@ -74,3 +74,7 @@ class StaleRun(RunFailed):
 
 class ModelClosed(SeaBiscuitError):
     """A call reached a distributed model after (or while) it was closed."""
+
+
+class SessionClosed(ModelClosed):
+    """A kept session (``dm.session()``) was closed while a turn of it ran, or asked for after."""

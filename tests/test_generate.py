@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import seabiscuit_dask as sb
-from seabiscuit_dask.errors import BadInput, Busy, ClusterTooSmall, RunFailed
+from seabiscuit_dask.errors import BadInput, Busy, ClusterTooSmall, RunFailed, SessionClosed
 from seabiscuit_dask.lower.kvcache import CacheLost, KVStore
 from seabiscuit_dask.placement.follow import follow
 from seabiscuit_dask.runtime.generate import Engine, GenerateArgs, LocalRunner, generate_tokens
@@ -390,6 +390,12 @@ def test_generate_on_a_cluster_matches_hugging_face_and_frees_its_caches() -> No
                 whole = torch.cat([before, ids[:1, 5:], torch.stack(heard, 1), ids[1:, 6:]], 1)
                 assert chat.tokens == torch.cat([whole, three[:, -4:]], 1)[0].tolist()
                 assert torch.equal(three[:, -4:], hf_greedy(model, whole, torch.ones_like(whole), 4)[:, -4:])
+                stream = chat.stream(ids[:1], 60, pad_token_id=0, eos_token_id=[])
+                next(stream)
+            try:                                            # closed while a turn runs: its caches go
+                list(stream)
+            except SessionClosed:
+                pass
             after = client.run(lambda dask_worker: dask_worker.plugins["seabiscuit"].resident.kv.nbytes)
             assert sum(after.values()) == 0
             stats = dm.generation_stats()
@@ -489,7 +495,7 @@ class HeldRunner(LocalRunner):
         return super().run_step(batch, length, feed)
 
 
-def test_a_turn_stopped_midway_leaves_the_conversation_as_its_caller_read_it() -> None:
+def test_a_turn_stopped_midway_keeps_what_was_read_and_a_session_closed_midway_frees_its_caches() -> None:
     from seabiscuit_dask.runtime.generate import stream_tokens
 
     model = decoder("llama")
@@ -521,4 +527,15 @@ def test_a_turn_stopped_midway_leaves_the_conversation_as_its_caller_read_it() -
     runner.go.set()
     reading.close()
     engine.close_session(other)
-    engine.close_session(s)
+
+    runner.hold, runner.go = runner.steps + 3, threading.Event()
+    reading = stream_tokens(engine, turn2, args, session=s)
+    next(reading)
+    assert runner.held.wait(60)
+    engine.close_session(s)                      # closed while its turn runs: the turn ends, caches go
+    runner.go.set()
+    with pytest.raises(SessionClosed, match="was closed after"):
+        list(reading)
+    assert runner.store.nbytes == 0
+    with pytest.raises(SessionClosed, match="is closed"):
+        next(stream_tokens(engine, turn2, args, session=s))

@@ -37,7 +37,16 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .. import config
-from ..errors import BadInput, ModelClosed, RunFailed, SeaBiscuitError, StaleRun, WorkerHung, WorkerLost
+from ..errors import (
+    BadInput,
+    ModelClosed,
+    RunFailed,
+    SeaBiscuitError,
+    SessionClosed,
+    StaleRun,
+    WorkerHung,
+    WorkerLost,
+)
 from ..ir import fmt_bytes
 from ..lower.blocks import BlockSpec, block_specs, request_graph, task_name
 from ..placement import Plan, place
@@ -826,7 +835,8 @@ class ChatSession:
         from .generate import stream_tokens
 
         if self._closed:
-            raise SeaBiscuitError(f"session {self._session.sid} of model {self.dm.model_id} is closed")
+            raise SessionClosed(f"session {self._session.sid} of model {self.dm.model_id} is closed; open "
+                                "another (dm.session())")
         if getattr(input_ids, "shape", (0,))[0] != 1:
             raise BadInput(f"a session takes one prompt per turn, got input_ids of shape "
                            f"{tuple(getattr(input_ids, 'shape', ()))}")

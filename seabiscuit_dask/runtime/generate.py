@@ -34,7 +34,7 @@ from typing import Any, Protocol
 import torch
 
 from .. import config
-from ..errors import BadInput, Busy, ModelClosed, StaleRun, WorkerLost
+from ..errors import BadInput, Busy, ModelClosed, SessionClosed, StaleRun, WorkerLost
 
 STALE_TRIES = 10     # NOTE: times a step is sent again because the plan changed while it ran
 
@@ -147,6 +147,7 @@ class Session:
     cached: int = 0
     done: bool = False
     call: Call | None = None     # the call answering it now (a kept session's turn)
+    closed: bool = False         # a kept session its caller closed
 
 
 @dataclass(eq=False)
@@ -277,6 +278,8 @@ class Engine:
     def _after_turn(self, s: Session) -> None:
         """Wait for the call that answers kept session ``s`` (its last turn) to end: one its caller
         stopped reading ends at the engine's next step; one still being read is an error."""
+        if s.closed:
+            raise SessionClosed(f"{self.name}: session {s.sid} is closed; open another (dm.session())")
         prev = s.call
         if prev is None or prev.ended.is_set():
             return
@@ -297,9 +300,21 @@ class Engine:
         return Session(next(self._ids), [])
 
     def close_session(self, session: Session) -> None:
+        """Free a kept session's caches; a turn of it still running ends at its next step with
+        ``SessionClosed`` and frees them as it ends (its steps would rebuild what is freed now)."""
         with self._cond:
+            if session.closed:
+                return
             self._open -= 1
-        self.runner.end_sessions([session.sid])
+            session.closed = True
+            call = session.call
+            running = call is not None and not call.finished
+            if running and call is not None and call.closing is None:
+                call.closing = SessionClosed(f"{self.name}: session {session.sid} was closed after "
+                                             f"{call.produced} of {call.max_new} new tokens of its turn")
+                self._cond.notify()
+        if not running:
+            self.runner.end_sessions([session.sid])
 
     @staticmethod
     def results(call: Call) -> Iterator[torch.Tensor]:
@@ -608,6 +623,7 @@ class Engine:
             ahead = self.loop_steps > 1 and call.produced < call.max_new
             gone_sids = self._rewind(call, call.produced if seen is None else seen) \
                 if seen is not None or ahead else []
+            gone_sids += [s.sid for s in call.sessions if s.closed]     # NOTE: closed as it ran
         self._free(gone_sids)
         call.out.put(error if error is not None else None)
         call.ended.set()
