@@ -258,6 +258,9 @@ def test_top_k_and_top_p_keep_only_the_likeliest_tokens() -> None:
     assert picks == {0}                          # the top token alone holds more than half
     with pytest.raises(BadInput, match="top_p"):
         Sampling(True, 1.0, 0, 1.5)
+    for t in (0.0, -1.0, float("nan"), float("inf")):     # inf would sample every token alike
+        with pytest.raises(BadInput, match="temperature must be a finite number > 0"):
+            Sampling(True, t, 0, 1.0)
 
 
 # --- the KV store -----------------------------------------------------------------------------

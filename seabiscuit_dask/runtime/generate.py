@@ -112,8 +112,8 @@ class Sampling:
     generator: torch.Generator | None = None
 
     def __post_init__(self) -> None:
-        if self.do_sample and not self.temperature > 0:
-            raise BadInput(f"temperature must be > 0 to sample, got {self.temperature}")
+        if self.do_sample and not 0 < self.temperature < float("inf"):
+            raise BadInput(f"temperature must be a finite number > 0 to sample, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise BadInput(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
