@@ -223,6 +223,19 @@ def test_concurrent_requests_from_threads(client) -> None:
         assert M.rel_err(got[i], e) <= 1e-4
 
 
+def test_inputs_of_a_shape_the_model_cannot_take_are_bad_input(client) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 8)).eval()
+    with sb.distribute(model, client, (torch.randn(2, 16),), budget="4KiB") as dm:
+        x = torch.randn(7, 16)
+        with torch.no_grad():
+            assert torch.allclose(dm(x), model(x), atol=1e-5)          # another batch: traced anew
+        with pytest.raises(sb.BadInput, match=r"does not take inputs of shapes \[2, 17\] float32 \(it was "
+                                              r"traced with \[2, 16\] float32\).*reduction dim"):
+            dm(torch.randn(2, 17))
+        assert torch.allclose(dm(x), model(x).detach(), atol=1e-5)
+
+
 def test_bad_inputs_fail_before_anything_is_submitted(client) -> None:
     model, x = M.gpt2(), M.ids()
     with sb.distribute(model, client, (x,), budget=OP_BUDGET) as dm:

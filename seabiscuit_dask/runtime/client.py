@@ -44,6 +44,7 @@ from ..errors import (
     SeaBiscuitError,
     SessionClosed,
     StaleRun,
+    UnsupportedModel,
     WorkerHung,
     WorkerLost,
 )
@@ -398,7 +399,13 @@ class DistributedModel:
                 from ..trace import trace
 
                 call = {**self._trace_kwargs, **ordered}
-                prog = self._register(lambda: trace(self._source_module(), tuple(args), call))
+                try:
+                    prog = self._register(lambda: trace(self._source_module(), tuple(args), call))
+                except UnsupportedModel as e:      # NOTE: it traced at its first shapes: these are wrong
+                    got = ", ".join(f"{list(s)} {d}" for s, d in shapes)
+                    want = ", ".join(f"{list(s)} {d}" for s, d in traced)
+                    raise BadInput(f"model {self.model_id} does not take inputs of shapes {got} (it was "
+                                   f"traced with {want}): {e}") from e
                 self._shape_programs[shapes] = prog
             return prog
 
