@@ -481,6 +481,27 @@ def test_a_session_keeps_its_cache_between_turns() -> None:
     assert engine.runner.store.nbytes == 0
 
 
+def test_a_turn_past_the_context_is_refused_and_leaves_the_session_as_it_was() -> None:
+    from seabiscuit_dask.runtime.generate import stream_tokens
+
+    model = decoder("llama")
+    engine = Engine(LocalRunner(model, "64KiB"), context=16)
+    turn1, _ = padded_batch((6,), seed=7)
+    args = GenerateArgs.make(model.generation_config, 6, max_new_tokens=5, pad_token_id=0, eos_token_id=[])
+    s = engine.open_session()
+    list(stream_tokens(engine, turn1, args, session=s))
+    before = list(s.tokens)
+    with pytest.raises(BadInput, match="would hold 22 tokens, more than the context of 16"):
+        next(stream_tokens(engine, turn1, args, session=s))
+    assert s.tokens == before                    # the refused turn left nothing behind
+    short, _ = padded_batch((2,), seed=9)
+    args3 = GenerateArgs.make(model.generation_config, 2, max_new_tokens=3, pad_token_id=0, eos_token_id=[])
+    third = torch.stack(list(stream_tokens(engine, short, args3, session=s)), 1)
+    whole = torch.cat([torch.tensor([before]), short], 1)
+    assert torch.equal(third, hf_greedy(model, whole, torch.ones_like(whole), 3)[:, whole.shape[1]:])
+    engine.close_session(s)
+
+
 class HeldRunner(LocalRunner):
     """A ``LocalRunner`` whose ``hold``-th step waits for ``go``: the engine has made more tokens
     than its caller read, and is mid-step, when the caller stops reading."""
