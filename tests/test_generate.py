@@ -502,6 +502,42 @@ def test_a_turn_past_the_context_is_refused_and_leaves_the_session_as_it_was() -
     engine.close_session(s)
 
 
+def test_a_failed_turn_is_undone_whole_so_sending_it_again_continues_the_conversation() -> None:
+    from seabiscuit_dask.errors import SeaBiscuitError
+    from seabiscuit_dask.runtime.generate import stream_tokens
+
+    model = decoder("llama")
+
+    class FailingRunner(LocalRunner):
+        fail_at, steps = 0, 0
+
+        def run_step(self, batch: int, length: int, feed: dict[str, torch.Tensor]) -> torch.Tensor:
+            self.steps += 1
+            if self.steps == self.fail_at:
+                raise SeaBiscuitError("a block failed on worker w1: RuntimeError: out of memory")
+            return super().run_step(batch, length, feed)
+
+    runner = FailingRunner(model, "64KiB")
+    engine = Engine(runner)
+    turn1, _ = padded_batch((6,), seed=7)
+    turn2, _ = padded_batch((4,), seed=8)
+    args = GenerateArgs.make(model.generation_config, 6, max_new_tokens=5, pad_token_id=0, eos_token_id=[])
+    s = engine.open_session()
+    first = torch.stack(list(stream_tokens(engine, turn1, args, session=s)), 1)
+    before = list(s.tokens)
+    runner.fail_at = runner.steps + 3            # the next turn's prefill, a decode step, then a failure
+    stream = stream_tokens(engine, turn2, args, session=s)
+    heard = [next(stream), next(stream)]
+    with pytest.raises(SeaBiscuitError, match="out of memory"):
+        list(stream)
+    assert len(heard) == 2 and s.tokens == before          # neither its prompt nor its tokens stayed
+    again = torch.stack(list(stream_tokens(engine, turn2, args, session=s)), 1)
+    whole = torch.cat([turn1, first, turn2], 1)
+    assert torch.equal(again, hf_greedy(model, whole, torch.ones_like(whole), 5)[:, whole.shape[1]:])
+    engine.close_session(s)
+    assert runner.store.nbytes == 0
+
+
 class HeldRunner(LocalRunner):
     """A ``LocalRunner`` whose ``hold``-th step waits for ``go``: the engine has made more tokens
     than its caller read, and is mid-step, when the caller stops reading."""

@@ -167,7 +167,8 @@ class Call:
     seen: int | None = None     # rows the caller read before it stopped (a cancelled call)
     finished: bool = False      # the engine is done with it (under the engine's lock)
     ended: threading.Event = field(default_factory=threading.Event)     # and its caller was told
-    base: list[int] = field(default_factory=list)     # each session's tokens before this call's
+    before: list[int] = field(default_factory=list)   # each kept session's tokens before this turn
+    base: list[int] = field(default_factory=list)     # and with its prompt: where the answer starts
 
     @property
     def live(self) -> list[Session]:
@@ -258,10 +259,11 @@ class Engine:
                     raise BadInput(f"{self.name}: session {s.sid} would hold "
                                    f"{len(s.tokens) + len(p) + max_new} tokens, more than the context of "
                                    f"{self.context}")
+            before = [len(s.tokens) for s in sessions]
             for s, p in zip(sessions, prompts):
                 s.tokens.extend(p)
                 s.done = False
-            call = Call(list(sessions), max_new, sampling, frozenset(eos), pad, keep=True,
+            call = Call(list(sessions), max_new, sampling, frozenset(eos), pad, keep=True, before=before,
                         base=[len(s.tokens) for s in sessions])
             for s in sessions:
                 s.call = call
@@ -621,8 +623,13 @@ class Engine:
         if call.keep:
             # NOTE: a turn its caller stopped, or one whose decode loop ran on past its EOS
             ahead = self.loop_steps > 1 and call.produced < call.max_new
-            gone_sids = self._rewind(call, call.produced if seen is None else seen) \
-                if seen is not None or ahead else []
+            if error is not None and not isinstance(error, ModelClosed):
+                gone_sids = self._rewind(call, call.before)     # NOTE: undone whole: sent again, it fits
+            elif seen is not None or ahead:
+                gone_sids = self._rewind(call, [b + (call.produced if seen is None else seen)
+                                                for b in call.base])
+            else:
+                gone_sids = []
             gone_sids += [s.sid for s in call.sessions if s.closed]     # NOTE: closed as it ran
         self._free(gone_sids)
         call.out.put(error if error is not None else None)
@@ -637,7 +644,7 @@ class Engine:
                 call.seen = seen
                 return
         if call.keep and seen < call.produced:      # NOTE: it ended as the caller stopped
-            self._free(self._rewind(call, seen))
+            self._free(self._rewind(call, [b + seen for b in call.base]))
 
     def _free(self, sids: list[int]) -> None:
         if sids:
@@ -646,14 +653,15 @@ class Engine:
             except Exception as e:  # noqa: BLE001 - freeing is best effort; the answer stands
                 logger.warning("%s: caches of sessions %s not freed: %s", self.name, sids, e)
 
-    def _rewind(self, call: Call, seen: int) -> list[int]:
-        """Keep the first ``seen`` tokens of a kept session's turn alone (those its caller read: not
-        the ones made meanwhile, nor what steps that ran ahead cached on the workers). Each
-        session goes on under a new id, so a step of this call still running writes nothing the
-        next turn reads; its next turn prefills it anew. Returns the ids whose caches go."""
+    def _rewind(self, call: Call, keep: list[int]) -> list[int]:
+        """Cut each kept session of ``call`` back to its first ``keep`` tokens: a turn's answer to the
+        tokens its caller read (not the ones made meanwhile, nor what steps that ran ahead cached
+        on the workers), or a failed turn away whole. Each session goes on under a new id, so a
+        step of this call still running writes nothing the next turn reads; its next turn
+        prefills it anew. Returns the ids whose caches go."""
         old = []
-        for s, base in zip(call.sessions, call.base):
-            del s.tokens[base + seen:]
+        for s, n in zip(call.sessions, keep):
+            del s.tokens[n:]
             old.append(s.sid)
             s.sid, s.cached = next(self._ids), 0
         return old
