@@ -329,6 +329,35 @@ def test_a_lost_cache_reaches_the_caller_as_such(planned) -> None:
     assert not isinstance(e.value, RunFailed)
 
 
+def test_a_block_that_fails_after_its_run_was_forgotten_leaves_no_unread_error(planned) -> None:
+    """A run forgotten before its block's task started (the caller stopped a decode loop) while the
+    block still ran on a compute thread: its failure is nobody's, and asyncio must not log it as
+    an exception never retrieved."""
+    import gc
+
+    _, specs, x, _, _ = planned
+    first = next(s for s in specs if s.imports and all(src < 0 for src in s.sources))
+    lost = CacheLost("session 3 of model m: layer 0 holds 0 cached token(s) here", "m", 3, 0)
+    mesh = Mesh(specs, fail_on=first.index, fail_with=lost)
+    plane = mesh.planes[first.address]
+    resident = mesh.resident[first.address]
+    plane.spec_of = lambda m, v, b: resident.program(m, v, b, mesh.fetch).spec    # NOTE: loaded, as held
+
+    async def forgotten() -> list[dict]:
+        unread: list[dict] = []
+        loop = asyncio.get_running_loop()
+        loop.set_exception_handler(lambda _, context: unread.append(context))
+        await plane.feed(MODEL, TICKET, 0, 7, {first.index: {t: x for t in first.imports}})
+        assert await plane.forget(MODEL, TICKET, [7]) == 1     # before its task took a step
+        await loop.run_in_executor(mesh.pool, lambda: None)     # the block has failed on its thread
+        for _ in range(3):
+            await asyncio.sleep(0)
+        gc.collect()
+        return unread
+
+    assert asyncio.run(forgotten()) == []
+
+
 def test_runs_in_flight_are_bounded_and_forgotten_runs_are_dropped(planned) -> None:
     _, specs, _, _, _ = planned
     waiting = next(s for s in specs if any(src >= 0 for src in s.sources))    # it waits for a producer

@@ -348,8 +348,13 @@ class DataPlane:
         a request on down the pipeline before it starts the next one."""
         ordered = getattr(self.executor, "submit_ordered", None)
         if ordered is not None:
-            return asyncio.wrap_future(ordered(run.created, self.compute, *args))
-        return asyncio.get_running_loop().run_in_executor(self.executor, self.compute, *args)
+            running = asyncio.wrap_future(ordered(run.created, self.compute, *args))
+        else:
+            running = asyncio.get_running_loop().run_in_executor(self.executor, self.compute, *args)
+        # NOTE: a run forgotten before its task awaited this leaves a failure nobody reads: not an
+        # error to log (the task awaiting it, when it does, still gets it)
+        running.add_done_callback(lambda f: f.cancelled() or f.exception())
+        return running
 
     def _inline(self, run: Run, block: int) -> bool:
         """Whether the block may run on the event loop now: resident at the run's plan, with no tile
