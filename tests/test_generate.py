@@ -278,6 +278,20 @@ def test_kv_store_writes_once_reads_again_and_refuses_a_gap() -> None:
     assert store.drop("m", {0}) == asked[0] and store.nbytes == 0
 
 
+def test_a_renamed_cache_is_cut_back_and_its_old_session_can_no_longer_write() -> None:
+    store = KVStore()
+    k = torch.arange(2 * 5 * 4, dtype=torch.float32).reshape(2, 5, 4)
+    for layer in (0, 1):
+        store.write("m", 0, layer, 0, k, k)
+    assert store.rename("m", 0, 7, 3) == 3 and store.sessions("m") == {7: 3}
+    with pytest.raises(CacheLost, match="session 0 of model m: layer 1 holds 0"):    # a step still running
+        store.write("m", 0, 1, 5, k[:, :1], k[:, :1])
+    assert store.sessions("m") == {7: 3}          # and it left nothing behind
+    keys, _ = store.write("m", 7, 0, 3, -k[:, :2], k[:, :2])    # the next turn writes past what was kept
+    assert torch.equal(keys[:, :3], k[:, :3]) and torch.equal(keys[:, 3:], -k[:, :2])
+    assert store.rename("m", 99, 8, 3) == 0 and store.sessions("m") == {7: 5}
+
+
 def test_a_full_worker_refuses_to_grow_a_cache() -> None:
     from seabiscuit_dask.runtime.resident import ResidentBlocks
 
@@ -544,11 +558,12 @@ class HeldRunner(LocalRunner):
 
     def __init__(self, model: torch.nn.Module, hold: int) -> None:
         super().__init__(model, "64KiB")
-        self.hold, self.steps = hold, 0
+        self.hold, self.steps, self.starts = hold, 0, []
         self.held, self.go = threading.Event(), threading.Event()
 
     def run_step(self, batch: int, length: int, feed: dict[str, torch.Tensor]) -> torch.Tensor:
         self.steps += 1
+        self.starts.append((length, int(feed["sb_start"][0])))
         if self.steps == self.hold:
             self.held.set()
             assert self.go.wait(60)
@@ -576,7 +591,9 @@ def test_a_turn_stopped_midway_keeps_what_was_read_and_a_session_closed_midway_f
     assert s.tokens[:12] == turn1[0].tolist() + read + turn2[0].tolist() and len(s.tokens) == 17
     whole = torch.cat([turn1, torch.tensor([read]), turn2], 1)
     assert torch.equal(second, hf_greedy(model, whole, torch.ones_like(whole), 5)[:, whole.shape[1]:])
-    assert first_id not in runner.store.sessions("local")      # what the stopped turn cached is gone
+    assert first_id not in runner.store.sessions("local")      # renamed: a late step finds nothing
+    prefill = next(st for n, st in reversed(runner.starts) if n > 1)
+    assert prefill == 6 + 2                      # its cache cut back to what was read, not rebuilt
 
     runner.hold, runner.go = runner.steps + 3, threading.Event()
     other = engine.open_session()

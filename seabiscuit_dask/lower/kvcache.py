@@ -60,7 +60,7 @@ class KVStore:
     def __init__(self, reserve: Callable[[int, str], None] | None = None) -> None:
         self.reserve = reserve
         self.caches: dict[tuple[str, int], dict[int, LayerCache]] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
 
     @property
     def nbytes(self) -> int:
@@ -86,28 +86,43 @@ class KVStore:
             keys = [k for k in self.caches if k[0] == model and (sessions is None or k[1] in sessions)]
             return sum(c.nbytes for k in keys for c in self.caches.pop(k).values())
 
+    def rename(self, model: str, old: int, new: int, keep: int) -> int:
+        """Session ``old``'s caches become session ``new``'s, cut to their first ``keep`` slots (a
+        conversation cut back, ``Engine._rewind``): a step of ``old`` still running finds nothing
+        to write to. Returns the slots kept (the least over layers; 0 for none here)."""
+        with self._lock:
+            self.caches.pop((model, new), None)
+            layers = self.caches.pop((model, old), None)
+            if not layers:
+                return 0
+            for c in layers.values():
+                c.length = min(c.length, max(0, int(keep)))
+            self.caches[(model, new)] = layers
+            return min(c.length for c in layers.values())
+
     def write(self, model: str, session: int, layer: int, start: int, k: torch.Tensor,
               v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Cache ``k``, ``v`` ((Hk, n, E)) at slots ``start..start+n-1``; returns all keys and values
-        up to the last of them. Slots already cached are read, not written."""
+        up to the last of them. Slots already cached are read, not written. Under the store's
+        lock, so a ``rename`` or ``drop`` comes wholly before or after it."""
         n = k.shape[1]
         with self._lock:
-            layers = self.caches.setdefault((model, session), {})
-            c = layers.get(layer)
-        have = c.length if c is not None else 0
-        if start > have:
-            raise CacheLost(f"session {session} of model {model}: layer {layer} holds {have} cached "
-                            f"token(s) here, the step starts at token {start} (its cache was lost with "
-                            "a worker; replay the session's tokens)", model, session, have)
-        end = start + n
-        if c is None or end > c.k.shape[1]:
-            c = self._grow(model, session, layer, c, end, k, v)
-        if end > c.length:
-            first = c.length - start
-            c.k[:, c.length:end] = k[:, first:]
-            c.v[:, c.length:end] = v[:, first:]
-            c.length = end
-        return c.k[:, :end], c.v[:, :end]
+            layers = self.caches.get((model, session))
+            c = layers.get(layer) if layers is not None else None
+            have = c.length if c is not None else 0
+            if start > have:
+                raise CacheLost(f"session {session} of model {model}: layer {layer} holds {have} cached "
+                                f"token(s) here, the step starts at token {start} (its cache was lost with "
+                                "a worker; replay the session's tokens)", model, session, have)
+            end = start + n
+            if c is None or end > c.k.shape[1]:
+                c = self._grow(model, session, layer, c, end, k, v)
+            if end > c.length:
+                first = c.length - start
+                c.k[:, c.length:end] = k[:, first:]
+                c.v[:, c.length:end] = v[:, first:]
+                c.length = end
+            return c.k[:, :end], c.v[:, :end]
 
     def _grow(self, model: str, session: int, layer: int, c: LayerCache | None, end: int,
               k: torch.Tensor, v: torch.Tensor) -> LayerCache:

@@ -214,12 +214,16 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
                 logger.info("seabiscuit: link to %s not probed: %s", peer, e)
 
     def drop_sessions(self, comm: Any = None, model: str = "", sessions: list[int] | None = None,
-                      secret: str = "") -> int:
-        """Free the KV caches of ``sessions`` of ``model`` here; returns the bytes freed."""
+                      secret: str = "", renamed: Any = ()) -> int:
+        """Free the KV caches of ``sessions`` of ``model`` here, and rename the sessions of
+        ``renamed`` ((old, new, slots kept) each, ``KVStore.rename``); returns the bytes freed."""
         if not access.same_token(self.secret, secret):
             raise AccessDenied(f"dropping sessions of model {model!r} on {self.worker.address} needs the "
                                "scheduler plugin's secret: end sessions through the model's client")
-        return self.resident.kv.drop(access.check_model_id(model), {int(s) for s in sessions or ()})
+        model = access.check_model_id(model)
+        for old, new, keep in renamed or ():
+            self.resident.kv.rename(model, int(old), int(new), int(keep))
+        return self.resident.kv.drop(model, {int(s) for s in sessions or ()})
 
     async def sync(self, comm: Any = None, model: str = "") -> int:
         """Hold what the scheduler says this worker owns of ``model``; loads run off the event loop.

@@ -652,11 +652,13 @@ class DistributedModel:
             if h.pending is not None:
                 h.pending.cancel()
 
-    def end_sessions(self, sessions: Any) -> None:
-        """Free the KV caches of ``sessions`` on every worker."""
+    def end_sessions(self, sessions: Any, renamed: Any = ()) -> None:
+        """Free the KV caches of ``sessions`` on every worker, and rename those of ``renamed``
+        ((old, new, slots kept) each, ``KVStore.rename``)."""
         if self.client.status == "running" and not self._closed:
             self.client.sync(self.client.scheduler.seabiscuit_end_sessions, model=self.model_id,
-                             token=self._token, sessions=[int(s) for s in sessions])
+                             token=self._token, sessions=[int(s) for s in sessions],
+                             renamed=[[int(o), int(n), int(k)] for o, n, k in renamed])
 
     def recover(self, error: BaseException) -> None:
         """After a worker loss in a step: take the plan the scheduler holds now (the event that

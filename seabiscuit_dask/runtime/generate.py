@@ -47,8 +47,9 @@ class Runner(Protocol):
     def run_step(self, batch: int, length: int, feed: dict[str, torch.Tensor]) -> torch.Tensor:
         """Logits (batch, vocab) of the last position of each row."""
 
-    def end_sessions(self, sessions: Sequence[int]) -> None:
-        """Free the cache of ``sessions`` everywhere."""
+    def end_sessions(self, sessions: Sequence[int], renamed: Sequence[tuple[int, int, int]] = ()) -> None:
+        """Free the cache of ``sessions`` everywhere, and rename those of ``renamed`` ((old, new,
+        slots kept) each, ``KVStore.rename``)."""
 
     def recover(self, error: BaseException) -> None:
         """Return once a step may be tried again after ``error`` (a worker loss), else raise."""
@@ -619,19 +620,16 @@ class Engine:
             seen = call.seen
             if not call.keep:
                 self._open -= len(call.sessions)
-        gone_sids = [s.sid for s in call.sessions]
+        freed = [s.sid for s in call.sessions if not call.keep or s.closed]    # NOTE: closed as it ran
+        moved: list[tuple[int, int, int]] = []
         if call.keep:
-            # NOTE: a turn its caller stopped, or one whose decode loop ran on past its EOS
+            # NOTE: a turn its caller stopped, or one whose decode loop may have run on past its EOS
             ahead = self.loop_steps > 1 and call.produced < call.max_new
             if error is not None and not isinstance(error, ModelClosed):
-                gone_sids = self._rewind(call, call.before)     # NOTE: undone whole: sent again, it fits
+                moved = self._rewind(call, call.before)     # NOTE: undone whole: sent again, it fits
             elif seen is not None or ahead:
-                gone_sids = self._rewind(call, [b + (call.produced if seen is None else seen)
-                                                for b in call.base])
-            else:
-                gone_sids = []
-            gone_sids += [s.sid for s in call.sessions if s.closed]     # NOTE: closed as it ran
-        self._free(gone_sids)
+                moved = self._rewind(call, [b + (call.produced if seen is None else seen) for b in call.base])
+        self._free(freed, moved)
         call.out.put(error if error is not None else None)
         call.ended.set()
 
@@ -644,27 +642,35 @@ class Engine:
                 call.seen = seen
                 return
         if call.keep and seen < call.produced:      # NOTE: it ended as the caller stopped
-            self._free(self._rewind(call, [b + seen for b in call.base]))
+            self._free([], self._rewind(call, [b + seen for b in call.base]))
 
-    def _free(self, sids: list[int]) -> None:
-        if sids:
+    def _free(self, sids: list[int], moved: Sequence[tuple[int, int, int]] = ()) -> None:
+        if sids or moved:
             try:
-                self.runner.end_sessions(sids)
-            except Exception as e:  # noqa: BLE001 - freeing is best effort; the answer stands
-                logger.warning("%s: caches of sessions %s not freed: %s", self.name, sids, e)
+                if moved:
+                    self.runner.end_sessions(sids, moved)
+                else:
+                    self.runner.end_sessions(sids)
+            except Exception as e:  # noqa: BLE001 - best effort: a cache not cut back is replayed
+                logger.warning("%s: caches of sessions %s not freed, nor %s cut back: %s", self.name, sids,
+                               moved, e)
 
-    def _rewind(self, call: Call, keep: list[int]) -> list[int]:
-        """Cut each kept session of ``call`` back to its first ``keep`` tokens: a turn's answer to the
-        tokens its caller read (not the ones made meanwhile, nor what steps that ran ahead cached
-        on the workers), or a failed turn away whole. Each session goes on under a new id, so a
-        step of this call still running writes nothing the next turn reads; its next turn
-        prefills it anew. Returns the ids whose caches go."""
-        old = []
+    def _rewind(self, call: Call, keep: list[int]) -> list[tuple[int, int, int]]:
+        """Cut each open kept session of ``call`` back to its first ``keep`` tokens: a turn's answer
+        to the tokens its caller read (not the ones made meanwhile, nor what steps that ran ahead
+        cached on the workers), or a failed turn away whole. Each goes on under a new id, its
+        caches renamed and cut to as many slots (``KVStore.rename``), so a step of this call
+        still running finds nothing to write to, and the next turn starts from what is kept.
+        Returns the (old id, new id, slots kept) of each."""
+        moved = []
         for s, n in zip(call.sessions, keep):
+            if s.closed:
+                continue
             del s.tokens[n:]
-            old.append(s.sid)
-            s.sid, s.cached = next(self._ids), 0
-        return old
+            new = next(self._ids)
+            moved.append((s.sid, new, n))
+            s.sid, s.cached = new, min(s.cached, n)
+        return moved
 
 
 TURN_WAIT_S = 120.0  # NOTE: how long a kept session's next turn waits for its last one to end
@@ -832,7 +838,9 @@ class LocalRunner:
             out = run_local(graph, *[feed[n] for n in graph.inputs], weights=self.model)
         return out[:, -1]
 
-    def end_sessions(self, sessions: Sequence[int]) -> None:
+    def end_sessions(self, sessions: Sequence[int], renamed: Sequence[tuple[int, int, int]] = ()) -> None:
+        for old, new, keep in renamed:
+            self.store.rename("local", old, new, keep)
         self.store.drop("local", set(sessions))
 
     def recover(self, error: BaseException) -> None:
