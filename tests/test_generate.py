@@ -6,6 +6,7 @@ serve seeded decoders and SmolLM2-135M-Instruct with its real weights.
 
 from __future__ import annotations
 
+import gc
 import threading
 
 import pytest
@@ -18,7 +19,7 @@ from seabiscuit_dask.placement.follow import follow
 from seabiscuit_dask.runtime.generate import Engine, GenerateArgs, LocalRunner, generate_tokens
 from seabiscuit_dask.trace.decoder import trace_step
 
-from .clusters import seabiscuit_cluster
+from .clusters import seabiscuit_cluster, wait_for
 
 VOCAB = 512
 
@@ -374,6 +375,10 @@ def test_step_programs_follow_the_weights_of_the_deployment(family: str) -> None
 
 # --- on a cluster -----------------------------------------------------------------------------
 @pytest.mark.slow
+def kv_bytes(dask_worker) -> int:
+    return dask_worker.plugins["seabiscuit"].resident.kv.nbytes
+
+
 def test_generate_on_a_cluster_matches_hugging_face_and_frees_its_caches() -> None:
     model = decoder("llama")
     ids, mask = padded_batch((9, 4), seed=1)
@@ -413,6 +418,14 @@ def test_generate_on_a_cluster_matches_hugging_face_and_frees_its_caches() -> No
                 list(stream)
             except SessionClosed:
                 pass
+            for _ in range(3):                              # sessions dropped unclosed free theirs too
+                assert len(list(dm.session().stream(ids[:1], 3, pad_token_id=0, eos_token_id=[]))) == 3
+                dropped = dm.session()
+                dropped.generate(ids[:1], 2, pad_token_id=0, eos_token_id=[])
+                del dropped
+                gc.collect()
+            wait_for(lambda: dm._engine._open == 0, "the dropped sessions' slots given back")
+            wait_for(lambda: sum(client.run(kv_bytes).values()) == 0, "the dropped sessions' caches freed")
             after = client.run(lambda dask_worker: dask_worker.plugins["seabiscuit"].resident.kv.nbytes)
             assert sum(after.values()) == 0
             stats = dm.generation_stats()

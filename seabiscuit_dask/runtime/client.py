@@ -27,6 +27,7 @@ import shutil
 import statistics
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -833,6 +834,11 @@ class ChatSession:
 
     def __init__(self, dm: DistributedModel, session: Any) -> None:
         self.dm, self._session, self._closed = dm, session, False
+        # NOTE: a session its caller drops unclosed frees its slot and caches all the same
+        self._finalizer = weakref.finalize(self, dm._engine.close_session, session, False) \
+            if dm._engine is not None else None
+        if self._finalizer is not None:
+            self._finalizer.atexit = False
 
     @property
     def tokens(self) -> list[int]:
@@ -857,7 +863,12 @@ class ChatSession:
                                                 top_p, eos, pad, generator, attention_mask=mask)
         if kwargs:
             raise BadInput(f"unknown generate arguments {sorted(kwargs)}")
-        return stream_tokens(engine, input_ids, args, mask, streamer, session=self._session)
+        return self._holding(stream_tokens(engine, input_ids, args, mask, streamer, session=self._session))
+
+    def _holding(self, tokens: Any) -> Any:
+        """``tokens`` as they come, this session kept alive meanwhile (``dm.session().stream(...)``
+        drops the session at once, and its finalizer would close it under its own turn)."""
+        yield from tokens
 
     def generate(self, input_ids: Any, max_new_tokens: int | None = None, **kwargs: Any) -> Any:
         """This turn's prompt followed by its answer, as ``DistributedModel.generate`` returns it."""
@@ -868,6 +879,8 @@ class ChatSession:
         """Free the conversation's KV cache on every worker."""
         if not self._closed:
             self._closed = True
+            if self._finalizer is not None:
+                self._finalizer.detach()
             self.dm._engine.close_session(self._session)
 
     def __enter__(self) -> ChatSession:

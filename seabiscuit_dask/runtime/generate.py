@@ -222,6 +222,7 @@ class Engine:
         self._pending: list[Call] = []
         self._active: list[Call] = []
         self._admitting: list[Call] = []       # taken from _pending, being prefilled
+        self._unfreed: list[int] = []          # sessions dropped by their callers, caches to free
         self._open = 0
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -273,9 +274,7 @@ class Engine:
                 raise ModelClosed(f"{self.name} is closed: it takes no more generate calls")
             self._pending.append(call)
             self._cond.notify()
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="seabiscuit-generate", daemon=True)
-                self._thread.start()
+            self._start_thread()
         return call
 
     def _after_turn(self, s: Session) -> None:
@@ -302,9 +301,11 @@ class Engine:
             self._open += 1
         return Session(next(self._ids), [])
 
-    def close_session(self, session: Session) -> None:
+    def close_session(self, session: Session, wait: bool = True) -> None:
         """Free a kept session's caches; a turn of it still running ends at its next step with
-        ``SessionClosed`` and frees them as it ends (its steps would rebuild what is freed now)."""
+        ``SessionClosed`` and frees them as it ends (its steps would rebuild what is freed now).
+        ``wait=False`` (a session its caller dropped, from a finalizer on any thread): the
+        engine's thread frees them."""
         with self._cond:
             if session.closed:
                 return
@@ -316,8 +317,18 @@ class Engine:
                 call.closing = SessionClosed(f"{self.name}: session {session.sid} was closed after "
                                              f"{call.produced} of {call.max_new} new tokens of its turn")
                 self._cond.notify()
-        if not running:
+            if not running and not wait:
+                self._unfreed.append(session.sid)
+                self._cond.notify()
+                self._start_thread()
+        if not running and wait:
             self.runner.end_sessions([session.sid])
+
+    def _start_thread(self) -> None:
+        """The engine's thread, started once (lock held)."""
+        if self._thread is None and not self._closed:
+            self._thread = threading.Thread(target=self._loop, name="seabiscuit-generate", daemon=True)
+            self._thread.start()
 
     @staticmethod
     def results(call: Call) -> Iterator[torch.Tensor]:
@@ -348,12 +359,14 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not (self._pending or self._active or self._closed):
+                while not (self._pending or self._active or self._closed or self._unfreed):
                     self._cond.wait()
+                unfreed, self._unfreed = self._unfreed, []
                 if self._closed and not (self._pending or self._active):
                     return
                 new, self._pending = self._pending, []
                 self._admitting = list(new)
+            self._free(unfreed)
             self._admit_all(new)
             with self._cond:
                 self._admitting = []
