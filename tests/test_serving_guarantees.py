@@ -286,6 +286,30 @@ def test_another_client_cannot_reach_the_model(client, model) -> None:
     wait_for(lambda: theirs.model_id not in plugin(client).state.models, "the other client's model released")
 
 
+def test_a_model_dropped_unclosed_is_released(model) -> None:
+    """A notebook cell that deploys again: the model it dropped without ``close()`` frees what it
+    held, so the cluster, with room for two, takes a third, fourth and fifth."""
+    import gc
+
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    with seabiscuit_cluster(2, 2 * weights) as small:
+        ids = []
+        for _ in range(5):
+            dm = sb.distribute(model, small, X, budget="64KiB")
+            assert dm(X).logits.shape[-1] == model.config.vocab_size
+            ids.append(dm.model_id)
+            del dm
+            gc.collect()
+        wait_for(lambda: set(ids[:-1]).isdisjoint(plugin(small).state.models), "the dropped models released")
+        talks = sb.distribute(model, small, X, budget="64KiB", sessions=1, context=32)
+        talks.generate(X, 2, pad_token_id=0)
+        gone = talks.model_id
+        del talks
+        gc.collect()                             # NOTE: its engine's thread lets go of it once idle
+        wait_for(lambda: gc.collect() >= 0 and gone not in plugin(small).state.models,
+                 "a dropped model that generated released")
+
+
 def test_another_client_cannot_use_the_data_plane(client, model) -> None:
     from seabiscuit_dask.runtime.dataplane import Tensors
 

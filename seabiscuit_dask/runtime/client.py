@@ -72,6 +72,48 @@ def _quiet(msg: str) -> None:
     return None
 
 
+# NOTE: releases of models their callers dropped unclosed (``_release_dropped``), still on their way
+_releasing: set[concurrent.futures.Future[Any]] = set()
+_releasing_lock = threading.Lock()
+RELEASE_WAIT_S = 30.0
+
+
+def _release_dropped(client: Any, model_id: str, token: str, checkpoint_dir: str) -> None:
+    """Free a ``DistributedModel`` its caller dropped without ``close()`` (a notebook cell run
+    again): its blocks on every worker and its plans on the scheduler, as ``close`` does, sent
+    from whatever thread collected it without waiting (``await_releases`` waits)."""
+    try:
+        events.unlisten(client, model_id)
+        if client.status != "running":
+            return
+        release = asyncio.run_coroutine_threadsafe(
+            client.scheduler.seabiscuit_release(model=model_id, token=token), client.loop.asyncio_loop)
+    except Exception as e:  # noqa: BLE001 - a client closing frees everything of its own
+        logger.info("seabiscuit: model %s, dropped unclosed, not released: %s", model_id, e)
+        return
+    finally:
+        if checkpoint_dir:
+            shutil.rmtree(Path(checkpoint_dir) / model_id, ignore_errors=True)
+
+    def done(f: concurrent.futures.Future[Any]) -> None:
+        with _releasing_lock:
+            _releasing.discard(f)
+        if not f.cancelled() and f.exception() is not None:
+            logger.info("seabiscuit: model %s, dropped unclosed, not released: %s", model_id, f.exception())
+
+    with _releasing_lock:
+        _releasing.add(release)
+    release.add_done_callback(done)
+
+
+def await_releases(timeout_s: float = RELEASE_WAIT_S) -> None:
+    """Wait for the releases of models dropped unclosed, so what they held is free to plan with."""
+    with _releasing_lock:
+        pending = list(_releasing)
+    if pending:
+        concurrent.futures.wait(pending, timeout_s)
+
+
 class DistributedModel:
     """A model deployed on a Dask cluster; call it like the model. See ``deploy``."""
 
@@ -107,6 +149,9 @@ class DistributedModel:
         self.version = -1
         self._set_plan(plan, version)
         events.listen(client, model_id, self._on_event)
+        # NOTE: a model its caller drops unclosed is released all the same (``_release_dropped``)
+        self._finalizer = weakref.finalize(self, _release_dropped, client, model_id, token, checkpoint_dir)
+        self._finalizer.atexit = False
 
     # --- plan ------------------------------------------------------------------------------
     def _set_plan(self, plan: Plan, version: int) -> None:
@@ -802,6 +847,7 @@ class DistributedModel:
         """Free the model's blocks on every worker and its plans on the scheduler."""
         if self._closed:
             return
+        self._finalizer.detach()
         with self._changed:
             self._closed = True
             self._changed.notify_all()
@@ -1038,6 +1084,7 @@ def deploy(plan: Plan, client: Any, *, weights: Any = None,
     >>> dm = sb.deploy(plan, client, weights=model)                                   # doctest: +SKIP
     """
     say = progress or _quiet
+    await_releases()
     ckpt = checkpoint_dir if checkpoint_dir is not None else config.get("checkpoint.directory")
     ckpt = os.fspath(writable(os.fspath(ckpt))) if ckpt else ""
     every = int(verify_every if verify_every is not None else config.get("integrity.verify-every", 0) or 0)
@@ -1169,6 +1216,7 @@ def distribute(model_or_path: Any, client: Any, example_inputs: Any, budget: int
     if is_onnx(model_or_path):        # NOTE: a module whose buffers are its initializers (trace/onnx.py)
         model_or_path = load_onnx(model_or_path, lazy=True)
     t0 = time.perf_counter()
+    await_releases()
     spec = measure_cluster(client, device=choice)    # NOTE: fails early without the plugin or the device
     kinds = ", ".join(f"{sum(d.kind == k for d in spec.devices)} {k}" for k in ("gpu", "cpu")
                       if any(d.kind == k for d in spec.devices))

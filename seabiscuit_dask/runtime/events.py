@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -10,7 +11,9 @@ TOPIC = "seabiscuit"
 
 Handler = Callable[[Mapping[str, Any]], None]
 
-_handlers: dict[str, dict[str, Handler]] = {}      # client id -> model id -> handler
+# NOTE: a model's handler is held weakly (a bound method, by ``weakref.WeakMethod``): a model its
+# caller drops is not kept alive by its subscription
+_handlers: dict[str, dict[str, Callable[[], Handler | None]]] = {}      # client id -> model id -> handler
 _lock = threading.Lock()
 
 
@@ -19,14 +22,15 @@ def listen(client: Any, model: str, handler: Handler) -> None:
     with _lock:
         models = _handlers.setdefault(client.id, {})
         first = not models
-        models[model] = handler
+        models[model] = weakref.WeakMethod(handler) if hasattr(handler, "__self__") else (lambda: handler)
     if not first:
         return
 
     def dispatch(event: Any) -> None:
         msg = event[1]
         if isinstance(msg, Mapping):
-            target = _handlers.get(client.id, {}).get(str(msg.get("model")))
+            ref = _handlers.get(client.id, {}).get(str(msg.get("model")))
+            target = ref() if ref is not None else None
             if target is not None:
                 target(msg)
 

@@ -360,7 +360,12 @@ class Engine:
         while True:
             with self._cond:
                 while not (self._pending or self._active or self._closed or self._unfreed):
-                    self._cond.wait()
+                    # NOTE: idle, the thread ends (and starts again with the next call): a model
+                    # its caller dropped is not kept alive by it
+                    if not self._cond.wait(IDLE_EXIT_S) and not (self._pending or self._active
+                                                                  or self._closed or self._unfreed):
+                        self._thread = None
+                        return
                 unfreed, self._unfreed = self._unfreed, []
                 if self._closed and not (self._pending or self._active):
                     return
@@ -686,6 +691,7 @@ class Engine:
         return moved
 
 
+IDLE_EXIT_S = 2.0    # NOTE: how long the engine's thread waits for work before it ends
 TURN_WAIT_S = 120.0  # NOTE: how long a kept session's next turn waits for its last one to end
 STEP_TOKENS = 48     # NOTE: a step's fixed cost (every weight read once) in tokens' worth of compute
 
