@@ -49,6 +49,11 @@ class ClusterTooSmall(SeaBiscuitError):
     """The cluster cannot hold the model."""
 
 
+class RoomTaken(ClusterTooSmall):
+    """A plan counted on room another model took since it was made (deployed meanwhile, by
+    another client): measure the cluster and place again (``distribute`` does, once)."""
+
+
 class DeviceUnavailable(ClusterTooSmall):
     """No worker of the cluster has the kind of device the model must run on (``device="cuda"``
     and no GPU worker)."""

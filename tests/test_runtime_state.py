@@ -215,6 +215,19 @@ def test_a_chain_spreads_onto_a_device_that_joins_its_host() -> None:
     assert new.acyclic
 
 
+def test_a_plan_whose_room_another_model_took_is_refused(gpt2) -> None:
+    """Two clients measured the cluster, then placed and deployed at once: the second plan counts
+    on room the first took, and is refused (``RoomTaken``), not overcommitted."""
+    _, _, graph = gpt2
+    weights = sum(p.nbytes for p in graph.params.values())
+    state, plan = deployed(graph, cluster(2, f"{int(weights * 0.8)}B"))
+    with pytest.raises(sb.RoomTaken, match=r"other models' plans take \d+ of its budget.*place again"):
+        state.handle(ModelDeployed("m2", plan, "other"))
+    assert list(state.models) == ["m1"]
+    state.handle(ModelReleased("m1"))
+    assert state.handle(ModelDeployed("m2", plan, "other")) == [PlanChanged("m2", 0, "deployed")]
+
+
 def test_only_the_deploying_client_may_change_a_model(gpt2) -> None:
     _, _, graph = gpt2
     state, _ = deployed(graph)

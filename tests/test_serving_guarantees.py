@@ -310,6 +310,30 @@ def test_a_model_dropped_unclosed_is_released(model) -> None:
                  "a dropped model that generated released")
 
 
+def test_a_distribute_whose_room_another_model_took_meanwhile_places_again(model, monkeypatch) -> None:
+    """Two clients measured an empty cluster with room for one model, then deployed: the second
+    plan is refused on the scheduler (``RoomTaken``), and ``distribute`` measures and places once
+    more, which finds no room: a plain ``ClusterTooSmall``, nothing overcommitted."""
+    import seabiscuit_dask.runtime.client as rc
+
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    with seabiscuit_cluster(2, int(0.8 * weights)) as small:
+        stale = sb.measure_cluster(small)
+        with sb.distribute(model, small, X, budget="64KiB") as first:
+            measured = iter([stale])
+            real = rc.measure_cluster
+            monkeypatch.setattr(rc, "measure_cluster", lambda client, device=None: next(measured, None)
+                                or real(client, device=device))
+            said: list[str] = []
+            with pytest.raises(sb.ClusterTooSmall) as refused:
+                sb.distribute(model, small, X, budget="64KiB", progress=said.append)
+            assert not isinstance(refused.value, sb.RoomTaken)
+            assert any("another model was deployed there since the plan was made" in line and "placing again"
+                       in line for line in said)
+            assert list(plugin(small).state.models) == [first.model_id]
+            torch.testing.assert_close(first(X).logits, model(X).logits, rtol=1e-4, atol=1e-5)
+
+
 def test_another_client_cannot_use_the_data_plane(client, model) -> None:
     from seabiscuit_dask.runtime.dataplane import Tensors
 

@@ -41,6 +41,7 @@ from .. import config
 from ..errors import (
     BadInput,
     ModelClosed,
+    RoomTaken,
     RunFailed,
     SeaBiscuitError,
     SessionClosed,
@@ -1240,13 +1241,20 @@ def distribute(model_or_path: Any, client: Any, example_inputs: Any, budget: int
     if reserve:
         micro = micro.with_meta(kv_reserve_bytes=reserve)
         say(f"keeping {fmt_bytes(reserve)} per attention layer for {n_sessions} session(s) of {limit} tokens")
-        plan = place_for_decode(module, micro, spec, nbytes, say)
-    else:
-        plan = place(micro, spec)
-    say(f"placed in {plan.planning_s:.2f} s: {len(plan.blocks)} blocks")
     weights = model_or_path if not isinstance(model_or_path, (str, os.PathLike)) else None
-    dm = deploy(plan, client, weights=weights, checkpoint_dir=checkpoint_dir, verify_every=verify_every,
-                progress=say, decode_rows=rows_for(n_sessions) if reserve else None)
+    for attempt in range(2):
+        plan = place_for_decode(module, micro, spec, nbytes, say) if reserve else place(micro, spec)
+        say(f"placed in {plan.planning_s:.2f} s: {len(plan.blocks)} blocks")
+        try:
+            dm = deploy(plan, client, weights=weights, checkpoint_dir=checkpoint_dir,
+                        verify_every=verify_every, progress=say,
+                        decode_rows=rows_for(n_sessions) if reserve else None)
+            break
+        except RoomTaken as e:      # NOTE: another model took the room meanwhile: measure, place again
+            if attempt:
+                raise
+            say(f"{e}; placing again")
+            spec = measure_cluster(client, device=choice)
     dm._source, dm._budget = model_or_path, nbytes
     dm._trace_kwargs = {k: v for k, v in (kwargs or {}).items() if not isinstance(v, torch.Tensor)}
     dm._limits = (n_sessions or None, limit if reserve else context)

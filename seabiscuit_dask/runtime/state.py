@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from .. import config
-from ..errors import AccessDenied, ClusterTooSmall, SeaBiscuitError
+from ..errors import AccessDenied, ClusterTooSmall, RoomTaken, SeaBiscuitError
 from ..ir import OpGraph
 from ..lower.blocks import BlockSpec, Key, block_specs, parse_key, split_block
 from ..placement import CapacityChanged, DeviceAdded, DeviceLost, DeviceSpec, Plan, place, replan
@@ -734,6 +734,18 @@ class PlacementState:
             raise ClusterTooSmall(f"model {e.model}: the plan gives device {name} {claimed} bytes, more than "
                                   f"its worker's measured budget of {measured} bytes ({len(over)} device(s) "
                                   "so); place the model on sb.measure_cluster(client) again")
+        # NOTE: room the plan counted on that another model took since it was measured (two clients
+        # that measured and placed at the same time): the second is refused, not overcommitted
+        peaks = e.plan.peak_bytes
+        taken = [(d.name, int(peaks[i]), self.held_bytes(d.address), self.devices[d.address].memory_bytes)
+                 for i, d in enumerate(e.plan.spec.devices) if d.kind == self.devices[d.address].kind
+                 and self.held_bytes(d.address) + int(peaks[i]) > self.devices[d.address].memory_bytes]
+        if taken:
+            name, need, held, budget = taken[0]
+            raise RoomTaken(f"model {e.model}: the plan puts {need} bytes on {name}, whose other models' "
+                            f"plans take {held} of its budget of {budget} bytes ({held} + {need} > {budget}; "
+                            f"{len(taken)} device(s) so): another model was deployed there since the plan "
+                            "was made; measure the cluster and place again")
         self.models[e.model] = Deployment(e.model, e.plan, e.token, checkpoint_dir=e.checkpoint_dir,
                                           verify_every=e.verify_every)
         spec = e.plan.spec
