@@ -56,7 +56,7 @@ from ..placement import Plan, place
 from ..placement.follow import follow
 from . import dataplane, events
 from .dataplane import client as p2p
-from .discover import measure_cluster, workers_info
+from .discover import measure_cluster, releasing, workers_info
 from .local import assemble_outputs, bind_call, check_ids, flatten_inputs, split_inputs, unflatten_outputs
 from .resident import writable
 from .store import copied_if_unreadable, stored
@@ -73,16 +73,10 @@ def _quiet(msg: str) -> None:
     return None
 
 
-# NOTE: releases of models their callers dropped unclosed (``_release_dropped``), still on their way
-_releasing: set[concurrent.futures.Future[Any]] = set()
-_releasing_lock = threading.Lock()
-RELEASE_WAIT_S = 30.0
-
-
 def _release_dropped(client: Any, model_id: str, token: str, checkpoint_dir: str) -> None:
     """Free a ``DistributedModel`` its caller dropped without ``close()`` (a notebook cell run
     again): its blocks on every worker and its plans on the scheduler, as ``close`` does, sent
-    from whatever thread collected it without waiting (``await_releases`` waits)."""
+    from whatever thread collected it without waiting (``measure_cluster`` waits)."""
     try:
         events.unlisten(client, model_id)
         if client.status != "running":
@@ -95,24 +89,8 @@ def _release_dropped(client: Any, model_id: str, token: str, checkpoint_dir: str
     finally:
         if checkpoint_dir:
             shutil.rmtree(Path(checkpoint_dir) / model_id, ignore_errors=True)
-
-    def done(f: concurrent.futures.Future[Any]) -> None:
-        with _releasing_lock:
-            _releasing.discard(f)
-        if not f.cancelled() and f.exception() is not None:
-            logger.info("seabiscuit: model %s, dropped unclosed, not released: %s", model_id, f.exception())
-
-    with _releasing_lock:
-        _releasing.add(release)
-    release.add_done_callback(done)
-
-
-def await_releases(timeout_s: float = RELEASE_WAIT_S) -> None:
-    """Wait for the releases of models dropped unclosed, so what they held is free to plan with."""
-    with _releasing_lock:
-        pending = list(_releasing)
-    if pending:
-        concurrent.futures.wait(pending, timeout_s)
+    releasing(release, lambda e: logger.info("seabiscuit: model %s, dropped unclosed, not released: %s",
+                                             model_id, e))
 
 
 class DistributedModel:
@@ -882,10 +860,8 @@ class ChatSession:
     def __init__(self, dm: DistributedModel, session: Any) -> None:
         self.dm, self._session, self._closed = dm, session, False
         # NOTE: a session its caller drops unclosed frees its slot and caches all the same
-        self._finalizer = weakref.finalize(self, dm._engine.close_session, session, False) \
-            if dm._engine is not None else None
-        if self._finalizer is not None:
-            self._finalizer.atexit = False
+        self._finalizer = weakref.finalize(self, dm._engine.close_session, session, False)
+        self._finalizer.atexit = False
 
     @property
     def tokens(self) -> list[int]:
@@ -926,8 +902,7 @@ class ChatSession:
         """Free the conversation's KV cache on every worker."""
         if not self._closed:
             self._closed = True
-            if self._finalizer is not None:
-                self._finalizer.detach()
+            self._finalizer.detach()
             self.dm._engine.close_session(self._session)
 
     def __enter__(self) -> ChatSession:
@@ -1085,7 +1060,6 @@ def deploy(plan: Plan, client: Any, *, weights: Any = None,
     >>> dm = sb.deploy(plan, client, weights=model)                                   # doctest: +SKIP
     """
     say = progress or _quiet
-    await_releases()
     ckpt = checkpoint_dir if checkpoint_dir is not None else config.get("checkpoint.directory")
     ckpt = os.fspath(writable(os.fspath(ckpt))) if ckpt else ""
     every = int(verify_every if verify_every is not None else config.get("integrity.verify-every", 0) or 0)
@@ -1217,7 +1191,6 @@ def distribute(model_or_path: Any, client: Any, example_inputs: Any, budget: int
     if is_onnx(model_or_path):        # NOTE: a module whose buffers are its initializers (trace/onnx.py)
         model_or_path = load_onnx(model_or_path, lazy=True)
     t0 = time.perf_counter()
-    await_releases()
     spec = measure_cluster(client, device=choice)    # NOTE: fails early without the plugin or the device
     kinds = ", ".join(f"{sum(d.kind == k for d in spec.devices)} {k}" for k in ("gpu", "cpu")
                       if any(d.kind == k for d in spec.devices))

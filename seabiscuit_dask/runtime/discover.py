@@ -19,9 +19,11 @@ address. Everything else is measured through Dask itself, with tasks that do not
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import os
 import statistics
+import threading
 import time
 import uuid
 from dataclasses import replace
@@ -358,6 +360,34 @@ async def _rpc_trip_s(address: str, reps: int, dask_worker: Any = None, rpc: Any
     return float(statistics.median(times))
 
 
+# NOTE: releases of models their callers dropped unclosed (``client._release_dropped``), still on
+# their way: a measurement waits for them, so what they held counts as free
+_releasing: set[concurrent.futures.Future[Any]] = set()
+_releasing_lock = threading.Lock()
+RELEASE_WAIT_S = 30.0
+
+
+def releasing(release: concurrent.futures.Future[Any], on_error: Any) -> None:
+    """Count ``release`` as on its way until it is done; ``on_error(exception)`` if it fails."""
+    def done(f: concurrent.futures.Future[Any]) -> None:
+        with _releasing_lock:
+            _releasing.discard(f)
+        if not f.cancelled() and f.exception() is not None:
+            on_error(f.exception())
+
+    with _releasing_lock:
+        _releasing.add(release)
+    release.add_done_callback(done)
+
+
+def await_releases(timeout_s: float = RELEASE_WAIT_S) -> None:
+    """Wait for the releases of models dropped unclosed, so what they held is free to plan with."""
+    with _releasing_lock:
+        pending = list(_releasing)
+    if pending:
+        concurrent.futures.wait(pending, timeout_s)
+
+
 def measure_cluster(client: Any, *, probe: bool = True, device: str | None = None) -> ClusterSpec:
     """The live cluster behind a ``distributed.Client``: one device per worker.
 
@@ -382,6 +412,7 @@ def measure_cluster(client: Any, *, probe: bool = True, device: str | None = Non
     >>> print(spec.table())                     # doctest: +SKIP
     """
     choice = config.device_choice(device)
+    await_releases()
     every = sorted(workers_info(client), key=lambda i: (i["host"], i["address"]))
     if not every:
         raise ClusterTooSmall(f"the cluster at {client.scheduler.address} has no workers")

@@ -665,10 +665,7 @@ class Engine:
     def _free(self, sids: list[int], moved: Sequence[tuple[int, int, int]] = ()) -> None:
         if sids or moved:
             try:
-                if moved:
-                    self.runner.end_sessions(sids, moved)
-                else:
-                    self.runner.end_sessions(sids)
+                self.runner.end_sessions(sids, moved)
             except Exception as e:  # noqa: BLE001 - best effort: a cache not cut back is replayed
                 logger.warning("%s: caches of sessions %s not freed, nor %s cut back: %s", self.name, sids,
                                moved, e)

@@ -737,9 +737,9 @@ class PlacementState:
         # NOTE: room the plan counted on that another model took since it was measured (two clients
         # that measured and placed at the same time): the second is refused, not overcommitted
         peaks = e.plan.peak_bytes
-        taken = [(d.name, int(peaks[i]), self.held_bytes(d.address), self.devices[d.address].memory_bytes)
-                 for i, d in enumerate(e.plan.spec.devices) if d.kind == self.devices[d.address].kind
-                 and self.held_bytes(d.address) + int(peaks[i]) > self.devices[d.address].memory_bytes]
+        room = [(d.name, int(peaks[i]), self.held_bytes(d.address), self.devices[d.address].memory_bytes)
+                for i, d in enumerate(e.plan.spec.devices) if d.kind == self.devices[d.address].kind]
+        taken = [r for r in room if r[2] + r[1] > r[3]]
         if taken:
             name, need, held, budget = taken[0]
             raise RoomTaken(f"model {e.model}: the plan puts {need} bytes on {name}, whose other models' "
