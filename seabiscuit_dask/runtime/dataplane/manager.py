@@ -21,6 +21,7 @@ verifies a ticket.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import time
 from collections import OrderedDict
@@ -42,7 +43,8 @@ from ...errors import (
 )
 from ...lower.blocks import BlockSpec, split_block
 from ...lower.kvcache import CacheLost
-from .runs import DONE, RUNNING, BlockRun, Loop, Run, greedy
+from .chain import Chain
+from .runs import DONE, RUNNING, WAITING, BlockRun, Loop, Run, greedy
 from .wire import Tensors, nbytes
 
 logger = logging.getLogger(__name__)
@@ -87,9 +89,11 @@ class DataPlane:
         self.passed: OrderedDict[tuple[str, int, int], None] = OrderedDict()  # failures passed on, by block
         self.records: list[dict[str, Any]] = []                               # block runs to report
         self.counters = {"messages": 0, "repeats": 0, "stale": 0, "runs_failed": 0, "bytes_in": 0,
-                         "loop_steps": 0, "relayed": 0, "relays_refused": 0, "probes": 0}
+                         "loop_steps": 0, "relayed": 0, "relays_refused": 0, "probes": 0,
+                         "chained": 0}
         self._telling: set[Any] = set()            # failures and loop steps being sent to peers
         self.loops: dict[RunKey, Loop] = {}         # (model, request) -> the decode loop that follows it
+        self.chains: dict[RunKey, Chain] = {}       # (model, request) -> its logits block, chained
         self.last_s: dict[tuple[str, int], float] = {}     # (model, block) -> its last run's seconds
         # NOTE: the only messages a peer's stream may carry (``receive``)
         self._stream_ops: dict[str, Callable[..., Awaitable[Any]]] = {"push": self.push, "feed": self.feed,
@@ -201,6 +205,10 @@ class DataPlane:
         """The caller is done with these runs (answered, failed or abandoned): drop what is left."""
         await self.check(model, ticket)
         n = 0
+        gone = {int(r) for r in requests}
+        for (m, _), chain in self.chains.items():
+            if m == model and chain.request in gone:
+                chain.stopped = True
         for r in requests:
             key = (model, int(r))
             self.loops.pop(key, None)
@@ -276,6 +284,9 @@ class DataPlane:
                 del self.loops[key]
         for key in [k for k in self.last_s if k[0] == model]:
             del self.last_s[key]
+        for (m, _), chain in self.chains.items():
+            if m == model:
+                chain.stopped = True
         for run in doomed:
             why = "was released" if version is None else f"moved to plan v{version}"
             self._fail(run, StaleRun(f"{run.where()} cannot finish: the model {why} while it ran; "
@@ -340,8 +351,30 @@ class DataPlane:
         # handed to a compute thread now, before the loop writes replies or sends anything
         if self.last_s.get((run.model, br.block), INLINE_S) < INLINE_S and self._inline(run, br.block):
             self._spawn(run, self._compute(run, br, ticket, None))
-        else:
+            return
+        chain = self._chain(run, br, args)
+        if chain is None:
             self._spawn(run, self._compute(run, br, ticket, self._submit(run, args)))
+            return
+        self.chains[(run.model, run.request)] = chain
+        self.executor.submit_ordered(run.created, chain)      # type: ignore[attr-defined]
+        self._spawn(run, self._compute(run, br, ticket, asyncio.wrap_future(chain.made), chain))
+
+    def _chain(self, run: Run, br: BlockRun, args: tuple[Any, ...]) -> Chain | None:
+        """A ``Chain`` of ``br`` and the next decode step's blocks here, where ``br`` makes the
+        logits of a loop that goes on and each of those blocks is resident and reads only the
+        step's inputs; else None."""
+        loop = self.loops.get((run.model, run.request))
+        pending = getattr(self.executor, "pending", None)
+        if loop is None or not loop.requests or pending is None or br.spec is None \
+                or loop.logits not in br.spec.exports:
+            return None
+        feeds = [(b, names) for address, fs in loop.route if address == self.address for b, names in fs]
+        for b, names in feeds:
+            spec = self.spec_of(run.model, run.version, b)
+            if spec is None or not set(spec.imports) <= set(names) or not self._inline(run, b):
+                return None
+        return Chain(self.compute, args, loop, feeds, lambda: pending() == 0) if feeds else None
 
     def _submit(self, run: Run, args: tuple[Any, ...]) -> Awaitable[Any]:
         """The block on a compute thread; the oldest run's blocks first (``ordered``): a stage hands
@@ -394,8 +427,10 @@ class DataPlane:
             return
         self._start(run, br, ticket)
 
-    async def _compute(self, run: Run, br: BlockRun, ticket: str, running: Awaitable[Any] | None) -> None:
-        """The block's outputs, from ``running`` (its compute thread) or computed here (None)."""
+    async def _compute(self, run: Run, br: BlockRun, ticket: str, running: Awaitable[Any] | None,
+                       chain: Chain | None = None) -> None:
+        """The block's outputs, from ``running`` (its compute thread) or computed here (None);
+        ``chain``: the block makes a loop's logits, and its next step may be running already."""
         spec = br.spec
         assert spec is not None
         try:
@@ -408,6 +443,9 @@ class DataPlane:
         except BaseException as e:  # noqa: BLE001 - the run fails, everywhere
             self._fail(run, e, ticket)
             return
+        finally:
+            if chain is not None and self.chains.get((run.model, run.request)) is chain:
+                del self.chains[(run.model, run.request)]
         self.last_s[(run.model, br.block)] = float(record.get("compute_s", INLINE_S))
         br.imports, br.state = {}, DONE
         self._remember(self.ran, (run.model, run.request, br.block), None)
@@ -416,7 +454,7 @@ class DataPlane:
         # read these outputs; the caller's copy of the outputs goes last
         follows = self.loops.get((run.model, run.request))
         if follows is not None and follows.logits in out:
-            self._advance(run, out[follows.logits], ticket)
+            self._advance(run, out[follows.logits], ticket, chain)
         sends = [self._send(run, c, addr, {t: out[t] for t in ts}, ticket) for c, addr, ts in spec.sends]
         if spec.outputs:
             run.outputs[br.block] = {t: out[t] for t in spec.outputs}
@@ -424,12 +462,17 @@ class DataPlane:
         await asyncio.gather(*sends)
         self._tidy(run)
 
-    def _advance(self, run: Run, logits: torch.Tensor, ticket: str) -> None:
-        """Feed the next step of the decode loop that follows ``run`` from its greedy tokens."""
+    def _advance(self, run: Run, logits: torch.Tensor, ticket: str, chain: Chain | None = None) -> None:
+        """Feed the next step of the decode loop that follows ``run`` from its greedy tokens; with
+        a ``chain`` that picked them (and may run the step's blocks here), from its pick."""
         loop = self.loops.pop((run.model, run.request), None)
         if loop is None or not loop.requests or (run.model, loop.requests[0]) in self.ended:
             return          # NOTE: the caller stopped the loop (forgot its next step)
-        inputs, after = loop.following(logits)
+        if chain is not None and chain.loop is loop and chain.step is not None:
+            inputs, after = chain.step
+        else:
+            inputs, after = loop.following(logits)
+            chain = None
         request = loop.requests[0]
         nxt = self._run(run.model, run.version, request)
         if nxt is None:
@@ -441,9 +484,26 @@ class DataPlane:
             mine = [(b, {t: inputs[t] for t in names}) for b, names in feeds]
             if address == self.address:
                 for b, ts in mine:
-                    self._deliver(nxt, b, ts, ticket)
+                    if chain is not None and chain.ran:
+                        self._adopt(nxt, b, ts, chain.next[b], ticket)
+                    else:
+                        self._deliver(nxt, b, ts, ticket)
             else:
                 self._tell(self._feed_peer(nxt, address, mine, ticket))
+
+    def _adopt(self, run: Run, block: int, tensors: Mapping[str, torch.Tensor],
+               running: concurrent.futures.Future[Any], ticket: str) -> None:
+        """``block`` of ``run``, which a ``Chain`` runs (or ran) with ``tensors``: it goes on from
+        there as if started here. A repeat (the block ran or runs already) is dropped."""
+        br = run.block(block)
+        if (run.model, run.request, block) in self.ran or br.state != WAITING or br.imports:
+            self.counters["repeats"] += 1
+            return
+        br.imports.update(tensors)
+        br.spec = br.spec or self.spec_of(run.model, run.version, block)
+        br.state = RUNNING
+        self.counters["chained"] += 1
+        self._spawn(run, self._compute(run, br, ticket, asyncio.wrap_future(running)))
 
     async def _feed_peer(self, run: Run, address: str, feeds: list[tuple[int, dict[str, torch.Tensor]]],
                          ticket: str) -> None:
@@ -505,6 +565,8 @@ class DataPlane:
         self.counters["runs_failed"] += 1
         run.fail(error)
         key = (run.model, run.request)
+        if key in self.chains:
+            self.chains[key].stopped = True
         if self.runs.get(key) is run:
             del self.runs[key]
         self._remember_end(key, error)

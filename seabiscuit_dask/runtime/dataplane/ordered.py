@@ -41,6 +41,10 @@ class OrderedExecutor(concurrent.futures.Executor):
         """Run ``fn(*args, **kwargs)`` before any call of a larger ``key`` not yet started."""
         return self._put((1.0, float(key)), fn, args, kwargs)
 
+    def pending(self) -> int:
+        """Calls submitted and not yet started."""
+        return len(self._heap)
+
     def _put(self, key: tuple[float, ...], fn: Any, args: Any, kwargs: Any) -> concurrent.futures.Future[Any]:
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
         with self._cv:

@@ -1,0 +1,177 @@
+"""A decode loop's logits block and the next step's first blocks on one compute thread
+(``runtime.dataplane.chain``): two ``DataPlane`` s in one event loop, a three-block step
+(worker A: b0 reads the step's inputs, b2 makes the logits; worker B: b1 between them)
+whose blocks are plain functions, so each next token is known in advance."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+import torch
+
+from seabiscuit_dask.ir import TensorSpec
+from seabiscuit_dask.lower.blocks import BlockSpec
+from seabiscuit_dask.runtime.dataplane import DataPlane, Loop, timed
+from seabiscuit_dask.runtime.dataplane.ordered import OrderedExecutor
+from seabiscuit_dask.runtime.dataplane.wire import pack, unpack
+
+MODEL, TICKET, VOCAB = "m", "t" * 64, 11
+A, B = "tcp://a:1", "tcp://b:1"
+
+
+Sends = tuple[tuple[int, str, tuple[str, ...]], ...]
+
+
+def spec(index: int, address: str, imports: dict[str, int], exports: tuple[str, ...], sends: Sends = (),
+         outputs: tuple[str, ...] = ()) -> BlockSpec:
+    return BlockSpec(MODEL, 0, index, "cpu", (), {}, {t: TensorSpec((1, 1), "float32") for t in imports},
+                     exports, tuple(imports.values()), address, sends=sends, outputs=outputs)
+
+
+SPECS = {0: spec(0, A, {"input_ids": -1, "position_ids": -1}, ("h",), sends=((1, B, ("h",)),)),
+         1: spec(1, B, {"h": 0}, ("h2",), sends=((2, A, ("h2",)),)),
+         2: spec(2, A, {"h2": 1}, ("logits",), outputs=("logits",))}
+
+
+def block(b: int, imports: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The next token is (3 * token + position + 1) % VOCAB."""
+    if b == 0:
+        return {"h": (imports["input_ids"] * 3 + imports["position_ids"]).float()}
+    if b == 1:
+        return {"h2": imports["h"] + 1}
+    return {"logits": torch.nn.functional.one_hot(imports["h2"].long() % VOCAB, VOCAB).float()}
+
+
+def expected(token: int, position: int, steps: int) -> list[int]:
+    out = []
+    for _ in range(steps):
+        token = (3 * token + position + 1) % VOCAB
+        out.append(token)
+        position += 1
+    return out
+
+
+class Pair:
+    """Workers A and B; ``hold``: (block, request) whose compute waits for ``gate``."""
+
+    def __init__(self, hold: tuple[int, int] | None = None) -> None:
+        self.hold, self.entered, self.gate = hold, threading.Event(), threading.Event()
+        self.ran: list[tuple[str, int, int, int]] = []        # (worker, block, request, thread)
+        self.pools = {a: OrderedExecutor(1, f"chain-{a}") for a in (A, B)}
+        self.planes = {a: DataPlane(a, compute=self._slow(timed(self._compute(a), a)),
+                                    spec_of=self._spec_of(a), load_spec=lambda m, v, b: SPECS[b],
+                                    version_of=lambda m: 0, send=self._sender(a), check=self.check,
+                                    executor=self.pools[a])
+                       for a in (A, B)}
+
+    @staticmethod
+    def _slow(compute: Any) -> Any:
+        """Blocks reported as taking 1 s, so none runs on the event loop (``INLINE_S``)."""
+        def run(*args: Any) -> Any:
+            out, record = compute(*args)
+            return out, {**record, "compute_s": 1.0}
+        return run
+
+    @staticmethod
+    def _spec_of(address: str) -> Any:
+        return lambda m, v, b: SPECS[b] if SPECS[b].address == address else None
+
+    def _compute(self, address: str) -> Any:
+        def run(model, version, request, b, imports):
+            if (b, request) == self.hold:
+                self.entered.set()
+                assert self.gate.wait(30)
+            self.ran.append((address, b, request, threading.get_ident()))
+            return block(b, imports), "computed"
+        return run
+
+    @staticmethod
+    async def check(model: str, ticket: Any) -> str:
+        return TICKET
+
+    def _sender(self, sender: str) -> Any:
+        async def send(address: str, op: str, **msg: Any) -> None:
+            _, head, *frames = pack([{"op": op.removeprefix("seabiscuit_dp_"), "sender": sender, **msg}])
+            for m in unpack(bytes(head), [bytearray(f) for f in frames]):
+                await self.planes[address].receive(m)
+        return send
+
+    async def start(self, requests: list[int], token: int = 4, position: int = 7) -> None:
+        """A decode loop of ``requests`` at ``A``, its first step fed from here."""
+        inputs = {"input_ids": torch.tensor([[token]]), "position_ids": torch.tensor([[position]]),
+                  "sb_sessions": torch.tensor([0]), "sb_start": torch.tensor([position]),
+                  "sb_valid": torch.ones(1, 1, dtype=torch.bool)}
+        loop = Loop(requests[1:], [(A, [(0, ("input_ids", "position_ids"))])], "logits", inputs)
+        await self.planes[A].feed(MODEL, TICKET, 0, requests[0],
+                                  {0: {t: inputs[t] for t in ("input_ids", "position_ids")}}, loop=loop)
+
+    async def tokens(self, request: int) -> int:
+        got = await asyncio.wait_for(self.planes[A].collect(MODEL, TICKET, 0, request, [2], tokens="logits"),
+                                     30)
+        return int(got[2]["logits"][0])
+
+    def close(self) -> None:
+        for p in self.pools.values():
+            p.shutdown(wait=False)
+
+
+def test_the_next_step_runs_on_the_thread_that_made_the_logits() -> None:
+    pair = Pair()
+
+    async def run() -> list[int]:
+        await pair.start([10, 11, 12, 13])
+        return [await pair.tokens(r) for r in (10, 11, 12, 13)]
+
+    try:
+        assert asyncio.run(run()) == expected(4, 7, 4)
+    finally:
+        pair.close()
+    plane = pair.planes[A]
+    assert plane.counters["chained"] == 3 and plane.counters["loop_steps"] == 3
+    at_a = [(b, r) for w, b, r, _ in pair.ran if w == A]
+    assert at_a == [(0, 10), (2, 10), (0, 11), (2, 11), (0, 12), (2, 12), (0, 13), (2, 13)]
+    assert len({t for w, _, _, t in pair.ran if w == A}) == 1
+    # NOTE: a chained block is recorded as any block (the dashboard's timeline) and nothing is held
+    assert sorted(r["request"] for r in plane.records if r["block"] == 0) == [10, 11, 12, 13]
+    assert not plane.runs and not plane.chains and not plane.loops
+
+
+def test_a_step_forgotten_while_the_logits_are_made_does_not_run() -> None:
+    pair = Pair(hold=(2, 11))
+
+    async def run() -> list[int]:
+        await pair.start([10, 11, 12, 13])
+        first = await pair.tokens(10)
+        await asyncio.get_running_loop().run_in_executor(None, pair.entered.wait, 30)
+        assert await pair.planes[A].forget(MODEL, TICKET, [12, 13]) == 0     # NOTE: not started yet
+        pair.gate.set()
+        return [first, await pair.tokens(11)]
+
+    try:
+        assert asyncio.run(run()) == expected(4, 7, 2)
+    finally:
+        pair.close()
+    assert (A, 0, 12) not in {(w, b, r) for w, b, r, _ in pair.ran}
+    assert pair.planes[A].counters["chained"] == 1          # NOTE: 11 after 10 only
+    assert not pair.planes[A].chains
+
+
+def test_other_work_waiting_for_the_compute_thread_goes_first() -> None:
+    pair = Pair(hold=(2, 11))
+
+    async def run() -> list[int]:
+        await pair.start([10, 11, 12, 13])
+        await asyncio.get_running_loop().run_in_executor(None, pair.entered.wait, 30)
+        other = pair.pools[A].submit(lambda: "other")       # NOTE: waits while the logits are made
+        pair.gate.set()
+        tokens = [await pair.tokens(r) for r in (10, 11, 12, 13)]
+        assert other.result(30) == "other"
+        return tokens
+
+    try:
+        assert asyncio.run(run()) == expected(4, 7, 4)
+    finally:
+        pair.close()
+    assert pair.planes[A].counters["chained"] == 2          # NOTE: not step 12: it went through the queue
