@@ -10,9 +10,10 @@ step. A ``Chain`` runs the logits block, picks the next step's inputs
 (``Loop.following``) and runs those next blocks right after it on the same thread,
 when no other work waits for the compute threads (``idle``: a pipeline's other runs
 go first, in age order, as ``ordered`` has them). The loop hears of the logits block
-as soon as it is made (``made``) and takes each chained block's result as the block
-of the next run (``DataPlane._adopt``), so records, sends and failures go on as for
-any block. The loop thread owns all run state; the thread here only computes.
+once the chained blocks ran (``made``; the caller's tokens come one block later) and
+takes each chained block's result as the block of the next run (``DataPlane._adopt``),
+so records, sends and failures go on as for any block, the next step's sends first.
+The loop thread owns all run state; the thread here only computes.
 """
 
 from __future__ import annotations
@@ -50,28 +51,31 @@ class Chain:
         return self.loop.requests[0]
 
     def __call__(self) -> None:
-        """On a compute thread; never raises (each outcome goes to its future)."""
+        """On a compute thread; never raises (each outcome goes to its future). The next step's
+        blocks run before the loop hears of the logits: the loop's work for them (the caller's
+        tokens, records) then waits for this worker's idle time instead of holding the GIL
+        while the next block runs; the next step's outputs are what the pipeline waits for."""
         try:
             out, record = self.compute(*self.args)
         except BaseException as e:  # noqa: BLE001 - the logits block's failure is the loop's to handle
-            self.made.set_exception(e)
             for f in self.next.values():
                 f.cancel()
+            self.made.set_exception(e)
             return
         logits = out.get(self.loop.logits)
         if logits is not None and self.loop.requests and not self.stopped:
             self.step = self.loop.following(logits)
             self.ran = not self.stopped and self.idle()
-        self.made.set_result((out, record))
-        if not self.ran or self.step is None:
+        if self.ran and self.step is not None:
+            inputs = self.step[0]
+            model, version = self.args[0], self.args[1]
+            for b, names in self.feeds:
+                try:
+                    self.next[b].set_result(self.compute(model, version, self.request, b,
+                                                         {t: inputs[t] for t in names}))
+                except BaseException as e:  # noqa: BLE001 - handed to the run that adopts the block
+                    self.next[b].set_exception(e)
+        else:
             for f in self.next.values():
                 f.cancel()
-            return
-        inputs = self.step[0]
-        model, version = self.args[0], self.args[1]
-        for b, names in self.feeds:
-            try:
-                self.next[b].set_result(self.compute(model, version, self.request, b,
-                                                     {t: inputs[t] for t in names}))
-            except BaseException as e:  # noqa: BLE001 - handed to the run that adopts the block
-                self.next[b].set_exception(e)
+        self.made.set_result((out, record))

@@ -431,8 +431,6 @@ class DataPlane:
                        chain: Chain | None = None) -> None:
         """The block's outputs, from ``running`` (its compute thread) or computed here (None);
         ``chain``: the block makes a loop's logits, and its next step may be running already."""
-        spec = br.spec
-        assert spec is not None
         try:
             if running is None and not self._inline(run, br.block):     # NOTE: dropped since _start
                 running = self._submit(run, (run.model, run.version, run.request, br.block, br.imports))
@@ -446,28 +444,50 @@ class DataPlane:
         finally:
             if chain is not None and self.chains.get((run.model, run.request)) is chain:
                 del self.chains[(run.model, run.request)]
+        await self._settle(run, *self._finish(run, br, ticket, out, record, chain))
+
+    def _finish(self, run: Run, br: BlockRun, ticket: str, out: dict[str, torch.Tensor],
+                record: dict[str, Any], chain: Chain | None = None) -> tuple[list[Any], list[Any]]:
+        """A block ran: the next decode step starts, the blocks that read its outputs are sent them,
+        the caller's copy of them is kept; in that order (the critical path first). Returns the
+        sends, and those of the next step's blocks that ran chained (``ahead``): while any is on
+        its way the caller is not yet told of these outputs."""
+        spec = br.spec
+        assert spec is not None
         self.last_s[(run.model, br.block)] = float(record.get("compute_s", INLINE_S))
         br.imports, br.state = {}, DONE
         self._remember(self.ran, (run.model, run.request, br.block), None)
         self.records.append(record)
-        # NOTE: the critical path first: the next decode step starts, then the blocks that
-        # read these outputs; the caller's copy of the outputs goes last
+        ahead: list[Any] = []
         follows = self.loops.get((run.model, run.request))
         if follows is not None and follows.logits in out:
-            self._advance(run, out[follows.logits], ticket, chain)
-        sends = [self._send(run, c, addr, {t: out[t] for t in ts}, ticket) for c, addr, ts in spec.sends]
+            ahead = self._advance(run, out[follows.logits], ticket, chain)
+        # NOTE: started now, so they go before anything this wakes (the caller's collect)
+        sends = [self._tell(self._send(run, c, addr, {t: out[t] for t in ts}, ticket))
+                 for c, addr, ts in spec.sends]
         if spec.outputs:
             run.outputs[br.block] = {t: out[t] for t in spec.outputs}
+            if not ahead:
+                run.notify()
+        return sends, ahead
+
+    async def _settle(self, run: Run, sends: Sequence[Awaitable[Any]], ahead: Sequence[Any] = ()) -> None:
+        """Wait for a block's sends; with ``ahead`` (``_finish``), tell the caller of its outputs
+        once those are on their way."""
+        if ahead:
+            await asyncio.wait(ahead)
             run.notify()
         await asyncio.gather(*sends)
         self._tidy(run)
 
-    def _advance(self, run: Run, logits: torch.Tensor, ticket: str, chain: Chain | None = None) -> None:
+    def _advance(self, run: Run, logits: torch.Tensor, ticket: str,
+                 chain: Chain | None = None) -> list[Any]:
         """Feed the next step of the decode loop that follows ``run`` from its greedy tokens; with
-        a ``chain`` that picked them (and may run the step's blocks here), from its pick."""
+        a ``chain`` that picked them (and may run the step's blocks here), from its pick. Returns
+        the sends of the next step's blocks that ran chained."""
         loop = self.loops.pop((run.model, run.request), None)
         if loop is None or not loop.requests or (run.model, loop.requests[0]) in self.ended:
-            return          # NOTE: the caller stopped the loop (forgot its next step)
+            return []       # NOTE: the caller stopped the loop (forgot its next step)
         if chain is not None and chain.loop is loop and chain.step is not None:
             inputs, after = chain.step
         else:
@@ -476,34 +496,43 @@ class DataPlane:
         request = loop.requests[0]
         nxt = self._run(run.model, run.version, request)
         if nxt is None:
-            return
+            return []
         if after.requests:
             self.loops[(run.model, request)] = after
         self.counters["loop_steps"] += 1
+        ahead: list[Any] = []
         for address, feeds in loop.route:
             mine = [(b, {t: inputs[t] for t in names}) for b, names in feeds]
             if address == self.address:
                 for b, ts in mine:
                     if chain is not None and chain.ran:
-                        self._adopt(nxt, b, ts, chain.next[b], ticket)
+                        ahead += self._adopt(nxt, b, ts, chain.next[b], ticket)
                     else:
                         self._deliver(nxt, b, ts, ticket)
             else:
                 self._tell(self._feed_peer(nxt, address, mine, ticket))
+        return ahead
 
     def _adopt(self, run: Run, block: int, tensors: Mapping[str, torch.Tensor],
-               running: concurrent.futures.Future[Any], ticket: str) -> None:
-        """``block`` of ``run``, which a ``Chain`` runs (or ran) with ``tensors``: it goes on from
-        there as if started here. A repeat (the block ran or runs already) is dropped."""
+               running: concurrent.futures.Future[Any], ticket: str) -> list[Any]:
+        """``block`` of ``run``, which a ``Chain`` ran with ``tensors`` (its outcome in ``running``):
+        it goes on from here as if it ran here; returns its sends. A repeat (the block ran or
+        runs already) is dropped."""
         br = run.block(block)
         if (run.model, run.request, block) in self.ran or br.state != WAITING or br.imports:
             self.counters["repeats"] += 1
-            return
+            return []
         br.imports.update(tensors)
         br.spec = br.spec or self.spec_of(run.model, run.version, block)
         br.state = RUNNING
         self.counters["chained"] += 1
-        self._spawn(run, self._compute(run, br, ticket, asyncio.wrap_future(running)))
+        if br.spec is None or not running.done() or running.cancelled() or running.exception() is not None:
+            self._spawn(run, self._compute(run, br, ticket, asyncio.wrap_future(running)))
+            return []
+        task = asyncio.ensure_future(self._settle(run, *self._finish(run, br, ticket, *running.result())))
+        run.tasks.add(task)
+        task.add_done_callback(run.tasks.discard)
+        return [task]
 
     async def _feed_peer(self, run: Run, address: str, feeds: list[tuple[int, dict[str, torch.Tensor]]],
                          ticket: str) -> None:
@@ -593,11 +622,12 @@ class DataPlane:
                         todo.append(local)
         return out
 
-    def _tell(self, coro: Any) -> None:
-        """Send a message no run waits on (a failure, a decode loop's next step)."""
+    def _tell(self, coro: Any) -> asyncio.Future[Any]:
+        """Send a message, held here until sent (a run forgotten meanwhile does not cancel it)."""
         task = asyncio.ensure_future(coro)
         self._telling.add(task)
         task.add_done_callback(self._telling.discard)
+        return task
 
     async def _tell_failed(self, address: str, model: str, version: int, request: int, ticket: str,
                            reason: str, block: int = -1, kind: str = "") -> None:

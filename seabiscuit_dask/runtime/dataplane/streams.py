@@ -165,8 +165,29 @@ class Link:
             raise self._error(self.broken)
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._pending.append((msg, fut))
-        self._wake.set()
+        if self._raw and self.flow is not None and len(self._pending) == 1 and not self.flow.queued:
+            # NOTE: an idle stream: written now, not one loop turn later by the writer task (a
+            # decode step's hop waits on it; the writer only waits for its wake-up between writes)
+            try:
+                self._flush_now()
+            except BaseException as e:  # noqa: BLE001 - every sender waiting hears of it
+                self._break(e)
+                self._task.cancel()
+        else:
+            self._wake.set()
         await fut
+
+    def _flush_now(self) -> None:
+        """What the writer task does on a wake-up, here: queue, take and write what the flow lets out
+        (the rest goes when acknowledgements make room, from the writer task)."""
+        assert self.flow is not None
+        self._queue()
+        units = self.flow.take(time.perf_counter(), math.inf)
+        if units:
+            sent = [u.item.token[1] for u in units if u.last]
+            self._write_raw(units).add_done_callback(lambda f, sent=sent: _settle(sent, f))
+        if self.flow.queued:
+            self._wake.set()
 
     async def _write(self, connect: Connect) -> None:
         try:
