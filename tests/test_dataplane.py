@@ -421,6 +421,22 @@ def test_views_of_one_tensor_cross_the_wire_once_and_arrive_apart() -> None:
         unpack(bad, [bytearray(f) for f in data])
 
 
+def test_views_that_leave_a_block_as_copies_still_cross_the_wire_once() -> None:
+    # A block's exports leave its inference mode as copies: one copy for views of one tensor (each
+    # layer's rotary table), so the wire still sends its bytes once.
+    from seabiscuit_dask.lower.blocks import _exported
+
+    with torch.inference_mode():
+        cos = torch.randn(1, 1, 64)
+        env = {"h": torch.randn(1, 1, 576), **{f"cos{i}": cos.unsqueeze(1) for i in range(15)},
+               "half": cos[:, :, :32]}
+    out = _exported(env, list(env), cpu=False)
+    assert not any(t.is_inference() for t in out.values())
+    assert len({out[f"cos{i}"].data_ptr() for i in range(15)}) == 1
+    assert torch.equal(out["cos3"], cos.unsqueeze(1)) and torch.equal(out["half"], cos[:, :, :32])
+    assert len(pack([{"op": "push", "tensors": Tensors(out)}])) == 2 + 3     # h, one cos, half
+
+
 def test_the_wire_refuses_an_unknown_dtype_or_a_short_buffer() -> None:
     with pytest.raises(SeaBiscuitError, match="dtype 'object'"):
         from_bytes(b"\0" * 8, "object", [1])

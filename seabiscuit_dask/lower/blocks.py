@@ -285,11 +285,25 @@ class BlockProgram:
                     env[outs[0]] = out
                 for t in frees:
                     del env[t]
-        cpu = dev.type != "cpu"
-        # NOTE: what leaves the block is a plain tensor again (a caller in this process may write
-        # into it); a copy of kilobytes for a decode step
-        return {t: (env[t].cpu() if cpu else env[t].clone() if env[t].is_inference() else env[t])
-                for t in self.spec.exports}
+        return _exported(env, self.spec.exports, dev.type != "cpu")
+
+
+def _exported(env: Mapping[str, torch.Tensor], names: Sequence[str], cpu: bool) -> dict[str, torch.Tensor]:
+    """What leaves a block: plain tensors again (a caller in this process may write into them), a
+    copy of kilobytes for a decode step. Exports that are one tensor inside the block (each
+    layer's view of one rotary table) leave as one copy, so the wire sends it once (``wire.pack``)."""
+    out: dict[str, torch.Tensor] = {}
+    copies: dict[tuple[Any, ...], torch.Tensor] = {}
+    for t in names:
+        x = env[t]
+        if not cpu and not x.is_inference():
+            out[t] = x
+            continue
+        key = (x.device, x.data_ptr(), x.dtype, tuple(x.shape), x.stride())
+        if key not in copies or not x.numel():
+            copies[key] = x.cpu() if cpu else x.clone()
+        out[t] = copies[key]
+    return out
 
 
 def _direct(fn: Any) -> Any:
