@@ -8,6 +8,7 @@ blocks still run on its CPU: ``ResidentBlocks`` only uses CUDA where the worker 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import types
@@ -218,6 +219,10 @@ def test_a_worker_configured_for_cpu_leaves_its_gpu_alone(monkeypatch) -> None:
     assert plugin.budget_bytes == BUDGET
     plugin.teardown(plugin.worker)
     assert SeaBiscuitWorkerPlugin.choose_device() == "cuda"        # auto: the GPU it (says it) has
+    # NOTE: a closing worker sent routes after its plugin stopped refuses them in a line, no traceback
+    reply = asyncio.run(plugin.worker.handlers["seabiscuit_routes"](routes=[], watch=[], secret="s"))
+    assert reply["status"] == "uncaught-error" and "has stopped" in str(reply["exception"])
+    assert plugin.worker.stream_handlers["seabiscuit_secret"](secret="s") is None
 
 
 def test_a_worker_configured_for_cuda_without_one_says_so_and_uses_its_cpu(monkeypatch, caplog) -> None:

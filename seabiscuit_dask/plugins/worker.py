@@ -20,11 +20,11 @@ from typing import Any
 
 import psutil
 from distributed import WorkerPlugin
-from distributed.core import Status
+from distributed.core import Status, error_message
 from distributed.protocol import to_serialize
 
 from .. import config
-from ..errors import AccessDenied
+from ..errors import AccessDenied, WorkerLost
 from ..lower.blocks import BlockSpec
 from ..runtime import access, agent
 from ..runtime.dataplane import DataPlane, Links, Tensors, decode_loop, timed
@@ -121,14 +121,14 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
             logger.info("seabiscuit: scheduler of %s did not take the agent's report: %s", w.address, e)
 
     def teardown(self, worker: Any) -> None:
+        # NOTE: a closing worker may still be sent routes or runs (another worker left first): they
+        # are refused in one line, not with distributed's "no handler" traceback
         worker.metrics.pop(PLUGIN_NAME, None)
-        worker.handlers.pop("seabiscuit_sync", None)
-        worker.handlers.pop("seabiscuit_report", None)
-        worker.handlers.pop("seabiscuit_drop_sessions", None)
-        worker.stream_handlers.pop("seabiscuit_secret", None)
-        worker.handlers.pop("seabiscuit_routes", None)
-        for op in DP_OPS:
-            worker.handlers.pop(f"seabiscuit_dp_{op}", None)
+        stopped = _stopped(str(getattr(worker, "address", "")))
+        for name in ("seabiscuit_sync", "seabiscuit_report", "seabiscuit_drop_sessions", "seabiscuit_routes",
+                     *(f"seabiscuit_dp_{op}" for op in DP_OPS)):
+            worker.handlers[name] = stopped
+        worker.stream_handlers["seabiscuit_secret"] = lambda **kwargs: None
         self._flush.stop()
         self._probe.stop()
         self._links.close()
@@ -338,3 +338,11 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
             except Exception as e:  # noqa: BLE001 - figures only: the requests stand
                 logger.info("seabiscuit: %d block runs not reported: %s", len(records), e)
         return len(records)
+
+
+def _stopped(address: str) -> Any:
+    """The handler of an RPC to a worker whose plugin has stopped: refused, as a worker gone."""
+    async def stopped(comm: Any = None, **kwargs: Any) -> Any:
+        return error_message(WorkerLost(f"SeaBiscuit has stopped on worker {address} (it is closing)"),
+                             status="uncaught-error")
+    return stopped
