@@ -13,7 +13,7 @@ import torch
 
 from seabiscuit_dask.ir import TensorSpec
 from seabiscuit_dask.lower.blocks import BlockSpec
-from seabiscuit_dask.runtime.dataplane import DataPlane, Loop, timed
+from seabiscuit_dask.runtime.dataplane import DataPlane, Loop, StaleRun, timed
 from seabiscuit_dask.runtime.dataplane.ordered import OrderedExecutor
 from seabiscuit_dask.runtime.dataplane.wire import pack, unpack
 
@@ -175,3 +175,28 @@ def test_other_work_waiting_for_the_compute_thread_goes_first() -> None:
     finally:
         pair.close()
     assert pair.planes[A].counters["chained"] == 2          # NOTE: not step 12: it went through the queue
+
+
+def test_a_chained_block_whose_plan_left_the_worker_meanwhile_fails_its_step_as_stale() -> None:
+    pair = Pair(hold=(2, 11))
+    held = pair.planes[A].spec_of
+
+    async def run() -> tuple[list[int], BaseException]:
+        await pair.start([10, 11, 12, 13])
+        first = await pair.tokens(10)
+        await asyncio.get_running_loop().run_in_executor(None, pair.entered.wait, 30)
+        # NOTE: a newer plan took block 0 from this worker while step 12 was being chained
+        pair.planes[A].spec_of = lambda m, v, b: None if b == 0 else held(m, v, b)
+        pair.gate.set()
+        second = await pair.tokens(11)
+        try:
+            await pair.tokens(12)
+        except StaleRun as e:
+            return [first, second], e
+        raise AssertionError("step 12 answered without its block's plan")
+
+    try:
+        tokens, error = asyncio.run(run())
+    finally:
+        pair.close()
+    assert tokens == expected(4, 7, 2) and "no longer held" in str(error)

@@ -525,8 +525,12 @@ class DataPlane:
         br.imports.update(tensors)
         br.spec = br.spec or self.spec_of(run.model, run.version, block)
         br.state = RUNNING
+        if br.spec is None:         # NOTE: its plan was retired here meanwhile: where would it send?
+            self._fail(run, StaleRun(f"block b{block} of {run.where()} is no longer held by worker "
+                                     f"{self.address}: the step runs again on the current plan"), ticket)
+            return []
         self.counters["chained"] += 1
-        if br.spec is None or not running.done() or running.cancelled() or running.exception() is not None:
+        if not running.done() or running.cancelled() or running.exception() is not None:
             self._spawn(run, self._compute(run, br, ticket, asyncio.wrap_future(running)))
             return []
         task = asyncio.ensure_future(self._settle(run, *self._finish(run, br, ticket, *running.result())))
