@@ -15,9 +15,10 @@ from seabiscuit_dask.ir import TensorSpec
 from seabiscuit_dask.lower.blocks import BlockSpec
 from seabiscuit_dask.runtime.dataplane import DataPlane, Loop, StaleRun, timed
 from seabiscuit_dask.runtime.dataplane.ordered import OrderedExecutor
-from seabiscuit_dask.runtime.dataplane.wire import pack, unpack
 
-MODEL, TICKET, VOCAB = "m", "t" * 64, 11
+from .planes import TICKET, Planes
+
+MODEL, VOCAB = "m", 11
 A, B = "tcp://a:1", "tcp://b:1"
 
 
@@ -53,7 +54,7 @@ def expected(token: int, position: int, steps: int) -> list[int]:
     return out
 
 
-class Pair:
+class Pair(Planes):
     """Workers A and B; ``hold``: (block, request) whose compute waits for ``gate``."""
 
     def __init__(self, hold: tuple[int, int] | None = None) -> None:
@@ -67,14 +68,6 @@ class Pair:
                        for a in (A, B)}
 
     @staticmethod
-    def _slow(compute: Any) -> Any:
-        """Blocks reported as taking 1 s, so none runs on the event loop (``INLINE_S``)."""
-        def run(*args: Any) -> Any:
-            out, record = compute(*args)
-            return out, {**record, "compute_s": 1.0}
-        return run
-
-    @staticmethod
     def _spec_of(address: str) -> Any:
         return lambda m, v, b: SPECS[b] if SPECS[b].address == address else None
 
@@ -86,17 +79,6 @@ class Pair:
             self.ran.append((address, b, request, threading.get_ident()))
             return block(b, imports), "computed"
         return run
-
-    @staticmethod
-    async def check(model: str, ticket: Any) -> str:
-        return TICKET
-
-    def _sender(self, sender: str) -> Any:
-        async def send(address: str, op: str, **msg: Any) -> None:
-            _, head, *frames = pack([{"op": op.removeprefix("seabiscuit_dp_"), "sender": sender, **msg}])
-            for m in unpack(bytes(head), [bytearray(f) for f in frames]):
-                await self.planes[address].receive(m)
-        return send
 
     async def start(self, requests: list[int], token: int = 4, position: int = 7) -> None:
         """A decode loop of ``requests`` at ``A``, its first step fed from here."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import threading
+from typing import Any
 
 import pytest
 import torch
@@ -333,6 +334,50 @@ def test_a_recovery_that_meets_a_dead_worker_recovers_again() -> None:
     assert runner.recovered == ["CacheLost", "RunFailed"]
 
 
+class ChunkingRunner(LocalRunner):
+    """Takes a prompt's chunks all at once (``pipelines_prefill``), runs each when its result is
+    read, and fails the ``fail_at``-th chunk so read (RunFailed: a worker could not be reached)."""
+
+    pipelines_prefill = True
+
+    def __init__(self, model: torch.nn.Module, fail_at: int = 0) -> None:
+        super().__init__(model, "64KiB")
+        self.fail_at, self.read, self.sent, self.discarded, self.recovered = fail_at, 0, [], [], []
+
+    def submit_chunk(self, length: int, feed: dict[str, torch.Tensor], follows: Any = None) -> Any:
+        assert follows is None or follows is self.sent[-1]       # each chunk follows the one before
+        self.sent.append((length, feed))
+        return self.sent[-1]
+
+    def step_result(self, handle: Any) -> torch.Tensor:
+        self.read += 1
+        if self.read == self.fail_at:
+            raise RunFailed("worker w1 could not be reached")
+        return self.run_step(1, *handle)
+
+    def discard(self, handle: Any) -> None:
+        self.discarded.append(handle)
+
+    def recover(self, error: BaseException) -> None:
+        self.recovered.append(type(error).__name__)
+
+
+@pytest.mark.parametrize("fail_at", [0, 2])
+def test_a_long_prompts_chunks_are_sent_at_once_and_run_again_one_by_one_if_that_fails(fail_at: int) -> None:
+    model = decoder("llama")
+    ids, mask = padded_batch((40,), seed=4)
+    runner = ChunkingRunner(model, fail_at)
+    engine = Engine(runner, max_chunk=16)
+    assert torch.equal(local_greedy(model, ids, None, 5, engine), hf_greedy(model, ids, mask, 5))
+    assert [length for length, _ in runner.sent] == [16, 16, 16]
+    assert [int(f["sb_start"][0]) for _, f in runner.sent] == [0, 16, 32]
+    if fail_at:       # the first chunk ran, the second failed: all three again, one by one
+        assert len(runner.discarded) == 3 and runner.recovered == ["RunFailed"]
+        assert engine.stats.prefill_ahead == 0 and engine.stats.prefill_steps == 3
+    else:
+        assert not runner.discarded and engine.stats.prefill_ahead == 2 and engine.stats.prefill_steps == 3
+
+
 def test_limits_are_clear_errors() -> None:
     model = decoder("llama")
     engine = Engine(LocalRunner(model, "64KiB"), max_sessions=2, context=32)
@@ -388,6 +433,12 @@ def test_generate_on_a_cluster_matches_hugging_face_and_frees_its_caches() -> No
             weights = sum(p.nbytes for p in dm.graph.params.values())
             assert max(d.memory_bytes for d in dm.plan.spec.devices) < weights
             assert torch.equal(dm.generate(ids, 12, attention_mask=mask, pad_token_id=0), want)
+            # a prompt longer than the deployment's input: chunks of 16, 16 and 8, all sent at once
+            long, _ = padded_batch((40,), seed=5)
+            ahead = dm.generation_stats()["prefill_ahead"]
+            assert torch.equal(dm.generate(long, 6, pad_token_id=0, eos_token_id=[]),
+                               hf_greedy(model, long, torch.ones_like(long), 6))
+            assert dm.generation_stats()["prefill_ahead"] - ahead == 2
             streamed = []
             stream = dm.stream(ids[:1], 12, pad_token_id=0)
             streamed.append(next(stream))

@@ -80,6 +80,24 @@ class KVStore:
             return {s: max((c.length for c in layers.values()), default=0)
                     for (m, s), layers in self.caches.items() if m == model}
 
+    def cached(self, model: str, session: int, layers: Any) -> int:
+        """Slots of ``session`` cached in every one of ``layers`` here (0 where one has none)."""
+        with self._lock:
+            held = self.caches.get((model, int(session))) or {}
+            return min((held[int(i)].length if int(i) in held else 0 for i in layers), default=0)
+
+    def ready(self, model: str, spec: Any, imports: Any) -> bool:
+        """Whether the ``sb.kv_attention`` ops of block ``spec`` find, for every live row of the
+        step in ``imports``, its session cached up to the row's first slot in their layers:
+        what a step that follows another of the same session (a prompt's next chunk) waits for.
+        A block without such ops, or that does not read the step's inputs whole, is ready."""
+        layers = kv_layers(spec)
+        sessions, start = imports.get("sb_sessions"), imports.get("sb_start")
+        if not layers or not isinstance(sessions, torch.Tensor) or not isinstance(start, torch.Tensor):
+            return True
+        return all(self.cached(model, s, layers) >= st
+                   for s, st in zip(sessions.flatten().tolist(), start.flatten().tolist()) if s >= 0)
+
     def drop(self, model: str, sessions: Any = None) -> int:
         """Forget the caches of ``sessions`` of ``model`` (all when None); returns bytes freed."""
         with self._lock:
@@ -177,6 +195,11 @@ class ScoreSpec:
         b = torch.tensor(self.slopes, device=slot.device)[:, None] * slot.float()[None, :]
         b = b.to(getattr(torch, self.alibi_dtype)).float()
         return (b if self.alibi_scale == 1.0 else b * self.alibi_scale).unsqueeze(1)
+
+
+def kv_layers(spec: Any) -> tuple[int, ...]:
+    """The cache layers the ``sb.kv_attention`` ops of a block (its ``ops``) write and read."""
+    return tuple(sorted({int(op.attrs["args"][6]) for op in spec.ops if op.kind == "kv_attention"}))
 
 
 @register_kernel("sb.kv_attention")

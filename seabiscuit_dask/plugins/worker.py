@@ -83,7 +83,7 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
             send=self._send, check=self._check_ticket, executor=self._pool,
             max_runs=int(config.get("runtime.data-plane-runs")),
             describe=lambda m, v, b: BlockSpec.from_dict(self._fetch(m, v, b)),
-            forward=lambda address, msg: self._links.send(address, msg, direct=True))
+            forward=lambda address, msg: self._links.send(address, msg, direct=True), ready=self._kv_ready)
         self._links = Links(opener(lambda: worker.connection_args))
         self._receiving: dict[str, Receiving] = {}      # NOTE: per peer stream: bytes read, not yet handed on
         for op in DP_OPS:
@@ -240,10 +240,10 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
     # --- the data plane (runtime.dataplane) --------------------------------------------------------
     async def dp_feed(self, comm: Any = None, model: str = "", ticket: str = "", version: int = 0,
                       request: int = 0, inputs: Any = (), collect: Any = (),
-                      timed: bool = False, loop: Any = None) -> list[Any]:
+                      timed: bool = False, loop: Any = None, after: int = -1) -> list[Any]:
         fed = {int(b): ts for b, ts in inputs or ()}
         out = await self.dataplane.feed(model, ticket, version, request, fed, list(collect or ()), timed,
-                                        decode_loop(loop))
+                                        decode_loop(loop), int(after))
         return [[b, to_serialize(ts)] for b, ts in out.items()]
 
     async def dp_push(self, comm: Any = None, model: str = "", ticket: str = "", version: int = 0,
@@ -295,6 +295,12 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
     def _known_spec(self, model: str, version: int, block: int) -> Any:
         p = self.resident.programs.get((model, block))
         return p.spec if p is not None and p.spec.version == version else None
+
+    def _kv_ready(self, model: str, version: int, block: int, imports: Any) -> bool:
+        """Whether a block of a prompt's later chunk finds its sessions cached up to its first slot
+        here (``DataPlane`` holds it until then)."""
+        spec = self._known_spec(model, version, block)
+        return spec is None or self.resident.kv.ready(model, spec, imports)
 
     def _load_spec(self, model: str, version: int, block: int) -> Any:
         return self.resident.program(model, version, block, self._fetch).spec

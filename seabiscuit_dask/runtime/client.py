@@ -508,10 +508,28 @@ class DistributedModel:
         one before, or a step of a decode loop on the data plane (``steps``)."""
         return True
 
+    @property
+    def pipelines_prefill(self) -> bool:
+        """Whether ``submit_chunk`` sends a prompt's next chunk before the one before it has
+        finished (the data plane orders their cache writes on each worker)."""
+        return self.p2p
+
+    def submit_chunk(self, length: int, feed: dict[str, Any], follows: Handle | None = None) -> Handle:
+        """Send one prefill chunk of one session without waiting; ``follows``: the chunk of the same
+        prompt before it, which may still run (each worker holds this chunk's blocks until that
+        one cached what they read: one chunk runs on a stage while the one before runs on the next)."""
+        prog = self._step_program(1, length)
+        layout = prog.layout
+        if follows is not None and follows.version != layout.version:
+            raise StaleRun(f"model {self.model_id} moved to plan v{layout.version} between two chunks of a "
+                           f"prompt (the one before ran on v{follows.version}): they run again one by one")
+        return self._submit(prog, layout, split_inputs(prog.graph, feed), follows=follows)
+
     def _submit(self, prog: StepProgram | None, layout: StepLayout, inputs: dict[str, Any],
-                after: Handle | None = None) -> Handle:
+                after: Handle | None = None, follows: Handle | None = None) -> Handle:
         """Send one request of ``prog`` (None: the model's own program) under ``layout``; every
-        request and generation step goes this way."""
+        request and generation step goes this way. ``follows``: a request (on the data plane)
+        whose cache writes this one reads."""
         self._check_open()
         request = self._next_request()
         wanted = sorted(set(layout.out_at.values()))
@@ -519,7 +537,8 @@ class DistributedModel:
             if after is not None:
                 raise SeaBiscuitError("the p2p data plane chains no steps: see chains_steps")
             pending = p2p.start(self.client, self.model_id, self._ticket, layout.version, request,
-                                layout.route(wanted), inputs)
+                                layout.route(wanted), inputs,
+                                after=-1 if follows is None else follows.request)
             handle = Handle(prog, layout, request, wanted, [], pending)
         else:
             dsk, keys = request_graph(layout.specs, request, inputs, run_block_task)

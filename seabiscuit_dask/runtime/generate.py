@@ -73,6 +73,10 @@ class QueueingRunner(Runner, Protocol):
     def discard(self, handle: Any) -> None:
         """Let go of a submitted step."""
 
+    def submit_chunk(self, length: int, feed: dict[str, torch.Tensor], follows: Any = None) -> Any:
+        """Submit one prefill chunk of one session; ``follows``: the chunk before it, which may
+        still run (a runner whose ``pipelines_prefill`` is true orders their cache writes)."""
+
 
 def buckets(key: str, default: Sequence[int]) -> tuple[int, ...]:
     value = config.get(f"generate.{key}", None) or default
@@ -181,6 +185,7 @@ class EngineStats:
     """What the engine did: steps by kind, replays, tokens and rows produced, seconds in steps."""
 
     prefill_steps: int = 0
+    prefill_ahead: int = 0        # prompt chunks sent while the chunk before still ran (``_pipelined``)
     decode_steps: int = 0
     replays: int = 0
     tokens: int = 0
@@ -502,14 +507,51 @@ class Engine:
 
     def _chunks(self, s: Session, start: int, todo: list[int], replay: bool = False) -> torch.Tensor:
         """Cache ``todo`` at slots ``start``.. in prefill chunks; the logits of its last token.
-        A ``replay`` is part of a recovery already, so its steps are not retried."""
+        A ``replay`` is part of a recovery already, so its steps are not retried. Where the
+        runner pipelines them (the data plane), a prompt's chunks are sent all at once
+        (``_pipelined``); if that fails, they run again one by one, each retried as any step
+        (slots cached meanwhile are only read)."""
+        chunks = self.chunking(len(todo))
+        lost: WorkerLost | None = None
+        if not replay and len(chunks) > 1 and getattr(self.runner, "pipelines_prefill", False):
+            try:
+                logits = self._pipelined(s, start, todo, chunks)
+                self.stats.prefill_steps += len(chunks)
+                self.stats.prefill_ahead += len(chunks) - 1
+                return logits
+            except WorkerLost as e:
+                if isinstance(e, StaleRun):
+                    self.runner.recover(e)
+                else:
+                    lost = e
         logits = torch.empty(0)
-        for n, length in self.chunking(len(todo)):
+        for n, length in chunks:
             feed = _feed([(s.sid, start, todo[:n])], 1, length)
-            logits = (self._step(1, length, feed) if replay else self._run([s], 1, length, feed))[0]
+            out = self._step(1, length, feed) if replay else self._run([s], 1, length, feed, lost=lost)
+            logits = out[0]
+            lost = None
             todo, start = todo[n:], start + n
             self.stats.prefill_steps += not replay
         return logits
+
+    def _pipelined(self, s: Session, start: int, todo: list[int],
+                   chunks: list[tuple[int, int]]) -> torch.Tensor:
+        """Send every chunk of a prompt at once, each to follow the one before: one chunk runs on a
+        stage while the one before runs on the next. The logits of the last chunk's last token."""
+        runner = self._queueing
+        handles: list[Any] = []
+        try:
+            for n, length in chunks:
+                feed = _feed([(s.sid, start, todo[:n])], 1, length)
+                handles.append(runner.submit_chunk(length, feed, follows=handles[-1] if handles else None))
+                todo, start = todo[n:], start + n
+            for h in handles[:-1]:
+                runner.step_result(h)
+            return runner.step_result(handles[-1])[0]
+        except BaseException:
+            for h in handles:
+                runner.discard(h)
+            raise
 
     def _decode(self, sessions: list[Session], greedy: bool = False, more: bool = True,
                 left: int = 1) -> torch.Tensor:

@@ -43,13 +43,15 @@ Outputs = dict[int, Mapping[str, torch.Tensor]]      # block -> the graph output
 
 
 def start(client: Any, model: str, ticket: str, version: int, request: int, plan: Route,
-          inputs: Mapping[str, torch.Tensor]) -> concurrent.futures.Future[Outputs]:
-    """Send a request on the data plane from any thread; the future gives block -> outputs."""
+          inputs: Mapping[str, torch.Tensor], after: int = -1) -> concurrent.futures.Future[Outputs]:
+    """Send a request on the data plane from any thread; the future gives block -> outputs.
+    ``after``: a request whose cache writes this one reads (its prompt's chunk before), sent
+    just before it: each worker holds this one's blocks until that one cached what they read."""
     calls = _calls(plan, inputs)
     # NOTE: the worker that collects the last output reports the request's latency (dashboard)
     last = max((b for _, collects in plan.values() for b in collects), default=-1)
     timed = next((a for a, (_, collects) in plan.items() if last in collects), "")
-    coro = _run(client.rpc, model, ticket, version, request, calls, timed)
+    coro = _run(client.rpc, model, ticket, version, request, calls, timed, after=after)
     return asyncio.run_coroutine_threadsafe(coro, client.loop.asyncio_loop)
 
 
@@ -104,13 +106,13 @@ def _settle(f: concurrent.futures.Future[Outputs], value: Outputs) -> None:
 
 async def _run(rpc: Any, model: str, ticket: str, version: int, request: int,
                calls: Mapping[str, tuple[list[Any], list[int]]], timed: str = "",
-               loops: Mapping[str, Any] | None = None) -> Outputs:
+               loops: Mapping[str, Any] | None = None, after: int = -1) -> Outputs:
     async def one(addr: str, feeds: list[Any], collects: list[int]) -> list[Any]:
         try:
             return list(await rpc(addr).seabiscuit_dp_feed(model=model, ticket=ticket, version=version,
                                                             request=request, inputs=feeds, collect=collects,
                                                             timed=addr == timed,
-                                                            loop=(loops or {}).get(addr)))
+                                                            loop=(loops or {}).get(addr), after=after))
         except (CommClosedError, OSError) as e:
             raise RunFailed(f"request {request} of model {model}: worker {addr} could not be reached: "
                             f"{type(e).__name__}: {e}") from e

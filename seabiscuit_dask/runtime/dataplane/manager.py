@@ -15,7 +15,13 @@ so tests drive it without a cluster: ``compute`` runs a block (in ``executor``),
 ``spec_of`` finds a block's spec (``load_spec`` loads it off the loop), ``send``
 delivers a one-way message to another worker (``push``, ``feed`` or ``fail``; on a
 cluster down the stream to that peer, ``streams``, which ``receive`` reads), ``check``
-verifies a ticket.
+verifies a ticket, ``ready`` says whether a block of a run that follows another (a prompt's
+chunk after the one before it, ``feed(after=...)``) finds the cache writes it reads done here.
+
+A prompt prefilled in chunks is sent chunk after chunk without waiting, so one chunk runs on
+a stage while the one before runs on the next; each chunk's blocks here are held until the
+chunk before has cached what they read (never by blocking a compute thread), and fail when
+that chunk ended first.
 """
 
 from __future__ import annotations
@@ -72,7 +78,8 @@ class DataPlane:
                  load_spec: Callable[[str, int, int], BlockSpec], version_of: Callable[[str], int],
                  send: Send, check: Callable[[str, Any], Awaitable[str]], executor: Executor,
                  max_runs: int = 256, describe: Callable[[str, int, int], BlockSpec] | None = None,
-                 forward: Callable[[str, dict[str, Any]], Awaitable[Any]] | None = None) -> None:
+                 forward: Callable[[str, dict[str, Any]], Awaitable[Any]] | None = None,
+                 ready: Callable[[str, int, int, Imports], bool] | None = None) -> None:
         self.address = address
         # NOTE: how a message this worker relays goes on (down its own link, never relayed again),
         # and the (sender, receiver) pairs the scheduler has it relay for (``streams.Links.routes``)
@@ -83,6 +90,8 @@ class DataPlane:
         self.describe = describe
         self.compute, self.spec_of, self.load_spec, self.version_of = compute, spec_of, load_spec, version_of
         self.send, self.check, self.executor, self.max_runs = send, check, executor, max_runs
+        self.ready = ready
+        self.held: dict[RunKey, tuple[Run, str]] = {}     # runs with blocks held behind the run they follow
         self.runs: dict[RunKey, Run] = {}
         self.ran: OrderedDict[tuple[str, int, int], None] = OrderedDict()     # (model, request, block)
         self.ended: OrderedDict[RunKey, BaseException] = OrderedDict()       # failed or forgotten runs
@@ -102,14 +111,17 @@ class DataPlane:
     # --- handlers ------------------------------------------------------------------------------
     async def feed(self, model: str, ticket: Any, version: int, request: int,
                    inputs: Mapping[int, Mapping[str, torch.Tensor]], collect: Sequence[int] = (),
-                   timed: bool = False, loop: Loop | None = None) -> dict[int, Tensors]:
+                   timed: bool = False, loop: Loop | None = None, after: int = -1) -> dict[int, Tensors]:
         """The caller's inputs of this worker's blocks (a block with no inputs starts with ``{}``);
         with ``collect``, waits for those blocks' outputs and returns them; ``timed``: report
         the time from here to the outputs as the request's latency; ``loop``: the decode steps
-        that follow this one, fed from here (this worker makes ``loop.logits``)."""
+        that follow this one, fed from here (this worker makes ``loop.logits``); ``after``: the
+        request whose cache writes this one's blocks here read (the chunk of its prompt before)."""
         t0 = time.time()
         ticket = await self.check(model, ticket)
         run = self._run(model, int(version), int(request))
+        if run is not None and int(after) >= 0:
+            run.after = int(after)
         if run is not None and loop is not None and loop.requests:
             self.loops[(model, int(request))] = loop
             made = next((out for out in run.outputs.values() if loop.logits in out), None)
@@ -342,7 +354,7 @@ class DataPlane:
         return True
 
     def _start(self, run: Run, br: BlockRun, ticket: str) -> None:
-        if not br.ready:
+        if not br.ready or self._held(run, br, ticket):
             return
         br.state = RUNNING      # NOTE: at once, so a repeat that comes meanwhile starts nothing
         args = (run.model, run.version, run.request, br.block, br.imports)
@@ -359,6 +371,43 @@ class DataPlane:
         self.chains[(run.model, run.request)] = chain
         self.executor.submit_ordered(run.created, chain)      # type: ignore[attr-defined]
         self._spawn(run, self._compute(run, br, ticket, asyncio.wrap_future(chain.made), chain))
+
+    def _held(self, run: Run, br: BlockRun, ticket: str) -> bool:
+        """Whether ``br`` waits for the run ``run`` follows to cache what it reads here (a
+        prompt's chunk before); a run whose predecessor ended first fails (it could never start)."""
+        br.deferred = False
+        if run.after < 0 or self.ready is None:
+            return False
+        try:
+            if self.ready(run.model, run.version, br.block, br.imports):
+                return False
+        except Exception as e:  # noqa: BLE001 - then the kernel's own check (CacheLost) has the last word
+            logger.warning("seabiscuit: block b%s of %s not checked for its cache: %s", br.block,
+                           run.where(), e)
+            return False
+        if (run.model, run.after) in self.ended:
+            why = (f"{run.where()} follows request {run.after}, which ended before it cached what block "
+                   f"b{br.block} reads on worker {self.address}")
+            self._fail(run, RunFailed(why), ticket)
+            return True
+        br.deferred = True
+        self.held[(run.model, run.request)] = (run, ticket)
+        return True
+
+    def _wake(self, model: str) -> None:
+        """Start the held blocks of ``model``'s runs whose predecessors have now cached what they
+        read (a block ran or a run ended here)."""
+        for key, (run, ticket) in list(self.held.items()):
+            if key[0] != model or key not in self.held:
+                continue
+            waiting = [br for br in run.blocks.values() if br.deferred]
+            if self.runs.get(key) is not run or run.error is not None or not waiting:
+                del self.held[key]
+                continue
+            for br in waiting:
+                self._start(run, br, ticket)
+            if key in self.held and not any(br.deferred for br in run.blocks.values()):
+                del self.held[key]
 
     def _chain(self, run: Run, br: BlockRun, args: tuple[Any, ...]) -> Chain | None:
         """A ``Chain`` of ``br`` and the next decode step's blocks here, where ``br`` makes the
@@ -469,6 +518,8 @@ class DataPlane:
             run.outputs[br.block] = {t: out[t] for t in spec.outputs}
             if not ahead:
                 run.notify()
+        if self.held:
+            self._wake(run.model)
         return sends, ahead
 
     async def _settle(self, run: Run, sends: Sequence[Awaitable[Any]], ahead: Sequence[Any] = ()) -> None:
@@ -644,6 +695,8 @@ class DataPlane:
 
     def _remember_end(self, key: RunKey, error: BaseException) -> None:
         self._remember(self.ended, key, error)
+        if self.held:
+            self._wake(key[0])
 
     @staticmethod
     def _remember(d: OrderedDict[Any, Any], key: Any, value: Any) -> None:

@@ -26,6 +26,7 @@ class BlockRun:
     imports: dict[str, torch.Tensor] = field(default_factory=dict)
     state: str = WAITING
     resolving: bool = False               # its spec is being loaded
+    deferred: bool = False                # ready, held until the run it follows wrote its cache here
 
     @property
     def ready(self) -> bool:
@@ -50,6 +51,7 @@ class Run:
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     tasks: set[Any] = field(default_factory=set)
     wanted: set[int] = field(default_factory=set)     # blocks a caller waits here for
+    after: int = -1                   # the request (a prompt's chunk before) whose cache writes it needs
 
     def block(self, b: int) -> BlockRun:
         br = self.blocks.get(b)
@@ -72,8 +74,9 @@ class Run:
         return all(b.state == DONE for b in self.blocks.values()) and not self.outputs and not self.wanted
 
     def progress(self) -> list[int]:
-        """[blocks running or about to, blocks done, tensors received, outputs waiting]."""
-        return [sum(b.state == RUNNING or b.resolving for b in self.blocks.values()),
+        """[blocks running or about to (or held behind the run they follow, which moves),
+        blocks done, tensors received, outputs waiting]."""
+        return [sum(b.state == RUNNING or b.resolving or b.deferred for b in self.blocks.values()),
                 sum(b.state == DONE for b in self.blocks.values()),
                 sum(len(b.imports) for b in self.blocks.values()), len(self.outputs)]
 
