@@ -511,8 +511,9 @@ class DistributedModel:
     @property
     def pipelines_prefill(self) -> bool:
         """Whether ``submit_chunk`` sends a prompt's next chunk before the one before it has
-        finished (the data plane orders their cache writes on each worker)."""
-        return self.p2p
+        finished (the data plane orders their cache writes on each worker;
+        ``seabiscuit.generate.pipeline-prefill``)."""
+        return self.p2p and bool(config.get("generate.pipeline-prefill", True))
 
     def submit_chunk(self, length: int, feed: dict[str, Any], follows: Handle | None = None) -> Handle:
         """Send one prefill chunk of one session without waiting; ``follows``: the chunk of the same

@@ -4,7 +4,8 @@ The scheduler plugin stays the control plane (placement, plan versions, failure)
 a request's blocks run on their workers as their inputs arrive, over distributed's
 comms (so TLS, ``Security`` and UCX apply), the way distributed's P2P shuffle moves
 its shards: ``manager.DataPlane`` is a worker's run manager, ``runs`` the state of
-one request there, ``chain`` a decode step's last and next blocks on one compute thread,
+one request there (and of the prompt chunk it follows, ``feed(after=...)``), ``chain`` a
+decode step's last and next blocks on one compute thread,
 ``wire`` how tensors of every dtype travel, and ``client`` what
 the caller sends and collects, ``streams`` the one connection per pipeline edge that a
 worker's messages to a peer go down (``flow``: what goes next on it, and how it times the link;
