@@ -61,8 +61,10 @@ def main() -> None:
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     context = max(args.lengths) + 8
     reserve, _ = kv_reserve(model, 1, context)
-    budget = worker_budget_bytes(weights, args.workers) + reserve * model.config.num_hidden_layers // args.workers
-    prompts = {n: torch.randint(100, 40000, (1, n), generator=torch.Generator().manual_seed(n)) for n in args.lengths}
+    layers = model.config.num_hidden_layers
+    budget = worker_budget_bytes(weights, args.workers) + reserve * layers // args.workers
+    prompts = {n: torch.randint(100, 40000, (1, n), generator=torch.Generator().manual_seed(n))
+               for n in args.lengths}
     rows = []
     with seabiscuit_cluster(args.workers, budget) as client:
         dm = sb.distribute(model, client, torch.zeros(1, 256, dtype=torch.long), kwargs={"logits_to_keep": 1},
@@ -70,11 +72,13 @@ def main() -> None:
         for n, ids in prompts.items():
             with torch.no_grad():
                 torch.set_num_threads(1)
-                want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False)
+                want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3,
+                                      do_sample=False)
             same = []
             for pipelined in (True, False):
                 with dask.config.set({"seabiscuit.generate.pipeline-prefill": pipelined}):
-                    same.append(torch.equal(dm.generate(ids, 3, eos_token_id=[]), want))  # NOTE: builds programs
+                    # NOTE: builds the chunks' programs
+                    same.append(torch.equal(dm.generate(ids, 3, eos_token_id=[]), want))
             chunks = len(dm._engine.chunking(n))
             times: dict[str, list[float]] = {"at once": [], "one by one": [], "hf1": [], "hf2": []}
             for _ in range(args.reps):
@@ -86,14 +90,14 @@ def main() -> None:
             rows.append((n, chunks, med, all(same)))
         dm.close()
 
-    print(f"\nSmolLM2-135M-Instruct on {args.workers} workers x 1 thread, deployed at 256 tokens; time to the "
-          f"first token, medians of {args.reps}")
+    print(f"\nSmolLM2-135M-Instruct on {args.workers} workers x 1 thread, deployed at 256 tokens; time to "
+          f"the first token, medians of {args.reps}")
     print(f"{'prompt':>7} {'chunks':>6} {'at once':>9} {'one by one':>11} {'HF 1 thr':>9} {'HF 2 thr':>9} "
           f"{'gain':>6} {'vs HF 1 thr':>12} {'tokens = HF':>12}")
     for n, chunks, m, same in rows:
         print(f"{n:>7} {chunks:>6} {m['at once'] * 1e3:>7.0f}ms {m['one by one'] * 1e3:>9.0f}ms "
               f"{m['hf1'] * 1e3:>7.0f}ms {m['hf2'] * 1e3:>7.0f}ms {m['one by one'] / m['at once']:>5.2f}x "
-              f"{m['hf1'] / m['at once']:>11.2f}x {str(same):>12}")
+              f"{m['hf1'] / m['at once']:>11.2f}x {same!s:>12}")
 
 
 if __name__ == "__main__":
