@@ -17,6 +17,7 @@ import seabiscuit_dask as sb
 from seabiscuit_dask.errors import BadInput, Busy, ClusterTooSmall, RunFailed, SessionClosed
 from seabiscuit_dask.lower.kvcache import CacheLost, KVStore
 from seabiscuit_dask.placement.follow import follow
+from seabiscuit_dask.runtime import generate as generate_module
 from seabiscuit_dask.runtime.generate import Engine, GenerateArgs, LocalRunner, generate_tokens
 from seabiscuit_dask.trace.decoder import trace_step
 
@@ -343,13 +344,16 @@ class ChunkingRunner(LocalRunner):
     def __init__(self, model: torch.nn.Module, fail_at: int = 0) -> None:
         super().__init__(model, "64KiB")
         self.fail_at, self.read, self.sent, self.discarded, self.recovered = fail_at, 0, [], [], []
+        self.log: list[str] = []
 
     def submit_chunk(self, length: int, feed: dict[str, torch.Tensor], follows: Any = None) -> Any:
         assert follows is None or follows is self.sent[-1]       # each chunk follows the one before
         self.sent.append((length, feed))
+        self.log.append(f"sent {len(self.sent)}")
         return self.sent[-1]
 
     def step_result(self, handle: Any) -> torch.Tensor:
+        self.log.append(f"read {next(i for i, h in enumerate(self.sent) if h is handle) + 1}")
         self.read += 1
         if self.read == self.fail_at:
             raise RunFailed("worker w1 could not be reached")
@@ -371,11 +375,22 @@ def test_a_long_prompts_chunks_are_sent_at_once_and_run_again_one_by_one_if_that
     assert torch.equal(local_greedy(model, ids, None, 5, engine), hf_greedy(model, ids, mask, 5))
     assert [length for length, _ in runner.sent] == [16, 16, 16]
     assert [int(f["sb_start"][0]) for _, f in runner.sent] == [0, 16, 32]
+    assert runner.log[:2] == ["sent 1", "sent 2"]           # the second goes before the first is answered
     if fail_at:       # the first chunk ran, the second failed: all three again, one by one
         assert len(runner.discarded) == 3 and runner.recovered == ["RunFailed"]
         assert engine.stats.prefill_ahead == 0 and engine.stats.prefill_steps == 3
     else:
         assert not runner.discarded and engine.stats.prefill_ahead == 2 and engine.stats.prefill_steps == 3
+
+
+def test_a_huge_prompt_has_a_bounded_number_of_chunks_in_flight(monkeypatch) -> None:
+    monkeypatch.setattr(generate_module, "CHUNKS_IN_FLIGHT", 2)
+    model = decoder("llama")
+    ids, mask = padded_batch((40,), seed=4)
+    runner = ChunkingRunner(model)
+    got = local_greedy(model, ids, None, 2, Engine(runner, max_chunk=16))
+    assert torch.equal(got, hf_greedy(model, ids, mask, 2))
+    assert runner.log[:6] == ["sent 1", "sent 2", "read 1", "sent 3", "read 2", "read 3"]
 
 
 def test_limits_are_clear_errors() -> None:

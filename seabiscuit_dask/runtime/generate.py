@@ -536,16 +536,21 @@ class Engine:
 
     def _pipelined(self, s: Session, start: int, todo: list[int],
                    chunks: list[tuple[int, int]]) -> torch.Tensor:
-        """Send every chunk of a prompt at once, each to follow the one before: one chunk runs on a
-        stage while the one before runs on the next. The logits of the last chunk's last token."""
+        """Send a prompt's chunks at once (``CHUNKS_IN_FLIGHT`` at most), each to follow the one
+        before: one chunk runs on a stage while the one before runs on the next. The logits of
+        the last chunk's last token."""
         runner = self._queueing
         handles: list[Any] = []
+        read = 0
         try:
             for n, length in chunks:
+                if len(handles) - read >= CHUNKS_IN_FLIGHT:
+                    runner.step_result(handles[read])
+                    read += 1
                 feed = _feed([(s.sid, start, todo[:n])], 1, length)
                 handles.append(runner.submit_chunk(length, feed, follows=handles[-1] if handles else None))
                 todo, start = todo[n:], start + n
-            for h in handles[:-1]:
+            for h in handles[read:-1]:
                 runner.step_result(h)
             return runner.step_result(handles[-1])[0]
         except BaseException:
@@ -732,6 +737,8 @@ class Engine:
 
 IDLE_EXIT_S = 2.0    # NOTE: how long the engine's thread waits for work before it ends
 TURN_WAIT_S = 120.0  # NOTE: how long a kept session's next turn waits for its last one to end
+CHUNKS_IN_FLIGHT = 8    # NOTE: a prompt's chunks sent and not yet answered: a pipeline of a few stages
+#                         stays full, and a huge prompt holds the activations of only so many
 STEP_TOKENS = 48     # NOTE: a step's fixed cost (every weight read once) in tokens' worth of compute
 
 
