@@ -199,6 +199,25 @@ def test_a_stopped_worker_is_fenced_and_no_answer_changes(client, model) -> None
         wait_for(lambda: victim not in plugin(client).fenced, "the fenced worker taken back")
 
 
+def test_a_long_prompt_sent_to_a_hung_worker_is_prefilled_again_and_no_token_changes(client, model) -> None:
+    prompt = padded_batch((40,), seed=6)[0]              # chunks of 16, 16 and 8, sent at once
+    want = hf(model, prompt, 4)
+    with deploy(client, model) as dm:
+        dm.generate(prompt[:, :12], 2, pad_token_id=0, eos_token_id=[])     # the usual time of a chunk
+        victim = kv_worker(dm)
+        pid = pid_of(client, victim)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            assert torch.equal(dm.generate(prompt, 4, pad_token_id=0, eos_token_id=[]), want)
+            assert victim in plugin(client).fenced
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert dm.generation_stats()["prefill_ahead"] == 0     # the chunks sent at once failed: one by one
+        wait_for(lambda: victim not in plugin(client).fenced, "the fenced worker taken back")
+        assert torch.equal(dm.generate(prompt, 4, pad_token_id=0, eos_token_id=[]), want)
+        assert dm.generation_stats()["prefill_ahead"] == 2
+
+
 def test_draining_a_hung_worker_returns_without_it(client, model) -> None:
     with torch.no_grad():
         expected = model(X).logits
