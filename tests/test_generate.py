@@ -383,6 +383,32 @@ def test_a_long_prompts_chunks_are_sent_at_once_and_run_again_one_by_one_if_that
         assert not runner.discarded and engine.stats.prefill_ahead == 2 and engine.stats.prefill_steps == 3
 
 
+def test_a_replay_after_a_lost_cache_sends_its_chunks_at_once() -> None:
+    class Losing(ChunkingRunner):
+        """Loses every cache at the third decode step (CacheLost, as a step on a moved block finds)."""
+
+        steps = 0
+
+        def run_step(self, batch: int, length: int, feed: dict[str, torch.Tensor]) -> torch.Tensor:
+            if length == 1:
+                self.steps += 1
+                if self.steps == 3:
+                    self.store.drop("local", set(self.store.sessions("local")))
+                    raise CacheLost("every cache was lost with a worker")
+            return super().run_step(batch, length, feed)
+
+    model = decoder("llama")
+    ids, mask = padded_batch((40,), seed=4)
+    runner = Losing(model)
+    engine = Engine(runner, max_chunk=16)
+    assert torch.equal(local_greedy(model, ids, None, 6, engine), hf_greedy(model, ids, mask, 6))
+    assert runner.recovered == ["CacheLost"] and engine.stats.replays == 1
+    # the prompt's 3 chunks, then the replay of its 40 tokens and the 2 made before the loss
+    assert [int(f["sb_start"][0]) for _, f in runner.sent] == [0, 16, 32, 0, 16, 32]
+    assert int(runner.sent[-1][1]["sb_valid"].sum()) == 42 - 32
+    assert engine.stats.prefill_steps == 3 and engine.stats.prefill_ahead == 4
+
+
 def test_a_huge_prompt_has_a_bounded_number_of_chunks_in_flight(monkeypatch) -> None:
     monkeypatch.setattr(generate_module, "CHUNKS_IN_FLIGHT", 2)
     model = decoder("llama")

@@ -508,20 +508,22 @@ class Engine:
     def _chunks(self, s: Session, start: int, todo: list[int], replay: bool = False) -> torch.Tensor:
         """Cache ``todo`` at slots ``start``.. in prefill chunks; the logits of its last token.
         A ``replay`` is part of a recovery already, so its steps are not retried. Where the
-        runner pipelines them (the data plane), a prompt's chunks are sent all at once
-        (``_pipelined``); if that fails, they run again one by one, each retried as any step
-        (slots cached meanwhile are only read)."""
+        runner pipelines them (the data plane), a prompt's chunks (a replay's too) are sent all
+        at once (``_pipelined``); if that fails, they run again one by one, each retried as any
+        step (slots cached meanwhile are only read)."""
         chunks = self.chunking(len(todo))
         lost: WorkerLost | None = None
-        if not replay and len(chunks) > 1 and getattr(self.runner, "pipelines_prefill", False):
+        if len(chunks) > 1 and getattr(self.runner, "pipelines_prefill", False):
             try:
                 logits = self._pipelined(s, start, todo, chunks)
-                self.stats.prefill_steps += len(chunks)
+                self.stats.prefill_steps += 0 if replay else len(chunks)
                 self.stats.prefill_ahead += len(chunks) - 1
                 return logits
             except WorkerLost as e:
                 if isinstance(e, StaleRun):
                     self.runner.recover(e)
+                elif replay:          # NOTE: the recovery that replays counts it as one of its tries
+                    raise
                 else:
                     lost = e
         logits = torch.empty(0)
