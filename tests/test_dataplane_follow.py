@@ -140,3 +140,22 @@ def test_a_block_is_ready_once_every_live_row_is_cached_up_to_its_start_in_its_l
     store.write(MODEL, 7, 5, 4, kv[:, :2], kv[:, :2])
     assert store.ready(MODEL, block, step)                   # the empty row (-1) waits for nothing
     assert store.ready(MODEL, SPECS[0], step) and store.ready(MODEL, block, {})
+
+
+def test_a_chunk_whose_predecessor_finished_without_caching_its_slots_fails_instead_of_waiting() -> None:
+    pair = Pair()
+
+    async def main() -> None:
+        await pair.feed(A, 2, 2, after=1)                  # slots 8.. after request 1, which caches 0..3
+        second = asyncio.ensure_future(pair.feed(B, 2, 2, collect=True, after=1))
+        first = asyncio.ensure_future(pair.feed(B, 1, 0, collect=True))
+        await pair.feed(A, 1, 0)
+        assert float(await asyncio.wait_for(first, 30)) == 2.0
+        with pytest.raises(RunFailed, match="follows request 1, which ended"):
+            await asyncio.wait_for(second, 30)
+
+    try:
+        asyncio.run(main())
+    finally:
+        pair.close()
+    assert pair.ran == [(A, 0, 1), (B, 1, 1)] and not pair.planes[A].held and not pair.planes[B].held

@@ -95,6 +95,7 @@ class DataPlane:
         self.runs: dict[RunKey, Run] = {}
         self.ran: OrderedDict[tuple[str, int, int], None] = OrderedDict()     # (model, request, block)
         self.ended: OrderedDict[RunKey, BaseException] = OrderedDict()       # failed or forgotten runs
+        self.done: OrderedDict[RunKey, None] = OrderedDict()                 # runs that finished here
         self.passed: OrderedDict[tuple[str, int, int], None] = OrderedDict()  # failures passed on, by block
         self.records: list[dict[str, Any]] = []                               # block runs to report
         self.counters = {"messages": 0, "repeats": 0, "stale": 0, "runs_failed": 0, "bytes_in": 0,
@@ -385,7 +386,8 @@ class DataPlane:
             logger.warning("seabiscuit: block b%s of %s not checked for its cache: %s", br.block,
                            run.where(), e)
             return False
-        if (run.model, run.after) in self.ended:
+        before = (run.model, run.after)
+        if before in self.ended or (before in self.done and before not in self.runs):
             why = (f"{run.where()} follows request {run.after}, which ended before it cached what block "
                    f"b{br.block} reads on worker {self.address}")
             self._fail(run, RunFailed(why), ticket)
@@ -638,6 +640,9 @@ class DataPlane:
     def _tidy(self, run: Run) -> None:
         if run.finished and run.error is None and self.runs.get((run.model, run.request)) is run:
             del self.runs[(run.model, run.request)]
+            self._remember(self.done, (run.model, run.request), None)
+            if self.held:         # NOTE: a run that follows it and still finds its cache short never will
+                self._wake(run.model)
 
     def _fail(self, run: Run, error: BaseException, ticket: str, spread: bool = True) -> None:
         """Fail ``run`` here; with ``spread``, at the workers of every block downstream of it too."""
