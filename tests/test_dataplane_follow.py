@@ -74,9 +74,12 @@ class Pair(Planes):
                                               after=after)
         return out[1]["y"] if collect else None
 
-    def close(self) -> None:
-        for p in self.pools.values():
-            p.shutdown(wait=True)
+    def run(self, main: Any) -> None:
+        try:
+            asyncio.run(main)
+        finally:
+            for p in self.pools.values():
+                p.shutdown(wait=True)
 
 
 def test_a_chunk_sent_before_the_one_it_follows_waits_for_its_cache_writes() -> None:
@@ -93,10 +96,7 @@ def test_a_chunk_sent_before_the_one_it_follows_waits_for_its_cache_writes() -> 
         got = await asyncio.wait_for(asyncio.gather(first, second), 30)
         assert [float(y) for y in got] == [2.0, 4.0]
 
-    try:
-        asyncio.run(main())
-    finally:
-        pair.close()
+    pair.run(main())
     assert [r for r in pair.ran if r[0] == A] == [(A, 0, 1), (A, 0, 2)]
     assert [r for r in pair.ran if r[0] == B] == [(B, 1, 1), (B, 1, 2)]
     assert pair.cached == {A: 2 * CHUNK, B: 2 * CHUNK}
@@ -113,10 +113,7 @@ def test_a_chunk_whose_predecessor_ended_first_fails_on_every_worker() -> None:
         with pytest.raises(RunFailed, match="follows request 1"):
             await asyncio.wait_for(second, 30)
 
-    try:
-        asyncio.run(main())
-    finally:
-        pair.close()
+    pair.run(main())
     assert not pair.ran and pair.cached == {A: 0, B: 0}
     assert not pair.planes[A].held and (MODEL, 2) not in pair.planes[A].runs
 
@@ -154,8 +151,5 @@ def test_a_chunk_whose_predecessor_finished_without_caching_its_slots_fails_inst
         with pytest.raises(RunFailed, match="follows request 1, which ended"):
             await asyncio.wait_for(second, 30)
 
-    try:
-        asyncio.run(main())
-    finally:
-        pair.close()
+    pair.run(main())
     assert pair.ran == [(A, 0, 1), (B, 1, 1)] and not pair.planes[A].held and not pair.planes[B].held
