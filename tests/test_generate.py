@@ -374,7 +374,7 @@ def test_a_long_prompts_chunks_are_sent_at_once_and_run_again_one_by_one_if_that
     engine = Engine(runner, max_chunk=16)
     assert torch.equal(local_greedy(model, ids, None, 5, engine), hf_greedy(model, ids, mask, 5))
     assert [length for length, _ in runner.sent] == [16, 16, 16]
-    assert [int(f["sb_start"][0]) for _, f in runner.sent] == [0, 16, 32]
+    assert [int(f["sb_start"][0]) for _, f in runner.sent] == [0, 8, 24]       # the smallest chunk first
     assert runner.log[:2] == ["sent 1", "sent 2"]           # the second goes before the first is answered
     if fail_at:       # the first chunk ran, the second failed: all three again, one by one
         assert len(runner.discarded) == 3 and runner.recovered == ["RunFailed"]
@@ -404,8 +404,8 @@ def test_a_replay_after_a_lost_cache_sends_its_chunks_at_once() -> None:
     assert torch.equal(local_greedy(model, ids, None, 6, engine), hf_greedy(model, ids, mask, 6))
     assert runner.recovered == ["CacheLost"] and engine.stats.replays == 1
     # the prompt's 3 chunks, then the replay of its 40 tokens and the 2 made before the loss
-    assert [int(f["sb_start"][0]) for _, f in runner.sent] == [0, 16, 32, 0, 16, 32]
-    assert int(runner.sent[-1][1]["sb_valid"].sum()) == 42 - 32
+    assert [int(f["sb_start"][0]) for _, f in runner.sent] == [0, 8, 24, 0, 10, 26]
+    assert int(runner.sent[3][1]["sb_valid"].sum()) == 42 - 32
     assert engine.stats.prefill_steps == 3 and engine.stats.prefill_ahead == 4
 
 
