@@ -24,7 +24,14 @@ from seabiscuit_dask.runtime.dataplane import DataPlane, RunFailed, StaleRun, Te
 from seabiscuit_dask.runtime.dataplane.client import route
 from seabiscuit_dask.runtime.dataplane.ordered import OrderedExecutor
 from seabiscuit_dask.runtime.dataplane.runs import greedy
-from seabiscuit_dask.runtime.dataplane.wire import from_bytes, pack, pack_message, unpack, unpack_message
+from seabiscuit_dask.runtime.dataplane.wire import (
+    from_bytes,
+    nbytes,
+    pack,
+    pack_message,
+    unpack,
+    unpack_message,
+)
 from seabiscuit_dask.runtime.resident import ResidentBlocks
 
 from .test_runtime_resident import MODEL, blocks  # noqa: F401 - its module-scoped fixture
@@ -410,6 +417,9 @@ def test_views_of_one_tensor_cross_the_wire_once_and_arrive_apart() -> None:
     got["cos0"].zero_()
     assert torch.equal(got["cos1"], cos.unsqueeze(1))
     assert total < 64 * 16 + 4 * 64 * 15                 # NOTE: far less than fifteen copies of the table
+    # what a worker counts as received is what crossed: each frame once, not once per name
+    assert nbytes(push["tensors"]) == 4 * (576 + 64) and nbytes(feed["inputs"][0][1]) == 4 * 32
+    assert nbytes(Tensors(layers)) == 4 * 64 * 15          # NOTE: not read off a stream: every name
     _, _, *data = pack([{"op": "push", "tensors": Tensors(a=cos, b=cos)}])
     bad = msgpack.packb({"msgs": [{"op": "push", "tensors": 0}],
                          "tensors": [[["a", "float32", [1, 1, 64]], ["b", "float32", [1, 1, 64], 1]]]})

@@ -28,7 +28,11 @@ DTYPES: dict[str, torch.dtype] = {str(d).removeprefix("torch."): d for d in (
 
 
 class Tensors(dict):  # type: ignore[type-arg]
-    """Named tensors that travel between workers and to the client (see module doc)."""
+    """Named tensors that travel between workers and to the client (see module doc);
+    ``wire_bytes``: of a batch read off a stream, the bytes its own frames carried (a tensor
+    sent once for several names counts once), else None."""
+
+    wire_bytes: int | None = None
 
 
 def as_bytes(t: torch.Tensor) -> memoryview:
@@ -87,7 +91,10 @@ def _sizeof(ts: Tensors) -> int:
 
 
 def nbytes(ts: Any) -> int:
-    """Bytes of the tensors in a mapping."""
+    """Bytes of the tensors in a mapping; of one read off a stream, the bytes that crossed."""
+    crossed = getattr(ts, "wire_bytes", None)
+    if crossed is not None:
+        return int(crossed)
     return sum(int(t.numel() * t.element_size()) for t in ts.values() if isinstance(t, torch.Tensor))
 
 
@@ -191,7 +198,9 @@ def unpack(head: bytes, frames: list[Any]) -> list[dict[str, Any]]:
             if len(read) >= len(frames):
                 raise SeaBiscuitError(f"a data-plane batch names more tensors than its {len(frames)} frames")
             ts[str(name)] = t = from_bytes(frames[len(read)], str(dtype), list(shape))
+            ts.wire_bytes = (ts.wire_bytes or 0) + int(t.numel() * t.element_size())
             read.append(t)
+        ts.wire_bytes = ts.wire_bytes or 0
         built.append(ts)
     if len(read) != len(frames):
         raise SeaBiscuitError(f"a data-plane batch has {len(frames)} frames and names {len(read)} tensors")
