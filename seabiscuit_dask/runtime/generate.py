@@ -527,12 +527,10 @@ class Engine:
                 else:
                     lost = e
         logits = torch.empty(0)
-        for n, length in chunks:
-            feed = _feed([(s.sid, start, todo[:n])], 1, length)
+        for length, feed in _chunk_feeds(s, start, todo, chunks):
             out = self._step(1, length, feed) if replay else self._run([s], 1, length, feed, lost=lost)
             logits = out[0]
             lost = None
-            todo, start = todo[n:], start + n
             self.stats.prefill_steps += not replay
         return logits
 
@@ -549,13 +547,11 @@ class Engine:
         handles: list[Any] = []
         read = 0
         try:
-            for n, length in chunks:
+            for length, feed in _chunk_feeds(s, start, todo, chunks):
                 if len(handles) - read >= CHUNKS_IN_FLIGHT:
                     runner.step_result(handles[read])
                     read += 1
-                feed = _feed([(s.sid, start, todo[:n])], 1, length)
                 handles.append(runner.submit_chunk(length, feed, follows=handles[-1] if handles else None))
-                todo, start = todo[n:], start + n
             for h in handles[read:-1]:
                 runner.step_result(h)
             return runner.step_result(handles[-1])[0]
@@ -773,6 +769,15 @@ def _picked(call: Call, rows: list[torch.Tensor]) -> list[int]:
     if call.sampling.do_sample:         # NOTE: a sampling call's groups always return logits
         return call.sampling.pick(torch.stack(rows)).tolist()
     return [int(r if r.dim() == 0 else r.argmax(dim=-1)) for r in rows]
+
+
+def _chunk_feeds(s: Session, start: int, todo: list[int],
+                 chunks: list[tuple[int, int]]) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
+    """(program length, step inputs) of each of ``chunks`` ((tokens, program length), in order) of
+    ``todo``, session ``s``'s tokens cached from slot ``start`` on."""
+    for n, length in chunks:
+        yield length, _feed([(s.sid, start, todo[:n])], 1, length)
+        todo, start = todo[n:], start + n
 
 
 def _feed(rows: list[tuple[int, int, list[int]]], batch: int, length: int) -> dict[str, torch.Tensor]:

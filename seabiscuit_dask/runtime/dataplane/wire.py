@@ -186,6 +186,7 @@ def unpack(head: bytes, frames: list[Any]) -> list[dict[str, Any]]:
     read: list[torch.Tensor] = []
     for spec in h["tensors"]:
         ts = Tensors()
+        own = 0             # NOTE: bytes of the frames this batch's tensors read first
         for name, dtype, shape, *again in spec:
             if again:           # NOTE: a frame read already: a tensor of its own, not the same memory
                 at = again[0]
@@ -198,9 +199,9 @@ def unpack(head: bytes, frames: list[Any]) -> list[dict[str, Any]]:
             if len(read) >= len(frames):
                 raise SeaBiscuitError(f"a data-plane batch names more tensors than its {len(frames)} frames")
             ts[str(name)] = t = from_bytes(frames[len(read)], str(dtype), list(shape))
-            ts.wire_bytes = (ts.wire_bytes or 0) + int(t.numel() * t.element_size())
+            own += int(t.numel() * t.element_size())
             read.append(t)
-        ts.wire_bytes = ts.wire_bytes or 0
+        ts.wire_bytes = own
         built.append(ts)
     if len(read) != len(frames):
         raise SeaBiscuitError(f"a data-plane batch has {len(frames)} frames and names {len(read)} tensors")
