@@ -113,9 +113,9 @@ def test_long_prompt_is_prefilled_in_chunks() -> None:
     assert engine.stats.prefill_steps == 2      # 64 tokens, then 11 in the program of 16
     assert engine.chunking(75) == [(64, 64), (11, 16)]
     assert Engine(engine.runner, max_chunk=16).chunking(40) == [(16, 16), (16, 16), (8, 16)]
-    # NOTE: a chunk costs its padding and a step's fixed cost: one chunk of 160 beats 128 + 32
+    # NOTE: a chunk costs its padding and a step's fixed cost: one chunk of 152 beats 128 + 24
     wide = Engine(engine.runner)
-    assert wide.chunking(145) == [(145, 160)] and wide.chunking(17) == [(17, 24)]
+    assert wide.chunking(145) == [(145, 152)] and wide.chunking(17) == [(17, 24)]
     assert wide.chunking(600) == [(256, 256), (256, 256), (88, 96)]
 
 
