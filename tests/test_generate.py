@@ -7,6 +7,7 @@ serve seeded decoders and SmolLM2-135M-Instruct with its real weights.
 from __future__ import annotations
 
 import gc
+import importlib
 import threading
 from typing import Any
 
@@ -522,6 +523,37 @@ def test_generate_on_a_cluster_matches_hugging_face_and_frees_its_caches() -> No
             assert sum(after.values()) == 0
             stats = dm.generation_stats()
             assert stats["decode_steps"] >= 11 and all(p["tasks"] >= 1 for p in stats["programs"].values())
+
+
+def test_a_step_program_whose_export_failed_is_traced_again_and_a_second_failure_says_why(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # torch.export fails for a while when another thread of the process runs a torch module as
+    # it traces (it patches module calls process-wide): a new shape's trace is tried twice.
+    decoder_module = importlib.import_module("seabiscuit_dask.trace.decoder")
+    model = decoder("llama")
+    real, failures = decoder_module.trace_step, [0]
+
+    def flaky(m: Any, batch: int, length: int) -> Any:
+        if failures[0]:
+            failures[0] -= 1
+            raise sb.UnsupportedModel("torch.export failed for LlamaForCausalLM with inputs [(1, 16)]: "
+                                      "TypeError: expected an instance of Token")
+        return real(m, batch, length)
+
+    short, long = padded_batch((6,), seed=2)[0], padded_batch((20,), seed=3)[0]
+    monkeypatch.setattr(decoder_module, "trace_step", flaky)
+    with seabiscuit_cluster(2, 450_000) as client:
+        with sb.distribute(model, client, torch.zeros(1, 32, dtype=torch.long), budget="64KiB") as dm:
+            failures[0] = 1                          # the next trace fails once: it is traced again
+            assert torch.equal(dm.generate(short, 3, pad_token_id=0, eos_token_id=[]),
+                               hf_greedy(model, short, torch.ones_like(short), 3))
+            assert failures[0] == 0
+            failures[0] = 2                          # twice: the call fails, saying why and what to do
+            with pytest.raises(sb.UnsupportedModel, match=r"1 row\(s\) x 24 token\(s\) did not trace, twice.*"
+                                                          r"another thread.*dm\.warm\(\)"):
+                dm.generate(long, 3, pad_token_id=0, eos_token_id=[])
+            assert torch.equal(dm.generate(long, 3, pad_token_id=0, eos_token_id=[]),     # and next time
+                               hf_greedy(model, long, torch.ones_like(long), 3))
 
 
 @pytest.mark.slow

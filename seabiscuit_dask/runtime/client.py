@@ -401,11 +401,34 @@ class DistributedModel:
         with self._program_lock:
             prog = self._programs.get(key)
             if prog is None:
-                from ..trace.decoder import trace_step
-
-                prog = self._programs[key] = self._register(lambda: trace_step(self._source_module(), batch,
-                                                                                  length))
+                prog = self._programs[key] = self._register(lambda: self._trace_step(batch, length))
             return prog
+
+    def _trace_step(self, batch: int, length: int) -> Any:
+        """``trace_step`` of the model at this shape, tried twice where ``torch.export`` failed: it
+        fails so for a while when another thread of this process runs a torch module as it traces
+        (torch patches module calls process-wide meanwhile), and the model traced before."""
+        from ..trace.decoder import trace_step
+        from ..trace.torch_export import EXPORT_FAILED
+
+        try:
+            return trace_step(self._source_module(), batch, length)
+        except UnsupportedModel as e:
+            if not str(e).startswith(EXPORT_FAILED):
+                raise
+            logger.warning("seabiscuit: model %s: step program %sx%s: %s; tracing it again", self.model_id,
+                           batch, length, e)
+        try:
+            return trace_step(self._source_module(), batch, length)
+        except UnsupportedModel as e:
+            if not str(e).startswith(EXPORT_FAILED):
+                raise
+            raise UnsupportedModel(
+                f"model {self.model_id}: the step program of {batch} row(s) x {length} token(s) did not "
+                f"trace, twice: {e}. The model traced at its deployment's shapes; if another thread of "
+                "this process ran torch modules meanwhile, that is the cause (torch.export patches every "
+                "module call in the process while it traces): build the step programs first, "
+                "dm.warm()") from e
 
     def _program_for(self, inputs: tuple[Any, ...], kwargs: Mapping[str, Any]) -> StepProgram | None:
         """None for a call at the traced shapes; else the program of the call's shapes (traced,

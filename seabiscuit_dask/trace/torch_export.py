@@ -70,6 +70,7 @@ def default_kwargs(model: torch.nn.Module, kwargs: Mapping[str, Any] | None) -> 
 # NOTE: torch.export keeps its tracing state in process globals: one export at a time
 # (generation builds step programs on its own threads).
 _EXPORT_LOCK = threading.Lock()
+EXPORT_FAILED = "torch.export failed"    # NOTE: how a failure of ``export`` begins
 
 
 @contextlib.contextmanager
@@ -113,7 +114,7 @@ def export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
         msg = str(e).strip().splitlines()
         head = msg[0] if msg else type(e).__name__
         raise UnsupportedModel(
-            f"torch.export failed for {type(model).__name__} with inputs {shapes}: "
+            f"{EXPORT_FAILED} for {type(model).__name__} with inputs {shapes}: "
             f"{type(e).__name__}: {head[:500]}") from e
     finally:
         model.train(was_training)
