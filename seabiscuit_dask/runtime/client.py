@@ -405,9 +405,10 @@ class DistributedModel:
             return prog
 
     def _trace_step(self, batch: int, length: int) -> Any:
-        """``trace_step`` of the model at this shape, tried twice where ``torch.export`` failed: it
-        fails so for a while when another thread of this process runs a torch module as it traces
-        (torch patches module calls process-wide meanwhile), and the model traced before."""
+        """``trace_step`` of the model at this shape, once more where ``torch.export`` failed: it fails
+        so for a while when another thread of this process runs a torch module as it traces (torch
+        patches module calls process-wide meanwhile), and the model traced before, and a step's
+        shapes are its own. A second failure names that cause and the cure."""
         from ..trace.decoder import trace_step
         from ..trace.torch_export import EXPORT_FAILED
 
