@@ -412,24 +412,23 @@ class DistributedModel:
         from ..trace.decoder import trace_step
         from ..trace.torch_export import EXPORT_FAILED
 
-        try:
-            return trace_step(self._source_module(), batch, length)
-        except UnsupportedModel as e:
-            if not str(e).startswith(EXPORT_FAILED):
-                raise
-            logger.warning("seabiscuit: model %s: step program %sx%s: %s; tracing it again", self.model_id,
-                           batch, length, e)
-        try:
-            return trace_step(self._source_module(), batch, length)
-        except UnsupportedModel as e:
-            if not str(e).startswith(EXPORT_FAILED):
-                raise
-            raise UnsupportedModel(
-                f"model {self.model_id}: the step program of {batch} row(s) x {length} token(s) did not "
-                f"trace, twice: {e}. The model traced at its deployment's shapes; if another thread of "
-                "this process ran torch modules meanwhile, that is the cause (torch.export patches every "
-                "module call in the process while it traces): build the step programs first, "
-                "dm.warm()") from e
+        tried = False
+        while True:
+            try:
+                return trace_step(self._source_module(), batch, length)
+            except UnsupportedModel as e:
+                if not str(e).startswith(EXPORT_FAILED):
+                    raise
+                if tried:
+                    raise UnsupportedModel(
+                        f"model {self.model_id}: the step program of {batch} row(s) x {length} token(s) "
+                        f"did not trace, twice: {e}. The model traced at its deployment's shapes; if another "
+                        "thread of this process ran torch modules meanwhile, that is the cause (torch.export "
+                        "patches every module call in the process while it traces): build the step "
+                        "programs first, dm.warm()") from e
+                logger.warning("seabiscuit: model %s: step program %sx%s: %s; tracing it again",
+                               self.model_id, batch, length, e)
+                tried = True
 
     def _program_for(self, inputs: tuple[Any, ...], kwargs: Mapping[str, Any]) -> StepProgram | None:
         """None for a call at the traced shapes; else the program of the call's shapes (traced,
