@@ -160,3 +160,34 @@ def test_checkpoints_and_weights_must_lie_inside_the_roots(blocks, tmp_path) -> 
     with pytest.raises(sb.AccessDenied, match="not a model id"):
         r.load(replace(s, model="../../etc"))
     assert not Path("/etc/seabiscuit-ckpt").exists()
+
+
+def test_a_view_no_smaller_than_its_source_is_made_again_by_the_block_that_reads_it() -> None:
+    """Each layer's view of the rotary tables (an unsqueeze, an expand) is one another block would
+    otherwise send: the block that reads one makes it again from the table it is a view of."""
+    from seabiscuit_dask.lower.blocks import _remakes
+
+    model, x = M.llama(), M.ids()
+    graph = sb.decompose(sb.trace(model, x), "64KiB")
+    owner = Owner()
+    graph, _ = stored(graph, model, owner)
+    plan = sb.place(graph, sb.ClusterSpec.synthetic("4xcpu", hosts=3, cpu_memory="2MiB"))
+    specs = specs_of(plan)
+    made_in = {t: b for op, b in zip(graph.ops, plan.block_of.tolist()) for t in op.outputs}
+    producer = {t: op for op in graph.ops for t in op.outputs}
+    remade = [op for s in specs for op in s.ops if made_in[op.outputs[0]] != s.index]
+    assert remade and all(_remakes(graph, op) for op in remade)
+    for s in specs:
+        imported_views = [t for t in s.imports if t in producer and _remakes(graph, producer[t])]
+        assert not imported_views, (s.index, imported_views)
+        for op in s.ops:            # every tensor a block reads is its own, imported or an input
+            assert all(t in s.imports or any(t in o.outputs for o in s.ops) for t in op.inputs)
+    # a slice is smaller than its source: the block that reads it imports it as before
+    sliced = next(op for op in graph.ops if op.target == "aten.slice.Tensor"
+                  and graph.tensors[op.outputs[0]].nbytes < graph.tensors[op.inputs[0]].nbytes)
+    assert not _remakes(graph, sliced)
+    with torch.no_grad():
+        expected = model(x).logits
+    r = ResidentBlocks(1 << 30)
+    r.versions[MODEL] = 0
+    assert M.rel_err(run_all(r, specs, graph, x), expected) <= 1e-4

@@ -3,7 +3,10 @@
 ``block_specs(plan)`` cuts a plan into ``BlockSpec`` s, frozen descriptions that
 travel to the workers as plain dicts: the block's ops in order, the tensors it
 imports (from other blocks or the graph's inputs), the tensors it exports (read
-by other blocks, or graph outputs) and the parameter tiles it owns.
+by other blocks, or graph outputs) and the parameter tiles it owns. A view another
+block makes of a tensor, no smaller than it (each layer's ``unsqueeze`` of one rotary
+table), is made again in the block that reads it, which reads its source instead
+(``_remade_views``): a hop then carries one entry per tensor, not one per layer.
 ``BlockProgram`` is a spec compiled on its worker with its weights resident:
 ``program.run(imports) -> exports``.
 
@@ -161,12 +164,16 @@ def block_specs(plan: Any, model_id: str, version: int = 0, checkpoint_dir: str 
     members: list[list[Op]] = [[] for _ in blocks]
     for op, b in zip(graph.ops, block_of):
         members[b].append(op)
+    members = _remade_views(graph, made_in, members)
     exported: list[dict[str, None]] = [{} for _ in blocks]
     imports: list[dict[str, int]] = [{} for _ in blocks]
-    for op, b in zip(graph.ops, block_of):
-        for t in op.inputs:
-            src = made_in.get(t, -1)
-            if src != b and t not in imports[b]:
+    for b, mine in enumerate(members):
+        own = {t for op in mine for t in op.outputs}
+        for op in mine:
+            for t in op.inputs:
+                if t in own or t in imports[b]:
+                    continue
+                src = made_in.get(t, -1)
                 imports[b][t] = src
                 if src >= 0:
                     exported[src][t] = None
@@ -193,6 +200,41 @@ def block_specs(plan: Any, model_id: str, version: int = 0, checkpoint_dir: str 
                              tuple(t for t in exported[b] if t in leaves),
                              {p: str(layouts[p]) for p in params if p in layouts}))
     return out
+
+
+def _remade_views(graph: Any, made_in: Mapping[str, int], members: list[list[Op]]) -> list[list[Op]]:
+    """Each block's ops, with the views it reads from another block put in before their first
+    reader, where ``_remakes`` allows (their sources are read instead, or made again in turn)."""
+    producer = {t: op for op in graph.ops for t in op.outputs}
+    out = []
+    for b, ops in enumerate(members):
+        own = {t for op in ops for t in op.outputs}
+        new: list[Op] = []
+
+        def remake(t: str) -> None:
+            op = producer.get(t)
+            if op is None or t in own or made_in.get(t, b) == b or not _remakes(graph, op):
+                return
+            remake(op.inputs[0])
+            new.append(op)
+            own.add(t)
+
+        for op in ops:
+            for t in op.inputs:
+                remake(t)
+            new.append(op)
+        out.append(new)
+    return out
+
+
+def _remakes(graph: Any, op: Op) -> bool:
+    """Whether a block that reads ``op``'s output makes it again rather than import it: a view of
+    one tensor, with no weights, whose output takes as many bytes as its input at least (an
+    ``unsqueeze``, a ``reshape``, an ``expand``; a slice would make the hop carry more)."""
+    if op.kind != "view" or op.params or len(op.inputs) != 1 or len(op.outputs) != 1:
+        return False
+    src, dst = graph.tensors.get(op.inputs[0]), graph.tensors.get(op.outputs[0])
+    return src is not None and dst is not None and dst.nbytes >= src.nbytes
 
 
 Step = tuple[Callable[..., Any], Any, Any, tuple[str, ...], bool, tuple[str, ...]]
