@@ -9,6 +9,8 @@ import asyncio
 import threading
 from typing import Any
 
+import dask.config
+import pytest
 import torch
 
 from seabiscuit_dask.ir import TensorSpec
@@ -34,6 +36,10 @@ def spec(index: int, address: str, imports: dict[str, int], exports: tuple[str, 
 SPECS = {0: spec(0, A, {"input_ids": -1, "position_ids": -1}, ("h",), sends=((1, B, ("h",)),)),
          1: spec(1, B, {"h": 0}, ("h2",), sends=((2, A, ("h2",)),)),
          2: spec(2, A, {"h2": 1}, ("logits",), outputs=("logits",))}
+# NOTE: as a decoder's step is: the block on B reads the step's positions too (its cache slots)
+FED = {**SPECS, 1: spec(1, B, {"h": 0, "position_ids": -1}, ("h2",), sends=((2, A, ("h2",)),))}
+ROUTES = {id(SPECS): [(A, [(0, ("input_ids", "position_ids"))])],
+          id(FED): [(A, [(0, ("input_ids", "position_ids"))]), (B, [(1, ("position_ids",))])]}
 
 
 def block(b: int, imports: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -57,19 +63,20 @@ def expected(token: int, position: int, steps: int) -> list[int]:
 class Pair(Planes):
     """Workers A and B; ``hold``: (block, request) whose compute waits for ``gate``."""
 
-    def __init__(self, hold: tuple[int, int] | None = None) -> None:
+    def __init__(self, hold: tuple[int, int] | None = None, specs: dict[int, BlockSpec] = SPECS,
+                 token_delay: float = 0.0) -> None:
         self.hold, self.entered, self.gate = hold, threading.Event(), threading.Event()
+        self.specs, self.route = specs, ROUTES[id(specs)]
         self.ran: list[tuple[str, int, int, int]] = []        # (worker, block, request, thread)
         self.pools = {a: OrderedExecutor(1, f"chain-{a}") for a in (A, B)}
         self.planes = {a: DataPlane(a, compute=self._slow(timed(self._compute(a), a)),
-                                    spec_of=self._spec_of(a), load_spec=lambda m, v, b: SPECS[b],
+                                    spec_of=self._spec_of(a), load_spec=lambda m, v, b: specs[b],
                                     version_of=lambda m: 0, send=self._sender(a), check=self.check,
-                                    executor=self.pools[a])
+                                    executor=self.pools[a], token_delay=token_delay)
                        for a in (A, B)}
 
-    @staticmethod
-    def _spec_of(address: str) -> Any:
-        return lambda m, v, b: SPECS[b] if SPECS[b].address == address else None
+    def _spec_of(self, address: str) -> Any:
+        return lambda m, v, b: self.specs[b] if self.specs[b].address == address else None
 
     def _compute(self, address: str) -> Any:
         def run(model, version, request, b, imports):
@@ -85,9 +92,11 @@ class Pair(Planes):
         inputs = {"input_ids": torch.tensor([[token]]), "position_ids": torch.tensor([[position]]),
                   "sb_sessions": torch.tensor([0]), "sb_start": torch.tensor([position]),
                   "sb_valid": torch.ones(1, 1, dtype=torch.bool)}
-        loop = Loop(requests[1:], [(A, [(0, ("input_ids", "position_ids"))])], "logits", inputs)
-        await self.planes[A].feed(MODEL, TICKET, 0, requests[0],
-                                  {0: {t: inputs[t] for t in ("input_ids", "position_ids")}}, loop=loop)
+        loop = Loop(requests[1:], self.route, "logits", inputs)
+        for address, feeds in self.route:
+            await self.planes[address].feed(MODEL, TICKET, 0, requests[0],
+                                            {b: {t: inputs[t] for t in names} for b, names in feeds},
+                                            loop=loop if address == A else None)
 
     async def tokens(self, request: int) -> int:
         got = await asyncio.wait_for(self.planes[A].collect(MODEL, TICKET, 0, request, [2], tokens="logits"),
@@ -99,8 +108,10 @@ class Pair(Planes):
             p.shutdown(wait=False)
 
 
-def test_the_next_step_runs_on_the_thread_that_made_the_logits() -> None:
-    pair = Pair()
+# NOTE: with ``token_delay`` the caller hears of each step's tokens later, never fewer of them
+@pytest.mark.parametrize("specs, token_delay", [(SPECS, 0.0), (FED, 0.02)], ids=["at-once", "fed-delayed"])
+def test_the_next_step_runs_on_the_thread_that_made_the_logits(specs, token_delay) -> None:
+    pair = Pair(specs=specs, token_delay=token_delay)
 
     async def run() -> list[int]:
         await pair.start([10, 11, 12, 13])
@@ -117,7 +128,7 @@ def test_the_next_step_runs_on_the_thread_that_made_the_logits() -> None:
     assert len({t for w, _, _, t in pair.ran if w == A}) == 1
     # NOTE: a chained block is recorded as any block (the dashboard's timeline) and nothing is held
     assert sorted(r["request"] for r in plane.records if r["block"] == 0) == [10, 11, 12, 13]
-    assert not plane.runs and not plane.chains and not plane.loops
+    assert not plane.runs and not plane.chains and not plane.loops and not pair.planes[B].runs
 
 
 def test_a_step_forgotten_while_the_logits_are_made_does_not_run() -> None:
@@ -182,3 +193,16 @@ def test_a_chained_block_whose_plan_left_the_worker_meanwhile_fails_its_step_as_
     finally:
         pair.close()
     assert tokens == expected(4, 7, 2) and "no longer held" in str(error)
+
+
+def test_a_token_delay_that_is_no_duration_or_past_its_bound_is_refused_by_name() -> None:
+    from seabiscuit_dask.errors import SeaBiscuitError
+    from seabiscuit_dask.runtime.dataplane.manager import token_delay_s
+
+    assert token_delay_s() == 0.002
+    with dask.config.set({"seabiscuit.generate.token-delay": "1s"}), \
+            pytest.raises(SeaBiscuitError, match=r"token-delay is 1000 ms: it must be from 0 to 100 ms"):
+        token_delay_s()
+    with dask.config.set({"seabiscuit.generate.token-delay": "soon"}), \
+            pytest.raises(SeaBiscuitError, match=r"token-delay must be a duration such as '2ms'"):
+        token_delay_s()

@@ -49,6 +49,7 @@ from ...errors import (
 )
 from ...lower.blocks import BlockSpec, split_block
 from ...lower.kvcache import CacheLost
+from ..watch import seconds
 from .chain import Chain
 from .runs import DONE, RUNNING, WAITING, BlockRun, Loop, Run, greedy
 from .wire import Tensors, nbytes
@@ -68,6 +69,7 @@ KINDS: dict[str, type[SeaBiscuitError]] = {c.__name__: c for c in (ClusterTooSma
                                                                     BadCheckpoint, CacheLost)}
 REMEMBERED = 4096      # NOTE: blocks run and runs ended, kept to refuse repeats and late messages
 INLINE_S = 2e-4        # NOTE: blocks quicker than this run on the event loop, not a compute thread
+MAX_TOKEN_DELAY_S = 0.1    # NOTE: the most ``token_delay`` may hold a decode step's tokens back
 
 
 class DataPlane:
@@ -79,7 +81,8 @@ class DataPlane:
                  send: Send, check: Callable[[str, Any], Awaitable[str]], executor: Executor,
                  max_runs: int = 256, describe: Callable[[str, int, int], BlockSpec] | None = None,
                  forward: Callable[[str, dict[str, Any]], Awaitable[Any]] | None = None,
-                 ready: Callable[[str, int, int, Imports], bool] | None = None) -> None:
+                 ready: Callable[[str, int, int, Imports], bool] | None = None,
+                 token_delay: float | None = None) -> None:
         self.address = address
         # NOTE: how a message this worker relays goes on (down its own link, never relayed again),
         # and the (sender, receiver) pairs the scheduler has it relay for (``streams.Links.routes``)
@@ -91,6 +94,10 @@ class DataPlane:
         self.compute, self.spec_of, self.load_spec, self.version_of = compute, spec_of, load_spec, version_of
         self.send, self.check, self.executor, self.max_runs = send, check, executor, max_runs
         self.ready = ready
+        # NOTE: a decode loop's caller hears of a step's tokens this long after the next step
+        # went on to the next worker: on a machine with few cores the caller waking at once
+        # would take the core that worker wakes on (0.6 ms of each hop on 2 cores)
+        self.token_delay = token_delay_s() if token_delay is None else token_delay
         self.held: dict[RunKey, tuple[Run, str]] = {}     # runs with blocks held behind the run they follow
         self.runs: dict[RunKey, Run] = {}
         self.ran: OrderedDict[tuple[str, int, int], None] = OrderedDict()     # (model, request, block)
@@ -526,10 +533,14 @@ class DataPlane:
 
     async def _settle(self, run: Run, sends: Sequence[Awaitable[Any]], ahead: Sequence[Any] = ()) -> None:
         """Wait for a block's sends; with ``ahead`` (``_finish``), tell the caller of its outputs
-        once those are on their way."""
+        ``token_delay`` after those are on their way (a caller that asks later has them at once)."""
         if ahead:
             await asyncio.wait(ahead)
-            run.notify()
+            if self.token_delay > 0:
+                # NOTE: the caller's wake-up then waits for the next worker's (see __init__)
+                asyncio.get_running_loop().call_later(self.token_delay, run.notify)
+            else:
+                run.notify()
         await asyncio.gather(*sends)
         self._tidy(run)
 
@@ -715,6 +726,20 @@ class DataPlane:
 
     def held_bytes(self) -> int:
         return sum(r.held_bytes for r in list(self.runs.values()))
+
+
+def token_delay_s() -> float:
+    """Setting ``seabiscuit.generate.token-delay`` in seconds, refused past ``MAX_TOKEN_DELAY_S``."""
+    try:
+        delay = seconds("generate.token-delay")
+    except (KeyError, TypeError, ValueError) as e:
+        raise SeaBiscuitError("seabiscuit.generate.token-delay must be a duration such as '2ms' "
+                              f"({e})") from None
+    if not 0.0 <= delay <= MAX_TOKEN_DELAY_S:
+        raise SeaBiscuitError(f"seabiscuit.generate.token-delay is {delay * 1e3:g} ms: it must be from 0 "
+                              f"to {MAX_TOKEN_DELAY_S * 1e3:g} ms (each token reaches its caller that much "
+                              "later; 2ms keeps the caller's wake-up off the next worker's core)")
+    return delay
 
 
 def timed(compute: Callable[..., tuple[dict[str, torch.Tensor], str]], address: str) -> Compute:
