@@ -457,3 +457,20 @@ def test_the_wire_refuses_an_unknown_dtype_or_a_short_buffer() -> None:
         unpack(bytes(head), [bytearray(frames[0])])
     with pytest.raises(SeaBiscuitError, match="has 3 frames and names 2 tensors"):
         unpack(bytes(head), [bytearray(f) for f in frames] + [bytearray(4)])
+
+
+def test_a_block_left_with_no_ops_is_never_started(planned) -> None:
+    """A block whose views its readers all make again is left empty (``block_specs``): no run
+    feeds it, and the request's answer and every other block are as before."""
+    from dataclasses import replace
+
+    _, specs, _, _, _ = planned
+    empty = replace(specs[0], index=len(specs), ops=(), params={}, imports={}, exports=(), sources=(),
+                     sends=(), outputs=())
+    wanted = [s.index for s in specs if s.outputs]
+    with_empty = route([*specs, empty], wanted)
+    assert with_empty == route(specs, wanted)
+    assert all(empty.index not in [b for b, _ in feeds] for feeds, _ in with_empty.values())
+    reads_nothing = replace(empty, ops=specs[0].ops[:1])    # NOTE: ops that read nothing still start
+    assert any(reads_nothing.index in [b for b, _ in feeds]
+               for feeds, _ in route([*specs, reads_nothing], wanted).values())

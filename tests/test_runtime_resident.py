@@ -180,8 +180,11 @@ def test_a_view_no_smaller_than_its_source_is_made_again_by_the_block_that_reads
     for s in specs:
         imported_views = [t for t in s.imports if t in producer and _remakes(graph, producer[t])]
         assert not imported_views, (s.index, imported_views)
-        for op in s.ops:            # every tensor a block reads is its own, imported or an input
-            assert all(t in s.imports or any(t in o.outputs for o in s.ops) for t in op.inputs)
+        for i, op in enumerate(s.ops):    # every tensor a block reads is its own, imported or an input
+            assert all(t in s.imports or any(t in o.outputs for o in s.ops[:i]) for t in op.inputs)
+            # and no view is left that nothing reads (its readers all make it again)
+            read = any(t in s.exports or t in later.inputs for later in s.ops[i + 1:] for t in op.outputs)
+            assert read or not _remakes(graph, op), (s.index, op.name)
     # a slice is smaller than its source: the block that reads it imports it as before
     sliced = next(op for op in graph.ops if op.target == "aten.slice.Tensor"
                   and graph.tensors[op.outputs[0]].nbytes < graph.tensors[op.inputs[0]].nbytes)

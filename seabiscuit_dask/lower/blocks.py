@@ -6,7 +6,9 @@ imports (from other blocks or the graph's inputs), the tensors it exports (read
 by other blocks, or graph outputs) and the parameter tiles it owns. A view another
 block makes of a tensor, no smaller than it (each layer's ``unsqueeze`` of one rotary
 table), is made again in the block that reads it, which reads its source instead
-(``_remade_views``): a hop then carries one entry per tensor, not one per layer.
+(``_remade_views``): a hop then carries one entry per tensor, not one per layer. A view
+that all its readers make again is dropped; a block of such views alone is left with no
+ops, and no request starts it.
 ``BlockProgram`` is a spec compiled on its worker with its weights resident:
 ``program.run(imports) -> exports``.
 
@@ -165,22 +167,18 @@ def block_specs(plan: Any, model_id: str, version: int = 0, checkpoint_dir: str 
     for op, b in zip(graph.ops, block_of):
         members[b].append(op)
     members = _remade_views(graph, made_in, members)
-    exported: list[dict[str, None]] = [{} for _ in blocks]
-    imports: list[dict[str, int]] = [{} for _ in blocks]
-    for b, mine in enumerate(members):
-        own = {t for op in mine for t in op.outputs}
-        for op in mine:
-            for t in op.inputs:
-                if t in own or t in imports[b]:
-                    continue
-                src = made_in.get(t, -1)
-                imports[b][t] = src
-                if src >= 0:
-                    exported[src][t] = None
     leaves = set(graph.leaf_outputs)
-    for t in graph.leaf_outputs:
-        if t in made_in:
-            exported[made_in[t]][t] = None
+    while True:
+        imports, exported = _links(members, made_in, graph.leaf_outputs)
+        # NOTE: a view whose readers all make it again themselves is read by no one: it goes (a
+        # block of such views alone is left with no ops, and no run starts it: ``dataplane.route``)
+        dead = [{id(op) for i, op in enumerate(mine) if _remakes(graph, op)
+                 and not any(t in exported[b] or t in leaves for t in op.outputs)
+                 and not any(t in later.inputs for later in mine[i + 1:] for t in op.outputs)}
+                for b, mine in enumerate(members)]
+        if not any(dead):
+            break
+        members = [[op for op in mine if id(op) not in gone] for mine, gone in zip(members, dead)]
     sends: list[dict[int, list[str]]] = [{} for _ in blocks]
     for b in range(len(blocks)):
         for t, src in imports[b].items():
@@ -200,6 +198,28 @@ def block_specs(plan: Any, model_id: str, version: int = 0, checkpoint_dir: str 
                              tuple(t for t in exported[b] if t in leaves),
                              {p: str(layouts[p]) for p in params if p in layouts}))
     return out
+
+
+def _links(members: list[list[Op]], made_in: Mapping[str, int],
+           leaf_outputs: Sequence[str]) -> tuple[list[dict[str, int]], list[dict[str, None]]]:
+    """Per block: what it imports (tensor -> the block that makes it, -1 for a graph input) and
+    what it exports (what other blocks import from it, and the graph's outputs it makes)."""
+    exported: list[dict[str, None]] = [{} for _ in members]
+    imports: list[dict[str, int]] = [{} for _ in members]
+    for b, mine in enumerate(members):
+        own = {t for op in mine for t in op.outputs}
+        for op in mine:
+            for t in op.inputs:
+                if t in own or t in imports[b]:
+                    continue
+                src = made_in.get(t, -1)
+                imports[b][t] = src
+                if src >= 0:
+                    exported[src][t] = None
+    for t in leaf_outputs:
+        if t in made_in:
+            exported[made_in[t]][t] = None
+    return imports, exported
 
 
 def _remade_views(graph: Any, made_in: Mapping[str, int], members: list[list[Op]]) -> list[list[Op]]:

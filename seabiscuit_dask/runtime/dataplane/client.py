@@ -27,9 +27,12 @@ Route = dict[str, tuple[list[tuple[int, tuple[str, ...]]], list[int]]]   # addre
 
 def route(specs: Sequence[BlockSpec], wanted: Sequence[int]) -> Route:
     """Per worker: the blocks it gets the caller's inputs for (a block that reads nothing gets
-    ``{}`` to start it) and the blocks whose outputs the caller collects there."""
+    ``{}`` to start it; one with no ops gets nothing) and the blocks whose outputs the caller
+    collects there."""
     out: Route = {}
     for s in specs:
+        if not s.ops:
+            continue            # NOTE: a block left with nothing to do (``block_specs``) never runs
         mine = tuple(t for t, src in zip(s.imports, s.sources) if src < 0)
         if mine or not s.imports:
             out.setdefault(s.address, ([], []))[0].append((s.index, mine))
