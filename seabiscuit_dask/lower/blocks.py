@@ -172,9 +172,10 @@ def block_specs(plan: Any, model_id: str, version: int = 0, checkpoint_dir: str 
         imports, exported = _links(members, made_in, graph.leaf_outputs)
         # NOTE: a view whose readers all make it again themselves is read by no one: it goes (a
         # block of such views alone is left with no ops, and no run starts it: ``dataplane.route``)
-        dead = [{id(op) for i, op in enumerate(mine) if _remakes(graph, op)
-                 and not any(t in exported[b] or t in leaves for t in op.outputs)
-                 and not any(t in later.inputs for later in mine[i + 1:] for t in op.outputs)}
+        # (ops are in order, so a block's op that reads a view comes after it: one set per block)
+        read = [{t for op in mine for t in op.inputs} for mine in members]
+        dead = [{id(op) for op in mine if _remakes(graph, op)
+                 and not any(t in exported[b] or t in leaves or t in read[b] for t in op.outputs)}
                 for b, mine in enumerate(members)]
         if not any(dead):
             break
