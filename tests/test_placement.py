@@ -271,6 +271,34 @@ def test_halves_that_compute_for_less_than_a_hop_stay_on_one_device():
     assert all(len(set(halves(g, plan, layer, 2, "r"))) == 1 for layer in range(4))
 
 
+class HeadOfMLPs(torch.nn.Module):
+    """Residual MLPs under a wide output head, whose output is larger than the budget: it is
+    delivered as column tiles that no op joins (a language model's logits)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = MLPs(layers=2)
+        self.head = torch.nn.Linear(128, 4096)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+def test_place_spreads_the_tiles_of_an_output_over_two_devices_of_a_host():
+    torch.manual_seed(0)
+    model = HeadOfMLPs().eval()
+    g = sb.decompose(sb.trace(model, (torch.randn(1, 64, 128),)), "320KiB")
+    assert g.tilings, "the head's output should be delivered as tiles"
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    plan = place(g, one_host_of_two(int(weights * 0.8), hop_s=1e-4))
+    head = [int(plan.device_of[i]) for i, op in enumerate(g.ops) if op.name.startswith("head.")]
+    assert len(head) >= 4 and abs(head.count(0) - head.count(1)) <= 1, head      # half the tiles each
+    assert "spread" in plan.info["tier"], plan.info["candidates"]
+    others = min(v for k, v in plan.info["candidates"].items() if "spread" not in k)
+    assert plan.makespan_s < 0.95 * others, plan.info["candidates"]
+    assert plan.feasible and block_graph_acyclic(plan)
+
+
 def test_cluster_too_small_names_shortfall_and_op():
     g = chain([4096, 4096, 4096])                   # 12 MiB of weights
     spec = small_spec(hosts=1, gpus=1, gpu_mem="4MiB", cpu_mem="4MiB")

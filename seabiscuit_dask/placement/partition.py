@@ -176,15 +176,36 @@ def branches(w: Workload, join: int, succs: Sequence[Sequence[int]]) -> list[lis
     for p in w.preds[join]:
         if any(c != join for c in succs[p]):
             return []
-        seen, todo = {p}, [p]
-        while todo:
-            v = todo.pop()
-            for u in w.preds[v]:
-                if u not in seen and all(c in seen for c in succs[u]):
-                    seen.add(u)
-                    todo.append(u)
-        out.append(sorted(seen))
+        out.append(sorted(_feeding_only(w, succs, p)))
     return out
+
+
+def _feeding_only(w: Workload, succs: Sequence[Sequence[int]], op: int) -> set[int]:
+    """``op`` and the ops that feed it alone (walking back while every consumer of an op is in)."""
+    seen, todo = {op}, [op]
+    while todo:
+        v = todo.pop()
+        for u in w.preds[v]:
+            if u not in seen and all(c in seen for c in succs[u]):
+                seen.add(u)
+                todo.append(u)
+    return seen
+
+
+def output_branches(w: Workload, succs: Sequence[Sequence[int]]) -> list[list[list[int]]]:
+    """The parallel branches that end in graph outputs, grouped by the tensors they start from:
+    an output delivered as tiles (a large vocabulary's logits, the column tiles of one linear)
+    is one group, a branch per tile, and no op joins them. A branch is a sink and the ops that
+    feed only it (as in ``branches``)."""
+    groups: dict[tuple[int, ...], list[list[int]]] = {}
+    for s in range(w.n):
+        if succs[s]:
+            continue
+        seen = _feeding_only(w, succs, s)
+        start = tuple(sorted({u for v in seen for u in w.preds[v] if u not in seen}))
+        if start:
+            groups.setdefault(start, []).append(sorted(seen))
+    return [parts for parts in groups.values() if len(parts) >= 2]
 
 
 def spread_branches(w: Workload, spec: ClusterSpec, cap: np.ndarray, dev: np.ndarray, times: np.ndarray,
@@ -194,14 +215,17 @@ def spread_branches(w: Workload, spec: ClusterSpec, cap: np.ndarray, dev: np.nda
     where each branch takes at least ``min_s`` and none reads a weight another op shares (a tied
     embedding stays whole). Joins left whole for want of room are tried again while others move
     (a full stage takes half of the next stage's layers once it gave half of its own away).
-    This is intra-layer parallelism: two halves of an MLP at once on two devices, one sum after."""
+    This is intra-layer parallelism: two halves of an MLP at once on two devices, one sum after.
+    The tiles of an output (``output_branches``) spread the same way; there a branch that
+    shares a weight stays where it is and counts in its device's load (the lm head tiles that
+    read a tied embedding's tiles stay beside it, and the others balance them)."""
     dev = np.array(dev, copy=True)
     succs = w.succs
     shared = {u for _, users in w.shared for u in users}
     fastest = times.min(axis=1)
-    host_of = {d: i for i, grp in enumerate(spec.groups) for d in grp}
     held = np.bincount(dev, weights=w.weight_bytes, minlength=len(cap))
-    joins: list[tuple[int, list[list[int]]]] = []
+    # (anchor op: its device is the host's and wins ties, branches to spread, branches that stay)
+    joins: list[tuple[int, list[list[int]], list[list[int]]]] = []
     taken: set[int] = set()
     for j in reversed(range(w.n)):
         if len(w.preds[j]) < 2 or j in taken:
@@ -211,13 +235,35 @@ def spread_branches(w: Workload, spec: ClusterSpec, cap: np.ndarray, dev: np.nda
                 or len({v for b in parts for v in b}) != sum(map(len, parts)) \
                 or min(float(fastest[b].sum()) for b in parts) < min_s:
             continue
-        joins.append((j, parts))
+        joins.append((j, parts, []))
         taken.update(v for b in parts for v in b)
+    outputs = []
+    for parts in output_branches(w, succs):
+        free = [b for b in parts if not shared.intersection(b)]
+        if any(taken.intersection(b) for b in parts) or len(free) < 2 \
+                or min(float(fastest[b].sum()) for b in free) < min_s:
+            continue
+        outputs.append((parts[0][-1], free, [b for b in parts if shared.intersection(b)]))
+    # NOTE: the layers' joins first, the output tiles after, in the room they leave: an output
+    # runs once, a layer's join once per layer
+    for group in (joins, outputs):
+        _spread(w, spec, cap, dev, times, held, group)
+    return dev
+
+
+def _spread(w: Workload, spec: ClusterSpec, cap: np.ndarray, dev: np.ndarray, times: np.ndarray,
+            held: np.ndarray, joins: list[tuple[int, list[list[int]], list[list[int]]]]) -> None:
+    """``spread_branches``' moves, made in ``dev`` and ``held``."""
+    fastest = times.min(axis=1)
+    host_of = {d: i for i, grp in enumerate(spec.groups) for d in grp}
     while joins:
         left = []
-        for j, parts in joins:
+        for j, parts, stay in joins:
             devices = list(spec.groups[host_of[int(dev[j])]])
             load = dict.fromkeys(devices, 0.0)
+            for b in stay:
+                if int(dev[b[0]]) in load:
+                    load[int(dev[b[0]])] += float(times[b, int(dev[b[0]])].sum())
             for b in sorted(parts, key=lambda b: -float(fastest[b].sum())):
                 need = float(w.weight_bytes[b].sum())
                 src = int(dev[b[0]])
@@ -227,12 +273,11 @@ def spread_branches(w: Workload, spec: ClusterSpec, cap: np.ndarray, dev: np.nda
                 np.subtract.at(held, dev[b], w.weight_bytes[b])
                 held[d] += need
                 dev[b] = d
-            if len({int(dev[b[0]]) for b in parts}) == 1:
-                left.append((j, parts))
+            if len({int(dev[b[0]]) for b in parts + stay}) == 1:
+                left.append((j, parts, stay))
         if len(left) == len(joins):
             break
         joins = left
-    return dev
 
 
 def _join_shared(w: Workload, dev: np.ndarray) -> np.ndarray:
