@@ -410,6 +410,34 @@ def test_the_pipe_holds_one_chunk_on_a_slow_link_and_an_urgent_message_passes_it
     assert [u.item.token for u in f.take(now=100.0)] == ["small"]
 
 
+def test_one_stalled_transfer_leaves_the_pipe_and_a_second_slow_one_shrinks_it() -> None:
+    """A receiver that computes on a shared core acknowledges a message late now and then: that one
+    sample must not shrink the pipe below the messages it passed whole (each would then go in pieces,
+    every piece waiting for an acknowledgement: seen between two workers of a 2-core machine, a
+    stall took a 512 KiB activation's pipe to 493 KiB). A link that did slow down is seen on its
+    second sample."""
+    f = flow(pipe_delay_s=1e-2)          # NOTE: chunks of 1000 bytes; the pipe 10 ms of the link
+
+    def through(n: int, seconds: float, now: float) -> int:
+        """Send a message of ``n`` bytes, acknowledged ``seconds`` later: the units it went out in."""
+        f.add(now, n, stream=("m", now))
+        units = f.take(now=now, max_bytes=math.inf)
+        for u in units:
+            f.acked(u.item.msg_id, u.length, 0.0, now=now + seconds)
+        return len(units)
+
+    for k in range(6):                   # NOTE: 5000 bytes in 5 ms: 1 MB/s, a pipe of 10 kB
+        through(5000, 5e-3, float(k))
+    assert f.bandwidth_bytes_per_s == pytest.approx(1e6, rel=0.05)
+    assert through(5000, 0.1, 10.0) == 1                  # NOTE: stalled: 20x late
+    assert f.bandwidth_bytes_per_s == pytest.approx(1e6, rel=0.05)
+    assert through(5000, 5e-3, 11.0) == 1                 # NOTE: still whole
+    through(5000, 0.1, 12.0)
+    through(5000, 0.1, 13.0)                              # NOTE: slow twice in a row: 50 kB/s now
+    assert f.bandwidth_bytes_per_s == pytest.approx(5e4, rel=0.05)
+    assert through(5000, 0.1, 14.0) == 1 and f.by_id      # NOTE: one chunk on the wire, the rest waits
+
+
 def test_the_window_bounds_what_the_peer_holds() -> None:
     f = flow(window_bytes=3000, pipe_delay_s=1.0)         # NOTE: a pipe as wide as any message
     for k in range(8):

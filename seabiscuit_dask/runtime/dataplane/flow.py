@@ -108,6 +108,7 @@ class FlowState:
     _busy_hold_s: float = 0.0
     _busy_read_s: float = 0.0
     _busy_chunks: int = 0
+    _slower: bool = False                # NOTE: the last sample was under half the figure before it
     _pipe_limit: float = 0.0
 
     def __post_init__(self) -> None:
@@ -246,11 +247,19 @@ class FlowState:
 
     def _measured(self, bytes_per_s: float) -> None:
         """A bandwidth-bound sample (its bytes over its time, latency and all: on the low side, as a
-        pipe should be): a step of 2x or more is taken at once, a smaller one halfway. Cheap, as the
+        pipe should be): a step up of 2x or more is taken at once; a step down of 2x or more when
+        the sample before stepped down too (one stalled sample, its receiver computing on a shared
+        core or in a collector's pause, is no slower link: the pipe would split the next messages
+        and each piece wait for an acknowledgement); a smaller step halfway (in log). Cheap, as the
         sender's own view must be; the scheduler fits the link properly (``placement.links``)."""
         old = self.bandwidth_bytes_per_s
-        self.bandwidth_bytes_per_s = (bytes_per_s if not 0.5 < bytes_per_s / old < 2
-                                      else math.sqrt(old * bytes_per_s))
+        ratio = bytes_per_s / old
+        slower = ratio <= 0.5
+        if ratio >= 2 or (slower and self._slower):
+            self.bandwidth_bytes_per_s = bytes_per_s
+        elif not slower:
+            self.bandwidth_bytes_per_s = math.sqrt(old * bytes_per_s)
+        self._slower = slower
         self._pipe_limit = self._pipe()
 
     def _pipe(self) -> float:
