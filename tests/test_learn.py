@@ -152,3 +152,16 @@ def test_placement_budgets_follow_the_forecast():
     # planned with what it holds: a new model placed on the plans' figure would not load.
     grown = {**plenty[0], "report": {**plenty[0]["report"], "resident_bytes": 3e9}}
     assert forecast_budget(grown, [grown]) == 7e9
+
+
+def test_the_fit_solves_its_normal_equations_as_numpy_does():
+    from seabiscuit_dask.placement.learn import _solve
+
+    rng = np.random.default_rng(7)
+    for n in (1, 2, 3, 5):
+        for _ in range(20):
+            m = rng.normal(size=(n, n))
+            a = m @ m.T + 0.05 * np.eye(n)                 # NOTE: as the fit's: prior on the diagonal
+            b = rng.normal(size=n)
+            assert _solve(a.tolist(), b.tolist()) == pytest.approx(np.linalg.solve(a, b).tolist(),
+                                                                    rel=1e-7, abs=1e-9)
