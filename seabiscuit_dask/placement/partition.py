@@ -239,31 +239,33 @@ def spread_branches(w: Workload, spec: ClusterSpec, cap: np.ndarray, dev: np.nda
         taken.update(v for b in parts for v in b)
     outputs = []
     for parts in output_branches(w, succs):
-        free = [b for b in parts if not shared.intersection(b)]
-        if any(taken.intersection(b) for b in parts) or len(free) < 2 \
-                or min(float(fastest[b].sum()) for b in free) < min_s:
+        if any(taken.intersection(b) for b in parts):
             continue
-        outputs.append((parts[0][-1], free, [b for b in parts if shared.intersection(b)]))
+        stay = [b for b in parts if shared.intersection(b)]
+        free = [b for b in parts if b not in stay]
+        if len(free) >= 2 and min(float(fastest[b].sum()) for b in free) >= min_s:
+            outputs.append((parts[0][-1], free, stay))
     # NOTE: the layers' joins first, the output tiles after, in the room they leave: an output
     # runs once, a layer's join once per layer
+    host_of = {d: i for i, grp in enumerate(spec.groups) for d in grp}
     for group in (joins, outputs):
-        _spread(w, spec, cap, dev, times, held, group)
+        _spread(w, spec, cap, dev, times, fastest, host_of, held, group)
     return dev
 
 
 def _spread(w: Workload, spec: ClusterSpec, cap: np.ndarray, dev: np.ndarray, times: np.ndarray,
-            held: np.ndarray, joins: list[tuple[int, list[list[int]], list[list[int]]]]) -> None:
+            fastest: np.ndarray, host_of: dict[int, int], held: np.ndarray,
+            joins: list[tuple[int, list[list[int]], list[list[int]]]]) -> None:
     """``spread_branches``' moves, made in ``dev`` and ``held``."""
-    fastest = times.min(axis=1)
-    host_of = {d: i for i, grp in enumerate(spec.groups) for d in grp}
     while joins:
         left = []
         for j, parts, stay in joins:
             devices = list(spec.groups[host_of[int(dev[j])]])
             load = dict.fromkeys(devices, 0.0)
             for b in stay:
-                if int(dev[b[0]]) in load:
-                    load[int(dev[b[0]])] += float(times[b, int(dev[b[0]])].sum())
+                at = int(dev[b[0]])
+                if at in load:
+                    load[at] += float(times[b, at].sum())
             for b in sorted(parts, key=lambda b: -float(fastest[b].sum())):
                 need = float(w.weight_bytes[b].sum())
                 src = int(dev[b[0]])
