@@ -410,6 +410,26 @@ def test_a_replay_after_a_lost_cache_sends_its_chunks_at_once() -> None:
     assert engine.stats.prefill_steps == 3 and engine.stats.prefill_ahead == 4
 
 
+def test_a_prompt_prefilled_alone_is_cut_for_the_stages_its_chunks_flow_through() -> None:
+    sizes = generate_module.PREFILL_BUCKETS
+    assert generate_module.chunking(200, sizes) == [(200, 208)]
+    # two stages: one chunk runs on a stage while the one before runs on the next
+    assert generate_module.chunking(200, sizes, 2) == [(112, 112), (88, 96)]
+    assert generate_module.chunking(400, sizes, 2) == [(152, 152), (152, 152), (96, 96)]
+    assert generate_module.chunking(64, sizes, 2) == [(64, 64)]    # a step's fixed cost outweighs the overlap
+    model = decoder("llama")
+    ids, mask = padded_batch((120,), seed=6)
+    runner = ChunkingRunner(model)
+    runner.prefill_stages = 2           # type: ignore[attr-defined]
+    engine = Engine(runner, max_chunk=112)
+    # prompts prefilled together fill the stages already: each is cut as on one stage
+    assert engine.chunking(120, alone=False) == [(96, 96), (24, 24)]
+    assert torch.equal(local_greedy(model, ids, None, 2, engine), hf_greedy(model, ids, mask, 2))
+    assert [(length, int(f["sb_start"][0]), int(f["sb_valid"].sum())) for length, f in runner.sent] == \
+        [(64, 0, 56), (64, 56, 64)]           # the smaller chunk first
+    assert engine.stats.prefill_ahead == 1
+
+
 def test_a_huge_prompt_has_a_bounded_number_of_chunks_in_flight(monkeypatch) -> None:
     monkeypatch.setattr(generate_module, "CHUNKS_IN_FLIGHT", 2)
     model = decoder("llama")

@@ -333,8 +333,9 @@ class DistributedModel:
         from .generate import _feed
 
         engine = self._generation_engine()
-        sizes = engine.prefill_sizes if lengths is None else \
-            sorted({size for n in lengths for _, size in engine.chunking(int(n))})
+        # NOTE: a prompt prefilled alone is cut for the pipeline's stages, one among others is not
+        sizes = engine.prefill_sizes if lengths is None else sorted(
+            {size for n in lengths for alone in (True, False) for _, size in engine.chunking(int(n), alone)})
         batches = batches if batches is not None else [b for b in engine.batch_sizes
                                                        if b <= max(1, engine.max_sessions)]
         shapes = [(1, n) for n in sizes] + [(int(b), 1) for b in batches]
@@ -537,6 +538,12 @@ class DistributedModel:
         finished (the data plane orders their cache writes on each worker;
         ``seabiscuit.generate.pipeline-prefill``)."""
         return self.p2p and bool(config.get("generate.pipeline-prefill", True))
+
+    @property
+    def prefill_stages(self) -> int:
+        """The workers a prompt's chunks flow through, one after another (a chunk runs on one
+        while the chunk before runs on the next): those holding blocks of the model's plan."""
+        return max(1, len({s.address for s in self.specs if s.ops}))
 
     def submit_chunk(self, length: int, feed: dict[str, Any], follows: Handle | None = None) -> Handle:
         """Send one prefill chunk of one session without waiting; ``follows``: the chunk of the same
