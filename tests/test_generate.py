@@ -19,7 +19,7 @@ from seabiscuit_dask.errors import BadInput, Busy, ClusterTooSmall, RunFailed, S
 from seabiscuit_dask.lower.kvcache import CacheLost, KVStore
 from seabiscuit_dask.placement.follow import follow
 from seabiscuit_dask.runtime import generate as generate_module
-from seabiscuit_dask.runtime.generate import Engine, GenerateArgs, LocalRunner, generate_tokens
+from seabiscuit_dask.runtime.generate import Engine, GenerateArgs, LocalRunner, Sampling, generate_tokens
 from seabiscuit_dask.trace.decoder import trace_step
 
 from .clusters import seabiscuit_cluster, wait_for
@@ -428,6 +428,25 @@ def test_a_prompt_prefilled_alone_is_cut_for_the_stages_its_chunks_flow_through(
     assert [(length, int(f["sb_start"][0]), int(f["sb_valid"].sum())) for length, f in runner.sent] == \
         [(64, 0, 56), (64, 56, 64)]           # the smaller chunk first
     assert engine.stats.prefill_ahead == 1
+
+
+def test_the_engines_threads_end_at_the_interpreters_exit_before_it_finalises(monkeypatch) -> None:
+    """An idle engine's thread ends 2 s after its last call; one that ended as the interpreter
+    finalised would free its engine's tensors with no GIL to take and abort the process."""
+    monkeypatch.setattr(generate_module, "EXITING", threading.Event())
+    monkeypatch.setattr(generate_module, "IDLE_EXIT_S", 600.0)
+    model = decoder("llama")
+    ids, mask = padded_batch((6,), seed=7)
+    engines = [Engine(LocalRunner(model, "64KiB")) for _ in range(2)]
+    threads = []
+    for engine in engines:
+        assert torch.equal(local_greedy(model, ids, None, 2, engine), hf_greedy(model, ids, mask, 2))
+        threads.append(engine._thread)
+    assert all(t is not None and t.is_alive() for t in threads)      # idle, waiting for a next call
+    generate_module.end_threads()
+    assert not any(t.is_alive() for t in threads) and all(e._thread is None for e in engines)
+    engines[0].submit([[3, 4]], 1, Sampling(), [], 0)
+    assert engines[0]._thread is None       # and none starts again for a call made now
 
 
 def test_a_huge_prompt_has_a_bounded_number_of_chunks_in_flight(monkeypatch) -> None:

@@ -20,12 +20,14 @@ in tests, on the cluster for a ``DistributedModel``).
 
 from __future__ import annotations
 
+import atexit
 import functools
 import itertools
 import logging
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -332,8 +334,9 @@ class Engine:
 
     def _start_thread(self) -> None:
         """The engine's thread, started once (lock held)."""
-        if self._thread is None and not self._closed:
+        if self._thread is None and not self._closed and not EXITING.is_set():
             self._thread = threading.Thread(target=self._loop, name="seabiscuit-generate", daemon=True)
+            _THREADS[self._thread] = weakref.ref(self)
             self._thread.start()
 
     @staticmethod
@@ -365,13 +368,17 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not (self._pending or self._active or self._closed or self._unfreed):
+                while not (self._pending or self._active or self._closed or self._unfreed
+                           or EXITING.is_set()):
                     # NOTE: idle, the thread ends (and starts again with the next call): a model
                     # its caller dropped is not kept alive by it
                     if not self._cond.wait(IDLE_EXIT_S) and not (self._pending or self._active
                                                                   or self._closed or self._unfreed):
                         self._thread = None
                         return
+                if EXITING.is_set():        # NOTE: the interpreter exits (``end_threads``)
+                    self._thread = None
+                    return
                 unfreed, self._unfreed = self._unfreed, []
                 if self._closed and not (self._pending or self._active):
                     return
@@ -749,6 +756,30 @@ class Engine:
 
 
 IDLE_EXIT_S = 2.0    # NOTE: how long the engine's thread waits for work before it ends
+EXIT_JOIN_S = 5.0    # NOTE: how long the interpreter's exit waits for the engines' threads, in all
+EXITING = threading.Event()         # NOTE: set as the interpreter exits (``end_threads``)
+# NOTE: each engine's thread, while it lives, and its engine (neither kept alive by this)
+_THREADS: weakref.WeakKeyDictionary[threading.Thread, weakref.ref[Engine]] = weakref.WeakKeyDictionary()
+
+
+@atexit.register
+def end_threads() -> None:
+    """End the engines' threads while the interpreter still runs (at its exit): a daemon thread
+    that ends as it finalises (an idle engine's, 2 s after its last call) drops the last
+    reference to its engine there, and freeing the engine's tensors without a GIL to take aborts
+    the process ("terminate called without an active exception") after its work was done. A
+    thread mid-step ends at its next step, or is left after ``EXIT_JOIN_S`` in all."""
+    EXITING.set()
+    threads = list(_THREADS.items())
+    for _, ref in threads:
+        engine = ref()
+        if engine is not None:
+            with engine._cond:
+                engine._cond.notify_all()
+    deadline = time.monotonic() + EXIT_JOIN_S
+    for thread, _ in threads:
+        if thread is not threading.current_thread():
+            thread.join(max(0.0, deadline - time.monotonic()))
 TURN_WAIT_S = 120.0  # NOTE: how long a kept session's next turn waits for its last one to end
 CHUNKS_IN_FLIGHT = 8    # NOTE: a prompt's chunks sent and not yet answered: a pipeline of a few stages
 #                         stays full, and a huge prompt holds the activations of only so many
