@@ -131,6 +131,32 @@ def test_the_next_step_runs_on_the_thread_that_made_the_logits(specs, token_dela
     assert not plane.runs and not plane.chains and not plane.loops and not pair.planes[B].runs
 
 
+def test_a_chained_steps_inputs_go_to_the_next_worker_before_the_chained_blocks_outputs() -> None:
+    """B's block reads the step's positions (a feed) and b0's output (a push): the feed goes out
+    first, so the block can start as the push lands."""
+    pair = Pair(specs=FED)
+    sent: list[tuple[str, int]] = []
+    send = pair.planes[A].send
+
+    async def logged(address: str, op: str, **msg: Any) -> None:
+        if address == B:
+            sent.append((op.removeprefix("seabiscuit_dp_"), int(msg["request"])))
+        await send(address, op, **msg)
+
+    pair.planes[A].send = logged
+
+    async def run() -> list[int]:
+        await pair.start([10, 11, 12, 13])
+        return [await pair.tokens(r) for r in (10, 11, 12, 13)]
+
+    try:
+        assert asyncio.run(run()) == expected(4, 7, 4)
+    finally:
+        pair.close()
+    assert pair.planes[A].counters["chained"] == 3
+    assert sent == [("push", 10)] + [m for r in (11, 12, 13) for m in (("feed", r), ("push", r))]
+
+
 def test_a_step_forgotten_while_the_logits_are_made_does_not_run() -> None:
     pair = Pair(hold=(2, 11))
 
