@@ -103,6 +103,17 @@ class Pair(Planes):
                                      30)
         return int(got[2]["logits"][0])
 
+    def loop_tokens(self, requests: list[int]) -> list[int]:
+        """The tokens of a decode loop of ``requests`` started at ``A``; the pair is closed after."""
+        async def run() -> list[int]:
+            await self.start(requests)
+            return [await self.tokens(r) for r in requests]
+
+        try:
+            return asyncio.run(run())
+        finally:
+            self.close()
+
     def close(self) -> None:
         for p in self.pools.values():
             p.shutdown(wait=False)
@@ -112,15 +123,7 @@ class Pair(Planes):
 @pytest.mark.parametrize("specs, token_delay", [(SPECS, 0.0), (FED, 0.02)], ids=["at-once", "fed-delayed"])
 def test_the_next_step_runs_on_the_thread_that_made_the_logits(specs, token_delay) -> None:
     pair = Pair(specs=specs, token_delay=token_delay)
-
-    async def run() -> list[int]:
-        await pair.start([10, 11, 12, 13])
-        return [await pair.tokens(r) for r in (10, 11, 12, 13)]
-
-    try:
-        assert asyncio.run(run()) == expected(4, 7, 4)
-    finally:
-        pair.close()
+    assert pair.loop_tokens([10, 11, 12, 13]) == expected(4, 7, 4)
     plane = pair.planes[A]
     assert plane.counters["chained"] == 3 and plane.counters["loop_steps"] == 3
     at_a = [(b, r) for w, b, r, _ in pair.ran if w == A]
@@ -144,15 +147,7 @@ def test_a_chained_steps_inputs_go_to_the_next_worker_before_the_chained_blocks_
         await send(address, op, **msg)
 
     pair.planes[A].send = logged
-
-    async def run() -> list[int]:
-        await pair.start([10, 11, 12, 13])
-        return [await pair.tokens(r) for r in (10, 11, 12, 13)]
-
-    try:
-        assert asyncio.run(run()) == expected(4, 7, 4)
-    finally:
-        pair.close()
+    assert pair.loop_tokens([10, 11, 12, 13]) == expected(4, 7, 4)
     assert pair.planes[A].counters["chained"] == 3
     assert sent == [("push", 10)] + [m for r in (11, 12, 13) for m in (("feed", r), ("push", r))]
 
