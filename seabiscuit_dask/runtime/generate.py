@@ -365,18 +365,19 @@ class Engine:
         self._pool.shutdown(wait=False)
 
     # --- the loop -------------------------------------------------------------------------
+    def _has_work(self) -> bool:
+        """Whether the loop has calls to run, caches to free, or its close to finish (lock held)."""
+        return bool(self._pending or self._active or self._closed or self._unfreed)
+
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not (self._pending or self._active or self._closed or self._unfreed
-                           or EXITING.is_set()):
+                while not (self._has_work() or EXITING.is_set()):
                     # NOTE: idle, the thread ends (and starts again with the next call): a model
                     # its caller dropped is not kept alive by it
-                    if not self._cond.wait(IDLE_EXIT_S) and not (self._pending or self._active
-                                                                  or self._closed or self._unfreed):
-                        self._thread = None
-                        return
-                if EXITING.is_set():        # NOTE: the interpreter exits (``end_threads``)
+                    if not self._cond.wait(IDLE_EXIT_S):
+                        break
+                if EXITING.is_set() or not self._has_work():    # NOTE: exiting: ``end_threads``
                     self._thread = None
                     return
                 unfreed, self._unfreed = self._unfreed, []
@@ -760,6 +761,14 @@ EXIT_JOIN_S = 5.0    # NOTE: how long the interpreter's exit waits for the engin
 EXITING = threading.Event()         # NOTE: set as the interpreter exits (``end_threads``)
 # NOTE: each engine's thread, while it lives, and its engine (neither kept alive by this)
 _THREADS: weakref.WeakKeyDictionary[threading.Thread, weakref.ref[Engine]] = weakref.WeakKeyDictionary()
+TURN_WAIT_S = 120.0  # NOTE: how long a kept session's next turn waits for its last one to end
+CHUNKS_IN_FLIGHT = 8    # NOTE: a prompt's chunks sent and not yet answered: a pipeline of a few stages
+#                         stays full, and a huge prompt holds the activations of only so many
+STEP_TOKENS = 48     # NOTE: a step's fixed cost (every weight read once) in tokens' worth of compute
+# NOTE: each length at most ~1.2x the one before from 64 on (a prompt up to 256 tokens computes 7% more
+# than its own length on average, step cost included, 10% with 96, 160 and 192 after 64; a SmolLM2
+# 145-token prompt's first token came 3% sooner in 152 than in 160); each is one program to build
+PREFILL_BUCKETS = (16, 24, 32, 48, 64, 80, 96, 112, 128, 152, 176, 208, 256)
 
 
 @atexit.register
@@ -780,14 +789,6 @@ def end_threads() -> None:
     for thread, _ in threads:
         if thread is not threading.current_thread():
             thread.join(max(0.0, deadline - time.monotonic()))
-TURN_WAIT_S = 120.0  # NOTE: how long a kept session's next turn waits for its last one to end
-CHUNKS_IN_FLIGHT = 8    # NOTE: a prompt's chunks sent and not yet answered: a pipeline of a few stages
-#                         stays full, and a huge prompt holds the activations of only so many
-STEP_TOKENS = 48     # NOTE: a step's fixed cost (every weight read once) in tokens' worth of compute
-# NOTE: each length at most ~1.2x the one before from 64 on (a prompt up to 256 tokens computes 7% more
-# than its own length on average, step cost included, 10% with 96, 160 and 192 after 64; a SmolLM2
-# 145-token prompt's first token came 3% sooner in 152 than in 160); each is one program to build
-PREFILL_BUCKETS = (16, 24, 32, 48, 64, 80, 96, 112, 128, 152, 176, 208, 256)
 
 
 @functools.lru_cache(maxsize=1024)
