@@ -17,11 +17,12 @@ class Planes:
     planes: dict[str, DataPlane]
 
     @staticmethod
-    def _slow(compute: Any) -> Any:
-        """Blocks reported as taking 1 s, so none runs on the event loop (``INLINE_S``)."""
+    def _slow(compute: Any, seconds: float = 1.0) -> Any:
+        """Blocks reported as taking ``seconds``: at 1 s none runs on the event loop (``INLINE_S``, nor
+        as a worker's only work, ``ALONE_S``)."""
         def run(*args: Any) -> Any:
             out, record = compute(*args)
-            return out, {**record, "compute_s": 1.0}
+            return out, {**record, "compute_s": seconds}
         return run
 
     @staticmethod

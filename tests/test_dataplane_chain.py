@@ -64,12 +64,12 @@ class Pair(Planes):
     """Workers A and B; ``hold``: (block, request) whose compute waits for ``gate``."""
 
     def __init__(self, hold: tuple[int, int] | None = None, specs: dict[int, BlockSpec] = SPECS,
-                 token_delay: float = 0.0) -> None:
+                 token_delay: float = 0.0, seconds: float = 1.0) -> None:
         self.hold, self.entered, self.gate = hold, threading.Event(), threading.Event()
         self.specs, self.route = specs, ROUTES[id(specs)]
         self.ran: list[tuple[str, int, int, int]] = []        # (worker, block, request, thread)
         self.pools = {a: OrderedExecutor(1, f"chain-{a}") for a in (A, B)}
-        self.planes = {a: DataPlane(a, compute=self._slow(timed(self._compute(a), a)),
+        self.planes = {a: DataPlane(a, compute=self._slow(timed(self._compute(a), a), seconds),
                                     spec_of=self._spec_of(a), load_spec=lambda m, v, b: specs[b],
                                     version_of=lambda m: 0, send=self._sender(a), check=self.check,
                                     executor=self.pools[a], token_delay=token_delay)
@@ -150,6 +150,55 @@ def test_a_chained_steps_inputs_go_to_the_next_worker_before_the_chained_blocks_
     assert pair.loop_tokens([10, 11, 12, 13]) == expected(4, 7, 4)
     assert pair.planes[A].counters["chained"] == 3
     assert sent == [("push", 10)] + [m for r in (11, 12, 13) for m in (("feed", r), ("push", r))]
+
+
+def test_a_block_that_is_its_workers_only_work_runs_on_the_event_loop_tokens_after_the_next_step() -> None:
+    """Blocks of 10 ms: each runs on a compute thread once (its time unknown), then on the event
+    loop while it is its worker's only work; the caller hears of a step's tokens once the next
+    step's first block sent its outputs on."""
+    pair = Pair(specs=FED, seconds=0.01)
+    heard: list[tuple[int, set[tuple[str, int, int]]]] = []
+
+    async def run() -> list[int]:
+        await pair.start([10, 11, 12, 13])
+        out = []
+        for r in (10, 11, 12, 13):
+            out.append(await pair.tokens(r))
+            heard.append((r, {(w, b, q) for w, b, q, _ in pair.ran}))
+        return out
+
+    try:
+        tokens = asyncio.run(run())
+    finally:
+        pair.close()
+    assert tokens == expected(4, 7, 4)
+    main = threading.main_thread().ident
+    on_loop = sorted((w, b, r) for w, b, r, t in pair.ran if t == main)
+    # NOTE: step 10 and b0 of step 11 (chained to b2 of 10 on its thread) ran before their times were known
+    assert on_loop == sorted((w, b, r) for w, b, r, _ in pair.ran if r >= 12 or (r == 11 and b != 0))
+    for r, ran in heard[:-1]:
+        if r >= 11:
+            assert (A, 0, r + 1) in ran           # NOTE: b0 of the next step ran before its tokens came
+    assert pair.planes[A].counters["chained"] == 1
+    assert not pair.planes[A].runs and not pair.planes[B].runs
+
+
+def test_a_block_beside_other_work_of_its_worker_runs_on_a_compute_thread() -> None:
+    """The same loop while another request's block waits at each worker: nothing on the loop."""
+    pair = Pair(specs=FED, seconds=0.01)
+
+    async def run() -> list[int]:
+        for address, b in ((A, 2), (B, 1)):       # NOTE: request 99 waits for h2 at A and for h at B
+            await pair.planes[address].feed(MODEL, TICKET, 0, 99, {b: {}} if b == 2 else
+                                            {b: {"position_ids": torch.tensor([[0]])}})
+        await pair.start([10, 11, 12, 13])
+        return [await pair.tokens(r) for r in (10, 11, 12, 13)]
+
+    try:
+        assert asyncio.run(run()) == expected(4, 7, 4)
+    finally:
+        pair.close()
+    assert threading.main_thread().ident not in {t for _, _, _, t in pair.ran}
 
 
 def test_a_step_forgotten_while_the_logits_are_made_does_not_run() -> None:

@@ -10,7 +10,7 @@ step. A ``Chain`` runs the logits block, picks the next step's inputs
 (``Loop.following``) and runs those next blocks right after it on the same thread,
 when no other work waits for the compute threads (``idle``: a pipeline's other runs
 go first, in age order, as ``ordered`` has them). The loop hears of the logits block
-once the chained blocks ran (``made``; the caller's tokens come one block later) and
+once the chained blocks ran (the chain's outcome; the caller's tokens come one block later) and
 takes each chained block's result as the block of the next run (``DataPlane._adopt``),
 so records, sends and failures go on as for any block, the next step's sends first.
 The loop thread owns all run state; the thread here only computes.
@@ -36,32 +36,32 @@ class Chain:
     def __init__(self, compute: Callable[..., Outcome], args: tuple[Any, ...], loop: Loop,
                  feeds: Sequence[tuple[int, tuple[str, ...]]], idle: Callable[[], bool]) -> None:
         self.compute, self.args, self.loop, self.feeds, self.idle = compute, args, loop, list(feeds), idle
-        self.made: concurrent.futures.Future[Outcome] = concurrent.futures.Future()
         self.next: dict[int, concurrent.futures.Future[Outcome]] = {}
         for b, _ in self.feeds:
             f = self.next[b] = concurrent.futures.Future()
             # NOTE: a chained block whose step was dropped meanwhile has nobody to read its failure
             f.add_done_callback(lambda f: f.cancelled() or f.exception())
         self.step: tuple[dict[str, torch.Tensor], Loop] | None = None    # the next step's inputs, loop
-        self.ran = False            # the next step's blocks run here (decided before ``made`` is set)
+        self.ran = False            # the next step's blocks run here (decided before the chain returns)
         self.stopped = False        # set by the event loop: the next step is not to run
 
     @property
     def request(self) -> int:
         return self.loop.requests[0]
 
-    def __call__(self) -> None:
-        """On a compute thread; never raises (each outcome goes to its future). The next step's
-        blocks run before the loop hears of the logits: the loop's work for them (the caller's
-        tokens, records) then waits for this worker's idle time instead of holding the GIL
-        while the next block runs; the next step's outputs are what the pipeline waits for."""
+    def __call__(self) -> Outcome:
+        """On a compute thread: the logits block's outcome (its failure raised; each chained block's
+        outcome goes to its future). The next step's blocks run before the loop hears of the
+        logits: the loop's work for them (the caller's tokens, records) then waits for this
+        worker's idle time instead of holding the GIL while the next block runs; the next step's
+        outputs are what the pipeline waits for. Returned, not set on a future here: the executor
+        sets it once this thread is idle again (``OrderedExecutor.idle``)."""
         try:
             out, record = self.compute(*self.args)
-        except BaseException as e:  # noqa: BLE001 - the logits block's failure is the loop's to handle
+        except BaseException:
             for f in self.next.values():
                 f.cancel()
-            self.made.set_exception(e)
-            return
+            raise
         logits = out.get(self.loop.logits)
         if logits is not None and self.loop.requests and not self.stopped:
             self.step = self.loop.following(logits)
@@ -78,4 +78,4 @@ class Chain:
         else:
             for f in self.next.values():
                 f.cancel()
-        self.made.set_result((out, record))
+        return out, record

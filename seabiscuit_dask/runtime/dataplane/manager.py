@@ -69,6 +69,7 @@ KINDS: dict[str, type[SeaBiscuitError]] = {c.__name__: c for c in (ClusterTooSma
                                                                     BadCheckpoint, CacheLost)}
 REMEMBERED = 4096      # NOTE: blocks run and runs ended, kept to refuse repeats and late messages
 INLINE_S = 2e-4        # NOTE: blocks quicker than this run on the event loop, not a compute thread
+ALONE_S = 0.1          # NOTE: the longest block that runs on the event loop as the worker's only work
 MAX_TOKEN_DELAY_S = 0.1    # NOTE: the most ``token_delay`` may hold a decode step's tokens back
 
 
@@ -369,16 +370,17 @@ class DataPlane:
         # NOTE: a resident block whose last run took less than INLINE_S runs on the event loop:
         # the two hand-offs to a compute thread would cost more than the block. Any other is
         # handed to a compute thread now, before the loop writes replies or sends anything
-        if self.last_s.get((run.model, br.block), INLINE_S) < INLINE_S and self._inline(run, br.block):
-            self._spawn(run, self._compute(run, br, ticket, None))
+        if (self.last_s.get((run.model, br.block), INLINE_S) < INLINE_S and self._inline(run, br.block)) \
+                or self._alone(run, br):
+            br.task = self._spawn(run, self._compute(run, br, ticket, None))
             return
         chain = self._chain(run, br, args)
         if chain is None:
             self._spawn(run, self._compute(run, br, ticket, self._submit(run, args)))
             return
         self.chains[(run.model, run.request)] = chain
-        self.executor.submit_ordered(run.created, chain)      # type: ignore[attr-defined]
-        self._spawn(run, self._compute(run, br, ticket, asyncio.wrap_future(chain.made), chain))
+        made = self.executor.submit_ordered(run.created, chain)      # type: ignore[attr-defined]
+        self._spawn(run, self._compute(run, br, ticket, asyncio.wrap_future(made), chain))
 
     def _held(self, run: Run, br: BlockRun, ticket: str) -> bool:
         """Whether ``br`` waits for the run ``run`` follows to cache what it reads here (a
@@ -417,6 +419,19 @@ class DataPlane:
                 self._start(run, br, ticket)
             if key in self.held and not any(br.deferred for br in run.blocks.values()):
                 del self.held[key]
+
+    def _alone(self, run: Run, br: BlockRun) -> bool:
+        """Whether ``br`` runs on the event loop as this worker's only work: its compute threads idle,
+        no other block here waits or runs, its last run under ``ALONE_S``, resident with no check
+        due (``_inline``). A decode step is such a block on each worker in turn: handed to a thread
+        it waits for the thread to wake and for the GIL the loop holds (0.3 ms on 2 cores), and the
+        loop waits to wake for its outputs (0.3 ms more); on the loop, its outputs go at once.
+        Messages that come meanwhile wait for it, as they would for the compute thread."""
+        idle = getattr(self.executor, "idle", None)
+        if idle is None or not idle() or self.last_s.get((run.model, br.block), ALONE_S) >= ALONE_S \
+                or not self._inline(run, br.block):
+            return False
+        return all(b is br or b.state == DONE for r in self.runs.values() for b in r.blocks.values())
 
     def _chain(self, run: Run, br: BlockRun, args: tuple[Any, ...]) -> Chain | None:
         """A ``Chain`` of ``br`` and the next decode step's blocks here, where ``br`` makes the
@@ -461,10 +476,11 @@ class DataPlane:
             raise SeaBiscuitError(f"block b{br.block} of {run.where()} reads no tensor {extra[0]!r} "
                                   f"(it reads {list(br.spec.imports)[:5]})")
 
-    def _spawn(self, run: Run, coro: Any) -> None:
+    def _spawn(self, run: Run, coro: Any) -> asyncio.Task[Any]:
         task = asyncio.ensure_future(coro)
         run.tasks.add(task)
         task.add_done_callback(run.tasks.discard)
+        return task
 
     async def _resolve(self, run: Run, br: BlockRun, ticket: str) -> None:
         try:
@@ -574,8 +590,8 @@ class DataPlane:
                 for b, ts in mine:
                     if chain is not None and chain.ran:
                         ahead += self._adopt(nxt, b, ts, chain.next[b], ticket)
-                    else:
-                        self._deliver(nxt, b, ts, ticket)
+                    elif self._deliver(nxt, b, ts, ticket) and nxt.block(b).task is not None:
+                        ahead.append(nxt.block(b).task)     # NOTE: it runs on the loop: tokens after it
             else:
                 self._tell(self._feed_peer(nxt, address, mine, ticket))
         return ahead

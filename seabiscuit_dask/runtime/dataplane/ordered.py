@@ -28,6 +28,7 @@ class OrderedExecutor(concurrent.futures.Executor):
         self._cv = threading.Condition()
         self._seq = itertools.count()
         self._closed = False
+        self._running = 0
         self._threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
                          for i in range(max(1, int(threads)))]
         for t in self._threads:
@@ -44,6 +45,10 @@ class OrderedExecutor(concurrent.futures.Executor):
     def pending(self) -> int:
         """Calls submitted and not yet started."""
         return len(self._heap)
+
+    def idle(self) -> bool:
+        """No call waits and none runs."""
+        return not self._heap and not self._running
 
     def _put(self, key: tuple[float, ...], fn: Any, args: Any, kwargs: Any) -> concurrent.futures.Future[Any]:
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
@@ -62,14 +67,16 @@ class OrderedExecutor(concurrent.futures.Executor):
                 if not self._heap:
                     return
                 _, _, future, fn, args, kwargs = heapq.heappop(self._heap)
-            if not future.set_running_or_notify_cancel():
+                self._running += 1
+            outcome = _outcome(future, fn, args, kwargs)
+            with self._cv:
+                self._running -= 1      # NOTE: before its caller hears of it, who may ask ``idle``
+            if outcome is None:
                 continue
-            try:
-                result = fn(*args, **kwargs)
-            except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
-                future.set_exception(e)
+            if outcome[0]:
+                future.set_result(outcome[1])
             else:
-                future.set_result(result)
+                future.set_exception(outcome[1])
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         with self._cv:
@@ -83,3 +90,14 @@ class OrderedExecutor(concurrent.futures.Executor):
             for t in self._threads:
                 if t is not threading.current_thread():
                     t.join()
+
+
+def _outcome(future: concurrent.futures.Future[Any], fn: Any, args: Any,
+             kwargs: Any) -> tuple[bool, Any] | None:
+    """(True, result) or (False, the exception) of ``fn(*args, **kwargs)``; None when cancelled."""
+    if not future.set_running_or_notify_cancel():
+        return None
+    try:
+        return True, fn(*args, **kwargs)
+    except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
+        return False, e

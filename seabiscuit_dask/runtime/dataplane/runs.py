@@ -27,6 +27,7 @@ class BlockRun:
     state: str = WAITING
     resolving: bool = False               # its spec is being loaded
     deferred: bool = False                # ready, held until the run it follows wrote its cache here
+    task: asyncio.Task[Any] | None = None  # the task that runs it on the event loop, if it does
 
     @property
     def ready(self) -> bool:
