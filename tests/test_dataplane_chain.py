@@ -183,6 +183,37 @@ def test_a_block_that_is_its_workers_only_work_runs_on_the_event_loop_tokens_aft
     assert not pair.planes[A].runs and not pair.planes[B].runs
 
 
+def test_a_blocks_outputs_go_to_their_stream_before_anything_queued_on_the_loop_meanwhile() -> None:
+    """A block on the event loop ends with work queued behind it (an acknowledgement, a reply):
+    its outputs are handed to the stream first, not a loop turn later behind that work."""
+    pair = Pair(specs=FED, seconds=0.01)
+    events: list[Any] = []
+    compute, send = pair.planes[B].compute, pair.planes[B].send
+    loop: asyncio.AbstractEventLoop | None = None
+
+    def queuing(*args: Any) -> Any:
+        loop.call_soon_threadsafe(events.append, ("queued", args[2]))
+        return compute(*args)
+
+    def eager(address: str, op: str, **msg: Any) -> Any:          # NOTE: as a worker's stream is
+        events.append((op.removeprefix("seabiscuit_dp_"), msg["request"]))
+        return asyncio.ensure_future(send(address, op, **msg))
+
+    async def run() -> list[int]:
+        nonlocal loop
+        loop = asyncio.get_running_loop()
+        pair.planes[B].compute, pair.planes[B].send = queuing, eager
+        await pair.start([10, 11, 12, 13])
+        return [await pair.tokens(r) for r in (10, 11, 12, 13)]
+
+    try:
+        assert asyncio.run(run()) == expected(4, 7, 4)
+    finally:
+        pair.close()
+    for r in (11, 12, 13):            # NOTE: on the loop (10 ran on a thread: its time was unknown)
+        assert events.index(("push", r)) < events.index(("queued", r))
+
+
 def test_a_block_beside_other_work_of_its_worker_runs_on_a_compute_thread() -> None:
     """The same loop while another request's block waits at each worker: nothing on the loop."""
     pair = Pair(specs=FED, seconds=0.01)
@@ -276,3 +307,22 @@ def test_a_token_delay_that_is_no_duration_or_past_its_bound_is_refused_by_name(
     with dask.config.set({"seabiscuit.generate.token-delay": "soon"}), \
             pytest.raises(SeaBiscuitError, match=r"token-delay must be a duration such as '2ms'"):
         token_delay_s()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_the_greedy_pick_is_torchs_argmax_of_the_last_position_first_of_equal_maxima(dtype) -> None:
+    from seabiscuit_dask.runtime.dataplane.runs import greedy
+
+    logits = torch.randn(5, 3, 1000, generator=torch.Generator().manual_seed(0)).to(dtype)
+    logits[1, -1, 7] = logits[1, -1, 900] = 50.0          # NOTE: a tie: the first index wins
+    got = greedy(logits)
+    assert got.dtype == torch.int64 and torch.equal(got, logits[:, -1].argmax(dim=-1))
+    assert int(got[1]) == 7
+    inputs = {"input_ids": torch.zeros(2, 1, dtype=torch.long), "position_ids": torch.tensor([[5], [0]]),
+              "sb_sessions": torch.tensor([0, -1]), "sb_start": torch.tensor([5, 0]),
+              "sb_valid": torch.ones(2, 1, dtype=torch.bool)}
+    step = Loop([1, 2], [], "logits", inputs)
+    nxt, after = step.following(logits[:2])
+    assert nxt["input_ids"].tolist() == [[int(got[0])], [0]]          # NOTE: a pad row stays 0
+    assert nxt["position_ids"].tolist() == [[6], [0]] and nxt["sb_start"].tolist() == [6, 0]
+    assert after.requests == [2] and after.inputs is nxt

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from typing import Any
 
 import dask.config
 import numpy as np
@@ -493,6 +494,32 @@ def test_acknowledgements_go_in_batches_and_still_time_the_link() -> None:
     f.acked(units[1].item.msg_id, 50, 9e-3, now=1e-2)       # NOTE: put off 9 ms at the receiver
     assert [x[1] for x in f.samples] == pytest.approx([1e-3 - 1e-4, 1e-2 - 9e-3])
     assert f.urgent_bytes == 0 and f.open_bytes == [0, 0]
+
+
+def test_a_small_messages_acknowledgement_that_falls_due_goes_after_the_work_already_queued() -> None:
+    """A block that ran on the event loop past the acknowledgements' delay queues its sends as it
+    ends; the acknowledgement that fell due meanwhile is written after them, not before."""
+    from types import SimpleNamespace
+
+    from seabiscuit_dask.runtime.dataplane.streams import ACK, Acks
+
+    order: list[Any] = []
+    comm = SimpleNamespace(stream=SimpleNamespace(write=lambda b: order.append(("ack", len(b) // ACK.size))))
+
+    async def run() -> None:
+        acks = Acks(comm, raw=True, small_bytes=100)
+        acks.add(1, 50, 0.0, 1e-5, 50)                    # NOTE: small: put off
+        assert acks._later is not None
+        loop = asyncio.get_running_loop()
+        loop.call_soon(order.append, "send")              # NOTE: queued by the block as it ended
+        acks._later._run()                                # NOTE: the timer falls due, behind it
+        for _ in range(3):
+            await asyncio.sleep(0)
+        acks.add(2, 50, 0.0, 1e-5, 50)                    # NOTE: put off again, as before
+        assert acks._later is not None and len(acks.pending) == 1
+        acks.flush()
+    asyncio.run(run())
+    assert order == ["send", ("ack", 1), ("ack", 1)]
 
 
 def test_a_broken_stream_fails_what_it_held() -> None:

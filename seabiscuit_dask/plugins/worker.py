@@ -322,10 +322,11 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
                 del self._receiving[peer]
         return Status.dont_reply
 
-    async def _send(self, address: str, op: str, **msg: Any) -> None:
-        """A one-way message to a peer, down the stream to it (``seabiscuit_dp_push|feed|fail``)."""
+    def _send(self, address: str, op: str, **msg: Any) -> asyncio.Future[None]:
+        """A one-way message to a peer, down the stream to it (``seabiscuit_dp_push|feed|fail``): the
+        future of its being on the wire (``Links.send``)."""
         sender = self.worker.address
-        await self._links.send(address, {"op": op.removeprefix("seabiscuit_dp_"), "sender": sender, **msg})
+        return self._links.send(address, {"op": op.removeprefix("seabiscuit_dp_"), "sender": sender, **msg})
 
     async def dp_flush(self, comm: Any = None) -> int:
         """Report the data plane's block runs now; returns once the scheduler has them."""

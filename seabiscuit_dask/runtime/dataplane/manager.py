@@ -537,8 +537,7 @@ class DataPlane:
         if follows is not None and follows.logits in out:
             ahead = self._advance(run, out[follows.logits], ticket, chain)
         # NOTE: started now, so they go before anything this wakes (the caller's collect)
-        sends = [self._tell(self._send(run, c, addr, {t: out[t] for t in ts}, ticket))
-                 for c, addr, ts in spec.sends]
+        sends = [self._send(run, c, addr, {t: out[t] for t in ts}, ticket) for c, addr, ts in spec.sends]
         if spec.outputs:
             run.outputs[br.block] = {t: out[t] for t in spec.outputs}
             if not ahead:
@@ -593,7 +592,7 @@ class DataPlane:
                     elif self._deliver(nxt, b, ts, ticket) and nxt.block(b).task is not None:
                         ahead.append(nxt.block(b).task)     # NOTE: it runs on the loop: tokens after it
             else:
-                self._tell(self._feed_peer(nxt, address, mine, ticket))
+                self._feed_peer(nxt, address, mine, ticket)
         return ahead
 
     def _adopt(self, run: Run, block: int, tensors: Mapping[str, torch.Tensor],
@@ -621,28 +620,42 @@ class DataPlane:
         task.add_done_callback(run.tasks.discard)
         return [task]
 
-    async def _feed_peer(self, run: Run, address: str, feeds: list[tuple[int, dict[str, torch.Tensor]]],
-                         ticket: str) -> None:
-        try:
-            sent = [(b, Tensors(ts)) for b, ts in feeds]
-            await self.send(address, "seabiscuit_dp_feed", model=run.model, ticket=ticket,
-                            version=run.version, request=run.request, inputs=sent)
-        except BaseException as e:  # noqa: BLE001 - the step fails, everywhere
-            self._fail(run, RunFailed(f"{run.where()}: worker {self.address} could not feed the next decode "
-                                      f"step to {address}: {type(e).__name__}: {e}"), ticket)
+    def _feed_peer(self, run: Run, address: str, feeds: list[tuple[int, dict[str, torch.Tensor]]],
+                   ticket: str) -> asyncio.Future[Any]:
+        return self._post(run, address, "seabiscuit_dp_feed", ticket, "feed the next decode step to",
+                          inputs=[(b, Tensors(ts)) for b, ts in feeds])
 
-    async def _send(self, run: Run, block: int, address: str, tensors: dict[str, torch.Tensor],
-                    ticket: str) -> None:
+    def _send(self, run: Run, block: int, address: str, tensors: dict[str, torch.Tensor],
+              ticket: str) -> asyncio.Future[Any]:
         if address == self.address:
-            if (run.model, run.request) in self.runs:
-                self._deliver(run, block, tensors, ticket)
-            return
+            return self._tell(self._local(run, block, tensors, ticket))
+        return self._post(run, address, "seabiscuit_dp_push", ticket, f"send the inputs of block b{block} to",
+                          block=block, tensors=Tensors(tensors))
+
+    async def _local(self, run: Run, block: int, tensors: dict[str, torch.Tensor], ticket: str) -> None:
+        if (run.model, run.request) in self.runs:
+            self._deliver(run, block, tensors, ticket)
+
+    def _post(self, run: Run, address: str, op: str, ticket: str, what: str,
+              **msg: Any) -> asyncio.Future[Any]:
+        """Send ``op`` of ``run`` to ``address`` now: down an idle stream it is written before this
+        returns, not a loop turn later behind whatever else the loop has queued (a decode step's
+        hop waits on it). The future of its sending, held here (``_tell``); if it cannot be sent
+        the run fails, everywhere (``what``: what could not be done)."""
         try:
-            await self.send(address, "seabiscuit_dp_push", model=run.model, ticket=ticket,
-                            version=run.version, request=run.request, block=block, tensors=Tensors(tensors))
-        except BaseException as e:  # noqa: BLE001 - the run fails, everywhere
-            self._fail(run, RunFailed(f"{run.where()}: worker {self.address} could not send the inputs of "
-                                      f"block b{block} to {address}: {type(e).__name__}: {e}"), ticket)
+            sent = self.send(address, op, model=run.model, ticket=ticket, version=run.version,
+                             request=run.request, **msg)
+        except BaseException as e:  # noqa: BLE001 - the run fails below, as for a send that fails later
+            sent = asyncio.get_running_loop().create_future()
+            sent.set_exception(e)
+
+        async def sending() -> None:
+            try:
+                await sent
+            except BaseException as e:  # noqa: BLE001 - the run fails, everywhere
+                self._fail(run, RunFailed(f"{run.where()}: worker {self.address} could not {what} {address}: "
+                                          f"{type(e).__name__}: {e}"), ticket)
+        return self._tell(sending())
 
     async def _collect(self, model: str, version: int, request: int, blocks: list[int],
                        tokens: str = "") -> dict[int, Tensors]:

@@ -159,8 +159,9 @@ class Link:
         self._task = asyncio.ensure_future(self._write(connect))
         self._reader: asyncio.Future[None] | None = None
 
-    async def send(self, msg: Any) -> None:
-        """Queue ``msg``; returns once it is on the wire. Raises ``RunFailed`` when the link is broken."""
+    def send(self, msg: Any) -> asyncio.Future[None]:
+        """Queue ``msg``, written now where the stream is idle; the future of its being on the wire.
+        Raises ``RunFailed`` when the link is broken."""
         if self.broken is not None:
             raise self._error(self.broken)
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -175,7 +176,7 @@ class Link:
                 self._task.cancel()
         else:
             self._wake.set()
-        await fut
+        return fut
 
     def _flush_now(self) -> None:
         """What the writer task does on a wake-up, here: queue, take and write what the flow lets out
@@ -317,8 +318,9 @@ class Links:
         self._sent_at: dict[str, float] = {}   # NOTE: peer -> when a message last went down its link
         self.relayed = 0
 
-    async def send(self, address: str, msg: Any, direct: bool = False) -> None:
-        """Send ``msg`` to ``address``, through its relay unless ``direct`` (a relay's own forward)."""
+    def send(self, address: str, msg: Any, direct: bool = False) -> asyncio.Future[None]:
+        """Send ``msg`` to ``address``, through its relay unless ``direct`` (a relay's own forward):
+        ``Link.send``."""
         via = None if direct else self.routes.get(address)
         if via is not None:
             msg, address = {**msg, "to": address}, via
@@ -327,7 +329,7 @@ class Links:
         if link is None or link.broken is not None:
             link = self._links[address] = Link(address, self.connect, self.settings)
         self._sent_at[address] = time.monotonic()
-        await link.send(msg)
+        return link.send(msg)
 
     def idle(self, now: float, after_s: float) -> list[str]:
         """Watched peers whose links carried nothing for ``after_s`` (monotonic ``now``): to probe,
@@ -371,7 +373,9 @@ class Acks:
     units' on the loop's next turn (the sender's pipe waits on them), small messages' put off up to
     ``ACK_DELAY_S`` or till the next prompt one, so a hop of small messages costs one write in many.
     A small message's acknowledgement counts the time it was put off as held: it still times the
-    link."""
+    link. When it falls due it goes after the work already queued on the loop: a block run on the
+    loop that outlasted the delay queues its sends as it ends, and they go first (before, a decode
+    step's activation waited 0.1 ms behind this write in 38 of 61 steps)."""
 
     def __init__(self, comm: Any, raw: bool, small_bytes: int) -> None:
         self.comm, self.raw, self.small_bytes = comm, raw, small_bytes
@@ -386,10 +390,14 @@ class Acks:
         self.pending.append((msg_id, length, hold_s, read_s, time.perf_counter() if small else math.nan))
         if small:
             if not self._soon and self._later is None:
-                self._later = loop.call_later(ACK_DELAY_S, self.flush)
+                self._later = loop.call_later(ACK_DELAY_S, self._due)
         elif not self._soon:
             self._soon = True
             loop.call_soon(self.flush)
+
+    def _due(self) -> None:
+        self._later, self._soon = None, True
+        asyncio.get_running_loop().call_soon(self.flush)
 
     def flush(self) -> None:
         if self._later is not None:
