@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import dask.config
@@ -103,9 +104,13 @@ class Pair(Planes):
                                      30)
         return int(got[2]["logits"][0])
 
-    def loop_tokens(self, requests: list[int]) -> list[int]:
-        """The tokens of a decode loop of ``requests`` started at ``A``; the pair is closed after."""
+    def loop_tokens(self, requests: list[int],
+                    before: Callable[[], Awaitable[None]] | None = None) -> list[int]:
+        """The tokens of a decode loop of ``requests`` started at ``A`` (after ``before``, in the event
+        loop); the pair is closed after."""
         async def run() -> list[int]:
+            if before is not None:
+                await before()
             await self.start(requests)
             return [await self.tokens(r) for r in requests]
 
@@ -199,17 +204,12 @@ def test_a_blocks_outputs_go_to_their_stream_before_anything_queued_on_the_loop_
         events.append((op.removeprefix("seabiscuit_dp_"), msg["request"]))
         return asyncio.ensure_future(send(address, op, **msg))
 
-    async def run() -> list[int]:
+    async def before() -> None:
         nonlocal loop
         loop = asyncio.get_running_loop()
         pair.planes[B].compute, pair.planes[B].send = queuing, eager
-        await pair.start([10, 11, 12, 13])
-        return [await pair.tokens(r) for r in (10, 11, 12, 13)]
 
-    try:
-        assert asyncio.run(run()) == expected(4, 7, 4)
-    finally:
-        pair.close()
+    assert pair.loop_tokens([10, 11, 12, 13], before) == expected(4, 7, 4)
     for r in (11, 12, 13):            # NOTE: on the loop (10 ran on a thread: its time was unknown)
         assert events.index(("push", r)) < events.index(("queued", r))
 
@@ -218,17 +218,12 @@ def test_a_block_beside_other_work_of_its_worker_runs_on_a_compute_thread() -> N
     """The same loop while another request's block waits at each worker: nothing on the loop."""
     pair = Pair(specs=FED, seconds=0.01)
 
-    async def run() -> list[int]:
+    async def before() -> None:
         for address, b in ((A, 2), (B, 1)):       # NOTE: request 99 waits for h2 at A and for h at B
             await pair.planes[address].feed(MODEL, TICKET, 0, 99, {b: {}} if b == 2 else
                                             {b: {"position_ids": torch.tensor([[0]])}})
-        await pair.start([10, 11, 12, 13])
-        return [await pair.tokens(r) for r in (10, 11, 12, 13)]
 
-    try:
-        assert asyncio.run(run()) == expected(4, 7, 4)
-    finally:
-        pair.close()
+    assert pair.loop_tokens([10, 11, 12, 13], before) == expected(4, 7, 4)
     assert threading.main_thread().ident not in {t for _, _, _, t in pair.ran}
 
 
