@@ -368,8 +368,9 @@ class DataPlane:
         br.state = RUNNING      # NOTE: at once, so a repeat that comes meanwhile starts nothing
         args = (run.model, run.version, run.request, br.block, br.imports)
         # NOTE: a resident block whose last run took less than INLINE_S runs on the event loop:
-        # the two hand-offs to a compute thread would cost more than the block. Any other is
-        # handed to a compute thread now, before the loop writes replies or sends anything
+        # the two hand-offs to a compute thread would cost more than the block; so does one that is
+        # the worker's only work (``_alone``). Any other is handed to a compute thread now, before
+        # the loop writes replies or sends anything
         if (self.last_s.get((run.model, br.block), INLINE_S) < INLINE_S and self._inline(run, br.block)) \
                 or self._alone(run, br):
             br.task = self._spawn(run, self._compute(run, br, ticket, None))
