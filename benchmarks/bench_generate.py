@@ -142,10 +142,11 @@ def sb_concurrent(dm, prompts: list[torch.Tensor], new: int) -> tuple[float, flo
     return tokens / (end - start), max(s[-1] for s in stamps) - t, (start, end)
 
 
-def block_runs(client, since: float, until: float) -> list[dict]:
+def block_runs(client, dm, since: float, until: float) -> list[dict]:
     """The block runs the workers reported to the scheduler's timeline (the dashboard's) that
-    started at ``since`` or later and ended by ``until``; waits for the reports of runs up to
-    ``until`` (workers send them in batches)."""
+    started at ``since`` or later and ended by ``until``, once ``dm``'s workers have reported every
+    run so far (they send them in batches, a tick apart: a worker's last batch could still be on
+    its way when another's had come in)."""
     from seabiscuit_dask.plugins.scheduler import PLUGIN_NAME
 
     def runs(dask_scheduler, since: float) -> list[dict]:
@@ -154,13 +155,8 @@ def block_runs(client, since: float, until: float) -> list[dict]:
         plugin = dask_scheduler.plugins[PLUGIN_NAME]
         return timeline_data(plugin.state, plugin.activity, since)
 
-    deadline = time.monotonic() + 30.0
-    seen: list[dict] = []
-    while time.monotonic() < deadline:
-        seen = client.run_on_scheduler(runs, since=since)
-        if any(r["start"] + r["duration_s"] >= until - 0.1 for r in seen):
-            break
-        time.sleep(0.05)
+    dm._flush_runs()
+    seen = client.run_on_scheduler(runs, since=since)
     return [r for r in seen if r["start"] >= since and r["start"] + r["duration_s"] <= until]
 
 
@@ -212,7 +208,7 @@ def step_breakdown(client, dm, ids: torch.Tensor, new: int) -> tuple[float, floa
     blocks, workers and the caller; ``hand-offs``: the median gap from one block run's end to the
     next one's start, per boundary of the chain (``handoffs``)."""
     stamps = [time.time() for _ in dm.stream(ids, new, eos_token_id=[])]
-    inside = block_runs(client, stamps[1], stamps[-1])
+    inside = block_runs(client, dm, stamps[1], stamps[-1])
     steps = len(stamps) - 2
     return (stamps[-1] - stamps[1]) / steps, sum(r["duration_s"] for r in inside) / steps, len(inside), \
         handoffs(inside)
@@ -284,7 +280,7 @@ def main() -> None:
             batch *= 2
         before = dm.generation_stats()
         agg_tps, agg_s, window = sb_concurrent(dm, prompts, args.new)
-        shares = busy(block_runs(client, *window), window)
+        shares = busy(block_runs(client, dm, *window), window)
         stats = dm.generation_stats()
         steps = max(1, stats["decode_steps"] - before["decode_steps"])
         rows_per_step = (stats["rows"] - before["rows"]) / steps
