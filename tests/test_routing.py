@@ -504,17 +504,22 @@ def test_a_small_messages_acknowledgement_that_falls_due_goes_after_the_work_alr
     from seabiscuit_dask.runtime.dataplane.streams import ACK, Acks
 
     order: list[Any] = []
-    comm = SimpleNamespace(stream=SimpleNamespace(write=lambda b: order.append(("ack", len(b) // ACK.size))))
 
     async def run() -> None:
-        acks = Acks(comm, raw=True, small_bytes=100)
+        loop = asyncio.get_running_loop()
+        written = loop.create_future()
+
+        def write(b: bytes) -> None:
+            order.append(("ack", len(b) // ACK.size))
+            if not written.done():
+                written.set_result(None)
+
+        acks = Acks(SimpleNamespace(stream=SimpleNamespace(write=write)), raw=True, small_bytes=100)
         acks.add(1, 50, 0.0, 1e-5, 50)                    # NOTE: small: put off
         assert acks._later is not None
-        loop = asyncio.get_running_loop()
         loop.call_soon(order.append, "send")              # NOTE: queued by the block as it ended
         acks._later._run()                                # NOTE: the timer falls due, behind it
-        for _ in range(3):
-            await asyncio.sleep(0)
+        await asyncio.wait_for(written, 30)
         acks.add(2, 50, 0.0, 1e-5, 50)                    # NOTE: put off again, as before
         assert acks._later is not None and len(acks.pending) == 1
         acks.flush()
