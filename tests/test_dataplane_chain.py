@@ -39,16 +39,22 @@ SPECS = {0: spec(0, A, {"input_ids": -1, "position_ids": -1}, ("h",), sends=((1,
          2: spec(2, A, {"h2": 1}, ("logits",), outputs=("logits",))}
 # NOTE: as a decoder's step is: the block on B reads the step's positions too (its cache slots)
 FED = {**SPECS, 1: spec(1, B, {"h": 0, "position_ids": -1}, ("h2",), sends=((2, A, ("h2",)),))}
+# NOTE: B's fed block b3 reads no output of A's b0: its step inputs cannot go with b0's push
+APART = {**FED, 1: spec(1, B, {"h": 0, "p": 3}, ("h2",), sends=((2, A, ("h2",)),)),
+         3: spec(3, B, {"position_ids": -1}, ("p",), sends=((1, B, ("p",)),))}
 ROUTES = {id(SPECS): [(A, [(0, ("input_ids", "position_ids"))])],
-          id(FED): [(A, [(0, ("input_ids", "position_ids"))]), (B, [(1, ("position_ids",))])]}
+          id(FED): [(A, [(0, ("input_ids", "position_ids"))]), (B, [(1, ("position_ids",))])],
+          id(APART): [(A, [(0, ("input_ids", "position_ids"))]), (B, [(3, ("position_ids",))])]}
 
 
 def block(b: int, imports: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The next token is (3 * token + position + 1) % VOCAB."""
     if b == 0:
         return {"h": (imports["input_ids"] * 3 + imports["position_ids"]).float()}
+    if b == 3:
+        return {"p": imports["position_ids"].float() * 0}
     if b == 1:
-        return {"h2": imports["h"] + 1}
+        return {"h2": imports["h"] + 1 + imports.get("p", 0)}
     return {"logits": torch.nn.functional.one_hot(imports["h2"].long() % VOCAB, VOCAB).float()}
 
 
@@ -139,22 +145,44 @@ def test_the_next_step_runs_on_the_thread_that_made_the_logits(specs, token_dela
     assert not plane.runs and not plane.chains and not plane.loops and not pair.planes[B].runs
 
 
-def test_a_chained_steps_inputs_go_to_the_next_worker_before_the_chained_blocks_outputs() -> None:
-    """B's block reads the step's positions (a feed) and b0's output (a push): the feed goes out
-    first, so the block can start as the push lands."""
-    pair = Pair(specs=FED)
+@pytest.mark.parametrize("seconds", [1.0, 0.01], ids=["chained", "on-the-loop"])
+def test_a_steps_inputs_of_the_next_workers_block_go_with_the_push_it_reads(seconds) -> None:
+    """B's block reads the step's positions (a feed) and b0's output (a push): the positions go in
+    b0's push, one message a step, whether b0 ran chained to the logits or on the event loop."""
+    pair = Pair(specs=FED, seconds=seconds)
+    sent: list[tuple[str, int, list[int]]] = []
+    send = pair.planes[A].send
+
+    async def logged(address: str, op: str, **msg: Any) -> None:
+        if address == B:
+            sent.append((op.removeprefix("seabiscuit_dp_"), int(msg["request"]),
+                         [b for b, _ in msg.get("inputs") or ()]))
+        await send(address, op, **msg)
+
+    pair.planes[A].send = logged
+    assert pair.loop_tokens([10, 11, 12, 13]) == expected(4, 7, 4)
+    assert pair.planes[A].counters["chained"] == (3 if seconds >= 1 else 1)
+    assert sent == [("push", 10, [])] + [("push", r, [1]) for r in (11, 12, 13)]
+    assert not pair.planes[A].runs and not pair.planes[B].runs
+
+
+def test_a_steps_inputs_of_a_block_that_reads_nothing_from_here_go_on_their_own_first() -> None:
+    """B's fed block b3 reads no output of A: its positions go out as the step starts, not with b0's
+    push, and ahead of it."""
+    pair = Pair(specs=APART)
     sent: list[tuple[str, int]] = []
     send = pair.planes[A].send
 
     async def logged(address: str, op: str, **msg: Any) -> None:
         if address == B:
+            assert not msg.get("inputs") or op.endswith("feed")
             sent.append((op.removeprefix("seabiscuit_dp_"), int(msg["request"])))
         await send(address, op, **msg)
 
     pair.planes[A].send = logged
     assert pair.loop_tokens([10, 11, 12, 13]) == expected(4, 7, 4)
-    assert pair.planes[A].counters["chained"] == 3
     assert sent == [("push", 10)] + [m for r in (11, 12, 13) for m in (("feed", r), ("push", r))]
+    assert not pair.planes[A].runs and not pair.planes[B].runs
 
 
 def test_a_block_that_is_its_workers_only_work_runs_on_the_event_loop_tokens_after_the_next_step() -> None:
@@ -185,6 +213,27 @@ def test_a_block_that_is_its_workers_only_work_runs_on_the_event_loop_tokens_aft
         if r >= 11:
             assert (A, 0, r + 1) in ran           # NOTE: b0 of the next step ran before its tokens came
     assert pair.planes[A].counters["chained"] == 1
+    assert not pair.planes[A].runs and not pair.planes[B].runs
+
+
+def test_a_block_that_runs_on_the_event_loop_has_run_when_its_last_input_is_delivered() -> None:
+    """Not a loop turn later in a task of its own: a decode step's hop saves a wake-up of the loop."""
+    pair = Pair(seconds=0.01)
+
+    async def run() -> tuple[list[int], bool, int]:
+        await pair.start([10, 11])
+        out = [await pair.tokens(r) for r in (10, 11)]        # NOTE: the blocks' times are known now
+        await pair.planes[A].feed(MODEL, TICKET, 0, 20, {0: {"input_ids": torch.tensor([[4]]),
+                                                             "position_ids": torch.tensor([[7]])}})
+        ran = (A, 0, 20) in {(w, b, r) for w, b, r, _ in pair.ran}
+        return out, ran, await pair.tokens(20)
+
+    try:
+        tokens, ran, token = asyncio.run(run())
+    finally:
+        pair.close()
+    assert tokens == expected(4, 7, 2) and token == expected(4, 7, 1)[0]
+    assert ran
     assert not pair.planes[A].runs and not pair.planes[B].runs
 
 

@@ -247,8 +247,9 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
         return [[b, to_serialize(ts)] for b, ts in out.items()]
 
     async def dp_push(self, comm: Any = None, model: str = "", ticket: str = "", version: int = 0,
-                      request: int = 0, block: int = 0, tensors: Any = None) -> bool:
-        return await self.dataplane.push(model, ticket, version, request, block, tensors or {})
+                      request: int = 0, block: int = 0, tensors: Any = None, inputs: Any = ()) -> bool:
+        return await self.dataplane.push(model, ticket, version, request, block, tensors or {},
+                                         {int(b): ts for b, ts in inputs or ()})
 
     async def dp_collect(self, comm: Any = None, model: str = "", ticket: str = "", version: int = 0,
                          request: int = 0, blocks: Any = (), tokens: str = "") -> list[Any]:
