@@ -168,3 +168,132 @@ def test_a_deployment_holds_its_weights_as_measured_and_answers_the_same(monkeyp
         with dask.config.set({"seabiscuit.lower.weight-layout": "sideways"}), \
                 pytest.raises(sb.BadInput, match="weight-layout is 'sideways'"):
             sb.distribute(model, client, (x,), budget="256KiB")
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4, 8])
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_linear_layer_in_columns_gives_linears_result(rows, bias, dtype) -> None:
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(1, rows, 64, generator=g).to(dtype)
+    w = torch.randn(96, 64, generator=g).to(dtype)
+    b = torch.randn(96, generator=g).to(dtype) if bias else None
+    got = layout.columns(x, w, b)
+    want = torch.nn.functional.linear(x, w, b)
+    assert got.shape == want.shape == (1, rows, 96) and got.dtype == dtype and got.is_contiguous()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    # run so only for the rows counts named; any other goes to the kernel it wraps, as it is
+    seen: list[int] = []
+
+    def linear(*args: torch.Tensor) -> torch.Tensor:
+        seen.append(args[0].shape[-2])
+        return torch.nn.functional.linear(*args)
+
+    kernel = layout.columns_kernel([rows], linear)
+    torch.testing.assert_close(kernel(x, w, b), want, rtol=tol, atol=tol)
+    assert seen == []
+    other = torch.randn(1, rows + 1, 64, generator=g).to(dtype)
+    assert torch.equal(kernel(other, w, b), torch.nn.functional.linear(other, w, b)) and seen == [rows + 1]
+    held = layout.transposed(w)                               # NOTE: a weight held [in, out]: as linear
+    assert torch.equal(kernel(x, held, b), torch.nn.functional.linear(x, held, b)) and seen[-1] == rows
+
+
+def test_columns_are_chosen_for_the_rows_they_run_clearly_faster_in() -> None:
+    graph = sb.trace(TwoLayouts(), (torch.randn(3, 5, 32),))
+    fc = next(n for n in graph.params if graph.params[n].source.key == "fc.weight")
+    asked: list[list[layout.Case]] = []
+
+    def timer(distinct):
+        asked.append(distinct)
+        return {c.key(): ((2.0, 1.0) if c.rows <= 2 else (1.05, 1.0)) for c in distinct}
+
+    # only ``fc`` is a linear layer's weight: ``w`` is read by an addmm, ``shared`` by a sum too
+    assert layout.decide_forms(graph, timer, [1, 2, 4, 3, 16], min_bytes=0) == {fc: [1, 2]}
+    # NOTE: rows counts that are not among SMALL_ROWS are not timed
+    assert len(asked) == 1 and sorted(c.rows for c in asked[0]) == [1, 2, 4]
+    assert layout.decide_forms(graph, timer, [1, 2], held={fc: layout.TRANSPOSED}, min_bytes=0) == {}
+    assert layout.decide_forms(graph, timer, [1, 2]) == {} and len(asked) == 1   # under 1 MiB: not timed
+    t_linear, t_columns = layout.time_columns(layout.Case(2, 64, 96, "float32", True, False), reps=2)
+    assert t_linear > 0 and t_columns > 0
+    with pytest.raises(sb.BadInput, match="columns form"):
+        layout.time_columns(layout.Case(2, 64, 96, "float32", False, False))
+
+
+def test_blocks_run_the_linear_layers_their_specs_name_in_columns(monkeypatch) -> None:
+    model, x = M.llama(), M.ids(seq=4)
+    graph = sb.decompose(sb.trace(model, x), "64KiB")
+    owner = Owner()
+    graph, _ = stored(graph, model, owner)
+    forms = layout.decide_forms(graph, lambda cases: {c.key(): (2.0, 1.0) for c in cases}, [4], min_bytes=0)
+    weight = [op.attrs["args"][1]["p"] for op in graph.ops if op.target == layout.LINEAR]
+    assert forms and set(forms) <= set(weight) and all(v == [4] for v in forms.values())
+    ran: list[tuple[int, ...]] = []
+    columns = layout.columns
+    monkeypatch.setattr(layout, "columns",
+                        lambda x, w, b=None: ran.append(tuple(w.shape)) or columns(x, w, b))
+    spec = sb.ClusterSpec.synthetic("4xcpu", hosts=3, cpu_memory="2MiB")
+    plan = sb.place(graph, spec)
+    with torch.no_grad():
+        expected = model(x).logits
+    got = {}
+    for name, g in (("linear", graph), ("columns", graph.with_meta(matmul_forms=forms))):
+        r = ResidentBlocks(1 << 30)
+        r.versions[MODEL] = 0
+        specs = block_specs(sb.Plan(g, spec, plan.device_of), MODEL, 0)
+        assert {n for s in specs for n in s.forms} == (set(forms) if name == "columns" else set())
+        ran.clear()
+        got[name] = run_all(r, specs, g, x)
+        assert len(ran) == (sum(w in forms for w in weight) if name == "columns" else 0)
+    torch.testing.assert_close(got["columns"], got["linear"], rtol=1e-5, atol=1e-5)
+    assert M.rel_err(got["columns"], expected) <= 1e-4
+    # specs carry them whole, and refuse rows counts that are not a decode bucket
+    s = block_specs(sb.Plan(graph.with_meta(matmul_forms=forms), spec, plan.device_of), MODEL, 0)[0]
+    assert BlockSpec.from_dict(s.to_dict()) == s
+    bad = s.to_dict()
+    bad["forms"] = {next(iter(s.params)): [3]}
+    with pytest.raises(sb.BadInput, match="matmul form rows"):
+        BlockSpec.from_dict(bad)
+
+
+@pytest.mark.slow
+def test_a_generation_deployment_runs_in_columns_as_measured_and_answers_as_hugging_face(monkeypatch) -> None:
+    from .test_generate import decoder, hf_greedy, padded_batch
+
+    model = decoder("llama")
+    ids, mask = padded_batch((9, 4), seed=1)
+    want = hf_greedy(model, ids, mask, 8)
+    measured: list[dict] = []
+    decide = layout.decide_forms
+
+    def faster(graph, timer, rows, *args, **kwargs):
+        # NOTE: timed on a worker as ever; then taken as a 2x win, so these small weights run in columns
+        def twice(cases):
+            measured.append(dict(timer(cases)))
+            return {c.key(): (2.0, 1.0) for c in cases}
+        return decide(graph, twice, rows, *args, **kwargs)
+
+    monkeypatch.setattr(layout, "MIN_BYTES", 0)
+    monkeypatch.setattr(layout, "decide_forms", faster)
+
+    def kernels(dask_worker):
+        r = dask_worker.plugins["seabiscuit"].resident
+        return sum("columns_kernel" in getattr(fn, "__qualname__", "") for p in r.programs.values()
+                   for fn, *_ in p.steps)
+
+    with seabiscuit_cluster(2, 800_000) as client:
+        with sb.distribute(model, client, torch.zeros(1, 16, dtype=torch.long), budget="64KiB",
+                           sessions=4) as dm:
+            forms = dm.graph.meta["matmul_forms"]
+            assert forms and {tuple(v) for v in forms.values()} == {(1, 2)}     # decode rows: 2 (4 sessions)
+            assert len(measured) == 1 and all(a > 0 and b > 0 for a, b in measured[0].values())
+            assert torch.equal(dm.generate(ids, 8, attention_mask=mask, pad_token_id=0), want)
+            assert sum(client.run(kernels).values()) > 0
+        with dask.config.set({"seabiscuit.lower.matmul-form": "linear"}):
+            with sb.distribute(model, client, torch.zeros(1, 16, dtype=torch.long), budget="64KiB",
+                               sessions=4) as dm:
+                assert not dm.graph.meta.get("matmul_forms")
+                assert torch.equal(dm.generate(ids, 8, attention_mask=mask, pad_token_id=0), want)
+        with dask.config.set({"seabiscuit.lower.matmul-form": "sideways"}), \
+                pytest.raises(sb.BadInput, match="matmul-form is 'sideways'"):
+            sb.distribute(model, client, torch.zeros(1, 16, dtype=torch.long), budget="64KiB", sessions=4)

@@ -31,7 +31,7 @@ from ..errors import SeaBiscuitError
 from ..ir import Op, ParamSpec, TensorSpec
 from .fuse import fused_linear, linear_groups, span
 from .kernels import compile_args, resolve_target
-from .layout import check_layouts
+from .layout import LINEAR, check_forms, check_layouts, columns_kernel
 from .registry import require_registered
 
 KEY_PREFIX = "sb-"
@@ -96,6 +96,8 @@ class BlockSpec:
     sends: tuple[tuple[int, str, tuple[str, ...]], ...] = ()
     outputs: tuple[str, ...] = ()         # exports that are graph outputs (the caller collects them)
     layouts: Mapping[str, str] = field(default_factory=dict)   # param -> how it is held (``layout``)
+    # NOTE: param -> the rows counts its linear layers run in columns (``layout.columns``)
+    forms: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
 
     @property
     def weight_bytes(self) -> int:
@@ -120,7 +122,7 @@ class BlockSpec:
             "checksums": dict(self.checksums), "checkpoint_dir": self.checkpoint_dir,
             "verify_every": self.verify_every, "kind": self.kind,
             "sends": [[b, a, list(ts)] for b, a, ts in self.sends], "outputs": list(self.outputs),
-            "layouts": dict(self.layouts),
+            "layouts": dict(self.layouts), "forms": {k: list(v) for k, v in self.forms.items()},
         }
 
     @classmethod
@@ -136,6 +138,7 @@ class BlockSpec:
             tuple((int(b), str(a), tuple(str(t) for t in ts)) for b, a, ts in d.get("sends") or ()),
             tuple(str(t) for t in d.get("outputs") or ()),
             check_layouts(d.get("layouts") or {}, f"block spec b{d['index']} of model {d['model']}"),
+            check_forms(d.get("forms") or {}, f"block spec b{d['index']} of model {d['model']}"),
         )
 
 
@@ -157,6 +160,7 @@ def block_specs(plan: Any, model_id: str, version: int = 0, checkpoint_dir: str 
     graph = plan.graph
     crcs = graph.meta.get("tile_crc32") or {}
     layouts = graph.meta.get("weight_layouts") or {}
+    forms = graph.meta.get("matmul_forms") or {}
     block_of = plan.block_of.tolist()
     blocks = plan.blocks
     made_in: dict[str, int] = {}
@@ -197,7 +201,8 @@ def block_specs(plan: Any, model_id: str, version: int = 0, checkpoint_dir: str 
                              {p: int(crcs[p]) for p in params if p in crcs}, checkpoint_dir, verify_every,
                              dev.kind, tuple((c, address[c], tuple(ts)) for c, ts in sends[b].items()),
                              tuple(t for t in exported[b] if t in leaves),
-                             {p: str(layouts[p]) for p in params if p in layouts}))
+                             {p: str(layouts[p]) for p in params if p in layouts},
+                             {p: tuple(int(r) for r in forms[p]) for p in params if p in forms}))
     return out
 
 
@@ -287,7 +292,7 @@ class BlockProgram:
                                 outs, True))
             elif i not in skip:
                 kw = op.attrs.get("kwargs")
-                kernels.append((_direct(resolve_target(op.target, op)),
+                kernels.append((self._kernel(op),
                                 compile_args(op.attrs.get("args", ()), device),
                                 compile_args(kw, device) if kw else None, op.inputs, op.outputs,
                                 bool(op.attrs.get("multi"))))
@@ -303,6 +308,17 @@ class BlockProgram:
             frees += tuple(t for t in outs if t not in last and t not in keep)
             steps.append((fn, args, kwargs, outs, multi, frees))
         self.steps = steps
+
+    def _kernel(self, op: Op) -> Any:
+        """The op's kernel: the registered one, run in columns for the rows counts its spec names for a
+        linear layer's weight (``layout.columns_kernel``)."""
+        fn = _direct(resolve_target(op.target, op))
+        args = op.attrs.get("args", ())
+        if op.target != LINEAR or self.device.type != "cpu" or len(args) < 2 or op.attrs.get("kwargs"):
+            return fn
+        w = args[1]
+        rows = self.spec.forms.get(w["p"]) if isinstance(w, Mapping) and set(w) == {"p"} else None
+        return columns_kernel(rows, fn) if rows else fn
 
     def _fused(self, fuse: bool) -> dict[int, tuple[Any, tuple[int, ...]]]:
         """First op of each linear group whose weights lie end to end -> (its kernel, the group's ops)."""

@@ -16,6 +16,18 @@ transposed). Every block spec carries it, so every worker, every plan version
 and every program of the model hold a tile the same way, and a replayed request
 computes the same bits. Holding a tile transposed changes only its strides: the
 graph, the kernels and every result's logical shape are the same.
+
+A linear layer over a few rows (a decode step) has a second choice, of kernel: as
+``linear(x, W)``, or in *columns*, ``(W @ x.T).T`` (``columns``), the rows of a
+weight held ``[out, in]`` against the columns of ``x.T``, a single row padded to
+two. Measured the same way on one core (SmolLM2's weights, read cold): one row
+times its 49152-row lm head takes 9.2 ms as ``linear`` and 5.5 ms in columns, two
+rows 21.5 and 5.5 ms, four 16.4 and 9.9 ms; its ``[1536, 576]`` MLP weights 0.29 and
+0.19 ms at one row. The rows counts a deployment decodes with (``SMALL_ROWS`` up to
+its decode batch) are timed both ways for each weight held as traced
+(``time_columns``); those where columns run at least ``MARGIN`` times faster are
+recorded in ``graph.meta["matmul_forms"]`` (param name -> those rows counts), and a
+block runs the linear ops that read the weight in columns for them (``columns_kernel``).
 """
 
 from __future__ import annotations
@@ -59,6 +71,48 @@ class Case:
 
     def key(self) -> str:
         return f"{self.rows}x{self.k}x{self.n}:{self.dtype}:{'oi' if self.out_in else 'io'}:{int(self.bias)}"
+
+
+SMALL_ROWS = (1, 2, 4, 8)    # NOTE: the rows counts a decode step's linear layers may run in columns
+LINEAR = "aten.linear.default"
+
+
+def columns(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """``linear(x, w, b)`` computed as ``(w @ x.T).T`` (a single row padded to two: one column is a
+    matrix-vector product, the slow kernel again)."""
+    k = x.shape[-1]
+    rows = x.numel() // k if k else 0
+    x2 = x.reshape(rows, k)
+    if rows == 1:
+        x2 = torch.cat([x2, x2])
+    y = torch.mm(w, x2.t()) if b is None else torch.addmm(b.unsqueeze(1), w, x2.t())
+    return y.t()[:rows].contiguous().reshape(*x.shape[:-1], w.shape[0])
+
+
+def columns_kernel(rows: Iterable[int], linear: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``linear`` (the registered kernel), run in ``columns`` when its input has one of ``rows`` rows
+    and its weight is a 2-D ``[out, in]`` CPU tensor as traced."""
+    counts = frozenset(int(r) for r in rows)
+
+    def run(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        k = x.shape[-1]
+        if k and x.numel() // k in counts and w.dim() == 2 and w.stride(1) == 1 and x.device.type == "cpu":
+            return columns(x, w, b)
+        return linear(x, w) if b is None else linear(x, w, b)
+    return run
+
+
+def check_forms(forms: Mapping[str, Any], where: str) -> dict[str, tuple[int, ...]]:
+    """``forms`` (param -> rows counts run in columns) with every count one of ``SMALL_ROWS``, else
+    ``BadInput``."""
+    out = {}
+    for name, counts in dict(forms or {}).items():
+        if not isinstance(counts, (list, tuple)) or not all(isinstance(r, int) and r in SMALL_ROWS
+                                                            for r in counts):
+            raise BadInput(f"{where}: matmul form rows {counts!r} for {name!r} are not among "
+                           f"{list(SMALL_ROWS)}")
+        out[str(name)] = tuple(sorted(set(counts)))
+    return out
 
 
 def check_layouts(layouts: Mapping[str, Any], where: str) -> dict[str, str]:
@@ -162,21 +216,81 @@ def time_case(case: Case, reps: int = 5, cold_bytes: int = COLD_BYTES) -> tuple[
         return timed(False), timed(True)
 
 
-def measure(cases: Sequence[Case], reps: int = 5) -> dict[str, tuple[float, float]]:
-    """``time_case`` of each distinct case, by ``Case.key``."""
-    out: dict[str, tuple[float, float]] = {}
-    for c in cases:
-        if c.key() not in out:
-            out[c.key()] = time_case(c, reps)
+def time_columns(case: Case, reps: int = 5, cold_bytes: int = COLD_BYTES) -> tuple[float, float]:
+    """Seconds of one run of ``case`` (a linear layer's, its weight ``[out, in]``) as ``linear``, and
+    in ``columns``, its weight read cold as in ``time_case``."""
+    from ..runtime.agent import median_s
+    from .registry import DTYPES
+
+    dt = DTYPES.get(case.dtype)
+    if dt is None or not dt.is_floating_point or not case.out_in:
+        raise BadInput(f"cannot time the columns form of {case.key()}")
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(case.rows, case.k, generator=gen).to(dt)
+    b = torch.randn(case.n, generator=gen).to(dt) if case.bias else None
+    copies = max(1, -(-int(cold_bytes) // max(1, case.k * case.n * x.element_size())))
+    ws = [torch.randn(case.n, case.k, generator=gen).to(dt) for _ in range(copies)]
+
+    def timed(fn: Callable[..., torch.Tensor]) -> float:
+        def run() -> None:
+            for w in ws:
+                fn(x, w, b)
+        run()                                   # NOTE: warm: the first call pays for allocations
+        return median_s(run, reps) / copies
+
+    with torch.inference_mode():
+        return timed(torch.nn.functional.linear), timed(columns)
+
+
+def decide_forms(graph: Any, timer: Callable[[list[Case]], Mapping[str, tuple[float, float]]],
+                 rows: Iterable[int], only: Iterable[str] | None = None,
+                 held: Mapping[str, str] | None = None, min_bytes: int | None = None,
+                 margin: float = MARGIN) -> dict[str, list[int]]:
+    """The rows counts (of ``rows``, among ``SMALL_ROWS``) in which each linear weight of ``graph`` of
+    at least ``min_bytes`` (``only``: among these params; not one ``held`` transposed) runs in
+    ``columns``: those where ``timer`` (``measure`` with ``columns`` on a worker) found it ``margin`` times
+    faster. A weight that anything but linear layers reads is left out."""
+    least = MIN_BYTES if min_bytes is None else int(min_bytes)
+    keep = set(only) if only is not None else None
+    linear_only: dict[str, bool] = {}
+    for op in graph.ops:
+        for q in op.params:
+            linear_only[q] = linear_only.get(q, True) and op.target in (LINEAR, *GATHERS)
+    asked: dict[tuple[str, int], Case] = {}
+    for r in sorted({int(r) for r in rows} & set(SMALL_ROWS)):
+        for name, c in matmul_cases(graph, r).items():
+            if c.out_in and linear_only.get(name) and (keep is None or name in keep) \
+                    and name not in (held or {}) and graph.params[name].nbytes >= least \
+                    and c.dtype in ("float32", "float16", "bfloat16", "float64"):
+                asked[(name, r)] = c
+    if not asked:
+        return {}
+    timings = timer(list({c.key(): c for c in asked.values()}.values()))
+    out: dict[str, list[int]] = {}
+    for (name, r), c in sorted(asked.items()):
+        t = timings.get(c.key())
+        if t is not None and t[1] > 0 and t[0] >= margin * t[1]:
+            out.setdefault(name, []).append(r)
     return out
 
 
-async def measure_off_loop(cases: Sequence[Case], reps: int = 5) -> dict[str, tuple[float, float]]:
+def measure(cases: Sequence[Case], reps: int = 5, columns: bool = False) -> dict[str, tuple[float, float]]:
+    """``time_case`` of each distinct case, by ``Case.key`` (``time_columns`` with ``columns``)."""
+    timer = time_columns if columns else time_case
+    out: dict[str, tuple[float, float]] = {}
+    for c in cases:
+        if c.key() not in out:
+            out[c.key()] = timer(c, reps)
+    return out
+
+
+async def measure_off_loop(cases: Sequence[Case], reps: int = 5,
+                           columns: bool = False) -> dict[str, tuple[float, float]]:
     """``measure`` on a thread of its own, so the worker's event loop (heartbeats, other
     models' requests) goes on meanwhile (for ``Client.run``)."""
     import asyncio
 
-    return await asyncio.get_running_loop().run_in_executor(None, measure, cases, reps)
+    return await asyncio.get_running_loop().run_in_executor(None, measure, cases, reps, columns)
 
 
 def choose(cases: Mapping[str, Case], timings: Mapping[str, tuple[float, float]],

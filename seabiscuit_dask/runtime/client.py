@@ -1053,7 +1053,7 @@ def _with_checksums(graph: Any, model_graph: Any) -> Any:
     shared = {n for n, p in graph.params.items()
               if n in model_graph.params and model_graph.params[n].source == p.source}
     meta = {}
-    for key in ("tile_crc32", "weight_layouts"):
+    for key in ("tile_crc32", "weight_layouts", "matmul_forms"):
         of_model = model_graph.meta.get(key) or {}
         if any(n in of_model for n in shared):
             meta[key] = {n: of_model[n] for n in shared if n in of_model}
@@ -1122,6 +1122,11 @@ def deploy(plan: Plan, client: Any, *, weights: Any = None,
         graph = graph.with_meta(weight_layouts=layouts)
         say(f"{len(layouts)} matmul weight tile(s) held transposed: their kernel ran faster that way on a "
             "worker, for the rows this deployment multiplies")
+    forms = matmul_forms(client, plan, graph, decode_rows)
+    if forms:
+        graph = graph.with_meta(matmul_forms=forms)
+        say(f"{len(forms)} linear weight(s) multiplied in columns for a few rows: faster that way on a "
+            "worker")
     if graph is not plan.graph:
         plan = Plan(graph, plan.spec, plan.device_of, plan.method, plan.planning_s, dict(plan.info))
     reply = client.sync(client.scheduler.seabiscuit_deploy, graph=graph.to_json(),
@@ -1166,6 +1171,34 @@ def weight_layouts(client: Any, plan: Plan, graph: Any, rows: int | None = None)
     def timer(cases: list[Any]) -> Mapping[str, tuple[float, float]]:
         return client.run(layout.measure_off_loop, cases, workers=[address])[address]
     return layout.decide(graph, timer, rows, on_cpu)
+
+
+def matmul_forms(client: Any, plan: Plan, graph: Any, rows: int | None = None) -> dict[str, list[int]]:
+    """The rows counts each linear weight of ``graph`` on a CPU device of ``plan`` runs in columns
+    (``lower.layout.columns``): measured on the plan's first CPU worker for the decode batches up
+    to ``rows`` (a forward deployment: its graph's rows, when that few), unless config
+    ``seabiscuit.lower.matmul-form`` says ``linear`` (never) or the graph names them already."""
+    from ..lower import layout
+    from .generate import buckets
+
+    setting = str(config.get("lower.matmul-form", "auto")).lower()
+    if setting not in ("auto", "linear"):
+        raise BadInput(f"seabiscuit.lower.matmul-form is {setting!r}: use auto or linear")
+    if setting == "linear" or "matmul_forms" in graph.meta:
+        return dict(graph.meta.get("matmul_forms") or {})
+    cpu = {i for i, d in enumerate(plan.spec.devices) if d.kind == "cpu"}
+    on_cpu = {p for op, d in zip(graph.ops, plan.device_of.tolist()) if d in cpu for p in op.params}
+    if not on_cpu:
+        return {}
+    if rows is not None:
+        counts = [b for b in buckets("batch-buckets", layout.SMALL_ROWS) if b <= max(1, int(rows))]
+    else:
+        counts = sorted({c.rows for c in layout.matmul_cases(graph).values()})
+    address = next(plan.spec.devices[i].address for i in sorted(cpu))
+
+    def timer(cases: list[Any]) -> Mapping[str, tuple[float, float]]:
+        return client.run(layout.measure_off_loop, cases, 5, True, workers=[address])[address]
+    return layout.decide_forms(graph, timer, counts, on_cpu, graph.meta.get("weight_layouts") or {})
 
 
 def claim(client: Any) -> str:
