@@ -2,7 +2,10 @@
 
 Measured in one run: the cluster (--workers processes x 1 thread, neither able to
 hold the model) against Hugging Face ``generate`` in this process on the same
-cores (1 thread, and 2 threads), medians over --reps:
+cores (1 thread, and 2 threads), medians over --reps. Where a figure is set against
+its anchor (one session's prefill and decode against HF on 1 thread, --sessions
+sessions against HF's padded batch on 2 threads), each run of it follows a run of the
+anchor, and the ratio is the median of the pairs' (the machine drifts):
 
 - prefill latency of a --prompt-tokens chat prompt (time to the first new token);
 - decode tokens/s of one session (steady state: new tokens after the first, over
@@ -10,10 +13,10 @@ cores (1 thread, and 2 threads), medians over --reps:
 - aggregate decode tokens/s of --sessions concurrent sessions (each a thread calling
   ``generate``; continuous batching puts their steps into the same block tasks);
 - blocks per token, and the cost of distribution per decode step (a step on the
-  cluster less the same step program run in this process, 1 thread, over a KV cache
-  as long as the session's, the two measured back to back --reps times and the median
-  difference taken), split into the block runs the workers report and the hand-offs
-  between them;
+  cluster, timed on the workers' timeline, less the same step program run in this
+  process, 1 thread, over a KV cache as long as the session's, the two measured back
+  to back --reps times and the median difference taken), split into the block runs
+  the workers report and the hand-offs between them;
 - KV-cache bytes per session per token, and the cost of building a new step shape.
 
     python benchmarks/bench_generate.py [--workers 2] [--new 32] [--sessions 8] [--reps 3]
@@ -70,54 +73,62 @@ def hf_stamps(model, ids: torch.Tensor, mask: torch.Tensor, new: int) -> list[fl
     return stamps
 
 
-def hf_timings(model, ids: torch.Tensor, new: int, reps: int, threads: int) -> tuple[float, float]:
-    """(prefill s, decode tokens/s) of Hugging Face generate with ``threads`` threads."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        prefill, rate = [], []
-        for _ in range(reps + 1):
-            t = time.perf_counter()
-            stamps = hf_stamps(model, ids, torch.ones_like(ids), new)
-            prefill.append(stamps[1] - t)
-            rate.append((len(stamps) - 2) / (stamps[-1] - stamps[1]))
-        return statistics.median(prefill[1:]), statistics.median(rate[1:])
-    finally:
-        torch.set_num_threads(old)
+def threads(n: int):
+    """``torch`` on ``n`` threads inside the ``with``."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def using():
+        old = torch.get_num_threads()
+        torch.set_num_threads(n)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(old)
+    return using()
 
 
-def hf_batched(model, prompts: list[torch.Tensor], new: int, reps: int, threads: int) -> float:
-    """Aggregate decode tokens/s of Hugging Face generate over ``prompts`` as one left-padded batch
-    (the anchor for concurrent sessions), ``threads`` threads: new tokens after the first, over
-    their time."""
+def hf_once(model, ids: torch.Tensor, new: int, n_threads: int) -> tuple[float, float]:
+    """(prefill s, decode tokens/s) of one Hugging Face generate on ``n_threads`` threads: decode
+    counts the new tokens after the first, over their time."""
+    with threads(n_threads):
+        t = time.perf_counter()
+        stamps = hf_stamps(model, ids, torch.ones_like(ids), new)
+    return stamps[1] - t, (len(stamps) - 2) / (stamps[-1] - stamps[1])
+
+
+def hf_timings(model, ids: torch.Tensor, new: int, reps: int, n_threads: int) -> tuple[float, float]:
+    """``hf_once``'s medians over ``reps`` (after one more to warm up)."""
+    runs = [hf_once(model, ids, new, n_threads) for _ in range(reps + 1)][1:]
+    return statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
+
+
+def hf_batched_once(model, prompts: list[torch.Tensor], new: int, n_threads: int) -> float:
+    """Aggregate decode tokens/s of one Hugging Face generate over ``prompts`` as one left-padded
+    batch (the anchor for concurrent sessions), ``n_threads`` threads: new tokens after the first,
+    over their time."""
     n = max(p.shape[1] for p in prompts)
     ids = torch.zeros((len(prompts), n), dtype=torch.long)
     mask = torch.zeros_like(ids)
     for r, p in enumerate(prompts):
         ids[r, n - p.shape[1]:], mask[r, n - p.shape[1]:] = p[0], 1
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        rate = []
-        for _ in range(reps + 1):
-            stamps = hf_stamps(model, ids, mask, new)
-            rate.append(len(prompts) * (len(stamps) - 2) / (stamps[-1] - stamps[1]))
-        return statistics.median(rate[1:])
-    finally:
-        torch.set_num_threads(old)
+    with threads(n_threads):
+        stamps = hf_stamps(model, ids, mask, new)
+    return len(prompts) * (len(stamps) - 2) / (stamps[-1] - stamps[1])
 
 
-def sb_single(dm, ids: torch.Tensor, new: int, reps: int) -> tuple[float, float]:
-    """(prefill s, decode tokens/s) of one session on the cluster."""
-    prefill, rate = [], []
-    for _ in range(reps + 1):
-        stamps = []
-        t = time.perf_counter()
-        for _tok in dm.stream(ids, new, eos_token_id=[]):
-            stamps.append(time.perf_counter())
-        prefill.append(stamps[0] - t)
-        rate.append((len(stamps) - 1) / (stamps[-1] - stamps[0]))
-    return statistics.median(prefill[1:]), statistics.median(rate[1:])
+def hf_batched(model, prompts: list[torch.Tensor], new: int, reps: int, n_threads: int) -> float:
+    """``hf_batched_once``'s median over ``reps`` (after one more to warm up)."""
+    return statistics.median([hf_batched_once(model, prompts, new, n_threads) for _ in range(reps + 1)][1:])
+
+
+def sb_once(dm, ids: torch.Tensor, new: int) -> tuple[float, float]:
+    """(prefill s, decode tokens/s) of one session on the cluster, as ``hf_once`` counts them."""
+    stamps = []
+    t = time.perf_counter()
+    for _tok in dm.stream(ids, new, eos_token_id=[]):
+        stamps.append(time.perf_counter())
+    return stamps[0] - t, (len(stamps) - 1) / (stamps[-1] - stamps[0])
 
 
 def sb_concurrent(dm, prompts: list[torch.Tensor], new: int) -> tuple[float, float, tuple[float, float]]:
@@ -170,15 +181,21 @@ def local_step(model, lead, context: int = 0):
     import seabiscuit_dask as sb
     from seabiscuit_dask.lower.blocks import BlockProgram, block_specs
     from seabiscuit_dask.lower.kvcache import KVStore, using
+    from seabiscuit_dask.lower.layout import held
     from seabiscuit_dask.runtime.generate import _feed
     from seabiscuit_dask.trace.decoder import trace_step
     from seabiscuit_dask.weights import WeightStore
 
     graph = sb.decompose(trace_step(model, 1, 1), lead.meta.get("budget_bytes") or None, like=lead)
+    # NOTE: its weights held and multiplied as the deployment's are (``lower.layout``)
+    graph = graph.with_meta(**{key: {n: v for n, v in (lead.meta.get(key) or {}).items() if n in graph.params}
+                               for key in ("weight_layouts", "matmul_forms")})
     spec = sb.ClusterSpec.synthetic("4xcpu", hosts=1, cpu_memory="64GiB")
     one = sb.Plan(graph, spec, np.zeros(len(graph.ops), dtype=int), "one", 0.0, {})
     (block,) = block_specs(one, "0" * 16)
-    program = BlockProgram.load(block, WeightStore.from_weights(model).load, torch.device("cpu"))
+    weights = WeightStore.from_weights(model).load
+    program = BlockProgram(block, {n: held(weights(p), block.layouts.get(n))
+                                   for n, p in block.params.items()}, torch.device("cpu"))
     store = KVStore()
 
     def step(at: int) -> float:
@@ -204,13 +221,17 @@ def local_step(model, lead, context: int = 0):
 
 def step_breakdown(client, dm, ids: torch.Tensor, new: int) -> tuple[float, float, int, dict[str, float]]:
     """(step s, block compute s per step, block runs, hand-offs) of one session's decode on the
-    cluster: what a step spends in block runs on the workers, and (the rest) in hand-offs between
-    blocks, workers and the caller; ``hand-offs``: the median gap from one block run's end to the
-    next one's start, per boundary of the chain (``handoffs``)."""
+    cluster, from the workers' timeline: a step from one run of the block that makes the logits
+    to the next (the caller hears of most tokens a block run later, of the last at once: its
+    clock would make the steps look shorter), what those steps spend in block runs on the workers,
+    and (the rest) in hand-offs between blocks, workers and the caller; ``hand-offs``: the median
+    gap from one block run's end to the next one's start, per boundary of the chain (``handoffs``)."""
     stamps = [time.time() for _ in dm.stream(ids, new, eos_token_id=[])]
-    inside = block_runs(client, dm, stamps[1], stamps[-1])
-    steps = len(stamps) - 2
-    return (stamps[-1] - stamps[1]) / steps, sum(r["duration_s"] for r in inside) / steps, len(inside), \
+    runs = sorted(block_runs(client, dm, stamps[0], stamps[-1]), key=lambda r: r["start"])
+    logits = [r["start"] + r["duration_s"] for r in runs if r["block"] == runs[-1]["block"]]
+    inside = [r for r in runs if r["start"] >= logits[0] and r["start"] + r["duration_s"] <= logits[-1]]
+    steps = len(logits) - 1
+    return (logits[-1] - logits[0]) / steps, sum(r["duration_s"] for r in inside) / steps, len(inside), \
         handoffs(inside)
 
 
@@ -262,24 +283,38 @@ def main() -> None:
     layers = model.config.num_hidden_layers
     budget = worker_budget_bytes(weights, args.workers) + reserve * layers // args.workers
     rows = []
-    hf1 = hf_timings(model, ids, args.new, args.reps, 1)
-    hf2 = hf_timings(model, ids, args.new, args.reps, 2)
-    hf_batch = [hf_batched(model, prompts, args.new, args.reps, t) for t in (1, 2)]
     with seabiscuit_cluster(args.workers, budget) as client:
         dm = sb.distribute(model, client, torch.zeros(1, 256, dtype=torch.long), kwargs={"logits_to_keep": 1},
                            sessions=args.sessions, context=context)
         t = time.perf_counter()
         dm.generate(ids, 2, eos_token_id=[])              # NOTE: builds the prefill and decode programs
         first_build_s = time.perf_counter() - t
-        prefill_s, decode_tps = sb_single(dm, ids, args.new, args.reps)
         for p in prompts:                                 # NOTE: their prefill chunk programs, built once
             dm.generate(p, 1, eos_token_id=[])
         batch = 2
         while batch <= args.sessions:                     # the batch programs
             dm.generate(torch.cat([prompts[0]] * batch), 2, eos_token_id=[])
             batch *= 2
+        # NOTE: each figure against its anchor measured right before it, --reps times (after one more
+        # to warm up), the ratios' medians taken: a shared machine drifts by tens of percent in a minute
+        single = [(hf_once(model, ids, args.new, 1), sb_once(dm, ids, args.new))
+                  for _ in range(args.reps + 1)][1:]
+        hf1 = statistics.median(h[0] for h, _ in single), statistics.median(h[1] for h, _ in single)
+        prefill_s = statistics.median(s[0] for _, s in single)
+        decode_tps = statistics.median(s[1] for _, s in single)
+        prefill_x = statistics.median(h[0] / s[0] for h, s in single)
+        decode_x = statistics.median(s[1] / h[1] for h, s in single)
+        hf2 = hf_timings(model, ids, args.new, args.reps, 2)
         before = dm.generation_stats()
-        agg_tps, agg_s, window = sb_concurrent(dm, prompts, args.new)
+        many = []
+        for _ in range(args.reps + 1):
+            anchor = hf_batched_once(model, prompts, args.new, 2)
+            many.append((anchor, *sb_concurrent(dm, prompts, args.new)))
+        many = sorted(many[1:], key=lambda m: m[1] / m[0])
+        batch_x = many[len(many) // 2][1] / many[len(many) // 2][0]
+        hf_batch = [hf_batched(model, prompts, args.new, args.reps, 1), statistics.median(m[0] for m in many)]
+        agg_tps = statistics.median(m[1] for m in many)
+        agg_s, window = many[len(many) // 2][2:]
         shares = busy(block_runs(client, dm, *window), window)
         stats = dm.generation_stats()
         steps = max(1, stats["decode_steps"] - before["decode_steps"])
@@ -303,9 +338,9 @@ def main() -> None:
         dm.close()
     rows += [
         (f"prefill, {ids.shape[1]}-token prompt", f"{prefill_s * 1e3:.0f} ms", f"{hf1[0] * 1e3:.0f} ms",
-         f"{hf2[0] * 1e3:.0f} ms", f"{hf1[0] / prefill_s:.2f}x"),
+         f"{hf2[0] * 1e3:.0f} ms", f"{prefill_x:.2f}x"),
         ("decode, 1 session", f"{decode_tps:.1f} tok/s", f"{hf1[1]:.1f} tok/s", f"{hf2[1]:.1f} tok/s",
-         f"{decode_tps / hf1[1]:.2f}x"),
+         f"{decode_x:.2f}x"),
         (f"decode, {args.sessions} sessions (aggregate)", f"{agg_tps:.1f} tok/s", f"{hf1[1]:.1f} tok/s",
          f"{hf2[1]:.1f} tok/s", f"{agg_tps / hf1[1]:.2f}x"),
         (f"  vs HF batch of {args.sessions} (padded)", f"{agg_tps:.1f} tok/s", f"{hf_batch[0]:.1f} tok/s",
@@ -316,7 +351,9 @@ def main() -> None:
     print(f"{'measure':<34} {'SeaBiscuit':>12} {'HF 1 thread':>12} {'HF 2 threads':>13} {'vs HF 1 thr':>12}")
     for r in rows:
         print(f"{r[0]:<34} {r[1]:>12} {r[2]:>12} {r[3]:>13} {r[4]:>12}")
-    print(f"\n{args.sessions} sessions against HF's padded batch on 2 threads: {agg_tps / hf_batch[1]:.2f}x")
+    print("(each figure a median of --reps runs; the ratios of the first two rows, and the one below, are\n"
+          " the medians of each run's against its anchor's run right before it)")
+    print(f"\n{args.sessions} sessions against HF's padded batch on 2 threads: {batch_x:.2f}x")
     plane = "data plane (p2p)" if p2p else "Dask tasks"
     print(f"\nblocks per decode step        {tasks} on the {plane} (1 session: {tasks} per token; "
           f"{args.sessions} sessions: {tasks / args.sessions:.2f} per token)")
