@@ -2,10 +2,10 @@
 
 Measured in one run: the cluster (--workers processes x 1 thread, neither able to
 hold the model) against Hugging Face ``generate`` in this process on the same
-cores (1 thread, and 2 threads), medians over --reps. Where a figure is set against
-its anchor (one session's prefill and decode against HF on 1 thread, --sessions
-sessions against HF's padded batch on 2 threads), each run of it follows a run of the
-anchor, and the ratio is the median of the pairs' (the machine drifts):
+cores (1 thread, and 2 threads), medians over --reps. One session's prefill and decode
+are set against HF on 1 thread run by run (each follows a run of HF; the ratio is the
+median of the pairs': the machine drifts); HF on 2 threads runs with no cluster up
+(before it starts and after it closes: an idle cluster's wake-ups cost 2 threads 20-25%):
 
 - prefill latency of a --prompt-tokens chat prompt (time to the first new token);
 - decode tokens/s of one session (steady state: new tokens after the first, over
@@ -97,12 +97,6 @@ def hf_once(model, ids: torch.Tensor, new: int, n_threads: int) -> tuple[float, 
     return stamps[1] - t, (len(stamps) - 2) / (stamps[-1] - stamps[1])
 
 
-def hf_timings(model, ids: torch.Tensor, new: int, reps: int, n_threads: int) -> tuple[float, float]:
-    """``hf_once``'s medians over ``reps`` (after one more to warm up)."""
-    runs = [hf_once(model, ids, new, n_threads) for _ in range(reps + 1)][1:]
-    return statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
-
-
 def hf_batched_once(model, prompts: list[torch.Tensor], new: int, n_threads: int) -> float:
     """Aggregate decode tokens/s of one Hugging Face generate over ``prompts`` as one left-padded
     batch (the anchor for concurrent sessions), ``n_threads`` threads: new tokens after the first,
@@ -115,11 +109,6 @@ def hf_batched_once(model, prompts: list[torch.Tensor], new: int, n_threads: int
     with threads(n_threads):
         stamps = hf_stamps(model, ids, mask, new)
     return len(prompts) * (len(stamps) - 2) / (stamps[-1] - stamps[1])
-
-
-def hf_batched(model, prompts: list[torch.Tensor], new: int, reps: int, n_threads: int) -> float:
-    """``hf_batched_once``'s median over ``reps`` (after one more to warm up)."""
-    return statistics.median([hf_batched_once(model, prompts, new, n_threads) for _ in range(reps + 1)][1:])
 
 
 def sb_once(dm, ids: torch.Tensor, new: int) -> tuple[float, float]:
@@ -283,6 +272,16 @@ def main() -> None:
     layers = model.config.num_hidden_layers
     budget = worker_budget_bytes(weights, args.workers) + reserve * layers // args.workers
     rows = []
+
+    def alone_2t() -> list[tuple[float, float, float]]:
+        """HF on 2 threads, with no cluster running: (prefill s, decode tok/s, batch tok/s) per run.
+        A cluster's processes, idle, still wake on the cores now and then, and 2 threads that wait
+        for each other at every op lose 20-25% to that (1 thread next to them: nothing measurable)."""
+        runs = [(*hf_once(model, ids, args.new, 2), hf_batched_once(model, prompts, args.new, 2))
+                for _ in range(args.reps + 1)]
+        return runs[1:]
+
+    before = alone_2t()
     with seabiscuit_cluster(args.workers, budget) as client:
         dm = sb.distribute(model, client, torch.zeros(1, 256, dtype=torch.long), kwargs={"logits_to_keep": 1},
                            sessions=args.sessions, context=context)
@@ -304,21 +303,17 @@ def main() -> None:
         decode_tps = statistics.median(s[1] for _, s in single)
         prefill_x = statistics.median(h[0] / s[0] for h, s in single)
         decode_x = statistics.median(s[1] / h[1] for h, s in single)
-        hf2 = hf_timings(model, ids, args.new, args.reps, 2)
-        before = dm.generation_stats()
+        stats_before = dm.generation_stats()
         many = []
         for _ in range(args.reps + 1):
-            anchor = hf_batched_once(model, prompts, args.new, 2)
+            anchor = hf_batched_once(model, prompts, args.new, 1)
             many.append((anchor, *sb_concurrent(dm, prompts, args.new)))
-        many = sorted(many[1:], key=lambda m: m[1] / m[0])
-        batch_x = many[len(many) // 2][1] / many[len(many) // 2][0]
-        hf_batch = [hf_batched(model, prompts, args.new, args.reps, 1), statistics.median(m[0] for m in many)]
-        agg_tps = statistics.median(m[1] for m in many)
-        agg_s, window = many[len(many) // 2][2:]
+        many = sorted(many[1:], key=lambda m: m[1])
+        agg_tps, agg_s, window = many[len(many) // 2][1:]
         shares = busy(block_runs(client, dm, *window), window)
         stats = dm.generation_stats()
-        steps = max(1, stats["decode_steps"] - before["decode_steps"])
-        rows_per_step = (stats["rows"] - before["rows"]) / steps
+        steps = max(1, stats["decode_steps"] - stats_before["decode_steps"])
+        rows_per_step = (stats["rows"] - stats_before["rows"]) / steps
         # NOTE: the cost of distribution per step, paired: a session's decode on the cluster, then the
         # same program in this process, back to back, --reps times (a shared machine drifts)
         local = local_step(model, dm.graph, context=ids.shape[1] + args.new // 2)
@@ -336,6 +331,10 @@ def main() -> None:
         tasks = stats["programs"]["1x1"]["tasks"]
         dm_pipeline, p2p = dm._engine.pipeline, dm.p2p
         dm.close()
+    after = alone_2t()
+    hf2 = statistics.median(r[0] for r in before + after), statistics.median(r[1] for r in before + after)
+    hf_batch = [statistics.median(m[0] for m in many), statistics.median(r[2] for r in before + after)]
+    batch_x = agg_tps / hf_batch[1]
     rows += [
         (f"prefill, {ids.shape[1]}-token prompt", f"{prefill_s * 1e3:.0f} ms", f"{hf1[0] * 1e3:.0f} ms",
          f"{hf2[0] * 1e3:.0f} ms", f"{prefill_x:.2f}x"),
@@ -351,8 +350,11 @@ def main() -> None:
     print(f"{'measure':<34} {'SeaBiscuit':>12} {'HF 1 thread':>12} {'HF 2 threads':>13} {'vs HF 1 thr':>12}")
     for r in rows:
         print(f"{r[0]:<34} {r[1]:>12} {r[2]:>12} {r[3]:>13} {r[4]:>12}")
-    print("(each figure a median of --reps runs; the ratios of the first two rows, and the one below, are\n"
-          " the medians of each run's against its anchor's run right before it)")
+    print("(each figure a median of --reps runs; the ratios of the first two rows are the medians of each\n"
+          " run's against HF's run right before it; HF on 2 threads ran with no cluster up, before it\n"
+          f" started and after it closed: batch of {args.sessions} "
+          f"{statistics.median(r[2] for r in before):.1f} and "
+          f"{statistics.median(r[2] for r in after):.1f} tok/s)")
     print(f"\n{args.sessions} sessions against HF's padded batch on 2 threads: {batch_x:.2f}x")
     plane = "data plane (p2p)" if p2p else "Dask tasks"
     print(f"\nblocks per decode step        {tasks} on the {plane} (1 session: {tasks} per token; "
