@@ -100,3 +100,43 @@ def test_checkpoint_with_wrong_keys_or_shapes(tmp_path) -> None:
 def test_missing_checkpoint_path(tmp_path) -> None:
     with pytest.raises(sb.BadCheckpoint, match="no safetensors checkpoint"):
         sb.trace(sb.build_empty(M.llama), M.ids(), checkpoint=tmp_path / "nothing")
+
+
+def _mapped(t: torch.Tensor, path: str) -> bool:
+    """Whether ``t``'s bytes lie in a mapping of the file ``path`` (Linux: /proc/self/maps)."""
+    p = t.data_ptr()
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            lo, hi = (int(v, 16) for v in line.split()[0].split("-"))
+            if lo <= p < hi:
+                return line.rstrip().endswith(path)
+    return False
+
+
+def test_a_tile_of_whole_rows_is_read_into_memory_of_its_own(tmp_path) -> None:
+    g = torch.Generator().manual_seed(0)
+    tensors = {"w": torch.randn(6, 4, generator=g), "b": torch.randn(5, generator=g).to(torch.bfloat16),
+               "x": torch.randint(-9, 9, (3, 2, 2), generator=g, dtype=torch.int8)}
+    path = str(tmp_path / "m.safetensors")
+    save_file(tensors, path)
+    store = WeightStore()
+
+    def load(key: str, slices=None, dtype=None) -> torch.Tensor:
+        full = tensors[key]
+        shape = tuple(b - a for a, b in slices) if slices else tuple(full.shape)
+        return store.load(sb.ParamSpec(key, shape, dtype or str(full.dtype).removeprefix("torch."),
+                                       sb.ParamSource("safetensors", key, slices, path)))
+
+    cases = [("w", None), ("w", ((2, 5), (0, 4))), ("b", None), ("b", ((1, 4),)),
+             ("x", ((1, 3), (0, 2), (0, 2))), ("w", ((3, 3), (0, 4)))]      # NOTE: the last: no rows at all
+    for key, slices in cases:
+        got = load(key, slices)
+        want = tensors[key][tuple(slice(a, b) for a, b in slices)] if slices else tensors[key]
+        assert torch.equal(got, want) and got.dtype == want.dtype and not _mapped(got, path), (key, slices)
+    # NOTE: a tile of some columns is read through the file's mapping, and is as right
+    cols = load("w", ((0, 6), (1, 3)))
+    assert torch.equal(cols, tensors["w"][:, 1:3]) and _mapped(cols, path)
+    assert store.reads[-1] == ("w", ((0, 6), (1, 3))) and len(store.reads) == len(cases) + 1
+    # a tile past its tensor's rows is no tile of it
+    with pytest.raises(sb.BadCheckpoint):
+        load("w", ((4, 8), (0, 4)))
