@@ -25,11 +25,13 @@ median of the pairs': the machine drifts); HF on 2 threads runs with no cluster 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -73,19 +75,15 @@ def hf_stamps(model, ids: torch.Tensor, mask: torch.Tensor, new: int) -> list[fl
     return stamps
 
 
-def threads(n: int):
+@contextlib.contextmanager
+def threads(n: int) -> Iterator[None]:
     """``torch`` on ``n`` threads inside the ``with``."""
-    import contextlib
-
-    @contextlib.contextmanager
-    def using():
-        old = torch.get_num_threads()
-        torch.set_num_threads(n)
-        try:
-            yield
-        finally:
-            torch.set_num_threads(old)
-    return using()
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
 
 
 def hf_once(model, ids: torch.Tensor, new: int, n_threads: int) -> tuple[float, float]:
@@ -195,13 +193,9 @@ def local_step(model, lead, context: int = 0):
         return time.perf_counter() - t
 
     def timed(reps: int) -> float:
-        old = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
+        with threads(1):
             # NOTE: each step at the same slot past ``context`` cached tokens: the same attention length
             return statistics.median(step(context) for _ in range(reps))
-        finally:
-            torch.set_num_threads(old)
 
     for at in range(context + 1):      # NOTE: the cache fills to ``context`` tokens
         step(at)

@@ -36,6 +36,15 @@ class TwoLayouts(torch.nn.Module):
         return torch.mm(h, self.shared) + self.shared.sum()
 
 
+def resident_run(graph, spec, plan, x) -> tuple[ResidentBlocks, list[BlockSpec], torch.Tensor]:
+    """``graph``'s blocks (as ``plan`` places them on ``spec``) run on fresh resident blocks: those
+    blocks, the specs, and the output."""
+    r = ResidentBlocks(1 << 30)
+    r.versions[MODEL] = 0
+    specs = block_specs(sb.Plan(graph, spec, plan.device_of), MODEL, 0)
+    return r, specs, run_all(r, specs, graph, x)
+
+
 def test_each_matmul_weight_is_found_with_the_rows_that_multiply_it() -> None:
     graph = sb.trace(TwoLayouts(), (torch.randn(3, 5, 32),))
     cases = layout.matmul_cases(graph)
@@ -116,9 +125,7 @@ def test_blocks_with_weights_held_transposed_give_the_models_output(model_fn) ->
         expected = model(x).logits
     got = {}
     for name, g in (("traced", graph), ("transposed", graph.with_meta(weight_layouts=chosen))):
-        r = ResidentBlocks(1 << 30)
-        r.versions[MODEL] = 0
-        got[name] = run_all(r, block_specs(sb.Plan(g, spec, plan.device_of), MODEL, 0), g, x)
+        r, _, got[name] = resident_run(g, spec, plan, x)
         flipped = {n for p in r.programs.values() for n, t in p.weights.items()
                    if t.dim() == 2 and t.stride() == (1, t.shape[0])}
         assert flipped == (set(chosen) if name == "transposed" else set())
@@ -238,12 +245,9 @@ def test_blocks_run_the_linear_layers_their_specs_name_in_columns(monkeypatch) -
         expected = model(x).logits
     got = {}
     for name, g in (("linear", graph), ("columns", graph.with_meta(matmul_forms=forms))):
-        r = ResidentBlocks(1 << 30)
-        r.versions[MODEL] = 0
-        specs = block_specs(sb.Plan(g, spec, plan.device_of), MODEL, 0)
-        assert {n for s in specs for n in s.forms} == (set(forms) if name == "columns" else set())
         ran.clear()
-        got[name] = run_all(r, specs, g, x)
+        _, specs, got[name] = resident_run(g, spec, plan, x)
+        assert {n for s in specs for n in s.forms} == (set(forms) if name == "columns" else set())
         assert len(ran) == (sum(w in forms for w in weight) if name == "columns" else 0)
     torch.testing.assert_close(got["columns"], got["linear"], rtol=1e-5, atol=1e-5)
     assert M.rel_err(got["columns"], expected) <= 1e-4

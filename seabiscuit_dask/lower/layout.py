@@ -56,6 +56,7 @@ MARGIN = 1.2        # NOTE: the other order is taken only when it runs at least 
 MIN_BYTES = 1 << 20
 MAX_ROWS = 512      # NOTE: more rows are timed as this many (the orders run alike there)
 COLD_BYTES = 64 << 20
+FLOATS = ("float32", "float16", "bfloat16", "float64")     # NOTE: the dtypes a weight is timed in
 
 
 @dataclass(frozen=True)
@@ -91,12 +92,12 @@ def columns(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> 
 
 def columns_kernel(rows: Iterable[int], linear: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """``linear`` (the registered kernel), run in ``columns`` when its input has one of ``rows`` rows
-    and its weight is a 2-D ``[out, in]`` CPU tensor as traced."""
+    and its weight is a 2-D ``[out, in]`` tensor as traced (a CPU block's: ``BlockProgram``)."""
     counts = frozenset(int(r) for r in rows)
 
     def run(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
         k = x.shape[-1]
-        if k and x.numel() // k in counts and w.dim() == 2 and w.stride(1) == 1 and x.device.type == "cpu":
+        if k and x.numel() // k in counts and w.dim() == 2 and w.stride(1) == 1:
             return columns(x, w, b)
         return linear(x, w) if b is None else linear(x, w, b)
     return run
@@ -172,6 +173,21 @@ def matmul_cases(graph: Any, rows: int | None = None) -> dict[str, Case]:
     return {name: c for name, c in cases.items() if name not in other}
 
 
+def _operands(case: Case, cold_bytes: int) -> tuple[torch.dtype, torch.Generator, torch.Tensor,
+                                                    torch.Tensor | None, int]:
+    """A timing's dtype, seeded generator, input rows, bias (or None), and how many copies of the
+    weight make ``cold_bytes`` (so none is still in the cache when it is read again)."""
+    from .registry import DTYPES
+
+    dt = DTYPES.get(case.dtype)
+    if dt is None or not dt.is_floating_point:
+        raise BadInput(f"cannot time a matmul of {case.dtype}")
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(case.rows, case.k, generator=gen).to(dt)
+    b = torch.randn(case.n, generator=gen).to(dt) if case.bias else None
+    return dt, gen, x, b, max(1, -(-int(cold_bytes) // max(1, case.k * case.n * x.element_size())))
+
+
 def time_case(case: Case, reps: int = 5, cold_bytes: int = COLD_BYTES) -> tuple[float, float]:
     """Seconds of one run of ``case`` with its weight held as traced, and held transposed (here,
     on this process's CPU threads).
@@ -182,15 +198,8 @@ def time_case(case: Case, reps: int = 5, cold_bytes: int = COLD_BYTES) -> tuple[
     read cold, 1.15x; and a step of a real model reads it cold.)
     """
     from ..runtime.agent import median_s
-    from .registry import DTYPES
 
-    dt = DTYPES.get(case.dtype)
-    if dt is None or not dt.is_floating_point:
-        raise BadInput(f"cannot time a matmul of {case.dtype}")
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(case.rows, case.k, generator=gen).to(dt)
-    b = torch.randn(case.n, generator=gen).to(dt) if case.bias else None
-    copies = max(1, -(-int(cold_bytes) // max(1, case.k * case.n * x.element_size())))
+    dt, gen, x, b, copies = _operands(case, cold_bytes)
 
     def weights(flip: bool) -> list[torch.Tensor]:
         out = []
@@ -220,15 +229,10 @@ def time_columns(case: Case, reps: int = 5, cold_bytes: int = COLD_BYTES) -> tup
     """Seconds of one run of ``case`` (a linear layer's, its weight ``[out, in]``) as ``linear``, and
     in ``columns``, its weight read cold as in ``time_case``."""
     from ..runtime.agent import median_s
-    from .registry import DTYPES
 
-    dt = DTYPES.get(case.dtype)
-    if dt is None or not dt.is_floating_point or not case.out_in:
+    if not case.out_in:
         raise BadInput(f"cannot time the columns form of {case.key()}")
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(case.rows, case.k, generator=gen).to(dt)
-    b = torch.randn(case.n, generator=gen).to(dt) if case.bias else None
-    copies = max(1, -(-int(cold_bytes) // max(1, case.k * case.n * x.element_size())))
+    dt, gen, x, b, copies = _operands(case, cold_bytes)
     ws = [torch.randn(case.n, case.k, generator=gen).to(dt) for _ in range(copies)]
 
     def timed(fn: Callable[..., torch.Tensor]) -> float:
@@ -261,7 +265,7 @@ def decide_forms(graph: Any, timer: Callable[[list[Case]], Mapping[str, tuple[fl
         for name, c in matmul_cases(graph, r).items():
             if c.out_in and linear_only.get(name) and (keep is None or name in keep) \
                     and name not in (held or {}) and graph.params[name].nbytes >= least \
-                    and c.dtype in ("float32", "float16", "bfloat16", "float64"):
+                    and c.dtype in FLOATS:
                 asked[(name, r)] = c
     if not asked:
         return {}
@@ -326,7 +330,7 @@ def decide(graph: Any, timer: Callable[[list[Case]], Mapping[str, tuple[float, f
     cases = matmul_cases(graph, rows)
     keep = set(only) if only is not None else set(cases)
     cases = {n: c for n, c in cases.items() if n in keep and graph.params[n].nbytes >= least
-             and c.dtype in ("float32", "float16", "bfloat16", "float64")}
+             and c.dtype in FLOATS}
     if not cases:
         return {}
     distinct = list({c.key(): c for c in cases.values()}.values())

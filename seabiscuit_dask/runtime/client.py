@@ -1160,17 +1160,26 @@ def weight_layouts(client: Any, plan: Plan, graph: Any, rows: int | None = None)
         raise BadInput(f"seabiscuit.lower.weight-layout is {setting!r}: use auto, traced or transposed")
     if setting == "traced" or graph.meta.get("weight_layouts"):
         return dict(graph.meta.get("weight_layouts") or {})
-    cpu = {i for i, d in enumerate(plan.spec.devices) if d.kind == "cpu"}
-    on_cpu = {p for op, d in zip(graph.ops, plan.device_of.tolist()) if d in cpu for p in op.params}
+    on_cpu, timer = _cpu_timing(client, plan, graph)
     if not on_cpu:
         return {}
     if setting == "transposed":
         return layout.decide(graph, lambda cases: {c.key(): (2.0, 1.0) for c in cases}, rows, on_cpu, 0)
-    address = next(plan.spec.devices[i].address for i in sorted(cpu))
+    return layout.decide(graph, timer, rows, on_cpu)
+
+
+def _cpu_timing(client: Any, plan: Plan, graph: Any, columns: bool = False) -> tuple[set[str], Any]:
+    """The params of ``graph`` on CPU devices of ``plan``, and a timer of matmul cases on the plan's
+    first CPU worker (``lower.layout.measure``; ``columns``: as linear and in columns)."""
+    from ..lower import layout
+
+    cpu = {i for i, d in enumerate(plan.spec.devices) if d.kind == "cpu"}
+    on_cpu = {p for op, d in zip(graph.ops, plan.device_of.tolist()) if d in cpu for p in op.params}
+    address = next((plan.spec.devices[i].address for i in sorted(cpu)), "")
 
     def timer(cases: list[Any]) -> Mapping[str, tuple[float, float]]:
-        return client.run(layout.measure_off_loop, cases, workers=[address])[address]
-    return layout.decide(graph, timer, rows, on_cpu)
+        return client.run(layout.measure_off_loop, cases, 5, columns, workers=[address])[address]
+    return on_cpu, timer
 
 
 def matmul_forms(client: Any, plan: Plan, graph: Any, rows: int | None = None) -> dict[str, list[int]]:
@@ -1186,18 +1195,13 @@ def matmul_forms(client: Any, plan: Plan, graph: Any, rows: int | None = None) -
         raise BadInput(f"seabiscuit.lower.matmul-form is {setting!r}: use auto or linear")
     if setting == "linear" or "matmul_forms" in graph.meta:
         return dict(graph.meta.get("matmul_forms") or {})
-    cpu = {i for i, d in enumerate(plan.spec.devices) if d.kind == "cpu"}
-    on_cpu = {p for op, d in zip(graph.ops, plan.device_of.tolist()) if d in cpu for p in op.params}
+    on_cpu, timer = _cpu_timing(client, plan, graph, columns=True)
     if not on_cpu:
         return {}
     if rows is not None:
         counts = [b for b in buckets("batch-buckets", layout.SMALL_ROWS) if b <= max(1, int(rows))]
     else:
         counts = sorted({c.rows for c in layout.matmul_cases(graph).values()})
-    address = next(plan.spec.devices[i].address for i in sorted(cpu))
-
-    def timer(cases: list[Any]) -> Mapping[str, tuple[float, float]]:
-        return client.run(layout.measure_off_loop, cases, 5, True, workers=[address])[address]
     return layout.decide_forms(graph, timer, counts, on_cpu, graph.meta.get("weight_layouts") or {})
 
 
