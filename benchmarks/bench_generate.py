@@ -14,9 +14,10 @@ median of the pairs': the machine drifts); HF on 2 threads runs with no cluster 
   ``generate``; continuous batching puts their steps into the same block tasks);
 - blocks per token, and the cost of distribution per decode step (a step on the
   cluster, timed on the workers' timeline, less the same step program run in this
-  process, 1 thread, over a KV cache as long as the session's, the two measured back
-  to back --reps times and the median difference taken), split into the block runs
-  the workers report and the hand-offs between them;
+  process, 1 thread, over a KV cache as long as the session's, each side the median
+  of its steps, the two measured back to back 3 x --reps times and the median
+  difference taken), split into the block runs the workers report and the
+  hand-offs between them;
 - KV-cache bytes per session per token, and the cost of building a new step shape.
 
     python benchmarks/bench_generate.py [--workers 2] [--new 32] [--sessions 8] [--reps 3]
@@ -206,16 +207,19 @@ def step_breakdown(client, dm, ids: torch.Tensor, new: int) -> tuple[float, floa
     """(step s, block compute s per step, block runs, hand-offs) of one session's decode on the
     cluster, from the workers' timeline: a step from one run of the block that makes the logits
     to the next (the caller hears of most tokens a block run later, of the last at once: its
-    clock would make the steps look shorter), what those steps spend in block runs on the workers,
-    and (the rest) in hand-offs between blocks, workers and the caller; ``hand-offs``: the median
-    gap from one block run's end to the next one's start, per boundary of the chain (``handoffs``)."""
+    clock would make the steps look shorter), the median of the session's steps, and the median of
+    what each step spends in block runs on the workers (the rest: hand-offs between blocks, workers
+    and the caller); ``hand-offs``: the median gap from one block run's end to the next one's start,
+    per boundary of the chain (``handoffs``). Medians, as the step in one process is taken: a
+    shared machine's stalls land on a few steps of either."""
     stamps = [time.time() for _ in dm.stream(ids, new, eos_token_id=[])]
     runs = sorted(block_runs(client, dm, stamps[0], stamps[-1]), key=lambda r: r["start"])
     logits = [r["start"] + r["duration_s"] for r in runs if r["block"] == runs[-1]["block"]]
     inside = [r for r in runs if r["start"] >= logits[0] and r["start"] + r["duration_s"] <= logits[-1]]
-    steps = len(logits) - 1
-    return (logits[-1] - logits[0]) / steps, sum(r["duration_s"] for r in inside) / steps, len(inside), \
-        handoffs(inside)
+    steps = [b - a for a, b in zip(logits, logits[1:])]
+    blocks = [sum(r["duration_s"] for r in inside if a <= r["start"] and r["start"] + r["duration_s"] <= b)
+              for a, b in zip(logits, logits[1:])]
+    return statistics.median(steps), statistics.median(blocks), len(inside), handoffs(inside)
 
 
 def handoffs(runs: list[dict]) -> dict[str, float]:
@@ -309,11 +313,11 @@ def main() -> None:
         steps = max(1, stats["decode_steps"] - stats_before["decode_steps"])
         rows_per_step = (stats["rows"] - stats_before["rows"]) / steps
         # NOTE: the cost of distribution per step, paired: a session's decode on the cluster, then the
-        # same program in this process, back to back, --reps times (a shared machine drifts)
+        # same program in this process, back to back, 3 x --reps times (a shared machine drifts)
         local = local_step(model, dm.graph, context=ids.shape[1] + args.new // 2)
         pairs = []
-        for _ in range(args.reps):
-            pairs.append((*step_breakdown(client, dm, ids, args.new), local(8)))
+        for _ in range(3 * args.reps):
+            pairs.append((*step_breakdown(client, dm, ids, args.new), local(16)))
         pairs.sort(key=lambda p: p[0] - p[4])
         step_s, compute_s, n_runs, hops, step_local = pairs[len(pairs) // 2]
         probe = dm.stream(ids, args.new, eos_token_id=[])
@@ -355,7 +359,8 @@ def main() -> None:
           f"{args.sessions} sessions: {tasks / args.sessions:.2f} per token)")
     print(f"decode step                   {step_s * 1e3:.1f} ms on the cluster, {step_local * 1e3:.1f} ms "
           f"the same program in one process, measured back to back: coordination costs "
-          f"{(step_s - step_local) * 1e3:.1f} ms per step (the median of {args.reps} such pairs)")
+          f"{(step_s - step_local) * 1e3:.1f} ms per step (the pair with the median difference of "
+          f"{len(pairs)}; each side the median of its steps)")
     print(f"  where it goes               a step of {step_s * 1e3:.1f} ms: {compute_s * 1e3:.1f} ms of block "
           f"runs on the workers ({compute_s / step_local:.2f}x the program in one process; {n_runs} runs), "
           f"{(step_s - compute_s) * 1e3:.1f} ms of hand-offs between them")

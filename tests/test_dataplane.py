@@ -25,6 +25,8 @@ from seabiscuit_dask.runtime.dataplane.client import route
 from seabiscuit_dask.runtime.dataplane.ordered import OrderedExecutor
 from seabiscuit_dask.runtime.dataplane.runs import greedy
 from seabiscuit_dask.runtime.dataplane.wire import (
+    DTYPES,
+    as_bytes,
     from_bytes,
     nbytes,
     pack,
@@ -457,6 +459,26 @@ def test_the_wire_refuses_an_unknown_dtype_or_a_short_buffer() -> None:
         unpack(bytes(head), [bytearray(frames[0])])
     with pytest.raises(SeaBiscuitError, match="has 3 frames and names 2 tensors"):
         unpack(bytes(head), [bytearray(f) for f in frames] + [bytearray(4)])
+    # NOTE: a dtype no activation may have is refused where it would be sent, not at the peer
+    with pytest.raises(SeaBiscuitError, match="dtype uint16 cannot be sent"):
+        pack([{"op": "push", "tensors": Tensors(a=torch.zeros(2, dtype=torch.uint16))}])
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+def test_every_dtype_crosses_the_wire_as_it_was(dtype: str) -> None:
+    kind = DTYPES[dtype]
+    base = torch.randn(3, 4, 2) * 50
+    t = base > 0 if kind is torch.bool else base.to(kind)
+    strided = t[:, ::2]                                     # NOTE: not contiguous: sent as if it were
+    empty = t[:0]
+    frames, _ = pack_message([{"op": "push", "tensors": Tensors(t=t, strided=strided, empty=empty)}])
+    (msg,) = unpack_message(bytearray(b"".join(bytes(f) for f in frames)))
+    for name, want in (("t", t), ("strided", strided), ("empty", empty)):
+        got = msg["tensors"][name]
+        assert got.dtype == kind and got.shape == want.shape and torch.equal(got, want), name
+    if kind.is_complex:
+        lazy = t.conj()                                     # NOTE: a view with its conjugate bit set
+        assert torch.equal(from_bytes(bytes(as_bytes(lazy)), dtype, list(t.shape)), lazy.resolve_conj())
 
 
 def test_a_block_left_with_no_ops_is_never_started(planned) -> None:

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import msgpack
+import numpy as np
 import torch
 from dask.sizeof import sizeof
 from distributed.protocol.serialize import dask_deserialize, dask_serialize
@@ -35,13 +36,40 @@ class Tensors(dict):  # type: ignore[type-arg]
     wire_bytes: int | None = None
 
 
+# NOTE: each dtype as numpy holds its bytes (bfloat16, which numpy lacks, as int16): a tensor
+# becomes bytes and back with one numpy view each way, not a chain of torch calls (each costs
+# tens of microseconds where a block run left the caches cold, as at every hop of a decode step)
+NUMPY: dict[torch.dtype, Any] = {
+    torch.float64: np.float64, torch.float32: np.float32, torch.float16: np.float16,
+    torch.bfloat16: np.int16, torch.complex64: np.complex64, torch.complex128: np.complex128,
+    torch.int64: np.int64, torch.int32: np.int32, torch.int16: np.int16, torch.int8: np.int8,
+    torch.uint8: np.uint8, torch.bool: np.bool_}
+NAMES: dict[torch.dtype, str] = {d: n for n, d in DTYPES.items()}
+
+
+def dtype_name(t: torch.Tensor) -> str:
+    """How a header names the dtype of ``t``; one no activation may have is refused here."""
+    name = NAMES.get(t.dtype)
+    if name is None:
+        raise SeaBiscuitError(f"an activation of dtype {str(t.dtype).removeprefix('torch.')} cannot be sent; "
+                              f"SeaBiscuit sends only {', '.join(DTYPES)} (cast it in the model)")
+    return name
+
+
 def as_bytes(t: torch.Tensor) -> memoryview:
     """The bytes of ``t`` (moved to the CPU and made contiguous if it is not already)."""
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
-    flat = t.contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")  # type: ignore[arg-type]
+    if t.dtype is torch.bfloat16:
+        t = t.view(torch.int16)
+    try:
+        a = t.numpy()
+    except RuntimeError:            # NOTE: a lazily conjugated or negated view: made real first
+        a = t.resolve_conj().resolve_neg().numpy()
+    if not a.size:
+        return memoryview(b"")
+    return memoryview(np.ascontiguousarray(a).reshape(-1)).cast("B")  # type: ignore[arg-type]
 
 
 ITEMSIZE: dict[torch.dtype, int] = {d: torch.empty((), dtype=d).element_size() for d in DTYPES.values()}
@@ -53,24 +81,26 @@ def from_bytes(buf: Any, dtype: str, shape: list[int]) -> torch.Tensor:
     if kind is None:
         raise SeaBiscuitError(f"an activation of dtype {dtype!r} arrived; SeaBiscuit sends only "
                               f"{', '.join(DTYPES)}")
+    dims = [int(s) for s in shape]
     n = 1
-    for s in shape:
-        n *= int(s)
+    for s in dims:
+        n *= s
     mv = memoryview(buf).cast("B")
     if mv.nbytes != n * ITEMSIZE[kind]:
         raise SeaBiscuitError(f"an activation of dtype {dtype} and shape {list(shape)} arrived with "
                               f"{mv.nbytes} bytes")
     if not n:
-        return torch.empty([int(s) for s in shape], dtype=kind)
+        return torch.empty(dims, dtype=kind)
     if mv.readonly:
         mv = memoryview(bytearray(mv))
-    return torch.frombuffer(mv, dtype=torch.uint8).view(kind).reshape([int(s) for s in shape])
+    t = torch.from_numpy(np.frombuffer(mv, dtype=NUMPY[kind]).reshape(dims))
+    return t.view(torch.bfloat16) if kind is torch.bfloat16 else t
 
 
 @dask_serialize.register(Tensors)
 def _serialize(ts: Tensors) -> tuple[dict[str, Any], list[memoryview]]:
     names = list(ts)
-    header = {"names": names, "dtypes": [str(ts[n].dtype).removeprefix("torch.") for n in names],
+    header = {"names": names, "dtypes": [dtype_name(ts[n]) for n in names],
               "shapes": [list(ts[n].shape) for n in names]}
     return header, [as_bytes(ts[n]) for n in names]
 
@@ -116,8 +146,8 @@ def pack(msgs: Sequence[dict[str, Any]]) -> list[Any]:
     sent: dict[tuple[Any, ...], int] = {}
 
     def entry(name: Any, t: torch.Tensor) -> list[Any]:
-        head = [str(name), str(t.dtype).removeprefix("torch."), list(t.shape)]
-        key = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+        head = [str(name), dtype_name(t), list(t.shape)]
+        key = (t.device, t.data_ptr(), t.dtype, t.shape, t.stride())
         if t.numel() and key in sent:
             return [*head, sent[key]]
         sent[key] = len(frames)
