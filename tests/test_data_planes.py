@@ -11,7 +11,7 @@ import torch
 
 import seabiscuit_dask as sb
 
-from .clusters import seabiscuit_cluster
+from .clusters import seabiscuit_cluster, wait_for
 from .test_generate import decoder, hf_greedy, local_greedy, padded_batch
 
 PLANES = ("p2p", "tasks")
@@ -112,3 +112,41 @@ def test_a_call_that_arrives_mid_loop_joins_and_both_answers_stand(client, model
         assert torch.equal(got, hf_greedy(model, first, torch.ones_like(first), 30))
         assert torch.equal(joined, hf_greedy(model, second, torch.ones_like(second), 12))
         assert dm.generation_stats()["replays"] == 0
+
+
+def _count_calls(dask_worker) -> bool:
+    """Count the calls of the caller's per-step collect and of its follow of a decode loop
+    (``seabiscuit_dp_follow``), and how many follows are running now."""
+    calls = dask_worker._sb_calls = {"collect": 0, "follow": 0, "following": 0}
+    for op in ("collect", "follow"):
+        handler = dask_worker.handlers[f"seabiscuit_dp_{op}"]
+
+        async def counted(comm=None, _handler=handler, _op=op, **kwargs):
+            calls[_op] += 1
+            calls["following"] += _op == "follow"
+            try:
+                return await _handler(comm=comm, **kwargs)
+            finally:
+                calls["following"] -= _op == "follow"
+        dask_worker.handlers[f"seabiscuit_dp_{op}"] = counted
+    return True
+
+
+def test_a_decode_loops_steps_reach_the_caller_down_one_comm(client, model) -> None:
+    # Each step's tokens come as they are made, with no call per step; a caller that lets go
+    # mid-loop ends the worker's side too.
+    ids = padded_batch((7,), seed=31)[0]
+    with deploy(client, model, "p2p") as dm:
+        dm.generate(ids, 2, pad_token_id=0, eos_token_id=[])       # NOTE: built, before counting
+        client.run(_count_calls)
+        got = dm.generate(ids, 12, pad_token_id=0, eos_token_id=[])
+        assert torch.equal(got, hf_greedy(model, ids, torch.ones_like(ids), 12))
+        calls = client.run(lambda dask_worker: dict(dask_worker._sb_calls))
+        assert sum(c["collect"] for c in calls.values()) == 0
+        assert sum(c["follow"] for c in calls.values()) == 1
+        stream = dm.stream(ids, 40, pad_token_id=0, eos_token_id=[])
+        head = [next(stream) for _ in range(3)]
+        stream.close()
+        wait_for(lambda: not any(client.run(lambda dask_worker: dask_worker._sb_calls["following"]).values()),
+                 "the worker's follow of an abandoned decode loop to end")
+        assert torch.equal(torch.stack(head, dim=1), got[:, ids.shape[1]:ids.shape[1] + 3])

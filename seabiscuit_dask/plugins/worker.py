@@ -20,6 +20,7 @@ from typing import Any
 
 import psutil
 from distributed import WorkerPlugin
+from distributed.comm import CommClosedError
 from distributed.core import Status, error_message
 from distributed.protocol import to_serialize
 
@@ -37,7 +38,7 @@ from .refusing import refusing
 
 logger = logging.getLogger(__name__)
 
-DP_OPS = ("feed", "push", "collect", "fail", "forget", "flush", "stream", "status")
+DP_OPS = ("feed", "push", "collect", "follow", "fail", "forget", "flush", "stream", "status")
 
 
 class SeaBiscuitWorkerPlugin(WorkerPlugin):
@@ -255,6 +256,26 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
                          request: int = 0, blocks: Any = (), tokens: str = "") -> list[Any]:
         out = await self.dataplane.collect(model, ticket, version, request, list(blocks or ()), tokens)
         return [[b, to_serialize(ts)] for b, ts in out.items()]
+
+    async def dp_follow(self, comm: Any = None, model: str = "", ticket: str = "", version: int = 0,
+                        requests: Any = (), blocks: Any = (), tokens: str = "") -> Any:
+        """A decode loop's steps' outputs, written down ``comm`` one message each as they are made
+        (``DataPlane.follow``), till the last, the first failure, or the caller's closing ``comm``."""
+        async def write(request: int, out: dict[int, Any] | None, error: BaseException | None) -> None:
+            if error is not None:
+                logger.info("seabiscuit: step %s of a decode loop of %s (for %s) failed: %s: %s", request,
+                            model, comm.peer_address, type(error).__name__, error)
+                await comm.write({"request": request, **error_message(error)})
+            else:
+                await comm.write({"request": request, "status": "OK",
+                                  "outputs": [[b, to_serialize(ts)] for b, ts in (out or {}).items()]})
+
+        try:
+            await self.dataplane.follow(model, ticket, int(version), [int(r) for r in requests or ()],
+                                        [int(b) for b in blocks or ()], str(tokens), write)
+        except (CommClosedError, OSError):
+            pass        # NOTE: the caller went; it forgets the steps it did not read
+        return Status.dont_reply
 
     async def dp_fail(self, comm: Any = None, model: str = "", ticket: str = "", version: int = 0,
                       request: int = 0, reason: str = "", block: int = -1, kind: str = "") -> bool:

@@ -15,7 +15,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+from distributed.comm import connect
 from distributed.comm.core import CommClosedError
+from distributed.core import clean_exception
 from distributed.protocol import to_serialize
 
 from ...errors import RunFailed
@@ -83,16 +85,10 @@ def start_loop(client: Any, model: str, ticket: str, version: int, requests: Seq
             first = await _run(client.rpc, model, ticket, version, requests[0], _calls(plan, inputs),
                                loops={out_addr: loop})
             _settle(futures[0], first)
-            for r, f in zip(requests[1:], futures[1:]):
-                if f.cancelled():
-                    break
-                try:
-                    reply = await client.rpc(out_addr).seabiscuit_dp_collect(
-                        model=model, ticket=ticket, version=version, request=r, blocks=wanted, tokens=logits)
-                except (CommClosedError, OSError) as e:
-                    raise RunFailed(f"request {r} of model {model}: worker {out_addr} could not be reached: "
-                                    f"{type(e).__name__}: {e}") from e
-                _settle(f, {int(b): ts for b, ts in reply})
+            if len(requests) > 1:
+                await _follow(client, out_addr, {"model": model, "ticket": ticket, "version": version,
+                                                 "requests": list(requests[1:]), "blocks": wanted,
+                                                 "tokens": logits}, futures[1:])
         except BaseException as e:  # noqa: BLE001 - every step not yet answered fails with it
             for f in futures:
                 if not f.done():
@@ -100,6 +96,38 @@ def start_loop(client: Any, model: str, ticket: str, version: int, requests: Seq
 
     asyncio.run_coroutine_threadsafe(run(), client.loop.asyncio_loop)
     return futures
+
+
+async def _follow(client: Any, address: str, msg: dict[str, Any],
+                  futures: Sequence[concurrent.futures.Future[Outputs]]) -> None:
+    """Read the steps ``msg["requests"]`` of a decode loop from the worker at ``address`` as it makes
+    them, down one comm (``seabiscuit_dp_follow``): one message a step, no call per step (a
+    pooled connection each, and the worker woken to read its request while the next worker's
+    block ran). Stops at a cancelled step (the caller let go of it and the rest) or the first
+    failure, which it raises."""
+    where = f"model {msg['model']}: worker {address}"
+    r = msg["requests"][0]
+    try:
+        comm = await connect(address, **client.connection_args)
+    except (CommClosedError, OSError) as e:
+        raise RunFailed(f"request {r} of {where} could not be reached: {type(e).__name__}: {e}") from e
+    try:
+        comm.name = "seabiscuit decode loop"
+        await comm.write({"op": "seabiscuit_dp_follow", "reply": False, **msg})
+        for r, f in zip(msg["requests"], futures):
+            if f.cancelled():
+                return
+            step = await comm.read()
+            if not isinstance(step, dict) or step.get("request") != r:
+                raise RunFailed(f"{where} answered {str(step)[:200]} for request {r}")
+            if step.get("status") != "OK":
+                _, error, tb = clean_exception(**step)
+                raise (error or RunFailed(f"{where}: request {r} failed")).with_traceback(tb)
+            _settle(f, {int(b): ts for b, ts in step["outputs"]})
+    except (CommClosedError, OSError) as e:
+        raise RunFailed(f"request {r} of {where} could not be reached: {type(e).__name__}: {e}") from e
+    finally:
+        comm.abort()
 
 
 def _settle(f: concurrent.futures.Future[Outputs], value: Outputs) -> None:

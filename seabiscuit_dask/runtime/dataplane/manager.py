@@ -171,6 +171,22 @@ class DataPlane:
         await self.check(model, ticket)
         return await self._collect(model, int(version), int(request), [int(b) for b in blocks], str(tokens))
 
+    async def follow(self, model: str, ticket: Any, version: int, requests: Sequence[int],
+                     blocks: Sequence[int], tokens: str,
+                     write: Callable[[int, dict[int, Tensors] | None, BaseException | None], Awaitable[None]]
+                     ) -> None:
+        """``collect`` of each of ``requests`` in turn (a decode loop's steps), each handed to
+        ``write`` (request, outputs, None) as it is made: the caller reads a loop's steps down one
+        comm as they come, with no call per step. A step that fails is written as its error
+        (request, None, error) and ends it; so does ``write`` raising (the caller went)."""
+        for r in requests:
+            try:
+                out = await self.collect(model, ticket, version, int(r), blocks, tokens)
+            except Exception as e:  # noqa: BLE001 - the caller hears of it, as from a collect
+                await write(int(r), None, e)
+                return
+            await write(int(r), out, None)
+
     async def fail(self, model: str, ticket: Any, version: int, request: int, reason: str = "",
                    block: int = -1, kind: str = "") -> bool:
         """A peer failed the run, which ``block`` here waited on: fail it here too, and downstream
