@@ -354,7 +354,10 @@ def test_a_distribute_whose_room_another_model_took_meanwhile_places_again(model
 
 
 def test_another_client_cannot_use_the_data_plane(client, model) -> None:
+    import concurrent.futures
+
     from seabiscuit_dask.runtime.dataplane import Tensors
+    from seabiscuit_dask.runtime.dataplane.client import _follow
 
     with torch.no_grad():
         expected = model(X).logits
@@ -377,6 +380,18 @@ def test_another_client_cannot_use_the_data_plane(client, model) -> None:
                 other.sync(rpc.seabiscuit_dp_forget, model=dm.model_id, ticket=ticket, requests=[request])
         with pytest.raises(sb.AccessDenied, match="not a model id"):
             other.sync(rpc.seabiscuit_dp_collect, model="../etc", ticket="", version=0, request=1, blocks=[0])
+        # NOTE: nor follow a decode loop's steps; a follow naming what is not a step is refused (the
+        # caller hears of it: nothing else would answer)
+        follow = {"model": dm.model_id, "ticket": "0" * 64, "version": dm.version, "requests": [request],
+                  "blocks": [first.index], "tokens": ""}
+        with pytest.raises(sb.AccessDenied, match="ticket"):
+            other.sync(_follow, other, first.address, follow, [concurrent.futures.Future()])
+        with pytest.raises(sb.BadInput, match="names requests"):
+            other.sync(_follow, other, first.address, {**follow, "requests": ["x"]},
+                       [concurrent.futures.Future()])
+        with pytest.raises(sb.BadInput, match="at most"):
+            other.sync(_follow, other, first.address, {**follow, "requests": list(range(1 << 17))},
+                       [concurrent.futures.Future()])
         torch.testing.assert_close(dm(X).logits, expected, rtol=1e-4, atol=1e-5)
         assert dm.run_counts()["re_executed"] == 0
 

@@ -25,7 +25,7 @@ from distributed.core import Status, error_message
 from distributed.protocol import to_serialize
 
 from .. import config
-from ..errors import AccessDenied, WorkerLost
+from ..errors import AccessDenied, BadInput, WorkerLost
 from ..lower.blocks import BlockSpec
 from ..runtime import access, agent
 from ..runtime.dataplane import DataPlane, Links, Tensors, decode_loop, timed
@@ -39,6 +39,7 @@ from .refusing import refusing
 logger = logging.getLogger(__name__)
 
 DP_OPS = ("feed", "push", "collect", "follow", "fail", "forget", "flush", "stream", "status")
+MAX_FOLLOWED = 1 << 16          # NOTE: steps one follow of a decode loop may name
 
 
 class SeaBiscuitWorkerPlugin(WorkerPlugin):
@@ -271,8 +272,18 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
                                   "outputs": [[b, to_serialize(ts)] for b, ts in (out or {}).items()]})
 
         try:
-            await self.dataplane.follow(model, ticket, int(version), [int(r) for r in requests or ()],
-                                        [int(b) for b in blocks or ()], str(tokens), write)
+            try:
+                steps, wanted = [int(r) for r in requests or ()], [int(b) for b in blocks or ()]
+                at = int(version)
+                if len(steps) > MAX_FOLLOWED:
+                    raise BadInput(f"a decode loop of {len(steps)} steps to follow; at most {MAX_FOLLOWED}")
+            except (TypeError, ValueError, BadInput) as e:
+                # NOTE: nothing else answers: the caller waits for what this writes
+                await write(-1, None, e if isinstance(e, BadInput) else BadInput(
+                    f"a follow of a decode loop names requests {str(requests)[:80]}, blocks "
+                    f"{str(blocks)[:80]} and version {str(version)[:20]}: {e}"))
+                return Status.dont_reply
+            await self.dataplane.follow(model, ticket, at, steps, wanted, str(tokens), write)
         except (CommClosedError, OSError):
             pass        # NOTE: the caller went; it forgets the steps it did not read
         return Status.dont_reply

@@ -118,11 +118,11 @@ async def _follow(client: Any, address: str, msg: dict[str, Any],
             if f.cancelled():
                 return
             step = await comm.read()
-            if not isinstance(step, dict) or step.get("request") != r:
-                raise RunFailed(f"{where} answered {str(step)[:200]} for request {r}")
-            if step.get("status") != "OK":
+            if isinstance(step, dict) and step.get("status") in ("error", "uncaught-error"):
                 _, error, tb = clean_exception(**step)
                 raise (error or RunFailed(f"{where}: request {r} failed")).with_traceback(tb)
+            if not isinstance(step, dict) or step.get("status") != "OK" or step.get("request") != r:
+                raise RunFailed(f"{where} answered {str(step)[:200]} for request {r}")
             _settle(f, {int(b): ts for b, ts in step["outputs"]})
     except (CommClosedError, OSError) as e:
         raise RunFailed(f"request {r} of {where} could not be reached: {type(e).__name__}: {e}") from e
