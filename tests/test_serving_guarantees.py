@@ -378,12 +378,13 @@ def test_another_client_cannot_use_the_data_plane(client, model) -> None:
                            tensors=to_serialize(Tensors({})))
             with pytest.raises(sb.AccessDenied, match="ticket"):
                 other.sync(rpc.seabiscuit_dp_forget, model=dm.model_id, ticket=ticket, requests=[request])
-        with pytest.raises(sb.AccessDenied, match="not a model id"):
-            other.sync(rpc.seabiscuit_dp_collect, model="../etc", ticket="", version=0, request=1, blocks=[0])
         # NOTE: nor follow a decode loop's steps; a follow naming what is not a step is refused (the
         # caller hears of it: nothing else would answer)
         follow = {"model": dm.model_id, "ticket": "0" * 64, "version": dm.version, "requests": [request],
                   "blocks": [first.index], "tokens": ""}
+        with pytest.raises(sb.AccessDenied, match="not a model id"):
+            other.sync(_follow, other, first.address, {**follow, "model": "../etc", "ticket": ""},
+                       [concurrent.futures.Future()])
         with pytest.raises(sb.AccessDenied, match="ticket"):
             other.sync(_follow, other, first.address, follow, [concurrent.futures.Future()])
         with pytest.raises(sb.BadInput, match="names requests"):

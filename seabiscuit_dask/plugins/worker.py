@@ -38,7 +38,7 @@ from .refusing import refusing
 
 logger = logging.getLogger(__name__)
 
-DP_OPS = ("feed", "push", "collect", "follow", "fail", "forget", "flush", "stream", "status")
+DP_OPS = ("feed", "push", "follow", "fail", "forget", "flush", "stream", "status")
 MAX_FOLLOWED = 1 << 16          # NOTE: steps one follow of a decode loop may name
 
 
@@ -252,11 +252,6 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
                       request: int = 0, block: int = 0, tensors: Any = None, inputs: Any = ()) -> bool:
         return await self.dataplane.push(model, ticket, version, request, block, tensors or {},
                                          {int(b): ts for b, ts in inputs or ()})
-
-    async def dp_collect(self, comm: Any = None, model: str = "", ticket: str = "", version: int = 0,
-                         request: int = 0, blocks: Any = (), tokens: str = "") -> list[Any]:
-        out = await self.dataplane.collect(model, ticket, version, request, list(blocks or ()), tokens)
-        return [[b, to_serialize(ts)] for b, ts in out.items()]
 
     async def dp_follow(self, comm: Any = None, model: str = "", ticket: str = "", version: int = 0,
                         requests: Any = (), blocks: Any = (), tokens: str = "") -> Any:

@@ -179,9 +179,15 @@ class DataPlane:
         ``write`` (request, outputs, None) as it is made: the caller reads a loop's steps down one
         comm as they come, with no call per step. A step that fails is written as its error
         (request, None, error) and ends it; so does ``write`` raising (the caller went)."""
+        try:
+            await self.check(model, ticket)         # NOTE: once: a follow is one caller's
+        except Exception as e:  # noqa: BLE001 - the caller hears of it
+            await write(int(requests[0]) if requests else -1, None, e)
+            return
+        wanted = [int(b) for b in blocks]
         for r in requests:
             try:
-                out = await self.collect(model, ticket, version, int(r), blocks, tokens)
+                out = await self._collect(model, int(version), int(r), wanted, str(tokens))
             except Exception as e:  # noqa: BLE001 - the caller hears of it, as from a collect
                 await write(int(r), None, e)
                 return
