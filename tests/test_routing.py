@@ -20,7 +20,7 @@ from seabiscuit_dask.placement.cluster import ClusterSpec, DaskSpec, DeviceSpec,
 from seabiscuit_dask.placement.links import LinkEstimator, LinkLearner, sample_s
 from seabiscuit_dask.placement.reroute import LinkChanged, RepairPolicy, best_routes, reroute
 from seabiscuit_dask.runtime.dataplane.flow import URGENT, FlowState
-from seabiscuit_dask.runtime.dataplane.streams import FlowSettings, Links, Receiving, serve
+from seabiscuit_dask.runtime.dataplane.streams import ACK, FlowSettings, Links, Receiving, serve
 from seabiscuit_dask.runtime.dataplane.wire import Tensors, pack_message, unpack_message
 from seabiscuit_dask.runtime.state import (
     DeviceAdded,
@@ -687,6 +687,61 @@ def test_many_requests_over_tcp_arrive_whole_within_the_window() -> None:
     (peer,) = samples
     assert sum(n for n, _, _, _ in samples[peer]) >= 6 * 2**20
     assert all(s > 0 and r >= 0 for _, s, _, r in samples[peer]) and any(r > 0 for *_, r in samples[peer])
+
+
+def test_small_messages_go_straight_to_the_socket_and_a_large_one_the_socket_cannot_take_keeps_its_place(
+        monkeypatch) -> None:
+    """A message down an idle stream goes in one ``sendmsg``, not through tornado's write buffer; one
+    the socket takes only part of (32 MiB as one unit) leaves the rest to the stream, and the
+    messages after it queue behind that rest: every byte arrives, in order. Small messages read
+    together are cut into units from one read."""
+    from tornado.iostream import BaseIOStream
+
+    writes, reads = [], []
+    write, read_bytes = BaseIOStream.write, BaseIOStream.read_bytes
+    monkeypatch.setattr(BaseIOStream, "write",
+                        lambda self, data: writes.append(len(data)) or write(self, data))
+    monkeypatch.setattr(BaseIOStream, "read_bytes",
+                        lambda self, n, partial=False: reads.append(n) or read_bytes(self, n, partial))
+    settings = FlowSettings(chunk_bytes=64 << 20, window_bytes=256 << 20, priority_bytes=1 << 12,
+                            pipe_delay_s=1.0)
+
+    async def run():
+        got = []
+
+        async def receive(msg):
+            got.append((msg["request"], {k: v.clone() for k, v in msg["tensors"].items()}))
+
+        links, addr, held, listener = await tcp_link(receive, settings)
+        await links.send(addr, {"op": "hello", "model": "m", "request": -1, "tensors": Tensors()})
+        while not got:
+            await asyncio.sleep(0)
+        opened = len(writes)            # NOTE: the comm's handshakes and the stream's hello
+        await links.send(addr, {"op": "push", "model": "m", "request": 0,
+                                "tensors": Tensors(t=torch.arange(4))})
+        while len(got) < 2:
+            await asyncio.sleep(0)
+        direct = len(writes) - opened
+        del reads[:]
+        big = torch.randn(8 << 20)
+        sends = [links.send(addr, {"op": "push", "model": "m", "request": 1, "tensors": Tensors(x=big)})]
+        sends += [links.send(addr, {"op": "push", "model": "m", "request": r,
+                                    "tensors": Tensors(t=torch.full((3,), r))}) for r in range(2, 40)]
+        await asyncio.gather(*sends)
+        while len(got) < 41:
+            await asyncio.sleep(0)
+        links.close()
+        listener.stop()
+        return got[1:], big, direct, held
+
+    got, big, direct, held = asyncio.run(run())
+    assert direct == 0
+    assert len(writes) >= 1             # NOTE: the rest of the 32 MiB message, and what queued behind it
+    assert [r for r, _ in got] == list(range(40))
+    assert torch.equal(got[1][1]["x"], big)
+    assert all(torch.equal(ts["t"], torch.full((3,), r)) for r, ts in got[2:])
+    assert held.held_bytes == 0 and held.messages == 41
+    assert len([n for n in reads if n != ACK.size]) < 39     # NOTE: fewer reads than messages
 
 
 def test_a_packed_message_keeps_its_tensors_aligned() -> None:

@@ -58,8 +58,9 @@ def dtype_name(t: torch.Tensor) -> str:
 
 def as_bytes(t: torch.Tensor) -> memoryview:
     """The bytes of ``t`` (moved to the CPU and made contiguous if it is not already)."""
-    t = t.detach()
-    if t.device.type != "cpu":
+    if t.requires_grad:
+        t = t.detach()
+    if not t.is_cpu:
         t = t.cpu()
     if t.dtype is torch.bfloat16:
         t = t.view(torch.int16)
@@ -69,14 +70,18 @@ def as_bytes(t: torch.Tensor) -> memoryview:
         a = t.resolve_conj().resolve_neg().numpy()
     if not a.size:
         return memoryview(b"")
-    return memoryview(np.ascontiguousarray(a).reshape(-1)).cast("B")  # type: ignore[arg-type]
+    try:
+        return memoryview(a).cast("B")  # type: ignore[arg-type]
+    except TypeError:               # NOTE: not C-contiguous
+        return memoryview(np.ascontiguousarray(a).reshape(-1)).cast("B")  # type: ignore[arg-type]
 
 
 ITEMSIZE: dict[torch.dtype, int] = {d: torch.empty((), dtype=d).element_size() for d in DTYPES.values()}
 
 
-def from_bytes(buf: Any, dtype: str, shape: list[int]) -> torch.Tensor:
-    """A CPU tensor of ``dtype`` and ``shape`` over ``buf`` (copied once if it is read-only)."""
+def from_bytes(buf: Any, dtype: str, shape: list[int], offset: int = 0, nbytes: int = -1) -> torch.Tensor:
+    """A CPU tensor of ``dtype`` and ``shape`` over ``buf`` (its ``nbytes`` from ``offset``; all of
+    it by default), copied once if ``buf`` is read-only."""
     kind = DTYPES.get(dtype)
     if kind is None:
         raise SeaBiscuitError(f"an activation of dtype {dtype!r} arrived; SeaBiscuit sends only "
@@ -85,15 +90,17 @@ def from_bytes(buf: Any, dtype: str, shape: list[int]) -> torch.Tensor:
     n = 1
     for s in dims:
         n *= s
-    mv = memoryview(buf).cast("B")
-    if mv.nbytes != n * ITEMSIZE[kind]:
+    if nbytes < 0:
+        buf = memoryview(buf).cast("B")
+        nbytes = buf.nbytes - offset
+    if nbytes != n * ITEMSIZE[kind]:
         raise SeaBiscuitError(f"an activation of dtype {dtype} and shape {list(shape)} arrived with "
-                              f"{mv.nbytes} bytes")
+                              f"{nbytes} bytes")
     if not n:
         return torch.empty(dims, dtype=kind)
-    if mv.readonly:
-        mv = memoryview(bytearray(mv))
-    t = torch.from_numpy(np.frombuffer(mv, dtype=NUMPY[kind]).reshape(dims))
+    if type(buf) is not bytearray and memoryview(buf).readonly:
+        buf, offset = bytearray(memoryview(buf)[offset:offset + nbytes]), 0
+    t = torch.from_numpy(np.frombuffer(buf, dtype=NUMPY[kind], count=n, offset=offset).reshape(dims))
     return t.view(torch.bfloat16) if kind is torch.bfloat16 else t
 
 
@@ -146,10 +153,12 @@ def pack(msgs: Sequence[dict[str, Any]]) -> list[Any]:
     sent: dict[tuple[Any, ...], int] = {}
 
     def entry(name: Any, t: torch.Tensor) -> list[Any]:
-        head = [str(name), dtype_name(t), list(t.shape)]
-        key = (t.device, t.data_ptr(), t.dtype, t.shape, t.stride())
-        if t.numel() and key in sent:
-            return [*head, sent[key]]
+        dtype = NAMES.get(t.dtype) or dtype_name(t)
+        head = [str(name), dtype, list(t.shape)]
+        key = (t.data_ptr(), dtype, t.shape, t.stride(), None if t.is_cpu else t.device)
+        at = sent.get(key)
+        if at is not None and t.numel():
+            return [*head, at]
         sent[key] = len(frames)
         frames.append(as_bytes(t))
         return head
@@ -167,7 +176,7 @@ def pack(msgs: Sequence[dict[str, Any]]) -> list[Any]:
             m["inputs"] = [[b, take(ts)] for b, ts in m["inputs"]]
         out.append(m)
     head = msgpack.packb({"msgs": out, "tensors": specs}, use_bin_type=True)
-    lengths = [len(head), *(memoryview(f).nbytes for f in frames)]
+    lengths = [len(head), *(f.nbytes for f in frames)]
     return [struct.pack(f"<Q{len(lengths)}Q", len(lengths), *lengths), head, *frames]
 
 
@@ -183,15 +192,16 @@ def pack_message(msgs: Sequence[dict[str, Any]]) -> tuple[list[Any], int]:
         pad = -pos % ALIGN
         if pad:
             out.append(bytes(pad))
-        n = memoryview(f).nbytes
         out.append(f)
-        pos += pad + n
+        pos += pad + f.nbytes
     return out, pos
 
 
 def unpack_message(buf: Any) -> list[dict[str, Any]]:
     """The messages of one ``pack_message`` buffer; each tensor is a view of ``buf`` (no copy)."""
-    mv = memoryview(buf).cast("B")
+    mv = memoryview(buf)
+    if mv.format != "B" or mv.ndim != 1:
+        mv = mv.cast("B")
     if mv.nbytes < 8:
         raise SeaBiscuitError(f"a data-plane message of {mv.nbytes} bytes (it needs 8 at least)")
     (n,) = struct.unpack_from("<Q", mv, 0)
@@ -199,18 +209,28 @@ def unpack_message(buf: Any) -> list[dict[str, Any]]:
         raise SeaBiscuitError(f"a data-plane message of {mv.nbytes} bytes names {n} frames")
     lengths = struct.unpack_from(f"<{n}Q", mv, 8)
     pos = 8 + 8 * n + lengths[0]
-    head, frames = bytes(mv[8 + 8 * n:pos]), []
+    head, frames = mv[8 + 8 * n:pos], []
     for length in lengths[1:]:
         pos += -pos % ALIGN
-        frames.append(mv[pos:pos + length])
+        frames.append((pos, length))
         pos += length
     if pos != mv.nbytes:
         raise SeaBiscuitError(f"a data-plane message of {mv.nbytes} bytes whose frames take {pos}")
-    return unpack(head, frames)
+    if mv.readonly:
+        mv = memoryview(bytearray(mv))
+    return _unpack(head, [n for _, n in frames],
+                   lambda i, dtype, shape: from_bytes(mv, dtype, shape, *frames[i]))
 
 
 def unpack(head: bytes, frames: list[Any]) -> list[dict[str, Any]]:
     """``pack``'s messages back, tensors and all; a header that does not match its frames is refused."""
+    return _unpack(head, [memoryview(f).nbytes for f in frames],
+                   lambda i, dtype, shape: from_bytes(frames[i], dtype, shape))
+
+
+def _unpack(head: Any, sizes: list[int], frame: Any) -> list[dict[str, Any]]:
+    """``unpack``, of frames of ``sizes`` bytes, each read by ``frame(i, dtype, shape)``."""
+    count = len(sizes)
     h = msgpack.unpackb(head, raw=False, strict_map_key=True)
     built: list[Tensors] = []
     read: list[torch.Tensor] = []
@@ -221,20 +241,20 @@ def unpack(head: bytes, frames: list[Any]) -> list[dict[str, Any]]:
             if again:           # NOTE: a frame read already: a tensor of its own, not the same memory
                 at = again[0]
                 ref = read[at] if len(again) == 1 and isinstance(at, int) and 0 <= at < len(read) else None
-                if ref is None or str(ref.dtype).removeprefix("torch.") != dtype or list(ref.shape) != shape:
+                if ref is None or NAMES.get(ref.dtype) != dtype or list(ref.shape) != shape:
                     raise SeaBiscuitError(f"a data-plane batch names frame {again} for tensor {name!r} of "
                                           f"{dtype} {shape}, after {len(read)} frames")
                 ts[str(name)] = ref.clone()
                 continue
-            if len(read) >= len(frames):
-                raise SeaBiscuitError(f"a data-plane batch names more tensors than its {len(frames)} frames")
-            ts[str(name)] = t = from_bytes(frames[len(read)], str(dtype), list(shape))
-            own += int(t.numel() * t.element_size())
+            if len(read) >= count:
+                raise SeaBiscuitError(f"a data-plane batch names more tensors than its {count} frames")
+            ts[str(name)] = t = frame(len(read), str(dtype), shape)
+            own += sizes[len(read)]
             read.append(t)
         ts.wire_bytes = own
         built.append(ts)
-    if len(read) != len(frames):
-        raise SeaBiscuitError(f"a data-plane batch has {len(frames)} frames and names {len(read)} tensors")
+    if len(read) != count:
+        raise SeaBiscuitError(f"a data-plane batch has {count} frames and names {len(read)} tensors")
     msgs = []
     for m in h["msgs"]:
         m = dict(m)
