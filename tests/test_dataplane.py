@@ -23,7 +23,7 @@ from seabiscuit_dask.lower.kvcache import CacheLost
 from seabiscuit_dask.runtime.dataplane import DataPlane, RunFailed, StaleRun, Tensors, timed
 from seabiscuit_dask.runtime.dataplane.client import route
 from seabiscuit_dask.runtime.dataplane.ordered import OrderedExecutor
-from seabiscuit_dask.runtime.dataplane.runs import greedy
+from seabiscuit_dask.runtime.dataplane.runs import Loop, greedy
 from seabiscuit_dask.runtime.dataplane.wire import (
     DTYPES,
     as_bytes,
@@ -208,6 +208,32 @@ def test_a_decode_loop_caller_collects_greedy_tokens_in_place_of_logits(planned)
     assert not plane.runs                                      # the run ended with its collect
     with pytest.raises(SeaBiscuitError, match="greedy tokens need"):
         greedy(torch.zeros(2, 5, dtype=torch.long))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("prepared", [False, True])
+def test_a_decode_loops_next_step_reads_the_greedy_tokens_and_positions_one_on(dtype, prepared) -> None:
+    """``Loop.following``: each live row's argmax (the first of equal maxima) at its position one on,
+    a pad row as it was, whether or not the worker worked out the positions before (``prepare``)."""
+    logits = torch.randn(3, 2, 11).to(dtype)
+    logits[0, -1, 4] = logits[0, -1, 7] = 9.0               # NOTE: a tie: the first is taken
+    x = {"input_ids": torch.tensor([[1], [2], [0]]), "position_ids": torch.tensor([[5], [9], [0]]),
+         "sb_sessions": torch.tensor([0, 1, -1]), "sb_start": torch.tensor([5, 9, 0]),
+         "sb_valid": torch.ones(3, 1, dtype=torch.bool)}
+    loop = Loop([7, 8], [], "logits", x)
+    if prepared:
+        loop.prepare()
+    nxt, after = loop.following(logits)
+    tokens = logits[:, -1].float().argmax(dim=-1)
+    assert tokens[0] == 4
+    assert torch.equal(nxt["input_ids"], torch.stack([tokens[0], tokens[1], torch.tensor(0)]).reshape(3, 1))
+    assert torch.equal(nxt["position_ids"], torch.tensor([[6], [10], [0]]))
+    assert torch.equal(nxt["sb_start"], torch.tensor([6, 10, 0]))
+    assert nxt["sb_sessions"] is x["sb_sessions"] and nxt["sb_valid"] is x["sb_valid"]
+    assert after.requests == [8] and after.inputs is nxt and after.ahead is None
+    assert torch.equal(greedy(logits), tokens) and greedy(logits).dtype == torch.long
+    with pytest.raises(SeaBiscuitError, match="greedy tokens need"):
+        greedy(torch.zeros(2, 5))
 
 
 def test_a_message_of_an_older_plan_or_without_the_ticket_is_refused(planned) -> None:

@@ -614,6 +614,8 @@ class DataPlane:
             return []
         if after.requests:
             self.loops[(run.model, request)] = after
+            # NOTE: once this step is on its way, not on the path of the next one's tokens
+            asyncio.get_running_loop().call_soon(after.prepare)
         self.counters["loop_steps"] += 1
         ahead: list[Any] = []
         # NOTE: the peers' step inputs are dealt with before the blocks here start: each goes with

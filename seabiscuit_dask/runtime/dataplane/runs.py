@@ -104,36 +104,61 @@ class Loop:
     route: list[tuple[str, list[tuple[int, tuple[str, ...]]]]]   # worker -> its blocks and their inputs
     logits: str                                           # the output tile the tokens come from
     inputs: dict[str, torch.Tensor]                       # this step's inputs (positions, sessions, ...)
+    ahead: tuple[Any, bool, dict[str, torch.Tensor]] | None = None   # ``prepare``'s
 
-    def following(self, logits: torch.Tensor) -> tuple[dict[str, torch.Tensor], Loop]:
-        """The next step's inputs (greedy tokens, positions one on; pad rows stay as they are) and
-        the loop after it."""
+    def prepare(self) -> None:
+        """Work out what the next step reads but its tokens: which rows are live (pad rows stay as
+        they are) and their positions one on. ``following`` does it where it was not done before;
+        the worker does it once the step that reads these inputs is on its way (idle time: the
+        critical path of the next step then only picks tokens)."""
+        if self.ahead is not None:
+            return
         x = self.inputs
         # NOTE: in numpy: these few ops come right after a block that streamed its weights through
         # the caches, where each of torch's costs 10x its warm time (0.2 ms in all, numpy 0.15)
         step = (x["sb_sessions"].numpy() >= 0).astype(np.int64)    # NOTE: 1 for a live row, 0 for a pad
-        tokens = greedy(logits).cpu().numpy()
-        nxt = {"input_ids": torch.from_numpy((tokens * step).reshape(-1, 1)),
-               "position_ids": torch.from_numpy(x["position_ids"].numpy() + step.reshape(-1, 1)),
-               "sb_sessions": x["sb_sessions"], "sb_start": torch.from_numpy(x["sb_start"].numpy() + step),
-               "sb_valid": x["sb_valid"]}
+        self.ahead = (step, bool(step.all()), {
+            "position_ids": torch.from_numpy(x["position_ids"].numpy() + step.reshape(-1, 1)),
+            "sb_sessions": x["sb_sessions"], "sb_start": torch.from_numpy(x["sb_start"].numpy() + step),
+            "sb_valid": x["sb_valid"]})
+
+    def following(self, logits: torch.Tensor) -> tuple[dict[str, torch.Tensor], Loop]:
+        """The next step's inputs (greedy tokens, positions one on; pad rows stay as they are) and
+        the loop after it."""
+        self.prepare()
+        assert self.ahead is not None
+        step, live, rest = self.ahead
+        tokens = greedy_numpy(logits)
+        nxt = {"input_ids": torch.from_numpy((tokens if live else tokens * step).reshape(-1, 1)), **rest}
         return nxt, Loop(self.requests[1:], self.route, self.logits, nxt)
+
+
+FLOATS = (torch.float32, torch.float64)
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
     """(B, L, V) logits -> (B,) int64 tokens, the last position's argmax: what a decode loop feeds
     on, and what its caller collects in place of the logits."""
+    if logits.is_cpu and logits.dtype in FLOATS:
+        return torch.from_numpy(greedy_numpy(logits))
     if logits.dim() != 3 or not logits.is_floating_point():
         raise SeaBiscuitError(f"greedy tokens need (batch, length, vocab) float logits, got "
                               f"{tuple(logits.shape)} {logits.dtype}")
-    last = logits[:, -1].detach()
-    if last.device.type != "cpu":
-        return last.argmax(dim=-1).to(torch.long)
-    if last.dtype not in (torch.float32, torch.float64):
-        last = last.float()          # NOTE: numpy has no bfloat16
-    # NOTE: numpy's argmax, 7x torch's on a CPU (a row of SmolLM2's 49k logits: 6 against 45 us);
-    # both take the first of equal maxima
-    return torch.from_numpy(np.asarray(last.numpy().argmax(axis=-1), dtype=np.int64))
+    return logits[:, -1].detach().argmax(dim=-1).to(torch.long)
+
+
+def greedy_numpy(logits: torch.Tensor) -> np.ndarray:
+    """``greedy`` as a (B,) int64 numpy array: where ``logits`` are float32 or float64 on the CPU,
+    numpy's argmax straight on their memory (a row of SmolLM2's 49k logits: 6 against torch's
+    45 us; each of the torch calls it saves a cold 10-40 us right after a block run). Both take the
+    first of equal maxima."""
+    if not (logits.is_cpu and logits.dtype in FLOATS):
+        return greedy(logits).cpu().numpy()
+    a = (logits.detach() if logits.requires_grad else logits).numpy()
+    if a.ndim != 3:
+        raise SeaBiscuitError(f"greedy tokens need (batch, length, vocab) float logits, got {a.shape} "
+                              f"{logits.dtype}")
+    return a[:, -1].argmax(axis=-1).astype(np.int64, copy=False)
 
 
 def decode_loop(msg: Any) -> Loop | None:
