@@ -28,6 +28,8 @@ from seabiscuit_dask.runtime.dataplane.wire import (
     DTYPES,
     as_bytes,
     from_bytes,
+    from_inline,
+    inline,
     nbytes,
     pack,
     pack_message,
@@ -505,6 +507,16 @@ def test_every_dtype_crosses_the_wire_as_it_was(dtype: str) -> None:
     if kind.is_complex:
         lazy = t.conj()                                     # NOTE: a view with its conjugate bit set
         assert torch.equal(from_bytes(bytes(as_bytes(lazy)), dtype, list(t.shape)), lazy.resolve_conj())
+    back = from_inline(msgpack.unpackb(msgpack.packb(inline(Tensors(t=t, strided=strided, empty=empty)))))
+    for name, want in (("t", t), ("strided", strided), ("empty", empty)):
+        assert back[name].dtype == kind and torch.equal(back[name], want), name      # NOTE: a follow's way
+
+
+def test_tensors_sent_inline_that_do_not_fit_are_refused() -> None:
+    ok = inline(Tensors(t=torch.arange(3)))
+    for bad in ([["t", "object", [3], ok[0][3]]], [["t", "int64", [4], ok[0][3]]], [["t", "int64", [3]]], 7):
+        with pytest.raises(SeaBiscuitError, match="dtype 'object'|arrived with 24 bytes|malformed"):
+            from_inline(bad)
 
 
 def test_a_block_left_with_no_ops_is_never_started(planned) -> None:

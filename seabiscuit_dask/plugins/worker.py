@@ -31,6 +31,7 @@ from ..runtime import access, agent
 from ..runtime.dataplane import DataPlane, Links, Tensors, decode_loop, timed
 from ..runtime.dataplane.ordered import OrderedExecutor
 from ..runtime.dataplane.streams import Receiving, opener, serve
+from ..runtime.dataplane.wire import inline
 from ..runtime.resident import ResidentBlocks
 from ..runtime.tasks import PLUGIN_NAME, fetch_spec
 from ..runtime.watch import seconds
@@ -264,7 +265,7 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
                 await comm.write({"request": request, **error_message(error)})
             else:
                 await comm.write({"request": request, "status": "OK",
-                                  "outputs": [[b, to_serialize(ts)] for b, ts in (out or {}).items()]})
+                                  "outputs": [[b, inline(ts)] for b, ts in (out or {}).items()]})
 
         try:
             try:

@@ -22,7 +22,7 @@ from distributed.protocol import to_serialize
 
 from ...errors import RunFailed
 from ...lower.blocks import BlockSpec
-from .wire import Tensors
+from .wire import Tensors, from_inline
 
 Route = dict[str, tuple[list[tuple[int, tuple[str, ...]]], list[int]]]   # address -> (feeds, collects)
 
@@ -123,7 +123,7 @@ async def _follow(client: Any, address: str, msg: dict[str, Any],
                 raise (error or RunFailed(f"{where}: request {r} failed")).with_traceback(tb)
             if not isinstance(step, dict) or step.get("status") != "OK" or step.get("request") != r:
                 raise RunFailed(f"{where} answered {str(step)[:200]} for request {r}")
-            _settle(f, {int(b): ts for b, ts in step["outputs"]})
+            _settle(f, {int(b): from_inline(ts) for b, ts in step["outputs"]})
     except (CommClosedError, OSError) as e:
         raise RunFailed(f"request {r} of {where} could not be reached: {type(e).__name__}: {e}") from e
     finally:
