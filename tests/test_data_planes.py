@@ -131,17 +131,24 @@ def _count_calls(dask_worker) -> bool:
     return True
 
 
-def test_a_decode_loops_steps_reach_the_caller_down_one_comm(client, model) -> None:
-    # Each step's tokens come as they are made, with no call per step; a caller that lets go
-    # mid-loop ends the worker's side too.
+def test_a_decode_loops_steps_reach_the_caller_down_one_comm(client, model, monkeypatch) -> None:
+    # Each step's tokens come as they are made, with no call per step, and the caller makes no
+    # inputs for the steps the workers feed; a caller that lets go mid-loop ends the worker's
+    # side too.
+    from seabiscuit_dask.runtime import generate
+
     ids = padded_batch((7,), seed=31)[0]
     with deploy(client, model, "p2p") as dm:
         dm.generate(ids, 2, pad_token_id=0, eos_token_id=[])       # NOTE: built, before counting
         client.run(_count_calls)
+        feeds, made = [], generate._feed
+        monkeypatch.setattr(generate, "_feed", lambda rows, *a: feeds.append(rows) or made(rows, *a))
         got = dm.generate(ids, 12, pad_token_id=0, eos_token_id=[])
         assert torch.equal(got, hf_greedy(model, ids, torch.ones_like(ids), 12))
         calls = client.run(lambda dask_worker: dict(dask_worker._sb_calls))
         assert sum(c["follow"] for c in calls.values()) == 1
+        assert [len(toks) for rows in feeds for _, _, toks in rows] == [7, 1]    # NOTE: prompt, first step
+        monkeypatch.undo()
         stream = dm.stream(ids, 40, pad_token_id=0, eos_token_id=[])
         head = [next(stream) for _ in range(3)]
         stream.close()

@@ -262,7 +262,7 @@ def test_another_client_cannot_reach_the_model(client, model) -> None:
                 f.result()
         torch.testing.assert_close(dm(X).logits, expected, rtol=1e-4, atol=1e-5)
         # a block output the owner holds: neither a Future of its key nor a task reading it
-        held = dm.submit_step(1, 16, _feed([(99, 0, list(range(3, 19)))], 1, 16))
+        held = dm.submit_step(1, 16, lambda: _feed([(99, 0, list(range(3, 19)))], 1, 16))
         held.futures[0].result()                   # in memory, held by the owner
         key = held.futures[0].key
         stolen = Future(key, client=other)

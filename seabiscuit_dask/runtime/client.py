@@ -490,11 +490,12 @@ class DistributedModel:
         prog = self._step_program(batch, length)
         return self.step_result(self._submit(prog, prog.layout, split_inputs(prog.graph, feed)))
 
-    def submit_step(self, batch: int, length: int, feed: dict[str, Any], after: Handle | None = None,
-                    steps: int = 1) -> Handle | None:
-        """Submit one step without waiting; ``after``: a step of the same program whose greedy
-        tokens are this step's ``input_ids`` (picked on the worker, so the step is queued before
-        the one it follows has finished: Dask's cost per step overlaps the computing).
+    def submit_step(self, batch: int, length: int, feed: Callable[[], dict[str, Any]],
+                    after: Handle | None = None, steps: int = 1) -> Handle | None:
+        """Submit one step of the inputs ``feed()`` makes, without waiting; ``after``: a step of the
+        same program whose greedy tokens are this step's ``input_ids`` (picked on the worker, so
+        the step is queued before the one it follows has finished: Dask's cost per step overlaps
+        the computing; a decode loop's next step runs already, and ``feed`` is not called).
 
         On the data plane ``steps`` > 1 starts a decode loop on the workers: each step after
         the first is fed by the worker that makes the logits, from their greedy tokens, with no
@@ -505,7 +506,7 @@ class DistributedModel:
             return after.next
         # NOTE: one layout, whatever plan event comes meanwhile
         layout = prog.layout
-        inputs = split_inputs(prog.graph, feed)
+        inputs = split_inputs(prog.graph, feed())
         one_tile = len(prog.graph.leaf_outputs) == 1 and "input_ids" not in prog.graph.tilings
         if self.p2p and steps > 1 and one_tile and set(inputs) == set(dataplane.runs.STEP_INPUTS):
             return self._submit_loop(prog, layout, inputs, steps)
