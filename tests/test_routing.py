@@ -744,6 +744,31 @@ def test_small_messages_go_straight_to_the_socket_and_a_large_one_the_socket_can
     assert len([n for n in reads if n != ACK.size]) < 39     # NOTE: fewer reads than messages
 
 
+def test_a_message_of_more_pieces_than_one_sendmsg_takes_arrives_whole() -> None:
+    """700 tensors are about 1,400 pieces (each frame and its padding): past the 1,024 one
+    ``sendmsg`` takes, the rest goes through the stream (the link broke on EMSGSIZE)."""
+    settings = FlowSettings(chunk_bytes=1 << 16, window_bytes=1 << 30, priority_bytes=1 << 20,
+                            pipe_delay_s=1.0)
+
+    async def run():
+        got = []
+
+        async def receive(msg):
+            got.append({k: v.clone() for k, v in msg["tensors"].items()})
+
+        links, addr, _, listener = await tcp_link(receive, settings)
+        ts = Tensors({f"t{i}": torch.full((3,), i) for i in range(700)})
+        await links.send(addr, {"op": "push", "model": "m", "request": 1, "tensors": ts})
+        while not got:
+            await asyncio.sleep(0)
+        links.close()
+        listener.stop()
+        return got[0]
+
+    got = asyncio.run(run())
+    assert len(got) == 700 and all(torch.equal(got[f"t{i}"], torch.full((3,), i)) for i in range(700))
+
+
 def test_a_packed_message_keeps_its_tensors_aligned() -> None:
     msg = {"op": "push", "tensors": Tensors(a=torch.arange(3, dtype=torch.int8), b=torch.randn(5, 3))}
     pieces, total = pack_message([msg])

@@ -58,6 +58,7 @@ ACK = struct.Struct("<BIIdd")      # kind, message id, bytes taken, seconds held
 DATA, ACKED = 1, 2
 JOIN_BYTES = 1 << 16               # NOTE: units smaller than this are joined into one write
 READ_BYTES = 1 << 16               # NOTE: what one read of a raw stream takes at most
+IOV_MAX = 1024                     # NOTE: the pieces one sendmsg takes at most (Linux's)
 ACK_DELAY_S = 0.01                 # NOTE: how long a small message's acknowledgement may be put off
 
 
@@ -151,11 +152,11 @@ def write(stream: Any, pieces: list[Any]) -> Any:
     own waiting to go out, they go in one ``sendmsg`` of the socket, not through the stream's
     buffer: the same system call without the buffer's copy and future (a cold 60 us of a decode
     step's 150 us write, after its block run left the caches cold); what the socket does not
-    take then goes through the stream, behind them. Over TLS each goes through the stream, small
-    pieces joined into one write."""
+    take (or past ``IOV_MAX`` pieces) then goes through the stream, behind them. Over TLS each
+    goes through the stream, small pieces joined into one write."""
     if type(stream) is IOStream and not stream.writing() and not stream.closed():
         try:
-            n = stream.socket.sendmsg(pieces)
+            n = stream.socket.sendmsg(pieces[:IOV_MAX])     # NOTE: more in one call is refused
         except BlockingIOError:
             n = 0
         except OSError as e:
