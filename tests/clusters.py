@@ -70,18 +70,36 @@ def serve_until(dm, x, stop: threading.Event, callers: int = 3, after: int = 2):
 
 
 def running_on(client, dm, address: str) -> bool:
-    """Whether a block of ``dm`` is running on ``address`` right now (a task, or a run of the
-    data plane)."""
+    """Whether a block of ``dm`` runs on ``address`` (a task processing there, or a run of the
+    data plane seen running within ``WATCH_S``)."""
     if not dm.p2p:
         keys = client.processing(workers=[address]).get(address, ())
         return any(f"sb-{dm.model_id}" in str(k) for k in keys)
     return bool(client.run(_running, dm.model_id, workers=[address]).get(address))
 
 
-def _running(model: str, dask_worker=None) -> bool:
+WATCH_S = 0.2
+
+
+async def _running(model: str, dask_worker=None) -> bool:
+    """Watched from a thread of its own while the worker's event loop goes on: a block that runs
+    on that loop (a small one, or the worker's only work) is never seen running by a call the
+    same loop answers, and a worker under load may run nothing else."""
+    import asyncio
+
     runs = dask_worker.plugins["seabiscuit"].dataplane.runs
-    return any(b.state == "running" for (m, _), run in list(runs.items()) if m == model
-               for b in run.blocks.values())
+    tick = threading.Event()
+
+    def watch() -> bool:
+        deadline = time.monotonic() + WATCH_S
+        while time.monotonic() < deadline:
+            if any(b.state == "running" for (m, _), run in list(runs.items()) if m == model
+                   for b in list(run.blocks.values())):
+                return True
+            tick.wait(0.0002)
+        return False
+
+    return await asyncio.get_running_loop().run_in_executor(None, watch)
 
 
 def stop(procs: list[Any]) -> None:
