@@ -158,11 +158,15 @@ class DataPlane:
         run = self._run(model, int(version), int(request))
         if run is None:
             return False
+        own: Mapping[str, torch.Tensor] = {}
         for b, ts in (inputs or {}).items():
             self.counters["bytes_in"] += nbytes(ts)
+            if int(b) == int(block):
+                own = ts            # NOTE: delivered with the push's own tensors: the block starts once
+                continue
             self._deliver(run, int(b), ts, ticket)
         self.counters["bytes_in"] += nbytes(tensors)
-        return self._deliver(run, int(block), tensors, ticket)
+        return self._deliver(run, int(block), {**own, **tensors} if own else tensors, ticket)
 
     async def collect(self, model: str, ticket: Any, version: int, request: int,
                       blocks: Sequence[int], tokens: str = "") -> dict[int, Tensors]:
