@@ -487,6 +487,11 @@ def test_the_wire_refuses_an_unknown_dtype_or_a_short_buffer() -> None:
         unpack(bytes(head), [bytearray(frames[0])])
     with pytest.raises(SeaBiscuitError, match="has 3 frames and names 2 tensors"):
         unpack(bytes(head), [bytearray(f) for f in frames] + [bytearray(4)])
+    for bad in ({"msgs": [{"op": "push", "tensors": 0}], "tensors": [[["a", "float32", 5]]]},
+                {"msgs": [{"op": "push", "tensors": 3}], "tensors": [[["a", "float32", [2]]]]},
+                {"msgs": 7, "tensors": [[["a", "float32", [2]]]]}, {"tensors": []}, [1, 2]):
+        with pytest.raises(SeaBiscuitError, match="header is malformed"):
+            unpack(msgpack.packb(bad), [bytearray(8)] if bad != {"tensors": []} else [])
     # NOTE: a dtype no activation may have is refused where it would be sent, not at the peer
     with pytest.raises(SeaBiscuitError, match="dtype uint16 cannot be sent"):
         pack([{"op": "push", "tensors": Tensors(a=torch.zeros(2, dtype=torch.uint16))}])

@@ -245,9 +245,19 @@ def unpack(head: bytes, frames: list[Any]) -> list[dict[str, Any]]:
 
 
 def _unpack(head: Any, sizes: list[int], frame: Any) -> list[dict[str, Any]]:
-    """``unpack``, of frames of ``sizes`` bytes, each read by ``frame(i, dtype, shape)``."""
+    """``unpack``, of frames of ``sizes`` bytes, each read by ``frame(i, dtype, shape)``; a header
+    that is not the layout ``pack`` writes (a field missing or of another kind) is refused."""
+    try:
+        return _build(msgpack.unpackb(head, raw=False, strict_map_key=True), sizes, frame)
+    except SeaBiscuitError:
+        raise
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
+        raise SeaBiscuitError(f"a data-plane message's header is malformed ({type(e).__name__}: "
+                              f"{e})") from None
+
+
+def _build(h: Any, sizes: list[int], frame: Any) -> list[dict[str, Any]]:
     count = len(sizes)
-    h = msgpack.unpackb(head, raw=False, strict_map_key=True)
     built: list[Tensors] = []
     read: list[torch.Tensor] = []
     for spec in h["tensors"]:
