@@ -689,6 +689,23 @@ def test_many_requests_over_tcp_arrive_whole_within_the_window() -> None:
     assert all(s > 0 and r >= 0 for _, s, _, r in samples[peer]) and any(r > 0 for *_, r in samples[peer])
 
 
+class Arrivals:
+    """What a test's receiver got, and a wait for the n-th arrival (the event itself, not a poll)."""
+
+    def __init__(self) -> None:
+        self.got: list = []
+        self.changed = asyncio.Condition()
+
+    async def add(self, item) -> None:
+        async with self.changed:
+            self.got.append(item)
+            self.changed.notify_all()
+
+    async def reach(self, n: int) -> None:
+        async with self.changed:
+            await asyncio.wait_for(self.changed.wait_for(lambda: len(self.got) >= n), 30)
+
+
 def test_small_messages_go_straight_to_the_socket_and_a_large_one_the_socket_cannot_take_keeps_its_place(
         monkeypatch) -> None:
     """A message down an idle stream goes in one ``sendmsg``, not through tornado's write buffer; one
@@ -707,20 +724,19 @@ def test_small_messages_go_straight_to_the_socket_and_a_large_one_the_socket_can
                             pipe_delay_s=1.0)
 
     async def run():
-        got = []
+        arrived = Arrivals()
+        got = arrived.got
 
         async def receive(msg):
-            got.append((msg["request"], {k: v.clone() for k, v in msg["tensors"].items()}))
+            await arrived.add((msg["request"], {k: v.clone() for k, v in msg["tensors"].items()}))
 
         links, addr, held, listener = await tcp_link(receive, settings)
         await links.send(addr, {"op": "hello", "model": "m", "request": -1, "tensors": Tensors()})
-        while not got:
-            await asyncio.sleep(0)
+        await arrived.reach(1)
         opened = len(writes)            # NOTE: the comm's handshakes and the stream's hello
         await links.send(addr, {"op": "push", "model": "m", "request": 0,
                                 "tensors": Tensors(t=torch.arange(4))})
-        while len(got) < 2:
-            await asyncio.sleep(0)
+        await arrived.reach(2)
         direct = len(writes) - opened
         del reads[:]
         big = torch.randn(8 << 20)
@@ -728,8 +744,7 @@ def test_small_messages_go_straight_to_the_socket_and_a_large_one_the_socket_can
         sends += [links.send(addr, {"op": "push", "model": "m", "request": r,
                                     "tensors": Tensors(t=torch.full((3,), r))}) for r in range(2, 40)]
         await asyncio.gather(*sends)
-        while len(got) < 41:
-            await asyncio.sleep(0)
+        await arrived.reach(41)
         links.close()
         listener.stop()
         return got[1:], big, direct, held
@@ -751,16 +766,16 @@ def test_a_message_of_more_pieces_than_one_sendmsg_takes_arrives_whole() -> None
                             pipe_delay_s=1.0)
 
     async def run():
-        got = []
+        arrived = Arrivals()
+        got = arrived.got
 
         async def receive(msg):
-            got.append({k: v.clone() for k, v in msg["tensors"].items()})
+            await arrived.add({k: v.clone() for k, v in msg["tensors"].items()})
 
         links, addr, _, listener = await tcp_link(receive, settings)
         ts = Tensors({f"t{i}": torch.full((3,), i) for i in range(700)})
         await links.send(addr, {"op": "push", "model": "m", "request": 1, "tensors": ts})
-        while not got:
-            await asyncio.sleep(0)
+        await arrived.reach(1)
         links.close()
         listener.stop()
         return got[0]
