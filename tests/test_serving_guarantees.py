@@ -164,7 +164,7 @@ def test_close_ends_calls_in_flight_with_a_typed_error(client, model) -> None:
 # --- a hung worker --------------------------------------------------------------------------------
 def test_a_stopped_worker_is_fenced_and_no_answer_changes(client, model) -> None:
     prompt = padded_batch((6,), seed=4)[0]
-    want = hf(model, prompt, 30)
+    want = hf(model, prompt, 64)
     with torch.no_grad():
         expected = model(X).logits
     with deploy(client, model) as dm:
@@ -187,9 +187,11 @@ def test_a_stopped_worker_is_fenced_and_no_answer_changes(client, model) -> None
         victim = kv_worker(dm)
         pid = pid_of(client, victim)
         try:
-            for i, row in enumerate(dm.stream(prompt, 30, pad_token_id=0, eos_token_id=[])):
+            # NOTE: stopped at the first token, 63 steps before the workers' loop can end: were it
+            # stopped later, a quick loop could have made every token already and nothing would hang
+            for i, row in enumerate(dm.stream(prompt, 64, pad_token_id=0, eos_token_id=[])):
                 out.append(row)
-                if i == 8:
+                if i == 0:
                     os.kill(pid, signal.SIGSTOP)
             assert torch.equal(torch.cat([prompt, torch.stack(out, 1)], 1), want)
             assert victim in plugin(client).fenced
