@@ -539,3 +539,31 @@ def test_a_block_left_with_no_ops_is_never_started(planned) -> None:
     reads_nothing = replace(empty, ops=specs[0].ops[:1])    # NOTE: ops that read nothing still start
     assert any(reads_nothing.index in [b for b, _ in feeds]
                for feeds, _ in route([*specs, reads_nothing], wanted).values())
+
+
+def test_a_run_a_sync_retires_fails_downstream_and_older_runs_are_refused(planned) -> None:
+    """A worker's sync to a new plan fails its older runs there and at each worker downstream of
+    their blocks: one whose own blocks did not move (it holds the old plan still) would wait for
+    them until its caller's progress bound. From then on that worker refuses a run of an older
+    plan, though its resident blocks are still the old plan's while the new ones load."""
+    _, specs, _, _, _ = planned
+    mid = next(s for s in specs if len(s.imports) >= 2 and any(a != s.address for _, a, _ in s.sends))
+    consumer, peer = next((c, a) for c, a, _ in mid.sends if a != mid.address)
+    mesh = Mesh(specs)
+    up, down = mesh.planes[mid.address], mesh.planes[peer]
+    up.spec_of = lambda m, v, b: mesh.specs[b] if v == 0 else None       # NOTE: resident, as they are
+    one = {next(iter(mid.imports)): torch.zeros(1)}                      # one of the block's inputs
+
+    async def retire_a_waiting_run() -> Any:
+        waiting = asyncio.ensure_future(down.collect(MODEL, TICKET, 0, 7, [consumer]))
+        await up.push(MODEL, TICKET, 0, 7, mid.index, one)
+        assert up.runs[(MODEL, 7)].blocks[mid.index].state == "waiting"
+        assert up.retire(MODEL, 1) == 1
+        return await asyncio.wait_for(asyncio.gather(waiting, return_exceptions=True), 30)
+
+    (error,) = asyncio.run(retire_a_waiting_run())
+    assert isinstance(error, StaleRun) and "moved to plan v1" in str(error)
+    assert not down.runs and not up.runs
+    assert mesh.resident[mid.address].versions.get(MODEL, -1) < 1          # the old blocks still resident
+    with pytest.raises(StaleRun, match="names plan v0"):
+        asyncio.run(up.push(MODEL, TICKET, 0, 8, mid.index, one))

@@ -63,10 +63,11 @@ RunKey = tuple[str, int]
 
 # NOTE: failures a peer may name by class (data, read from a message), so the caller acts on what
 # happened: those running the request again cannot cure, and a session's cache lost with a worker
-# (the caller replays the session at once, on the plan it holds). Any other arrives as RunFailed,
-# which the caller retries under a new id once a newer plan comes.
+# (the caller replays the session at once, on the plan it holds); a run a worker's sync retired
+# (the caller sends it again on the current plan). Any other arrives as RunFailed, which the caller
+# retries under a new id once a newer plan comes.
 KINDS: dict[str, type[SeaBiscuitError]] = {c.__name__: c for c in (ClusterTooSmall, BudgetTooSmall, BadInput,
-                                                                    BadCheckpoint, CacheLost)}
+                                                                    BadCheckpoint, CacheLost, StaleRun)}
 REMEMBERED = 4096      # NOTE: blocks run and runs ended, kept to refuse repeats and late messages
 INLINE_S = 2e-4        # NOTE: blocks quicker than this run on the event loop, not a compute thread
 ALONE_S = 0.1          # NOTE: the longest block that runs on the event loop as the worker's only work
@@ -101,6 +102,9 @@ class DataPlane:
         self.token_delay = token_delay_s() if token_delay is None else token_delay
         self.held: dict[RunKey, tuple[Run, str]] = {}     # runs with blocks held behind the run they follow
         self.runs: dict[RunKey, Run] = {}
+        # NOTE: model -> the plan version its last sync retired the runs below (``retire``): a run of
+        # an older one is refused from then on, before the blocks of the new one are loaded
+        self.floors: dict[str, int] = {}
         self.ran: OrderedDict[tuple[str, int, int], None] = OrderedDict()     # (model, request, block)
         self.ended: OrderedDict[RunKey, BaseException] = OrderedDict()       # failed or forgotten runs
         self.done: OrderedDict[RunKey, None] = OrderedDict()                 # runs that finished here
@@ -203,7 +207,12 @@ class DataPlane:
         of ``block`` (whose spec says where). ``kind``: the error's class when it is one that
         the caller acts on (``KINDS``), so it gets it as it was; else ``RunFailed``."""
         ticket = await self.check(model, ticket)
-        run = self._run(model, int(version), int(request))
+        # NOTE: the run held here fails, of whichever plan: it cannot finish without the peer's part
+        run = self.runs.get((model, int(request)))
+        if run is None:
+            run = self._run(model, int(version), int(request))
+        else:
+            self.counters["messages"] += 1
         if run is None:
             # NOTE: ended here already, when only the blocks it had heard of were told: the blocks
             # after ``block`` (on peers reached through other workers) would wait for it forever
@@ -331,7 +340,12 @@ class DataPlane:
                                              int(msg.get("request", 0)), ticket, why))
 
     def retire(self, model: str, version: int | None = None) -> int:
-        """Fail the runs of ``model`` older than ``version`` (every run, for None: released)."""
+        """Fail the runs of ``model`` older than ``version`` (every run, for None: released), at every
+        worker that waits on their blocks here too (one that never syncs, its blocks unmoved, would
+        wait for them till its caller's progress bound); from now on a message of a run older than
+        ``version`` is refused, though the blocks of ``version`` may still be loading."""
+        if version is not None:
+            self.floors[model] = max(self.floors.get(model, -1), int(version))
         doomed = [run for (m, _), run in self.runs.items() if m == model
                   and (version is None or run.version < version)]
         for key in [k for k in self.loops if k[0] == model]:
@@ -345,7 +359,7 @@ class DataPlane:
         for run in doomed:
             why = "was released" if version is None else f"moved to plan v{version}"
             self._fail(run, StaleRun(f"{run.where()} cannot finish: the model {why} while it ran; "
-                                     "it runs again on the current plan"), "", spread=False)
+                                     "it runs again on the current plan"), run.ticket)
         return len(doomed)
 
     # --- runs ----------------------------------------------------------------------------------
@@ -355,7 +369,7 @@ class DataPlane:
         if key in self.ended:
             self.counters["repeats"] += 1
             return None
-        held = self.version_of(model)
+        held = max(self.version_of(model), self.floors.get(model, -1))
         if version < held:
             self.counters["stale"] += 1
             raise StaleRun(f"request {request} of model {model} names plan v{version}; worker {self.address} "
@@ -374,12 +388,13 @@ class DataPlane:
             oldest = min(self.runs.values(), key=lambda r: r.created)
             why = (f"{oldest.where()} was dropped by worker {self.address}: more than {self.max_runs} runs "
                    "in flight (seabiscuit.runtime.data-plane-runs)")
-            self._fail(oldest, RunFailed(why), "", spread=False)
+            self._fail(oldest, RunFailed(why), oldest.ticket)
 
     def _deliver(self, run: Run, block: int, tensors: Mapping[str, torch.Tensor], ticket: str) -> bool:
         if (run.model, run.request, block) in self.ran:
             self.counters["repeats"] += 1
             return False
+        run.ticket = run.ticket or ticket
         br = run.block(block)
         new = {t: x for t, x in tensors.items() if t not in br.imports}
         if br.state != "waiting" or (tensors and not new):

@@ -54,6 +54,7 @@ class Run:
     tasks: set[Any] = field(default_factory=set)
     wanted: set[int] = field(default_factory=set)     # blocks a caller waits here for
     after: int = -1                   # the request (a prompt's chunk before) whose cache writes it needs
+    ticket: str = ""                  # the caller's, as its messages carried it: failures spread with it
     # NOTE: a decode step's inputs of a peer's blocks, to go with this run's first push to that peer
     riders: dict[str, list[tuple[int, dict[str, torch.Tensor]]]] = field(default_factory=dict)
 
