@@ -567,3 +567,24 @@ def test_a_run_a_sync_retires_fails_downstream_and_older_runs_are_refused(planne
     assert mesh.resident[mid.address].versions.get(MODEL, -1) < 1          # the old blocks still resident
     with pytest.raises(StaleRun, match="names plan v0"):
         asyncio.run(up.push(MODEL, TICKET, 0, 8, mid.index, one))
+
+
+def test_a_push_that_comes_after_its_run_was_retired_fails_the_blocks_after_it(planned) -> None:
+    """A run a sync retired before any of its blocks here was named: a push that comes for one
+    later is dropped, and the blocks after that block hear the run failed."""
+    _, specs, _, _, _ = planned
+    mid = next(s for s in specs if any(a != s.address for _, a, _ in s.sends))
+    consumer, peer = next((c, a) for c, a, _ in mid.sends if a != mid.address)
+    mesh = Mesh(specs)
+    up, down = mesh.planes[mid.address], mesh.planes[peer]
+
+    async def push_after_retiring() -> Any:
+        waiting = asyncio.ensure_future(down.collect(MODEL, TICKET, 0, 9, [consumer]))
+        await up.feed(MODEL, TICKET, 0, 9, {})          # NOTE: the run is known here, none of its blocks
+        assert up.retire(MODEL, 1) == 1
+        assert not await up.push(MODEL, TICKET, 0, 9, mid.index, {next(iter(mid.imports)): torch.zeros(1)})
+        return await asyncio.wait_for(asyncio.gather(waiting, return_exceptions=True), 30)
+
+    (error,) = asyncio.run(push_after_retiring())
+    assert isinstance(error, StaleRun) and "moved to plan v1" in str(error)
+    assert not down.runs and not up.runs

@@ -161,6 +161,12 @@ class DataPlane:
         ticket = await self.check(model, ticket)
         run = self._run(model, int(version), int(request))
         if run is None:
+            ended = self.ended.get((model, int(request)))
+            if isinstance(ended, StaleRun):
+                # NOTE: a sync retired the run here before this came: the blocks after ``block``,
+                # here and on peers, would wait for it till their caller's progress bound
+                await self._pass_on(model, int(version), int(request), int(block), ticket, str(ended)[:2000],
+                                    type(ended).__name__)
             return False
         own: Mapping[str, torch.Tensor] = {}
         for b, ts in (inputs or {}).items():
@@ -779,10 +785,15 @@ class DataPlane:
             del self.runs[key]
         self._remember_end(key, error)
         if spread and ticket:
+            kind = type(error).__name__
             for block, addr in self._downstream(run.model, run.version,
                                                 [b.spec for b in run.blocks.values() if b.spec is not None]):
                 self._tell(self._tell_failed(addr, run.model, run.version, run.request, ticket, str(error),
-                                             block, kind=type(error).__name__))
+                                             block, kind=kind))
+            for b in run.blocks.values():
+                if b.spec is None:          # NOTE: its spec still loading: where its outputs go is asked
+                    self._tell(self._pass_on(run.model, run.version, run.request, b.block, ticket,
+                                             str(error)[:2000], kind))
 
     def _downstream(self, model: str, version: int, specs: list[BlockSpec]) -> set[tuple[int, str]]:
         """The blocks on other workers that wait, directly or through blocks here, on ``specs``."""
