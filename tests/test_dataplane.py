@@ -344,6 +344,33 @@ def test_a_failure_that_comes_back_to_a_worker_goes_on_past_it(blocks) -> None: 
     assert not any(p.runs for p in mesh.planes.values())
 
 
+def test_a_failure_passes_a_worker_on_a_newer_plan_that_never_held_the_run(blocks) -> None:  # noqa: F811
+    """Stages on h0, h1, h2; h1 took plan v1 before the request (of v0) came. It refuses h0's push,
+    and the fail that h0 then sends past its block finds no run on h1: h1 passes it on to h2,
+    else h2's last block, and the caller collecting it, wait forever."""
+    import numpy as np
+
+    graph, plan, x, _, _ = blocks
+    spec = sb.ClusterSpec(tuple(replace(d, memory_bytes=256 * 2**20) for d in plan.spec.devices[:3]),
+                          plan.spec.links)
+    order = np.arange(len(graph.ops)) * 3 // len(graph.ops)           # three contiguous stages
+    specs = block_specs(sb.Plan(graph, spec, order, info={"fused": True}), MODEL, 0)
+    first = next(s for s in specs if graph.inputs[0] in s.imports)
+    last = next(s for s in specs if graph.outputs[0] in s.outputs)
+    middle = next(s.address for s in specs if s.address not in (first.address, last.address))
+    mesh = Mesh(specs)
+    assert mesh.planes[middle].retire(MODEL, 1) == 0                 # NOTE: it holds no run: only refuses
+
+    async def call() -> Any:
+        waiting = asyncio.ensure_future(mesh.planes[last.address].collect(MODEL, TICKET, 0, 1, [last.index]))
+        await mesh.planes[first.address].feed(MODEL, TICKET, 0, 1, {first.index: {graph.inputs[0]: x}})
+        return await asyncio.wait_for(asyncio.gather(waiting, return_exceptions=True), 30)
+
+    (error,) = asyncio.run(call())
+    assert isinstance(error, RunFailed) and f"worker {middle} holds v1" in str(error)
+    assert not any(p.runs for p in mesh.planes.values())
+
+
 def test_a_block_that_cannot_load_fails_the_run_downstream(planned) -> None:
     """Its spec is not loaded, yet the blocks after it hear of the failure (they would wait forever)."""
     graph, specs, x, _, _ = planned

@@ -216,12 +216,15 @@ class DataPlane:
         # NOTE: the run held here fails, of whichever plan: it cannot finish without the peer's part
         run = self.runs.get((model, int(request)))
         if run is None:
-            run = self._run(model, int(version), int(request))
+            try:
+                run = self._run(model, int(version), int(request))
+            except StaleRun:
+                run = None        # NOTE: of an older plan than this worker holds, and never held here
         else:
             self.counters["messages"] += 1
         if run is None:
-            # NOTE: ended here already, when only the blocks it had heard of were told: the blocks
-            # after ``block`` (on peers reached through other workers) would wait for it forever
+            # NOTE: ended here already, when only the blocks it had heard of were told, or never held:
+            # the blocks after ``block`` (on peers reached through other workers) would wait forever
             if int(block) >= 0:
                 await self._pass_on(model, int(version), int(request), int(block), ticket, str(reason)[:2000],
                                     str(kind))
