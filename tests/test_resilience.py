@@ -87,7 +87,7 @@ def test_sigkill_mid_inference_with_checkpoints(client, llama, tmp_path) -> None
     assert not (Path(tmp_path) / dm.model_id).exists()
 
 
-def test_drain_under_load_moves_everything_and_loses_nothing(client, llama) -> None:
+def test_drain_under_load_moves_everything_and_loses_nothing(client, llama, caplog) -> None:
     model, x, expected = llama
     # NOTE: a worker killed by an earlier test comes back under its nanny: the drain needs all four
     client.wait_for_workers(4, timeout=60)
@@ -103,6 +103,8 @@ def test_drain_under_load_moves_everything_and_loses_nothing(client, llama) -> N
         join(threads)
         assert not errors, errors
         assert len(results) >= 6 and all(M.rel_err(r, expected) <= 1e-4 for r in results)
+        # NOTE: nor waited out its progress bound: a run the drain retired fails where it waits
+        assert "it was lost" not in caplog.text
         assert report["replan_s"] and report["versions"][dm.model_id] == dm.version
         assert victim not in {d.address for d in dm.plan.spec.devices}
         assert M.rel_err(dm(x).logits, expected) <= 1e-4
