@@ -164,9 +164,10 @@ class DataPlane:
             ended = self.ended.get((model, int(request)))
             if isinstance(ended, StaleRun):
                 # NOTE: a sync retired the run here before this came: the blocks after ``block``,
-                # here and on peers, would wait for it till their caller's progress bound
-                await self._pass_on(model, int(version), int(request), int(block), ticket, str(ended)[:2000],
-                                    type(ended).__name__)
+                # here and on peers, would wait for it till their caller's progress bound (told in
+                # the background: the stream this came on reads on meanwhile)
+                self._tell(self._pass_on(model, int(version), int(request), int(block), ticket,
+                                         str(ended)[:2000], type(ended).__name__))
             return False
         own: Mapping[str, torch.Tensor] = {}
         for b, ts in (inputs or {}).items():
