@@ -77,6 +77,15 @@ class StaleRun(RunFailed):
     while the request ran): the caller takes the current plan and sends the request again."""
 
 
+def restless(what: str, tries: int, error: BaseException) -> StaleRun:
+    """The error a caller raises once ``what`` was sent ``tries`` times and the plan changed under
+    every one (``error``: the last try's): the cluster replans faster than it runs."""
+    return StaleRun(f"{what} was sent {tries} times and the plan changed under every try, the last "
+                    f"time: {error}. The cluster replans faster than the request runs (workers "
+                    "draining, restoring or changing capacity one after another); send it again once "
+                    "the plan settles")
+
+
 class ModelClosed(SeaBiscuitError):
     """A call reached a distributed model after (or while) it was closed."""
 

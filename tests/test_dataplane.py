@@ -270,8 +270,9 @@ def test_a_push_that_cannot_land_fails_the_run_at_its_sender(planned, peer_is: s
 
     why = f"could not send the inputs of block .* to {peer}" if peer_is == "gone" else \
         f"names plan v0; worker {peer} holds v3"
-    with pytest.raises(RunFailed, match=why):
+    with pytest.raises(RunFailed, match=why) as failed:
         asyncio.run(feed_then_ask())
+    assert isinstance(failed.value, StaleRun) == (peer_is != "gone")   # NOTE: the caller resends it at once
     assert plane.counters["runs_failed"] == 1 and not plane.runs
     assert peer_is == "gone" or mesh.planes[peer].counters["stale"] >= 1
 

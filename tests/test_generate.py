@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import seabiscuit_dask as sb
-from seabiscuit_dask.errors import BadInput, Busy, ClusterTooSmall, RunFailed, SessionClosed
+from seabiscuit_dask.errors import BadInput, Busy, ClusterTooSmall, RunFailed, SessionClosed, StaleRun
 from seabiscuit_dask.lower.kvcache import CacheLost, KVStore
 from seabiscuit_dask.placement.follow import follow
 from seabiscuit_dask.runtime import generate as generate_module
@@ -650,6 +650,30 @@ def test_a_worker_killed_mid_answer_changes_no_token() -> None:
             assert torch.equal(torch.cat([ids, torch.stack(out, 1)], 1), want)
             assert dm.version > 0 and victim not in {d.address for d in dm.plan.spec.devices}
             assert dm.generation_stats()["replays"] >= 1
+
+
+def test_a_step_whose_plan_changes_under_every_try_fails_saying_so() -> None:
+    """A step is sent again while the plan changes under it, STALE_TRIES times; then the caller
+    hears that the cluster replans faster than the step runs, not the last try's refusal."""
+    from seabiscuit_dask.runtime.generate import STALE_TRIES, stream_tokens
+
+    runner = LocalRunner(decoder("llama"), "64KiB")
+    tries: list[int] = []
+
+    def replanned(batch: int, length: int, feed: dict) -> torch.Tensor:
+        tries.append(batch)
+        raise StaleRun(f"request {len(tries)} names plan v{len(tries)}; a worker holds v{len(tries) + 1}")
+
+    runner.run_step = replanned           # type: ignore[method-assign]
+    runner.recover = lambda error: None   # type: ignore[method-assign]  # NOTE: as if a newer plan came
+    engine = Engine(runner)
+    ids, _ = padded_batch((6,), seed=4)
+    args = GenerateArgs.make(runner.model.generation_config, 6, max_new_tokens=3, pad_token_id=0,
+                             eos_token_id=[])
+    with pytest.raises(StaleRun, match=f"sent {STALE_TRIES + 1} times and the plan changed under every "
+                                       f"try, the last time: request {STALE_TRIES + 1} names"):
+        list(stream_tokens(engine, ids, args))
+    assert len(tries) == STALE_TRIES + 1
 
 
 def test_a_session_keeps_its_cache_between_turns() -> None:

@@ -49,6 +49,7 @@ from ..errors import (
     UnsupportedModel,
     WorkerHung,
     WorkerLost,
+    restless,
 )
 from ..ir import fmt_bytes
 from ..lower.blocks import BlockSpec, block_specs, request_graph, task_name
@@ -188,7 +189,7 @@ class DistributedModel:
             except StaleRun as e:         # NOTE: the plan changed under it: cheap to send again
                 stale += 1
                 if stale > STALE_TRIES:
-                    raise
+                    raise restless(f"a request of model {self.model_id}", stale, e) from e
                 self.recover(e)
             except (WorkerHung, RunFailed) as e:
                 failed += 1

@@ -36,7 +36,7 @@ from typing import Any, Protocol
 import torch
 
 from .. import config
-from ..errors import BadInput, Busy, ModelClosed, SessionClosed, StaleRun, WorkerLost
+from ..errors import BadInput, Busy, ModelClosed, SessionClosed, StaleRun, WorkerLost, restless
 
 STALE_TRIES = 10     # NOTE: times a step is sent again because the plan changed while it ran
 
@@ -656,6 +656,8 @@ class Engine:
                 if error is not None:
                     self._recover(error, sessions, feed["sb_start"][:len(sessions)].tolist())
                 return self._step(batch, length, feed)
+            except StaleRun:
+                raise               # NOTE: ``_step`` sent it again while it could: the plan never settled
             except WorkerLost as e:
                 error = e
         assert error is not None
@@ -668,7 +670,10 @@ class Engine:
                 return self.runner.run_step(batch, length, feed)
             except StaleRun as e:
                 self.runner.recover(e)
-        return self.runner.run_step(batch, length, feed)
+        try:
+            return self.runner.run_step(batch, length, feed)
+        except StaleRun as e:
+            raise restless("a generation step", STALE_TRIES + 1, e) from e
 
     def _recover(self, error: WorkerLost, sessions: list[Session], starts: Sequence[int]) -> None:
         """Wait for the repaired plan, then rebuild what workers lost of each session's cache:

@@ -322,7 +322,8 @@ class DataPlane:
                         type(e).__name__, e)
             if op != "fail" and sender:
                 self._tell(self._tell_failed(sender, str(msg.get("model")), int(msg.get("version", 0)),
-                                             int(msg.get("request", 0)), str(msg.get("ticket")), str(e)))
+                                             int(msg.get("request", 0)), str(msg.get("ticket")), str(e),
+                                             kind=type(e).__name__))
         except Exception as e:  # noqa: BLE001 - fields missing or of the wrong kind: the stream goes on
             logger.info("seabiscuit: a malformed data-plane %s from %s dropped: %s: %s", op, sender,
                         type(e).__name__, e)
