@@ -676,6 +676,31 @@ def test_a_step_whose_plan_changes_under_every_try_fails_saying_so() -> None:
     assert len(tries) == STALE_TRIES + 1
 
 
+def test_a_step_whose_cache_the_plan_moves_at_every_replay_fails_saying_so() -> None:
+    """A step that finds its session's cache lost is replayed and sent again, a few times; a
+    plan that moves the cache again each time ends in the error that the cluster replans faster
+    than the step runs, not the last try's "replay the session's tokens"."""
+    from seabiscuit_dask.runtime.generate import stream_tokens
+
+    runner = LocalRunner(decoder("llama"), "64KiB")
+    tries: list[int] = []
+
+    def moved(batch: int, length: int, feed: dict) -> torch.Tensor:
+        tries.append(length)
+        raise CacheLost(f"session 0: the step starts at token {len(tries)} (its cache was lost with a "
+                        "worker; replay the session's tokens)")
+
+    runner.run_step = moved               # type: ignore[method-assign]
+    runner.recover = lambda error: None   # type: ignore[method-assign]  # NOTE: as if a newer plan came
+    ids, _ = padded_batch((6,), seed=4)
+    args = GenerateArgs.make(runner.model.generation_config, 6, max_new_tokens=3, pad_token_id=0,
+                             eos_token_id=[])
+    with pytest.raises(StaleRun, match="generation step was sent 4 times and the plan changed under every "
+                                       "try, the last time: session 0"):
+        list(stream_tokens(Engine(runner), ids, args))
+    assert len(tries) == 4            # NOTE: the step, then three replays, each failing where it starts
+
+
 def test_a_session_keeps_its_cache_between_turns() -> None:
     from seabiscuit_dask.runtime.generate import stream_tokens
 

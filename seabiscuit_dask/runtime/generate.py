@@ -37,6 +37,7 @@ import torch
 
 from .. import config
 from ..errors import BadInput, Busy, ModelClosed, SessionClosed, StaleRun, WorkerLost, restless
+from ..lower.kvcache import CacheLost
 
 STALE_TRIES = 10     # NOTE: times a step is sent again because the plan changed while it ran
 
@@ -661,6 +662,8 @@ class Engine:
             except WorkerLost as e:
                 error = e
         assert error is not None
+        if isinstance(error, CacheLost):    # NOTE: replayed each time, and the plan moved the cache again
+            raise restless("a generation step", tries, error) from error
         raise error
 
     def _step(self, batch: int, length: int, feed: dict[str, torch.Tensor]) -> torch.Tensor:
