@@ -9,6 +9,9 @@ replans faster than it runs (after ``STALE_TRIES`` sends); any other error, a wr
 answer or a request lost till its progress bound is a fault.
 
     python benchmarks/bench_churn.py [--seconds 60] [--pause 0.05 1]
+
+Columns: drain-and-restore rounds, the plan version at the end, calls, right answers, calls
+that failed as restless, faults, requests lost till their progress bound, calls over 5 s.
 """
 
 from __future__ import annotations
@@ -100,7 +103,7 @@ def main() -> None:
     ap.add_argument("--pause", type=float, nargs="+", default=[0.05, 1.0])
     args = ap.parse_args()
     model = decoder("llama", seed=2)
-    print(f"{'pause s':>8} {'rounds':>7} {'plans':>6} {'calls':>6} {'right':>6} {'restless':>9} "
+    print(f"{'pause s':>8} {'rounds':>7} {'version':>7} {'calls':>6} {'right':>6} {'restless':>9} "
           f"{'faults':>7} {'lost':>5} {'>5 s':>5}  refused drains")
     with dask.config.set(FAST_HANG), seabiscuit_cluster(3, BUDGET) as client:
         for pause in args.pause:
@@ -109,7 +112,7 @@ def main() -> None:
             right = sum(n for (_, what), n in c.items() if what == "right")
             restless = sum(n for (_, what), n in c.items() if what == "restless")
             faults = {f"{k} {what}": n for (k, what), n in c.items() if what not in ("right", "restless")}
-            print(f"{pause:8.2f} {r['rounds']:7d} {r['versions']:6d} {r['calls']:6d} {right:6d} "
+            print(f"{pause:8.2f} {r['rounds']:7d} {r['versions']:7d} {r['calls']:6d} {right:6d} "
                   f"{restless:9d} {sum(faults.values()):7d} {r['lost']:5d} {r['over_5s']:5d}  {r['refused']}"
                   + (f"  {faults}" if faults else ""))
 
