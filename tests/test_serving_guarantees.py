@@ -220,6 +220,18 @@ def test_a_long_prompt_sent_to_a_hung_worker_is_prefilled_again_and_no_token_cha
         assert dm.generation_stats()["prefill_ahead"] == 2
 
 
+def test_a_drained_worker_is_restored_while_the_clients_view_lists_no_workers(client, model,
+                                                                            monkeypatch) -> None:
+    """The client's shared copy of the scheduler's identity may list no workers for a moment (its
+    periodic update carries totals only): a drained worker, no longer in the plan, is found anyway."""
+    with deploy(client, model) as dm:
+        victim = dm.specs[-1].address
+        dm.drain(victim)
+        monkeypatch.setattr(client, "scheduler_info", lambda *a, **k: {"workers": {}})
+        dm.restore(victim)
+        assert victim not in plugin(client).state.drained
+
+
 def test_draining_a_hung_worker_returns_without_it(client, model) -> None:
     with torch.no_grad():
         expected = model(X).logits

@@ -783,7 +783,9 @@ class DistributedModel:
                 return d.address
         from .discover import device_name
 
-        info = self.client.scheduler_info()["workers"]
+        # NOTE: asked of the scheduler itself: ``client.scheduler_info()`` returns the client's shared
+        # copy, which its periodic update may have just replaced with one that lists no workers
+        info = self.client.sync(self.client.scheduler.identity, n_workers=-1)["workers"]
         for addr, w in info.items():
             alias = device_name({"name": w.get("name"), "address": addr}, set())   # "w0" for worker 0
             if worker in (addr, str(w.get("name")), alias):
