@@ -77,6 +77,9 @@ class StaleRun(RunFailed):
     while the request ran): the caller takes the current plan and sends the request again."""
 
 
+STALE_TRIES = 10     # NOTE: times a request or step is sent again because the plan changed while it ran
+
+
 def restless(what: str, tries: int, error: BaseException) -> StaleRun:
     """The error a caller raises once ``what`` was sent ``tries`` times and the plan changed under
     every one (``error``: the last try's): the cluster replans faster than it runs."""

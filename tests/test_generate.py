@@ -655,7 +655,8 @@ def test_a_worker_killed_mid_answer_changes_no_token() -> None:
 def test_a_step_whose_plan_changes_under_every_try_fails_saying_so() -> None:
     """A step is sent again while the plan changes under it, STALE_TRIES times; then the caller
     hears that the cluster replans faster than the step runs, not the last try's refusal."""
-    from seabiscuit_dask.runtime.generate import STALE_TRIES, stream_tokens
+    from seabiscuit_dask.errors import STALE_TRIES
+    from seabiscuit_dask.runtime.generate import stream_tokens
 
     runner = LocalRunner(decoder("llama"), "64KiB")
     tries: list[int] = []

@@ -464,10 +464,21 @@ def _type(page: Any, selector: str, text: str) -> None:
     page.call("Input.insertText", text=text)
 
 
-def test_the_serve_command_answers_once_healthy(live: Live) -> None:
-    """``seabiscuit serve --model FOLDER`` on an embedded cluster, stopped by its stop event."""
+def test_the_serve_command_answers_once_healthy(live: Live, monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """``seabiscuit serve --model FOLDER`` on an embedded cluster, stopped by its stop event. Its
+    ready line counts the workers the scheduler lists, though the client's own copy (which its
+    periodic update replaces) lists none at the time."""
+    import distributed
+
     from seabiscuit_dask.serve.server import run
 
+    shared = distributed.Client.scheduler_info
+
+    def replaced(self: Any, **kwargs: Any) -> dict[str, Any]:
+        return {**shared(self, **kwargs), "workers": {}}
+
+    monkeypatch.setattr(distributed.Client, "scheduler_info", replaced)
     stop = threading.Event()
     port = _free_port()
     done: list[Any] = []
@@ -491,6 +502,7 @@ def test_the_serve_command_answers_once_healthy(live: Live) -> None:
         stop.set()
         thread.join(120)
     assert done == [0]
+    assert "of weights on 2 workers" in capsys.readouterr().out
 
 
 def _status(url: str) -> int:

@@ -39,6 +39,7 @@ from torch.utils import _pytree as pytree
 
 from .. import config
 from ..errors import (
+    STALE_TRIES,
     BadInput,
     ModelClosed,
     RoomTaken,
@@ -67,7 +68,6 @@ from .watch import Deadline, seconds
 logger = logging.getLogger(__name__)
 
 Progress = Callable[[str], None]
-STALE_TRIES = 10     # NOTE: times a request is sent again because the plan changed while it ran
 
 
 def _quiet(msg: str) -> None:
@@ -781,11 +781,9 @@ class DistributedModel:
         for d in self._plan.spec.devices:
             if worker in (d.name, d.address):
                 return d.address
-        from .discover import device_name
+        from .discover import cluster_workers, device_name
 
-        # NOTE: asked of the scheduler itself: ``client.scheduler_info()`` returns the client's shared
-        # copy, which its periodic update may have just replaced with one that lists no workers
-        info = self.client.sync(self.client.scheduler.identity, n_workers=-1)["workers"]
+        info = cluster_workers(self.client)
         for addr, w in info.items():
             alias = device_name({"name": w.get("name"), "address": addr}, set())   # "w0" for worker 0
             if worker in (addr, str(w.get("name")), alias):

@@ -251,6 +251,13 @@ def probe_links(client: Any, infos: list[dict[str, Any]],
     return (bw, lat), measured
 
 
+def cluster_workers(client: Any) -> dict[str, dict[str, Any]]:
+    """Every worker of the cluster, by address, as the scheduler itself lists them now (not
+    ``client.scheduler_info()``: the client's shared copy, which its periodic update may have just
+    replaced with one that lists no workers)."""
+    return dict(client.sync(client.scheduler.identity, n_workers=-1)["workers"])
+
+
 def workers_info(client: Any, everyone: bool = False) -> list[dict[str, Any]]:
     """The scheduler plugin's view of every worker, with fresh agent reports.
 

@@ -36,10 +36,8 @@ from typing import Any, Protocol
 import torch
 
 from .. import config
-from ..errors import BadInput, Busy, ModelClosed, SessionClosed, StaleRun, WorkerLost, restless
+from ..errors import STALE_TRIES, BadInput, Busy, ModelClosed, SessionClosed, StaleRun, WorkerLost, restless
 from ..lower.kvcache import CacheLost
-
-STALE_TRIES = 10     # NOTE: times a step is sent again because the plan changed while it ran
 
 logger = logging.getLogger(__name__)
 

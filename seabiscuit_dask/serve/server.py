@@ -201,6 +201,7 @@ def run(sources: list[Source], *, workers: int, scheduler: str | None, host: str
 
     from ..demo import connect, local_cluster, say, worker_budget_bytes
     from ..runtime.client import kv_reserve
+    from ..runtime.discover import cluster_workers
 
     api_key = api_key or os.environ.get(str(config.get("serve.api-key-env")) or "", "") or None
     if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
@@ -240,7 +241,7 @@ def run(sources: list[Source], *, workers: int, scheduler: str | None, host: str
                     server.loading.remove(m.name)
                 weights = fmt_bytes(sum(m.weight_bytes for m in loaded))
                 say(f"\nready: {len(served)} model(s), {weights} of weights on "
-                    f"{len(client.scheduler_info()['workers'])} workers")
+                    f"{len(cluster_workers(client))} workers")
                 say(f"chat page    http://{host}:{port}/")
                 say(f"API          http://{host}:{port}/v1 (OpenAI-compatible: /chat/completions, "
                     "/completions, /embeddings, /models)")
