@@ -410,6 +410,16 @@ def test_a_replay_after_a_lost_cache_sends_its_chunks_at_once() -> None:
     assert engine.stats.prefill_steps == 3 and engine.stats.prefill_ahead == 4
 
 
+def test_a_short_prompt_computes_at_most_a_quarter_more_than_its_tokens() -> None:
+    """From 32 tokens on a chunk is padded by at most a quarter of the prompt: a 37-token chat prompt
+    computes 40, not 48 (its first token 10% sooner on SmolLM2)."""
+    sizes = generate_module.PREFILL_BUCKETS
+    assert generate_module.chunking(37, sizes) == [(37, 40)]
+    for n in range(32, 257):
+        computed = sum(size for _, size in generate_module.chunking(n, sizes))
+        assert computed <= 1.25 * n, (n, generate_module.chunking(n, sizes))
+
+
 def test_a_prompt_prefilled_alone_is_cut_for_the_stages_its_chunks_flow_through() -> None:
     sizes = generate_module.PREFILL_BUCKETS
     assert generate_module.chunking(200, sizes) == [(200, 208)]
@@ -426,7 +436,7 @@ def test_a_prompt_prefilled_alone_is_cut_for_the_stages_its_chunks_flow_through(
     assert engine.chunking(120, alone=False) == [(96, 96), (24, 24)]
     assert torch.equal(local_greedy(model, ids, None, 2, engine), hf_greedy(model, ids, mask, 2))
     assert [(length, int(f["sb_start"][0]), int(f["sb_valid"].sum())) for length, f in runner.sent] == \
-        [(64, 0, 56), (64, 56, 64)]           # the smaller chunk first
+        [(56, 0, 56), (64, 56, 64)]           # the smaller chunk first
     assert engine.stats.prefill_ahead == 1
 
 
