@@ -779,10 +779,10 @@ TURN_WAIT_S = 120.0  # NOTE: how long a kept session's next turn waits for its l
 CHUNKS_IN_FLIGHT = 8    # NOTE: a prompt's chunks sent and not yet answered: a pipeline of a few stages
 #                         stays full, and a huge prompt holds the activations of only so many
 STEP_TOKENS = 48     # NOTE: a step's fixed cost (every weight read once) in tokens' worth of compute
-# NOTE: each length at most 1.25x the one before from 32 on (a prompt up to 256 tokens computes 7% more
-# than its own length on average, step cost included, 10% with 96, 160 and 192 after 64; a SmolLM2
-# 145-token prompt's first token came 3% sooner in 152 than in 160, a 37-token chat prompt's 10% sooner
-# in 40 than in 48); each is one program to build
+# NOTE: each length at most 1.25x the one before from 32 on (a prompt up to 256 tokens computes 6.5% more
+# than its own length on average, step cost included, 7.1% without 40 and 56, 10% with 96, 160 and 192
+# after 64 as well; a SmolLM2 145-token prompt's first token came 3% sooner in 152 than in 160, a 37-token
+# chat prompt's 10% sooner in 40 than in 48); each is one program to build
 PREFILL_BUCKETS = (16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 152, 176, 208, 256)
 
 
