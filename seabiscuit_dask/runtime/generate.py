@@ -665,16 +665,17 @@ class Engine:
         raise error
 
     def _step(self, batch: int, length: int, feed: dict[str, torch.Tensor]) -> torch.Tensor:
-        """One step, sent again (on the plan the runner then holds) while the plan changes under it."""
-        for _ in range(STALE_TRIES):
+        """One step, sent again (on the plan the runner then holds) while the plan changes under it,
+        ``STALE_TRIES`` times at most (as ``DistributedModel.__call__`` sends a request)."""
+        sent = 0
+        while True:
+            sent += 1
             try:
                 return self.runner.run_step(batch, length, feed)
             except StaleRun as e:
+                if sent > STALE_TRIES:
+                    raise restless("a generation step", sent, e) from e
                 self.runner.recover(e)
-        try:
-            return self.runner.run_step(batch, length, feed)
-        except StaleRun as e:
-            raise restless("a generation step", STALE_TRIES + 1, e) from e
 
     def _recover(self, error: WorkerLost, sessions: list[Session], starts: Sequence[int]) -> None:
         """Wait for the repaired plan, then rebuild what workers lost of each session's cache:
