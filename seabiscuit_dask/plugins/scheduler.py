@@ -69,6 +69,8 @@ from .worker import SeaBiscuitWorkerPlugin
 
 logger = logging.getLogger(__name__)
 
+MAX_MISSED_ENDS = 100_000       # NOTE: session ends kept per fenced worker and model, for its return
+
 
 class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
     """Holds the plans of deployed models and pins their tasks to the planned workers."""
@@ -85,6 +87,9 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
         self.run_totals: dict[str, dict[str, int]] = {}
         self.activity = Activity()                           # block runs and request latencies, for the page
         self.fenced: dict[str, str] = {}                     # address -> why: hung, replanned around
+        # NOTE: per fenced worker, per model: the session ends (ids, renames) it missed, in order
+        self._missed_ends: dict[str, dict[str, list[tuple[list[int], list[list[int]]]]]] = {}
+        self._missed_releases: dict[str, set[str]] = {}     # NOTE: per fenced worker: models released since
         self._hellos: dict[str, asyncio.Event] = {}          # address -> set once its agent said hello
         self._secret = access.new_token()                    # NOTE: each worker gets its own HMAC of it
         self._claims: dict[str, tuple[str, float]] = {}      # deploy claim -> (client, when it came)
@@ -239,6 +244,8 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
 
     def remove_worker(self, scheduler: Any = None, worker: str = "", **kwargs: Any) -> None:
         self._hellos.pop(worker, None)
+        self._missed_ends.pop(worker, None)
+        self._missed_releases.pop(worker, None)
         if str(getattr(self.scheduler, "status", "")).endswith(("closing", "closed")):
             return      # NOTE: the cluster is shutting down: nothing to repair
         self.fenced.pop(worker, None)
@@ -444,12 +451,18 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
             logger.info("seabiscuit: worker %s did not take the routes: %s", address, e)
 
     def _send_secret(self, address: str) -> None:
-        """Tell a worker its secret down its own stream (no other peer can write there)."""
+        """Tell a worker its secret down its own stream (no other peer can write there), and the key
+        with which the cluster's workers prove themselves to each other (``access.peer_proof``)."""
         stream = self.scheduler.stream_comms.get(address)
         if stream is not None:
-            stream.send({"op": "seabiscuit_secret", "secret": self._worker_secret(address)})
+            stream.send({"op": "seabiscuit_secret", "secret": self._worker_secret(address),
+                         "peers": self._peer_key()})
             if self.state.routes or self.state.watch:    # NOTE: a worker that joins later takes them too
                 self._background_task(self._tell_routes(address))
+
+    def _peer_key(self) -> str:
+        """What the cluster's workers, and only they, hold to open data-plane streams to each other."""
+        return hmac.new(self._secret.encode(), b"data-plane peers", "sha256").hexdigest()
 
     def _ticket(self, model: str) -> str:
         """What data-plane messages of ``model`` show: its client and its workers have it."""
@@ -482,7 +495,7 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
             if d.address in self.scheduler.workers and d.address not in self.state.devices \
                     and d.address not in self.fenced:
                 self._apply(self.state.handle(DeviceAdded(d)))
-        model, token = access.new_model_id(), access.new_token()
+        model, token = access.new_model_id(self._peer_key()), access.new_token()
         self._apply(self.state.handle(ModelDeployed(model, p, token, checkpoint_dir or "",
                                                     max(0, int(verify_every or 0)))))
         self.owners[model] = owner
@@ -517,6 +530,10 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
                 logger.info("seabiscuit: worker %s did not free sessions of %s: %s", addr, model, e)
                 return 0
 
+        for addr in self.fenced:         # NOTE: told when it answers again (``_rejoin``)
+            ends = self._missed_ends.setdefault(addr, {}).setdefault(model, [])
+            if len(ends) < MAX_MISSED_ENDS:
+                ends.append((ids, moves))
         return sum(await asyncio.gather(*(one(a) for a in list(self.scheduler.workers)
                                           if a not in self.fenced)))
 
@@ -531,6 +548,9 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
         for d in (self.block_runs, self.run_totals, self.owners):
             d.pop(model, None)
         self.activity.forget(model)
+        for addr in self.fenced:         # NOTE: it drops the model when it answers again (``_watch``)
+            self._missed_releases.setdefault(addr, set()).add(model)
+            self._missed_ends.get(addr, {}).pop(model, None)
         await self._sync_workers(model)
         if store_of is not None:
             await self._drop_store(model, store_of)
@@ -670,21 +690,62 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
         self._background_task(self._watch(address))
 
     async def _watch(self, address: str) -> None:
-        """Probe a fenced worker until it answers (then it takes work again) or leaves."""
+        """Probe a fenced worker until it answers (then it takes work again) or leaves. Its return
+        is tried again, a probe interval apart, until it takes: an error on the way is logged and
+        never ends the watch (a model stays stranded only while the cluster cannot hold it)."""
+        if not await self._answers_again(address):
+            self.fenced.pop(address, None)
+            return
+        if self.fenced.pop(address, None) is None:
+            return
+        logger.info("seabiscuit: fenced worker %s answers again: it takes work again", address)
+        self._publish({"action": "unfenced", "address": address})
+        # NOTE: it drops what moved, and the models released, while it was fenced
+        for model in [*self.state.models, *sorted(self._missed_releases.pop(address, ()))]:
+            self._background_task(self._sync_workers(model, owners=False))
+        while address in self.scheduler.workers and address not in self.fenced:
+            try:
+                self._rejoin(address)
+                return
+            except Exception as e:  # noqa: BLE001 - logged, and tried again
+                logger.warning("seabiscuit: worker %s answers again but did not rejoin the plans (%s: %s); "
+                               "trying again", address, type(e).__name__, e)
+            await asyncio.sleep(seconds("runtime.probe-timeout"))
+
+    async def _answers_again(self, address: str) -> bool:
+        """Whether a fenced worker answered a probe (False: it left, or a newer fence holds it)."""
         while address in self.fenced and address in self.scheduler.workers:
             if await self._answers(address, tries=1):
-                if self.fenced.pop(address, None) is None:
-                    return
-                logger.info("seabiscuit: fenced worker %s answers again: it takes work again", address)
-                self._publish({"action": "unfenced", "address": address})
-                for model in list(self.state.models):    # NOTE: it drops what moved while it was fenced
-                    self._background_task(self._sync_workers(model, owners=False))
-                device = self._device_of(address)
-                if device is not None:
-                    self._apply(self.state.handle(DeviceAdded(device)))
-                return
+                return True
             await asyncio.sleep(seconds("runtime.probe-timeout"))
-        self.fenced.pop(address, None)
+        return False
+
+    def _rejoin(self, address: str) -> None:
+        """A worker back from a fence: every plan that needs it takes it again, and it drops the
+        sessions that ended while it was fenced."""
+        device = self._device_of(address)
+        if device is None:
+            raise SeaBiscuitError(f"worker {address} has no agent report to place on yet")
+        self._apply(self.state.handle(DeviceAdded(device)))
+        missed = self._missed_ends.pop(address, {})
+        if missed:
+            self._background_task(self._end_missed(address, missed))
+
+    async def _end_missed(self, address: str,
+                          missed: dict[str, list[tuple[list[int], list[list[int]]]]]) -> None:
+        """The session ends a fenced worker missed, in the order they came."""
+        timeout = seconds("runtime.sync-timeout")
+        for model, ends in missed.items():
+            for ids, moves in ends:
+                try:
+                    drop = self.scheduler.rpc(address).seabiscuit_drop_sessions
+                    secret = self._worker_secret(address)
+                    await asyncio.wait_for(drop(model=model, sessions=ids, secret=secret, renamed=moves),
+                                           timeout)
+                except Exception as e:  # noqa: BLE001 - a worker gone took its caches with it
+                    logger.info("seabiscuit: worker %s did not free sessions of %s it missed: %s", address,
+                                model, e)
+                    return
 
     # --- RPC handlers for workers ----------------------------------------------------------------
     def block(self, comm: Any = None, model: str = "", version: int = 0, block: int = 0, address: str = "",
@@ -700,8 +761,10 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
         return self._ticket(model)
 
     def owned(self, comm: Any = None, model: str = "", address: str = "", secret: str = "") -> dict[str, Any]:
+        """What a worker holds of ``model`` now, and the model's ticket (so its data plane need not ask)."""
         access.check_model_id(model)
-        return self.state.owned(model, self._check_worker(address, secret))
+        owned = self.state.owned(model, self._check_worker(address, secret))
+        return owned if owned.get("released") else {**owned, "ticket": self._ticket(model)}
 
     async def hello(self, comm: Any = None, address: str = "", report: dict[str, Any] | None = None) -> bool:
         """A worker's agent reports for the first time: a worker not yet placed on becomes usable.

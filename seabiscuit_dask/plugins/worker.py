@@ -16,6 +16,7 @@ import asyncio
 import logging
 import threading
 import time
+from collections import OrderedDict
 from typing import Any
 
 import psutil
@@ -30,7 +31,7 @@ from ..lower.blocks import BlockSpec
 from ..runtime import access, agent
 from ..runtime.dataplane import DataPlane, Links, Tensors, decode_loop, timed
 from ..runtime.dataplane.ordered import OrderedExecutor
-from ..runtime.dataplane.streams import Receiving, opener, serve
+from ..runtime.dataplane.streams import Overrun, Receiving, admit, opener, serve
 from ..runtime.dataplane.wire import inline
 from ..runtime.resident import ResidentBlocks
 from ..runtime.tasks import PLUGIN_NAME, fetch_spec
@@ -41,6 +42,9 @@ logger = logging.getLogger(__name__)
 
 DP_OPS = ("feed", "push", "follow", "fail", "forget", "flush", "stream", "status")
 MAX_FOLLOWED = 1 << 16          # NOTE: steps one follow of a decode loop may name
+MAX_UNKNOWN = 4096              # NOTE: model ids refused lately that a worker remembers
+MAX_ASKING = 16                 # NOTE: questions for tickets waiting at once; more are refused at once
+MAX_LOGGED = 1024               # NOTE: peers whose refused streams a worker logs (once each)
 
 
 class SeaBiscuitWorkerPlugin(WorkerPlugin):
@@ -71,6 +75,7 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
         self.forecast = agent.AvailabilityForecast()
         self.pressure_sent: str | None = None
         self.secret = ""                             # what the scheduler plugin sent: shown in calls
+        self.peer_key = ""                           # what the cluster's workers prove themselves with
         self.has_secret = threading.Event()
         worker.metrics[PLUGIN_NAME] = self.metrics
         worker.stream_handlers["seabiscuit_secret"] = self._set_secret
@@ -79,6 +84,10 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
         worker.handlers["seabiscuit_report"] = self.report_now
         worker.handlers["seabiscuit_drop_sessions"] = self.drop_sessions
         self._tickets: dict[str, str] = {}
+        self._unknown: OrderedDict[str, float] = OrderedDict()   # NOTE: model -> refused without asking till
+        self._asking: asyncio.Lock | None = None
+        self._waiting = 0
+        self.ticket_questions = 0                    # questions for tickets sent to the scheduler
         self._pool = OrderedExecutor(max(1, int(worker.state.nthreads)), "seabiscuit-dp")
         self.dataplane = DataPlane(
             worker.address, compute=timed(self._compute, worker.address), spec_of=self._known_spec,
@@ -87,8 +96,10 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
             max_runs=int(config.get("runtime.data-plane-runs")),
             describe=lambda m, v, b: BlockSpec.from_dict(self._fetch(m, v, b)),
             forward=lambda address, msg: self._links.send(address, msg, direct=True), ready=self._kv_ready)
-        self._links = Links(opener(lambda: worker.connection_args))
-        self._receiving: dict[str, Receiving] = {}      # NOTE: per peer stream: bytes read, not yet handed on
+        self._links = Links(opener(lambda: worker.connection_args, worker.address, self._prove))
+        self._receiving: dict[str, Receiving] = {}      # NOTE: per peer: bytes read, not yet handed on
+        self._streams: dict[str, Any] = {}              # NOTE: per peer: the comm of its stream here
+        self._refused_peers: set[str] = set()
         for op in DP_OPS:
             worker.handlers[f"seabiscuit_dp_{op}"] = refusing(getattr(self, f"dp_{op}"))
         from tornado.ioloop import PeriodicCallback
@@ -183,9 +194,11 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
                                 secret=self.secret)
 
     # --- RPC ------------------------------------------------------------------------------
-    def _set_secret(self, secret: str = "", **kwargs: Any) -> None:
-        """Stream handler: the scheduler plugin's secret for this worker (only it writes there)."""
+    def _set_secret(self, secret: str = "", peers: str = "", **kwargs: Any) -> None:
+        """Stream handler: the scheduler plugin's secret for this worker, and the key its workers prove
+        themselves to each other with (only the scheduler writes there)."""
         self.secret = str(secret)
+        self.peer_key = str(peers)
         self.has_secret.set()
 
     async def set_routes(self, comm: Any = None, routes: Any = (), watch: Any = (), secret: str = "") -> int:
@@ -236,8 +249,11 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
         await self._secret_known()
         owned = await w.scheduler.seabiscuit_owned(model=model, address=w.address, secret=self.secret)
         self.dataplane.retire(model, None if owned.get("released") else int(owned["version"]))
+        self._unknown.pop(model, None)
         if owned.get("released"):
             self._tickets.pop(model, None)
+        elif isinstance(owned.get("ticket"), str):
+            self._tickets[model] = owned["ticket"]
         return await asyncio.to_thread(self.resident.sync, owned, model)
 
     # --- the data plane (runtime.dataplane) --------------------------------------------------------
@@ -302,24 +318,58 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
             await asyncio.to_thread(self.has_secret.wait, seconds("runtime.sync-timeout"))
 
     async def _check_ticket(self, model: Any, ticket: Any) -> str:
-        """``ticket`` if it is ``model``'s (the scheduler plugin tells the real one once), else
+        """``ticket`` if it is ``model``'s (a sync tells it, else the scheduler plugin once), else
         ``AccessDenied``."""
         access.check_model_id(model)
         want = self._tickets.get(model)
         if want is None:
-            w = self.worker
-            await self._secret_known()
-            try:
-                want = str(await w.scheduler.seabiscuit_ticket(model=model, address=w.address,
-                                                               secret=self.secret))
-            except Exception as e:
-                raise AccessDenied(f"worker {w.address} could not learn the ticket of model {model}: "
-                                   f"{e}") from e
-            self._tickets[model] = want
+            want = await self._ask_ticket(model)
         if not access.same_token(want, ticket):      # NOTE: compared even when fetched just now
             raise AccessDenied(f"a data-plane message for model {model} without its ticket: only the model's "
                                "client and its workers may send them")
         return want
+
+    async def _ask_ticket(self, model: str) -> str:
+        """The ticket of a model no sync told this worker of, from the scheduler plugin. An id the
+        scheduler did not issue (``access.issued``) is refused without asking; a model it did not
+        know is refused without asking again for ``seabiscuit.runtime.refuse-unknown-for``; one
+        question at a time, at most ``MAX_ASKING`` waiting. So messages naming made-up models cost
+        the scheduler nothing."""
+        w = self.worker
+        await self._secret_known()
+        if not (self.peer_key and access.issued(model, self.peer_key)):
+            raise AccessDenied(f"{model} is no model id the scheduler of worker {w.address} issued")
+        if self._asking is None:
+            self._asking = asyncio.Lock()
+        if self._waiting >= MAX_ASKING:
+            raise AccessDenied(f"worker {w.address} has {self._waiting} questions for tickets of models it "
+                               f"does not hold waiting; a data-plane message for model {model} is refused")
+        self._waiting += 1
+        try:
+            async with self._asking:
+                if model in self._tickets:
+                    return self._tickets[model]
+                if self._unknown.get(model, -1.0) > time.monotonic():
+                    raise AccessDenied(f"model {model} is not deployed on this cluster (the scheduler said "
+                                       "so lately)")
+                self.ticket_questions += 1
+                try:
+                    want = str(await w.scheduler.seabiscuit_ticket(model=model, address=w.address,
+                                                                   secret=self.secret))
+                except Exception as e:
+                    self._remember_unknown(model)
+                    raise AccessDenied(f"worker {w.address} could not learn the ticket of model {model}: "
+                                       f"{e}") from e
+                self._tickets[model] = want
+                return want
+        finally:
+            self._waiting -= 1
+
+    def _remember_unknown(self, model: str) -> None:
+        self._unknown[model] = time.monotonic() + seconds("runtime.refuse-unknown-for")
+        self._unknown.move_to_end(model)
+        while len(self._unknown) > MAX_UNKNOWN:
+            self._unknown.popitem(last=False)
 
     def _known_spec(self, model: str, version: int, block: int) -> Any:
         p = self.resident.programs.get((model, block))
@@ -340,16 +390,53 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
     def _compute(self, model: str, version: int, request: int, block: int, imports: Any) -> Any:
         return self.resident.run(model, version, request, block, imports, (), self._fetch)
 
-    async def dp_stream(self, comm: Any = None, raw: bool = False, **kwargs: Any) -> Any:
-        """A peer's stream of one-way data-plane messages (``dataplane.streams``), read until it closes."""
-        peer = str(getattr(comm, "peer_address", ""))
-        held = self._receiving[peer] = Receiving()
+    async def dp_stream(self, comm: Any = None, raw: bool = False, sender: Any = "", **kwargs: Any) -> Any:
+        """A peer's stream of one-way data-plane messages (``dataplane.streams``), read until it closes,
+        once the peer proved it is a worker of this cluster (``streams.admit``). One stream per peer:
+        a newer one ends the older (its sender opened it because the older broke). A stream that
+        sends more than the credit window lets a worker have open is dropped; either refusal is
+        logged once per peer."""
+        try:
+            await self._secret_known()
+            peer = await admit(comm, sender, self._verify, seconds("runtime.probe-timeout"))
+        except (AccessDenied, CommClosedError, OSError) as e:
+            self._refused(str(sender or getattr(comm, "peer_address", "")), e)
+            comm.abort()
+            return Status.dont_reply
+        older = self._streams.get(peer)
+        if older is not None:
+            older.abort()
+        self._streams[peer] = comm
+        held = self._receiving[peer] = Receiving(window_bytes=self._links.settings.window_bytes)
         try:
             await serve(comm, bool(raw), self.dataplane.receive, held, self._links.settings.priority_bytes)
+        except Overrun as e:
+            self._refused(peer, e)
         finally:
+            comm.abort()
             if self._receiving.get(peer) is held:
                 del self._receiving[peer]
+            if self._streams.get(peer) is comm:
+                del self._streams[peer]
         return Status.dont_reply
+
+    async def _prove(self, nonce: str, receiver: str) -> str:
+        """This worker's answer to a peer's ``nonce`` (``access.peer_proof``)."""
+        await self._secret_known()
+        return access.peer_proof(self.peer_key, nonce, self.worker.address, receiver)
+
+    def _verify(self, nonce: str, sender: str, proof: Any) -> bool:
+        return bool(self.peer_key) and access.same_token(
+            access.peer_proof(self.peer_key, nonce, sender, self.worker.address), proof)
+
+    def _refused(self, peer: str, error: BaseException) -> None:
+        """A data-plane stream from ``peer`` dropped: logged the first time only (a flood logs once)."""
+        if peer in self._refused_peers or len(self._refused_peers) >= MAX_LOGGED:
+            return
+        self._refused_peers.add(peer)
+        logger.warning("seabiscuit: worker %s dropped a data-plane stream from %s: %s: %s (further ones from "
+                       "there are dropped without a log line)", self.worker.address, peer,
+                       type(error).__name__, error)
 
     def _send(self, address: str, op: str, **msg: Any) -> asyncio.Future[None]:
         """A one-way message to a peer, down the stream to it (``seabiscuit_dp_push|feed|fail``): the

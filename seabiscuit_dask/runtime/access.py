@@ -25,8 +25,20 @@ from ..ir import OpGraph, fmt_bytes
 MODEL_ID = re.compile(r"[0-9a-f]{16}")
 
 
-def new_model_id() -> str:
-    return secrets.token_hex(8)
+def new_model_id(key: str) -> str:
+    """A model id: 8 random hex digits and 8 of their HMAC under ``key`` (the one the workers hold:
+    ``issued``), so a worker tells an id the scheduler issued from a made-up one without asking."""
+    nonce = secrets.token_hex(4)
+    return nonce + _signature(key, nonce)
+
+
+def issued(model: str, key: str) -> bool:
+    """Whether ``model`` (of the form ``check_model_id`` checks) was issued under ``key``."""
+    return hmac.compare_digest(model[8:], _signature(key, model[:8]))
+
+
+def _signature(key: str, nonce: str) -> str:
+    return hmac.new(key.encode(), f"model:{nonce}".encode(), "sha256").hexdigest()[:8]
 
 
 def new_token() -> str:
@@ -42,6 +54,13 @@ def check_model_id(model: Any) -> str:
 
 def same_token(expected: str, given: Any) -> bool:
     return bool(expected) and isinstance(given, str) and hmac.compare_digest(expected, given)
+
+
+def peer_proof(key: str, nonce: str, sender: str, receiver: str) -> str:
+    """What worker ``sender`` shows ``receiver`` to open a data-plane stream: an HMAC, under the key
+    the scheduler plugin gives only its workers, of the receiver's fresh ``nonce`` and both
+    addresses (so it proves nothing to another worker, nor a second time)."""
+    return hmac.new(key.encode(), f"{nonce}|{sender}|{receiver}".encode(), "sha256").hexdigest()
 
 
 def roots() -> list[Path]:

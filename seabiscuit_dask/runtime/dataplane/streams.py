@@ -17,7 +17,12 @@ its messages go to the relay with a ``to`` field, and the relay's data plane for
 them, directly, down its own link to ``to``.
 
 The connection is one of distributed's comms, opened with the cluster's connection
-arguments (so TLS and ``Security`` apply). Over TCP and TLS units go down the comm's
+arguments (so TLS and ``Security`` apply). Before any unit is read the receiver admits the
+stream (``admit``): it sends a fresh nonce, and the opener answers with its proof (an HMAC of
+the nonce, both addresses and the key the scheduler plugin gives only its workers,
+``access.peer_proof``); a peer without the key is dropped there. What a stream holds of
+messages not yet complete is bounded by the sender's credit window (``Receiving``): a buffer
+fills as its bytes arrive, never from what a header declares alone. Over TCP and TLS units go down the comm's
 stream as raw frames: a 17-byte header (``UNIT``: kind, message id, length, the
 message's total) and that many bytes of the message (``wire.pack_message``); an
 acknowledgement says which (``ACK``: kind, message id, length, seconds held, seconds its bytes
@@ -31,6 +36,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import mmap
+import secrets
 import struct
 import time
 from collections.abc import Awaitable, Callable, Hashable
@@ -42,7 +49,7 @@ from distributed.protocol import to_serialize
 from tornado.iostream import IOStream, StreamClosedError
 
 from ... import config
-from ...errors import RunFailed, SeaBiscuitError
+from ...errors import AccessDenied, RunFailed, SeaBiscuitError
 from ..watch import seconds
 from .flow import FlowState, Unit
 from .wire import MAX_FRAME_BYTES, Tensors, nbytes, pack_message, unpack_message
@@ -52,6 +59,8 @@ logger = logging.getLogger(__name__)
 HANDLER = "seabiscuit_dp_stream"
 Connect = Callable[[str], Awaitable[tuple[Any, bool]]]   # address -> (a comm its handler reads, raw frames)
 Receive = Callable[[Any], Awaitable[None]]
+Prove = Callable[[str, str], Awaitable[str]]   # (nonce, receiver address) -> the opener's proof
+Verify = Callable[[str, str, Any], bool]   # (nonce, sender address, proof) -> whether it holds
 
 UNIT = struct.Struct("<BIIQ")      # kind, message id, bytes of this unit, bytes of the whole message
 ACK = struct.Struct("<BIIdd")      # kind, message id, bytes taken, seconds held, seconds its bytes came in
@@ -60,6 +69,7 @@ JOIN_BYTES = 1 << 16               # NOTE: units smaller than this are joined in
 READ_BYTES = 1 << 16               # NOTE: what one read of a raw stream takes at most
 IOV_MAX = 1024                     # NOTE: the pieces one sendmsg takes at most (Linux's)
 ACK_DELAY_S = 0.01                 # NOTE: how long a small message's acknowledgement may be put off
+LAZY_BYTES = 1 << 20               # NOTE: a message larger than this fills pages that take memory as written
 
 
 @dataclass(frozen=True)
@@ -84,16 +94,51 @@ class FlowSettings:
                          whole=whole)
 
 
-def opener(connection_args: Callable[[], dict[str, Any]]) -> Connect:
-    """How a worker opens a stream to a peer: a comm to its ``HANDLER`` (with the worker's
-    ``connection_args()``), raw frames where the comm has a stream."""
+def opener(connection_args: Callable[[], dict[str, Any]], sender: str, prove: Prove) -> Connect:
+    """How worker ``sender`` opens a stream to a peer: a comm to its ``HANDLER`` (with the worker's
+    ``connection_args()``), raw frames where the comm has a stream, admitted once it answers the
+    peer's nonce with ``prove(nonce, peer)`` (``admit``)."""
     async def open_stream(address: str) -> tuple[Any, bool]:
         comm = await connect(address, **connection_args())
         comm.name = "seabiscuit data plane"
         raw = getattr(comm, "stream", None) is not None
-        await comm.write({"op": HANDLER, "reply": False, "raw": raw})
+        try:
+            await comm.write({"op": HANDLER, "reply": False, "raw": raw, "sender": sender})
+            asked = await asyncio.wait_for(comm.read(), seconds("runtime.probe-timeout"))
+            nonce = asked.get("nonce") if isinstance(asked, dict) else None
+            if not isinstance(nonce, str):
+                raise CommClosedError(f"worker {address} did not ask the data-plane stream for its proof")
+            await comm.write({"proof": await prove(nonce, address)})
+        except BaseException:
+            comm.abort()
+            raise
         return comm, raw
     return open_stream
+
+
+async def admit(comm: Any, sender: Any, verify: Verify, timeout_s: float) -> str:
+    """The address of the worker that opened ``comm``, once it proved it is one of the cluster's:
+    its answer to a fresh nonce, within ``timeout_s``, holds for ``verify``. Else ``AccessDenied``
+    (the caller drops the stream before reading any unit)."""
+    if not isinstance(sender, str) or not sender:
+        raise AccessDenied(f"a data-plane stream from {comm.peer_address} names no sending worker")
+    nonce = secrets.token_hex(16)
+    try:
+        await comm.write({"nonce": nonce})
+        answer = await asyncio.wait_for(comm.read(), timeout_s)
+    except asyncio.TimeoutError:
+        raise AccessDenied(f"a data-plane stream from {comm.peer_address} (as {sender}) gave no proof "
+                           f"within {timeout_s:g} s") from None
+    except (CommClosedError, OSError, StreamClosedError):
+        raise
+    except Exception as e:  # noqa: BLE001 - the bytes of a stranger, read as a message: no proof
+        raise AccessDenied(f"a data-plane stream from {comm.peer_address} (as {sender}) gave no valid proof: "
+                           f"it sent what is no message ({type(e).__name__})") from None
+    proof = answer.get("proof") if isinstance(answer, dict) else None
+    if not verify(nonce, sender, proof):
+        raise AccessDenied(f"a data-plane stream from {comm.peer_address} (as {sender}) gave no valid proof "
+                           "that it is a worker of this cluster")
+    return sender
 
 
 def stream_of(msg: dict[str, Any]) -> Hashable:
@@ -389,18 +434,50 @@ class Links:
         self._links.clear()
 
 
+class Overrun(SeaBiscuitError):
+    """A stream sent more than its credit window lets a sender have open: it is dropped."""
+
+
 @dataclass
 class Receiving:
-    """What the receiving end of one stream holds: bytes of messages read and not yet handed on."""
+    """What the receiving end of one stream holds: bytes of messages read and not yet handed on.
+
+    ``partial``: per message begun and not complete, its buffer, the bytes in it so far and its
+    declared total. A message sent in more than one unit may begin only while the totals of those
+    already begun stay within ``window_bytes``, or alone: the sender's own rule (``flow``), so a
+    stream that breaks it is no SeaBiscuit worker's (``Overrun``). ``held_bytes`` counts bytes
+    as they arrive, not as declared."""
 
     held_bytes: int = 0
     peak_bytes: int = 0
     messages: int = 0
-    partial: dict[int, tuple[bytearray, int]] = field(default_factory=dict)
+    window_bytes: float = math.inf
+    partial: dict[int, tuple[Any, int, int]] = field(default_factory=dict)
 
     def hold(self, nbytes: int) -> None:
         self.held_bytes += nbytes
         self.peak_bytes = max(self.peak_bytes, self.held_bytes)
+
+    def begin(self, msg_id: int, total: int, length: int) -> Any:
+        """A buffer for a new message of ``total`` bytes whose first unit brings ``length``."""
+        if length < total and self.partial:
+            open_bytes = sum(t for _, _, t in self.partial.values())
+            if open_bytes + total > self.window_bytes:
+                raise Overrun(f"a data-plane stream began a message of {total} bytes with "
+                              f"{len(self.partial)} others of {open_bytes} bytes open: past the credit "
+                              f"window of {int(self.window_bytes)} bytes a SeaBiscuit worker keeps to")
+        return buffer(total)
+
+
+def buffer(nbytes: int) -> Any:
+    """A writable buffer of ``nbytes``. A large one is an anonymous mapping: its pages take memory
+    only as bytes are written into them, so what a header declares costs nothing until it comes."""
+    if nbytes <= LAZY_BYTES:
+        return bytearray(nbytes)
+    try:
+        return memoryview(mmap.mmap(-1, nbytes))
+    except (OSError, OverflowError, ValueError) as e:
+        raise Overrun(f"a data-plane message of {nbytes} bytes has no room here: {e}") from e
 
 
 class Acks:
@@ -458,7 +535,9 @@ async def serve(comm: Any, raw: bool, receive: Receive, held: Receiving | None =
                 small_bytes: int = 0) -> None:
     """Read a peer's stream until it closes: each message to ``receive``, each unit acknowledged
     (``Acks``; after ``receive`` for a message's last one, with the seconds it took). Messages of
-    at most ``small_bytes`` are the urgent ones (``FlowSettings.priority_bytes``)."""
+    at most ``small_bytes`` are the urgent ones (``FlowSettings.priority_bytes``). A stream that
+    sends what no SeaBiscuit worker does raises ``Overrun`` (its caller drops it); what it held
+    of messages not yet complete is let go either way."""
     held = held if held is not None else Receiving()
     acks = Acks(comm, raw, small_bytes)
     got = bytearray()               # NOTE: bytes read off a raw stream and not yet cut into units
@@ -469,7 +548,8 @@ async def serve(comm: Any, raw: bool, receive: Receive, held: Receiving | None =
             else:
                 units = await comm.read()
                 if not isinstance(units, (list, tuple)):
-                    return              # NOTE: not what a SeaBiscuit worker sends: the stream is dropped
+                    raise Overrun(f"a data-plane stream sent a {type(units).__name__} where a worker sends "
+                                  "a list of units")
                 for unit in units:
                     t = time.perf_counter()
                     await receive(unit["msg"])
@@ -479,6 +559,8 @@ async def serve(comm: Any, raw: bool, receive: Receive, held: Receiving | None =
         return
     finally:
         acks.flush()
+        held.partial.clear()        # NOTE: what is left held is of messages begun: let go with the stream
+        held.held_bytes = 0
 
 
 async def _read_unit(comm: Any, held: Receiving, receive: Receive,
@@ -495,32 +577,40 @@ async def _read_unit(comm: Any, held: Receiving, receive: Receive,
     kind, msg_id, length, total = UNIT.unpack_from(got)
     started = time.perf_counter()
     if kind != DATA or not 0 < total <= MAX_FRAME_BYTES or length > total:
-        raise CommClosedError(f"a data-plane unit of kind {kind}, {length} of {total} bytes: not one a "
-                              "SeaBiscuit worker sends; the stream is dropped")
+        raise Overrun(f"a data-plane unit of kind {kind}, {length} of {total} bytes: not one a SeaBiscuit "
+                      "worker sends")
     have = min(length, len(got) - UNIT.size)
-    buf, filled = held.partial.pop(msg_id, (None, 0))
+    buf, filled, declared = held.partial.pop(msg_id, (None, 0, total))
     if buf is None:
-        buf = bytearray(total)
-        held.hold(total)
-    if filled + length > len(buf):
-        raise CommClosedError(f"a data-plane message of {len(buf)} bytes sent {filled + length}")
+        buf = held.begin(msg_id, total, length)
+    if declared != total or filled + length > total:
+        raise Overrun(f"a data-plane message of {declared} bytes sent {filled + length} (a unit said "
+                      f"{total})")
+    held.partial[msg_id] = (buf, filled, total)      # NOTE: let go with the stream, if it ends midway
     if have:
         buf[filled:filled + have] = got[UNIT.size:UNIT.size + have]
+        held.hold(have)
     del got[:UNIT.size + have]
-    if have < length:
-        await stream.read_into(memoryview(buf)[filled + have:filled + length])
+    at, end = filled + have, filled + length
+    while at < end:                  # NOTE: counted as it comes in
+        n = await stream.read_into(memoryview(buf)[at:end], partial=True)
+        held.hold(n)
+        at += n
     filled += length
     t = time.perf_counter()
-    if filled < len(buf):
-        held.partial[msg_id] = (buf, filled)
+    if filled < total:
+        held.partial[msg_id] = (buf, filled, total)
         ack(msg_id, length, 0.0, t - started, total)
         return
+    del held.partial[msg_id]
     try:
-        msgs = unpack_message(buf)
-    except SeaBiscuitError as e:
-        raise CommClosedError(f"a malformed data-plane message ({e}); the stream is dropped") from e
-    for m in msgs:
-        await receive(m)
-    held.held_bytes -= len(buf)      # NOTE: the data plane holds it now (its runs are bounded)
+        try:
+            msgs = unpack_message(buf)
+        except SeaBiscuitError as e:
+            raise Overrun(f"a malformed data-plane message ({e})") from e
+        for m in msgs:
+            await receive(m)
+    finally:
+        held.held_bytes -= total     # NOTE: the data plane holds it now (its runs are bounded)
     held.messages += 1
     ack(msg_id, length, time.perf_counter() - t, t - started, total)
