@@ -278,6 +278,31 @@ def test_a_stranded_model_serves_again_once_a_worker_returns(gpt2) -> None:
     assert dep.plan.feasible
 
 
+@pytest.mark.parametrize("hosts", ["one", "two"])
+def test_a_stranded_model_takes_its_fenced_worker_back_on_measured_links(gpt2, hosts: str) -> None:
+    """Two workers with measured links: one is fenced (lost), the model is stranded, and the same
+    worker answering again brings it back, whether the two share a host or not. The newcomer's
+    links came out as a bandwidth of 0 when nothing measured was left to copy, the spec refused
+    them and the model stayed stranded for good."""
+    _, _, graph = gpt2
+    w = sum(p.nbytes for p in graph.params.values())
+    devices = cluster(2, memory=str(int(w * 0.8))).devices
+    if hosts == "one":
+        devices = tuple(replace(d, host="h0") for d in devices)
+    spec = sb.ClusterSpec(devices, cluster(2).links).with_link(devices[0].name, devices[1].name,
+                                                                 sb.LinkSpec(2e9, 1e-4))
+    assert spec.matrix is not None
+    state, _ = deployed(graph, spec)
+    fenced = spec.devices[1]
+    assert isinstance(state.handle(DeviceLost(fenced.address))[0], Stranded)
+    out = state.handle(DeviceAdded(fenced))
+    assert [type(i) for i in out] == [PlanChanged] and out[0].reason.startswith("recovered")
+    dep = state.models["m1"]
+    assert not dep.stranded and dep.addresses() == {d.address for d in devices} and dep.plan.feasible
+    bw = dep.plan.spec.direct_bandwidth
+    assert (bw[~torch.eye(2, dtype=torch.bool).numpy()] > 0).all()
+
+
 def test_old_plans_are_dropped_once_no_task_needs_them(gpt2) -> None:
     _, _, graph = gpt2
     spec = sb.ClusterSpec(tuple(replace(d, host="h0") for d in cluster(4).devices), cluster(4).links)

@@ -29,7 +29,7 @@ from seabiscuit_dask.runtime.client import claim
 from seabiscuit_dask.runtime.generate import _feed
 
 from .clusters import seabiscuit_cluster, wait_for
-from .test_generate import decoder, hf_greedy, padded_batch
+from .test_generate import decoder, hf_greedy, kv_bytes, padded_batch
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::ResourceWarning")]
 
@@ -199,6 +199,37 @@ def test_a_stopped_worker_is_fenced_and_no_answer_changes(client, model) -> None
             os.kill(pid, signal.SIGCONT)
         assert dm.generation_stats()["replays"] >= 1
         wait_for(lambda: victim not in plugin(client).fenced, "the fenced worker taken back")
+
+
+def test_a_model_stranded_by_a_hung_worker_serves_again_once_it_answers(model) -> None:
+    """Two workers, a model that needs both: one stops answering mid-answer, is fenced, and the model
+    is stranded (calls fail at once, naming why). Once it answers again the model serves again,
+    and the worker drops the caches of the sessions that ended while it was fenced. (It stayed
+    stranded for good: the newcomer's links on a host of one device came out as a bandwidth of 0.)"""
+    prompt = padded_batch((6,), seed=4)[0]
+    with torch.no_grad():
+        expected = model(X).logits
+    with dask.config.set(FAST_HANG), seabiscuit_cluster(2, BUDGET) as two, deploy(two, model) as dm:
+        assert len({s.address for s in dm.specs}) == 2
+        victim = kv_worker(dm)
+        pid = pid_of(two, victim)
+        stream = dm.stream(prompt, 64, pad_token_id=0, eos_token_id=[])
+        next(stream)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(sb.WorkerLost, match="cannot hold model"):
+                list(stream)                         # its session ends while the worker is fenced
+            assert victim in plugin(two).fenced and plugin(two).state.models[dm.model_id].stranded
+            with pytest.raises(sb.WorkerLost, match="cannot hold model"):
+                dm(X)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        state = plugin(two).state
+        wait_for(lambda: victim not in plugin(two).fenced and not state.models[dm.model_id].stranded,
+                 "the model holding again")
+        torch.testing.assert_close(dm(X).logits, expected, rtol=1e-4, atol=1e-5)
+        wait_for(lambda: two.run(kv_bytes, workers=[victim])[victim] == 0, "the ended session's cache freed")
+        assert torch.equal(dm.generate(prompt, 8, pad_token_id=0, eos_token_id=[]), hf(model, prompt, 8))
 
 
 def test_a_long_prompt_sent_to_a_hung_worker_is_prefilled_again_and_no_token_changes(client, model) -> None:

@@ -252,6 +252,13 @@ PROFILES: dict[str, DeviceSpec] = {
 }
 
 # Realistic link speeds per level of the topology tree.
+def _level(a: DeviceSpec, b: DeviceSpec) -> str:
+    """Topology level of the link between devices ``a`` and ``b`` (a key of ``DEFAULT_LINKS``)."""
+    if a.where == b.where:
+        return "nvlink" if a.kind == b.kind == "gpu" else "pcie"
+    return "rack" if a.rack == b.rack else "network"
+
+
 DEFAULT_LINKS: dict[str, LinkSpec] = {
     "nvlink": LinkSpec(1.0e11, 5e-6),      # NVLink between GPUs of one server
     "pcie": LinkSpec(2.5e10, 1e-5),        # PCIe 4.0 x16, CPU <-> GPU (or GPU <-> GPU without NVLink)
@@ -448,27 +455,31 @@ class ClusterSpec:
 
     def with_device(self, device: DeviceSpec) -> ClusterSpec:
         """A new spec with ``device`` added. With a measured matrix, the newcomer's links are
-        those of a device on its host (the median of the measured ones elsewhere) until measured."""
+        those of a device on its host (the median of the measured ones elsewhere) until measured;
+        where nothing measured tells (the newcomer would be the second device), the topology's
+        figure for the level of each link (``links``)."""
         return replace(self, devices=(*self.devices, device),
                        matrix=None if self.matrix is None else self._matrix_with(device))
 
     def _matrix_with(self, device: DeviceSpec) -> Any:
         n = len(self.devices)
         peer = next((i for i, d in enumerate(self.devices) if d.where == device.where), -1)
+        mates = [j for j, d in enumerate(self.devices) if d.where == device.where and j != peer]
         out = []
-        for m, diag in zip(self.matrix or (), (math.inf, 0.0)):
+        for which, (m, diag) in enumerate(zip(self.matrix or (), (math.inf, 0.0))):
             a = np.array(m, dtype=float)
-            off = ~np.eye(n, dtype=bool)
+            measured = a[~np.eye(n, dtype=bool)]
+            typical = float(np.median(measured)) if measured.size else None
+            by_level = [self.links[_level(device, d)].to_dict()["latency" if which else "bandwidth"]
+                        for d in self.devices]
             if peer >= 0:
                 row, col = a[peer].copy(), a[:, peer].copy()
                 # NOTE: to and from the peer itself: as between the peer and another device of its host
-                mates = [j for j, d in enumerate(self.devices) if d.where == device.where and j != peer]
-                inner = (float(np.median(a[peer, mates])) if mates
-                         else float(np.median(a[off])) if n > 1 else 0.0)
-                row[peer] = col[peer] = inner
+                inner = float(np.median(a[peer, mates])) if mates else typical
+                row[peer] = col[peer] = by_level[peer] if inner is None else inner
             else:
-                fill = float(np.median(a[off])) if n > 1 else (1e9 if diag else 1e-4)
-                row, col = np.full(n, fill), np.full(n, fill)
+                row = np.array(by_level if typical is None else [typical] * n, dtype=float)
+                col = row.copy()
             grown = np.zeros((n + 1, n + 1))
             grown[:n, :n], grown[n, :n], grown[:n, n] = a, row, col
             grown[n, n] = diag if not math.isinf(diag) else 0.0
@@ -523,10 +534,7 @@ class ClusterSpec:
 
     def level(self, a: int, b: int) -> str:
         """Topology level of the link between devices ``a`` and ``b``."""
-        da, db = self.devices[a], self.devices[b]
-        if da.where == db.where:
-            return "nvlink" if da.kind == db.kind == "gpu" else "pcie"
-        return "rack" if da.rack == db.rack else "network"
+        return _level(self.devices[a], self.devices[b])
 
     def _link_matrix(self, which: int, diagonal: float) -> np.ndarray:
         """``[a, b]`` figure of the link a -> b: 0 = bandwidth, 1 = latency (measured or by level)."""

@@ -222,8 +222,12 @@ class DistributedModel:
             check_ids(name, x, vocab)
 
     def _check_open(self) -> None:
+        """Refuse a call to a closed model, or to a stranded one (``WorkerLost``, at once). A model
+        seen stranded is asked about first: the plan that holds it again may be on its way."""
         if self._closed:
             raise ModelClosed(f"distributed model {self.model_id} is closed")
+        if self._stranded:
+            self._catch_up()
         if self._stranded:
             raise WorkerLost(self._stranded)
 

@@ -707,9 +707,9 @@ class PlacementState:
             spec = dep.plan.spec
             for gone in dep.lost:
                 spec = spec.without(gone)
-            if device.address not in {d.address for d in spec.devices}:
-                spec = spec.with_device(device)
             try:
+                if device.address not in {d.address for d in spec.devices}:
+                    spec = spec.with_device(device)
                 plan = place(dep.plan.graph, spec)
             except SeaBiscuitError as e:
                 logger.info("model %s is still stranded after %s joined: %s", dep.model, device.address, e)
