@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 import uuid
 from collections.abc import Mapping
@@ -49,11 +50,21 @@ class TooLarge(BadInput):
     """A request body is larger than ``seabiscuit.serve.max-body-bytes``."""
 
 
+class SlowBody(BadInput):
+    """A request body did not arrive within ``seabiscuit.serve.body-timeout-s``."""
+
+
+class ClientGone(SeaBiscuitError):
+    """The caller hung up before its answer was ready: nobody reads what follows."""
+
+
 # (status, OpenAI error type, code) per cause; the first class that matches wins
 STATUS: list[tuple[type[BaseException], int, str, str | None]] = [
     (Unauthorized, 401, "invalid_request_error", "invalid_api_key"),
     (UnknownModel, 404, "invalid_request_error", "model_not_found"),
     (TooLarge, 413, "invalid_request_error", "request_too_large"),
+    (SlowBody, 408, "invalid_request_error", "request_timeout"),
+    (ClientGone, 499, "invalid_request_error", "client_closed_request"),
     (Busy, 429, "rate_limit_exceeded", "too_many_sessions"),
     (BadInput, 400, "invalid_request_error", None),
     (WorkerLost, 503, "service_unavailable", "model_unavailable"),
@@ -80,15 +91,56 @@ def error_body(message: str, kind: str, param: str | None, code: str | None) -> 
 
 
 # --- reading bodies ------------------------------------------------------------------------------
+MAX_DEPTH = 32          # NOTE: arrays and objects within each other; OpenAI's bodies need 5
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 def parse_json(body: bytes) -> dict[str, Any]:
-    """A request body as a JSON object, or ``BadParam``."""
+    """A request body as a JSON object of UTF-8 text, nested at most ``MAX_DEPTH`` deep, or ``BadParam``."""
     try:
-        data = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as e:
+        text = body.decode("utf-8")     # NOTE: strict: json.loads(bytes) would let encoded surrogates in
+    except UnicodeDecodeError as e:
+        raise BadParam(f"the request body is not valid UTF-8: byte {e.start} ({body[e.start:e.end]!r}) "
+                       f"{e.reason}; send JSON as UTF-8") from None
+    try:
+        data = json.loads(text)
+    except RecursionError:
+        raise BadParam(f"the request body is nested too deeply for this server to read (at most {MAX_DEPTH} "
+                       "arrays and objects within each other)") from None
+    except ValueError as e:
         raise BadParam(f"the request body is not valid JSON: {e}") from None
     if not isinstance(data, dict):
         raise BadParam(f"the request body must be a JSON object, got {type(data).__name__}")
+    _check_tree(data)
     return data
+
+
+def _check_tree(data: Any) -> None:
+    """Refuse JSON nested deeper than ``MAX_DEPTH`` and strings (keys too) holding a lone surrogate
+    (``"\\ud800"`` is valid JSON but no Unicode text: tokenizers and encoders fail on it)."""
+    todo: list[tuple[Any, tuple[str | int, ...]]] = [(data, ())]
+    while todo:
+        value, path = todo.pop()
+        if isinstance(value, str):
+            if _SURROGATE.search(value):
+                raise BadParam(f"{_path_text(path) or 'the body'} holds a lone surrogate (a \\ud800-\\udfff "
+                               "escape that is not half of a pair): send Unicode text", _path_text(path))
+            continue
+        if not isinstance(value, (dict, list)):
+            continue
+        if len(path) >= MAX_DEPTH:
+            raise BadParam(f"{_path_text(path)} is nested too deeply: at most {MAX_DEPTH} arrays and objects "
+                           "within each other", _path_text(path[:1]))
+        for k, v in (value.items() if isinstance(value, dict) else enumerate(value)):
+            if isinstance(k, str) and _SURROGATE.search(k):
+                raise BadParam(f"a key of {_path_text(path) or 'the body'} holds a lone surrogate: send "
+                               "Unicode text", _path_text(path) or None)
+            todo.append((v, (*path, k)))
+
+
+def _path_text(path: tuple[str | int, ...]) -> str:
+    """``("messages", 0, "content")`` as ``messages[0].content``."""
+    return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" if i else p for i, p in enumerate(path))
 
 
 def _take(data: Mapping[str, Any], name: str, kinds: type | tuple[type, ...], default: Any = None,

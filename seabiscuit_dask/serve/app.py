@@ -2,9 +2,11 @@
 
 It owns no model logic: bodies are read and checked by ``api``, answered by ``ServedModel``,
 and every refusal maps onto OpenAI's error JSON and status (``api.error_reply``). The HTTP
-side is the untrusted side: bodies are bounded before they are read, an API key is asked for
-when one is set, and each key has a bounded number of requests running at once. A model's
-blocking calls run on threads of their own, so the event loop only moves bytes.
+side is the untrusted side: an API key is asked for when one is set (``/metrics`` too), bodies
+are bounded in size and read in full within a deadline before a request takes one of its key's
+bounded number of slots, and a caller that hangs up ends its answer at the next token, streamed
+or not. Parsing, tokenising and a model's blocking calls run on threads, so the event loop only
+moves bytes. (Deadlines on headers and the bound on connections are ``connections``'.)
 """
 
 from __future__ import annotations
@@ -15,12 +17,13 @@ import json
 import logging
 import threading
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Coroutine, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -34,6 +37,7 @@ from .page import PAGE
 logger = logging.getLogger("seabiscuit.serve")
 
 _END = object()
+T = TypeVar("T")
 
 
 class _Failed:
@@ -45,7 +49,8 @@ class Server:
     """The state behind the app: the served models (by name), the API key, the limits, metrics."""
 
     def __init__(self, models: list[ServedModel] | None = None, *, api_key: str | None = None,
-                 max_body_bytes: int | None = None, max_per_key: int | None = None) -> None:
+                 max_body_bytes: int | None = None, max_per_key: int | None = None,
+                 body_timeout_s: float | None = None, metrics_public: bool | None = None) -> None:
         self.models: dict[str, ServedModel] = {}
         for m in models or ():
             self.add(m)
@@ -54,7 +59,14 @@ class Server:
                             else config.to_bytes(config.get("serve.max-body-bytes")))
         self.max_per_key = int(max_per_key if max_per_key is not None
                                else config.get("serve.max-concurrent-per-key"))
+        self.body_timeout_s = float(body_timeout_s if body_timeout_s is not None
+                                    else config.get("serve.body-timeout-s"))
+        self.metrics_public = bool(metrics_public if metrics_public is not None
+                                   else config.get("serve.metrics-public"))
         self.retry_after = str(int(config.get("serve.retry-after-s")))
+        # NOTE: apart from asyncio's default pool, where embeddings run for as long as they take
+        self.parsing = ThreadPoolExecutor(int(config.get("serve.parse-threads")),
+                                          thread_name_prefix="seabiscuit-serve-parse")
         self.metrics = Metrics(self)
         self._running: dict[str, int] = {}
         self._lock = threading.Lock()
@@ -110,11 +122,26 @@ class Server:
             self._running[key] -= 1
 
     async def body(self, request: Request) -> dict[str, Any]:
-        """The JSON body, read no further than ``max_body`` bytes."""
+        """The JSON body, read no further than ``max_body`` bytes and in full within ``body_timeout_s``
+        (``SlowBody`` else), then parsed on a thread."""
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body:
             raise api.TooLarge(f"the request body is {int(declared)} bytes, more than the "
                                f"{self.max_body} this server reads (seabiscuit.serve.max-body-bytes)")
+        try:
+            raw = await asyncio.wait_for(self._read(request), self.body_timeout_s)
+        except asyncio.TimeoutError:
+            raise api.SlowBody(f"the request body did not arrive in full within {self.body_timeout_s:g} s "
+                               "(seabiscuit.serve.body-timeout-s): send it at once") from None
+        except ClientDisconnect:
+            raise api.ClientGone("the caller hung up while sending its body") from None
+        return await self.off_loop(api.parse_json, raw)
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` on a parsing thread, so a large body never holds the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self.parsing, fn, *args)
+
+    async def _read(self, request: Request) -> bytes:
         chunks, size = [], 0
         async for chunk in request.stream():
             size += len(chunk)
@@ -122,7 +149,7 @@ class Server:
                 raise api.TooLarge(f"the request body is more than the {self.max_body} bytes this server "
                                    "reads (seabiscuit.serve.max-body-bytes)")
             chunks.append(chunk)
-        return api.parse_json(b"".join(chunks))
+        return b"".join(chunks)
 
 
 def error_response(error: BaseException, retry_after: str = "1") -> JSONResponse:
@@ -130,6 +157,8 @@ def error_response(error: BaseException, retry_after: str = "1") -> JSONResponse
     if status == 500:
         logger.error("serving a request failed", exc_info=error)
     headers = {"Retry-After": retry_after} if status in (429, 503) else None
+    if status == 408:
+        headers = {"Connection": "close"}     # NOTE: the rest of the body must not be read as a request
     return JSONResponse(body, status_code=status, headers=headers)
 
 
@@ -195,13 +224,16 @@ class _Timing:
 def make_app(server: Server) -> Starlette:
     """The ASGI app of ``server``."""
 
-    async def guarded(request: Request, route: str, handler: Callable[[], Any]) -> Response:
+    async def guarded(request: Request, route: str, handler: Callable[[Any], Awaitable[Response]], *,
+                      reads_body: bool = True) -> Response:
         held = None
         try:
             key = server.caller(request)
+            # NOTE: the body is read in full before the key's slot is taken: a slow one holds none
+            body = await server.body(request) if reads_body else None
             server.take(key)
             held = key
-            response = await handler()
+            response = await handler(body)
             if isinstance(response, StreamingResponse):     # NOTE: its slot is given back as it ends
                 held = None
                 return _hold_slot(server, key, response, route)
@@ -218,16 +250,17 @@ def make_app(server: Server) -> Starlette:
     async def generation(request: Request, chat: bool) -> Response:
         route = "/v1/chat/completions" if chat else "/v1/completions"
 
-        async def handle() -> Response:
-            body = await server.body(request)
+        async def handle(body: dict[str, Any]) -> Response:
             req = api.parse_chat(body) if chat else api.parse_completion(body)
             model = server.model(req.model, "generate")
-            rows = model.prompt_ids(req)
+            model.check_rows(req)
+            rows = await server.off_loop(model.prompt_ids, req)
             max_new = model.budget(rows, req.max_tokens)
             usage = Usage(prompt_tokens=sum(len(r) for r in rows))
             timing = _Timing(server.metrics, model.name)
             events = _events(lambda stopped: model.answer(req, rows, max_new, stopped))
-            first = await _first(events)      # NOTE: a refusal (no session free, ...) is still an HTTP error
+            # NOTE: a refusal (no session free, ...) is still an HTTP error
+            first = await _unless_gone(request, _first(events))
             server.metrics.prompt_tokens.labels(model.name).inc(usage.prompt_tokens)
             if req.stream:
                 return StreamingResponse(_stream(server, model, req, rows, first, events, usage, timing),
@@ -235,14 +268,20 @@ def make_app(server: Server) -> Starlette:
                                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
             texts = [""] * (len(rows) * req.n)
             reasons = ["length"] * len(texts)
-            async for ev in _chain(first, events):
-                if isinstance(ev, Delta):
-                    texts[ev.index] += ev.text
-                    timing.token()
-                elif isinstance(ev, Finish):
-                    reasons[ev.index] = ev.reason
-                    usage.completion_tokens += ev.tokens
-            server.metrics.completion_tokens.labels(model.name).inc(usage.completion_tokens)
+
+            async def collect() -> None:
+                async for ev in _chain(first, events):
+                    if isinstance(ev, Delta):
+                        texts[ev.index] += ev.text
+                        timing.token()
+                    elif isinstance(ev, Finish):
+                        reasons[ev.index] = ev.reason
+                        usage.completion_tokens += ev.tokens
+
+            try:
+                await _unless_gone(request, collect())
+            finally:
+                server.metrics.completion_tokens.labels(model.name).inc(usage.completion_tokens)
             return JSONResponse(_complete(model, req, rows, texts, reasons, usage))
 
         return await guarded(request, route, handle)
@@ -254,8 +293,8 @@ def make_app(server: Server) -> Starlette:
         return await generation(request, chat=False)
 
     async def embeddings(request: Request) -> Response:
-        async def handle() -> Response:
-            req = api.parse_embedding(await server.body(request))
+        async def handle(body: dict[str, Any]) -> Response:
+            req = api.parse_embedding(body)
             model = server.model(req.model, "embed")
             data, used = await asyncio.to_thread(model.embed, req)
             server.metrics.prompt_tokens.labels(model.name).inc(used)
@@ -267,13 +306,13 @@ def make_app(server: Server) -> Starlette:
         return await guarded(request, "/v1/embeddings", handle)
 
     async def models(request: Request) -> Response:
-        async def handle() -> Response:
+        async def handle(body: None) -> Response:
             return JSONResponse({"object": "list", "data": [
                 {"id": m.name, "object": "model", "created": m.created, "owned_by": "seabiscuit",
                  "kind": m.kind, "context": m.context, "ready": m.ready.is_set()}
                 for m in server.models.values()]})
 
-        return await guarded(request, "/v1/models", handle)
+        return await guarded(request, "/v1/models", handle, reads_body=False)
 
     async def health(request: Request) -> Response:
         if server.ready:
@@ -283,6 +322,11 @@ def make_app(server: Server) -> Starlette:
                             headers={"Retry-After": server.retry_after})
 
     async def metrics(request: Request) -> Response:
+        if not server.metrics_public:        # NOTE: it names the workers' addresses
+            try:
+                server.caller(request)
+            except api.Unauthorized as e:
+                return error_response(e)
         body, kind = await asyncio.to_thread(server.metrics.render)
         return Response(body, media_type=kind)
 
@@ -324,6 +368,28 @@ def _hold_slot(server: Server, key: str, response: StreamingResponse, route: str
 
     response.body_iterator = held()
     return response
+
+
+async def _unless_gone(request: Request, work: Coroutine[Any, Any, T]) -> T:
+    """``work``'s result, unless the caller hangs up first: then ``work`` is cancelled (an answer's
+    thread sees it at its next token and frees its sessions) and ``ClientGone`` is raised."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_hung_up(request))
+    try:
+        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        task.cancel()                  # NOTE: nothing happens to a task that is done
+    if not task.done() or task.cancelled():
+        await asyncio.wait((task,))    # NOTE: its generators' ``finally`` run before the answer ends
+        raise api.ClientGone("the caller hung up before its answer was ready")
+    return task.result()
+
+
+async def _hung_up(request: Request) -> None:
+    """Returns when the caller hangs up (ASGI's ``http.disconnect``; its body was read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _first(events: AsyncIterator[Any]) -> Any:

@@ -96,10 +96,24 @@ class ServedModel:
     context: int
     eos: tuple[int, ...] = ()
     inputs: tuple[str, ...] = ()       # an ONNX encoder's graph inputs, fed by name
+    sessions: int | None = None        # answers the deployment makes at once (None: generate.max-sessions)
     created: int = field(default_factory=lambda: int(time.time()))
     ready: threading.Event = field(default_factory=threading.Event)
 
     # --- generation ---------------------------------------------------------------------------
+    def check_rows(self, request: GenerationRequest) -> None:
+        """Refuse a request for more answers (``n`` per prompt) than the deployment makes at once,
+        before any prompt is tokenised: a body of many short prompts costs nothing to refuse."""
+        from .. import config
+
+        most = int(self.sessions or config.get("generate.max-sessions"))
+        rows = len(request.prompts) * request.n
+        if rows > most:
+            many = len(request.prompts) > most
+            raise BadParam(f"this request asks for {len(request.prompts)} prompt(s) x n={request.n} = {rows} "
+                           f"answers at once and model {self.name!r} makes at most {most}: send "
+                           f"{'fewer prompts' if many else 'a smaller n'}", "prompt" if many else "n")
+
     def prompt_ids(self, request: GenerationRequest) -> list[list[int]]:
         """The token ids of each prompt of ``request`` (a chat through the model's chat template)."""
         tok = self.tokenizer

@@ -21,6 +21,7 @@ from .. import config
 from ..errors import SeaBiscuitError
 from ..ir import fmt_bytes
 from .app import Server, make_app
+from .connections import uvicorn_config
 from .models import EMBED_BUCKETS, ServedModel
 
 
@@ -132,7 +133,8 @@ def deploy(item: Loaded, client: Any, *, sessions: int, context: int, budget: st
         eos = getattr(gen, "eos_token_id", None)
         eos = getattr(item.tokenizer, "eos_token_id", None) if eos is None else eos
         eos_ids = tuple(int(e) for e in ([eos] if isinstance(eos, int) else eos or ()))
-        served = ServedModel(item.name, dm, item.tokenizer, "generate", context, eos_ids)
+        served = ServedModel(item.name, dm, item.tokenizer, "generate", context, eos_ids,
+                             sessions=sessions or None)
         say(f"{item.name}: deployed in {time.perf_counter() - t0:.1f} s; building its step programs ...")
         t1 = time.perf_counter()
         shapes = dm.warm()
@@ -176,7 +178,7 @@ def running(app: Any, host: str = "127.0.0.1", port: int = 0) -> Iterator[str]:
     """``app`` served by uvicorn on a thread of its own; yields its base URL (``port=0``: any free port)."""
     import uvicorn
 
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off"))
+    server = uvicorn.Server(uvicorn_config(app, host, port))
     thread = threading.Thread(target=server.run, name="seabiscuit-serve-http", daemon=True)
     thread.start()
     while not server.started:
@@ -226,8 +228,7 @@ def run(sources: list[Source], *, workers: int, scheduler: str | None, host: str
                                                        + reserve // workers))
         server = Server(api_key=api_key)
         server.loading = list(names)
-        http = uvicorn.Server(uvicorn.Config(make_app(server), host=host, port=port, log_level="warning",
-                                             lifespan="off"))
+        http = uvicorn.Server(uvicorn_config(make_app(server), host, port))
         failed: list[BaseException] = []
         served: list[ServedModel] = []
 
