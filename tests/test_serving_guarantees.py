@@ -34,6 +34,7 @@ from .test_generate import decoder, hf_greedy, kv_bytes, padded_batch
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::ResourceWarning")]
 
 BUDGET = 900_000            # per worker: the decoder and 16 sessions of 96 tokens fit on any two of three
+TIGHT_BUDGET = 800_000      # the least on which two workers hold the Qwen2 decoder and those sessions
 X = torch.zeros(1, 16, dtype=torch.long)
 FAST_HANG = {"seabiscuit.runtime.hang-floor": "1s", "seabiscuit.runtime.probe-timeout": "1s",
              "seabiscuit.runtime.sync-timeout": "2s", "seabiscuit.learn.repair": False,
@@ -121,6 +122,23 @@ def test_sixteen_calls_survive_drains_restores_and_a_kill(client, model) -> None
         assert all(after[k] <= before[k] for k in before), (before, after)
     # NOTE: the next test deploys on every worker: the killed one restarts and reports first
     wait_for(lambda: len(plugin(client).state.devices) == 3, "the killed worker back")
+
+
+@pytest.mark.parametrize("prompt_tokens, new_tokens", [(66, 30), (70, 26)])
+def test_sessions_times_context_as_declared_always_fit(prompt_tokens: int, new_tokens: int) -> None:
+    """16 sessions of 96 tokens, as the deployment declared, on the least room that holds them: every
+    one of 16 calls at once answers as Hugging Face does. A cache grew to twice its size, past the
+    context (a session of 66 tokens asked for 128 slots), and calls failed with ClusterTooSmall."""
+    model = decoder("qwen2", seed=2)
+    prompts = [padded_batch((prompt_tokens,), seed=k)[0] for k in range(16)]
+    want = [hf(model, p, new_tokens) for p in prompts]
+    with seabiscuit_cluster(2, TIGHT_BUDGET) as two, deploy(two, model) as dm:
+        dm.generate(prompts[0][:, :4], 2, pad_token_id=0)           # the step programs are built
+        got, errors, threads = run_calls(dm, prompts, new_tokens)
+        for t in threads:
+            t.join()
+    assert not errors, errors
+    assert all(torch.equal(got[i], want[i]) for i in range(16))
 
 
 def test_close_ends_calls_in_flight_with_a_typed_error(client, model) -> None:

@@ -98,6 +98,7 @@ class BlockSpec:
     layouts: Mapping[str, str] = field(default_factory=dict)   # param -> how it is held (``layout``)
     # NOTE: param -> the rows counts its linear layers run in columns (``layout.columns``)
     forms: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    kv_context: int = 0                   # tokens a KV cache of its sessions grows to at most (0: any)
 
     @property
     def weight_bytes(self) -> int:
@@ -123,6 +124,7 @@ class BlockSpec:
             "verify_every": self.verify_every, "kind": self.kind,
             "sends": [[b, a, list(ts)] for b, a, ts in self.sends], "outputs": list(self.outputs),
             "layouts": dict(self.layouts), "forms": {k: list(v) for k, v in self.forms.items()},
+            "kv_context": self.kv_context,
         }
 
     @classmethod
@@ -139,6 +141,7 @@ class BlockSpec:
             tuple(str(t) for t in d.get("outputs") or ()),
             check_layouts(d.get("layouts") or {}, f"block spec b{d['index']} of model {d['model']}"),
             check_forms(d.get("forms") or {}, f"block spec b{d['index']} of model {d['model']}"),
+            max(0, int(d.get("kv_context", 0) or 0)),
         )
 
 
@@ -159,6 +162,7 @@ def block_specs(plan: Any, model_id: str, version: int = 0, checkpoint_dir: str 
                 for s in block_specs(plan, model_id, version, checkpoint_dir, verify_every)]
     graph = plan.graph
     crcs = graph.meta.get("tile_crc32") or {}
+    context = int(graph.meta.get("kv_context", 0) or 0)
     layouts = graph.meta.get("weight_layouts") or {}
     forms = graph.meta.get("matmul_forms") or {}
     block_of = plan.block_of.tolist()
@@ -202,7 +206,7 @@ def block_specs(plan: Any, model_id: str, version: int = 0, checkpoint_dir: str 
                              dev.kind, tuple((c, address[c], tuple(ts)) for c, ts in sends[b].items()),
                              tuple(t for t in exported[b] if t in leaves),
                              {p: str(layouts[p]) for p in params if p in layouts},
-                             {p: tuple(int(r) for r in forms[p]) for p in params if p in forms}))
+                             {p: tuple(int(r) for r in forms[p]) for p in params if p in forms}, context))
     return out
 
 

@@ -2,9 +2,11 @@
 
 ``KVStore`` holds the caches of one process (a worker, or a local run); the
 ``sb.kv_attention`` kernel reaches the store of the block it runs in through
-``using(store, model)``. A cache grows in steps of ``GROW_TOKENS`` (each growth
-is asked of the store's ``reserve`` callback, which a worker uses to keep caches
-and weights within its budget), and is written only at its end: a step whose
+``using(store, model, context)``. A cache grows in steps of ``GROW_TOKENS``, doubling,
+but never past the ``context`` its deployment declared (placement kept room for its
+sessions of that many tokens, and no more); each growth is asked of the store's
+``reserve`` callback, which a worker uses to keep caches and weights within its
+budget. A cache is written only at its end: a step whose
 tokens are already cached (a step run again, or a replay) reads them and writes
 nothing, and a step that starts past the end (history lost with a worker) raises
 ``CacheLost`` naming the session, so the caller can replay the session's tokens.
@@ -119,10 +121,11 @@ class KVStore:
             return min(c.length for c in layers.values())
 
     def write(self, model: str, session: int, layer: int, start: int, k: torch.Tensor,
-              v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+              v: torch.Tensor, context: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Cache ``k``, ``v`` ((Hk, n, E)) at slots ``start..start+n-1``; returns all keys and values
-        up to the last of them. Slots already cached are read, not written. Under the store's
-        lock, so a ``rename`` or ``drop`` comes wholly before or after it."""
+        up to the last of them. Slots already cached are read, not written; a cache grows to at
+        most ``context`` slots (0: no bound) unless the step itself goes further. Under the
+        store's lock, so a ``rename`` or ``drop`` comes wholly before or after it."""
         n = k.shape[1]
         with self._lock:
             layers = self.caches.get((model, session))
@@ -134,7 +137,7 @@ class KVStore:
                                 "a worker; replay the session's tokens)", model, session, have)
             end = start + n
             if c is None or end > c.k.shape[1]:
-                c = self._grow(model, session, layer, c, end, k, v)
+                c = self._grow(model, session, layer, c, end, k, v, context)
             if end > c.length:
                 first = c.length - start
                 c.k[:, c.length:end] = k[:, first:]
@@ -143,10 +146,12 @@ class KVStore:
             return c.k[:, :end], c.v[:, :end]
 
     def _grow(self, model: str, session: int, layer: int, c: LayerCache | None, end: int,
-              k: torch.Tensor, v: torch.Tensor) -> LayerCache:
+              k: torch.Tensor, v: torch.Tensor, context: int = 0) -> LayerCache:
         old = c.k.shape[1] if c is not None else 0
         cap = max(end, 2 * old, GROW_TOKENS)
         cap = -(-cap // GROW_TOKENS) * GROW_TOKENS
+        if context > 0:
+            cap = max(end, min(cap, context))
         per_token = k.shape[0] * k.shape[2] * k.element_size() + v.shape[0] * v.shape[2] * v.element_size()
         if self.reserve is not None:
             self.reserve((cap - old) * per_token,
@@ -163,13 +168,15 @@ class KVStore:
         return new
 
 
-_current: contextvars.ContextVar[tuple[KVStore, str] | None] = contextvars.ContextVar("sb_kv", default=None)
+_current: contextvars.ContextVar[tuple[KVStore, str, int] | None] = contextvars.ContextVar("sb_kv",
+                                                                                          default=None)
 
 
 @contextlib.contextmanager
-def using(store: KVStore, model: str) -> Iterator[None]:
-    """Run blocks of ``model`` with ``store`` as their KV cache."""
-    token = _current.set((store, model))
+def using(store: KVStore, model: str, context: int = 0) -> Iterator[None]:
+    """Run blocks of ``model`` with ``store`` as their KV cache, each cache growing to at most
+    ``context`` tokens (0: no bound)."""
+    token = _current.set((store, model, int(context)))
     try:
         yield
     finally:
@@ -219,7 +226,7 @@ def kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sessions: to
     ctx = _current.get()
     if ctx is None:
         raise BadInput("sb.kv_attention runs only inside a generation step (a KV store is needed)")
-    store, model = ctx
+    store, model, context = ctx
     spec = None
     if softcap is not None or alibi is not None:
         spec = ScoreSpec(None if softcap is None else float(softcap),
@@ -233,13 +240,13 @@ def kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sessions: to
         row = valid[b]
         st = int(start[b])
         if bool(row.all()):          # NOTE: every token real (most steps): slices, no gathers
-            keys, values = store.write(model, s, int(layer), st, k[b], v[b])
+            keys, values = store.write(model, s, int(layer), st, k[b], v[b], context)
             out[b] = _attend(q[b], keys, values, st, scale, window, spec)
             continue
         idx = row.nonzero().flatten()
         if not len(idx):
             continue
-        keys, values = store.write(model, s, int(layer), st, k[b][:, idx], v[b][:, idx])
+        keys, values = store.write(model, s, int(layer), st, k[b][:, idx], v[b][:, idx], context)
         out[b][:, idx] = _attend(q[b][:, idx], keys, values, st, scale, window, spec)
     return out
 

@@ -394,6 +394,14 @@ class DistributedModel:
                                   name=f"model {self.model_id}")
         return self._engine
 
+    def _kv_context(self) -> int:
+        """The tokens a session of this deployment holds at most: the context it declared (that
+        placement kept KV room for), else the model's positions; 0 where neither is known."""
+        context = self._limits[1]
+        if not context and self._source is not None:
+            context = max_positions(getattr(self._source_module(), "config", None))
+        return int(context or 0)
+
     def _source_module(self) -> Any:
         if isinstance(self._source, (str, os.PathLike)):
             from ..trace import load_hf_skeleton
@@ -477,6 +485,9 @@ class DistributedModel:
                 raise BadInput(f"model {self.model_id}: no weights file to bind another program to")
             graph = bind_checkpoint(graph, self._weights_path, kinds=("model",))
         graph = _with_checksums(graph, self.graph)
+        context = self._kv_context()
+        if context:      # NOTE: a session's cache grows to this at most: the room placement kept for it
+            graph = graph.with_meta(kv_context=context)
         reply = self.client.sync(self.client.scheduler.seabiscuit_program, model=self.model_id,
                                  token=self._token, graph=graph.to_json())
         prog = StepProgram(graph, int(reply["program"]))

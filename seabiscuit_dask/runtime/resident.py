@@ -320,7 +320,7 @@ class ResidentBlocks:
             program = self.program(model, version, block, fetch)
         self._running.device = program.device     # NOTE: KV caches grow in the budget of this device
         try:
-            with using(self.kv, model):
+            with using(self.kv, model, program.spec.kv_context):
                 out = run_block(program, inputs, deps)
         finally:
             self._running.device = None
