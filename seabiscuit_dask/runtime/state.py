@@ -473,17 +473,19 @@ class PlacementState:
     def _replan_lost(self, dep: Deployment, address: str) -> Plan:
         """``dep``'s plan without ``address``; when the rest cannot hold it, with the spare workers
         too (ones that joined while the plan had no use for them, e.g. a fenced worker back)."""
+        current = self._in_room(dep)
         try:
-            return replan(dep.plan, DeviceLost(address))
+            return replan(current, DeviceLost(address))
         except SeaBiscuitError:
-            spare = [d for a, d in sorted(self.devices.items()) if a != address and a not in dep.addresses()
-                     and a not in self.drained and a not in dep.excluded and admits(dep, d)]
+            spare = [self._joining(dep, d) for a, d in sorted(self.devices.items()) if a != address
+                     and a not in dep.addresses() and a not in self.drained and a not in dep.excluded
+                     and admits(dep, d)]
             if not spare:
                 raise
-            spec = dep.plan.spec
+            spec = current.spec
             for d in spare:
                 spec = spec.with_device(d)
-            old = dep.plan
+            old = current
             wider = Plan(old.graph, spec, old.device_of, old.method, old.planning_s, dict(old.info))
             return replan(wider, DeviceLost(address))
 
@@ -501,7 +503,7 @@ class PlacementState:
             if event.name not in dep.addresses():
                 continue
             try:
-                p = replan(dep.plan, event)
+                p = replan(self._in_room(dep), event)
             except SeaBiscuitError as e:
                 if not speed:
                     raise
@@ -683,7 +685,7 @@ class PlacementState:
 
     def _spread(self, dep: Deployment, device: DeviceSpec) -> list[Instruction]:
         try:
-            plan = replan(dep.plan, DeviceAdded(device))
+            plan = replan(self._in_room(dep), DeviceAdded(self._joining(dep, device)))
         except SeaBiscuitError as e:
             logger.info("model %s stays on its workers after %s joined: %s", dep.model, device.address, e)
             return []
@@ -699,12 +701,14 @@ class PlacementState:
         The repair is incremental when it can be; else the model is placed afresh on
         the workers it has left and the newcomer.
         """
+        device = self._joining(dep, device)
+        current = self._in_room(dep)
         try:
-            plan = dep.plan if device.address in dep.addresses() else replan(dep.plan, DeviceAdded(device))
+            plan = current if device.address in dep.addresses() else replan(current, DeviceAdded(device))
             for gone in dep.lost:
                 plan = replan(plan, DeviceLost(gone))
         except SeaBiscuitError:
-            spec = dep.plan.spec
+            spec = current.spec
             for gone in dep.lost:
                 spec = spec.without(gone)
             try:
@@ -802,14 +806,38 @@ class PlacementState:
         return []
 
     # --- queries --------------------------------------------------------------------------
-    def held_bytes(self, address: str) -> int:
-        """Bytes the deployed models' plans take on ``address`` (weights and activations)."""
+    def held_bytes(self, address: str, besides: str = "") -> int:
+        """Bytes the deployed models' plans take on ``address`` (weights, activations and the KV room
+        they keep), but model ``besides``'s."""
         total = 0.0
         for dep in self.models.values():
+            if dep.model == besides:
+                continue
             for i, d in enumerate(dep.plan.spec.devices):
                 if d.address == address:
                     total += float(dep.plan.peak_bytes[i])
         return int(total)
+
+    def _in_room(self, dep: Deployment) -> Plan:
+        """``dep``'s plan, each device's memory cut to what the other models' plans leave there (never
+        below what it holds there now): a repair of one model never moves its work into room
+        another model holds. (Each plan's figures are the free room when it was made; a worker
+        lost moved two models' work onto the same survivor, and calls failed for want of room.)"""
+        plan = dep.plan
+        devices = list(plan.spec.devices)
+        for i, d in enumerate(devices):
+            if d.address in self.devices:
+                free = self.devices[d.address].memory_bytes - self.held_bytes(d.address, besides=dep.model)
+                devices[i] = replace(d, memory_bytes=min(d.memory_bytes, max(int(plan.peak_bytes[i]), free)))
+        if devices == list(plan.spec.devices):
+            return plan
+        return Plan(plan.graph, replace(plan.spec, devices=tuple(devices)), plan.device_of, plan.method,
+                    plan.planning_s, dict(plan.info))
+
+    def _joining(self, dep: Deployment, device: DeviceSpec) -> DeviceSpec:
+        """``device`` as ``dep`` may use it: its budget less what the other models' plans hold there."""
+        free = max(0, device.memory_bytes - self.held_bytes(device.address, besides=dep.model))
+        return replace(device, memory_bytes=min(device.memory_bytes, free))
 
     def owned(self, model: str, address: str) -> dict[str, Any]:
         """What ``address`` should hold of ``model``: its blocks in the current plan, or nothing."""
