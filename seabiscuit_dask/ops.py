@@ -33,8 +33,8 @@ ELEMENTWISE = {
         "add.Tensor", "add.Scalar", "sub.Tensor", "sub.Scalar", "rsub.Scalar", "mul.Tensor",
         "mul.Scalar", "div.Tensor", "div.Scalar", "div.Tensor_mode", "pow.Tensor_Scalar",
         "pow.Tensor_Tensor", "neg.default", "exp.default", "log.default", "sqrt.default",
-        "rsqrt.default", "tanh.default", "sigmoid.default", "relu.default", "relu_.default",
-        "gelu.default", "silu.default", "silu_.default", "hardtanh.default", "abs.default",
+        "rsqrt.default", "tanh.default", "sigmoid.default", "relu.default",
+        "gelu.default", "silu.default", "hardtanh.default", "abs.default",
         "cos.default", "sin.default", "erf.default", "clamp.default", "clamp_min.default",
         "where.self", "masked_fill.Scalar", "masked_fill.Tensor", "dropout.default",
         "to.dtype", "to.dtype_layout", "to.device", "_to_copy.default", "type_as.default",
@@ -44,13 +44,15 @@ ELEMENTWISE = {
         "elu.default", "minimum.default", "maximum.default", "reciprocal.default",
         "contiguous.default", "clone.default", "alias.default", "detach.default",
         "round.default", "floor.default", "ceil.default", "sign.default",
-        "detach_.default", "pow.Scalar", "square.default", "max.other", "min.other", "multiply.Tensor",
+        "pow.Scalar", "square.default", "max.other", "min.other", "multiply.Tensor",
         "gt.Tensor", "ge.Tensor", "lt.Tensor", "le.Scalar", "where.ScalarOther", "where.ScalarSelf",
-        "div_.Tensor", "mul_.Tensor", "add_.Tensor", "floor_divide.default", "lift_fresh_copy.default",
+        "floor_divide.default", "lift_fresh_copy.default",
         "tan.default", "asin.default", "acos.default",
         "atan.default", "sinh.default", "cosh.default", "asinh.default", "acosh.default", "atanh.default",
         "mish.default", "celu.default", "fmod.Tensor", "remainder.Tensor", "__xor__.Tensor",
         "__lshift__.Tensor", "__rshift__.Tensor",
+        # NOTE: what in-place writes become out of place (trace/inplace.py)
+        "copy.default", "fill.Scalar", "fill.Tensor", "zero.default",
     )
 }
 NORM = {
@@ -62,10 +64,11 @@ NORM = {
 REDUCTION = {"aten.mean.dim", "aten.sum.dim_IntList", "aten.amax.default", "aten.cumsum.default",
              "aten.max.dim", "aten.argmax.default", "aten.diff.default", "aten.sum.default",
              "aten.max.default", "aten.min.default", "aten.argmin.default", "aten.prod.dim_int",
-             "aten.logsumexp.default", "aten.cumprod.default", "aten.histc.default"}
+             "aten.logsumexp.default", "aten.cumprod.default", "aten.histc.default",
+             "aten.all.dim"}
 # NOTE: reductions over some dims: (dims, keepdim) from their args (``reduced``)
 DIM_REDUCTIONS = {"aten.mean.dim", "aten.sum.dim_IntList", "aten.amax.default", "aten.argmax.default",
-                  "aten.argmin.default", "aten.prod.dim_int", "aten.logsumexp.default"}
+                  "aten.argmin.default", "aten.prod.dim_int", "aten.logsumexp.default", "aten.all.dim"}
 POOL = {
     "aten.max_pool1d.default", "aten.max_pool2d.default", "aten.max_pool3d.default",
     "aten.avg_pool1d.default", "aten.avg_pool2d.default", "aten.avg_pool3d.default",
@@ -104,7 +107,8 @@ OPAQUE = PAD | RESAMPLE | {
     for n in ("baddbmm.default", "_weight_norm.default", "repeat_interleave.self_int", "im2col.default",
               "sort.default", "sort.stable", "topk.default", "item.default", "einsum.default",
               "linalg_det.default", "scatter.src", "scatter_reduce.two", "flip.default", "triu.default",
-              "tril.default", "meshgrid.indexing", "outer.default")
+              "tril.default", "meshgrid.indexing", "outer.default", "grid_sampler.default",
+              "slice_scatter.default", "select_scatter.default", "index_put.default")
 } | {"sb.attention_merge", "sb.attention_finish", "sb.region", "sb.assemble", "sb.kv_attention"}
 
 _KINDS: list[tuple[set[str], str]] = [
@@ -144,6 +148,9 @@ def row_split_forbidden_dims(target: str, args: Sequence[Any], out_rank: int) ->
     """
     if target in ELEMENTWISE or target in LIKE:
         return set()
+    written = _written_forbidden_dims(target, args, out_rank)
+    if written is not None:
+        return written
     if target in {"aten.softmax.int", "aten._softmax.default", "aten.log_softmax.int",
                   "aten._log_softmax.default"}:
         return _norm_dims(args[1], out_rank)
@@ -191,12 +198,31 @@ def row_split_forbidden_dims(target: str, args: Sequence[Any], out_rank: int) ->
     return None
 
 
+def _written_forbidden_dims(target: str, args: Sequence[Any], out_rank: int) -> set[int] | None:
+    """``row_split_forbidden_dims`` of the ops that write one tensor into another, and of
+    ``grid_sampler``; None for any other op (``STRIP_OPERANDS`` says which operands a dim cuts)."""
+    if target == "aten.slice_scatter.default":      # NOTE: src is base's shape but along dim
+        return _norm_dims(operand(args, 2, 0), out_rank)
+    if target == "aten.select_scatter.default":     # NOTE: src is base less dim (operand_dim)
+        return _norm_dims(args[2], out_rank)
+    if target == "aten.index_put.default":          # NOTE: the dims its indices address
+        return set(range(len(args[1]))) | set(range(EVERY_DIM, out_rank))
+    if target == "aten.grid_sampler.default":       # NOTE: each output pixel reads anywhere
+        return set(range(2, out_rank))
+    return None
+
+
+EVERY_DIM = 8        # NOTE: the dims an every-dim entry of STRIP_OPERANDS lists (no traced tensor has more)
 # NOTE: ops whose strips along an output dim cut only some operands (by position), the others
 # whole: baddbmm(input, b1, b2) by samples (all three), by rows (input and b1: b2's rows are the
 # reduction) or by columns (input and b2)
 STRIP_OPERANDS: Mapping[str, Mapping[int, tuple[int, ...]]] = MappingProxyType({
     "aten.baddbmm.default": MappingProxyType({0: (0, 1, 2), 1: (0, 1), 2: (0, 2)}),
     "aten.outer.default": MappingProxyType({0: (0,), 1: (1,)}),      # NOTE: a's rows, b's columns
+    # NOTE: samples cut the input and its grid, channels the input alone
+    "aten.grid_sampler.default": MappingProxyType({0: (0, 1), 1: (0,)}),
+    # NOTE: x and its values, never the indices (right-aligned, an index could match by chance)
+    "aten.index_put.default": MappingProxyType({d: (0, 2) for d in range(EVERY_DIM)}),
 })
 
 
@@ -217,8 +243,8 @@ def reduced(args: Sequence[Any], out_rank: int) -> tuple[set[int] | None, bool]:
 
 def operand_dim(target: str, args: Sequence[Any], out_rank: int, dim: int, rank: int) -> int | None:
     """The dim of an operand of rank ``rank`` that output dim ``dim`` of a strip-cut op lines up
-    with: right-aligned broadcasting, but the kept dims of a reduction without keepdim, and the
-    leading dims of ``LEADING`` ops; None when none does."""
+    with: right-aligned broadcasting, but the kept dims of a reduction without keepdim, the
+    leading dims of ``LEADING`` ops and the source of ``select_scatter``; None when none does."""
     if target in DIM_REDUCTIONS:
         dims, keep = reduced(args, out_rank)
         if dims is not None and not keep and rank == out_rank + len(dims):
@@ -227,6 +253,9 @@ def operand_dim(target: str, args: Sequence[Any], out_rank: int, dim: int, rank:
         return dim if dim < rank else None
     if target == "aten.outer.default":          # NOTE: each vector is one dim of the output
         return 0
+    if target == "aten.select_scatter.default" and rank == out_rank - 1:   # NOTE: src: base less dim
+        at = int(args[2]) % out_rank
+        return dim if dim < at else dim - 1
     d = dim - (out_rank - rank)
     return d if d >= 0 else None
 

@@ -85,12 +85,6 @@ def _with(target: str, *extra: Any) -> Callable[..., Any]:
     return lambda x: f(x, *extra)
 
 
-def _in_place(target: str) -> Callable[..., Any]:
-    """``target`` on a fresh tensor (``x * 2``), as in-place ops are traced."""
-    f = _overload(target)
-    return lambda x, *ys: f(x * 2, *ys)
-
-
 # --- elementwise -------------------------------------------------------------------------------
 for _t, _make in [
     ("neg.default", fx), ("exp.default", fx), ("log.default", pos), ("sqrt.default", pos),
@@ -103,11 +97,8 @@ for _t, _make in [
     ("lift_fresh_copy.default", fx), ("logical_not.default", mask), ("bitwise_not.default", ix),
 ]:
     case(f"aten.{_t}", _overload(f"aten.{_t}"), _make())
-for _t in ("relu_.default", "silu_.default"):
-    case(f"aten.{_t}", _in_place(f"aten.{_t}"), fx())
 case("aten.alias.default", lambda x: A.alias.default(x) + 1, fx())
 case("aten.detach.default", lambda x: A.detach.default(x) + 1, fx())
-case("aten.detach_.default", lambda x: A.detach_.default(x * 2), fx())
 case("aten.dropout.default", lambda x: A.dropout.default(x, 0.1, False), fx())
 case("aten.clamp.default", lambda x: A.clamp.default(x, -0.5, 0.5), fx())
 case("aten.clamp_min.default", lambda x: A.clamp_min.default(x, 0.1), fx())
@@ -125,8 +116,6 @@ case("aten.div.Tensor_mode", lambda x, y: A.div.Tensor_mode(x, y, rounding_mode=
 case("aten.floor_divide.default", A.floor_divide.default, ix(), ix(1, 9))
 case("aten.__and__.Tensor", A.__and__.Tensor, mask(), mask().flip(0))
 case("aten.__or__.Tensor", A.__or__.Tensor, mask(), mask().flip(0))
-for _t in ("add_.Tensor", "mul_.Tensor", "div_.Tensor"):
-    case(f"aten.{_t}", _in_place(f"aten.{_t}"), fx(), pos())
 for _t, _v in [("add.Scalar", 2.0), ("sub.Scalar", 2.0), ("rsub.Scalar", 2.0), ("mul.Scalar", 3.0),
                ("div.Scalar", 3.0), ("pow.Tensor_Scalar", 3), ("eq.Scalar", 0), ("ne.Scalar", 0),
                ("gt.Scalar", 0.1), ("ge.Scalar", 0.1), ("lt.Scalar", 0.1), ("le.Scalar", 0.1)]:
@@ -137,6 +126,17 @@ case("aten.where.ScalarOther", lambda m, x: A.where.ScalarOther(m, x, 0.5), mask
 case("aten.where.ScalarSelf", lambda m, x: A.where.ScalarSelf(m, 0.5, x), mask(), fx())
 case("aten.masked_fill.Scalar", lambda x, m: A.masked_fill.Scalar(x, m, -1.0), fx(), mask())
 case("aten.masked_fill.Tensor", lambda x, m: A.masked_fill.Tensor(x, m, torch.tensor(-1.0)), fx(), mask())
+
+# --- what in-place writes become out of place (tracing functionalises them) ---------------------------
+case("aten.copy.default", A.copy.default, fx(), ix())             # NOTE: into x's dtype
+case("aten.fill.Scalar", lambda x: A.fill.Scalar(x, 2.5), fx())
+case("aten.fill.Tensor", A.fill.Tensor, fx(), torch.tensor(2.5))
+case("aten.zero.default", A.zero.default, fx())
+case("aten.slice_scatter.default", lambda x, y: A.slice_scatter.default(x, y, 1, 8, 200), fx(), img(R, 192))
+case("aten.select_scatter.default", lambda x, y: A.select_scatter.default(x, y, 1, 3), img(4, R, C),
+     img(4, C))
+case("aten.index_put.default", lambda x, i, v: A.index_put.default(x, [i], v), fx(),
+     torch.randperm(R, generator=torch.Generator().manual_seed(5))[:32], img(32, C))
 
 # --- normalisation, softmax ----------------------------------------------------------------------
 _w, _b = torch.rand(C) + 0.5, torch.randn(C)
@@ -175,6 +175,7 @@ case("aten.topk.default", lambda x: A.topk.default(x, 4, 1)[0], fx())
 case("aten.sort.default", lambda x: A.sort.default(x, 1)[0], fx())
 case("aten.histc.default", lambda x: A.histc.default(x, 16, -2.0, 2.0), fx())
 case("aten.item.default", lambda x: A.item.default(x.sum()), fx())
+case("aten.all.dim", lambda m: A.all.dim(m, 1), mask() | (torch.arange(R) % 2 == 0)[:, None])
 
 # --- pooling -----------------------------------------------------------------------------------------
 case("aten.max_pool1d.default", lambda x: A.max_pool1d.default(x, [3], [2], [1]), img(4, 16, 512))
@@ -323,6 +324,8 @@ case("aten.scatter_reduce.two", lambda x, i, v: A.scatter_reduce.two(x, 1, i, v,
      ix(0, C), pos(), exact=False)
 case("aten.einsum.default", lambda x, y: A.einsum.default("ij,jk->ik", [x, y]), fx(), img(C, 96), exact=False)
 case("aten.linalg_det.default", A.linalg_det.default, img(256, 8, 8), exact=False)
+case("aten.grid_sampler.default", lambda x, g: A.grid_sampler.default(x, g, 0, 0, False), img(2, 8, 32, 64),
+     img(2, 24, 24, 2).tanh())
 
 # NOTE: refused at trace, with its reason: it reads a tensor's value into Python (UnsupportedModel)
 REFUSED_AT_TRACE = {"aten.item.default": "not a tensor"}

@@ -4,6 +4,8 @@ The exported ATen graph keeps high-level ops (``linear``, ``conv2d``,
 ``embedding``, ``scaled_dot_product_attention``), which is the level the
 decomposer splits. Works on models whose parameters live on the ``meta``
 device: nothing is allocated, so a 40 GB model is traced in well under 1 GB.
+In-place writes (``x[:, 1:] = y``, ``masked_fill_``) are rewritten out of place
+(``inplace.py``): a graph holds side-effect-free ops only.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from .. import ops as O
 from ..cost import op_flops
 from ..errors import SeaBiscuitError, UnsupportedModel, UnsupportedOp
 from ..ir import Op, OpGraph, ParamSource, ParamSpec, TensorSpec, operand_names
+from .inplace import functionalise
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -105,7 +108,8 @@ def export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     model.eval()
     try:
         with _EXPORT_LOCK, torch.no_grad(), _batched_experts(model):
-            return torch.export.export(model, args, kwargs=kwargs, strict=False)
+            ep = torch.export.export(model, args, kwargs=kwargs, strict=False)
+            return functionalise(ep, type(model).__name__)
     except SeaBiscuitError:
         raise                      # NOTE: the model's own refusal (an ONNX node) says it best
     except Exception as e:
@@ -274,7 +278,7 @@ class _Converter:
             if node.op == "call_function":
                 self.call(node)
             elif node.op == "output":
-                for leaf in pytree.tree_leaves(node.args[0]):
+                for leaf in pytree.tree_leaves(self.user_outputs(node)):
                     if not isinstance(leaf, torch.fx.Node) or leaf.name not in self.refs:
                         raise UnsupportedModel(f"{self.name}: output {leaf!r} is not a tensor")
                     _tag, name = O.ref_name(self.refs[leaf.name]) or ("", "")
@@ -285,6 +289,17 @@ class _Converter:
         params = {k: v for k, v in self.params.items() if k in used}
         return OpGraph(tuple(self.ops), self.tensors, params, tuple(self.inputs),
                        tuple(outputs), self.meta())
+
+    def user_outputs(self, node: torch.fx.Node) -> list[Any]:
+        """What the model returns: the output node less the new values of the buffers and inputs it
+        wrote into (functionalization returns those too)."""
+        # NOTE: a write into a buffer or an input is a side effect, not a result: it is dropped
+        out = node.args[0]
+        results = list(out) if isinstance(out, (list, tuple)) else [out]
+        specs = self.ep.graph_signature.output_specs
+        if len(results) != len(specs):
+            return results
+        return [r for r, s in zip(results, specs) if s.kind.name == "USER_OUTPUT"]
 
     def meta(self) -> dict[str, Any]:
         meta: dict[str, Any] = {"name": self.name, "source": "torch.export"}

@@ -12,8 +12,20 @@ The decomposer tries every rule of ``op.kind`` and takes the split needing the
 fewest pieces (ties: ``Split.tiebreak``, then registration order).
 """
 
-from . import attention, conv, conv_transpose, creation, embedding, matmul, pool, reductions, strips, views
+from . import (
+    attention,
+    conv,
+    conv_transpose,
+    creation,
+    embedding,
+    matmul,
+    pool,
+    reductions,
+    scatter,
+    strips,
+    views,
+)
 from .registry import RULES, RuleFn, register
 
 __all__ = ["RULES", "RuleFn", "attention", "conv", "conv_transpose", "creation", "embedding", "matmul",
-           "pool", "reductions", "register", "strips", "views"]
+           "pool", "reductions", "register", "scatter", "strips", "views"]
