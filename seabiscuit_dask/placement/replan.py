@@ -13,7 +13,12 @@ the new cluster and records what moved in ``plan.info`` (``moved_bytes``,
   room come before a near CPU. Then the lost ops all on one device with room
   (the nearest and quickest ``WHOLE_TRIES``) are simulated too, and the
   fastest of these repairs is kept: a stage handed over whole keeps one cut on
-  each side.
+  each side. The kept repair is the one simulating them all would keep, with
+  fewer simulations: devices alike and idle are tried once (they simulate
+  alike), a repair whose bound (its longest chain of blocks, each a Dask hop
+  and the scheduler's time after the one before) passes the fastest one found
+  is not simulated, and the op-by-op repair stops as soon as a chain of its
+  ops crosses devices so often that its hops alone would.
 - ``DeviceAdded(device)``: a device joining a host takes over part of its peers'
   ops (up to its share of the host's speed) where that evens out a depth level.
   A device on a new host is spare capacity until the next ``place``.
@@ -64,8 +69,9 @@ device's links are unknown): measure again.
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from operator import itemgetter
 from typing import Any
 
@@ -76,8 +82,9 @@ from ..ir import fmt_bytes
 from ..pauses import no_gc
 from .capacity import weight_capacity
 from .cluster import ClusterSpec, DeviceSpec
-from .plan import Plan
+from .plan import Plan, phases
 from .reroute import LinkChanged, reroute
+from .workload import Workload
 
 
 @dataclass(frozen=True)
@@ -125,13 +132,24 @@ def _replan(plan: Plan, event: Event, t0: float) -> Plan:
         spec = plan.spec.without(event.name)
         lost = plan.spec.index(event.name)
         moving = np.flatnonzero(plan.device_of == lost)
-        dev = _lose(plan, spec, lost, moving)
-    elif isinstance(event, DeviceAdded):
+        new = _lose(plan, spec, lost, moving, _info(plan, event, moving))
+    else:
+        spec, dev, moving = _moves(plan, event)
+        new = _repaired(plan, spec, dev, _info(plan, event, moving))
+    _ = new.block_of  # NOTE: blocks are part of the repair: the runtime needs them at once.
+    _check_room(plan, new, event)
+    object.__setattr__(new, "planning_s", time.perf_counter() - t0)
+    return new
+
+
+def _moves(plan: Plan, event: Event) -> tuple[ClusterSpec, np.ndarray, np.ndarray]:
+    """After a join or a capacity change: the new cluster, every op's device and the ops moved."""
+    if isinstance(event, DeviceAdded):
         spec = plan.spec.with_device(event.device)
         join = _take_stage if _is_pipeline(plan) else _adopt
         dev = join(plan, spec, plan.device_of.copy(), len(spec.devices) - 1)
-        moving = np.flatnonzero(dev != plan.device_of)
-    elif isinstance(event, CapacityChanged):
+        return spec, dev, np.flatnonzero(dev != plan.device_of)
+    if isinstance(event, CapacityChanged):
         changes: dict[str, Any] = {k: v for k, v in (("memory_bytes", event.memory_bytes),
                                                        ("flops_per_s", event.flops_per_s),
                                                        ("mem_bytes_per_s", event.mem_bytes_per_s),
@@ -139,16 +157,27 @@ def _replan(plan: Plan, event: Event, t0: float) -> Plan:
                                    if v is not None}
         spec = plan.spec.with_changes(event.name, **changes)
         dev, moving = _shrink(plan, spec, plan.spec.index(event.name))
-    else:
-        raise SeaBiscuitError(f"replan does not know the event {event!r}; expected DeviceLost, "
-                              "DeviceAdded or CapacityChanged")
+        return spec, dev, moving
+    raise SeaBiscuitError(f"replan does not know the event {event!r}; expected DeviceLost, "
+                          "DeviceAdded or CapacityChanged")
+
+
+def _info(plan: Plan, event: Event, moving: np.ndarray) -> dict[str, Any]:
+    """The repaired plan's info: the old plan's, the event, what moved, and where phases change."""
     w = plan.workload
-    moved = float(w.weight_bytes[moving].sum()) if len(moving) else 0.0
     info = {k: v for k, v in plan.info.items() if k != "phases_from"}
-    info.update(event=repr(event), moved_bytes=moved, moved_ops=len(moving),
-                phases_from=(plan.phases, *_window(w, moving)))
-    new = Plan(plan.graph, spec, dev, plan.method, plan.planning_s, info)
-    _ = new.block_of  # NOTE: blocks are part of the repair: the runtime needs them at once.
+    info.update(event=repr(event), moved_bytes=float(w.weight_bytes[moving].sum()) if len(moving) else 0.0,
+                moved_ops=len(moving), phases_from=(plan.phases, *_window(w, moving)))
+    return info
+
+
+def _repaired(plan: Plan, spec: ClusterSpec, dev: np.ndarray, info: dict[str, Any]) -> Plan:
+    return Plan(plan.graph, spec, dev, plan.method, plan.planning_s, info)
+
+
+def _check_room(plan: Plan, new: Plan, event: Event) -> None:
+    """Raise ``ClusterTooSmall`` if the repair gave a device more weights than it has room for."""
+    spec = new.spec
     cap = weight_capacity(spec)
     # NOTE: only a device the repair gave more weights: ``place`` may leave one just past the
     # weight room when its activations are small (it checks weights and activations together)
@@ -160,57 +189,142 @@ def _replan(plan: Plan, event: Event, t0: float) -> Plan:
         raise ClusterTooSmall(f"after {event!r}, {spec.names[d]!r} would hold "
                               f"{fmt_bytes(new.weight_bytes[d])} of weights; it has room for "
                               f"{fmt_bytes(cap[d])}")
-    object.__setattr__(new, "planning_s", time.perf_counter() - t0)
-    return new
 
 
-def _lose(plan: Plan, spec: ClusterSpec, lost: int, moving: np.ndarray) -> np.ndarray:
-    """The device of every op on ``spec`` once device ``lost`` of ``plan.spec`` is gone."""
+def _lose(plan: Plan, spec: ClusterSpec, lost: int, moving: np.ndarray, info: dict[str, Any]) -> Plan:
+    """The repaired plan on ``spec`` once device ``lost`` of ``plan.spec`` is gone: the op-by-op
+    repair (``_rehome``) or, where the simulator finds it faster, a whole hand-over (``_wholes``)."""
     merged = _merge_lost(plan, lost) if _is_pipeline(plan) else None
     if merged is not None:
-        return np.where(merged > lost, merged - 1, merged)
+        return _repaired(plan, spec, np.where(merged > lost, merged - 1, merged), info)
     old = plan.device_of
     dev = np.where(old > lost, old - 1, old)
     dev[moving] = -1
-    dev = _rehome(plan, spec, dev, moving, plan.spec.devices[lost])
-    return _whole_if_faster(plan, spec, dev, moving, plan.spec.devices[lost])
+    home = plan.spec.devices[lost]
+    whole = _fastest(_wholes(plan, spec, dev, moving, home, info))
+    if whole is None:
+        return _repaired(plan, spec, _rehome(plan, spec, dev, moving, home), info)
+    # NOTE: the op-by-op repair gives up once its chain of cuts alone outlasts the whole hand-over
+    give_up_s = whole.makespan_s * (1 + BOUND_SLACK) - whole.schedule.client_s
+    rehomed = _rehome_within(plan, spec, dev, moving, home, -1, give_up_s)
+    return whole if rehomed is None else _rather(_repaired(plan, spec, rehomed, info), whole)
 
 
-def _whole_if_faster(plan: Plan, spec: ClusterSpec, dev: np.ndarray, moving: np.ndarray,
-                     home: DeviceSpec) -> np.ndarray:
-    """``dev``, or the lost device's ops all on one device with room for them (the nearest and
-    quickest ``WHOLE_TRIES``) where the simulator finds that faster: a stage handed over whole keeps
-    its one cut on each side, where ops spread one by one over five devices made a 41 GB Llama's
-    lost stage 268 blocks and its plan 2.6x a fresh one."""
+def _wholes(plan: Plan, spec: ClusterSpec, dev: np.ndarray, moving: np.ndarray, home: DeviceSpec,
+            info: dict[str, Any]) -> list[Plan]:
+    """``dev`` with the lost device's ops all on one device with room for them: the nearest and
+    quickest ``WHOLE_TRIES``, less the twins of one before (``_twins``: they would simulate alike).
+    A stage handed over whole keeps its one cut on each side, where ops spread one by one over
+    five devices made a 41 GB Llama's lost stage 268 blocks and its plan 2.6x a fresh one."""
     if not len(moving):
-        return dev
+        return []
     w = plan.workload
     n_dev = len(spec.devices)
     cap = weight_capacity(spec)
-    staying = np.ones(len(dev), dtype=bool)
-    staying[moving] = False
+    staying = dev >= 0
     held = np.bincount(dev[staying], weights=w.weight_bytes[staying], minlength=n_dev)
+    idle = np.bincount(dev[staying], minlength=n_dev) == 0
     need = float(w.weight_bytes[moving].sum())
-    work = [float(w.device_times(d)[moving].sum()) for d in spec.devices]
+    work = _work(w, spec, moving)
     fastest = min(work)
     order = [d for ring in _nearby(spec, home) for d in sorted(ring, key=lambda d: work[d])]
     tries = [d for d in order if held[d] + need <= cap[d] and work[d] <= QUICK * fastest][:WHOLE_TRIES]
-    if not tries:
-        return dev
-    info = {**{k: v for k, v in plan.info.items() if k != "phases_from"},
-            "phases_from": (plan.phases, *_window(w, moving))}
-
-    def simulated(d: np.ndarray) -> Plan:
-        return Plan(plan.graph, spec, d, plan.method, 0.0, info)
-
-    best, best_s = dev, simulated(dev).makespan_s
+    kept: list[int] = []
     for d in tries:
-        alt = dev.copy()
-        alt[moving] = d
-        p = simulated(alt)
-        if p.makespan_s < best_s and p.weight_bytes[d] <= cap[d]:
-            best, best_s = alt, p.makespan_s
-    return best
+        if not any(_twins(spec, idle, e, d) for e in kept):
+            kept.append(d)
+    out: list[Plan] = []
+    # NOTE: onto an idle device the ops only change their device's number, and the phases with
+    # them: one such try's phases are every such try's (the plan's own where it computed them whole)
+    renamed = plan.phases if "phases_from" not in plan.info else None
+    for d in kept:
+        hint = {"phases_from": (renamed, w.n, w.n)} if idle[d] and renamed is not None else {}
+        p = _repaired(plan, spec, _with(dev, moving, d), {**info, **hint})
+        if idle[d] and renamed is None:
+            renamed = p.phases
+        if p.weight_bytes[d] <= cap[d]:
+            out.append(p)
+    return out
+
+
+def _twins(spec: ClusterSpec, idle: np.ndarray, a: int, b: int) -> bool:
+    """Whether a plan with the moved ops all on device b simulates exactly as one with them on a:
+    both idle and alike but for their names, with the same links to every other device, and no
+    busy device numbered between them (blocks are numbered by device)."""
+    lo, hi = min(a, b), max(a, b)
+    da, db = spec.devices[a], spec.devices[b]
+    if spec.relays or not idle[lo:hi + 1].all() or replace(da, name=db.name, address=db.address) != db:
+        return False
+    swap = np.arange(len(spec.devices))
+    swap[[a, b]] = b, a
+    return all(np.array_equal(m, m[swap][:, swap]) for m in (spec.bandwidth, spec.latency))
+
+
+def _fastest(plans: list[Plan]) -> Plan | None:
+    """The first of the plans the simulator finds fastest (None: no plans). The first is simulated,
+    the others in the order of a time that none of their simulations beats (``_bound_s``) until
+    that time passes the fastest one found."""
+    if len(plans) <= 1:
+        return plans[0] if plans else None
+    best, best_s, client_s = 0, plans[0].makespan_s, plans[0].schedule.client_s
+    bound = {i: _bound_s(p, client_s) for i, p in enumerate(plans) if i}
+    for i in sorted(bound, key=lambda i: (bound[i], i)):
+        if (bound[i], i) > (best_s, best):
+            break
+        if (plans[i].makespan_s, i) < (best_s, best):
+            best, best_s = i, plans[i].makespan_s
+    return plans[best]
+
+
+def _rather(op_by_op: Plan, whole: Plan) -> Plan:
+    """The op-by-op repair where the simulator finds it no slower than the whole hand-over; not
+    simulated where its bound already is (a repair cut into a hundred stages)."""
+    if _bound_s(op_by_op, whole.schedule.client_s) > whole.makespan_s:
+        return whole
+    return op_by_op if op_by_op.makespan_s <= whole.makespan_s else whole
+
+
+def _bound_s(plan: Plan, client_s: float) -> float:
+    """Seconds that no simulation of ``plan`` beats, given the client's (``Schedule.client_s``: the
+    same for every plan of one graph on one cluster).
+
+    ``simulate`` runs a block once the blocks it reads have finished, a cut later
+    (``DaskSpec.cut_s``: the hop and the scheduler's time), and its transfers start no sooner
+    than that; so its longest chain of blocks, each its ops' time and a cut, and each link the
+    slowest of its transfers without contention, is a bound.
+    """
+    w, spec = plan.workload, plan.spec
+    t_idx, c_op = w.pairs
+    p_op = w.t_src[t_idx]
+    blk, dev = plan.block_of, plan.device_of
+    cross = np.flatnonzero(blk[p_op] != blk[c_op])
+    src, dst = dev[p_op[cross]], dev[c_op[cross]]
+    # NOTE: latency is 0 and bandwidth inf on the diagonal: a tensor on its device waits for nothing
+    wait = spec.latency[src, dst] + w.t_bytes[t_idx[cross]] / spec.bandwidth[src, dst]
+    nb = len(plan.block_device)
+    key = blk[c_op[cross]] * nb + blk[p_op[cross]]
+    order = np.lexsort((wait, key))     # NOTE: by consumer block; each link's slowest transfer last
+    key, wait = key[order], wait[order]
+    last = np.ones(len(key), dtype=bool)
+    last[:-1] = key[1:] != key[:-1]
+    took = (np.bincount(blk, weights=_own_times(plan), minlength=nb) + spec.dask.cut_s).tolist()
+    finish = list(took)
+    # NOTE: blocks are numbered in a topological order (``blocks_for``): a producer is final when read
+    for k, x in zip(key[last].tolist(), wait[last].tolist()):
+        c, p = divmod(k, nb)
+        if finish[p] + x + took[c] > finish[c]:
+            finish[c] = finish[p] + x + took[c]
+    return (max(finish) + client_s) * (1 - BOUND_SLACK)
+
+
+def _own_times(plan: Plan) -> np.ndarray:
+    """[ops] each op's time on its device."""
+    w, dev = plan.workload, plan.device_of
+    out = np.zeros(w.n)
+    for d in np.flatnonzero(np.bincount(dev, minlength=len(plan.spec.devices))).tolist():
+        on = dev == d
+        out[on] = w.device_times(plan.spec.devices[d])[on]
+    return out
 
 
 def _window(w: Any, moving: np.ndarray) -> tuple[int, int]:
@@ -224,6 +338,7 @@ def _window(w: Any, moving: np.ndarray) -> tuple[int, int]:
 LIGHT_FLOPS_PER_BYTE = 4   # an op without weights doing less per byte it moves follows its input
 QUICK = 4                  # a device this many times slower than the quickest for some work is a last resort
 WHOLE_TRIES = 4            # devices a lost device's ops are tried on whole (nearest, then quickest, first)
+BOUND_SLACK = 1e-9        # NOTE: a bound is summed in another order than the simulator's: a hair less
 
 
 def _nearby(spec: ClusterSpec, like: DeviceSpec) -> list[list[int]]:
@@ -234,12 +349,21 @@ def _nearby(spec: ClusterSpec, like: DeviceSpec) -> list[list[int]]:
     return rings
 
 
-def _rehome(plan: Plan, spec: ClusterSpec, dev: np.ndarray, moving: np.ndarray,
-            home: DeviceSpec, exclude: int = -1) -> np.ndarray:
+def _rehome(plan: Plan, spec: ClusterSpec, dev: np.ndarray, moving: np.ndarray, home: DeviceSpec,
+            exclude: int = -1) -> np.ndarray:
     """Give each op in ``moving`` (``dev`` = -1 there) a device of ``spec``, nearest first.
 
     ``exclude`` (a device whose memory just shrank) takes none of them.
     """
+    out = _rehome_within(plan, spec, dev, moving, home, exclude, np.inf)
+    assert out is not None      # NOTE: a repair gives up only within a finite time
+    return out
+
+
+def _rehome_within(plan: Plan, spec: ClusterSpec, dev: np.ndarray, moving: np.ndarray, home: DeviceSpec,
+                   exclude: int, give_up_s: float) -> np.ndarray | None:
+    """``_rehome``, or None once the repair is sure to take longer than ``give_up_s`` besides the
+    client's time (``_assign``)."""
     if not len(moving):
         return dev
     w = plan.workload
@@ -257,44 +381,64 @@ def _rehome(plan: Plan, spec: ClusterSpec, dev: np.ndarray, moving: np.ndarray,
             f"{n_dev} devices have {fmt_bytes(room)} free: short by {fmt_bytes(need - room)} "
             f"({int(need - room)} bytes)")
     rings = [[d for d in ring if d != exclude] for ring in _nearby(spec, home)]
-    everywhere = [d for ring in rings for d in ring]
-    # NOTE: time columns per device, not the [ops x devices] matrix: a repair reads few of them.
+    cands = _candidates(rings, _work(w, spec, moving), free, need)
+    return _assign(plan, spec, dev, moving, cands, [d for ring in rings for d in ring], free, home, give_up_s)
+
+
+def _work(w: Workload, spec: ClusterSpec, ops: np.ndarray) -> list[float]:
+    """[D] seconds each device of ``spec`` would take for ``ops``."""
+    # NOTE: devices alike share one time column (``device_times``): each is summed once
+    sums: dict[int, float] = {}
     cols = [w.device_times(d) for d in spec.devices]
-    # Devices far slower than the quickest anywhere for this work (a CPU beside GPUs) are a last
-    # resort: the nearest rings whose quick devices have room, before the slow ones of a nearer
-    # ring (a lost GPU's layers on its host's CPU made a 41 GB Llama's plan 4.7x slower; on a GPU
-    # of the next host, one cut more).
-    work = {d: float(cols[d][moving].sum()) for d in everywhere}
-    fastest = min(work.values(), default=0.0)
+    return [sums[id(c)] if id(c) in sums else sums.setdefault(id(c), float(c[ops].sum())) for c in cols]
+
+
+def _candidates(rings: list[list[int]], work: list[float], free: np.ndarray, need: float) -> list[int]:
+    """The devices moved ops may go to: the nearest rings with room for them all.
+
+    Devices far slower than the quickest anywhere for this work (a CPU beside GPUs) are a last
+    resort: the nearest rings whose quick devices have room, before the slow ones of a nearer
+    ring (a lost GPU's layers on its host's CPU made a 41 GB Llama's plan 4.7x slower; on a GPU
+    of the next host, one cut more).
+    """
+    fastest = min((work[d] for ring in rings for d in ring), default=0.0)
     cands: list[int] = []
     for ring in rings:
         cands += ring
         quick = [d for d in cands if work[d] <= QUICK * fastest]
         if float(np.maximum(free[quick], 0).sum()) >= need:
-            cands = quick
+            return quick
+    cands = []
+    for ring in rings:
+        cands += ring
+        if float(np.maximum(free[cands], 0).sum()) >= need:
             break
-    else:
-        cands = []
-        for ring in rings:
-            cands += ring
-            if float(np.maximum(free[cands], 0).sum()) >= need:
-                break
+    return cands
+
+
+def _assign(plan: Plan, spec: ClusterSpec, dev: np.ndarray, moving: np.ndarray, cands: list[int],
+            everywhere: list[int], free: np.ndarray, home: DeviceSpec, give_up_s: float) -> np.ndarray | None:
+    """Each op of ``moving`` in turn (topological order) to the candidate that finishes it soonest:
+    the work already at its depth level there, its own time, and the time to bring its inputs.
+    An op reading a weight tile a candidate holds goes there; glue goes where its largest input is.
+
+    None once a chain of ops crosses devices so often that its blocks, a cut each
+    (``DaskSpec.cut_s``: ``simulate`` runs a block a hop and the scheduler's time after the
+    blocks it reads), take more than ``give_up_s``.
+    """
+    w = plan.workload
+    depth = _depth(w)[moving]
+    lo = int(depth.min())
+    base = _level_work(w, spec, dev, cands, lo, int(depth.max())).tolist()
+    level = (depth - lo).tolist()
+    own = _columns(w, spec, cands, moving)
     cand = np.array(cands, dtype=np.int64)
-    depth = w.depth
-    levels = int(depth.max()) + 1
-    # NOTE: the work already at each depth level of each candidate, for evening out
-    loads = np.stack([np.bincount(depth[dev == d], weights=cols[d][dev == d], minlength=levels)
-                      for d in cands], axis=1)
-    base = loads[depth[moving]].tolist()
-    t_mv_a = np.stack([cols[d][moving] for d in cands], axis=1)
-    t_mv = t_mv_a.tolist()
     lat = spec.cut_latency[:, cand].tolist()
     inv = (1.0 / spec.bandwidth[:, cand]).tolist()
     wb = w.weight_bytes[moving].tolist()
-    dv = depth[moving].tolist()
-    in_pairs = w.in_pairs
+    src, nbytes = w.lists
     free_l = free.tolist()
-    extra: dict[int, float] = {}
+    extra: dict[int, list[float]] = {}     # depth level -> work moved there, per candidate
     d_list = dev.tolist()
     # NOTE: memory-bound ops without weights (joins, views, elementwise) go where their largest
     # input is: moving them elsewhere would only move that input too.
@@ -302,45 +446,125 @@ def _rehome(plan: Plan, spec: ClusterSpec, dev: np.ndarray, moving: np.ndarray,
              & (w.flops[moving] < LIGHT_FLOPS_PER_BYTE * w.moved_bytes[moving])).tolist()
     slot = {d: j for j, d in enumerate(cands)}
     holder = _tile_holders(w, dev)
-    tiles_of = w.tiles_of
+    tiles_of = _tiles(w, moving)
+    # NOTE: device changes on a chain of ops ending at each moved op (ops that stay count 0): a
+    # lower bound on its blocks' chain, so that the repair can give up as soon as it is too long
+    changes = [0] * w.n
+    cut_s = spec.dask.cut_s
+    most = int(give_up_s / cut_s) if cut_s > 0 and give_up_s < np.inf else w.n + 1
     for i, v in enumerate(moving.tolist()):
+        wv = wb[i]
         # NOTE: an op reading a weight tile a candidate already holds goes there: no second copy
-        if tiles_of[v]:
+        if v in tiles_of:
             held = next((holder[t] for t in tiles_of[v] if holder.get(t, -1) in slot), -1)
-            if held >= 0 and free_l[held] >= wb[i]:
+            if held >= 0 and free_l[held] >= wv:
                 d_list[v] = held
-                free_l[held] -= wb[i]
+                free_l[held] -= wv
                 continue
-        ins = [(d_list[s], nb) for s, nb in in_pairs[v]]
-        if light[i] and ins:   # NOTE: glue (a join, a view) goes where its largest input is
-            d = max(ins, key=itemgetter(1))[0]
+        pairs = [(src[t], nbytes[t]) for t in w.op_in[v]]     # NOTE: (producing op, bytes) per input
+        if light[i] and pairs:   # NOTE: glue (a join, a view) goes where its largest input is
+            d = d_list[pairs[0][0] if len(pairs) == 1 else max(pairs, key=itemgetter(1))[0]]
             if d in slot:
                 d_list[v] = d
+                changes[v] = _changes(changes, d_list, pairs, d)
                 continue
-        best, best_j = float("inf"), -1
-        for j, d in enumerate(cands):
-            if free_l[d] < wb[i]:
-                continue
-            s = base[i][j] + extra.get(dv[i] * n_dev + d, 0.0) + t_mv[i][j]
+        ins = [(d_list[s], nb) for s, nb in pairs]
+        moved = extra.get(level[i])
+        if moved is None:
+            moved = extra[level[i]] = [0.0] * len(cands)
+        j = _soonest(cands, base[level[i]], moved, own, i, ins, lat, inv, free_l, wv)
+        if j >= 0:
+            d = cands[j]
+            moved[j] += own[j][i]
+        else:   # nothing near has room for this op: the nearest device farther out that does
+            d = next((e for e in everywhere if free_l[e] >= wv), -1)
+            if d < 0:
+                raise ClusterTooSmall(f"no device has room for op {w.names[v]!r} ({fmt_bytes(wv)}) "
+                                      f"once {home.name!r} is gone; most free: {fmt_bytes(max(free_l))}")
+        d_list[v] = d
+        free_l[d] -= wv
+        for t in tiles_of.get(v, ()):
+            holder.setdefault(t, d)
+        changes[v] = _changes(changes, d_list, pairs, d)
+        if changes[v] >= most:
+            return None
+    return np.array(d_list, dtype=np.int64)
+
+
+_DEPTHS: weakref.WeakKeyDictionary[Workload, np.ndarray] = weakref.WeakKeyDictionary()
+
+
+def _depth(w: Workload) -> np.ndarray:
+    """[ops] the longest path, in ops, from a source to each op (``Workload.depth``), kept per graph.
+
+    It is the phases of a plan with every op on a device of its own: ``phases`` loops over the edge
+    lists, 1 ms on a 7k-op graph where ``Workload.depth`` takes 4 (a loop over numpy scalars).
+    """
+    depth = _DEPTHS.get(w)
+    if depth is None:
+        depth = _DEPTHS[w] = phases(w, np.arange(w.n))
+    return depth
+
+
+def _tiles(w: Workload, ops: np.ndarray) -> dict[int, list[int]]:
+    """Each of ``ops`` that reads shared weight tiles -> their ids (``Workload.shared``), in order."""
+    tile, user, _, _ = w.shared_arrays
+    mine = np.zeros(w.n, dtype=bool)
+    mine[ops] = True
+    out: dict[int, list[int]] = {}
+    for t, u in zip(*(a[mine[user]].tolist() for a in (tile, user))):
+        out.setdefault(u, []).append(t)
+    return out
+
+
+def _level_work(w: Workload, spec: ClusterSpec, dev: np.ndarray, cands: list[int], lo: int,
+                hi: int) -> np.ndarray:
+    """[depth levels lo..hi, candidates] seconds of work each candidate has at each level (``dev``)."""
+    # NOTE: one count for all candidates, each level's sum in op order (as one count each adds it)
+    slot_of = np.full(len(spec.devices) + 1, -1, dtype=np.int64)
+    slot_of[cands] = np.arange(len(cands))
+    depth = _depth(w)
+    on = np.flatnonzero((slot_of[dev] >= 0) & (depth >= lo) & (depth <= hi))
+    j_on = slot_of[dev[on]]
+    t_on = np.empty(len(on))
+    for j, d in enumerate(cands):
+        mine = j_on == j
+        t_on[mine] = w.device_times(spec.devices[d])[on[mine]]
+    n = len(cands)
+    return np.bincount((depth[on] - lo) * n + j_on, weights=t_on, minlength=(hi - lo + 1) * n).reshape(-1, n)
+
+
+def _columns(w: Workload, spec: ClusterSpec, cands: list[int], ops: np.ndarray) -> list[list[float]]:
+    """Per candidate, the time of each of ``ops`` there (one list for devices alike)."""
+    cols = [w.device_times(spec.devices[d]) for d in cands]
+    made: dict[int, list[float]] = {}
+    return [made[id(c)] if id(c) in made else made.setdefault(id(c), c[ops].tolist()) for c in cols]
+
+
+def _changes(changes: list[int], dev: list[int], pairs: list[tuple[int, float]], d: int) -> int:
+    """Device changes on the longest chain of ops into an op on device d reading ``pairs``."""
+    if len(pairs) == 1:
+        s = pairs[0][0]
+        return changes[s] + (dev[s] != d)
+    return max((changes[s] + (dev[s] != d) for s, _ in pairs), default=0)
+
+
+def _soonest(cands: list[int], base: list[float], moved: list[float], own: list[list[float]], i: int,
+             ins: list[tuple[int, float]], lat: list[list[float]], inv: list[list[float]],
+             free: list[float], nbytes: float) -> int:
+    """The slot of the candidate with room that finishes op i soonest: the work at its depth level
+    there (``base`` before the repair, ``moved`` by it), its own time and the time to bring each
+    input from its device (``ins``); -1 if none has room."""
+    best, best_j = float("inf"), -1
+    for j, (d, b, e, t) in enumerate(zip(cands, base, moved, own)):
+        if free[d] >= nbytes:
+            s = b + e + t[i]
             for x, nb in ins:
                 if x != d:
                     s += lat[x][j] + nb * inv[x][j]
             if s < best:
                 best, best_j = s, j
-        if best_j >= 0:
-            d = cands[best_j]
-            key = dv[i] * n_dev + d
-            extra[key] = extra.get(key, 0.0) + t_mv[i][best_j]
-        else:   # nothing near has room for this op: the nearest device farther out that does
-            d = next((e for e in everywhere if free_l[e] >= wb[i]), -1)
-            if d < 0:
-                raise ClusterTooSmall(f"no device has room for op {w.names[v]!r} ({fmt_bytes(wb[i])}) "
-                                      f"once {home.name!r} is gone; most free: {fmt_bytes(max(free_l))}")
-        d_list[v] = d
-        free_l[d] -= wb[i]
-        for t in tiles_of[v]:
-            holder.setdefault(t, d)
-    return np.array(d_list, dtype=np.int64)
+    return best_j
 
 
 def _tile_holders(w: Any, dev: np.ndarray) -> dict[int, int]:
@@ -367,7 +591,7 @@ def _adopt(plan: Plan, spec: ClusterSpec, dev: np.ndarray, new: int) -> np.ndarr
     budget = min(float(weight_capacity(spec)[new]),
                  host_w * speed[new] / (speed[peers].sum() + speed[new]))
     n_dev = len(spec.devices)
-    depth = w.depth
+    depth = _depth(w)
     loads = np.bincount(depth * n_dev + dev, weights=times[np.arange(w.n), dev],
                         minlength=(int(depth.max()) + 1) * n_dev).tolist()
     taken = 0.0
