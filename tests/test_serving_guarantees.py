@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 import dask.config
 import pytest
@@ -270,30 +271,58 @@ def test_a_model_stranded_by_a_hung_worker_serves_again_once_it_answers(model) -
     is stranded (calls fail at once, naming why). Once it answers again the model serves again,
     and the worker drops the caches of the sessions that ended while it was fenced. (It stayed
     stranded for good: the newcomer's links on a host of one device came out as a bandwidth of 0.)"""
+    from seabiscuit_dask.serve.app import Server, make_app
+    from seabiscuit_dask.serve.models import ServedModel
+    from seabiscuit_dask.serve.server import running
+
     prompt = padded_batch((6,), seed=4)[0]
     with torch.no_grad():
         expected = model(X).logits
     with dask.config.set(FAST_HANG), seabiscuit_cluster(2, BUDGET) as two, deploy(two, model) as dm:
         assert len({s.address for s in dm.specs}) == 2
-        victim = kv_worker(dm)
-        pid = pid_of(two, victim)
-        stream = dm.stream(prompt, 64, pad_token_id=0, eos_token_id=[])
-        next(stream)
-        os.kill(pid, signal.SIGSTOP)
-        try:
-            with pytest.raises(sb.WorkerLost, match="cannot hold model"):
-                list(stream)                         # its session ends while the worker is fenced
-            assert victim in plugin(two).fenced and plugin(two).state.models[dm.model_id].stranded
-            with pytest.raises(sb.WorkerLost, match="cannot hold model"):
-                dm(X)
-        finally:
-            os.kill(pid, signal.SIGCONT)
-        state = plugin(two).state
-        wait_for(lambda: victim not in plugin(two).fenced and not state.models[dm.model_id].stranded,
-                 "the model holding again")
-        torch.testing.assert_close(dm(X).logits, expected, rtol=1e-4, atol=1e-5)
-        wait_for(lambda: two.run(kv_bytes, workers=[victim])[victim] == 0, "the ended session's cache freed")
-        assert torch.equal(dm.generate(prompt, 8, pad_token_id=0, eos_token_id=[]), hf(model, prompt, 8))
+        served = ServedModel("tiny", dm, None, "generate", 96)
+        served.ready.set()
+        with running(make_app(Server([served]))) as url:
+            assert health(url) == (200, "ok")
+            victim = kv_worker(dm)
+            pid = pid_of(two, victim)
+            stream = dm.stream(prompt, 64, pad_token_id=0, eos_token_id=[])
+            next(stream)
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                with pytest.raises(sb.WorkerLost, match="cannot hold model"):
+                    list(stream)                         # its session ends while the worker is fenced
+                assert victim in plugin(two).fenced and plugin(two).state.models[dm.model_id].stranded
+                with pytest.raises(sb.WorkerLost, match="cannot hold model"):
+                    dm(X)
+                status, body = health(url)
+                assert status == 503 and "cannot hold model" in body["unavailable"]["tiny"]
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            state = plugin(two).state
+            wait_for(lambda: victim not in plugin(two).fenced and not state.models[dm.model_id].stranded,
+                     "the model holding again")
+            assert health(url) == (200, "ok")
+            torch.testing.assert_close(dm(X).logits, expected, rtol=1e-4, atol=1e-5)
+            wait_for(lambda: two.run(kv_bytes, workers=[victim])[victim] == 0,
+                     "the ended session's cache freed")
+            assert torch.equal(dm.generate(prompt, 8, pad_token_id=0, eos_token_id=[]), hf(model, prompt, 8))
+            dm.close()
+            status, body = health(url)
+            assert status == 503 and "is closed" in body["unavailable"]["tiny"]
+
+
+def health(url: str) -> tuple[int, Any]:
+    """GET /health: (status, its JSON's status field, or the whole JSON where the status is not 200)."""
+    import urllib.error
+    import urllib.request
+
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(url + "/health", timeout=60) as r:
+            return r.status, json.loads(r.read())["status"]
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
 
 
 def test_a_long_prompt_sent_to_a_hung_worker_is_prefilled_again_and_no_token_changes(client, model) -> None:

@@ -221,6 +221,19 @@ class DistributedModel:
         if vocab:
             check_ids(name, x, vocab)
 
+    def unavailable(self) -> str | None:
+        """None while the model serves; else why it does not: closed, or stranded (the rest of the
+        cluster cannot hold it), as the scheduler says now."""
+        if self._closed:
+            return f"distributed model {self.model_id} is closed"
+        if self._stranded:
+            try:
+                self._catch_up()      # NOTE: the plan that holds it again may be on its way
+            except Exception as e:  # noqa: BLE001 - no answer: what it last heard stands
+                logger.info("seabiscuit: model %s: the scheduler did not say whether it serves: %s",
+                            self.model_id, e)
+        return self._stranded or None
+
     def _check_open(self) -> None:
         """Refuse a call to a closed model, or to a stranded one (``WorkerLost``, at once). A model
         seen stranded is asked about first: the plan that holds it again may be on its way."""

@@ -81,6 +81,11 @@ class Server:
     def ready(self) -> bool:
         return not self.loading and bool(self.models) and all(m.ready.is_set() for m in self.models.values())
 
+    def unavailable(self) -> dict[str, str]:
+        """Model name -> why it does not serve now (closed, or stranded), for the deployed ones."""
+        down = {m.name: m.unavailable() for m in list(self.models.values()) if m.ready.is_set()}
+        return {name: why for name, why in down.items() if why}
+
     def model(self, name: str, kind: str) -> ServedModel:
         if name in self.loading:
             raise api.Starting(f"model {name!r} is still being deployed: GET /health answers 200 once it is "
@@ -315,11 +320,14 @@ def make_app(server: Server) -> Starlette:
         return await guarded(request, "/v1/models", handle, reads_body=False)
 
     async def health(request: Request) -> Response:
-        if server.ready:
+        down = await asyncio.to_thread(server.unavailable)
+        if server.ready and not down:
             return JSONResponse({"status": "ok", "models": sorted(server.models)})
         waiting = server.loading + [m.name for m in server.models.values() if not m.ready.is_set()]
-        return JSONResponse({"status": "starting", "waiting_for": waiting}, status_code=503,
-                            headers={"Retry-After": server.retry_after})
+        body: dict[str, Any] = {"status": "unavailable" if down else "starting", "waiting_for": waiting}
+        if down:
+            body["unavailable"] = down
+        return JSONResponse(body, status_code=503, headers={"Retry-After": server.retry_after})
 
     async def metrics(request: Request) -> Response:
         if not server.metrics_public:        # NOTE: it names the workers' addresses

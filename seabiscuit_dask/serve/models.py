@@ -100,6 +100,12 @@ class ServedModel:
     created: int = field(default_factory=lambda: int(time.time()))
     ready: threading.Event = field(default_factory=threading.Event)
 
+    def unavailable(self) -> str | None:
+        """None while the deployment serves; else why it does not (closed, or stranded: the rest of
+        the cluster cannot hold it). Blocks while the scheduler is asked: call it off the event loop."""
+        ask = getattr(self.dm, "unavailable", None)
+        return ask() if callable(ask) else None
+
     # --- generation ---------------------------------------------------------------------------
     def check_rows(self, request: GenerationRequest) -> None:
         """Refuse a request for more answers (``n`` per prompt) than the deployment makes at once,
