@@ -478,6 +478,21 @@ def test_a_lost_device_gets_the_repair_that_simulating_every_one_picks(plan, cas
         assert all(_bound_s(c, c.schedule.client_s) <= c.makespan_s for c in cands)
 
 
+def test_an_op_by_op_repair_that_overfills_a_device_through_a_shared_weight_loses_to_one_that_fits():
+    """Stages cut at senders, no GPU of host a with room for another stage: spreading the lost
+    stage op by op leaves a2 past its room (the tied embedding's tile is held there twice over),
+    while handing it whole to an idle GPU of host b fits. The repair is the one that fits (it
+    raised ClusterTooSmall)."""
+    from seabiscuit_dask.placement.replan import _overfilled
+
+    plan = stages_beside_alike_idle_gpus(fused=False, parts=1.6)
+    op_by_op = every_repair(plan, "a1")[0]
+    assert _overfilled(plan, op_by_op) is not None
+    new = replan(plan, DeviceLost("a1"))
+    assert valid(new, "a1") and _overfilled(plan, new) is None
+    assert {new.spec.names[d] for d in new.device_of[plan.device_of == 1]} <= {"b0", "b1", "b2"}
+
+
 def test_the_op_by_op_repair_gives_up_only_where_it_cannot_win():
     from seabiscuit_dask.placement.replan import _rehome_within
 

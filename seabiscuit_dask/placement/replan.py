@@ -177,6 +177,16 @@ def _repaired(plan: Plan, spec: ClusterSpec, dev: np.ndarray, info: dict[str, An
 
 def _check_room(plan: Plan, new: Plan, event: Event) -> None:
     """Raise ``ClusterTooSmall`` if the repair gave a device more weights than it has room for."""
+    d = _overfilled(plan, new)
+    if d is not None:
+        raise ClusterTooSmall(f"after {event!r}, {new.spec.names[d]!r} would hold "
+                              f"{fmt_bytes(new.weight_bytes[d])} of weights; it has room for "
+                              f"{fmt_bytes(weight_capacity(new.spec)[d])}")
+
+
+def _overfilled(plan: Plan, new: Plan) -> int | None:
+    """The first device ``new`` gives more weights than it has room for (None: none): a weight
+    shared by ops on several devices is held by each of them, so moving ops one by one can."""
     spec = new.spec
     cap = weight_capacity(spec)
     # NOTE: only a device the repair gave more weights: ``place`` may leave one just past the
@@ -184,11 +194,7 @@ def _check_room(plan: Plan, new: Plan, event: Event) -> None:
     before = dict(zip(plan.spec.names, plan.weight_bytes.tolist()))
     grew = new.weight_bytes > np.array([before.get(n, 0.0) for n in spec.names]) + 0.5
     over = np.flatnonzero((new.weight_bytes > cap) & grew)
-    if len(over):   # a weight shared by ops on several devices is held by each of them
-        d = int(over[0])
-        raise ClusterTooSmall(f"after {event!r}, {spec.names[d]!r} would hold "
-                              f"{fmt_bytes(new.weight_bytes[d])} of weights; it has room for "
-                              f"{fmt_bytes(cap[d])}")
+    return int(over[0]) if len(over) else None
 
 
 def _lose(plan: Plan, spec: ClusterSpec, lost: int, moving: np.ndarray, info: dict[str, Any]) -> Plan:
@@ -207,7 +213,11 @@ def _lose(plan: Plan, spec: ClusterSpec, lost: int, moving: np.ndarray, info: di
     # NOTE: the op-by-op repair gives up once its chain of cuts alone outlasts the whole hand-over
     give_up_s = whole.makespan_s * (1 + BOUND_SLACK) - whole.schedule.client_s
     rehomed = _rehome_within(plan, spec, dev, moving, home, -1, give_up_s)
-    return whole if rehomed is None else _rather(_repaired(plan, spec, rehomed, info), whole)
+    if rehomed is None:
+        return whole
+    op_by_op = _repaired(plan, spec, rehomed, info)
+    # NOTE: one that overfills a device through a weight its ops share loses to a hand-over that fits
+    return whole if _overfilled(plan, op_by_op) is not None else _rather(op_by_op, whole)
 
 
 def _wholes(plan: Plan, spec: ClusterSpec, dev: np.ndarray, moving: np.ndarray, home: DeviceSpec,
