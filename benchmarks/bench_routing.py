@@ -9,7 +9,14 @@ link is measured, nothing is repaired) and on. Printed: per phase, the median an
 percentile latency of a request, the bytes a request sends over the throttled link itself,
 and the link's measured bandwidth; and the time from the throttle to the repaired plan.
 
+With ``--loaded``, no namespaces and no throttle: a LocalCluster of three worker processes on this
+machine's loopback, ``--hogs`` busy loops beside them, ``--callers`` threads sending requests for
+``--seconds``: every link is as fast as ever, and what the scheduler made of them is printed per
+link (transfers, stalls, changes confirmed, the fitted and the applied figures), with the repair
+events (``link-*``) and the plan's version at the end.
+
     sudo python benchmarks/bench_routing.py [--requests 12] [--layers 6] [--width 1024] [--batch 64]
+    python benchmarks/bench_routing.py --loaded [--hogs 2] [--seconds 30] [--callers 2] [--width 512]
 """
 
 from __future__ import annotations
@@ -17,8 +24,10 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -113,15 +122,95 @@ def scenario(args: argparse.Namespace, repair: bool) -> list[dict[str, Any]]:
     return rows
 
 
+def link_table(dask_scheduler: Any = None) -> list[dict[str, Any]]:
+    """On the scheduler: per link, what its estimator made of the transfers."""
+    out = []
+    for (src, dst), est in sorted(dask_scheduler.plugins["seabiscuit"].state.links.links.items()):
+        now, history = est.estimate(), [h[1] * 8e-6 for h in est.history]
+        out.append({"link": f"{src.rsplit(':', 1)[-1]} -> {dst.rsplit(':', 1)[-1]}", "transfers": est.count,
+                    "stalls": getattr(est, "stalls", float("nan")), "changes": est.changes,
+                    "mbit": now.bandwidth_bytes_per_s * 8e-6, "ms": now.latency_s * 1e3,
+                    "applied_mbit": est.applied.bandwidth_bytes_per_s * 8e-6,
+                    "applied_ms": est.applied.latency_s * 1e3,
+                    "history_mbit": [min(history), max(history)]})
+    return out
+
+
+def loaded(args: argparse.Namespace) -> None:
+    """Three worker processes on loopback beside ``--hogs`` busy loops, requests for ``--seconds``:
+    the links as the scheduler learned them (see module doc)."""
+    from distributed import Client, LocalCluster
+
+    import seabiscuit_dask as sb
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(args.width, args.width) for _ in range(args.layers)]).eval()
+    x = torch.randn(args.batch, args.width)
+    with torch.no_grad():
+        want = model(x)
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.hogs)]
+    try:
+        with LocalCluster(n_workers=3, threads_per_worker=1, dashboard_address=None,
+                          resources={"MEM": int(2.6 * args.width * args.width * 4)}) as cluster, \
+                Client(cluster) as client:
+            client.register_plugin(sb.SeaBiscuitSchedulerPlugin())
+            dm = sb.distribute(model, client, x, budget="16MiB")
+            timed(dm, x, want, 3)
+            stop, times = threading.Event(), []
+
+            def caller() -> None:
+                while not stop.is_set():
+                    times.extend(timed(dm, x, want, 1))
+
+            threads = [threading.Thread(target=caller) for _ in range(args.callers)]
+            for t in threads:
+                t.start()
+            stop.wait(args.seconds)
+            stop.set()
+            for t in threads:
+                t.join()
+            dm._flush_runs()
+            links = client.run_on_scheduler(link_table)
+            events = client.run_on_scheduler(
+                lambda dask_scheduler: [e["action"] for e in dask_scheduler.plugins["seabiscuit"].events])
+            version = dm.version
+            dm.close()
+    finally:
+        for h in hogs:
+            h.kill()
+    print(f"\n{args.layers} x Linear({args.width}) on 3 worker processes (loopback), batch {args.batch}: "
+          f"{args.batch * args.width * 4 / 1024:.0f} KiB a cut; {args.hogs} busy loops beside them; "
+          f"{len(times)} requests in {args.seconds:.0f} s from {args.callers} callers, median "
+          f"{statistics.median(times) * 1e3:.1f} ms")
+    print(f"{'link':<14} {'transfers':>9} {'stalls':>7} {'changes':>8} {'Mbit/s':>8} {'ms':>7} "
+          f"{'applied Mbit/s':>15} {'applied ms':>11} {'history Mbit/s':>18}")
+    for r in links:
+        print(f"{r['link']:<14} {r['transfers']:>9} {r['stalls']:>7} {r['changes']:>8} {r['mbit']:>8.0f} "
+              f"{r['ms']:>7.3f} {r['applied_mbit']:>15.0f} {r['applied_ms']:>11.3f} "
+              f"{r['history_mbit'][0]:>8.0f} - {r['history_mbit'][1]:<8.0f}")
+    kinds = {k: events.count(k) for k in sorted(set(events)) if k.startswith("link-")}
+    print(f"changes confirmed: {sum(r['changes'] for r in links)} over {sum(r['transfers'] for r in links)} "
+          f"transfers; repair events: {kinds or 'none'}; plan version {version}")
+
+
 def main() -> None:
     from tests import netns
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=12)
     ap.add_argument("--layers", type=int, default=6)
-    ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--width", type=int, default=None, help="1024; 512 with --loaded")
     ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--loaded", action="store_true", help="loopback beside busy loops, no throttle")
+    ap.add_argument("--hogs", type=int, default=2)
+    ap.add_argument("--seconds", type=float, default=30.0)
+    ap.add_argument("--callers", type=int, default=2)
     args = ap.parse_args()
+    if args.loaded:
+        args.width = args.width or 512
+        loaded(args)
+        return
+    args.width = args.width or 1024
     why = netns.unavailable()
     if why:
         print(f"skipped: {why}")

@@ -8,6 +8,17 @@ receiver also says how long the bytes took to come in after their header (``read
 the link is no faster than that, which tells a slower link from a longer one where
 every message is of one size.
 
+A sample also holds the time its ends did not run: a receiver whose event loop was busy with a
+block's compute (or whose process waited for a core) read the bytes late, and a sender its
+acknowledgement. On a loaded host that is most of it: between three worker processes on two busy
+cores a 128 KiB activation took 3 to 6 ms at the median (by link) and 34 to 140 at the 99th
+percentile where the fastest took 0.4, its bytes read in at 3 GB/s once read. A slower link shows
+in the read time too (its bytes come in at its pace); a stall does not. So a sample ``change`` times
+slower than the figures predict whose read time took less than half of what it took past them
+(``stall``) is a *stall*: counted (``stalls``), and nothing more: not fitted, no part of a change,
+no vote. Where the read time is not known (whole messages over UCX or in-process) every sample
+counts, as below.
+
 ``LinkEstimator`` fits both figures by weighted least squares with forgetting, as
 ``CostLearner`` fits compute times: each sample weighed by the inverse square of its
 predicted time (relative errors, so small and large messages both count), the figures the
@@ -15,17 +26,18 @@ plan started with standing in as ``prior`` transfers, and a sample far from the
 prediction clipped before it enters the fit (one stall of an event loop is no new link).
 It also watches for a change: samples whose time is ``change`` times off the figures the
 plan uses (``applied``), ``patience`` in a row (the same way; a message within the band
-breaks the row only if it is no smaller than the median of those off, so a link shaped for large
-messages only, a token bucket, is still seen; of the row, the messages no smaller than its
-median count), re-estimate the link from those samples (a row no one link explains slides on). The
-new figures are then put to the test: of the next samples that tell the two apart, ``patience``
+breaks the row only if it is no smaller than half the median of those off, so a link shaped for
+large messages only, a token bucket, is still seen; of the row, the messages no smaller than half
+its median count), re-estimate the link from those samples (a row no one link explains slides on).
+The new figures are then put to the test: of the next samples that tell the two apart, ``patience``
 vote, and only if most are explained better by the new figures does ``observe`` return them; else
-the link goes back to its figures before (a receiver whose event loop stalls for a block's
-compute delays a few messages in a row: that is no new link). A change seen within a link's
+the link goes back to its figures before (stalls that the read time cannot tell, where it is not
+known, delay a few messages in a row: that is no new link). A change seen within a link's
 first ``cooldown`` samples is calibration, not news: probes and the data plane are two
 instruments, and the first gap between them is taken without a repair. After a change, for
 ``cooldown`` samples the link changes again only past ``change`` squared (hysteresis: a noisy
-link does not churn the plan).
+link does not churn the plan). A link only longer (its bytes as fast, its latency more) is a
+stall to every sample that knows its read time: the data plane cannot tell the two apart.
 ``LinkLearner`` keeps an estimator per (sender, receiver) and a history of each for the
 dashboard. Plain Python and numpy: the scheduler plugin feeds it, tests drive it with
 synthetic traces.
@@ -52,6 +64,7 @@ REF_BYTES = float(1 << 20)     # NOTE: the fit's byte unit, so both figures are 
 FLOOR_S = 1e-6                 # NOTE: no link is faster than this per message
 MAX_BYTES_PER_S = 1e12
 TIE = 0.05                     # NOTE: fits whose median log errors differ by less explain samples alike
+STALL_SHARE = 2.0              # NOTE: a stall: its time past the expected this many times its slower reads'
 HISTORY_EVERY_S = 0.5          # NOTE: at most a history point this often (and one at each change)
 
 
@@ -62,6 +75,16 @@ def _bw(bytes_per_s: float) -> float:
 def sample_s(link: LinkSpec, nbytes: float) -> float:
     """What a sample of ``nbytes`` takes on ``link``: the bytes one way and the acknowledgement back."""
     return 2 * link.latency_s + nbytes / link.bandwidth_bytes_per_s
+
+
+def stall(seconds: float, read_s: float, expected_s: float, expected_read_s: float) -> bool:
+    """Whether a transfer that took ``seconds`` where ``expected_s`` was expected spent most of the
+    time past that other than on its bytes coming in slower than expected (``read_s``, the receiver's
+    time from its header to its last byte, against ``expected_read_s``): an end that did not run (its
+    event loop busy with a block's compute on a shared core, its process waiting for a core) while the
+    bytes waited in its socket, or the acknowledgement in the sender's. A slower link shows in the
+    read time: its bytes come in at its pace. False where the read time is not known (0)."""
+    return read_s > 0 and seconds - expected_s > STALL_SHARE * max(read_s - expected_read_s, 0.0)
 
 
 @dataclass
@@ -83,12 +106,13 @@ class LinkEstimator:
     off_way: int = 0                            # +1: slower than the figures, -1: faster
     quiet_for: int = 0
     count: int = 0
+    stalls: int = 0                             # samples of ``count`` that were stalls (``stalled``)
     bytes_total: float = 0.0
     changes: int = 0
     trial: tuple[LinkSpec, LinkSpec, list[float], list[float], float] | None = None   # see _confirm
     votes: list[int] = field(default_factory=list)   # +1: a sample the new figures explain better
     calibrated: bool = False                    # the first gap to the probes' figures was taken
-    trial_at: int = 0                           # the sample that put the figures on trial
+    trial_at: int = 0                           # the sample that put the figures on trial (``timed``)
     history: deque[tuple[float, float, float]] = field(init=False)   # (time, bytes/s, latency s)
     changed_at: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=64))  # (time, count)
 
@@ -131,12 +155,19 @@ class LinkEstimator:
                 read_s: float = 0.0) -> LinkSpec | None:
         """Take one transfer of ``nbytes`` that took ``seconds`` (``read_s``: the receiver's time from
         its header to its last byte, 0 if not known); returns the link's new figures when it
-        changed (see module doc), else None. Samples that are not finite are ignored."""
+        changed (see module doc), else None. Samples that are not finite are ignored; a stalled one
+        (``stalled``) is counted and nothing more."""
         if not (math.isfinite(nbytes) and math.isfinite(seconds)) or nbytes < 0 or seconds <= 0:
             return None
+        read_s = read_s if math.isfinite(read_s) and read_s > 0 else 0.0
         predicted = max(sample_s(self.applied, nbytes), FLOOR_S)
         self.count += 1
         self.bytes_total += nbytes
+        now = time.time() if now is None else now
+        if self.stalled(nbytes, seconds, predicted, read_s):
+            self.stalls += 1
+            self._remember(now, False)
+            return None
         self.normal = [v * self.forget for v in self.normal]
         self.rhs = [v * self.forget for v in self.rhs]
         # NOTE: clipped to the band of no change: a step past it is the detector's to act on
@@ -144,12 +175,22 @@ class LinkEstimator:
         if self.trial is not None:
             changed = self._confirm(nbytes, seconds)
         else:
-            changed = self._changed(nbytes, seconds, predicted, read_s if math.isfinite(read_s) else 0.0)
-        now = time.time() if now is None else now
+            changed = self._changed(nbytes, seconds, predicted, read_s)
         self._remember(now, changed is not None)
         if changed is not None:
             self.changed_at.append((now, self.count))
         return changed
+
+    def stalled(self, nbytes: float, seconds: float, predicted: float, read_s: float) -> bool:
+        """Whether a sample ``change`` times slower than ``predicted`` is a stall (``stall``): most of
+        what it took past them was not its bytes coming in slower than the figures say, so no link's."""
+        return seconds > self.change * predicted and stall(
+            seconds, read_s, predicted, nbytes / self.applied.bandwidth_bytes_per_s)
+
+    @property
+    def timed(self) -> int:
+        """Samples that timed the link (not stalled)."""
+        return self.count - self.stalls
 
     def _changed(self, nbytes: float, seconds: float, predicted: float, read_s: float) -> LinkSpec | None:
         self.quiet_for = max(0, self.quiet_for - 1)
@@ -158,26 +199,26 @@ class LinkEstimator:
         ratio = seconds / predicted
         way = 1 if ratio > band else -1 if ratio < 1 / band else 0
         if way == 0:
-            # NOTE: an in-band message breaks the row only if it is no smaller than the median of
-            # those off: a token bucket lets small messages through at full speed and slows only
+            # NOTE: an in-band message breaks the row only if it is no smaller than half the median
+            # of those off: a token bucket lets small messages through at full speed and slows only
             # large ones (and a stray small one off must not make the small ones after it count)
-            if self.off and nbytes >= float(np.median([n for n, _, _ in self.off])):
+            if self.off and nbytes >= self._large():
                 self.off, self.within = [], []
             elif self.off:
                 self.within = [*self.within[-4 * self.patience + 1:], (nbytes, seconds, read_s)]
             return None
         if way != self.off_way:
-            if self.off and nbytes < float(np.median([n for n, _, _ in self.off])):
+            if self.off and nbytes < self._large():
                 # NOTE: nor does a smaller message off the other way: under a token bucket small ones
                 # pass at full speed, faster than a latency fitted from noisy ones may say
                 self.within = [*self.within[-4 * self.patience + 1:], (nbytes, seconds, read_s)]
                 return None
             self.off, self.within, self.off_way = [], [], way
         self.off = [*self.off[-4 * self.patience + 1:], (nbytes, seconds, read_s)]
-        # NOTE: the row's messages no smaller than its median count: a stray small one off (its time
-        # mostly event-loop noise) neither makes a change nor spoils the fit of the large ones'
-        median = float(np.median([n for n, _, _ in self.off]))
-        row = [o for o in self.off if o[0] >= median]
+        # NOTE: the row's messages no smaller than half its median count: a stray small one off (its
+        # time mostly event-loop noise) neither makes a change nor spoils the fit of the large ones'
+        large = self._large()
+        row = [o for o in self.off if o[0] >= large]
         if len(row) < self.patience:
             return None
         # NOTE: the fit lags a step change: what came before says nothing of now. The figures that
@@ -188,23 +229,29 @@ class LinkEstimator:
             self.off = whole[1:]        # NOTE: no one link explains the row: it slides on
             return None
         # NOTE: the new figures on trial (see _confirm); the fit as it was kept to go back to
-        self.trial = (self.applied, now, list(self.normal), list(self.rhs), median)
-        self.votes, self.trial_at = [], self.count
+        self.trial = (self.applied, now, list(self.normal), list(self.rhs), large)
+        self.votes, self.trial_at = [], self.timed
         self.applied = now
         self._refit(self.off + self.within, now)
         self.off, self.within = [], []
         return None
 
+    def _large(self) -> float:
+        """The least size of the row's messages that count: half its median (a stray small message, its
+        time mostly its event loops' noise, does not; one a few headers smaller than the rest does)."""
+        return float(np.median([n for n, _, _ in self.off])) / 2
+
     def _confirm(self, nbytes: float, seconds: float) -> LinkSpec | None:
         """A sample while new figures are on trial: it votes for them or for the figures before when
         it tells the two apart (its log error under one is smaller by half the band's) and is no
-        smaller than the median of the samples that were off (a token bucket lets small ones by, and a
-        small message's time is mostly its event loops' noise); after
-        ``patience`` votes the change stands (returned; a link's first, within ``cooldown`` samples,
-        is calibration: taken, not returned) or the link goes back to its figures and fit before."""
+        smaller than half the median of the samples that were off (a token bucket lets small ones by,
+        and a small message's time is mostly its event loops' noise); after ``patience`` votes the
+        change stands (returned; a link's first, put on trial within its first ``cooldown`` samples
+        that were no stalls, is calibration: taken, not returned) or the link goes back to its
+        figures and fit before."""
         assert self.trial is not None
-        before, now, normal, rhs, median = self.trial
-        if nbytes < median:
+        before, now, normal, rhs, large = self.trial
+        if nbytes < large:
             return None
         e_now = abs(math.log(seconds / max(sample_s(now, nbytes), FLOOR_S)))
         e_before = abs(math.log(seconds / max(sample_s(before, nbytes), FLOOR_S)))

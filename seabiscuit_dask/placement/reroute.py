@@ -125,36 +125,45 @@ def _on(plan: Plan, spec: ClusterSpec, device_of: np.ndarray) -> Plan:
 def best_routes(plan: Plan) -> ClusterSpec:
     """``plan.spec`` with, for each pair of devices the plan sends bytes between, the route that moves
     them soonest: directly, or through the one relay whose path is fastest (and no relay for a pair
-    it sends nothing between)."""
+    it sends nothing between). The table is made whole, then one hop (``_one_hop``), then the spec:
+    a table built pair by pair onto the relays of an older plan (another cut, or other figures) could
+    relay a leg of a relay for a moment, which a spec refuses."""
     spec = plan.spec
     bb = plan.bytes_between
     bw, lat = spec.direct_bandwidth, spec.direct_latency
     relay_s = spec.dask.hop_s / 2
-    idle = [(x, y) for x, y, _ in spec.relays if not bb[spec.index(x), spec.index(y)]]
-    out = spec
-    for x, y in idle:
-        out = out.with_relay(x, y, None)
+    gains: dict[tuple[int, int], tuple[int, float]] = {}      # (from, to) -> (via, seconds it saves)
     for i, j in zip(*np.nonzero(bb)):
         a, b = int(i), int(j)
         n = float(bb[a, b])
-        best, best_s = None, float(lat[a, b] + n / bw[a, b])
+        direct_s = float(lat[a, b] + n / bw[a, b])
+        best, best_s = -1, direct_s
         for c in range(len(spec.devices)):
             if c in (a, b):
                 continue
             t = float(lat[a, c] + lat[c, b] + relay_s + n / min(bw[a, c], bw[c, b]))
             if t < best_s:
                 best, best_s = c, t
-        now = spec.relay(a, b)
-        if (best if best is not None else -1) != now:
-            out = out.with_relay(spec.names[a], spec.names[b], spec.names[best] if best is not None else None)
-    return _one_hop(out)
+        if best >= 0:
+            gains[(a, b)] = (best, direct_s - best_s)
+    names = spec.names
+    table = {(names[a], names[b]): names[c] for (a, b), c in _one_hop(gains).items()}
+    kept = tuple(r for r in spec.relays if table.get((r[0], r[1])) == r[2])
+    relays = kept + tuple((a, b, c) for (a, b), c in table.items() if (a, b, c) not in kept)
+    return spec if relays == spec.relays else replace(spec, relays=relays)
 
 
-def _one_hop(spec: ClusterSpec) -> ClusterSpec:
-    """Drop relays whose legs are relayed themselves (a transfer takes one relay at most)."""
-    pairs = {(a, b) for a, b, _ in spec.relays}
-    keep = tuple(r for r in spec.relays if (r[0], r[2]) not in pairs and (r[2], r[1]) not in pairs)
-    return spec if keep == spec.relays else replace(spec, relays=keep)
+def _one_hop(gains: dict[tuple[int, int], tuple[int, float]]) -> dict[tuple[int, int], int]:
+    """Of the relays ``gains`` holds ((from, to) -> (via, seconds saved)), the ones whose legs are not
+    relayed themselves (a transfer takes one relay at most): those that save most first; a pair whose
+    relay would take a relayed leg, or be a leg of one, goes directly."""
+    out: dict[tuple[int, int], int] = {}
+    for (a, b), (c, _) in sorted(gains.items(), key=lambda kv: -kv[1][1]):
+        legs = {(a, c), (c, b)}
+        if legs & out.keys() or any((a, b) in {(x, v), (v, y)} for (x, y), v in out.items()):
+            continue
+        out[(a, b)] = c
+    return out
 
 
 def _recuts(plan: Plan, spec: ClusterSpec, a: int, b: int) -> list[np.ndarray]:

@@ -23,10 +23,12 @@ it held it before acknowledging, and how long its bytes took to come in. The sen
 bulk *busy periods* (from the write that made the wire busy to the acknowledgement that left
 it idle, or every ``SAMPLE_CHUNKS`` chunks of a long one) and urgent messages one by one:
 bytes and seconds, less the peer's holds, are a sample of the link, which goes to the
-scheduler (``placement.links``); a bandwidth-bound one also sets the pipe here. The peer puts
-off most acknowledgements and sends them together (``streams.Acks``), counting the wait as held.
+scheduler (``placement.links``); a bandwidth-bound one also sets the pipe here, unless it is a
+stall (late, though its bytes came in at the link's pace once read: ``placement.links.stall``).
+The peer puts off most acknowledgements and sends them together (``streams.Acks``), counting
+the wait as held.
 
->>> f = FlowState(chunk_bytes=4, window_bytes=64, priority_bytes=2, pipe_delay_s=1.0)
+>>> f = FlowState(chunk_bytes=4, window_bytes=64, priority_bytes=2, pipe_delay_s=0.0)
 >>> _ = f.add("big", 10, stream=("m", 1)); _ = f.add("dot", 1, stream=("m", 2))
 >>> [(u.item.token, u.offset, u.length) for u in f.take(now=0.0)][:2]
 [('dot', 0, 1), ('big', 0, 4)]
@@ -41,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...placement.cluster import DEFAULT_LINKS
+from ...placement.links import stall
 
 HEADER_BYTES = 17          # NOTE: a unit's header on the wire (``streams.UNIT``)
 SAMPLE_CHUNKS = 16         # NOTE: a busy period this many chunks long is a sample, and goes on
@@ -240,18 +243,26 @@ class FlowState:
         seconds = now - self._busy_since - self._busy_hold_s
         if acked > 0 and seconds > 0:
             self.samples.append((acked, seconds, when, self._busy_read_s))
-            if acked >= self.chunk_bytes / 4:       # NOTE: a bandwidth-bound sample sets the pipe
-                self._measured(acked / seconds)
+            if acked >= self.chunk_bytes / 4 and not self._stalled(acked, seconds):
+                self._measured(acked / seconds)     # NOTE: a bandwidth-bound sample sets the pipe
         self._busy_since, self._busy_bytes = now, float(self.pipe_bytes)
         self._busy_hold_s, self._busy_read_s, self._busy_chunks = 0.0, 0.0, 0
+
+    def _stalled(self, nbytes: float, seconds: float) -> bool:
+        """Whether the busy period's ``nbytes`` took twice what the measured bandwidth says though the
+        receiver read them in at that pace (``placement.links.stall``): an end that did not run (a
+        block's compute on a shared core), no slower link."""
+        expected = nbytes / self.bandwidth_bytes_per_s
+        return seconds > 2 * expected and stall(seconds, self._busy_read_s, expected, expected)
 
     def _measured(self, bytes_per_s: float) -> None:
         """A bandwidth-bound sample (its bytes over its time, latency and all: on the low side, as a
         pipe should be): a step up of 2x or more is taken at once; a step down of 2x or more when
         the sample before stepped down too (one stalled sample, its receiver computing on a shared
         core or in a collector's pause, is no slower link: the pipe would split the next messages
-        and each piece wait for an acknowledgement); a smaller step halfway (in log). Cheap, as the
-        sender's own view must be; the scheduler fits the link properly (``placement.links``)."""
+        and each piece wait for an acknowledgement; stalls the receiver's read times tell never
+        come here, see ``_sample``); a smaller step halfway (in log). Cheap, as the sender's own
+        view must be; the scheduler fits the link properly (``placement.links``)."""
         old = self.bandwidth_bytes_per_s
         ratio = bytes_per_s / old
         slower = ratio <= 0.5
