@@ -82,7 +82,7 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
         worker.handlers["seabiscuit_routes"] = self.set_routes
         worker.handlers["seabiscuit_sync"] = self.sync
         worker.handlers["seabiscuit_report"] = self.report_now
-        worker.handlers["seabiscuit_drop_sessions"] = self.drop_sessions
+        worker.handlers["seabiscuit_drop_sessions"] = refusing(self.drop_sessions)
         self._tickets: dict[str, str] = {}
         self._unknown: OrderedDict[str, float] = OrderedDict()   # NOTE: model -> refused without asking till
         self._asking: asyncio.Lock | None = None
@@ -229,10 +229,12 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
             except Exception as e:  # noqa: BLE001 - a peer gone is not probed
                 logger.info("seabiscuit: link to %s not probed: %s", peer, e)
 
-    def drop_sessions(self, comm: Any = None, model: str = "", sessions: list[int] | None = None,
-                      secret: str = "", renamed: Any = ()) -> int:
+    async def drop_sessions(self, comm: Any = None, model: str = "", sessions: list[int] | None = None,
+                            secret: str = "", renamed: Any = ()) -> int:
         """Free the KV caches of ``sessions`` of ``model`` here, and rename the sessions of
-        ``renamed`` ((old, new, slots kept) each, ``KVStore.rename``); returns the bytes freed."""
+        ``renamed`` ((old, new, slots kept) each, ``KVStore.rename``); returns the bytes freed.
+        A worker that just started waits for its secret first (the scheduler asks every worker)."""
+        await self._secret_known()
         if not access.same_token(self.secret, secret):
             raise AccessDenied(f"dropping sessions of model {model!r} on {self.worker.address} needs the "
                                "scheduler plugin's secret: end sessions through the model's client")

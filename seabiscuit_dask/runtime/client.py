@@ -69,6 +69,8 @@ logger = logging.getLogger(__name__)
 
 Progress = Callable[[str], None]
 
+EVENTS_KEPT = 1000    # NOTE: the latest scheduler events a model keeps (``dm.events``), as the scheduler does
+
 
 def _quiet(msg: str) -> None:
     return None
@@ -113,7 +115,7 @@ class DistributedModel:
         self._requests = itertools.count()
         self._stranded: str | None = None
         self._closed = False
-        self.events: list[dict[str, Any]] = []
+        self.events: deque[dict[str, Any]] = deque(maxlen=EVENTS_KEPT)      # oldest first
         self._store: object | None = None            # keeps a weight store folder alive
         self._client_s: deque[tuple[float, float]] = deque(maxlen=64)   # (submit, after gather) per request
         self._source: Any = None                     # the module or folder step programs are traced from

@@ -1,9 +1,9 @@
 """What the scheduler decides, as plain Python: ``PlacementState.handle(event) -> instructions``.
 
 No cluster in here. The scheduler plugin turns Dask hooks and RPCs into events
-and carries out the instructions; tests drive this class directly, and
-``PlacementState.log`` keeps every event so a failing cluster run replays
-without a cluster.
+and carries out the instructions; tests drive this class directly. It keeps no log
+of events: one entry per block run and per batch of link samples filled 45 MiB of
+the scheduler's memory in minutes, and nothing replayed it.
 
 One vocabulary: the device events are placement's own (``DeviceLost``,
 ``DeviceAdded``, ``CapacityChanged``) plus ``DeviceDrained``/``DeviceRestored``,
@@ -22,7 +22,7 @@ the newest old plan besides (a client may not have heard of the change yet).
 from __future__ import annotations
 
 import logging
-from collections import Counter, deque
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -355,7 +355,6 @@ class PlacementState:
         self.devices: dict[str, DeviceSpec] = {}     # address -> the device its agent reported
         self.drained: dict[str, str] = {}            # address -> why, drained for every model
         self.pinned: dict[Key, str] = {}
-        self.log: deque[Event] = deque(maxlen=100_000)
         self.learner = CostLearner(change=float(config.get("learn.speed-change", 1.5)),
                                    patience=int(config.get("learn.patience", 4)),
                                    cooldown=int(config.get("learn.cooldown", 40)))
@@ -372,7 +371,6 @@ class PlacementState:
         self.pending: set[tuple[str, str]] = set()             # links that changed, repair not yet weighed
 
     def handle(self, event: Event) -> list[Instruction]:
-        self.log.append(event)
         if isinstance(event, BlockObserved):
             return self._observed(event)
         if isinstance(event, LinksObserved):
