@@ -36,7 +36,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import mmap
 import secrets
 import struct
 import time
@@ -44,6 +43,7 @@ from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from distributed.comm import CommClosedError, connect
 from distributed.protocol import to_serialize
 from tornado.iostream import IOStream, StreamClosedError
@@ -470,13 +470,14 @@ class Receiving:
 
 
 def buffer(nbytes: int) -> Any:
-    """A writable buffer of ``nbytes``. A large one is an anonymous mapping: its pages take memory
-    only as bytes are written into them, so what a header declares costs nothing until it comes."""
+    """A writable buffer of ``nbytes``, not written to: its pages take memory only as bytes are
+    written into them (fresh ones from the system; ones the heap reused hold memory already), so
+    what a header declares costs nothing until it comes."""
     if nbytes <= LAZY_BYTES:
         return bytearray(nbytes)
     try:
-        return memoryview(mmap.mmap(-1, nbytes))
-    except (OSError, OverflowError, ValueError) as e:
+        return memoryview(np.empty(nbytes, dtype=np.uint8))
+    except (MemoryError, ValueError) as e:
         raise Overrun(f"a data-plane message of {nbytes} bytes has no room here: {e}") from e
 
 
