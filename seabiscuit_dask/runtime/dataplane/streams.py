@@ -476,7 +476,7 @@ def buffer(nbytes: int) -> Any:
     if nbytes <= LAZY_BYTES:
         return bytearray(nbytes)
     try:
-        return memoryview(np.empty(nbytes, dtype=np.uint8))
+        return np.empty(nbytes, dtype=np.uint8).data     # a memoryview of the array, typed as one
     except (MemoryError, ValueError) as e:
         raise Overrun(f"a data-plane message of {nbytes} bytes has no room here: {e}") from e
 
