@@ -170,7 +170,7 @@ def local_step(model, lead, context: int = 0):
     from seabiscuit_dask.lower.blocks import BlockProgram, block_specs
     from seabiscuit_dask.lower.kvcache import KVStore, using
     from seabiscuit_dask.lower.layout import held
-    from seabiscuit_dask.runtime.generate import _feed
+    from seabiscuit_dask.runtime.generation import step_inputs
     from seabiscuit_dask.trace.decoder import trace_step
     from seabiscuit_dask.weights import WeightStore
 
@@ -187,7 +187,7 @@ def local_step(model, lead, context: int = 0):
     store = KVStore()
 
     def step(at: int) -> float:
-        feed = _feed([(0, at, [1])], 1, 1)
+        feed = step_inputs([(0, at, [1])], 1, 1)
         t = time.perf_counter()
         with using(store, "m"):
             program.run({n: feed[n] for n in graph.inputs})

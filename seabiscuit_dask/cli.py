@@ -15,6 +15,8 @@ from .ir import OpGraph
 if TYPE_CHECKING:
     from .placement import ClusterSpec
 
+    Subcommands = argparse._SubParsersAction[argparse.ArgumentParser]
+
 
 def _plan(args: argparse.Namespace) -> int:
     import torch
@@ -87,9 +89,9 @@ def _place(graph: OpGraph, args: argparse.Namespace) -> None:
 def _live_spec(address: str, device: str | None) -> ClusterSpec:
     """The workers of the cluster at ``address`` as they are now (their free budgets, speeds and
     links, measured), for a dry run there: nothing is deployed."""
-    from .demo import connect
     from .plugins import SeaBiscuitSchedulerPlugin
     from .runtime.discover import measure_cluster
+    from .runtime.serving import connect
 
     with connect(address) as client:
         client.register_plugin(SeaBiscuitSchedulerPlugin())   # NOTE: idempotent: a preload's stays
@@ -128,8 +130,21 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the ``seabiscuit`` command ``argv`` (default: this process's arguments); its exit status."""
     parser = argparse.ArgumentParser(prog="seabiscuit", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_plan_parser, _demo_parser, _generate_parser, _serve_parser):
+        add(sub)
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except SeaBiscuitError as e:
+        print(f"seabiscuit: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _plan_parser(sub: Subcommands) -> None:
+    """``seabiscuit plan``: trace, decompose and (with ``--cluster``) place a model."""
     p = sub.add_parser("plan", help="trace and decompose a model, print the micro-op summary")
     p.add_argument("--model", default="gpt2-medium",
                    help="built-in model name or a Hugging Face model folder (default gpt2-medium)")
@@ -148,6 +163,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="report what losing this device changes (repeatable; a,b: lost together; "
                         "all: each device in turn)")
     p.set_defaults(func=_plan)
+
+
+def _demo_parser(sub: Subcommands) -> None:
+    """``seabiscuit demo``: serve a model bigger than any one worker."""
     d = sub.add_parser("demo", help="serve a model bigger than any one worker on a Dask cluster")
     d.add_argument("--model", default="smollm2",
                    help="smollm2 (default: SmolLM2-135M-Instruct answers a chat prompt, streamed), "
@@ -165,6 +184,10 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--serve", action="store_true",
                    help="afterwards keep the cluster, the model and the dashboard up until Ctrl-C")
     d.set_defaults(func=_demo)
+
+
+def _generate_parser(sub: Subcommands) -> None:
+    """``seabiscuit generate``: stream a causal LM's answer to a prompt."""
     g = sub.add_parser("generate", help="serve a causal LM on workers none of which can hold it and "
                                         "stream its answer to a prompt")
     src = g.add_mutually_exclusive_group()
@@ -186,6 +209,10 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--serve", action="store_true",
                    help="afterwards keep the cluster, the model and the dashboard up until Ctrl-C")
     g.set_defaults(func=_generate)
+
+
+def _serve_parser(sub: Subcommands) -> None:
+    """``seabiscuit serve``: an OpenAI-compatible HTTP server."""
     v = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (chat, completions, embeddings) and "
                                      "a chat page over models deployed on a Dask cluster")
     v.add_argument("--gguf", action="append", metavar="[NAME=]FILE",
@@ -215,12 +242,6 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("--device", choices=config.DEVICES, default=None,
                    help="where the models run: auto, cuda or cpu (as for distribute(device=))")
     v.set_defaults(func=_serve)
-    args = parser.parse_args(argv)
-    try:
-        return int(args.func(args))
-    except SeaBiscuitError as e:
-        print(f"seabiscuit: error: {e}", file=sys.stderr)
-        return 2
 
 
 if __name__ == "__main__":  # pragma: no cover

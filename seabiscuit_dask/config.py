@@ -105,7 +105,7 @@ def device_choice(value: str | None = None) -> str:
     ``"auto"``: on a worker's GPU where it has one, else on its CPU; ``"cuda"``: on GPU
     workers only; ``"cpu"``: on CPUs and host memory, GPU workers included.
     """
-    choice = value if value is not None else get("device", "auto")
+    choice = value if value is not None else get("device")
     if not isinstance(choice, str) or choice.lower() not in DEVICES:
         raise SeaBiscuitError(f"device must be one of {', '.join(map(repr, DEVICES))}, got {choice!r}")
     return choice.lower()

@@ -17,24 +17,21 @@ def graph_flops(graph: OpGraph) -> int:
     return sum(op.flops for op in graph.ops)
 
 
-GATHERS = frozenset({"embedding"})     # op kinds that read only the weight rows they look up
-
-
-def streamed_bytes(kind: str, param_bytes: float, input_bytes: float, output_bytes: float) -> float:
+def streamed_bytes(target: str, param_bytes: float, input_bytes: float, output_bytes: float) -> float:
     """Bytes an op streams through memory: its weights, inputs and outputs; a lookup
-    (``GATHERS``) reads only the rows it gathers of its table, as many bytes as it writes."""
-    if kind in GATHERS:
+    (``ops.GATHERS``) reads only the rows it gathers of its table, as many bytes as it writes."""
+    if target in O.GATHERS:
         param_bytes = min(param_bytes, output_bytes)
     return param_bytes + input_bytes + output_bytes
 
 
 def roofline_time_s(cost: OpCost, flops_per_s: float, bytes_per_s: float,
-                    overhead_s: float = 0.0, kind: str = "") -> float:
+                    overhead_s: float = 0.0, target: str = "") -> float:
     """Time of an op on a device: compute-bound or memory-bound, plus a fixed overhead."""
-    moved = streamed_bytes(kind, cost.param_bytes, cost.input_bytes, cost.output_bytes)
+    moved = streamed_bytes(target, cost.param_bytes, cost.input_bytes, cost.output_bytes)
     return max(cost.flops / flops_per_s, moved / bytes_per_s) + overhead_s
 
 
 def op_time_s(graph: OpGraph, op: Op, flops_per_s: float, bytes_per_s: float,
               overhead_s: float = 0.0) -> float:
-    return roofline_time_s(graph.cost(op), flops_per_s, bytes_per_s, overhead_s, op.kind)
+    return roofline_time_s(graph.cost(op), flops_per_s, bytes_per_s, overhead_s, op.target)

@@ -13,11 +13,10 @@ the cluster and the deployed model stay up until Ctrl-C.
 from __future__ import annotations
 
 import contextlib
-import signal
 import statistics
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -26,17 +25,7 @@ import seabiscuit_dask as sb
 
 from .errors import SeaBiscuitError
 from .ir import fmt_bytes
-
-# NOTE: long enough for a scheduler across a data centre, short enough that a typo fails fast.
-CONNECT_TIMEOUT_S = 5
-
-
-class SchedulerUnreachable(SeaBiscuitError):
-    """Nothing answered at the ``--scheduler`` address."""
-
-
-def say(msg: str) -> None:
-    print(msg, flush=True)
+from .runtime.serving import accepts, connect, local_cluster, page_link, say, worker_budget_bytes
 
 
 def build(name: str, seq: int | None) -> tuple[Any, tuple[torch.Tensor, ...], str]:
@@ -93,56 +82,8 @@ def timed_calls(fn: Callable[[], Any], n: int) -> tuple[list[Any], float]:
     return results, statistics.median(times_s)
 
 
-def connect(address: str, timeout_s: float = CONNECT_TIMEOUT_S) -> Any:
-    """A ``Client`` of the scheduler at ``address``, or ``SchedulerUnreachable`` within ``timeout_s``."""
-    from distributed import Client
-
-    try:
-        return Client(address, timeout=f"{timeout_s}s")
-    except ValueError as e:
-        raise SchedulerUnreachable(f"--scheduler {address!r} is not a scheduler address ({e})") from e
-    except (OSError, TimeoutError) as e:
-        raise SchedulerUnreachable(
-            f"no Dask scheduler answered at {address} within {timeout_s:g} s: start one with "
-            "`dask scheduler --preload seabiscuit_dask.plugins.preload`, or drop --scheduler to use "
-            "an embedded cluster") from e
-
-
-@contextlib.contextmanager
-def sigint_ignored_by_children() -> Iterator[None]:
-    """Start processes here that ignore SIGINT: Ctrl-C stops only this one, which closes them cleanly."""
-    if threading.current_thread() is not threading.main_thread():
-        yield                          # NOTE: only the main thread may change signal handlers
-        return
-    old = signal.signal(signal.SIGINT, signal.SIG_IGN)   # NOTE: an ignored signal survives exec
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, old)
-
-
-@contextlib.contextmanager
-def local_cluster(workers: int, budget_bytes: int) -> Iterator[Any]:
-    """A Client of an embedded LocalCluster with SeaBiscuit installed."""
-    from distributed import Client, LocalCluster
-
-    say(f"starting a LocalCluster: {workers} worker processes x 1 thread, "
-        f"{fmt_bytes(budget_bytes)} of budget each ...")
-    with sigint_ignored_by_children():
-        cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
-                               resources={"MEM": budget_bytes}, dashboard_address=":8787")
-    with cluster, Client(cluster) as client:
-        client.register_plugin(sb.SeaBiscuitSchedulerPlugin())
-        yield client
-
-
 def wait_for_interrupt() -> None:
     threading.Event().wait()         # NOTE: interruptible by Ctrl-C on POSIX; nothing ever sets it
-
-
-def page_link(dashboard_link: str) -> str:
-    """The SeaBiscuit page of the dashboard at ``dashboard_link`` (which ends in ``/status``)."""
-    return dashboard_link.rsplit("/", 1)[0] + "/seabiscuit"
 
 
 def serve_until_interrupted(dashboard_link: str) -> None:
@@ -152,12 +93,6 @@ def serve_until_interrupted(dashboard_link: str) -> None:
         wait_for_interrupt()
     except KeyboardInterrupt:
         say("\nstopping ...")
-
-
-def worker_budget_bytes(weight_bytes: int, workers: int) -> int:
-    """Room for a share of the model with some slack, never all of it."""
-    per_worker = int(weight_bytes * 1.6 / workers) + 16 * 2**20
-    return per_worker if per_worker < weight_bytes else int(weight_bytes * 0.75)
 
 
 def throughput(dm: Any, x: tuple[torch.Tensor, ...], requests: int, concurrency: int) -> float:
@@ -187,8 +122,9 @@ def run(model_name: str, workers: int, requests: int, concurrency: int, schedule
         if remote is not None:
             # NOTE: the plugin is idempotent: a scheduler started with the preload keeps its own.
             remote.register_plugin(sb.SeaBiscuitSchedulerPlugin())
+        budget_bytes = worker_budget_bytes(weight_bytes, workers)
         client = remote if remote is not None else stack.enter_context(
-            local_cluster(workers, worker_budget_bytes(weight_bytes, workers)))
+            local_cluster(workers, budget_bytes, sb.SeaBiscuitSchedulerPlugin()))
         t = time.perf_counter()
         dm = stack.enter_context(sb.distribute(model, client, x, budget=budget, device=device, progress=say))
         say(f"deployed in {time.perf_counter() - t:.1f} s\n")
@@ -296,7 +232,8 @@ def run_generate(model_path: str | None, gguf: str | None, prompt: str, chat: bo
         if remote is not None:
             remote.register_plugin(sb.SeaBiscuitSchedulerPlugin())
         client = remote if remote is not None else stack.enter_context(
-            local_cluster(workers, worker_budget_bytes(weight_bytes, workers) + reserve * layers // workers))
+            local_cluster(workers, worker_budget_bytes(weight_bytes, workers) + reserve * layers // workers,
+                          sb.SeaBiscuitSchedulerPlugin()))
         t = time.perf_counter()
         example = torch.zeros((1, min(256, context)), dtype=torch.long)
         # NOTE: generation reads the logits of the last position only: so does the deployment
@@ -342,15 +279,6 @@ def run_generate(model_path: str | None, gguf: str | None, prompt: str, chat: bo
             say(f"dashboard    {page_link(client.dashboard_link)} (closes when this ends; --serve keeps it "
                 "open)")
     return 0 if ok else 1
-
-
-def accepts(model: Any, name: str) -> bool:
-    import inspect
-
-    try:
-        return name in inspect.signature(model.forward).parameters
-    except (AttributeError, TypeError, ValueError):
-        return False
 
 
 def local_model_lm(model: Any) -> Any:

@@ -59,6 +59,11 @@ class DeviceUnavailable(ClusterTooSmall):
     and no GPU worker)."""
 
 
+class UnknownWorker(SeaBiscuitError):
+    """A call or a plan names a worker the cluster does not have (now), or one whose SeaBiscuit
+    agent has not reported yet: name one the cluster lists, or measure and place again."""
+
+
 class WorkerLost(SeaBiscuitError):
     """A worker was lost and its work could not be recovered."""
 

@@ -119,6 +119,32 @@ _KINDS: list[tuple[set[str], str]] = [
     (CREATION, "creation"), (INDEX, "index"),
 ]
 
+
+@dataclass(frozen=True)
+class MatmulOperands:
+    """Where the operands of ``y = A @ B (+ bias)`` sit in a matmul's arguments."""
+
+    a: int                  # NOTE: the input rows
+    b: int                  # NOTE: the other operand (a weight, for a layer)
+    bias: int | None        # NOTE: None: the op takes no bias
+    b_out_in: bool          # NOTE: B held [N, K] (nn.Linear's [out, in]); else [..., K, N]
+
+
+# NOTE: the decomposer cuts these by columns, rows or the reduction, and the weight layout
+# (lower/layout.py) times the 2-D ones with a float weight
+MATMUL_OPERANDS: Mapping[str, MatmulOperands] = MappingProxyType({
+    "aten.linear.default": MatmulOperands(0, 1, 2, True),
+    "aten.addmm.default": MatmulOperands(1, 2, 0, False),
+    "aten.mm.default": MatmulOperands(0, 1, None, False),
+    "aten.matmul.default": MatmulOperands(0, 1, None, False),
+    "aten.bmm.default": MatmulOperands(0, 1, None, False),
+    "sb.qlinear.default": MatmulOperands(0, 1, 4, True),
+})
+
+# NOTE: ops that read only the rows they look up of their table (a lookup, not a stream of it):
+# the cost model counts a weight's gathered rows only, and any order of a weight serves them
+GATHERS = frozenset(EMBEDDING | {"aten.index_select.default"})
+
 # Ops that check metadata and produce nothing; tracing drops them.
 ASSERTS = {
     "aten._assert_tensor_metadata.default", "aten._assert_async.msg",

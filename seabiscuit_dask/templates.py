@@ -160,7 +160,7 @@ def architecture_key(model: torch.nn.Module, args: tuple[Any, ...],
 
 
 def _enabled() -> bool:
-    return bool(config.get("cache.enabled", True))
+    return bool(config.get("cache.enabled"))
 
 
 def _path(key: str) -> str:

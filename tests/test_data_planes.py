@@ -135,14 +135,14 @@ def test_a_decode_loops_steps_reach_the_caller_down_one_comm(client, model, monk
     # Each step's tokens come as they are made, with no call per step, and the caller makes no
     # inputs for the steps the workers feed; a caller that lets go mid-loop ends the worker's
     # side too.
-    from seabiscuit_dask.runtime import generate
+    from seabiscuit_dask.runtime.generation import executor
 
     ids = padded_batch((7,), seed=31)[0]
     with deploy(client, model, "p2p") as dm:
         dm.generate(ids, 2, pad_token_id=0, eos_token_id=[])       # NOTE: built, before counting
         client.run(_count_calls)
-        feeds, made = [], generate._feed
-        monkeypatch.setattr(generate, "_feed", lambda rows, *a: feeds.append(rows) or made(rows, *a))
+        feeds, made = [], executor.step_inputs
+        monkeypatch.setattr(executor, "step_inputs", lambda rows, *a: feeds.append(rows) or made(rows, *a))
         got = dm.generate(ids, 12, pad_token_id=0, eos_token_id=[])
         assert torch.equal(got, hf_greedy(model, ids, torch.ones_like(ids), 12))
         calls = client.run(lambda dask_worker: dict(dask_worker._sb_calls))

@@ -1,7 +1,7 @@
-"""The data plane's run manager (``runtime.dataplane``), driven without a cluster: the
-workers of a real plan as ``DataPlane`` s in one event loop, messages between them
-passed through the streams' wire format (``wire.pack``) to ``DataPlane.receive``,
-blocks run from ``ResidentBlocks``."""
+"""The data plane's run manager and its runs (``runtime.dataplane``), driven without a
+cluster: the workers of a real plan as ``DataPlane`` s in one event loop, each over a
+``FunctionHost``, messages between them passed through the streams' wire format
+(``wire.pack``) to ``DataPlane.receive``, blocks run from ``ResidentBlocks``."""
 
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ from seabiscuit_dask.lower.blocks import BlockSpec, block_specs
 from seabiscuit_dask.lower.kvcache import CacheLost
 from seabiscuit_dask.runtime.dataplane import DataPlane, RunFailed, StaleRun, Tensors, timed
 from seabiscuit_dask.runtime.dataplane.client import route
+from seabiscuit_dask.runtime.dataplane.loops import Loop, greedy
 from seabiscuit_dask.runtime.dataplane.ordered import OrderedExecutor
-from seabiscuit_dask.runtime.dataplane.runs import Loop, greedy
 from seabiscuit_dask.runtime.dataplane.wire import (
     DTYPES,
     as_bytes,
@@ -38,9 +38,8 @@ from seabiscuit_dask.runtime.dataplane.wire import (
 )
 from seabiscuit_dask.runtime.resident import ResidentBlocks
 
+from .planes import TICKET, FunctionHost
 from .test_runtime_resident import MODEL, blocks  # noqa: F401 - its module-scoped fixture
-
-TICKET = "t" * 64
 
 
 @pytest.fixture(scope="module")
@@ -66,11 +65,11 @@ class Mesh:
             r = self.resident[addr] = ResidentBlocks(64 * 2**20, "cpu", addr)
             # NOTE: ``ordered``: each worker its own compute thread, oldest run first, as the plugin runs
             pool = OrderedExecutor(1, f"mesh-{addr}") if ordered else self.pool
-            self.planes[addr] = DataPlane(
-                addr, compute=timed(self._compute(r, fail_on), addr), spec_of=lambda m, v, b: None,
-                load_spec=self._loader(r, unloadable), version_of=lambda m, r=r: r.versions.get(m, -1),
-                send=self._sender(addr), check=self.check, executor=pool, max_runs=max_runs,
-                describe=lambda m, v, b: BlockSpec.from_dict(self.fetch(m, v, b)))
+            host = FunctionHost(addr, pool, timed(self._compute(r, fail_on), addr), self._sender(addr),
+                                self.check, self._loader(r, unloadable),
+                                describe=lambda m, v, b: BlockSpec.from_dict(self.fetch(m, v, b)),
+                                version_of=lambda m, r=r: r.versions.get(m, -1))
+            self.planes[addr] = DataPlane(host, max_runs=max_runs)
 
     def _loader(self, r: ResidentBlocks, unloadable: int | None) -> Any:
         def load(m, v, b):
@@ -406,7 +405,7 @@ def test_a_block_that_fails_after_its_run_was_forgotten_leaves_no_unread_error(p
     mesh = Mesh(specs, fail_on=first.index, fail_with=lost)
     plane = mesh.planes[first.address]
     resident = mesh.resident[first.address]
-    plane.spec_of = lambda m, v, b: resident.program(m, v, b, mesh.fetch).spec    # NOTE: loaded, as held
+    plane.host.spec_of = lambda m, v, b: resident.program(m, v, b, mesh.fetch).spec    # NOTE: loaded, as held
 
     async def forgotten() -> list[dict]:
         unread: list[dict] = []
@@ -579,7 +578,7 @@ def test_a_run_a_sync_retires_fails_downstream_and_older_runs_are_refused(planne
     consumer, peer = next((c, a) for c, a, _ in mid.sends if a != mid.address)
     mesh = Mesh(specs)
     up, down = mesh.planes[mid.address], mesh.planes[peer]
-    up.spec_of = lambda m, v, b: mesh.specs[b] if v == 0 else None       # NOTE: resident, as they are
+    up.host.spec_of = lambda m, v, b: mesh.specs[b] if v == 0 else None       # NOTE: resident, as they are
     one = {next(iter(mid.imports)): torch.zeros(1)}                      # one of the block's inputs
 
     async def retire_a_waiting_run() -> Any:

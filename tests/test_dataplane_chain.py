@@ -1,5 +1,6 @@
 """A decode loop's logits block and the next step's first blocks on one compute thread
-(``runtime.dataplane.chain``): two ``DataPlane`` s in one event loop, a three-block step
+(``runtime.dataplane.chain``): two ``DataPlane`` s in one event loop (each over a
+``FunctionHost``), a three-block step
 (worker A: b0 reads the step's inputs, b2 makes the logits; worker B: b1 between them)
 whose blocks are plain functions, so each next token is known in advance."""
 
@@ -19,7 +20,7 @@ from seabiscuit_dask.lower.blocks import BlockSpec
 from seabiscuit_dask.runtime.dataplane import DataPlane, Loop, StaleRun, timed
 from seabiscuit_dask.runtime.dataplane.ordered import OrderedExecutor
 
-from .planes import TICKET, Planes
+from .planes import TICKET, FunctionHost, Planes
 
 MODEL, VOCAB = "m", 11
 A, B = "tcp://a:1", "tcp://b:1"
@@ -76,11 +77,12 @@ class Pair(Planes):
         self.specs, self.route = specs, ROUTES[id(specs)]
         self.ran: list[tuple[str, int, int, int]] = []        # (worker, block, request, thread)
         self.pools = {a: OrderedExecutor(1, f"chain-{a}") for a in (A, B)}
-        self.planes = {a: DataPlane(a, compute=self._slow(timed(self._compute(a), a), seconds),
-                                    spec_of=self._spec_of(a), load_spec=lambda m, v, b: specs[b],
-                                    version_of=lambda m: 0, send=self._sender(a), check=self.check,
-                                    executor=self.pools[a], token_delay=token_delay)
-                       for a in (A, B)}
+        self.planes = {a: DataPlane(self._host(a, seconds), token_delay=token_delay) for a in (A, B)}
+
+    def _host(self, address: str, seconds: float) -> FunctionHost:
+        compute = self._slow(timed(self._compute(address), address), seconds)
+        return FunctionHost(address, self.pools[address], compute, self._sender(address), self.check,
+                            lambda m, v, b: self.specs[b], spec_of=self._spec_of(address))
 
     def _spec_of(self, address: str) -> Any:
         return lambda m, v, b: self.specs[b] if self.specs[b].address == address else None
@@ -142,7 +144,7 @@ def test_the_next_step_runs_on_the_thread_that_made_the_logits(specs, token_dela
     assert len({t for w, _, _, t in pair.ran if w == A}) == 1
     # NOTE: a chained block is recorded as any block (the dashboard's timeline) and nothing is held
     assert sorted(r["request"] for r in plane.records if r["block"] == 0) == [10, 11, 12, 13]
-    assert not plane.runs and not plane.chains and not plane.loops and not pair.planes[B].runs
+    assert not plane.runs and not plane.loops and not pair.planes[B].runs       # NOTE: nor a chain of one
 
 
 @pytest.mark.parametrize("seconds", [1.0, 0.01], ids=["chained", "on-the-loop"])
@@ -151,7 +153,7 @@ def test_a_steps_inputs_of_the_next_workers_block_go_with_the_push_it_reads(seco
     b0's push, one message a step, whether b0 ran chained to the logits or on the event loop."""
     pair = Pair(specs=FED, seconds=seconds)
     sent: list[tuple[str, int, list[int]]] = []
-    send = pair.planes[A].send
+    send = pair.planes[A].host.send
 
     async def logged(address: str, op: str, **msg: Any) -> None:
         if address == B:
@@ -159,7 +161,7 @@ def test_a_steps_inputs_of_the_next_workers_block_go_with_the_push_it_reads(seco
                          [b for b, _ in msg.get("inputs") or ()]))
         await send(address, op, **msg)
 
-    pair.planes[A].send = logged
+    pair.planes[A].host.send = logged
     assert pair.loop_tokens([10, 11, 12, 13]) == expected(4, 7, 4)
     assert pair.planes[A].counters["chained"] == (3 if seconds >= 1 else 1)
     assert sent == [("push", 10, [])] + [("push", r, [1]) for r in (11, 12, 13)]
@@ -171,7 +173,7 @@ def test_a_steps_inputs_of_a_block_that_reads_nothing_from_here_go_on_their_own_
     push, and ahead of it."""
     pair = Pair(specs=APART)
     sent: list[tuple[str, int]] = []
-    send = pair.planes[A].send
+    send = pair.planes[A].host.send
 
     async def logged(address: str, op: str, **msg: Any) -> None:
         if address == B:
@@ -179,7 +181,7 @@ def test_a_steps_inputs_of_a_block_that_reads_nothing_from_here_go_on_their_own_
             sent.append((op.removeprefix("seabiscuit_dp_"), int(msg["request"])))
         await send(address, op, **msg)
 
-    pair.planes[A].send = logged
+    pair.planes[A].host.send = logged
     assert pair.loop_tokens([10, 11, 12, 13]) == expected(4, 7, 4)
     assert sent == [("push", 10)] + [m for r in (11, 12, 13) for m in (("feed", r), ("push", r))]
     assert not pair.planes[A].runs and not pair.planes[B].runs
@@ -242,7 +244,7 @@ def test_a_blocks_outputs_go_to_their_stream_before_anything_queued_on_the_loop_
     its outputs are handed to the stream first, not a loop turn later behind that work."""
     pair = Pair(specs=FED, seconds=0.01)
     events: list[Any] = []
-    compute, send = pair.planes[B].compute, pair.planes[B].send
+    compute, send = pair.planes[B].host.compute, pair.planes[B].host.send
     loop: asyncio.AbstractEventLoop | None = None
 
     def queuing(*args: Any) -> Any:
@@ -256,7 +258,7 @@ def test_a_blocks_outputs_go_to_their_stream_before_anything_queued_on_the_loop_
     async def before() -> None:
         nonlocal loop
         loop = asyncio.get_running_loop()
-        pair.planes[B].compute, pair.planes[B].send = queuing, eager
+        pair.planes[B].host.compute, pair.planes[B].host.send = queuing, eager
 
     assert pair.loop_tokens([10, 11, 12, 13], before) == expected(4, 7, 4)
     for r in (11, 12, 13):            # NOTE: on the loop (10 ran on a thread: its time was unknown)
@@ -293,7 +295,7 @@ def test_a_step_forgotten_while_the_logits_are_made_does_not_run() -> None:
         pair.close()
     assert (A, 0, 12) not in {(w, b, r) for w, b, r, _ in pair.ran}
     assert pair.planes[A].counters["chained"] == 1          # NOTE: 11 after 10 only
-    assert not pair.planes[A].chains
+    assert not any(run.chain for run in pair.planes[A].runs.values())
 
 
 def test_other_work_waiting_for_the_compute_thread_goes_first() -> None:
@@ -317,14 +319,14 @@ def test_other_work_waiting_for_the_compute_thread_goes_first() -> None:
 
 def test_a_chained_block_whose_plan_left_the_worker_meanwhile_fails_its_step_as_stale() -> None:
     pair = Pair(hold=(2, 11))
-    held = pair.planes[A].spec_of
+    held = pair.planes[A].host.spec_of
 
     async def run() -> tuple[list[int], BaseException]:
         await pair.start([10, 11, 12, 13])
         first = await pair.tokens(10)
         await asyncio.get_running_loop().run_in_executor(None, pair.entered.wait, 30)
         # NOTE: a newer plan took block 0 from this worker while step 12 was being chained
-        pair.planes[A].spec_of = lambda m, v, b: None if b == 0 else held(m, v, b)
+        pair.planes[A].host.spec_of = lambda m, v, b: None if b == 0 else held(m, v, b)
         pair.gate.set()
         second = await pair.tokens(11)
         try:
@@ -355,7 +357,7 @@ def test_a_token_delay_that_is_no_duration_or_past_its_bound_is_refused_by_name(
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
 def test_the_greedy_pick_is_torchs_argmax_of_the_last_position_first_of_equal_maxima(dtype) -> None:
-    from seabiscuit_dask.runtime.dataplane.runs import greedy
+    from seabiscuit_dask.runtime.dataplane.loops import greedy
 
     logits = torch.randn(5, 3, 1000, generator=torch.Generator().manual_seed(0)).to(dtype)
     logits[1, -1, 7] = logits[1, -1, 900] = 50.0          # NOTE: a tie: the first index wins

@@ -18,7 +18,7 @@ from seabiscuit_dask.lower.kvcache import CacheLost, KVStore, kv_layers
 from seabiscuit_dask.runtime.dataplane import DataPlane, RunFailed, timed
 from seabiscuit_dask.runtime.dataplane.ordered import OrderedExecutor
 
-from .planes import TICKET, Planes
+from .planes import TICKET, FunctionHost, Planes
 
 MODEL, CHUNK = "m", 4
 A, B = "tcp://a:1", "tcp://b:1"
@@ -45,12 +45,13 @@ class Pair(Planes):
         self.cached = {A: 0, B: 0}
         self.ran: list[tuple[str, int, int]] = []         # (worker, block, request)
         self.pools = {a: OrderedExecutor(1, f"follow-{a}") for a in (A, B)}
-        self.planes = {a: DataPlane(a, compute=self._slow(timed(self._compute(a), a)),
-                                    spec_of=lambda m, v, b, a=a: SPECS[b] if SPECS[b].address == a else None,
-                                    load_spec=lambda m, v, b: SPECS[b], version_of=lambda m: 0,
-                                    send=self._sender(a), check=self.check, executor=self.pools[a],
-                                    ready=self._ready(a))
-                       for a in (A, B)}
+        self.planes = {a: DataPlane(self._host(a)) for a in (A, B)}
+
+    def _host(self, address: str) -> FunctionHost:
+        return FunctionHost(address, self.pools[address], self._slow(timed(self._compute(address), address)),
+                            self._sender(address), self.check, lambda m, v, b: SPECS[b],
+                            spec_of=lambda m, v, b: SPECS[b] if SPECS[b].address == address else None,
+                            ready=self._ready(address))
 
     def _ready(self, address: str) -> Any:
         return lambda m, v, b, imports: self.cached[address] >= int(imports["sb_start"])

@@ -18,8 +18,18 @@ import seabiscuit_dask as sb
 from seabiscuit_dask.errors import BadInput, Busy, ClusterTooSmall, RunFailed, SessionClosed, StaleRun
 from seabiscuit_dask.lower.kvcache import CacheLost, KVStore
 from seabiscuit_dask.placement.follow import follow
-from seabiscuit_dask.runtime import generate as generate_module
-from seabiscuit_dask.runtime.generate import Engine, GenerateArgs, LocalRunner, Sampling, generate_tokens
+from seabiscuit_dask.runtime.generation import (
+    Engine,
+    GenerateArgs,
+    LocalRunner,
+    Sampling,
+    chunking,
+    generate_tokens,
+    prefill_buckets,
+    stream_tokens,
+)
+from seabiscuit_dask.runtime.generation import engine as engine_module
+from seabiscuit_dask.runtime.generation import executor as executor_module
 from seabiscuit_dask.trace.decoder import trace_step
 
 from .clusters import seabiscuit_cluster, wait_for
@@ -252,8 +262,6 @@ def test_sampling_is_reproducible_from_a_seeded_generator() -> None:
 
 
 def test_top_k_and_top_p_keep_only_the_likeliest_tokens() -> None:
-    from seabiscuit_dask.runtime.generate import Sampling
-
     logits = torch.tensor([[4.0, 3.0, 1.0, -2.0, 0.0]])
     g = torch.Generator().manual_seed(0)
     picks = {int(Sampling(True, 1.0, 2, 1.0, g).pick(logits)) for _ in range(200)}
@@ -431,20 +439,20 @@ def test_a_replay_after_a_lost_cache_sends_its_chunks_at_once() -> None:
 def test_a_short_prompt_computes_at_most_a_quarter_more_than_its_tokens() -> None:
     """From 32 tokens on a chunk is padded by at most a quarter of the prompt: a 37-token chat prompt
     computes 40, not 48 (its first token 10% sooner on SmolLM2)."""
-    sizes = generate_module.PREFILL_BUCKETS
-    assert generate_module.chunking(37, sizes) == [(37, 40)]
+    sizes = prefill_buckets()
+    assert chunking(37, sizes) == [(37, 40)]
     for n in range(32, 257):
-        computed = sum(size for _, size in generate_module.chunking(n, sizes))
-        assert computed <= 1.25 * n, (n, generate_module.chunking(n, sizes))
+        computed = sum(size for _, size in chunking(n, sizes))
+        assert computed <= 1.25 * n, (n, chunking(n, sizes))
 
 
 def test_a_prompt_prefilled_alone_is_cut_for_the_stages_its_chunks_flow_through() -> None:
-    sizes = generate_module.PREFILL_BUCKETS
-    assert generate_module.chunking(200, sizes) == [(200, 208)]
+    sizes = prefill_buckets()
+    assert chunking(200, sizes) == [(200, 208)]
     # two stages: one chunk runs on a stage while the one before runs on the next
-    assert generate_module.chunking(200, sizes, 2) == [(112, 112), (88, 96)]
-    assert generate_module.chunking(400, sizes, 2) == [(152, 152), (152, 152), (96, 96)]
-    assert generate_module.chunking(64, sizes, 2) == [(64, 64)]    # a step's fixed cost outweighs the overlap
+    assert chunking(200, sizes, 2) == [(112, 112), (88, 96)]
+    assert chunking(400, sizes, 2) == [(152, 152), (152, 152), (96, 96)]
+    assert chunking(64, sizes, 2) == [(64, 64)]    # a step's fixed cost outweighs the overlap
     model = decoder("llama")
     ids, mask = padded_batch((120,), seed=6)
     runner = ChunkingRunner(model)
@@ -461,8 +469,8 @@ def test_a_prompt_prefilled_alone_is_cut_for_the_stages_its_chunks_flow_through(
 def test_the_engines_threads_end_at_the_interpreters_exit_before_it_finalises(monkeypatch) -> None:
     """An idle engine's thread ends 2 s after its last call; one that ended as the interpreter
     finalised would free its engine's tensors with no GIL to take and abort the process."""
-    monkeypatch.setattr(generate_module, "EXITING", threading.Event())
-    monkeypatch.setattr(generate_module, "IDLE_EXIT_S", 600.0)
+    monkeypatch.setattr(engine_module, "EXITING", threading.Event())
+    monkeypatch.setattr(engine_module, "IDLE_EXIT_S", 600.0)
     model = decoder("llama")
     ids, mask = padded_batch((6,), seed=7)
     engines = [Engine(LocalRunner(model, "64KiB")) for _ in range(2)]
@@ -471,14 +479,14 @@ def test_the_engines_threads_end_at_the_interpreters_exit_before_it_finalises(mo
         assert torch.equal(local_greedy(model, ids, None, 2, engine), hf_greedy(model, ids, mask, 2))
         threads.append(engine._thread)
     assert all(t is not None and t.is_alive() for t in threads)      # idle, waiting for a next call
-    generate_module.end_threads()
+    engine_module.end_threads()
     assert not any(t.is_alive() for t in threads) and all(e._thread is None for e in engines)
     engines[0].submit([[3, 4]], 1, Sampling(), [], 0)
     assert engines[0]._thread is None       # and none starts again for a call made now
 
 
 def test_a_huge_prompt_has_a_bounded_number_of_chunks_in_flight(monkeypatch) -> None:
-    monkeypatch.setattr(generate_module, "CHUNKS_IN_FLIGHT", 2)
+    monkeypatch.setattr(executor_module, "CHUNKS_IN_FLIGHT", 2)
     model = decoder("llama")
     ids, mask = padded_batch((40,), seed=4)
     runner = ChunkingRunner(model)
@@ -584,7 +592,7 @@ def test_generate_on_a_cluster_matches_hugging_face_and_frees_its_caches() -> No
                 dropped.generate(ids[:1], 2, pad_token_id=0, eos_token_id=[])
                 del dropped
                 gc.collect()
-            wait_for(lambda: dm._engine._open == 0, "the dropped sessions' slots given back")
+            wait_for(lambda: dm._engine.open_sessions == 0, "the dropped sessions' slots given back")
             wait_for(lambda: sum(client.run(kv_bytes).values()) == 0, "the dropped sessions' caches freed")
             after = client.run(lambda dask_worker: dask_worker.plugins["seabiscuit"].resident.kv.nbytes)
             assert sum(after.values()) == 0
@@ -684,8 +692,6 @@ def test_a_step_whose_plan_changes_under_every_try_fails_saying_so() -> None:
     """A step is sent again while the plan changes under it, STALE_TRIES times; then the caller
     hears that the cluster replans faster than the step runs, not the last try's refusal."""
     from seabiscuit_dask.errors import STALE_TRIES
-    from seabiscuit_dask.runtime.generate import stream_tokens
-
     runner = LocalRunner(decoder("llama"), "64KiB")
     tries: list[int] = []
 
@@ -709,8 +715,6 @@ def test_a_step_whose_cache_the_plan_moves_at_every_replay_fails_saying_so() -> 
     """A step that finds its session's cache lost is replayed and sent again, a few times; a
     plan that moves the cache again each time ends in the error that the cluster replans faster
     than the step runs, not the last try's "replay the session's tokens"."""
-    from seabiscuit_dask.runtime.generate import stream_tokens
-
     runner = LocalRunner(decoder("llama"), "64KiB")
     tries: list[int] = []
 
@@ -731,8 +735,6 @@ def test_a_step_whose_cache_the_plan_moves_at_every_replay_fails_saying_so() -> 
 
 
 def test_a_session_keeps_its_cache_between_turns() -> None:
-    from seabiscuit_dask.runtime.generate import stream_tokens
-
     model = decoder("llama")
     engine = Engine(LocalRunner(model, "64KiB"))
     turn1, _ = padded_batch((6,), seed=7)
@@ -752,8 +754,6 @@ def test_a_session_keeps_its_cache_between_turns() -> None:
 
 
 def test_a_turn_past_the_context_is_refused_and_leaves_the_session_as_it_was() -> None:
-    from seabiscuit_dask.runtime.generate import stream_tokens
-
     model = decoder("llama")
     engine = Engine(LocalRunner(model, "64KiB"), context=16)
     turn1, _ = padded_batch((6,), seed=7)
@@ -774,8 +774,6 @@ def test_a_turn_past_the_context_is_refused_and_leaves_the_session_as_it_was() -
 
 def test_a_failed_turn_is_undone_whole_so_sending_it_again_continues_the_conversation() -> None:
     from seabiscuit_dask.errors import SeaBiscuitError
-    from seabiscuit_dask.runtime.generate import stream_tokens
-
     model = decoder("llama")
 
     class FailingRunner(LocalRunner):
@@ -827,8 +825,6 @@ class HeldRunner(LocalRunner):
 
 
 def test_a_turn_stopped_midway_keeps_what_was_read_and_a_session_closed_midway_frees_its_caches() -> None:
-    from seabiscuit_dask.runtime.generate import stream_tokens
-
     model = decoder("llama")
     runner = HeldRunner(model, hold=7)           # the prefill, five decode steps, then held
     engine = Engine(runner)

@@ -11,7 +11,7 @@ import seabiscuit_dask as sb
 from seabiscuit_dask.lower import layout
 from seabiscuit_dask.lower.blocks import BlockSpec, block_specs
 from seabiscuit_dask.runtime.client import _with_checksums
-from seabiscuit_dask.runtime.generate import decode_rows
+from seabiscuit_dask.runtime.generation import decode_rows
 from seabiscuit_dask.runtime.resident import ResidentBlocks
 from seabiscuit_dask.runtime.store import stored
 
@@ -217,7 +217,7 @@ def test_columns_are_chosen_for_the_rows_they_run_clearly_faster_in() -> None:
 
     # only ``fc`` is a linear layer's weight: ``w`` is read by an addmm, ``shared`` by a sum too
     assert layout.decide_forms(graph, timer, [1, 2, 4, 3, 16], min_bytes=0) == {fc: [1, 2]}
-    # NOTE: rows counts that are not among SMALL_ROWS are not timed
+    # NOTE: rows counts that are not among small_rows() are not timed
     assert len(asked) == 1 and sorted(c.rows for c in asked[0]) == [1, 2, 4]
     assert layout.decide_forms(graph, timer, [1, 2], held={fc: layout.TRANSPOSED}, min_bytes=0) == {}
     assert layout.decide_forms(graph, timer, [1, 2]) == {} and len(asked) == 1   # under 1 MiB: not timed
@@ -225,6 +225,24 @@ def test_columns_are_chosen_for_the_rows_they_run_clearly_faster_in() -> None:
     assert t_linear > 0 and t_columns > 0
     with pytest.raises(sb.BadInput, match="columns form"):
         layout.time_columns(layout.Case(2, 64, 96, "float32", False, False))
+
+
+def test_the_rows_timed_in_columns_are_the_configured_decode_batches() -> None:
+    """The rows counts a weight may run in columns for are ``seabiscuit.generate.batch-buckets``:
+    a deployment that decodes 16 rows at once has them timed, and its specs may name them."""
+    graph = sb.trace(TwoLayouts(), (torch.randn(3, 5, 32),))
+    fc = next(n for n in graph.params if graph.params[n].source.key == "fc.weight")
+    asked: list[int] = []
+
+    def timer(distinct):
+        asked.extend(c.rows for c in distinct)
+        return {c.key(): (2.0, 1.0) for c in distinct}
+
+    with dask.config.set({"seabiscuit.generate.batch-buckets": [1, 2, 4, 8, 16]}):
+        assert layout.decide_forms(graph, timer, [16, 32], min_bytes=0) == {fc: [16]} and asked == [16]
+        assert layout.check_forms({fc: [16]}, "spec") == {fc: (16,)}
+    with pytest.raises(sb.BadInput, match=r"matmul form rows \[16\] .* not among \[1, 2, 4, 8\]"):
+        layout.check_forms({fc: [16]}, "spec")
 
 
 def test_blocks_run_the_linear_layers_their_specs_name_in_columns(monkeypatch) -> None:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import dask.config
 import numpy as np
 import pytest
 
 import seabiscuit_dask as sb
+from seabiscuit_dask import config
 from seabiscuit_dask.placement import DeviceAdded
 from seabiscuit_dask.placement.learn import CostLearner
 from seabiscuit_dask.runtime.state import BlockObserved, ModelDeployed, PlacementState, PlanChanged
@@ -61,6 +63,16 @@ def test_a_device_that_slows_down_is_detected_within_a_few_runs():
     # Steady runs after that raise nothing.
     learner.applied("w0", learner.scale("w0"))
     assert all(learner.observe("w0", m, o) is None for m, o in trace(rng, 5, slower))
+
+
+def test_the_learner_reads_its_thresholds_from_the_configuration():
+    """Speed change, patience and cool-down default to ``seabiscuit.learn.*``, as the scheduler's do."""
+    learner = CostLearner()
+    assert (learner.change, learner.patience, learner.cooldown) == \
+        (config.get("learn.speed-change"), config.get("learn.patience"), config.get("learn.cooldown"))
+    with dask.config.set({"seabiscuit.learn.patience": 2, "seabiscuit.learn.cooldown": 7}):
+        assert (CostLearner().patience, CostLearner().cooldown) == (2, 7)
+    assert CostLearner(patience=9).patience == 9
 
 
 def test_bad_observations_are_ignored():

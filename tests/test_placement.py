@@ -151,6 +151,27 @@ def test_a_lookup_streams_the_rows_it_gathers_not_its_table():
     assert op_time_s(g, g.ops[emb], 1e10, 1e10) == pytest.approx(w.device_times(dev)[emb])
 
 
+def test_a_table_read_by_index_select_streams_its_rows_as_an_embedding_does():
+    """A position table read by ``index_select`` gathers rows as a lookup does (the op table's
+    ``GATHERS``): the cost model counts the rows it reads, not the whole table."""
+    import torch
+
+    class Positions(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.table = torch.nn.Parameter(torch.randn(32768, 256))
+
+        def forward(self, idx: torch.Tensor) -> torch.Tensor:
+            return torch.index_select(self.table, 0, idx.reshape(-1))
+
+    g = sb.trace(Positions(), (torch.zeros(1, 4, dtype=torch.long),))
+    w = workload(g)
+    (sel,) = [i for i, op in enumerate(g.ops) if op.target == "aten.index_select.default"]
+    row_bytes = 4 * 256 * 4
+    assert w.weight_bytes[sel] == 32768 * 256 * 4
+    assert w.moved_bytes[sel] <= 2 * row_bytes + 4 * 8
+
+
 def test_stages_cut_at_the_cheapest_boundary_nearest_their_share():
     """Where every boundary costs the same bytes (a stack of equal layers), each stage boundary
     sits at the one nearest the load share, not at the first of the window."""

@@ -429,10 +429,10 @@ def valid(new: sb.Plan, lost: str) -> bool:
 
 
 def simulations(monkeypatch) -> list[int]:
-    """Counts the simulations run from now on (one entry each)."""
+    """Counts the simulations run from now on (one entry each): a plan's ``schedule`` runs them."""
     import sys
 
-    module = sys.modules["seabiscuit_dask.placement.simulate"]
+    module = sys.modules["seabiscuit_dask.placement.plan"]
     real, runs = module.simulate, []
 
     def counted(*args, **kwargs):

@@ -670,11 +670,13 @@ def test_watched_links_are_probed_once_idle_and_a_probe_is_dropped_by_its_receiv
 
     from seabiscuit_dask.runtime.dataplane import DataPlane
 
+    from .planes import FunctionHost
+
     async def nothing(*args, **kwargs):
         raise AssertionError("a probe reaches no run")
 
-    plane = DataPlane("tcp://b:1", compute=nothing, spec_of=nothing, load_spec=nothing,  # type: ignore[arg-type]
-                      version_of=nothing, send=nothing, check=nothing, executor=None)  # type: ignore[arg-type]
+    plane = DataPlane(FunctionHost("tcp://b:1", None, nothing, nothing, nothing, nothing, spec_of=nothing,
+                                   version_of=nothing))
     asyncio.run(plane.receive({"op": "probe", "sender": "tcp://a:1", "tensors": Tensors(x=torch.zeros(8))}))
     assert plane.counters["probes"] == 1 and plane.counters["messages"] == 0 and not plane.runs
 
@@ -682,6 +684,8 @@ def test_watched_links_are_probed_once_idle_and_a_probe_is_dropped_by_its_receiv
 def test_a_relay_forwards_only_what_the_scheduler_routes_through_it() -> None:
     from seabiscuit_dask.errors import AccessDenied
     from seabiscuit_dask.runtime.dataplane import DataPlane
+
+    from .planes import FunctionHost
 
     forwarded, told, broken = [], [], []
 
@@ -698,9 +702,7 @@ def test_a_relay_forwards_only_what_the_scheduler_routes_through_it() -> None:
             raise AccessDenied("wrong ticket")
         return "t"
 
-    plane = DataPlane("tcp://c:1", compute=None, spec_of=None, load_spec=None,  # type: ignore[arg-type]
-                      version_of=lambda m: 0, send=send, check=check, executor=None,  # type: ignore[arg-type]
-                      forward=forward)
+    plane = DataPlane(FunctionHost("tcp://c:1", None, None, send, check, None, forward=forward))
     plane.relaying = {("tcp://a:1", "tcp://b:1")}
     push = {"op": "push", "sender": "tcp://a:1", "to": "tcp://b:1", "model": "m", "ticket": "t", "version": 0,
             "request": 5, "block": 3, "tensors": Tensors(x=torch.ones(2))}

@@ -5,10 +5,12 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import replace
 
+import dask.config
 import pytest
 import torch
 
 import seabiscuit_dask as sb
+from seabiscuit_dask.errors import UnknownWorker
 from seabiscuit_dask.lower.blocks import (
     BlockProgram,
     BlockSpec,
@@ -18,20 +20,26 @@ from seabiscuit_dask.lower.blocks import (
     task_name,
 )
 from seabiscuit_dask.placement import CapacityChanged, DeviceAdded, DeviceLost
-from seabiscuit_dask.runtime.state import (
+from seabiscuit_dask.runtime.scheduler import fencing
+from seabiscuit_dask.runtime.scheduler.claims import MAX_CLAIMS, Claims
+from seabiscuit_dask.runtime.scheduler.events import (
+    BlockObserved,
+    BlockRan,
     DeviceDrained,
     DeviceRestored,
     ForModel,
     ModelDeployed,
     ModelReleased,
     Pin,
-    PlacementState,
     PlanChanged,
     Stranded,
     TasksForgotten,
     TasksSubmitted,
-    parse_key,
+    WorkerFenced,
 )
+from seabiscuit_dask.runtime.scheduler.settings import StateSettings
+from seabiscuit_dask.runtime.scheduler.state import PlacementState
+from seabiscuit_dask.runtime.state import parse_key
 from seabiscuit_dask.weights import WeightStore
 
 from . import models as M
@@ -129,15 +137,17 @@ def test_a_joining_worker_takes_work_on_its_host(gpt2) -> None:
 def test_unknown_queries_say_what_is_there(gpt2) -> None:
     _, _, graph = gpt2
     state, _ = deployed(graph)
-    with pytest.raises(sb.SeaBiscuitError, match="not deployed"):
+    with pytest.raises(sb.AccessDenied, match="not deployed"):
         state.block_spec("nope", 0, 0)
-    with pytest.raises(sb.SeaBiscuitError, match="no plan version 7"):
+    with pytest.raises(sb.AccessDenied, match="no plan version 7"):
         state.block_spec("m1", 7, 0)
-    with pytest.raises(sb.SeaBiscuitError, match="not block 999"):
+    with pytest.raises(sb.AccessDenied, match="not block 999"):
         state.block_spec("m1", 0, 999)
+    with pytest.raises(UnknownWorker, match="no worker tcp://10.9.9.9:1 in the cluster"):
+        state.handle(DeviceDrained("tcp://10.9.9.9:1"))
     state.handle(ModelReleased("m1"))
     assert state.handle(TasksSubmitted((("sb-m1", 0, 0, 0),))) == []
-    with pytest.raises(sb.SeaBiscuitError, match="whose workers are not in the cluster"):
+    with pytest.raises(UnknownWorker, match="whose workers are not in the cluster"):
         PlacementState().handle(ModelDeployed("m2", sb.place(graph, cluster())))
     with pytest.raises(sb.AccessDenied, match="already deployed"):
         state2, plan = deployed(graph)
@@ -194,7 +204,7 @@ def test_a_drain_the_rest_cannot_absorb_is_refused_and_changes_nothing(gpt2) -> 
     w = sum(p.nbytes for p in graph.params.values())
     spec = cluster(2, memory=str(int(w * 0.8)))
     state, _ = deployed(graph, spec)
-    with pytest.raises(sb.SeaBiscuitError, match="cannot hold model m1"):
+    with pytest.raises(sb.ClusterTooSmall, match="cannot hold model m1"):
         state.handle(DeviceDrained(spec.devices[0].address, "too hot"))
     assert state.drained == {} and state.models["m1"].version == 0
 
@@ -308,8 +318,6 @@ def test_block_runs_observed_leave_the_state_no_bigger(gpt2) -> None:
     was (a log of every event filled 45 MiB of the scheduler in a few minutes of serving)."""
     import tracemalloc
 
-    from seabiscuit_dask.runtime.state import BlockObserved
-
     _, _, graph = gpt2
     state, plan = deployed(graph)
     blocks = len(plan.blocks)
@@ -348,3 +356,116 @@ def test_other_models_holdings_are_counted_per_worker(gpt2) -> None:
     state.handle(ModelReleased("m1"))
     assert state.held_bytes(addr) == 0
     assert state.owned("m1", addr) == {"released": True, "version": -1, "blocks": []}
+
+
+def test_a_fenced_worker_is_replanned_around_and_what_it_missed_waits_for_its_return(gpt2,
+                                                                                    monkeypatch) -> None:
+    """A worker that stopped answering is fenced: every model moves off it as if it had left, and the
+    session ends and releases it misses are kept for it, in order and bounded, until it answers
+    (or leaves: then they go with it)."""
+    _, _, graph = gpt2
+    state, plan = deployed(graph)
+    state.handle(ModelDeployed("m2", plan, "other"))
+    victim = plan.spec.devices[int(plan.block_device[0])].address
+    out = state.handle(WorkerFenced(victim, "no answer to a probe"))
+    assert sorted(i.model for i in out if isinstance(i, PlanChanged)) == ["m1", "m2"]
+    assert victim in state.fencing and state.fencing.fenced[victim] == "no answer to a probe"
+    assert all(victim not in dep.addresses() for dep in state.models.values())
+    monkeypatch.setattr(fencing, "MAX_MISSED_ENDS", 3)
+    ends = [([1, 2], []), ([3], [[4, 5, 16]]), ([6], []), ([7], [])]
+    for ids, moves in ends:
+        state.fencing.sessions_ended("m1", ids, moves)
+    state.fencing.sessions_ended("m2", [9], [])
+    state.handle(ModelReleased("m2"))                   # its ends no longer matter; the release does
+    assert state.fencing.lift(victim) == "no answer to a probe" and victim not in state.fencing
+    state.fencing.sessions_ended("m1", [8], [])          # told at once now: not kept
+    assert state.fencing.take_releases(victim) == {"m2"}
+    assert state.fencing.take_ends(victim) == {"m1": ends[:3]}
+    assert state.fencing.take_ends(victim) == {} and state.fencing.take_releases(victim) == set()
+    other = next(a for a in state.models["m1"].addresses())
+    state.handle(WorkerFenced(other, "hung"))
+    state.fencing.sessions_ended("m1", [10], [])
+    state.handle(ModelReleased("m1"))
+    state.fencing.left(other)                            # gone: its caches went with it
+    assert other not in state.fencing and not state.fencing.missed_ends and not state.fencing.missed_releases
+
+
+def test_only_a_models_owner_may_run_or_read_its_tasks(gpt2) -> None:
+    _, _, graph = gpt2
+    state, plan = deployed(graph)
+    state.handle(ModelDeployed("m2", plan, "token", owner="client-2"))
+    key = ("sb-m2", 0, 1, 0)
+    assert state.models["m2"].owner == "client-2" and state.owned_by("client-2") == ["m2"]
+    assert state.may_touch("client-2", key) and not state.may_touch("client-1", key)
+    for anyones in (("x", 1), "plain", ("sb-zz", 0, 0, 0)):     # not a deployed model's: anyone's
+        assert state.may_touch("client-1", anyones)
+    state.handle(ModelReleased("m2"))
+    assert state.owned_by("client-2") == [] and state.may_touch("client-1", key)
+
+
+def test_a_deploy_claim_names_its_client_once_and_expires() -> None:
+    claims = Claims(ttl_s=10.0)
+    nonce = "n" * 32
+    assert claims.claim("c1", nonce, now=0.0)
+    assert claims.take(nonce) == "c1" and claims.take(nonce) is None
+    for bad in ("", "short", "x" * 129, 42, None):
+        assert not claims.claim("c1", bad, 0.0)
+    assert not claims.claim("", nonce, 0.0)               # no client named it
+    assert claims.claim("c1", "a" * 16, 0.0) and claims.claim("c2", "b" * 16, 5.0)
+    assert claims.claim("c2", "c" * 16, 10.5)              # the first is past its 10 s now
+    assert claims.take("a" * 16) is None and claims.take("b" * 16) == "c2"
+    many = [f"{i:016d}" for i in range(MAX_CLAIMS + 1)]
+    assert [claims.claim("c3", n, 11.0) for n in many] == [True] * MAX_CLAIMS + [False]
+    assert claims.claim("c4", "d" * 16, 11.0)              # another client still may
+    claims.client_left("c3")
+    assert all(claims.take(n) is None for n in many) and claims.take("d" * 16) == "c4"
+
+
+def test_block_runs_are_counted_per_model_and_per_live_task(gpt2) -> None:
+    _, _, graph = gpt2
+    state, _ = deployed(graph)
+    key = ("sb-m1", 0, 7, 0)
+    state.handle(TasksSubmitted((key,)))
+    state.handle(BlockRan("m1", 0, 7, 0))
+    state.handle(BlockRan("m1", 0, 7, 0))                 # the same task computed again
+    state.handle(BlockRan("m1", 0, 8, 0))                 # no task's (the data plane's): not per task
+    state.handle(BlockRan("m1", computed=False))          # read back from a checkpoint
+    state.handle(BlockRan("m9", 0, 0, 0))                 # no such model: nothing
+    assert state.runs.of("m1") == {"computed": 3, "resumed": 1, "re_executed": 1}
+    assert state.runs.per_task == {"m1": {key: 2}} and set(state.runs.totals) == {"m1"}
+    state.handle(TasksForgotten((key,)))
+    assert state.runs.per_task == {"m1": {}}
+    state.handle(BlockRan("m1", 0, 5, 0, compute_s=1e-3))     # a block's first run warms it
+    state.handle(BlockRan("m1", 0, -1, 0, compute_s=1e-3))    # a load task's: not learned from
+    state.handle(BlockRan("m1", 0, 6, 0))                     # no time: not learned from
+    assert not state.learner.errors
+    state.handle(BlockRan("m1", 0, 7, 0, compute_s=1e-3))
+    assert len(state.learner.errors) == 1
+    state.handle(ModelReleased("m1"))
+    assert state.runs.totals == {} and state.runs.per_task == {}
+
+
+def test_settings_are_read_when_the_state_is_built(gpt2) -> None:
+    """A worker that slowed down is repaired or not as the state was built (``learn.repair``), not as
+    the configuration says when its runs come in."""
+    _, _, graph = gpt2
+    base = sb.ClusterSpec.synthetic("4xcpu", hosts=3, cpu_memory="2MiB")   # no one device holds it
+    slow_cpu = dict(flops_per_s={"matmul": 2e8, "other": 2e8}, mem_bytes_per_s=2e9)
+    spec = sb.ClusterSpec(tuple(replace(d, address=f"tcp://10.0.0.{i}:4000", **slow_cpu)
+                                for i, d in enumerate(base.devices)), base.links)
+    with dask.config.set({"seabiscuit.learn.repair": False, "seabiscuit.learn.patience": 2,
+                          "seabiscuit.routing.repair": False}):
+        state, _ = deployed(graph, spec)
+        settings = StateSettings.from_config()
+    assert state.settings == settings and not settings.learn_repair and settings.learn_patience == 2
+    assert state.learner.patience == 2 and settings.reroute.min_gain == float("inf")
+    modelled = state.models["m1"].modelled(0)
+    victim = max(modelled, key=lambda am: am[1].get("matmul", 0.0))[0]
+    out: list = []
+    with dask.config.set({"seabiscuit.learn.repair": True}):
+        for _ in range(10):
+            for b, (address, m) in enumerate(modelled):
+                slower = 4.0 if address == victim else 1.0
+                out += state.handle(BlockObserved("m1", 0, b, slower * sum(m.values())))
+    assert out == [] and state.models["m1"].version == 0
+    assert state.learned("m1")["scales"][victim]["matmul"] > 2       # learned all the same

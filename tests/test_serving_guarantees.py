@@ -27,7 +27,7 @@ from distributed.protocol import to_serialize
 import seabiscuit_dask as sb
 from seabiscuit_dask.errors import ModelClosed
 from seabiscuit_dask.runtime.client import claim
-from seabiscuit_dask.runtime.generate import _feed
+from seabiscuit_dask.runtime.generation import step_inputs
 
 from .clusters import seabiscuit_cluster, wait_for
 from .test_generate import decoder, hf_greedy, kv_bytes, padded_batch
@@ -240,12 +240,12 @@ def test_a_stopped_worker_is_fenced_and_no_answer_changes(client, model) -> None
         os.kill(pid, signal.SIGSTOP)
         try:
             torch.testing.assert_close(dm(X).logits, expected, rtol=1e-4, atol=1e-5)   # while it is stopped
-            assert victim in plugin(client).fenced
+            assert victim in plugin(client).state.fencing
             assert victim not in {d.address for d in dm.plan.spec.devices}
             assert dm.drain(victim)["fenced"]                # returns at once: nothing runs there now
         finally:
             os.kill(pid, signal.SIGCONT)
-        wait_for(lambda: victim not in plugin(client).fenced, "the fenced worker taken back")
+        wait_for(lambda: victim not in plugin(client).state.fencing, "the fenced worker taken back")
         wait_for(lambda: victim in plugin(client).state.devices, "the worker placed on again")
 
         out = []
@@ -259,11 +259,11 @@ def test_a_stopped_worker_is_fenced_and_no_answer_changes(client, model) -> None
                 if i == 0:
                     os.kill(pid, signal.SIGSTOP)
             assert torch.equal(torch.cat([prompt, torch.stack(out, 1)], 1), want)
-            assert victim in plugin(client).fenced
+            assert victim in plugin(client).state.fencing
         finally:
             os.kill(pid, signal.SIGCONT)
         assert dm.generation_stats()["replays"] >= 1
-        wait_for(lambda: victim not in plugin(client).fenced, "the fenced worker taken back")
+        wait_for(lambda: victim not in plugin(client).state.fencing, "the fenced worker taken back")
 
 
 def test_a_model_stranded_by_a_hung_worker_serves_again_once_it_answers(model) -> None:
@@ -292,7 +292,7 @@ def test_a_model_stranded_by_a_hung_worker_serves_again_once_it_answers(model) -
             try:
                 with pytest.raises(sb.WorkerLost, match="cannot hold model"):
                     list(stream)                         # its session ends while the worker is fenced
-                assert victim in plugin(two).fenced and plugin(two).state.models[dm.model_id].stranded
+                assert victim in plugin(two).state.fencing and plugin(two).state.models[dm.model_id].stranded
                 with pytest.raises(sb.WorkerLost, match="cannot hold model"):
                     dm(X)
                 status, body = health(url)
@@ -300,7 +300,7 @@ def test_a_model_stranded_by_a_hung_worker_serves_again_once_it_answers(model) -
             finally:
                 os.kill(pid, signal.SIGCONT)
             state = plugin(two).state
-            wait_for(lambda: victim not in plugin(two).fenced and not state.models[dm.model_id].stranded,
+            wait_for(lambda: victim not in state.fencing and not state.models[dm.model_id].stranded,
                      "the model holding again")
             assert health(url) == (200, "ok")
             torch.testing.assert_close(dm(X).logits, expected, rtol=1e-4, atol=1e-5)
@@ -335,11 +335,11 @@ def test_a_long_prompt_sent_to_a_hung_worker_is_prefilled_again_and_no_token_cha
         os.kill(pid, signal.SIGSTOP)
         try:
             assert torch.equal(dm.generate(prompt, 4, pad_token_id=0, eos_token_id=[]), want)
-            assert victim in plugin(client).fenced
+            assert victim in plugin(client).state.fencing
         finally:
             os.kill(pid, signal.SIGCONT)
         assert dm.generation_stats()["prefill_ahead"] == 0     # the chunks sent at once failed: one by one
-        wait_for(lambda: victim not in plugin(client).fenced, "the fenced worker taken back")
+        wait_for(lambda: victim not in plugin(client).state.fencing, "the fenced worker taken back")
         assert torch.equal(dm.generate(prompt, 4, pad_token_id=0, eos_token_id=[]), want)
         assert dm.generation_stats()["prefill_ahead"] == 2
 
@@ -400,7 +400,7 @@ def test_another_client_cannot_reach_the_model(client, model) -> None:
                 f.result()
         torch.testing.assert_close(dm(X).logits, expected, rtol=1e-4, atol=1e-5)
         # a block output the owner holds: neither a Future of its key nor a task reading it
-        held = dm.submit_step(1, 16, lambda: _feed([(99, 0, list(range(3, 19)))], 1, 16))
+        held = dm.submit_step(1, 16, lambda: step_inputs([(99, 0, list(range(3, 19)))], 1, 16))
         held.futures[0].result()                   # in memory, held by the owner
         key = held.futures[0].key
         stolen = Future(key, client=other)
@@ -439,7 +439,7 @@ def test_another_client_cannot_reach_the_model(client, model) -> None:
             other.sync(other.scheduler.seabiscuit_deploy, graph=dm.graph.to_json(),
                        plan=dm.plan.to_json(stats=False), claim="f" * 32)
         theirs = sb.distribute(torch.nn.Linear(8, 8), other, torch.zeros(2, 8), budget="64KiB")
-        assert plugin(client).owners[theirs.model_id] == other.id
+        assert plugin(client).state.models[theirs.model_id].owner == other.id
     wait_for(lambda: theirs.model_id not in plugin(client).state.models, "the other client's model released")
 
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from ..lower.blocks import split_block
 from ..placement import Plan
-from ..placement.follow import _layer
+from ..placement.workload import layer_of
 from ..runtime.state import Deployment, PlacementState
 from ..runtime.tasks import PLUGIN_NAME
 
@@ -213,7 +213,7 @@ def block_layers(dep: Deployment | None, version: int, block: int) -> str:
     scopes = _SCOPES.get(plan)
     if scopes is None:
         scopes = _SCOPES[plan] = {op.name: op.scope for op in plan.graph.ops}
-    layers = sorted({n for n in (_layer(scopes.get(o, "")) for o in plan.blocks[local].ops) if n >= 0})
+    layers = sorted({n for n in (layer_of(scopes.get(o, "")) for o in plan.blocks[local].ops) if n >= 0})
     if not layers:
         return ""
     return str(layers[0]) if len(layers) == 1 else f"{layers[0]}-{layers[-1]}"

@@ -23,7 +23,7 @@ weight held ``[out, in]`` against the columns of ``x.T``, a single row padded to
 two. Measured the same way on one core (SmolLM2's weights, read cold): one row
 times its 49152-row lm head takes 9.2 ms as ``linear`` and 5.5 ms in columns, two
 rows 21.5 and 5.5 ms, four 16.4 and 9.9 ms; its ``[1536, 576]`` MLP weights 0.29 and
-0.19 ms at one row. The rows counts a deployment decodes with (``SMALL_ROWS`` up to
+0.19 ms at one row. The rows counts a deployment decodes with (``small_rows()``, up to
 its decode batch) are timed both ways for each weight held as traced
 (``time_columns``); those where columns run at least ``MARGIN`` times faster are
 recorded in ``graph.meta["matmul_forms"]`` (param name -> those rows counts), and a
@@ -38,19 +38,20 @@ from typing import Any
 
 import torch
 
+from .. import config
+from .. import ops as O
 from ..errors import BadInput
+from ..timing import median_s
 
 TRANSPOSED = "t"
 LAYOUTS = (TRANSPOSED,)
-# NOTE: target -> (position of the input, position of the weight, whether the weight is [out, in])
-MATMULS = {
-    "aten.linear.default": (0, 1, True),
-    "aten.addmm.default": (1, 2, False),
-    "aten.mm.default": (0, 1, False),
-    "aten.matmul.default": (0, 1, False),
-}
+LINEAR = "aten.linear.default"
+# NOTE: the matmuls a weight's order is chosen for, their operands where the op table says: 2-D
+# weights in floats (bmm multiplies 3-D operands; sb.qlinear dequantizes its 1-byte weight itself)
+MATMULS: Mapping[str, O.MatmulOperands] = {
+    t: O.MATMUL_OPERANDS[t] for t in (LINEAR, "aten.addmm.default", "aten.mm.default", "aten.matmul.default")}
 # NOTE: ops that read rows of a weight: any order serves them (a tied embedding beside its lm head)
-GATHERS = frozenset({"aten.embedding.default", "sb.embedding_rows", "aten.index_select.default"})
+GATHERS = O.GATHERS
 MARGIN = 1.2        # NOTE: the other order is taken only when it runs at least this much faster
 # NOTE: below this a matmul's time is mostly the call's own, and a timing would choose at random
 MIN_BYTES = 1 << 20
@@ -74,8 +75,10 @@ class Case:
         return f"{self.rows}x{self.k}x{self.n}:{self.dtype}:{'oi' if self.out_in else 'io'}:{int(self.bias)}"
 
 
-SMALL_ROWS = (1, 2, 4, 8)    # NOTE: the rows counts a decode step's linear layers may run in columns
-LINEAR = "aten.linear.default"
+def small_rows() -> tuple[int, ...]:
+    """The rows counts a decode step's linear layers may run in columns: the decode batch sizes
+    (config ``seabiscuit.generate.batch-buckets``)."""
+    return tuple(sorted({int(r) for r in config.get("generate.batch-buckets")}))
 
 
 def columns(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
@@ -104,14 +107,14 @@ def columns_kernel(rows: Iterable[int], linear: Callable[..., torch.Tensor]) -> 
 
 
 def check_forms(forms: Mapping[str, Any], where: str) -> dict[str, tuple[int, ...]]:
-    """``forms`` (param -> rows counts run in columns) with every count one of ``SMALL_ROWS``, else
+    """``forms`` (param -> rows counts run in columns) with every count one of ``small_rows()``, else
     ``BadInput``."""
     out = {}
+    sizes = small_rows()
     for name, counts in dict(forms or {}).items():
-        if not isinstance(counts, (list, tuple)) or not all(isinstance(r, int) and r in SMALL_ROWS
+        if not isinstance(counts, (list, tuple)) or not all(isinstance(r, int) and r in sizes
                                                             for r in counts):
-            raise BadInput(f"{where}: matmul form rows {counts!r} for {name!r} are not among "
-                           f"{list(SMALL_ROWS)}")
+            raise BadInput(f"{where}: matmul form rows {counts!r} for {name!r} are not among {list(sizes)}")
         out[str(name)] = tuple(sorted(set(counts)))
     return out
 
@@ -148,13 +151,13 @@ def matmul_cases(graph: Any, rows: int | None = None) -> dict[str, Case]:
     for op in graph.ops:
         if op.target in GATHERS:
             continue
-        spec = MATMULS.get(op.target)
+        where = MATMULS.get(op.target)
         args = list(op.attrs.get("args", ()))
-        if spec is None or op.attrs.get("kwargs") or len(args) <= max(spec[:2]):
+        if where is None or op.attrs.get("kwargs") or len(args) <= max(where.a, where.b):
             other.update(op.params)
             continue
-        xi, wi, out_in = spec
-        x, w = _ref(args[xi]), _ref(args[wi])
+        out_in = where.b_out_in
+        x, w = _ref(args[where.a]), _ref(args[where.b])
         if x is None or w is None or x[0] != "t" or w[0] != "p":
             other.update(op.params)
             continue
@@ -165,7 +168,7 @@ def matmul_cases(graph: Any, rows: int | None = None) -> dict[str, Case]:
             continue
         m = min(MAX_ROWS, int(rows) if rows is not None else max(1, int(torch.Size(shape[:-1]).numel())))
         n, k = (p.shape[0], p.shape[1]) if out_in else (p.shape[1], p.shape[0])
-        bias = op.target == "aten.addmm.default" or (len(args) > 2 and args[2] is not None)
+        bias = where.bias is not None and O.operand(args, where.bias) is not None
         case = Case(m, int(k), int(n), p.dtype, out_in, bool(bias))
         if cases.setdefault(w[1], case) != case:
             other.add(w[1])
@@ -197,8 +200,6 @@ def time_case(case: Case, reps: int = 5, cold_bytes: int = COLD_BYTES) -> tuple[
     cache. (A weight timed hot runs a 4-row matmul twice as fast held ``[in, out]``;
     read cold, 1.15x; and a step of a real model reads it cold.)
     """
-    from ..runtime.agent import median_s
-
     dt, gen, x, b, copies = _operands(case, cold_bytes)
 
     def weights(flip: bool) -> list[torch.Tensor]:
@@ -228,8 +229,6 @@ def time_case(case: Case, reps: int = 5, cold_bytes: int = COLD_BYTES) -> tuple[
 def time_columns(case: Case, reps: int = 5, cold_bytes: int = COLD_BYTES) -> tuple[float, float]:
     """Seconds of one run of ``case`` (a linear layer's, its weight ``[out, in]``) as ``linear``, and
     in ``columns``, its weight read cold as in ``time_case``."""
-    from ..runtime.agent import median_s
-
     if not case.out_in:
         raise BadInput(f"cannot time the columns form of {case.key()}")
     dt, gen, x, b, copies = _operands(case, cold_bytes)
@@ -250,7 +249,7 @@ def decide_forms(graph: Any, timer: Callable[[list[Case]], Mapping[str, tuple[fl
                  rows: Iterable[int], only: Iterable[str] | None = None,
                  held: Mapping[str, str] | None = None, min_bytes: int | None = None,
                  margin: float = MARGIN) -> dict[str, list[int]]:
-    """The rows counts (of ``rows``, among ``SMALL_ROWS``) in which each linear weight of ``graph`` of
+    """The rows counts (of ``rows``, among ``small_rows()``) in which each linear weight of ``graph`` of
     at least ``min_bytes`` (``only``: among these params; not one ``held`` transposed) runs in
     ``columns``: those where ``timer`` (``measure`` with ``columns`` on a worker) found it ``margin`` times
     faster. A weight that anything but linear layers reads is left out."""
@@ -261,7 +260,7 @@ def decide_forms(graph: Any, timer: Callable[[list[Case]], Mapping[str, tuple[fl
         for q in op.params:
             linear_only[q] = linear_only.get(q, True) and op.target in (LINEAR, *GATHERS)
     asked: dict[tuple[str, int], Case] = {}
-    for r in sorted({int(r) for r in rows} & set(SMALL_ROWS)):
+    for r in sorted({int(r) for r in rows} & set(small_rows())):
         for name, c in matmul_cases(graph, r).items():
             if c.out_in and linear_only.get(name) and (keep is None or name in keep) \
                     and name not in (held or {}) and graph.params[name].nbytes >= least \

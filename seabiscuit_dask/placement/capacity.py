@@ -13,7 +13,7 @@ from .workload import Workload
 
 def weight_capacity(spec: ClusterSpec) -> np.ndarray:
     """[D] bytes of weights each device may hold: its memory less an activation reserve."""
-    reserve = to_bytes(get("placement.activation-reserve", "256MiB"), "placement.activation-reserve")
+    reserve = to_bytes(get("placement.activation-reserve"), "placement.activation-reserve")
     mem = np.array([d.memory_bytes for d in spec.devices], dtype=np.float64)
     return mem - np.minimum(reserve, mem // 8)
 

@@ -16,20 +16,13 @@ the same program plan from the same model plan.
 
 from __future__ import annotations
 
-import re
 from collections import Counter
 
 import numpy as np
 
 from ..ir import OpGraph, ParamSpec
 from .plan import Plan
-
-_LAYER = re.compile(r"\.(\d+)(?:\.|$)")
-
-
-def _layer(scope: str) -> int:
-    m = _LAYER.search(scope)
-    return int(m.group(1)) if m else -1
+from .workload import layer_of
 
 
 def _tile(p: ParamSpec) -> tuple[str, tuple[tuple[int, int], ...] | None]:
@@ -56,7 +49,7 @@ def follow(plan: Plan, graph: OpGraph) -> Plan:
             owner.setdefault(_tile(spec), d)
             by_key.setdefault(spec.source.key, []).append((spec.source.slices, d))
         if op.kind in ("attention", "kv_attention"):
-            attn_votes.setdefault(_layer(op.scope or op.name), Counter())[d] += 1
+            attn_votes.setdefault(layer_of(op.scope or op.name), Counter())[d] += 1
     attn = {layer: votes.most_common(1)[0][0] for layer, votes in attn_votes.items()}
     fallback = Counter(dev_of).most_common(1)[0][0] if dev_of else 0
     out = np.full(len(graph.ops), -1, dtype=np.int64)
@@ -66,7 +59,7 @@ def follow(plan: Plan, graph: OpGraph) -> Plan:
         if op.params:
             d = _param_device(graph.params[op.params[0]], owner, by_key)
         elif op.kind in ("kv_attention", "attention"):
-            d = attn.get(_layer(op.scope or op.name), -1)
+            d = attn.get(layer_of(op.scope or op.name), -1)
         if d < 0:       # NOTE: with its largest input, the newest of equals: a stage keeps its work
             src = max(((graph.tensors[t].nbytes, made_at[t]) for t in op.inputs if t in made_at),
                       default=(0, -1))[1]

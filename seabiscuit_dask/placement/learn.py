@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .. import config
 from .cluster import OP_CLASSES
 
 MIN_SCALE, MAX_SCALE = 0.02, 50.0
@@ -59,14 +60,15 @@ class CostLearner:
     ``forget`` is the weight the past keeps per observation, ``prior`` the weight (in
     observations) of the model's own guess (scale 1), ``change`` the factor a device's
     short-window ratio must be off by, ``patience`` observations in a row, to count as a
-    speed change.
+    speed change, ``cooldown`` the observations a device is then left alone for (these three:
+    config ``seabiscuit.learn.*`` unless given).
     """
 
     forget: float = 0.95
     prior: float = 0.05
-    change: float = 1.5
-    patience: int = 3
-    cooldown: int = 12
+    change: float = field(default_factory=lambda: float(config.get("learn.speed-change")))
+    patience: int = field(default_factory=lambda: int(config.get("learn.patience")))
+    cooldown: int = field(default_factory=lambda: int(config.get("learn.cooldown")))
     fast: float = 0.5
     fits: dict[str, DeviceFit] = field(default_factory=dict)
     errors: deque[float] = field(default_factory=lambda: deque(maxlen=10_000))

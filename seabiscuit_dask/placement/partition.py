@@ -32,6 +32,7 @@ The result is a ``Plan`` whose blocks form an acyclic graph.
 
 from __future__ import annotations
 
+import heapq
 import time as _time
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -547,70 +548,101 @@ def _list_schedule(g: LevelGraph, spec: ClusterSpec, cap: np.ndarray, allowed: l
     with memory. A tensor is sent once to each device that reads it. A weight tile
     several ops read (``shared``, per node) costs memory once per device holding it.
     """
-    import heapq
+    return _ListSchedule(g, spec, cap, allowed, busy_limit_s, shared).run()
 
-    n_dev = len(cap)
-    lat, inv_bw = spec.cut_latency.tolist(), (1.0 / spec.bandwidth).tolist()
-    inner = [(a, b) for grp in spec.groups for a in grp for b in grp if a != b]
-    per_byte = float(np.mean([inv_bw[a][b] for a, b in inner])) if inner else 0.0
-    latency = float(np.mean([lat[a][b] for a, b in inner])) if inner else 0.0
-    rank = upward_rank(g, per_byte, latency).tolist()
-    free = cap.tolist()
-    busy = [0.0] * n_dev
-    limit = busy_limit_s.tolist() if busy_limit_s is not None else [float("inf")] * n_dev
-    avail = [0.0] * n_dev
-    finish = [0.0] * g.k
-    dev = [-1] * g.k
-    src = g.t_src.tolist()
-    nbytes = g.t_bytes.tolist()
-    times = g.time.tolist()
-    weight = g.weight.tolist()
-    tiles = shared if shared is not None and len(shared) == g.k else [[] for _ in range(g.k)]
-    for v, ts in enumerate(tiles):              # NOTE: a first user's weight counted its shared tiles
-        weight[v] -= sum(b for _, b, first in ts if first == v)
-    holders: dict[int, set[int]] = {}           # shared tile -> devices holding it
-    left = [float(sum(weight)) + float(sum({pid: b for ts in tiles for pid, b, _ in ts}.values()))]
 
-    def new_tiles(v: int, d: int) -> tuple[float, float]:
+class _ListSchedule:
+    """The state of one ``_list_schedule``: each device's free memory, busy time and next free
+    moment, each node's device and finish, the tensors sent, and the shared tiles' holders."""
+
+    def __init__(self, g: LevelGraph, spec: ClusterSpec, cap: np.ndarray, allowed: list[list[int]],
+                 busy_limit_s: np.ndarray | None, shared: Shared | None) -> None:
+        n_dev = len(cap)
+        self.g, self.allowed = g, allowed
+        self.lat, self.inv_bw = spec.cut_latency.tolist(), (1.0 / spec.bandwidth).tolist()
+        inner = [(a, b) for grp in spec.groups for a in grp for b in grp if a != b]
+        per_byte = float(np.mean([self.inv_bw[a][b] for a, b in inner])) if inner else 0.0
+        latency = float(np.mean([self.lat[a][b] for a, b in inner])) if inner else 0.0
+        self.rank = upward_rank(g, per_byte, latency).tolist()
+        self.free, self.busy, self.avail = cap.tolist(), [0.0] * n_dev, [0.0] * n_dev
+        self.limit = busy_limit_s.tolist() if busy_limit_s is not None else [float("inf")] * n_dev
+        self.finish, self.dev = [0.0] * g.k, [-1] * g.k
+        self.src, self.nbytes, self.times = g.t_src.tolist(), g.t_bytes.tolist(), g.time.tolist()
+        self.weight = g.weight.tolist()
+        self.tiles = shared if shared is not None and len(shared) == g.k else [[] for _ in range(g.k)]
+        for v, ts in enumerate(self.tiles):       # NOTE: a first user's weight counted its shared tiles
+            self.weight[v] -= sum(b for _, b, first in ts if first == v)
+        self.holders: dict[int, set[int]] = {}    # shared tile -> devices holding it
+        # NOTE: bytes of weights still to place, each shared tile once
+        tiles = {pid: b for ts in self.tiles for pid, b, _ in ts}
+        self.left = float(sum(self.weight)) + float(sum(tiles.values()))
+        self.arrived: dict[tuple[int, int], float] = {}
+
+    def run(self) -> np.ndarray:
+        """Each node's device: nodes in order of upward rank as they become ready, each on the
+        device among its candidates where it finishes first."""
+        g, rank = self.g, self.rank
+        indeg = [len(p) for p in g.preds]
+        ready = [(-rank[v], v) for v in range(g.k) if indeg[v] == 0]
+        heapq.heapify(ready)
+        while ready:
+            _, v = heapq.heappop(ready)
+            best, d = self.earliest(v, self.candidates(v))
+            self.assign(v, d, best)
+            for s in g.succs[v]:
+                indeg[s] -= 1
+                if indeg[s] == 0:
+                    heapq.heappush(ready, (-rank[s], s))
+        return np.array(self.dev, dtype=np.int64)
+
+    def new_tiles(self, v: int, d: int) -> tuple[float, float]:
         """Bytes of ``v``'s shared tiles ``d`` lacks: (held nowhere yet, copies of held ones)."""
         first = copy = 0.0
-        for pid, b, _ in tiles[v]:
-            where = holders.get(pid)
+        for pid, b, _ in self.tiles[v]:
+            where = self.holders.get(pid)
             if not where:
                 first += b
             elif d not in where:
                 copy += b
         return first, copy
 
-    def room(v: int, d: int) -> bool:
-        if not tiles[v]:
+    def room(self, v: int, d: int) -> bool:
+        free, weight = self.free, self.weight
+        if not self.tiles[v]:
             return free[d] >= weight[v]
-        first, copy = new_tiles(v, d)
+        first, copy = self.new_tiles(v, d)
         n = weight[v] + first + copy
         # NOTE: a second copy of a tile only while the weights still to place keep fitting
-        return free[d] >= n and (copy == 0 or sum(free) - n >= 1.05 * (left[0] - weight[v] - first))
+        return free[d] >= n and (copy == 0 or sum(free) - n >= 1.05 * (self.left - weight[v] - first))
 
-    arrived: dict[tuple[int, int], float] = {}
-    indeg = [len(p) for p in g.preds]
-    ready = [(-rank[v], v) for v in range(g.k) if indeg[v] == 0]
-    heapq.heapify(ready)
-    while ready:
-        _, v = heapq.heappop(ready)
+    def candidates(self, v: int) -> list[int]:
+        """The devices ``v`` may go to, the first of these that has any: where its shared tiles are
+        (when memory is tight), its allowed ones with room and busy time left, its allowed ones with
+        room, any with room, any that holds its bytes."""
+        allowed, busy, times, limit = self.allowed[v], self.busy, self.times[v], self.limit
+        everywhere = range(len(self.free))
         cands = []
-        if tiles[v] and sum(free) < 1.5 * left[0]:   # NOTE: memory is tight: go where the tiles are
-            cands = [d for d in allowed[v] if new_tiles(v, d)[1] == 0 and room(v, d)]
+        if self.tiles[v] and sum(self.free) < 1.5 * self.left:    # NOTE: memory is tight: where the tiles are
+            cands = [d for d in allowed if self.new_tiles(v, d)[1] == 0 and self.room(v, d)]
         if not cands:
-            cands = [d for d in allowed[v] if room(v, d) and busy[d] + times[v][d] <= limit[d]]
+            cands = [d for d in allowed if self.room(v, d) and busy[d] + times[d] <= limit[d]]
         if not cands:
-            cands = [d for d in allowed[v] if room(v, d)]
+            cands = [d for d in allowed if self.room(v, d)]
         if not cands:
-            cands = [d for d in range(n_dev) if room(v, d)]
+            cands = [d for d in everywhere if self.room(v, d)]
         if not cands:
-            cands = [d for d in range(n_dev) if free[d] >= weight[v] + sum(new_tiles(v, d))]
+            cands = [d for d in everywhere if self.free[d] >= self.weight[v] + sum(self.new_tiles(v, d))]
+        return cands
+
+    def earliest(self, v: int, cands: list[int]) -> tuple[float, int]:
+        """(finish, device): the candidate where ``v`` finishes first, once its inputs are there
+        (ties: the one with more memory free); ``ClusterTooSmall`` when there is none."""
+        src, dev, finish, arrived, free = self.src, self.dev, self.finish, self.arrived, self.free
+        lat, inv_bw, nbytes, times = self.lat, self.inv_bw, self.nbytes, self.times[v]
         best, best_d = float("inf"), -1
         for d in cands:
-            est = avail[d]
-            for t in g.ins[v]:
+            est = self.avail[d]
+            for t in self.g.ins[v]:
                 s = src[t]
                 x = dev[s]
                 if x == d:
@@ -621,28 +653,29 @@ def _list_schedule(g: LevelGraph, spec: ClusterSpec, cap: np.ndarray, allowed: l
                         arr = finish[s] + lat[x][d] + nbytes[t] * inv_bw[x][d]
                 if arr > est:
                     est = arr
-            eft = est + times[v][d]
+            eft = est + times[d]
             if eft < best - 1e-12 or (abs(eft - best) <= 1e-12 and free[d] > free[best_d]):
                 best, best_d = eft, d
-        d = best_d
-        if d < 0:
+        if best_d < 0:
             raise ClusterTooSmall(
-                f"no device has room left for {int(weight[v])} bytes of weights (node {v} of {g.k}); "
+                f"no device has room left for {int(self.weight[v])} bytes of weights (node {v} of "
+                f"{self.g.k}); "
                 f"most free: {int(max(free))} bytes. The weights fit in total but not in pieces: "
                 "add memory or decompose with a smaller budget")
-        for t in g.ins[v]:
+        return best, best_d
+
+    def assign(self, v: int, d: int, finish_s: float) -> None:
+        """Run ``v`` on ``d``, finishing at ``finish_s``: its inputs are sent there, its weights and
+        the shared tiles ``d`` lacked take its memory."""
+        src, dev, finish = self.src, self.dev, self.finish
+        for t in self.g.ins[v]:
             x = dev[src[t]]
-            if x != d and (t, d) not in arrived:
-                arrived[(t, d)] = finish[src[t]] + lat[x][d] + nbytes[t] * inv_bw[x][d]
-        dev[v], finish[v], avail[d] = d, best, best
-        first, copy = new_tiles(v, d)
-        free[d] -= weight[v] + first + copy
-        left[0] -= weight[v] + first
-        for pid, _, _ in tiles[v]:
-            holders.setdefault(pid, set()).add(d)
-        busy[d] += times[v][d]
-        for s in g.succs[v]:
-            indeg[s] -= 1
-            if indeg[s] == 0:
-                heapq.heappush(ready, (-rank[s], s))
-    return np.array(dev, dtype=np.int64)
+            if x != d and (t, d) not in self.arrived:
+                self.arrived[(t, d)] = finish[src[t]] + self.lat[x][d] + self.nbytes[t] * self.inv_bw[x][d]
+        dev[v], self.finish[v], self.avail[d] = d, finish_s, finish_s
+        first, copy = self.new_tiles(v, d)
+        self.free[d] -= self.weight[v] + first + copy
+        self.left -= self.weight[v] + first
+        for pid, _, _ in self.tiles[v]:
+            self.holders.setdefault(pid, set()).add(d)
+        self.busy[d] += self.times[v][d]

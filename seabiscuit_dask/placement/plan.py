@@ -47,9 +47,10 @@ from ..config import MAX_BYTES, MAX_BYTES_TEXT
 from ..errors import ClusterTooSmall, SeaBiscuitError
 from ..ir import OpGraph, fmt_bytes, is_count
 from .cluster import ClusterSpec
+from .simulate import Schedule, simulate
 from .workload import Workload, workload
 
-if TYPE_CHECKING:    # NOTE: report.py builds on Plan (and replan); the type alone comes from there
+if TYPE_CHECKING:    # NOTE: report.py builds on Plan and replan: Plan.report() is its one way in
     from .report import PlanReport
 
 PLAN_SCHEMA = 1
@@ -369,9 +370,8 @@ class Plan:
 
     # --- time -------------------------------------------------------------------------
     @cached_property
-    def schedule(self) -> Any:
-        from .simulate import simulate
-
+    def schedule(self) -> Schedule:
+        """When each block runs and each tensor moves in one request (``simulate``)."""
         return simulate(self)
 
     @property
@@ -420,6 +420,7 @@ class Plan:
         >>> print(r)                                                # doctest: +SKIP
         >>> r.sessions, r.devices[0].headroom_bytes                 # doctest: +SKIP
         """
+        # NOTE: imported here, not above: report.py imports this module (it repairs plans with replan)
         from .report import report
 
         return report(self, context, lose)

@@ -43,6 +43,7 @@ from ..errors import BadInput, ClusterTooSmall
 from ..ir import DTYPE_BYTES, OpGraph, fmt_bytes
 from .plan import Plan
 from .replan import DeviceLost, replan
+from .workload import workload
 
 DEFAULT_CONTEXT = 512
 
@@ -169,8 +170,6 @@ def cache_devices(plan: Plan) -> dict[int, int]:
 def _attention_by_layer(graph: OpGraph) -> dict[int, list[Any]]:
     """Attention ops grouped by cache layer: the ``layer`` argument of a cache attention, else the
     layer number in the op's scope (as ``workload`` charges the KV reservation)."""
-    from .workload import workload
-
     w = workload(graph)
     out: dict[int, list[Any]] = {}
     for i, op in enumerate(graph.ops):

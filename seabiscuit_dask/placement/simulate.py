@@ -24,18 +24,42 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
 from ..errors import SeaBiscuitError
 from ..ir import OpGraph
 from .cluster import ClusterSpec, DaskSpec
-from .workload import workload
+from .workload import Workload, workload
 
-if TYPE_CHECKING:    # NOTE: a Plan calls simulate(); the type alone comes from plan.py
-    from .plan import Plan
+
+class Placed(Protocol):
+    """What the simulation reads of a plan (``plan.Plan``, which calls ``simulate``): its graph
+    and cluster, each op's device and block, and each block's device and phase."""
+
+    @property
+    def graph(self) -> OpGraph: ...
+
+    @property
+    def spec(self) -> ClusterSpec: ...
+
+    @property
+    def workload(self) -> Workload: ...
+
+    @property
+    def device_of(self) -> np.ndarray: ...
+
+    @property
+    def block_of(self) -> np.ndarray: ...
+
+    @property
+    def block_device(self) -> np.ndarray: ...
+
+    @property
+    def block_phase(self) -> np.ndarray: ...
 
 
 @dataclass(frozen=True)
@@ -58,7 +82,7 @@ class Schedule:
         return len(self.block_start)
 
 
-def _block_links(plan: Plan) -> tuple[list[list[int]], list[list[int]], list[list[tuple[int, int]]]]:
+def _block_links(plan: Placed) -> tuple[list[list[int]], list[list[int]], list[list[tuple[int, int]]]]:
     """Per block: the blocks it waits for, the blocks that wait for it, and the
     (tensor, source device) pairs it fetches from other devices."""
     w = plan.workload
@@ -82,125 +106,150 @@ def _block_links(plan: Plan) -> tuple[list[list[int]], list[list[int]], list[lis
     return [list(d) for d in deps], users, [list(f.items()) for f in fetch]
 
 
-def _output_bytes(plan: Plan) -> float:
-    """Bytes of the graph's outputs: what the client gathers."""
-    g = plan.graph
-    return float(sum(g.tensors[t].nbytes for t in g.leaf_outputs if t in g.tensors))
+def _client_s(tensors: Iterable[str], graph: OpGraph, dask: DaskSpec) -> float:
+    """Seconds the client's link takes to carry ``tensors`` of ``graph`` (0 for an unlimited link)."""
+    nbytes = float(sum(graph.tensors[t].nbytes for t in tensors if t in graph.tensors))
+    return nbytes / dask.client_bytes_per_s if math.isfinite(dask.client_bytes_per_s) else 0.0
 
 
-def simulate(plan: Plan, dask: DaskSpec | None = None) -> Schedule:
+def simulate(plan: Placed, dask: DaskSpec | None = None) -> Schedule:
     """Simulate one request through ``plan``; see the module docstring for the model.
 
     ``dask`` replaces the cluster's Dask costs (``plan.spec.dask``).
     """
-    w, spec = plan.workload, plan.spec
+    w, spec, g = plan.workload, plan.spec, plan.graph
     dk = spec.dask if dask is None else dask
-    n_dev = len(spec.devices)
-    block_of, bdev = plan.block_of, plan.block_device
-    n_blocks = len(bdev)
-    dev = plan.device_of
+    dev, block_of = plan.device_of, plan.block_of
+    n_blocks = len(plan.block_device)
     t_op = w.times(spec)[np.arange(w.n), dev]
-    dur = np.bincount(block_of, weights=t_op, minlength=n_blocks).tolist()
-    phase = plan.block_phase.tolist()
-    bdevl = bdev.tolist()
-    deps, users, fetch = _block_links(plan)
-    pending = [len(d) for d in deps]
-    out_bytes = _output_bytes(plan)
-    g = plan.graph
-    in_bytes = float(sum(g.tensors[t].nbytes for t in g.inputs if t in g.tensors))
-    client_bw = dk.client_bytes_per_s
-    t0 = dk.submit_s + (in_bytes / client_bw if math.isfinite(client_bw) else 0.0)
-    half_hop = dk.hop_s / 2
-
-    bw, lat, routes = spec.bandwidth, spec.latency, spec.routes
-    t_bytes = w.t_bytes.tolist()
-    link_free: dict[int, float] = {}
-    ready: list[list[tuple[int, int]]] = [[] for _ in range(n_dev)]
-    dev_busy = [False] * n_dev
-    start = np.zeros(n_blocks)
-    finish = np.full(n_blocks, -1.0)
-    arrivals: dict[tuple[int, int], float] = {}
-    transfers: list[tuple[int, int, int, float, float]] = []
-    events: list[tuple[float, int, int, int]] = []   # (time, seq, kind, block)
-    seq = 0
-    sched_free = 0.0
-    FINISH, SCHED, FETCH, READY = 0, 1, 2, 3
-
-    def push(t: float, kind: int, b: int) -> None:
-        nonlocal seq
-        seq += 1
-        heapq.heappush(events, (t, seq, kind, b))
-
-    def dispatch(d: int, now: float) -> None:
-        if dev_busy[d] or not ready[d]:
-            return
-        _, b = heapq.heappop(ready[d])
-        start[b] = now
-        dev_busy[d] = True
-        push(now + dur[b], FINISH, b)
-
-    def fetch_inputs(b: int, now: float) -> float:
-        """Start the transfers block ``b`` needs on its device; when the last one arrives."""
-        e, done = bdevl[b], now
-        for t, src in fetch[b]:
-            arr = arrivals.get((t, e))
-            if arr is None:
-                route = routes[src][e]
-                s = max([now] + [link_free.get(r, 0.0) for r in route])
-                busy = t_bytes[t] / bw[src, e]
-                for r in route:
-                    link_free[r] = s + busy
-                arr = arrivals[(t, e)] = s + busy + lat[src, e]
-                transfers.append((t, src, e, s, arr))
-            done = max(done, arr)
-        return done
-
-    for b in range(n_blocks):
-        if pending[b] == 0:
-            push(t0, SCHED, b)
-    while events:
-        now, _, kind, b = heapq.heappop(events)
-        if kind == SCHED:                       # NOTE: the scheduler is one serial resource
-            s = max(now, sched_free)
-            sched_free = s + dk.task_s
-            push(sched_free + half_hop, FETCH, b)
-        elif kind == FETCH:
-            push(fetch_inputs(b, now), READY, b)
-        elif kind == READY:
-            heapq.heappush(ready[bdevl[b]], (phase[b], b))
-            dispatch(bdevl[b], now)
-        else:
-            finish[b] = now
-            d = bdevl[b]
-            dev_busy[d] = False
-            for c in users[b]:
-                pending[c] -= 1
-                if pending[c] == 0:
-                    push(now + half_hop, SCHED, c)
-            dispatch(d, now)
-
-    if n_blocks and (finish < 0).any():
-        stuck = [b for b in range(n_blocks) if finish[b] < 0]
-        raise SeaBiscuitError(f"plan deadlocks: {len(stuck)} block(s) wait for inputs that never come "
-                              f"(first: block {stuck[0]} on {spec.names[bdevl[stuck[0]]]!r})")
+    t0 = dk.submit_s + _client_s(g.inputs, g, dk)
+    start, finish, arrivals, transfers = _Events(plan, dk, t_op).run(t0)
+    _check_finished(finish, plan)
     # NOTE: every block counts, not only those with graph outputs: the runtime runs them all
     last = float(finish.max()) if n_blocks else t0
-    gather = dk.gather_s + (out_bytes / client_bw if math.isfinite(client_bw) else 0.0)
-    makespan = last + half_hop + gather if n_blocks else 0.0
-    # Op times inside blocks: back to back, in topological order.
-    order = np.argsort(block_of, kind="stable")
-    csum = np.cumsum(t_op[order])
-    first = np.searchsorted(block_of[order], np.arange(n_blocks))
-    base = np.where(first > 0, csum[np.maximum(first - 1, 0)], 0.0)
-    op_finish = np.empty(w.n)
-    op_finish[order] = start[block_of[order]] + csum - base[block_of[order]]
-    op_start = op_finish - t_op
-    busy = np.bincount(dev, weights=t_op, minlength=n_dev)
+    gather = dk.gather_s + _client_s(g.leaf_outputs, g, dk)
+    makespan = last + dk.hop_s / 2 + gather if n_blocks else 0.0
+    op_start, op_finish = _op_times(block_of, t_op, start, n_blocks)
+    busy = np.bincount(dev, weights=t_op, minlength=len(spec.devices))
     return Schedule(float(makespan), start, finish, op_start, op_finish, busy, arrivals, tuple(transfers),
                     scheduler_s=n_blocks * dk.task_s, client_s=t0 + gather)
 
 
-def lower_bound_s(plan_or_graph: Plan | OpGraph, spec: ClusterSpec | None = None) -> float:
+def _check_finished(finish: np.ndarray, plan: Placed) -> None:
+    """``SeaBiscuitError`` when a block never ran: it waits for inputs that never come."""
+    if len(finish) and (finish < 0).any():
+        stuck = [b for b in range(len(finish)) if finish[b] < 0]
+        where = plan.spec.names[int(plan.block_device[stuck[0]])]
+        raise SeaBiscuitError(f"plan deadlocks: {len(stuck)} block(s) wait for inputs that never come "
+                              f"(first: block {stuck[0]} on {where!r})")
+
+
+def _op_times(block_of: np.ndarray, t_op: np.ndarray, start: np.ndarray,
+              n_blocks: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each op's start and finish: the ops of a block back to back, in topological order, from the
+    block's start."""
+    order = np.argsort(block_of, kind="stable")
+    csum = np.cumsum(t_op[order])
+    first = np.searchsorted(block_of[order], np.arange(n_blocks))
+    base = np.where(first > 0, csum[np.maximum(first - 1, 0)], 0.0)
+    op_finish = np.empty(len(block_of))
+    op_finish[order] = start[block_of[order]] + csum - base[block_of[order]]
+    return op_finish - t_op, op_finish
+
+
+FINISH, SCHED, FETCH, READY = 0, 1, 2, 3       # NOTE: what an event is: a block's steps, in reverse
+
+
+class _Events:
+    """The event loop of one simulated request: blocks go through the scheduler, fetch their inputs
+    over the links and run on their devices (the module docstring's model)."""
+
+    def __init__(self, plan: Placed, dask: DaskSpec, t_op: np.ndarray) -> None:
+        spec = plan.spec
+        n_blocks, n_dev = len(plan.block_device), len(spec.devices)
+        self.dask, self.half_hop = dask, dask.hop_s / 2
+        self.dur = np.bincount(plan.block_of, weights=t_op, minlength=n_blocks).tolist()
+        self.phase, self.bdev = plan.block_phase.tolist(), plan.block_device.tolist()
+        self.deps, self.users, self.fetch = _block_links(plan)
+        self.bw, self.lat, self.routes = spec.bandwidth, spec.latency, spec.routes
+        self.t_bytes = plan.workload.t_bytes.tolist()
+        self.link_free: dict[int, float] = {}
+        self.ready: list[list[tuple[int, int]]] = [[] for _ in range(n_dev)]
+        self.dev_busy = [False] * n_dev
+        self.start, self.finish = np.zeros(n_blocks), np.full(n_blocks, -1.0)
+        self.arrivals: dict[tuple[int, int], float] = {}
+        self.transfers: list[tuple[int, int, int, float, float]] = []
+        self.events: list[tuple[float, int, int, int]] = []   # (time, seq, kind, block)
+        self.seq = 0
+        self.pending = [len(d) for d in self.deps]           # NOTE: blocks each block still waits for
+
+    def push(self, t: float, kind: int, b: int) -> None:
+        self.seq += 1
+        heapq.heappush(self.events, (t, self.seq, kind, b))
+
+    def dispatch(self, d: int, now: float) -> None:
+        """Start the ready block of lowest phase on device ``d``, if it is idle."""
+        if self.dev_busy[d] or not self.ready[d]:
+            return
+        _, b = heapq.heappop(self.ready[d])
+        self.start[b] = now
+        self.dev_busy[d] = True
+        self.push(now + self.dur[b], FINISH, b)
+
+    def fetch_inputs(self, b: int, now: float) -> float:
+        """Start the transfers block ``b`` needs on its device; when the last one arrives."""
+        e, done = self.bdev[b], now
+        arrivals, link_free = self.arrivals, self.link_free
+        for t, src in self.fetch[b]:
+            arr = arrivals.get((t, e))
+            if arr is None:
+                route = self.routes[src][e]
+                s = max([now] + [link_free.get(r, 0.0) for r in route])
+                busy = self.t_bytes[t] / self.bw[src, e]
+                for r in route:
+                    link_free[r] = s + busy
+                arr = arrivals[(t, e)] = s + busy + self.lat[src, e]
+                self.transfers.append((t, src, e, s, arr))
+            done = max(done, arr)
+        return done
+
+    def finished(self, b: int, now: float) -> None:
+        """Block ``b`` is done: its device is free, and the blocks that waited only for it go to the
+        scheduler."""
+        self.finish[b] = now
+        d = self.bdev[b]
+        self.dev_busy[d] = False
+        for c in self.users[b]:
+            self.pending[c] -= 1
+            if self.pending[c] == 0:
+                self.push(now + self.half_hop, SCHED, c)
+        self.dispatch(d, now)
+
+    def run(self, t0: float) -> tuple[np.ndarray, np.ndarray, dict[tuple[int, int], float],
+                                      list[tuple[int, int, int, float, float]]]:
+        """Every block's start and finish, the tensors' arrivals and the transfers, for a request
+        submitted at ``t0``."""
+        for b, n in enumerate(self.pending):
+            if n == 0:
+                self.push(t0, SCHED, b)
+        sched_free, events, task_s, half_hop = 0.0, self.events, self.dask.task_s, self.half_hop
+        push, pop, bdev, ready = self.push, heapq.heappop, self.bdev, self.ready
+        while events:
+            now, _, kind, b = pop(events)
+            if kind == SCHED:                       # NOTE: the scheduler is one serial resource
+                sched_free = max(now, sched_free) + task_s
+                push(sched_free + half_hop, FETCH, b)
+            elif kind == FETCH:
+                push(self.fetch_inputs(b, now), READY, b)
+            elif kind == READY:
+                heapq.heappush(ready[bdev[b]], (self.phase[b], b))
+                self.dispatch(bdev[b], now)
+            else:
+                self.finished(b, now)
+        return self.start, self.finish, self.arrivals, self.transfers
+
+
+def lower_bound_s(plan_or_graph: Placed | OpGraph, spec: ClusterSpec | None = None) -> float:
     """No plan can beat this: max(total work / total speed, critical path).
 
     Work is counted on the fastest device for each op; the cluster's speed is the

@@ -22,6 +22,12 @@ from .cluster import MATMUL_KINDS, ClusterSpec, DeviceSpec
 _LAYER = re.compile(r"\.(\d+)(?:\.|$)")
 
 
+def layer_of(scope: str) -> int:
+    """The layer number in an op's scope path (``model.layers.3.mlp`` -> 3), -1 outside layers."""
+    m = _LAYER.search(scope)
+    return int(m.group(1)) if m else -1
+
+
 @dataclass(frozen=True, eq=False)
 class Workload:
     """Arrays describing a graph's ops and the tensors that flow between them."""
@@ -200,10 +206,8 @@ def _build(graph: OpGraph) -> Workload:
         outb[i] = sum(tsize[t] for t in op.outputs)
         pall[i] = sum(psize[p] for p in ps)
         ins = dict.fromkeys(op.inputs)
-        moved[i] = streamed_bytes(op.kind, pall[i], sum(tsize[t] for t in ins), outb[i])
-        m = _LAYER.search(op.scope or op.name)
-        if m:
-            layer[i] = int(m.group(1))
+        moved[i] = streamed_bytes(op.target, pall[i], sum(tsize[t] for t in ins), outb[i])
+        layer[i] = layer_of(op.scope or op.name)
         if reserve and op.kind in ("attention", "kv_attention") and int(layer[i]) not in reserved:
             reserved.add(int(layer[i]))
             weight[i] += reserve

@@ -1,9 +1,12 @@
-"""``SeaBiscuitSchedulerPlugin``: the Dask adapter that owns placement on the scheduler.
+"""``SeaBiscuitSchedulerPlugin``: the Dask adapter over the scheduler's state.
 
 It turns Dask hooks and RPCs into ``PlacementState`` events and carries out the
 instructions: pins ``sb-*`` tasks by worker restrictions in ``update_graph``
 (tasks are still ``released`` there), replans when workers leave or join,
 publishes plan changes on the ``seabiscuit`` topic and has the workers sync.
+What SeaBiscuit knows lives in the state (``runtime/scheduler/``): plans, owners,
+deploy claims, fenced workers and what they missed, run counts. The plugin keeps
+only what is Dask's: RPC calls and streams, the waits on them, background tasks.
 RPCs (``seabiscuit_*``) validate what they receive (``runtime.access``): a model
 id it issued, the deploying client's token, paths inside the roots, budgets the
 machine can have; workers show the secret this plugin sent down their own
@@ -33,16 +36,16 @@ from distributed.protocol.pickle import dumps
 
 from ..dashboard import Activity
 from ..dashboard import install as install_dashboard
-from ..errors import AccessDenied, SeaBiscuitError
+from ..errors import AccessDenied, SeaBiscuitError, UnknownWorker, WorkerHung
 from ..ir import OpGraph
-from ..lower.blocks import task_name
+from ..lower.blocks import parse_key
 from ..lower.registry import require_registered
 from ..placement import CapacityChanged, DeviceAdded, DeviceLost, Plan
 from ..runtime import access, agent
 from ..runtime.discover import device_from_report, device_name
 from ..runtime.events import TOPIC
-from ..runtime.state import (
-    BlockObserved,
+from ..runtime.scheduler.events import (
+    BlockRan,
     DeviceDrained,
     DeviceRestored,
     ForModel,
@@ -51,7 +54,6 @@ from ..runtime.state import (
     ModelDeployed,
     ModelReleased,
     Pin,
-    PlacementState,
     PlanChanged,
     ProgramAdded,
     Rerouted,
@@ -59,8 +61,10 @@ from ..runtime.state import (
     Stranded,
     TasksForgotten,
     TasksSubmitted,
-    parse_key,
+    WorkerFenced,
 )
+from ..runtime.scheduler.fencing import SessionEnd
+from ..runtime.scheduler.state import PlacementState
 from ..runtime.store import remove_store
 from ..runtime.tasks import PLUGIN_NAME, RUNS_TOPIC
 from ..runtime.watch import seconds
@@ -68,8 +72,6 @@ from .refusing import refusing
 from .worker import SeaBiscuitWorkerPlugin
 
 logger = logging.getLogger(__name__)
-
-MAX_MISSED_ENDS = 100_000       # NOTE: session ends kept per fenced worker and model, for its return
 
 
 class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
@@ -82,18 +84,10 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
         self.state = PlacementState()
         self.scheduler: Any = None
         self.events: deque[dict[str, Any]] = deque(maxlen=1000)
-        self.owners: dict[str, str] = {}                     # model -> id of the client that deployed it
-        self.block_runs: dict[str, dict[Any, int]] = {}            # model -> live task key -> times computed
-        self.run_totals: dict[str, dict[str, int]] = {}
         self.activity = Activity()                           # block runs and request latencies, for the page
-        self.fenced: dict[str, str] = {}                     # address -> why: hung, replanned around
-        # NOTE: per fenced worker, per model: the session ends (ids, renames) it missed, in order
-        self._missed_ends: dict[str, dict[str, list[tuple[list[int], list[list[int]]]]]] = {}
-        self._missed_releases: dict[str, set[str]] = {}     # NOTE: per fenced worker: models released since
         self._hellos: dict[str, asyncio.Event] = {}          # address -> set once its agent said hello
         self._secret = access.new_token()                    # NOTE: each worker gets its own HMAC of it
-        self._claims: dict[str, tuple[str, float]] = {}      # deploy claim -> (client, when it came)
-        self._claim_waiters: dict[str, asyncio.Future[str]] = {}
+        self._claim_waiters: dict[str, asyncio.Future[str]] = {}     # deploy claim -> its deploy, waiting
         self._background: set[Any] = set()
 
     async def start(self, scheduler: Any) -> None:
@@ -120,10 +114,10 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
     def update_graph(self, scheduler: Any, *, tasks: Iterable[Any] = (), keys: Iterable[Any] = (),
                      client: str = "", **kwargs: Any) -> None:
         parsed = [(k, p) for k in tasks if (p := parse_key(k)) is not None]
-        foreign = {k for k in [*tasks, *keys] if not self._may_touch(client, k)}
+        foreign = {k for k in [*tasks, *keys] if not self.state.may_touch(client, k)}
         # NOTE: a task that reads another client's block output would hand it over
         foreign |= {k for k in tasks if (ts := self.scheduler.tasks.get(k)) is not None
-                    and any(not self._may_touch(client, d.key) for d in ts.dependencies)}
+                    and any(not self.state.may_touch(client, d.key) for d in ts.dependencies)}
         if foreign:
             self._refuse(client, foreign)
             parsed = [(k, p) for k, p in parsed if k not in foreign]
@@ -131,15 +125,10 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
             self._apply(self.state.handle(TasksSubmitted(tuple(k for k, _ in parsed))))
             self.activity.submitted([p for _, p in parsed])
 
-    def _may_touch(self, client: str, key: Any) -> bool:
-        """Whether ``client`` may run or read ``key``: any key but another owner's ``sb-*`` ones."""
-        p = parse_key(key)
-        return p is None or p[0] not in self.state.models or self.owners.get(p[0]) == client
-
     def _desires(self, keys: Any = (), client: str = "", **kwargs: Any) -> None:
         """Dask's ``client-desires-keys`` (``Future(key)``), less other owners' block outputs."""
         keys = list(keys or ())
-        refused = {k for k in keys if not self._may_touch(client, k)}
+        refused = {k for k in keys if not self.state.may_touch(client, k)}
         if refused:
             self._refuse(client, refused)
         self._desires_keys(keys=[k for k in keys if k not in refused], client=client, **kwargs)
@@ -169,9 +158,6 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
     def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
         if finish == "forgotten" and key in self.state.pinned:
             self.state.handle(TasksForgotten((key,)))
-            parts = parse_key(key)
-            if parts is not None:
-                self.block_runs.get(parts[0], {}).pop(key, None)
 
     def log_event(self, topic: str, msg: Any) -> None:
         """Count block runs the workers' tasks report (the data plane reports in batches: ``ran``);
@@ -206,31 +192,17 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
         return self.state.links_data()
 
     def _ran(self, msg: dict[str, Any]) -> None:
-        if str(msg.get("model")) not in self.state.models:
+        model = str(msg.get("model"))
+        if model not in self.state.models:
             return
         if "latency_s" in msg:
             self.activity.measured(msg)
             return
-        model = str(msg["model"])
         self.activity.ran(msg)
-        totals = self.run_totals.setdefault(model, {"computed": 0, "resumed": 0, "re_executed": 0})
-        if msg.get("how") != "computed":
-            totals["resumed"] += 1
-            return
-        key = (task_name(model), int(msg.get("version", 0)), int(msg.get("request", 0)),
-               int(msg.get("block", 0)))
-        if key in self.state.pinned:     # NOTE: a task's; the data plane itself refuses repeats
-            runs = self.block_runs.setdefault(model, {})
-            totals["re_executed"] += bool(runs.get(key))
-            runs[key] = runs.get(key, 0) + 1
-        totals["computed"] += 1
-        if isinstance(msg.get("compute_s"), (int, float)) and int(msg.get("request", -1)) >= 0:
-            try:
-                seen = BlockObserved(model, int(msg.get("version", 0)), int(msg.get("block", 0)),
-                                     float(msg["compute_s"]))
-                self._apply(self.state.handle(seen))
-            except SeaBiscuitError as e:       # NOTE: a repair that cannot be made leaves the plan
-                logger.warning("seabiscuit: %s", e)
+        try:
+            self._apply(self.state.handle(_block_ran(model, msg)))
+        except SeaBiscuitError as e:       # NOTE: a repair that cannot be made leaves the plan
+            logger.warning("seabiscuit: %s", e)
 
     def add_worker(self, scheduler: Any = None, worker: str = "", **kwargs: Any) -> None:
         device = self._device_of(worker)
@@ -244,18 +216,15 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
 
     def remove_worker(self, scheduler: Any = None, worker: str = "", **kwargs: Any) -> None:
         self._hellos.pop(worker, None)
-        self._missed_ends.pop(worker, None)
-        self._missed_releases.pop(worker, None)
+        self.state.fencing.left(worker)
         if str(getattr(self.scheduler, "status", "")).endswith(("closing", "closed")):
             return      # NOTE: the cluster is shutting down: nothing to repair
-        self.fenced.pop(worker, None)
         self._apply(self.state.handle(DeviceLost(worker)))
 
     def remove_client(self, scheduler: Any = None, client: str = "", **kwargs: Any) -> None:
         """A client that leaves without ``close()`` takes its models with it."""
-        for n in [n for n, (c, _) in self._claims.items() if c == client]:
-            del self._claims[n]
-        for model in [m for m, c in self.owners.items() if c == client]:
+        self.state.claims.client_left(client)
+        for model in self.state.owned_by(client):
             logger.info("seabiscuit: client %s left: releasing model %s", client, model)
             graph = self.state.models[model].plan.graph if model in self.state.models else None
             self._background_task(self._release(model, graph))
@@ -335,7 +304,7 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
                     logger.warning("seabiscuit: worker %s could not sync model %s: %s", addr, model,
                                    type(e).__name__ if isinstance(e, asyncio.TimeoutError) else e)
 
-        await asyncio.gather(*(one(a) for a in list(self.scheduler.workers) if a not in self.fenced
+        await asyncio.gather(*(one(a) for a in list(self.scheduler.workers) if a not in self.state.fencing
                                and (owners is None or (a in mine) == owners)))
 
     def _background_task(self, coro: Any) -> None:
@@ -394,15 +363,8 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
     # --- who is asking ------------------------------------------------------------------------
     def claim(self, client: str = "", nonce: str = "", **kwargs: Any) -> None:
         """Stream handler: ``client`` (filled in by the scheduler from its own stream) will deploy
-        with ``nonce``; that deploy's model is then owned by ``client``. Claims last
-        ``seabiscuit.runtime.sync-timeout``, at most 64 a client."""
-        now = time.monotonic()
-        ttl = seconds("runtime.sync-timeout")
-        for n in [n for n, (_, t) in self._claims.items() if now - t > ttl]:
-            del self._claims[n]
-        mine = sum(c == client for c, _ in self._claims.values())
-        if client and isinstance(nonce, str) and 16 <= len(nonce) <= 128 and mine < 64:
-            self._claims[nonce] = (client, now)
+        with ``nonce``; that deploy's model is then owned by ``client`` (``Claims``)."""
+        if self.state.claims.claim(client, nonce, time.monotonic()):
             waiter = self._claim_waiters.pop(nonce, None)
             if waiter is not None and not waiter.done():
                 waiter.set_result(client)
@@ -412,9 +374,8 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
         if not isinstance(nonce, str) or not nonce:
             raise AccessDenied("deploy needs the claim its client sent on its own stream "
                                "(use sb.deploy or sb.distribute)")
-        if nonce in self._claims:
-            client = self._claims.pop(nonce)[0]
-        else:
+        client = self.state.claims.take(nonce)
+        if client is None:
             waiter = self._claim_waiters.setdefault(nonce, asyncio.get_running_loop().create_future())
             try:
                 client = await asyncio.wait_for(asyncio.shield(waiter), seconds("runtime.sync-timeout"))
@@ -423,7 +384,7 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
                                    "client may deploy (use sb.deploy or sb.distribute)") from None
             finally:
                 self._claim_waiters.pop(nonce, None)
-                self._claims.pop(nonce, None)
+                self.state.claims.take(nonce)
         if client not in self.scheduler.clients:
             raise AccessDenied(f"client {client} left before its deploy arrived")
         return client
@@ -438,7 +399,7 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
         self._publish({"action": "routes", "reason": ", ".join(f"{a} -> {b} via {c}" for a, b, c in routes)
                        or "every link direct"})
         for addr in list(self.scheduler.workers):
-            if addr not in self.fenced:
+            if addr not in self.state.fencing:
                 self._background_task(self._tell_routes(addr))
 
     async def _tell_routes(self, address: str) -> None:
@@ -493,12 +454,11 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
         p = Plan.from_json(plan, g)
         for d in p.spec.devices:     # NOTE: workers that joined before the plugin reported
             if d.address in self.scheduler.workers and d.address not in self.state.devices \
-                    and d.address not in self.fenced:
+                    and d.address not in self.state.fencing:
                 self._apply(self.state.handle(DeviceAdded(d)))
         model, token = access.new_model_id(self._peer_key()), access.new_token()
         self._apply(self.state.handle(ModelDeployed(model, p, token, checkpoint_dir or "",
-                                                    max(0, int(verify_every or 0)))))
-        self.owners[model] = owner
+                                                    max(0, int(verify_every or 0)), owner)))
         return {"model": model, "token": token, "version": 0, "ticket": self._ticket(model)}
 
     def program(self, comm: Any = None, model: str = "", token: str = "", graph: str = "") -> dict[str, Any]:
@@ -530,12 +490,9 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
                 logger.info("seabiscuit: worker %s did not free sessions of %s: %s", addr, model, e)
                 return 0
 
-        for addr in self.fenced:         # NOTE: told when it answers again (``_rejoin``)
-            ends = self._missed_ends.setdefault(addr, {}).setdefault(model, [])
-            if len(ends) < MAX_MISSED_ENDS:
-                ends.append((ids, moves))
+        self.state.fencing.sessions_ended(model, ids, moves)      # NOTE: told on their return (``_rejoin``)
         return sum(await asyncio.gather(*(one(a) for a in list(self.scheduler.workers)
-                                          if a not in self.fenced)))
+                                          if a not in self.state.fencing)))
 
     async def release(self, comm: Any = None, model: str = "", token: str = "") -> bool:
         self.state.authorized(access.check_model_id(model), token)
@@ -544,13 +501,8 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
 
     async def _release(self, model: str, store_of: Any = None) -> None:
         """Forget ``model`` everywhere; with ``store_of`` (its graph), remove its weight store too."""
-        self._apply(self.state.handle(ModelReleased(model)))
-        for d in (self.block_runs, self.run_totals, self.owners):
-            d.pop(model, None)
+        self._apply(self.state.handle(ModelReleased(model)))     # NOTE: fenced workers drop it on return
         self.activity.forget(model)
-        for addr in self.fenced:         # NOTE: it drops the model when it answers again (``_watch``)
-            self._missed_releases.setdefault(addr, set()).add(model)
-            self._missed_ends.get(addr, {}).pop(model, None)
         await self._sync_workers(model)
         if store_of is not None:
             await self._drop_store(model, store_of)
@@ -560,20 +512,22 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
         """Move ``model`` off ``address`` while the worker finishes what it already runs (at once for
         a fenced worker: nothing runs there any more)."""
         self.state.authorized(access.check_model_id(model), token)
-        if address in self.fenced:
-            return {"handled_s": 0.0, "replan_s": [], "versions": {}, "fenced": self.fenced[address]}
+        why = self.state.fencing.fenced.get(address)
+        if why is not None:
+            return {"handled_s": 0.0, "replan_s": [], "versions": {}, "fenced": why}
         return await self._event(ForModel(model, DeviceDrained(address, str(reason)[:200])))
 
     async def restore(self, comm: Any = None, model: str = "", token: str = "",
                       address: str = "") -> dict[str, Any]:
         """``model`` may use a drained worker again: it spreads onto it as onto a worker that joins."""
         self.state.authorized(access.check_model_id(model), token)
-        if address in self.fenced:
-            raise SeaBiscuitError(f"worker {address} is fenced ({self.fenced[address]}): it takes work "
-                                  "again by itself once it answers")
+        why = self.state.fencing.fenced.get(address)
+        if why is not None:
+            raise WorkerHung(f"worker {address} is fenced ({why}): it takes work again by itself once it "
+                             "answers")
         device = self._device_of(address)
         if device is None:
-            raise SeaBiscuitError(f"no worker {address} with a SeaBiscuit agent in the cluster")
+            raise UnknownWorker(f"no worker {address} with a SeaBiscuit agent in the cluster")
         return await self._event(ForModel(model, DeviceRestored(device)))
 
     async def budget(self, comm: Any = None, model: str = "", token: str = "", address: str = "",
@@ -582,7 +536,7 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
         self.state.authorized(access.check_model_id(model), token)
         ws = self.scheduler.workers.get(address)
         if ws is None:
-            raise SeaBiscuitError(f"no worker {address} in the cluster")
+            raise UnknownWorker(f"no worker {address} in the cluster")
         machine = agent.machine_bytes(ws.metrics.get(PLUGIN_NAME) or {}) or int(ws.memory_limit or 0)
         nbytes = access.check_budget(memory_bytes, machine, f"worker {address}")
         return await self._event(ForModel(model, CapacityChanged(address, memory_bytes=nbytes)))
@@ -590,7 +544,7 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
     def runs(self, comm: Any = None, model: str = "", token: str = "") -> dict[str, int]:
         """Blocks of ``model`` computed, read back from checkpoints, and computed more than once."""
         self.state.authorized(access.check_model_id(model), token)
-        return dict(self.run_totals.get(model, {"computed": 0, "resumed": 0, "re_executed": 0}))
+        return self.state.runs.of(model)
 
     def learned(self, comm: Any = None, model: str = "", token: str = "", last: int = 100) -> dict[str, Any]:
         """Per worker of ``model``: measured over modelled time per op class, learned from its runs."""
@@ -606,7 +560,7 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
         """Workers (drained ones only if ``everyone``) with fresh agent reports and the bytes models hold."""
         drained = self.state.drained
         wss = [ws for ws in self.scheduler.workers.values()
-               if ws.address not in self.fenced and (everyone or ws.address not in drained)]
+               if ws.address not in self.state.fencing and (everyone or ws.address not in drained)]
         timeout = seconds("runtime.probe-timeout")
 
         async def report(ws: Any) -> Any:
@@ -644,10 +598,10 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
         suspects = self._suspects(model, int(request)) | dep.addresses()
         answers = await asyncio.gather(*(self._answers(a) for a in sorted(suspects)))
         for addr, ok in zip(sorted(suspects), answers):
-            if not ok and addr not in self.fenced:
+            if not ok and addr not in self.state.fencing:
                 self._fence(addr, f"no answer to a probe within {seconds('runtime.probe-timeout'):.1f} s "
                                   f"while request {request} of model {model} waited on it")
-        fenced = sorted(a for a in suspects if a in self.fenced)
+        fenced = sorted(a for a in suspects if a in self.state.fencing)
         dep = self.state.models.get(model, dep)
         return {"fenced": fenced, "version": dep.version, "stranded": dep.stranded}
 
@@ -684,9 +638,8 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
     def _fence(self, address: str, why: str) -> None:
         """Replan every model around a worker that stopped answering, as if it had left."""
         logger.warning("seabiscuit: worker %s is fenced: %s", address, why)
-        self.fenced[address] = why
         self._publish({"action": "fenced", "address": address, "reason": why})
-        self._apply(self.state.handle(DeviceLost(address)))
+        self._apply(self.state.handle(WorkerFenced(address, why)))
         self._background_task(self._watch(address))
 
     async def _watch(self, address: str) -> None:
@@ -694,16 +647,16 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
         is tried again, a probe interval apart, until it takes: an error on the way is logged and
         never ends the watch (a model stays stranded only while the cluster cannot hold it)."""
         if not await self._answers_again(address):
-            self.fenced.pop(address, None)
+            self.state.fencing.lift(address)
             return
-        if self.fenced.pop(address, None) is None:
+        if self.state.fencing.lift(address) is None:
             return
         logger.info("seabiscuit: fenced worker %s answers again: it takes work again", address)
         self._publish({"action": "unfenced", "address": address})
         # NOTE: it drops what moved, and the models released, while it was fenced
-        for model in [*self.state.models, *sorted(self._missed_releases.pop(address, ()))]:
+        for model in [*self.state.models, *sorted(self.state.fencing.take_releases(address))]:
             self._background_task(self._sync_workers(model, owners=False))
-        while address in self.scheduler.workers and address not in self.fenced:
+        while address in self.scheduler.workers and address not in self.state.fencing:
             try:
                 self._rejoin(address)
                 return
@@ -714,7 +667,7 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
 
     async def _answers_again(self, address: str) -> bool:
         """Whether a fenced worker answered a probe (False: it left, or a newer fence holds it)."""
-        while address in self.fenced and address in self.scheduler.workers:
+        while address in self.state.fencing and address in self.scheduler.workers:
             if await self._answers(address, tries=1):
                 return True
             await asyncio.sleep(seconds("runtime.probe-timeout"))
@@ -725,14 +678,13 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
         sessions that ended while it was fenced."""
         device = self._device_of(address)
         if device is None:
-            raise SeaBiscuitError(f"worker {address} has no agent report to place on yet")
+            raise UnknownWorker(f"worker {address} has no agent report to place on yet")
         self._apply(self.state.handle(DeviceAdded(device)))
-        missed = self._missed_ends.pop(address, {})
+        missed = self.state.fencing.take_ends(address)
         if missed:
             self._background_task(self._end_missed(address, missed))
 
-    async def _end_missed(self, address: str,
-                          missed: dict[str, list[tuple[list[int], list[list[int]]]]]) -> None:
+    async def _end_missed(self, address: str, missed: dict[str, list[SessionEnd]]) -> None:
         """The session ends a fenced worker missed, in the order they came."""
         timeout = seconds("runtime.sync-timeout")
         for model, ends in missed.items():
@@ -780,7 +732,7 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
             return False
         self._send_secret(address)
         self._hello_of(address).set()
-        if address in self.state.devices or address in self.fenced:
+        if address in self.state.devices or address in self.state.fencing:
             return False
         device = self._device_of(address, dict(report) if isinstance(report, dict) else None)
         if device is not None:
@@ -800,6 +752,17 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
             logger.warning("seabiscuit: cannot move work off %s: %s", address, e)
             self._publish({"action": "pressure-unresolved", "address": address, "reason": str(e)})
             return {"handled_s": 0.0, "replan_s": [], "versions": {}, "error": str(e)}
+
+
+def _block_ran(model: str, msg: dict[str, Any]) -> BlockRan:
+    """A worker's report of a block run (``RUNS_TOPIC``, or a batch of ``ran``) as an event: a
+    run's time is learned from only where it names its request."""
+    if msg.get("how") != "computed":
+        return BlockRan(model, computed=False)
+    took = msg.get("compute_s")
+    compute_s = float(took) if isinstance(took, (int, float)) and "request" in msg else None
+    return BlockRan(model, int(msg.get("version", 0)), int(msg.get("request", 0)), int(msg.get("block", 0)),
+                    compute_s=compute_s)
 
 
 def _worker_info(ws: Any, report: dict[str, Any] | None) -> dict[str, Any]:

@@ -7,7 +7,9 @@ move work away under memory or heat pressure, and wraps the worker's
 the scheduler says this worker owns of a model; any peer may ask, the answer comes
 from the scheduler), ``seabiscuit_report`` (the agent's figures now) and
 ``seabiscuit_routes`` (the relays and links to probe, from the scheduler plugin only:
-``docs/routing.md``).
+``docs/routing.md``). The data plane's RPCs (``seabiscuit_dp_*``) are handlers of the same
+names, each forwarding to the worker's run manager (``runtime.dataplane.DataPlane``), which
+calls back into the worker through one ``WorkerHost``.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Awaitable, Mapping
 from typing import Any
 
 import psutil
@@ -30,6 +33,7 @@ from ..errors import AccessDenied, BadInput, WorkerLost
 from ..lower.blocks import BlockSpec
 from ..runtime import access, agent
 from ..runtime.dataplane import DataPlane, Links, Tensors, decode_loop, timed
+from ..runtime.dataplane.host import Outcome
 from ..runtime.dataplane.ordered import OrderedExecutor
 from ..runtime.dataplane.streams import Overrun, Receiving, admit, opener, serve
 from ..runtime.dataplane.wire import inline
@@ -40,7 +44,9 @@ from .refusing import refusing
 
 logger = logging.getLogger(__name__)
 
-DP_OPS = ("feed", "push", "follow", "fail", "forget", "flush", "stream", "status")
+# NOTE: the data plane's RPCs, each a handler of the plugin of the same name
+DP_RPCS = tuple(f"seabiscuit_dp_{op}" for op in ("feed", "push", "follow", "fail", "forget", "flush",
+                                                  "stream", "status"))
 MAX_FOLLOWED = 1 << 16          # NOTE: steps one follow of a decode loop may name
 MAX_UNKNOWN = 4096              # NOTE: model ids refused lately that a worker remembers
 MAX_ASKING = 16                 # NOTE: questions for tickets waiting at once; more are refused at once
@@ -89,19 +95,13 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
         self._waiting = 0
         self.ticket_questions = 0                    # questions for tickets sent to the scheduler
         self._pool = OrderedExecutor(max(1, int(worker.state.nthreads)), "seabiscuit-dp")
-        self.dataplane = DataPlane(
-            worker.address, compute=timed(self._compute, worker.address), spec_of=self._known_spec,
-            load_spec=self._load_spec, version_of=lambda m: self.resident.versions.get(m, -1),
-            send=self._send, check=self._check_ticket, executor=self._pool,
-            max_runs=int(config.get("runtime.data-plane-runs")),
-            describe=lambda m, v, b: BlockSpec.from_dict(self._fetch(m, v, b)),
-            forward=lambda address, msg: self._links.send(address, msg, direct=True), ready=self._kv_ready)
         self._links = Links(opener(lambda: worker.connection_args, worker.address, self._prove))
+        self.dataplane = DataPlane(WorkerHost(self))
         self._receiving: dict[str, Receiving] = {}      # NOTE: per peer: bytes read, not yet handed on
         self._streams: dict[str, Any] = {}              # NOTE: per peer: the comm of its stream here
         self._refused_peers: set[str] = set()
-        for op in DP_OPS:
-            worker.handlers[f"seabiscuit_dp_{op}"] = refusing(getattr(self, f"dp_{op}"))
+        for name in DP_RPCS:
+            worker.handlers[name] = refusing(getattr(self, name))
         from tornado.ioloop import PeriodicCallback
 
         self._flush = PeriodicCallback(self._report_runs, 200)    # NOTE: a tick skips while one runs
@@ -140,7 +140,7 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
         worker.metrics.pop(PLUGIN_NAME, None)
         stopped = _stopped(str(getattr(worker, "address", "")))
         for name in ("seabiscuit_sync", "seabiscuit_report", "seabiscuit_drop_sessions", "seabiscuit_routes",
-                     *(f"seabiscuit_dp_{op}" for op in DP_OPS)):
+                     *DP_RPCS):
             worker.handlers[name] = stopped
         worker.stream_handlers["seabiscuit_secret"] = lambda **kwargs: None
         self._flush.stop()
@@ -258,22 +258,24 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
             self._tickets[model] = owned["ticket"]
         return await asyncio.to_thread(self.resident.sync, owned, model)
 
-    # --- the data plane (runtime.dataplane) --------------------------------------------------------
-    async def dp_feed(self, comm: Any = None, model: str = "", ticket: str = "", version: int = 0,
-                      request: int = 0, inputs: Any = (), collect: Any = (),
-                      timed: bool = False, loop: Any = None, after: int = -1) -> list[Any]:
+    # --- the data plane (runtime.dataplane): each RPC forwarded to the run manager ----------------
+    async def seabiscuit_dp_feed(self, comm: Any = None, model: str = "", ticket: str = "", version: int = 0,
+                                 request: int = 0, inputs: Any = (), collect: Any = (), timed: bool = False,
+                                 loop: Any = None, after: int = -1) -> list[Any]:
         fed = {int(b): ts for b, ts in inputs or ()}
         out = await self.dataplane.feed(model, ticket, version, request, fed, list(collect or ()), timed,
                                         decode_loop(loop), int(after))
         return [[b, to_serialize(ts)] for b, ts in out.items()]
 
-    async def dp_push(self, comm: Any = None, model: str = "", ticket: str = "", version: int = 0,
-                      request: int = 0, block: int = 0, tensors: Any = None, inputs: Any = ()) -> bool:
+    async def seabiscuit_dp_push(self, comm: Any = None, model: str = "", ticket: str = "", version: int = 0,
+                                 request: int = 0, block: int = 0, tensors: Any = None,
+                                 inputs: Any = ()) -> bool:
         return await self.dataplane.push(model, ticket, version, request, block, tensors or {},
                                          {int(b): ts for b, ts in inputs or ()})
 
-    async def dp_follow(self, comm: Any = None, model: str = "", ticket: str = "", version: int = 0,
-                        requests: Any = (), blocks: Any = (), tokens: str = "") -> Any:
+    async def seabiscuit_dp_follow(self, comm: Any = None, model: str = "", ticket: str = "",
+                                   version: int = 0, requests: Any = (), blocks: Any = (),
+                                   tokens: str = "") -> Any:
         """A decode loop's steps' outputs, written down ``comm`` one message each as they are made
         (``DataPlane.follow``), till the last, the first failure, or the caller's closing ``comm``."""
         async def write(request: int, out: dict[int, Any] | None, error: BaseException | None) -> None:
@@ -302,15 +304,16 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
             pass        # NOTE: the caller went; it forgets the steps it did not read
         return Status.dont_reply
 
-    async def dp_fail(self, comm: Any = None, model: str = "", ticket: str = "", version: int = 0,
-                      request: int = 0, reason: str = "", block: int = -1, kind: str = "") -> bool:
+    async def seabiscuit_dp_fail(self, comm: Any = None, model: str = "", ticket: str = "", version: int = 0,
+                                 request: int = 0, reason: str = "", block: int = -1, kind: str = "") -> bool:
         return await self.dataplane.fail(model, ticket, version, request, reason, block, str(kind))
 
-    async def dp_forget(self, comm: Any = None, model: str = "", ticket: str = "", requests: Any = ()) -> int:
+    async def seabiscuit_dp_forget(self, comm: Any = None, model: str = "", ticket: str = "",
+                                   requests: Any = ()) -> int:
         return await self.dataplane.forget(model, ticket, list(requests or ()))
 
-    async def dp_status(self, comm: Any = None, model: str = "", ticket: str = "",
-                        request: int = 0) -> list[int]:
+    async def seabiscuit_dp_status(self, comm: Any = None, model: str = "", ticket: str = "",
+                                   request: int = 0) -> list[int]:
         return await self.dataplane.status(model, ticket, int(request))
 
     async def _secret_known(self) -> None:
@@ -373,26 +376,8 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
         while len(self._unknown) > MAX_UNKNOWN:
             self._unknown.popitem(last=False)
 
-    def _known_spec(self, model: str, version: int, block: int) -> Any:
-        p = self.resident.programs.get((model, block))
-        return p.spec if p is not None and p.spec.version == version else None
-
-    def _kv_ready(self, model: str, version: int, block: int, imports: Any) -> bool:
-        """Whether a block of a prompt's later chunk finds its sessions cached up to its first slot
-        here (``DataPlane`` holds it until then)."""
-        spec = self._known_spec(model, version, block)
-        return spec is None or self.resident.kv.ready(model, spec, imports)
-
-    def _load_spec(self, model: str, version: int, block: int) -> Any:
-        return self.resident.program(model, version, block, self._fetch).spec
-
-    def _fetch(self, model: str, version: int, block: int) -> Any:
-        return fetch_spec(model, version, block, self.worker)
-
-    def _compute(self, model: str, version: int, request: int, block: int, imports: Any) -> Any:
-        return self.resident.run(model, version, request, block, imports, (), self._fetch)
-
-    async def dp_stream(self, comm: Any = None, raw: bool = False, sender: Any = "", **kwargs: Any) -> Any:
+    async def seabiscuit_dp_stream(self, comm: Any = None, raw: bool = False, sender: Any = "",
+                                   **kwargs: Any) -> Any:
         """A peer's stream of one-way data-plane messages (``dataplane.streams``), read until it closes,
         once the peer proved it is a worker of this cluster (``streams.admit``). One stream per peer:
         a newer one ends the older (its sender opened it because the older broke). A stream that
@@ -440,13 +425,7 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
                        "there are dropped without a log line)", self.worker.address, peer,
                        type(error).__name__, error)
 
-    def _send(self, address: str, op: str, **msg: Any) -> asyncio.Future[None]:
-        """A one-way message to a peer, down the stream to it (``seabiscuit_dp_push|feed|fail``): the
-        future of its being on the wire (``Links.send``)."""
-        sender = self.worker.address
-        return self._links.send(address, {"op": op.removeprefix("seabiscuit_dp_"), "sender": sender, **msg})
-
-    async def dp_flush(self, comm: Any = None) -> int:
+    async def seabiscuit_dp_flush(self, comm: Any = None) -> int:
         """Report the data plane's block runs now; returns once the scheduler has them."""
         return await self._report_runs()
 
@@ -463,6 +442,58 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
             except Exception as e:  # noqa: BLE001 - figures only: the requests stand
                 logger.info("seabiscuit: %d block runs not reported: %s", len(records), e)
         return len(records)
+
+
+class WorkerHost:
+    """What the data plane asks of this worker (``runtime.dataplane.host.Host``): its resident blocks
+    run and their specs, the plan it holds, its streams to peers and its tickets."""
+
+    def __init__(self, plugin: SeaBiscuitWorkerPlugin) -> None:
+        self.plugin, self.resident, self.worker = plugin, plugin.resident, plugin.worker
+        self.address: str = plugin.worker.address
+        self.executor = plugin._pool
+        self._timed = timed(self._run, self.address)
+
+    def compute(self, model: str, version: int, request: int, block: int,
+                imports: Mapping[str, Any]) -> Outcome:
+        return self._timed(model, version, request, block, imports)
+
+    def _run(self, model: str, version: int, request: int, block: int, imports: Mapping[str, Any]) -> Any:
+        return self.resident.run(model, version, request, block, imports, (), self._fetch)
+
+    def spec_of(self, model: str, version: int, block: int) -> BlockSpec | None:
+        p = self.resident.programs.get((model, block))
+        return p.spec if p is not None and p.spec.version == version else None
+
+    def load_spec(self, model: str, version: int, block: int) -> BlockSpec:
+        return self.resident.program(model, version, block, self._fetch).spec
+
+    def describe(self, model: str, version: int, block: int) -> BlockSpec:
+        return BlockSpec.from_dict(self._fetch(model, version, block))
+
+    def version_of(self, model: str) -> int:
+        return self.resident.versions.get(model, -1)
+
+    def ready(self, model: str, version: int, block: int, imports: Mapping[str, Any]) -> bool:
+        """Whether a block of a prompt's later chunk finds its sessions cached up to its first slot
+        here (its run holds it until then)."""
+        spec = self.spec_of(model, version, block)
+        return spec is None or self.resident.kv.ready(model, spec, imports)
+
+    def send(self, address: str, op: str, **msg: Any) -> asyncio.Future[None]:
+        """A one-way message to a peer, down the stream to it (``seabiscuit_dp_push|feed|fail``): the
+        future of its being on the wire (``Links.send``)."""
+        msg = {"op": op.removeprefix("seabiscuit_dp_"), "sender": self.address, **msg}
+        return self.plugin._links.send(address, msg)
+
+    def forward(self, address: str, msg: dict[str, Any]) -> Awaitable[None]:
+        return self.plugin._links.send(address, msg, direct=True)
+
+    async def check(self, model: str, ticket: Any) -> str:
+        return await self.plugin._check_ticket(model, ticket)
+
+    def _fetch(self, model: str, version: int, block: int) -> Any:
+        return fetch_spec(model, version, block, self.worker)
 
 
 def _stopped(address: str) -> Any:

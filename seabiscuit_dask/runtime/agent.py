@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import os
 import socket
-import statistics
-import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -22,6 +20,7 @@ import psutil
 
 from .. import config
 from ..ir import fmt_bytes
+from ..timing import median_s
 
 
 def _read(path: Path) -> str | None:
@@ -271,16 +270,6 @@ def own_gpu(gpus: list[dict[str, Any]], uuid: str | None = None,
     return None
 
 
-def median_s(fn: Any, reps: int) -> float:
-    """Median wall time of ``reps`` calls of ``fn``."""
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def measure_speed(device: str = "cpu", n: int = 384, reps: int = 5) -> dict[str, float]:
     """Matmul FLOP/s, elementwise FLOP/s, memory bandwidth and per-op overhead, measured."""
     import torch
@@ -408,7 +397,7 @@ def worker_budget(resources: Mapping[str, float], memory_limit: int | None, gpu_
     configured = config.get("worker.memory-budget")
     if configured:
         return config.to_bytes(configured, "seabiscuit.worker.memory-budget")
-    fraction = float(config.get("worker.memory-fraction", 0.6))
+    fraction = float(config.get("worker.memory-fraction"))
     base = gpu_bytes or memory_limit or psutil.virtual_memory().total
     return int(base * fraction)
 
@@ -425,11 +414,11 @@ def machine_bytes(report: Mapping[str, Any]) -> int:
 def pressure_reason(live: Mapping[str, Any], memory_limit: int) -> str | None:
     """Why a worker should shed its work (memory or GPU heat over its limit), or None."""
     reason = None
-    frac = float(config.get("worker.memory-pressure", 0.9))
+    frac = float(config.get("worker.memory-pressure"))
     if live.get("rss_bytes", 0) > frac * memory_limit:
         reason = (f"memory pressure: {fmt_bytes(live['rss_bytes'])} in use, over {frac:.0%} of "
                   f"{fmt_bytes(memory_limit)}")
-    hot = float(config.get("worker.gpu-temperature-limit", 85))
+    hot = float(config.get("worker.gpu-temperature-limit"))
     # NOTE: a GPU worker watches its own GPU; a worker that knows none, every GPU of its host
     if live.get("gpu_temperature_c_own") is not None:
         temps = [float(live["gpu_temperature_c_own"])]

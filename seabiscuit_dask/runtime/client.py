@@ -56,9 +56,11 @@ from ..ir import fmt_bytes
 from ..lower.blocks import BlockSpec, block_specs, request_graph, task_name
 from ..placement import Plan, place
 from ..placement.follow import follow
-from . import dataplane, events
+from . import events
 from .dataplane import client as p2p
 from .discover import measure_cluster, releasing, workers_info
+from .generation import STEP_INPUTS, Engine, GenerateArgs, generate_tokens, greedy, stream_tokens
+from .generation.scheduler import batch_buckets, decode_rows
 from .local import assemble_outputs, bind_call, check_ids, flatten_inputs, split_inputs, unflatten_outputs
 from .resident import writable
 from .store import copied_if_unreadable, stored
@@ -125,7 +127,7 @@ class DistributedModel:
         self._shape_programs: dict[tuple[Any, ...], StepProgram] = {}   # forward at other input shapes
         self._trace_kwargs: dict[str, Any] = {}       # the non-tensor keywords it was traced with
         self._program_lock = threading.Lock()
-        self._engine: Any = None
+        self._engine: Engine | None = None
         self._limits: tuple[int | None, int | None] = (None, None)    # (sessions, context) reserved
         self._deadline = Deadline()                  # usual times per program: the hang bound
         self.version = -1
@@ -291,8 +293,6 @@ class DistributedModel:
         >>> out = dm.generate(ids, max_new_tokens=32)                         # doctest: +SKIP
         >>> print(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))  # doctest: +SKIP
         """
-        from .generate import generate_tokens
-
         engine, args = self._generation_args(input_ids, max_new_tokens, do_sample, temperature, top_k, top_p,
                                              eos_token_id, pad_token_id, generator, attention_mask)
         return generate_tokens(engine, input_ids, args, attention_mask, streamer)
@@ -308,8 +308,6 @@ class DistributedModel:
         >>> for t in dm.stream(ids, max_new_tokens=32):                    # doctest: +SKIP
         ...     print(tok.decode(t[0]), end="", flush=True)
         """
-        from .generate import stream_tokens
-
         engine, args = self._generation_args(input_ids, max_new_tokens, do_sample, temperature, top_k, top_p,
                                              eos_token_id, pad_token_id, generator, attention_mask)
         return stream_tokens(engine, input_ids, args, attention_mask, streamer)
@@ -329,7 +327,7 @@ class DistributedModel:
     def generation_stats(self) -> dict[str, Any]:
         """Steps, tokens and seconds of generation so far, and the step programs built:
         per (batch, tokens) shape its Dask tasks per step and what building it cost."""
-        stats = self._engine.stats.as_dict() if self._engine is not None else {}
+        stats: dict[str, Any] = self._engine.stats.as_dict() if self._engine is not None else {}
         stats["programs"] = {f"{b}x{n}": {"tasks": len(p.specs), "build_s": p.build_s,
                                           "micro_ops": len(p.graph.ops)}
                              for (b, n), p in sorted(self._programs.items())}
@@ -350,35 +348,11 @@ class DistributedModel:
         >>> dm.warm()                                   # doctest: +SKIP
         ['1x16', '1x32', ..., '1x1', '2x1', '4x1', '8x1']
         """
-        from .generate import _feed
-
-        engine = self._generation_engine()
-        # NOTE: a prompt prefilled alone is cut for the pipeline's stages, one among others is not
-        sizes = engine.prefill_sizes if lengths is None else sorted(
-            {size for n in lengths for alone in (True, False) for _, size in engine.chunking(int(n), alone)})
-        batches = batches if batches is not None else [b for b in engine.batch_sizes
-                                                       if b <= max(1, engine.max_sessions)]
-        shapes = [(1, n) for n in sizes] + [(int(b), 1) for b in batches]
-        built = []
-        for b, n in shapes:
-            t0 = time.perf_counter()
-            self.prepare(b, n)
-            # NOTE: sessions of its own, each a first chunk at slot 0, ended at once
-            sids = [next(engine._ids) for _ in range(b)]
-            try:
-                self.run_step(b, n, _feed([(sid, 0, [0] * n) for sid in sids], b, n))
-            finally:
-                self.end_sessions(sids)
-            built.append(f"{b}x{n}")
-            if progress is not None:
-                progress(f"step program {b}x{n} ready in {time.perf_counter() - t0:.2f} s")
-        return built
+        return self._generation_engine().warm(lengths, batches, progress)
 
     def _generation_args(self, input_ids: Any, max_new_tokens: Any, do_sample: Any, temperature: Any,
                          top_k: Any, top_p: Any, eos: Any, pad: Any, generator: Any,
-                         attention_mask: Any = None) -> tuple[Any, Any]:
-        from .generate import GenerateArgs
-
+                         attention_mask: Any = None) -> tuple[Engine, GenerateArgs]:
         engine = self._generation_engine()
         if isinstance(input_ids, torch.Tensor):      # NOTE: the engine checks the type and the context
             cfg = getattr(self._source_module(), "config", None)
@@ -392,10 +366,8 @@ class DistributedModel:
                                  max_new_tokens, do_sample, temperature, top_k, top_p, eos, pad, generator)
         return engine, args
 
-    def _generation_engine(self) -> Any:
+    def _generation_engine(self) -> Engine:
         """The engine of this deployment's generate calls, made on first use."""
-        from .generate import Engine
-
         self._check_open()
         if self._source is None:
             raise BadInput(f"model {self.model_id} was deployed from a plan alone: generation traces its "
@@ -539,7 +511,7 @@ class DistributedModel:
         layout = prog.layout
         inputs = split_inputs(prog.graph, feed())
         one_tile = len(prog.graph.leaf_outputs) == 1 and "input_ids" not in prog.graph.tilings
-        if self.p2p and steps > 1 and one_tile and set(inputs) == set(dataplane.runs.STEP_INPUTS):
+        if self.p2p and steps > 1 and one_tile and set(inputs) == set(STEP_INPUTS):
             return self._submit_loop(prog, layout, inputs, steps)
         return self._submit(prog, layout, inputs, after)
 
@@ -631,7 +603,7 @@ class DistributedModel:
         """The greedy tokens (batch,) of a submitted step: all a decode loop's later steps send
         back (the worker picks them from its logits), the argmax of the logits for another."""
         if not handle.tokens:
-            return self.step_result(handle).argmax(dim=-1)
+            return greedy(self.step_result(handle))
         (tokens,) = self._outputs(handle).values()
         return tokens
 
@@ -941,8 +913,9 @@ class ChatSession:
 
     def __init__(self, dm: DistributedModel, session: Any) -> None:
         self.dm, self._session, self._closed = dm, session, False
+        self._engine = dm._generation_engine()
         # NOTE: a session its caller drops unclosed frees its slot and caches all the same
-        self._finalizer = weakref.finalize(self, dm._engine.close_session, session, False)
+        self._finalizer = weakref.finalize(self, self._engine.close_session, session, False)
         self._finalizer.atexit = False
 
     @property
@@ -952,8 +925,6 @@ class ChatSession:
 
     def stream(self, input_ids: Any, max_new_tokens: int | None = None, **kwargs: Any) -> Any:
         """``DistributedModel.stream`` for this conversation's next turn (a (1, n) LongTensor)."""
-        from .generate import stream_tokens
-
         if self._closed:
             raise SessionClosed(f"session {self._session.sid} of model {self.dm.model_id} is closed; open "
                                 "another (dm.session())")
@@ -985,7 +956,7 @@ class ChatSession:
         if not self._closed:
             self._closed = True
             self._finalizer.detach()
-            self.dm._engine.close_session(self._session)
+            self._engine.close_session(self._session)
 
     def __enter__(self) -> ChatSession:
         return self
@@ -1220,7 +1191,6 @@ def matmul_forms(client: Any, plan: Plan, graph: Any, rows: int | None = None) -
     to ``rows`` (a forward deployment: its graph's rows, when that few), unless config
     ``seabiscuit.lower.matmul-form`` says ``linear`` (never) or the graph names them already."""
     from ..lower import layout
-    from .generate import buckets
 
     setting = str(config.get("lower.matmul-form", "auto")).lower()
     if setting not in ("auto", "linear"):
@@ -1231,7 +1201,7 @@ def matmul_forms(client: Any, plan: Plan, graph: Any, rows: int | None = None) -
     if not on_cpu:
         return {}
     if rows is not None:
-        counts = [b for b in buckets("batch-buckets", layout.SMALL_ROWS) if b <= max(1, int(rows))]
+        counts = [b for b in batch_buckets() if b <= max(1, int(rows))]
     else:
         counts = sorted({c.rows for c in layout.matmul_cases(graph).values()})
     return layout.decide_forms(graph, timer, counts, on_cpu, graph.meta.get("weight_layouts") or {})
@@ -1299,7 +1269,6 @@ def distribute(model_or_path: Any, client: Any, example_inputs: Any, budget: int
     from ..decompose import decompose
     from ..trace import trace
     from ..trace.onnx import is_onnx, load_onnx
-    from .generate import decode_rows as rows_for
 
     say = progress or _quiet
     nbytes = config.to_bytes(budget if budget is not None else config.get("budget"))
@@ -1340,7 +1309,7 @@ def distribute(model_or_path: Any, client: Any, example_inputs: Any, budget: int
         try:
             dm = deploy(plan, client, weights=weights, checkpoint_dir=checkpoint_dir,
                         verify_every=verify_every, progress=say,
-                        decode_rows=rows_for(n_sessions) if reserve else None)
+                        decode_rows=decode_rows(n_sessions) if reserve else None)
             break
         except RoomTaken as e:      # NOTE: another model took the room meanwhile: measure, place again
             if attempt:

@@ -32,7 +32,7 @@ from typing import Any
 from .. import config
 from ..errors import ClusterTooSmall, DeviceUnavailable, SeaBiscuitError
 from ..placement.cluster import DEFAULT_LINKS, ClusterSpec, DaskSpec, DeviceSpec, LinkSpec
-from .agent import median_s
+from ..timing import median_s
 
 PROBE_BYTES = 8 * 2**20
 FLOOR_S = 1e-5          # NOTE: a measured time below this is noise, not a cost

@@ -205,7 +205,7 @@ class ResidentBlocks:
                 entry = self._loading.setdefault(k, [todo[k[2]][1].nbytes, 0, spec.version])
                 entry[1] += 1
                 entry[2] = max(entry[2], spec.version)
-        fuse = should_fuse(dev, config.get("lower.fuse-tiles", "auto"))
+        fuse = should_fuse(dev, config.get("lower.fuse-tiles"))
         try:
             read = {k: self._read_tile(spec, n, p, dev) for k, (n, p) in todo.items()}
             if fuse:

@@ -17,6 +17,7 @@ from distributed.utils import sync
 from ..errors import AccessDenied, SeaBiscuitError
 from ..lower.blocks import BlockSpec, parse_key, task_name
 from .dataplane.wire import Tensors
+from .generation.sampling import greedy
 from .resident import ResidentBlocks
 
 PLUGIN_NAME = "seabiscuit"
@@ -98,5 +99,5 @@ def _picked(inputs: Mapping[str, Any], deps: tuple[Any, ...]) -> tuple[dict[str,
         raise SeaBiscuitError(f"a chained step names logits {pick!r} that its last dependency lacks")
     logits = deps[-1][str(pick["logits"])]
     out = {k: v for k, v in inputs.items() if k != PICK}
-    out["input_ids"] = logits[:, -1].argmax(dim=-1).reshape(-1, 1).to(torch.long)
+    out["input_ids"] = greedy(logits[:, -1]).reshape(-1, 1).to(torch.long)
     return out, deps[:-1]

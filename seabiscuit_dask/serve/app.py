@@ -227,139 +227,158 @@ class _Timing:
 
 
 def make_app(server: Server) -> Starlette:
-    """The ASGI app of ``server``."""
-
-    async def guarded(request: Request, route: str, handler: Callable[[Any], Awaitable[Response]], *,
-                      reads_body: bool = True) -> Response:
-        held = None
-        try:
-            key = server.caller(request)
-            # NOTE: the body is read in full before the key's slot is taken: a slow one holds none
-            body = await server.body(request) if reads_body else None
-            server.take(key)
-            held = key
-            response = await handler(body)
-            if isinstance(response, StreamingResponse):     # NOTE: its slot is given back as it ends
-                held = None
-                return _hold_slot(server, key, response, route)
-        except SeaBiscuitError as e:
-            response = error_response(e, server.retry_after)
-        except Exception as e:  # noqa: BLE001 - never a traceback to the caller; logged as an error
-            response = error_response(e, server.retry_after)
-        finally:
-            if held is not None:
-                server.give(held)
-        server.metrics.requests.labels(route, str(response.status_code)).inc()
-        return response
-
-    async def generation(request: Request, chat: bool) -> Response:
-        route = "/v1/chat/completions" if chat else "/v1/completions"
-
-        async def handle(body: dict[str, Any]) -> Response:
-            req = api.parse_chat(body) if chat else api.parse_completion(body)
-            model = server.model(req.model, "generate")
-            model.check_rows(req)
-            rows = await server.off_loop(model.prompt_ids, req)
-            max_new = model.budget(rows, req.max_tokens)
-            usage = Usage(prompt_tokens=sum(len(r) for r in rows))
-            timing = _Timing(server.metrics, model.name)
-            events = _events(lambda stopped: model.answer(req, rows, max_new, stopped))
-            # NOTE: a refusal (no session free, ...) is still an HTTP error
-            first = await _unless_gone(request, _first(events))
-            server.metrics.prompt_tokens.labels(model.name).inc(usage.prompt_tokens)
-            if req.stream:
-                return StreamingResponse(_stream(server, model, req, rows, first, events, usage, timing),
-                                         media_type="text/event-stream",
-                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-            texts = [""] * (len(rows) * req.n)
-            reasons = ["length"] * len(texts)
-
-            async def collect() -> None:
-                async for ev in _chain(first, events):
-                    if isinstance(ev, Delta):
-                        texts[ev.index] += ev.text
-                        timing.token()
-                    elif isinstance(ev, Finish):
-                        reasons[ev.index] = ev.reason
-                        usage.completion_tokens += ev.tokens
-
-            try:
-                await _unless_gone(request, collect())
-            finally:
-                server.metrics.completion_tokens.labels(model.name).inc(usage.completion_tokens)
-            return JSONResponse(_complete(model, req, rows, texts, reasons, usage))
-
-        return await guarded(request, route, handle)
-
-    async def chat(request: Request) -> Response:
-        return await generation(request, chat=True)
-
-    async def completions(request: Request) -> Response:
-        return await generation(request, chat=False)
-
-    async def embeddings(request: Request) -> Response:
-        async def handle(body: dict[str, Any]) -> Response:
-            req = api.parse_embedding(body)
-            model = server.model(req.model, "embed")
-            data, used = await asyncio.to_thread(model.embed, req)
-            server.metrics.prompt_tokens.labels(model.name).inc(used)
-            return JSONResponse({"object": "list", "model": model.name,
-                                 "data": [{"object": "embedding", "index": i, "embedding": d}
-                                          for i, d in enumerate(data)],
-                                 "usage": {"prompt_tokens": used, "total_tokens": used}})
-
-        return await guarded(request, "/v1/embeddings", handle)
-
-    async def models(request: Request) -> Response:
-        async def handle(body: None) -> Response:
-            return JSONResponse({"object": "list", "data": [
-                {"id": m.name, "object": "model", "created": m.created, "owned_by": "seabiscuit",
-                 "kind": m.kind, "context": m.context, "ready": m.ready.is_set()}
-                for m in server.models.values()]})
-
-        return await guarded(request, "/v1/models", handle, reads_body=False)
-
-    async def health(request: Request) -> Response:
-        down = await asyncio.to_thread(server.unavailable)
-        if server.ready and not down:
-            return JSONResponse({"status": "ok", "models": sorted(server.models)})
-        waiting = server.loading + [m.name for m in server.models.values() if not m.ready.is_set()]
-        body: dict[str, Any] = {"status": "unavailable" if down else "starting", "waiting_for": waiting}
-        if down:
-            body["unavailable"] = down
-        return JSONResponse(body, status_code=503, headers={"Retry-After": server.retry_after})
-
-    async def metrics(request: Request) -> Response:
-        if not server.metrics_public:        # NOTE: it names the workers' addresses
-            try:
-                server.caller(request)
-            except api.Unauthorized as e:
-                return error_response(e)
-        body, kind = await asyncio.to_thread(server.metrics.render)
-        return Response(body, media_type=kind)
-
-    async def page(request: Request) -> Response:
-        return HTMLResponse(PAGE)
-
-    async def http_error(request: Request, exc: Exception) -> Response:
-        status = exc.status_code if isinstance(exc, HTTPException) else 500
-        detail = exc.detail if isinstance(exc, HTTPException) else "internal error"
-        code = {404: "not_found", 405: "method_not_allowed"}.get(status)
-        message = f"{request.method} {request.url.path}: {detail}"
-        return JSONResponse(api.error_body(message, "invalid_request_error", None, code), status_code=status)
-
+    """The ASGI app of ``server`` (each route reads it from ``request.app.state.server``)."""
     routes = [
-        Route("/", page, methods=["GET"]),
-        Route("/health", health, methods=["GET"]),
-        Route("/metrics", metrics, methods=["GET"]),
-        Route("/v1/models", models, methods=["GET"]),
-        Route("/v1/chat/completions", chat, methods=["POST"]),
-        Route("/v1/completions", completions, methods=["POST"]),
-        Route("/v1/embeddings", embeddings, methods=["POST"]),
+        Route("/", _page, methods=["GET"]),
+        Route("/health", _health, methods=["GET"]),
+        Route("/metrics", _metrics, methods=["GET"]),
+        Route("/v1/models", _models, methods=["GET"]),
+        Route("/v1/chat/completions", _chat, methods=["POST"]),
+        Route("/v1/completions", _completions, methods=["POST"]),
+        Route("/v1/embeddings", _embeddings, methods=["POST"]),
     ]
-    app = Starlette(routes=routes, exception_handlers={HTTPException: http_error})
+    app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
     app.state.server = server
     return app
+
+
+def _server(request: Request) -> Server:
+    server: Server = request.app.state.server
+    return server
+
+
+async def _guarded(request: Request, route: str, handler: Callable[[Any], Awaitable[Response]], *,
+                   reads_body: bool = True) -> Response:
+    """``handler(body)``'s answer, for a caller whose key checks out, within one of its key's slots;
+    any refusal or failure as OpenAI's error JSON. Counted in the metrics by route and status."""
+    server, held = _server(request), None
+    try:
+        key = server.caller(request)
+        # NOTE: the body is read in full before the key's slot is taken: a slow one holds none
+        body = await server.body(request) if reads_body else None
+        server.take(key)
+        held = key
+        response = await handler(body)
+        if isinstance(response, StreamingResponse):     # NOTE: its slot is given back as it ends
+            held = None
+            return _hold_slot(server, key, response, route)
+    except SeaBiscuitError as e:
+        response = error_response(e, server.retry_after)
+    except Exception as e:  # noqa: BLE001 - never a traceback to the caller; logged as an error
+        response = error_response(e, server.retry_after)
+    finally:
+        if held is not None:
+            server.give(held)
+    server.metrics.requests.labels(route, str(response.status_code)).inc()
+    return response
+
+
+async def _chat(request: Request) -> Response:
+    return await _guarded(request, "/v1/chat/completions", lambda body: _generate(request, body, chat=True))
+
+
+async def _completions(request: Request) -> Response:
+    return await _guarded(request, "/v1/completions", lambda body: _generate(request, body, chat=False))
+
+
+async def _generate(request: Request, body: dict[str, Any], chat: bool) -> Response:
+    """A chat or text completion: streamed as it comes, or whole once every choice finished."""
+    server = _server(request)
+    req = api.parse_chat(body) if chat else api.parse_completion(body)
+    model = server.model(req.model, "generate")
+    model.check_rows(req)
+    rows = await server.off_loop(model.prompt_ids, req)
+    max_new = model.budget(rows, req.max_tokens)
+    usage = Usage(prompt_tokens=sum(len(r) for r in rows))
+    timing = _Timing(server.metrics, model.name)
+    events = _events(lambda stopped: model.answer(req, rows, max_new, stopped))
+    # NOTE: a refusal (no session free, ...) is still an HTTP error
+    first = await _unless_gone(request, _first(events))
+    server.metrics.prompt_tokens.labels(model.name).inc(usage.prompt_tokens)
+    if req.stream:
+        return StreamingResponse(_stream(server, model, req, rows, first, events, usage, timing),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    texts = [""] * (len(rows) * req.n)
+    reasons = ["length"] * len(texts)
+    try:
+        await _unless_gone(request, _collect(_chain(first, events), texts, reasons, usage, timing))
+    finally:
+        server.metrics.completion_tokens.labels(model.name).inc(usage.completion_tokens)
+    return JSONResponse(_complete(model, req, rows, texts, reasons, usage))
+
+
+async def _collect(events: AsyncIterator[Any], texts: list[str], reasons: list[str], usage: Usage,
+                   timing: _Timing) -> None:
+    """Each choice's text and finish reason, and the tokens generated, from an answer's events."""
+    async for ev in events:
+        if isinstance(ev, Delta):
+            texts[ev.index] += ev.text
+            timing.token()
+        elif isinstance(ev, Finish):
+            reasons[ev.index] = ev.reason
+            usage.completion_tokens += ev.tokens
+
+
+async def _embeddings(request: Request) -> Response:
+    return await _guarded(request, "/v1/embeddings", lambda body: _embed(request, body))
+
+
+async def _embed(request: Request, body: dict[str, Any]) -> Response:
+    server = _server(request)
+    req = api.parse_embedding(body)
+    model = server.model(req.model, "embed")
+    data, used = await asyncio.to_thread(model.embed, req)
+    server.metrics.prompt_tokens.labels(model.name).inc(used)
+    return JSONResponse({"object": "list", "model": model.name,
+                         "data": [{"object": "embedding", "index": i, "embedding": d}
+                                  for i, d in enumerate(data)],
+                         "usage": {"prompt_tokens": used, "total_tokens": used}})
+
+
+async def _models(request: Request) -> Response:
+    async def handle(body: None) -> Response:
+        return JSONResponse({"object": "list", "data": [
+            {"id": m.name, "object": "model", "created": m.created, "owned_by": "seabiscuit",
+             "kind": m.kind, "context": m.context, "ready": m.ready.is_set()}
+            for m in _server(request).models.values()]})
+
+    return await _guarded(request, "/v1/models", handle, reads_body=False)
+
+
+async def _health(request: Request) -> Response:
+    server = _server(request)
+    down = await asyncio.to_thread(server.unavailable)
+    if server.ready and not down:
+        return JSONResponse({"status": "ok", "models": sorted(server.models)})
+    waiting = server.loading + [m.name for m in server.models.values() if not m.ready.is_set()]
+    body: dict[str, Any] = {"status": "unavailable" if down else "starting", "waiting_for": waiting}
+    if down:
+        body["unavailable"] = down
+    return JSONResponse(body, status_code=503, headers={"Retry-After": server.retry_after})
+
+
+async def _metrics(request: Request) -> Response:
+    server = _server(request)
+    if not server.metrics_public:        # NOTE: it names the workers' addresses
+        try:
+            server.caller(request)
+        except api.Unauthorized as e:
+            return error_response(e)
+    body, kind = await asyncio.to_thread(server.metrics.render)
+    return Response(body, media_type=kind)
+
+
+async def _page(request: Request) -> Response:
+    return HTMLResponse(PAGE)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    status = exc.status_code if isinstance(exc, HTTPException) else 500
+    detail = exc.detail if isinstance(exc, HTTPException) else "internal error"
+    code = {404: "not_found", 405: "method_not_allowed"}.get(status)
+    message = f"{request.method} {request.url.path}: {detail}"
+    return JSONResponse(api.error_body(message, "invalid_request_error", None, code), status_code=status)
 
 
 def _hold_slot(server: Server, key: str, response: StreamingResponse, route: str) -> StreamingResponse:

@@ -7,23 +7,29 @@ scraped: sessions from each deployment's generation engine, KV bytes from the wo
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator, Mapping
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-if TYPE_CHECKING:
-    from .app import Server
+from .models import ServedModel
 
 logger = logging.getLogger("seabiscuit.serve")
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0)
 
 
+class Serving(Protocol):
+    """What the figures read when scraped need of the server (``app.Server``): its models."""
+
+    @property
+    def models(self) -> Mapping[str, ServedModel]: ...
+
+
 class Metrics:
-    def __init__(self, server: Server) -> None:
+    def __init__(self, server: Serving) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter("seabiscuit_requests", "HTTP requests answered, by route and status",
                                 ["route", "status"], registry=self.registry)
@@ -44,7 +50,7 @@ class Metrics:
 class _Live:
     """Figures read when scraped: open sessions per model, KV-cache bytes per worker."""
 
-    def __init__(self, server: Server) -> None:
+    def __init__(self, server: Serving) -> None:
         self.server = server
 
     def describe(self) -> list[Any]:

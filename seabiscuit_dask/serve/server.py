@@ -20,6 +20,7 @@ import torch
 from .. import config
 from ..errors import SeaBiscuitError
 from ..ir import fmt_bytes
+from ..runtime.serving import accepts, connect, local_cluster, page_link, say, worker_budget_bytes
 from .app import Server, make_app
 from .connections import uvicorn_config
 from .models import EMBED_BUCKETS, ServedModel
@@ -117,7 +118,6 @@ def deploy(item: Loaded, client: Any, *, sessions: int, context: int, budget: st
     """``item`` distributed on ``client``'s workers, its programs built (ready to answer)."""
     import seabiscuit_dask as sb
 
-    from ..demo import accepts
     from ..runtime.client import max_positions
 
     cfg = getattr(item.weights, "config", None)
@@ -201,7 +201,6 @@ def run(sources: list[Source], *, workers: int, scheduler: str | None, host: str
 
     import seabiscuit_dask as sb
 
-    from ..demo import connect, local_cluster, say, worker_budget_bytes
     from ..runtime.client import kv_reserve
     from ..runtime.discover import cluster_workers
 
@@ -224,8 +223,8 @@ def run(sources: list[Source], *, workers: int, scheduler: str | None, host: str
                 per_layer, _ = kv_reserve(m.weights, sessions if m.kind == "generate" else 0, context)
                 layers = getattr(getattr(m.weights, "config", None), "num_hidden_layers", 0) or 0
                 reserve += per_layer * layers
-            client = stack.enter_context(local_cluster(workers, worker_budget_bytes(total, workers)
-                                                       + reserve // workers))
+            budget_bytes = worker_budget_bytes(total, workers) + reserve // workers
+            client = stack.enter_context(local_cluster(workers, budget_bytes, sb.SeaBiscuitSchedulerPlugin()))
         server = Server(api_key=api_key)
         server.loading = list(names)
         http = uvicorn.Server(uvicorn_config(make_app(server), host, port))
@@ -246,7 +245,7 @@ def run(sources: list[Source], *, workers: int, scheduler: str | None, host: str
                 say(f"chat page    http://{host}:{port}/")
                 say(f"API          http://{host}:{port}/v1 (OpenAI-compatible: /chat/completions, "
                     "/completions, /embeddings, /models)")
-                say(f"dashboard    {client.dashboard_link.rsplit('/', 1)[0]}/seabiscuit")
+                say(f"dashboard    {page_link(client.dashboard_link)}")
             except BaseException as e:  # noqa: BLE001 - reported by the main thread, which stops the server
                 failed.append(e)
                 http.should_exit = True

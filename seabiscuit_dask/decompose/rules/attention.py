@@ -14,16 +14,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ... import ops as O
 from ...ir import Op, TensorSpec
 from ...ops import ATTENTION_SCORES
 from ..split import Piece, Pieces, Split, frac
-from .registry import register
-
-if TYPE_CHECKING:
-    from ..decomposer import Decomposer
+from .registry import Decomposing, register
 
 SDPA = "aten.scaled_dot_product_attention.default"
 CHUNK = "sb.attention"
@@ -53,7 +50,7 @@ class Attention:
     def group(self) -> int:
         return self.sq[1] // self.sk[1]
 
-    def cut_mask(self, d: Decomposer, dim: int, lo: int, hi: int, size: int, scope: str) -> Any:
+    def cut_mask(self, d: Decomposing, dim: int, lo: int, hi: int, size: int, scope: str) -> Any:
         """The mask's ``[lo, hi)`` along ``dim`` (of the 4-D score shape), unless it broadcasts."""
         if self.mask is None or self.mask_shape[dim] != size:
             return self.mask
@@ -68,7 +65,7 @@ class Attention:
         return [q, k, v, mask, diag, self.scale], PART if part else CHUNK, spec
 
 
-def read(d: Decomposer, op: Op) -> Attention | None:
+def read(d: Decomposing, op: Op) -> Attention | None:
     """The attention in ``op``, or None when the rules cannot cut it (dropout, odd shapes)."""
     args = list(op.attrs["args"])
     kwargs = dict(op.attrs.get("kwargs", {}))
@@ -95,7 +92,7 @@ def read(d: Decomposer, op: Op) -> Attention | None:
 
 
 @register("attention")
-def heads(d: Decomposer, op: Op) -> Split | None:
+def heads(d: Decomposing, op: Op) -> Split | None:
     """Whole KV heads with their query heads (GQA-aware); the tiles are the output."""
     a = d.read(op, read)
     if a is None:
@@ -114,7 +111,7 @@ def heads(d: Decomposer, op: Op) -> Split | None:
 
 
 @register("attention")
-def query_rows(d: Decomposer, op: Op) -> Split | None:
+def query_rows(d: Decomposing, op: Op) -> Split | None:
     """Chunks of query rows; a causal chunk reads only the keys its last row may see."""
     a = d.read(op, read)
     if a is None:
@@ -138,7 +135,7 @@ def query_rows(d: Decomposer, op: Op) -> Split | None:
 
 
 @register("attention")
-def key_chunks(d: Decomposer, op: Op) -> Split | None:
+def key_chunks(d: Decomposing, op: Op) -> Split | None:
     """Chunks of keys: unnormalised parts merged as a tree by log-sum-exp, then normalised."""
     a = d.read(op, read)
     if a is None:

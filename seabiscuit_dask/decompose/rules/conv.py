@@ -12,15 +12,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ... import ops as O
 from ...ir import Op, TensorSpec
 from ..split import Piece, PieceFn, Pieces, Split, frac
-from .registry import register
-
-if TYPE_CHECKING:
-    from ..decomposer import Decomposer
+from .registry import Decomposing, register
 
 STRIP = "sb.conv_strip"   # conv(X, W, bias, stride, [[before, after], ...], dilation, groups)
 
@@ -162,7 +159,7 @@ class Conv:
                 for j in range(nd)]
 
 
-def read(d: Decomposer, op: Op) -> Conv | None:
+def read(d: Decomposing, op: Op) -> Conv | None:
     """The convolution in ``op``, or None for an unbatched input (left alone)."""
     args = list(op.attrs["args"])
     X, W = args[0], args[1]
@@ -175,7 +172,7 @@ def read(d: Decomposer, op: Op) -> Conv | None:
 
 
 @register("conv")
-def output_channels(d: Decomposer, op: Op) -> Split | None:
+def output_channels(d: Decomposing, op: Op) -> Split | None:
     """Filters of W (and the bias); tiles are concatenated."""
     c = d.read(op, read)
     if c is None or c.groups != 1:
@@ -193,7 +190,7 @@ def output_channels(d: Decomposer, op: Op) -> Split | None:
 
 
 @register("conv")
-def input_channels(d: Decomposer, op: Op) -> Split | None:
+def input_channels(d: Decomposing, op: Op) -> Split | None:
     """Channels of X and W; partial convolutions are summed, the bias added once."""
     c = d.read(op, read)
     if c is None or c.groups != 1:
@@ -211,7 +208,7 @@ def input_channels(d: Decomposer, op: Op) -> Split | None:
 
 
 @register("conv")
-def whole_groups(d: Decomposer, op: Op) -> Split | None:
+def whole_groups(d: Decomposing, op: Op) -> Split | None:
     """Whole groups of a grouped convolution; tiles are concatenated."""
     c = d.read(op, read)
     if c is None or c.groups == 1:
@@ -232,7 +229,7 @@ def whole_groups(d: Decomposer, op: Op) -> Split | None:
 
 
 @register("conv")
-def batch(d: Decomposer, op: Op) -> Split | None:
+def batch(d: Decomposing, op: Op) -> Split | None:
     """Samples of the batch; tiles are concatenated."""
     c = d.read(op, read)
     if c is None:
@@ -247,7 +244,7 @@ def batch(d: Decomposer, op: Op) -> Split | None:
 
 
 @register("conv")
-def spatial_strips(d: Decomposer, op: Op) -> Split | None:
+def spatial_strips(d: Decomposing, op: Op) -> Split | None:
     """Strips of the output along its longest spatial dim, each reading its rows of X with a
     halo; W and the bias are read whole by every strip (any groups); tiles are concatenated."""
     c = d.read(op, read)

@@ -9,19 +9,14 @@ samples of the batch are independent.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from ... import ops as O
 from ...ir import Op, TensorSpec
 from ..split import Piece, Pieces, Split, frac
-from .registry import register
-
-if TYPE_CHECKING:
-    from ..decomposer import Decomposer
+from .registry import Decomposing, register
 
 
 @register("conv_transpose")
-def output_channels(d: Decomposer, op: Op) -> Split | None:
+def output_channels(d: Decomposing, op: Op) -> Split | None:
     """Output channels, with their slice of W (dim 1) and of the bias; tiles are concatenated."""
     args = list(op.attrs["args"])
     if len(args) < 2 or int(O.operand(args, 6, 1)) != 1:
@@ -44,7 +39,7 @@ def output_channels(d: Decomposer, op: Op) -> Split | None:
 
 
 @register("conv_transpose")
-def batch(d: Decomposer, op: Op) -> Split | None:
+def batch(d: Decomposing, op: Op) -> Split | None:
     """Samples of the batch; tiles are concatenated."""
     args = list(op.attrs["args"])
     out = d.tensors[op.outputs[0]]
@@ -60,7 +55,7 @@ def batch(d: Decomposer, op: Op) -> Split | None:
 
 
 @register("conv_transpose")
-def input_channels(d: Decomposer, op: Op) -> Split | None:
+def input_channels(d: Decomposing, op: Op) -> Split | None:
     """Input channels, with their slice of W (dim 0): each tile's output is a partial sum over its
     channels (a transposed convolution is linear in them), the tiles added and the bias added once."""
     args = list(op.attrs["args"])

@@ -3,15 +3,10 @@ same op making its own part, its size (or its range) rewritten."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from ... import ops as O
 from ...ir import Op, TensorSpec
 from ..split import Piece, Pieces, Split, frac
-from .registry import register
-
-if TYPE_CHECKING:
-    from ..decomposer import Decomposer
+from .registry import Decomposing, register
 
 # NOTE: the argument holding the size, per op
 SIZED = {"aten.full.default": 0, "aten.zeros.default": 0, "aten.ones.default": 0,
@@ -32,7 +27,7 @@ def _range(op: Op) -> tuple[float, float, float]:
 
 
 @register("creation")
-def made_strips(d: Decomposer, op: Op) -> Split | None:
+def made_strips(d: Decomposing, op: Op) -> Split | None:
     """Strips of the output along its longest dim, each made by the op at its own size (an
     ``arange`` over its own range)."""
     args = list(op.attrs.get("args", ()))

@@ -2,20 +2,15 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from ...ir import Op, TensorSpec
 from ..split import Piece, Pieces, Split, frac
-from .registry import register
-
-if TYPE_CHECKING:
-    from ..decomposer import Decomposer
+from .registry import Decomposing, register
 
 ROWS = "sb.embedding_rows"   # lookup in rows [base, base + V) of a table; zero elsewhere
 
 
 @register("embedding")
-def vocabulary_rows(d: Decomposer, op: Op) -> Split | None:
+def vocabulary_rows(d: Decomposing, op: Op) -> Split | None:
     """Rows of the table, each tile a masked lookup; tiles are summed.
 
     Preferred over columns for tall tables (``V >= 4 D``).
@@ -36,7 +31,7 @@ def vocabulary_rows(d: Decomposer, op: Op) -> Split | None:
 
 
 @register("index")
-def selected_rows(d: Decomposer, op: Op) -> Split | None:
+def selected_rows(d: Decomposing, op: Op) -> Split | None:
     """``index_select(table, 0, idx)`` of a 2-D table is a lookup of ``idx`` in it (position tables
     read by index): cut as the vocabulary rows of an embedding."""
     args = list(op.attrs["args"])
@@ -57,7 +52,7 @@ def selected_rows(d: Decomposer, op: Op) -> Split | None:
 
 
 @register("embedding")
-def embedding_columns(d: Decomposer, op: Op) -> Split | None:
+def embedding_columns(d: Decomposing, op: Op) -> Split | None:
     """Columns of the table; tiles are concatenated."""
     args = list(op.attrs["args"])
     W, idx = args[0], args[1]
@@ -75,7 +70,7 @@ def embedding_columns(d: Decomposer, op: Op) -> Split | None:
 
 
 @register("embedding")
-def token_rows(d: Decomposer, op: Op) -> Split | None:
+def token_rows(d: Decomposing, op: Op) -> Split | None:
     """Rows of the indices (the last dim): each tile looks up its own tokens; the tiles are the output."""
     args = list(op.attrs["args"])
     W, idx = args[0], args[1]

@@ -4,29 +4,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ... import ops as O
 from ...ir import DTYPE_BYTES, Op, TensorSpec
 from ...ops import QLINEAR, qlinear_columns, qlinear_scratch
 from ..split import Piece, Pieces, Split, frac, largest_piece
-from .registry import register
-
-if TYPE_CHECKING:
-    from ..decomposer import Decomposer
+from .registry import Decomposing, register
 
 COLUMNS = 16
 """Column tiles are whole multiples of this many columns (one 64-byte line of float32)."""
 
-# target -> (A position, B position, bias position, B stored as (N, K))
-LAYOUT: dict[str, tuple[int, int, int | None, bool]] = {
-    "aten.linear.default": (0, 1, 2, True),
-    "aten.addmm.default": (1, 2, 0, False),
-    "aten.mm.default": (0, 1, None, False),
-    "aten.matmul.default": (0, 1, None, False),
-    "aten.bmm.default": (0, 1, None, False),
-    "sb.qlinear.default": (0, 1, 4, True),
-}
 # NOTE: per-column operands cut with the columns (and kept whole across the reduction):
 # sb.qlinear's scales and zero points
 COLUMN_OPERANDS: dict[str, tuple[int, ...]] = {"sb.qlinear.default": (2, 3)}
@@ -74,14 +62,15 @@ class Matmul:
         return O.operand(self.args, self.bias_i) if self.bias_i is not None else None
 
 
-def read(d: Decomposer, op: Op) -> Matmul | None:
-    """The matmul in ``op``, or None when its layout is not one the rules cut."""
-    layout = LAYOUT.get(op.target)
+def read(d: Decomposing, op: Op) -> Matmul | None:
+    """The matmul in ``op`` (its operands where the op table's ``MATMUL_OPERANDS`` says), or None
+    when it is not one the rules cut."""
+    where = O.MATMUL_OPERANDS.get(op.target)
     args = list(op.attrs["args"])
-    if layout is None or (op.target == "aten.addmm.default"
-                          and (O.operand(args, 3, 1) != 1 or O.operand(args, 4, 1) != 1)):
+    if where is None or (op.target == "aten.addmm.default"
+                         and (O.operand(args, 3, 1) != 1 or O.operand(args, 4, 1) != 1)):
         return None
-    a_i, b_i, bias_i, b_nk = layout
+    a_i, b_i, bias_i, b_nk = where.a, where.b, where.bias, where.b_out_in
     A, B = args[a_i], args[b_i]
     sa, sb = d.shape(A), d.shape(B)
     if len(sa) < 2 or len(sb) < 2:
@@ -102,7 +91,7 @@ def read(d: Decomposer, op: Op) -> Matmul | None:
 
 
 @register("linear", "matmul")
-def output_columns(d: Decomposer, op: Op) -> Split | None:
+def output_columns(d: Decomposing, op: Op) -> Split | None:
     """Columns of B (and of the bias); tiles are concatenated."""
     m = d.read(op, read)
     if m is None:
@@ -126,7 +115,7 @@ def output_columns(d: Decomposer, op: Op) -> Split | None:
 
 
 @register("linear", "matmul")
-def input_rows(d: Decomposer, op: Op) -> Split | None:
+def input_rows(d: Decomposing, op: Op) -> Split | None:
     """Rows of A (and of a 2-D bias); tiles are concatenated."""
     m = d.read(op, read)
     if m is None:
@@ -151,7 +140,7 @@ def input_rows(d: Decomposer, op: Op) -> Split | None:
 
 
 @register("linear", "matmul")
-def reduction(d: Decomposer, op: Op) -> Split | None:
+def reduction(d: Decomposing, op: Op) -> Split | None:
     """The reduction dim of A and B; partial products are summed, the bias added once
     (per-column scales and zero points go whole to every partial product)."""
     m = d.read(op, read)

@@ -11,16 +11,13 @@ the padded input (ceil mode that changes nothing). Adaptive pooling is left alon
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ... import ops as O
 from ...ir import Op, TensorSpec
 from ..split import Piece, Pieces, Split
 from .conv import Window, halo_strips, per_dim, strip_dim
-from .registry import register
-
-if TYPE_CHECKING:
-    from ..decomposer import Decomposer
+from .registry import Decomposing, register
 
 MAX = "sb.max_pool_strip"   # (X, kernel_size, stride, [[before, after], ...], dilation)
 AVG = "sb.avg_pool_strip"   # (X, kernel_size, stride, [[before, after], ...], divisor_override)
@@ -38,7 +35,7 @@ class Pool:
     windows: list[Window]
 
 
-def windows(d: Decomposer, op: Op, size: list[int], stride: list[int], dilation: list[int],
+def windows(d: Decomposing, op: Op, size: list[int], stride: list[int], dilation: list[int],
             pads: list[tuple[int, int]]) -> list[Window]:
     """The windows along each spatial dim (the last ``len(size)`` dims) of ``op``."""
     sx, out = d.shape(op.attrs["args"][0]), d.tensors[op.outputs[0]].shape
@@ -47,7 +44,7 @@ def windows(d: Decomposer, op: Op, size: list[int], stride: list[int], dilation:
             for j in range(nd)]
 
 
-def read(d: Decomposer, op: Op) -> Pool | None:
+def read(d: Decomposing, op: Op) -> Pool | None:
     """The pooling in ``op`` as a strip kernel would run it; None where strips are not exact."""
     args, target = list(op.attrs["args"]), op.target
     nd = O.pool_nd(target, args)
@@ -71,7 +68,7 @@ def read(d: Decomposer, op: Op) -> Pool | None:
 
 
 @register("pool")
-def spatial_strips(d: Decomposer, op: Op) -> Split | None:
+def spatial_strips(d: Decomposing, op: Op) -> Split | None:
     """Strips of the output along its longest spatial dim, each reading its rows of X with a
     halo; tiles are concatenated."""
     p = d.read(op, read)

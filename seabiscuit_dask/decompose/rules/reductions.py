@@ -5,15 +5,10 @@ is exact and preferred where both fit."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from ... import ops as O
 from ...ir import Op
 from ..split import Piece, Pieces, Split, frac
-from .registry import register
-
-if TYPE_CHECKING:
-    from ..decomposer import Decomposer
+from .registry import Decomposing, register
 
 # NOTE: how the partial results of each reduction combine: "sum" is a tree of adds
 COMBINE = {
@@ -40,7 +35,7 @@ def reduced_dims(op: Op, rank: int) -> set[int] | None:
 
 
 @register("reduction")
-def reduce_parts(d: Decomposer, op: Op) -> Split | None:
+def reduce_parts(d: Decomposing, op: Op) -> Split | None:
     """Slices of the input along its longest reduced dim, each reduced on its own; the partial
     results combined by ``COMBINE``."""
     join = COMBINE.get(op.target)

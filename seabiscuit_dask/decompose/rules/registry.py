@@ -3,15 +3,34 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Any, Protocol, TypeVar
 
-from ...ir import Op
-from ..split import Split
+from ...ir import Op, ParamSpec, TensorSpec
+from ..split import Pieces, Split
 
-if TYPE_CHECKING:
-    from ..decomposer import Decomposer
+R = TypeVar("R")
 
-RuleFn = Callable[["Decomposer", Op], "Split | None"]
+
+class Decomposing(Protocol):
+    """What a rule reads of the decomposer that runs it (``decomposer.Decomposer``): sizes,
+    where weights were cut, and ``cut`` to make a piece's operands; the rules never import it."""
+
+    budget: int
+    tensors: dict[str, TensorSpec]
+    params: dict[str, ParamSpec]
+    param_edges: dict[tuple[str, int], set[int]]      # NOTE: (param, dim) -> where it was cut
+
+    def shape(self, ref: Any) -> tuple[int, ...]: ...
+
+    def nbytes(self, ref: Any) -> int: ...
+
+    def read(self, op: Op, reader: Callable[[Decomposing, Op], R]) -> R: ...
+
+    def cut(self, ref: Any, dim: int, a: int, b: int, scope: str = "",
+            pieces: Pieces | None = None) -> Any: ...
+
+
+RuleFn = Callable[[Decomposing, Op], "Split | None"]
 """``rule(d, op)``: one way to cut ``op`` (sizes and cuts come from ``d``), or None."""
 
 RULES: dict[str, list[RuleFn]] = {}
@@ -23,7 +42,7 @@ def register(*kinds: str) -> Callable[[RuleFn], RuleFn]:
     Examples
     --------
     >>> @register("elementwise")                      # doctest: +SKIP
-    ... def strips(d: Decomposer, op: Op) -> Split | None:
+    ... def strips(d: Decomposing, op: Op) -> Split | None:
     ...     ...
     """
     def add(rule: RuleFn) -> RuleFn:

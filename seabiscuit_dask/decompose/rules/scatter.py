@@ -6,23 +6,20 @@ indices leave whole."""
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ... import ops as O
 from ...ir import Op, TensorSpec
 from ..split import Piece, Pieces, Split, frac
-from .registry import register
-
-if TYPE_CHECKING:
-    from ..decomposer import Decomposer
+from .registry import Decomposing, register
 
 
-def _dtype(d: Decomposer, ref: Any) -> str:
+def _dtype(d: Decomposing, ref: Any) -> str:
     tag, name = O.ref_name(ref) or ("", "")
     return d.tensors[name].dtype if tag == "t" else d.params[name].dtype
 
 
-def _mask_and_value(d: Decomposer, args: list[Any]) -> tuple[Any, Any] | None:
+def _mask_and_value(d: Decomposing, args: list[Any]) -> tuple[Any, Any] | None:
     """``(mask, value)`` of ``index_put(x, [mask], value, ...)`` when the mask is boolean, covers the
     leading dims of ``x`` and the value is one element; else None."""
     if len(args) < 3 or O.ref_name(args[0]) is None or not isinstance(args[1], (list, tuple)):
@@ -37,7 +34,7 @@ def _mask_and_value(d: Decomposer, args: list[Any]) -> tuple[Any, Any] | None:
 
 
 @register("opaque")
-def masked_strips(d: Decomposer, op: Op) -> Split | None:
+def masked_strips(d: Decomposing, op: Op) -> Split | None:
     """Strips of ``x[mask] = v`` along its longest dim (rows first): ``x``, the output and, along
     a dim the mask has, the mask are cut; the value goes whole to each strip."""
     args = list(op.attrs.get("args", ()))

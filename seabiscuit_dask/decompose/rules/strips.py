@@ -3,15 +3,12 @@ knows, such as padding): strips along a dim the op does not mix."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ... import ops as O
 from ...ir import Op, TensorSpec, iter_refs
 from ..split import Piece, Pieces, Split, frac
-from .registry import register
-
-if TYPE_CHECKING:
-    from ..decomposer import Decomposer
+from .registry import Decomposing, register
 
 
 def strip_dim(op: Op, shape: tuple[int, ...]) -> int | None:
@@ -34,14 +31,14 @@ ALL_CUT = {"aten.gather.default", "aten.scatter.src", "aten.scatter_reduce.two"}
 
 # NOTE: "sum" ops are the partial sums a split leaves behind (aten.add.Tensor).
 @register("elementwise", "norm", "reduction", "pool", "sum", "opaque", "creation", "index")
-def strips(d: Decomposer, op: Op) -> Split | None:
+def strips(d: Decomposing, op: Op) -> Split | None:
     """Slices of every operand aligned with the cut dim (right-aligned broadcasting);
     the strips are concatenated. Params are sliced only by elementwise ops (and weight norm)."""
     dim = strip_dim(op, d.tensors[op.outputs[0]].shape)
     return None if dim is None else strips_along(d, op, dim)
 
 
-def strips_along(d: Decomposer, op: Op, dim: int) -> Split | None:
+def strips_along(d: Decomposing, op: Op, dim: int) -> Split | None:
     """``strips`` along output dim ``dim`` (None where the op mixes that dim)."""
     args = list(op.attrs.get("args", ()))
     kwargs = dict(op.attrs.get("kwargs", {}))
@@ -100,7 +97,7 @@ def strips_along(d: Decomposer, op: Op, dim: int) -> Split | None:
 
 
 @register("norm")
-def whole_groups(d: Decomposer, op: Op) -> Split | None:
+def whole_groups(d: Decomposing, op: Op) -> Split | None:
     """``group_norm`` by whole groups of channels, each with its slice of the weight and bias;
     the tiles are concatenated (a group's statistics never cross a cut)."""
     args = list(op.attrs.get("args", ()))

@@ -9,15 +9,12 @@ input row). Each strip is the same view of its input strip; the strips are the o
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ... import ops as O
 from ...ir import Op, TensorSpec
 from ..split import Piece, Pieces, Split, frac
-from .registry import register
-
-if TYPE_CHECKING:
-    from ..decomposer import Decomposer
+from .registry import Decomposing, register
 
 RESHAPES = {"aten.view.default", "aten.reshape.default", "aten._unsafe_view.default",
             "aten.flatten.using_ints", "aten.unflatten.int", "aten.unsqueeze.default",
@@ -84,7 +81,7 @@ def first_input(op: Op, args: list[Any]) -> Any:
 
 
 @register("view", "concat")
-def view_strips(d: Decomposer, op: Op) -> Split | None:
+def view_strips(d: Decomposing, op: Op) -> Split | None:
     """Strips of the output along its longest dim that maps to an input dim (of an activation, or
     of a weight, whose tiles are then read in its place)."""
     args = list(op.attrs["args"])
@@ -101,7 +98,7 @@ def view_strips(d: Decomposer, op: Op) -> Split | None:
     return view_strips_along(d, op, max(dims, key=lambda k: (so[k] // dims[k][2], -k)))
 
 
-def view_strips_along(d: Decomposer, op: Op, dim: int) -> Split | None:
+def view_strips_along(d: Decomposing, op: Op, dim: int) -> Split | None:
     """``view_strips`` along output dim ``dim`` (None where it maps to no input dim)."""
     args = list(op.attrs["args"])
     x = first_input(op, args)

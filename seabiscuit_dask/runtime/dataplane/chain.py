@@ -11,7 +11,7 @@ step. A ``Chain`` runs the logits block, picks the next step's inputs
 when no other work waits for the compute threads (``idle``: a pipeline's other runs
 go first, in age order, as ``ordered`` has them). The loop hears of the logits block
 once the chained blocks ran (the chain's outcome; the caller's tokens come one block later) and
-takes each chained block's result as the block of the next run (``DataPlane._adopt``),
+takes each chained block's result as the block of the next run (``runs.Run._adopt``),
 so records, sends and failures go on as for any block, the next step's sends first.
 The loop thread owns all run state; the thread here only computes.
 """
@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from .runs import Loop
+from .loops import Loop
 
 Outcome = tuple[dict[str, torch.Tensor], dict[str, Any]]
 

@@ -1,0 +1,347 @@
+"""The engine: the loop that ties the scheduler, the executor, the sessions and their caches.
+
+``Engine`` takes a deployment's generate calls and runs them on a thread of its own,
+one step at a time: the ``Scheduler`` decides the step (a plain ``SchedulerOutput``),
+the ``Executor`` carries it out through the ``Runner``, and the engine hands each call
+its tokens and ends the calls that are done, freeing their caches (``KVLedger``) and
+cutting kept sessions back to what their callers heard (``SessionTable.rewind``).
+A call admitted while others decode joins them at the next step.
+"""
+
+from __future__ import annotations
+
+import atexit
+import threading
+import time
+import weakref
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from ... import config
+from ...errors import BadInput, ModelClosed, SessionClosed
+from .executor import EngineStats, Executor, Result
+from .inputs import step_inputs
+from .kv import KVLedger
+from .output import SchedulerOutput
+from .runner import Runner
+from .sampling import Sampling, picked
+from .scheduler import Scheduler, SchedulerSpec
+from .sessions import Call, Session, SessionTable, after_turn
+
+IDLE_EXIT_S = 2.0    # NOTE: how long the engine's thread waits for work before it ends
+EXIT_JOIN_S = 5.0    # NOTE: how long the interpreter's exit waits for the engines' threads, in all
+EXITING = threading.Event()         # NOTE: set as the interpreter exits (``end_threads``)
+
+
+class Engine:
+    """Runs the generate calls of one deployment on a background thread (see module doc)."""
+
+    def __init__(self, runner: Runner, *, max_sessions: int | None = None, context: int | None = None,
+                 max_chunk: int | None = None, name: str = "model") -> None:
+        self.runner = runner
+        self.name = name
+        limit = max_sessions if max_sessions is not None else config.get("generate.max-sessions")
+        self.sessions = SessionTable(int(limit), name)
+        self.kv = KVLedger(runner, context, name)
+        self.spec = SchedulerSpec.from_config(max_chunk=max_chunk, chains_steps=runner.chains_steps)
+        self.scheduler = Scheduler(self.spec, self._flow)
+        self.stats = EngineStats()
+        self.executor = Executor(runner, self.scheduler.replay, self.stats, self.spec.pipeline)
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def _flow(self) -> tuple[bool, int]:
+        """Whether the runner sends a prompt's chunks at once now, and the stages they flow through."""
+        pipelined = bool(self.runner.pipelines_prefill)
+        return pipelined, int(self.runner.prefill_stages) if pipelined else 1
+
+    # --- what callers read ---------------------------------------------------------------------
+    @property
+    def max_sessions(self) -> int:
+        return self.sessions.max_sessions
+
+    @property
+    def open_sessions(self) -> int:
+        """Sessions open now: rows of calls running or waiting, and kept sessions."""
+        return self.sessions.open
+
+    _open = open_sessions       # NOTE: what ``serve``'s metrics read
+
+    @property
+    def context(self) -> int | None:
+        return self.kv.context
+
+    @property
+    def prefill_sizes(self) -> tuple[int, ...]:
+        return self.spec.prefill_sizes
+
+    @property
+    def batch_sizes(self) -> tuple[int, ...]:
+        return self.spec.batch_sizes
+
+    @property
+    def pipeline(self) -> int:
+        return self.spec.pipeline
+
+    def chunking(self, n: int, alone: bool | None = None) -> list[tuple[int, int]]:
+        """(tokens, program length) of the chunks ``n`` tokens are prefilled in: a prompt prefilled
+        alone (by default), or among others (``alone=False``: they fill the pipeline already)."""
+        return self.scheduler.chunking(n, self.spec.pipeline if alone is False else 1)
+
+    # --- calls ---------------------------------------------------------------------------------
+    def submit(self, prompts: Sequence[Sequence[int]], max_new: int, sampling: Sampling,
+               eos: Sequence[int], pad: int, sessions: Sequence[Session] | None = None) -> Call:
+        """Queue a call; its ``out`` queue gets a (rows,) tensor per step, then None (or an error)."""
+        if max_new < 1:
+            raise BadInput(f"max_new_tokens must be >= 1, got {max_new}")
+        if sessions is None:
+            self.kv.check_call(prompts, max_new)
+            self.sessions.check_rows(len(prompts))
+            with self._cond:
+                self.sessions.reserve(len(prompts))
+            call = self.sessions.call(prompts, max_new, sampling, eos, pad)
+        else:
+            for s in sessions:
+                after_turn(s, self.name)
+            for s, p in zip(sessions, prompts):
+                self.kv.check_turn(s, p, max_new)
+            call = self.sessions.turn(sessions, prompts, max_new, sampling, eos, pad)
+        with self._cond:
+            if self._closed:
+                raise ModelClosed(f"{self.name} is closed: it takes no more generate calls")
+            self.scheduler.add(call)
+            self._cond.notify()
+            self._start_thread()
+        return call
+
+    def open_session(self) -> Session:
+        """A session kept across calls (``DistributedModel.session``); counted until ``close_session``."""
+        with self._cond:
+            return self.sessions.keep()
+
+    def close_session(self, session: Session, wait: bool = True) -> None:
+        """Free a kept session's caches; a turn of it still running ends at its next step with
+        ``SessionClosed`` and frees them as it ends (its steps would rebuild what is freed now).
+        ``wait=False`` (a session its caller dropped, from a finalizer on any thread): the
+        engine's thread frees them."""
+        with self._cond:
+            if session.closed:
+                return
+            self.sessions.release(1)
+            session.closed = True
+            call = session.call
+            running = call is not None and not call.finished
+            if running and call is not None and call.closing is None:
+                call.closing = SessionClosed(f"{self.name}: session {session.sid} was closed after "
+                                             f"{call.produced} of {call.max_new} new tokens of its turn")
+                self._cond.notify()
+            if not running and not wait:
+                self.kv.drop_later(session.sid)
+                self._cond.notify()
+                self._start_thread()
+        if not running and wait:
+            self.kv.end([session.sid])
+
+    def _start_thread(self) -> None:
+        """The engine's thread, started once (lock held)."""
+        if self._thread is None and not self._closed and not EXITING.is_set():
+            self._thread = threading.Thread(target=self._loop, name="seabiscuit-generate", daemon=True)
+            _THREADS[self._thread] = weakref.ref(self)
+            self._thread.start()
+
+    @staticmethod
+    def results(call: Call) -> Iterator[torch.Tensor]:
+        """The call's tokens, a (rows,) tensor per step, as they come."""
+        while True:
+            item = call.out.get()
+            if item is None:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Stop taking calls, end those running at their next step, and wait for the loop."""
+        with self._cond:
+            self._closed = True
+            for call in self.scheduler.waiting + self.scheduler.running:
+                call.closing = ModelClosed(f"{self.name} was closed after {call.produced} of "
+                                           f"{call.max_new} new tokens of this call: it did not finish")
+            self._cond.notify()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout_s)
+        self.executor.close()
+
+    def warm(self, lengths: Sequence[int] | None = None, batches: Sequence[int] | None = None,
+             progress: Any = None) -> list[str]:
+        """Build and run once the step programs generation asks for (``Scheduler.shapes``), each
+        on sessions of its own whose caches go at once; the shapes ("batch x tokens") made ready."""
+        built = []
+        for b, n in self.scheduler.shapes(lengths, batches, self.max_sessions):
+            t0 = time.perf_counter()
+            self.runner.prepare(b, n)
+            sids = [self.sessions.next_id() for _ in range(b)]     # NOTE: each a first chunk at slot 0
+            try:
+                self.runner.run_step(b, n, step_inputs([(sid, 0, [0] * n) for sid in sids], b, n))
+            finally:
+                self.kv.end(sids)
+            built.append(f"{b}x{n}")
+            if progress is not None:
+                progress(f"step program {b}x{n} ready in {time.perf_counter() - t0:.2f} s")
+        return built
+
+    # --- the loop ------------------------------------------------------------------------------
+    def _has_work(self) -> bool:
+        """Whether the loop has calls to run, caches to free, or its close to finish (lock held)."""
+        return self.scheduler.has_calls or self._closed or self.kv.owed
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._has_work() or EXITING.is_set()):
+                    # NOTE: idle, the thread ends (and starts again with the next call): a model
+                    # its caller dropped is not kept alive by it
+                    if not self._cond.wait(IDLE_EXIT_S):
+                        break
+                if EXITING.is_set() or not self._has_work():    # NOTE: exiting: ``end_threads``
+                    self._thread = None
+                    return
+                owed = self.kv.take_owed()
+                if self._closed and not self.scheduler.has_calls:
+                    return
+                out = self.scheduler.schedule()
+            self.kv.free(owed)
+            self.step(out)
+            if not self.scheduler.running:
+                self.executor.drop_ahead()
+
+    def step(self, out: SchedulerOutput) -> None:
+        """Carry out one step's record and hand its calls their tokens."""
+        for cid in out.ended:
+            call = self.scheduler.call(cid)
+            self._finish(call, call.closing)
+        if out.admitted:
+            self._admitted(out, self.executor.admit(out))
+        if out.decodes:
+            self._decoded(out, self.executor.decode(out))
+
+    def _admitted(self, out: SchedulerOutput, got: dict[int, Result]) -> None:
+        """Each admitted call's first tokens, picked from its prompts' logits, to its caller."""
+        for a in out.admitted:
+            call, res = self.scheduler.call(a.call), got[a.call]
+            if isinstance(res, BaseException):
+                self._finish(call, call.closing or res)
+                continue
+            for s, p in zip(call.sessions, a.prefills):
+                s.cached = p.chunks[-1].stop
+            self._guard(call, lambda c, res=res: self._emit(c, c.sampling.pick(res).tolist()))
+
+    def _decoded(self, out: SchedulerOutput, results: list[Result]) -> None:
+        """Each running call's next tokens from its groups' results, to its caller; a call of a
+        group that failed, or that the deployment's close ends, ends."""
+        got: dict[int, torch.Tensor] = {}
+        failed: dict[int, BaseException] = {}
+        owner = {s.sid: (c, s) for c in self.scheduler.running for s in c.live}
+        for g, res in zip(out.decodes, results):
+            for i, r in enumerate(g.rows):
+                c, s = owner[r.session]
+                if isinstance(res, BaseException):
+                    failed[c.cid] = c.closing or res
+                else:
+                    s.cached = r.stop
+                    got[r.session] = res[i]
+        for c in list(self.scheduler.running):
+            if c.closing is not None:     # NOTE: a token computed as the model closed is not emitted
+                self._finish(c, c.closing)
+            elif c.cid in failed:
+                self._finish(c, failed[c.cid])
+            else:
+                self._guard(c, lambda c: self._emit(c, picked(c.sampling, [got[s.sid] for s in c.live])))
+
+    def _guard(self, call: Call, fn: Any) -> None:
+        try:
+            fn(call)
+        except BaseException as e:  # noqa: BLE001 - the caller gets it; other calls go on
+            self._finish(call, call.closing or e)
+
+    # --- results -------------------------------------------------------------------------------
+    def _emit(self, call: Call, tokens: list[int]) -> None:
+        """Hand the next token of every live row of ``call`` (``tokens``) to its caller."""
+        live = call.live
+        row = torch.full((len(call.sessions),), call.pad, dtype=torch.long)
+        for s, t in zip(live, tokens):
+            s.tokens.append(int(t))
+            row[call.sessions.index(s)] = int(t)
+            if int(t) in call.eos:
+                s.done = True
+        call.produced += 1
+        self.stats.tokens += len(live)
+        if call.produced >= call.max_new:
+            for s in call.sessions:
+                s.done = True
+        call.out.put(row)
+        if not call.live:
+            self._finish(call, None)
+
+    def _finish(self, call: Call, error: BaseException | None) -> None:
+        self.scheduler.finish(call)
+        for s in call.sessions:
+            s.done = True
+        self.executor.forget({s.sid for s in call.sessions})   # NOTE: a step queued for them is never needed
+        with self._cond:
+            call.finished = True
+            seen = call.seen
+            if not call.keep:
+                self.sessions.release(len(call.sessions))
+        freed = [s.sid for s in call.sessions if not call.keep or s.closed]    # NOTE: closed as it ran
+        moved: list[tuple[int, int, int]] = []
+        if call.keep:
+            # NOTE: a turn its caller stopped, or one whose decode loop may have run on past its EOS
+            ahead = self.spec.loop_steps > 1 and call.produced < call.max_new
+            if error is not None and not isinstance(error, ModelClosed):
+                moved = self.sessions.rewind(call, call.before)     # NOTE: undone whole: sent again, it fits
+            elif seen is not None or ahead:
+                moved = self.sessions.rewind(call, [b + (call.produced if seen is None else seen)
+                                                    for b in call.base])
+        self.kv.free(freed, moved)
+        call.out.put(error if error is not None else None)
+        call.ended.set()
+
+    def stopped(self, call: Call, seen: int) -> None:
+        """The caller of ``call`` stopped reading it after ``seen`` rows (or read them all): it ends
+        at the next step; a kept session's conversation keeps the tokens read (``rewind``)."""
+        with self._cond:
+            call.cancelled = True
+            if not call.finished:
+                call.seen = seen
+                return
+        if call.keep and seen < call.produced:      # NOTE: it ended as the caller stopped
+            self.kv.free([], self.sessions.rewind(call, [b + seen for b in call.base]))
+
+
+# NOTE: each engine's thread, while it lives, and its engine (neither kept alive by this)
+_THREADS: weakref.WeakKeyDictionary[threading.Thread, weakref.ref[Engine]] = weakref.WeakKeyDictionary()
+
+
+@atexit.register
+def end_threads() -> None:
+    """End the engines' threads while the interpreter still runs (at its exit): a daemon thread
+    that ends as it finalises (an idle engine's, 2 s after its last call) drops the last
+    reference to its engine there, and freeing the engine's tensors without a GIL to take aborts
+    the process ("terminate called without an active exception") after its work was done. A
+    thread mid-step ends at its next step, or is left after ``EXIT_JOIN_S`` in all."""
+    EXITING.set()
+    threads = list(_THREADS.items())
+    for _, ref in threads:
+        engine = ref()
+        if engine is not None:
+            with engine._cond:
+                engine._cond.notify_all()
+    deadline = time.monotonic() + EXIT_JOIN_S
+    for thread, _ in threads:
+        if thread is not threading.current_thread():
+            thread.join(max(0.0, deadline - time.monotonic()))

@@ -1,0 +1,102 @@
+"""The Hugging Face face of generation: ``generate``'s arguments, results and streams.
+
+A caller's ``input_ids`` (left padding and an ``attention_mask`` allowed) become one
+prompt a row (``prompts_of``), its keyword arguments a ``GenerateArgs`` with the
+defaults of the model's generation config, and the engine's tokens what Hugging Face
+``generate`` returns (``generate_tokens``) or yields as they come (``stream_tokens``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ...errors import BadInput
+from .engine import Engine
+from .sampling import Sampling
+from .sessions import Session
+
+
+def prompts_of(input_ids: Any, attention_mask: Any = None) -> list[list[int]]:
+    """The real tokens of each row (those the mask keeps; every token without a mask)."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
+        shape, dtype = getattr(input_ids, "shape", ""), getattr(input_ids, "dtype", "")
+        got = f"{type(input_ids).__name__} {shape} {dtype}"
+        raise BadInput(f"input_ids must be a (batch, length) LongTensor, got {got.strip()}")
+    if attention_mask is None:
+        rows = [r.tolist() for r in input_ids]
+    else:
+        if tuple(attention_mask.shape) != tuple(input_ids.shape):
+            raise BadInput(f"attention_mask has shape {tuple(attention_mask.shape)}, input_ids "
+                           f"{tuple(input_ids.shape)}: they must match")
+        rows = [r[m.bool()].tolist() for r, m in zip(input_ids, attention_mask)]
+    empty = [i for i, r in enumerate(rows) if not r]
+    if empty:
+        raise BadInput(f"row(s) {empty} of input_ids have no tokens the attention mask keeps")
+    return rows
+
+
+@dataclass(frozen=True)
+class GenerateArgs:
+    """A generate call's settings, with Hugging Face's defaults from the model's generation config."""
+
+    max_new: int
+    sampling: Sampling
+    eos: tuple[int, ...]
+    pad: int
+
+    @classmethod
+    def make(cls, gen_config: Any, length: int, max_new_tokens: int | None = None,
+             do_sample: bool | None = None, temperature: float | None = None, top_k: int | None = None,
+             top_p: float | None = None,
+             eos_token_id: int | Sequence[int] | None = None, pad_token_id: int | None = None,
+             generator: torch.Generator | None = None) -> GenerateArgs:
+        def pick(value: Any, name: str, default: Any) -> Any:
+            if value is not None:
+                return value
+            got = getattr(gen_config, name, None) if gen_config is not None else None
+            return default if got is None else got
+
+        if max_new_tokens is None:
+            max_new_tokens = pick(None, "max_new_tokens", None)
+            if max_new_tokens is None:
+                max_new_tokens = max(1, int(pick(None, "max_length", 20)) - length)
+        eos = pick(eos_token_id, "eos_token_id", ())
+        eos_t = tuple(int(e) for e in ([eos] if isinstance(eos, int) else eos))
+        pad = pick(pad_token_id, "pad_token_id", None)
+        pad = int(pad) if pad is not None else (eos_t[0] if eos_t else 0)
+        sampling = Sampling(bool(pick(do_sample, "do_sample", False)),
+                            float(pick(temperature, "temperature", 1.0)), int(pick(top_k, "top_k", 50) or 0),
+                            float(pick(top_p, "top_p", 1.0)), generator)
+        return cls(int(max_new_tokens), sampling, eos_t, pad)
+
+
+def stream_tokens(engine: Engine, input_ids: torch.Tensor, args: GenerateArgs, attention_mask: Any = None,
+                  streamer: Any = None, session: Session | None = None) -> Iterator[torch.Tensor]:
+    """The tokens of one call, a (batch,) tensor per step, as they come; ``streamer`` is fed too."""
+    prompts = prompts_of(input_ids, attention_mask)
+    call = engine.submit(prompts, args.max_new, args.sampling, args.eos, args.pad,
+                         sessions=[session] if session is not None else None)
+    if streamer is not None:
+        streamer.put(input_ids.cpu())
+    seen = 0
+    try:
+        for row in engine.results(call):
+            if streamer is not None:
+                streamer.put(row)
+            seen += 1
+            yield row
+    finally:
+        engine.stopped(call, seen)     # NOTE: a caller that stops reading frees its sessions
+        if streamer is not None:
+            streamer.end()
+
+
+def generate_tokens(engine: Engine, input_ids: torch.Tensor, args: GenerateArgs, attention_mask: Any = None,
+                    streamer: Any = None, session: Session | None = None) -> torch.Tensor:
+    """What Hugging Face ``generate`` returns: the prompt then the new tokens (``pad`` after EOS)."""
+    rows = list(stream_tokens(engine, input_ids, args, attention_mask, streamer, session))
+    return torch.cat([input_ids.cpu(), torch.stack(rows, dim=1)], dim=1)

@@ -1,0 +1,162 @@
+"""Sessions and their token histories, the calls that answer them, and the table that counts them.
+
+A ``Session`` is one sequence: every token it has seen, and how many of them are
+cached on the workers. A ``Call`` is one generate call: its sessions (rows), how it
+picks tokens, and the queue its caller reads. A session kept across calls (a chat,
+``DistributedModel.session``) answers one call (a turn) at a time; a turn its caller
+stopped reading or that failed is cut back (``SessionTable.rewind``), so the next
+turn starts from what the caller heard.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...errors import BadInput, Busy, SessionClosed
+from .sampling import Sampling
+
+TURN_WAIT_S = 120.0  # NOTE: how long a kept session's next turn waits for its last one to end
+_CALL_IDS = itertools.count()
+
+
+@dataclass(eq=False)
+class Session:
+    """One sequence: its tokens so far, and how many of them are cached on the workers."""
+
+    sid: int
+    tokens: list[int]
+    cached: int = 0
+    done: bool = False
+    call: Call | None = None     # the call answering it now (a kept session's turn)
+    closed: bool = False         # a kept session its caller closed
+
+
+@dataclass(eq=False)
+class Call:
+    """One generate call: its sessions (rows), how to pick tokens, and where they go."""
+
+    sessions: list[Session]
+    max_new: int
+    sampling: Sampling
+    eos: frozenset[int]
+    pad: int
+    out: queue.Queue[Any] = field(default_factory=queue.Queue)
+    produced: int = 0
+    keep: bool = False          # a caller-held session stays cached after the call
+    cancelled: bool = False     # the caller stopped reading: end at the next step
+    closing: BaseException | None = None    # the deployment closes: end at the next step with it
+    seen: int | None = None     # rows the caller read before it stopped (a cancelled call)
+    finished: bool = False      # the engine is done with it (under the engine's lock)
+    ended: threading.Event = field(default_factory=threading.Event)     # and its caller was told
+    before: list[int] = field(default_factory=list)   # each kept session's tokens before this turn
+    base: list[int] = field(default_factory=list)     # and with its prompt: where the answer starts
+    cid: int = field(default_factory=lambda: next(_CALL_IDS))     # what a step's record names it by
+
+    @property
+    def live(self) -> list[Session]:
+        return [s for s in self.sessions if not s.done]
+
+    @property
+    def stopping(self) -> bool:
+        """Whether it ends at the next step: its caller stopped reading, or the deployment closes."""
+        return self.cancelled or self.closing is not None
+
+
+class SessionTable:
+    """The sessions one deployment holds open, counted against its limit, and their ids. The
+    counts change under the engine's lock."""
+
+    def __init__(self, max_sessions: int, name: str) -> None:
+        self.max_sessions = max_sessions
+        self.name = name
+        self.open = 0
+        self._ids = itertools.count()
+
+    def next_id(self) -> int:
+        return next(self._ids)
+
+    def check_rows(self, rows: int) -> None:
+        """Refuse a call of more rows than the deployment ever serves at once."""
+        if rows > self.max_sessions:
+            raise BadInput(f"{self.name}: this call asks for {rows} sessions (rows) at once and the "
+                           f"deployment serves at most {self.max_sessions}; send fewer rows or deploy "
+                           "with more sessions")
+
+    def reserve(self, rows: int) -> None:
+        """Count a call's ``rows`` new sessions open, or raise ``Busy`` (lock held)."""
+        if self.open + rows > self.max_sessions:
+            raise Busy(f"{self.name} has {self.open} session(s) open and this call asks for {rows} more; "
+                       f"the limit is {self.max_sessions} (seabiscuit.generate.max-sessions): wait for "
+                       "calls to finish or raise the limit")
+        self.open += rows
+
+    def keep(self) -> Session:
+        """A session kept across calls, counted open until it is closed (lock held)."""
+        if self.open + 1 > self.max_sessions:
+            raise Busy(f"{self.name} has {self.open} session(s) open; the limit is {self.max_sessions} "
+                       "(seabiscuit.generate.max-sessions)")
+        self.open += 1
+        return self.new([])
+
+    def release(self, rows: int) -> None:
+        """Count ``rows`` sessions closed (lock held)."""
+        self.open -= rows
+
+    def new(self, tokens: Sequence[int]) -> Session:
+        return Session(self.next_id(), list(tokens))
+
+    def call(self, prompts: Sequence[Sequence[int]], max_new: int, sampling: Sampling,
+             eos: Sequence[int], pad: int) -> Call:
+        """A call of new sessions, one a prompt (counted open already: ``reserve``)."""
+        return Call([self.new(p) for p in prompts], max_new, sampling, frozenset(eos), pad)
+
+    def turn(self, sessions: Sequence[Session], prompts: Sequence[Sequence[int]], max_new: int,
+             sampling: Sampling, eos: Sequence[int], pad: int) -> Call:
+        """The next turn of kept ``sessions``: each takes its prompt, and answers this call."""
+        before = [len(s.tokens) for s in sessions]
+        for s, p in zip(sessions, prompts):
+            s.tokens.extend(p)
+            s.done = False
+        call = Call(list(sessions), max_new, sampling, frozenset(eos), pad, keep=True, before=before,
+                    base=[len(s.tokens) for s in sessions])
+        for s in sessions:
+            s.call = call
+        return call
+
+    def rewind(self, call: Call, keep: Sequence[int]) -> list[tuple[int, int, int]]:
+        """Cut each open kept session of ``call`` back to its first ``keep`` tokens: a turn's answer
+        to the tokens its caller read (not the ones made meanwhile, nor what steps that ran ahead
+        cached on the workers), or a failed turn away whole. Each goes on under a new id, its
+        caches renamed and cut to as many slots (``KVStore.rename``), so a step of this call
+        still running finds nothing to write to, and the next turn starts from what is kept.
+        Returns the (old id, new id, slots kept) of each."""
+        moved = []
+        for s, n in zip(call.sessions, keep):
+            if s.closed:
+                continue
+            del s.tokens[n:]
+            new = self.next_id()
+            moved.append((s.sid, new, n))
+            s.sid, s.cached = new, min(s.cached, n)
+        return moved
+
+
+def after_turn(s: Session, name: str) -> None:
+    """Wait for the call that answers kept session ``s`` (its last turn) to end: one its caller
+    stopped reading ends at the engine's next step; one still being read is an error."""
+    if s.closed:
+        raise SessionClosed(f"{name}: session {s.sid} is closed; open another (dm.session())")
+    prev = s.call
+    if prev is None or prev.ended.is_set():
+        return
+    if not prev.cancelled:
+        raise Busy(f"{name}: session {s.sid} is still answering its last turn ({prev.produced} of "
+                   f"{prev.max_new} new tokens); read its stream to the end or close it first")
+    if not prev.ended.wait(TURN_WAIT_S):
+        raise Busy(f"{name}: session {s.sid}'s last turn, whose stream was closed, did not end "
+                   f"within {TURN_WAIT_S:.0f} s; try the next turn again later")

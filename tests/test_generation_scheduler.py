@@ -1,0 +1,246 @@
+"""The generation scheduler's decisions, with no cluster and no model: each step's record says
+which calls are admitted and how their prompts are cut (chunks and cache ranges), which rows
+decode in which group, and which calls end; the engine carries out exactly what it says."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import dask.config
+import pytest
+import torch
+
+from seabiscuit_dask.errors import BadInput, Busy
+from seabiscuit_dask.runtime.generation import (
+    Call,
+    Chunk,
+    DecodeGroup,
+    Engine,
+    GenerateArgs,
+    LocalRunner,
+    Sampling,
+    Scheduler,
+    SchedulerOutput,
+    SchedulerSpec,
+    SessionTable,
+    generate_tokens,
+)
+
+from .test_generate import decoder, hf_greedy, padded_batch
+
+SPEC = SchedulerSpec(prefill_sizes=(16, 32, 64), batch_sizes=(1, 2, 4, 8), pipeline=2, loop_steps=32,
+                     lookahead=True)
+
+
+def call(table: SessionTable, *prompts: list[int], max_new: int = 8, sample: bool = False) -> Call:
+    table.reserve(len(prompts))
+    return table.call(prompts, max_new, Sampling(do_sample=sample), eos=[], pad=0)
+
+
+def answered(scheduler: Scheduler, out: SchedulerOutput, token: int = 7) -> None:
+    """What the engine does once a step ran: its sessions cached what it wrote, each live row
+    took its next token."""
+    for a in out.admitted:
+        for s, p in zip(scheduler.call(a.call).sessions, a.prefills):
+            s.cached = p.chunks[-1].stop
+    for g in out.decodes:
+        for r in g.rows:
+            next(s for c in scheduler.running for s in c.sessions if s.sid == r.session).cached = r.stop
+    for c in scheduler.running:
+        for s in c.live:
+            s.tokens.append(token)
+        c.produced += 1
+
+
+def test_admission_takes_every_waiting_call_up_to_the_session_limit() -> None:
+    table, scheduler = SessionTable(3, "m"), Scheduler(SPEC)
+    a, b = call(table, [1] * 5, [2] * 20), call(table, [3] * 40)
+    with pytest.raises(Busy, match="3 session\\(s\\) open and this call asks for 1 more; the limit is 3"):
+        call(table, [4])
+    with pytest.raises(BadInput,
+                       match="asks for 4 sessions \\(rows\\) at once and the deployment serves at most 3"):
+        table.check_rows(4)
+    gone = call(SessionTable(1, "m"), [5] * 3)
+    gone.cancelled = True                     # its caller stopped reading before it was admitted
+    for c in (a, b, gone):
+        scheduler.add(c)
+    out = scheduler.schedule()
+    assert out.ended == (gone.cid,) and [x.call for x in out.admitted] == [a.cid, b.cid]
+    assert out.together == 2 and not out.decodes and scheduler.running == [a, b] and not scheduler.waiting
+    # each session's uncached tokens, cut into bucketed chunks with the cache slots they fill
+    first, second = (p.chunks for p in out.admitted[0].prefills)
+    assert first == (Chunk(a.sessions[0].sid, 0, (1,) * 5, 16),)
+    assert [(c.start, c.stop, c.length) for c in second] == [(0, 20, 32)]
+    assert [(c.start, c.stop, c.length) for c in out.admitted[1].prefills[0].chunks] == [(0, 40, 64)]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        out.together = 1          # type: ignore[misc]
+    assert str(out).splitlines() == [
+        f"step 0: end calls {gone.cid}; admit 2 call(s), 2 prompt(s) at once",
+        f"  call {a.cid}: s{a.sessions[0].sid}[0:5)/16; s{a.sessions[1].sid}[0:20)/32",
+        f"  call {b.cid}: s{b.sessions[0].sid}[0:40)/64"]
+
+
+def test_a_step_after_an_admission_decodes_the_running_rows_before_admitting_more() -> None:
+    table, scheduler = SessionTable(8, "m"), Scheduler(SPEC)
+    first = call(table, [1] * 6)
+    scheduler.add(first)
+    answered(scheduler, scheduler.schedule())
+    later = call(table, [2] * 3)
+    scheduler.add(later)              # arrives while the first call's prompt was prefilled
+    out = scheduler.schedule()
+    assert not out.admitted and [g.key for g in out.decodes] == [(first.sessions[0].sid,)]
+    answered(scheduler, out)
+    out = scheduler.schedule()        # then the call that waited
+    assert [a.call for a in out.admitted] == [later.cid] and out.together == 1
+    answered(scheduler, out)
+    out = scheduler.schedule()        # and both decode together, one a group (the pipeline's two stages)
+    assert [g.key for g in out.decodes] == [(first.sessions[0].sid,), (later.sessions[0].sid,)]
+
+
+def test_running_rows_decode_in_pipeline_groups_none_over_the_largest_batch() -> None:
+    table, scheduler = SessionTable(32, "m"), Scheduler(SPEC)
+    calls = [call(table, *[[i + 1] * 4] * n, max_new=5) for i, n in enumerate((2, 1, 17))]
+    for c in calls:
+        scheduler.add(c)
+    answered(scheduler, scheduler.schedule())
+    out = scheduler.schedule()
+    assert [len(g.rows) for g in out.decodes] == [7, 7, 6] and [g.batch for g in out.decodes] == [8, 8, 8]
+    rows = [r for g in out.decodes for r in g.rows]
+    assert [r.session for r in rows] == [s.sid for c in calls for s in c.sessions]      # in arrival order
+    # each row writes its last token at the slot after its cached ones: one token, one slot
+    assert {(r.start, r.stop, r.tokens, r.length) for r in rows} == {(4, 5, (7,), 1)}
+    # greedy groups are queued: the next step behind this one, a decode loop of the tokens left
+    assert all(g.queued and g.more and g.steps == 4 for g in out.decodes)
+    assert str(out.decodes[2]).endswith("in 8 rows, queued, next queued, loop 4")
+    few = Scheduler(SPEC)
+    sampled = call(table, [1] * 4, [2] * 4, [3] * 4, sample=True)
+    few.add(sampled)
+    answered(few, few.schedule())
+    out = few.schedule()
+    assert [(len(g.rows), g.batch) for g in out.decodes] == [(2, 2), (1, 1)]
+    assert out.decodes[1] == DecodeGroup((Chunk(sampled.sessions[2].sid, 4, (7,), 1),), 1)   # not queued
+
+
+def test_a_groups_last_step_queues_none_behind_it_and_loops_no_further_than_its_tokens() -> None:
+    table, scheduler = SessionTable(8, "m"), Scheduler(dataclasses.replace(SPEC, loop_steps=3))
+    long, short = call(table, [1] * 4, max_new=20), call(table, [2] * 4, max_new=2)
+    scheduler.add(long)
+    scheduler.add(short)
+    answered(scheduler, scheduler.schedule())
+    out = scheduler.schedule()
+    assert [(g.more, g.steps) for g in out.decodes] == [(True, 3), (False, 1)]
+    unchained = Scheduler(dataclasses.replace(SPEC, lookahead=False))
+    c = call(table, [3] * 4)
+    unchained.add(c)
+    answered(unchained, unchained.schedule())
+    assert unchained.schedule().decodes == (DecodeGroup((Chunk(c.sessions[0].sid, 4, (7,), 1),), 1),)
+
+
+def test_a_call_that_ends_leaves_its_group_and_is_ended_before_the_step() -> None:
+    table, scheduler = SessionTable(8, "m"), Scheduler(SPEC)
+    calls = [call(table, [i + 1] * 4) for i in range(4)]
+    for c in calls:
+        scheduler.add(c)
+    answered(scheduler, scheduler.schedule())
+    before = scheduler.schedule()
+    assert [g.key for g in before.decodes] == [(0, 1), (2, 3)]
+    answered(scheduler, before)
+    calls[1].cancelled = True                   # its caller stopped reading
+    calls[3].closing = BadInput("closed")       # the deployment closes it
+    out = scheduler.schedule()
+    assert out.ended == (calls[1].cid, calls[3].cid) and scheduler.running == [calls[0], calls[2]]
+    # the groups changed: each a session alone (a step queued for the old ones is let go)
+    assert [g.key for g in out.decodes] == [(0,), (2,)]
+    assert [g.starts for g in out.decodes] == [(5,), (5,)]
+
+
+def test_a_long_prompt_is_cut_for_the_stages_its_chunks_flow_through_and_sent_smallest_first() -> None:
+    flow = [(False, 1)]
+    scheduler = Scheduler(dataclasses.replace(SPEC, prefill_sizes=(16, 24, 32, 40, 48, 56, 64)),
+                          lambda: flow[0])
+    prompt = list(range(3, 78))                 # 75 tokens
+    one = scheduler.prefill(5, 0, prompt)
+    assert [str(c) for c in one.chunks] == ["s5[0:64)/64", "s5[64:75)/16"] and not one.ahead
+    assert sum((c.tokens for c in one.chunks), ()) == tuple(prompt)
+    flow[0] = (True, 2)          # the runner sends a prompt's chunks at once, through two stages
+    alone = scheduler.prefill(5, 10, prompt)
+    assert [str(c) for c in alone.chunks] == ["s5[10:50)/40", "s5[50:85)/40"]
+    assert [str(c) for c in alone.ahead] == ["s5[10:45)/40", "s5[45:85)/40"]      # the smallest first
+    together = scheduler.prefill(5, 10, prompt, together=2)      # two prompts fill the stages already
+    assert [str(c) for c in together.chunks] == ["s5[10:74)/64", "s5[74:85)/16"]
+    assert [str(c) for c in together.ahead] == ["s5[10:21)/16", "s5[21:85)/64"]
+    assert scheduler.prefill(5, 0, []) == type(one)(5, ())       # nothing to prefill: the step refuses it
+
+
+def test_a_replay_rebuilds_a_running_sessions_cache_from_its_first_token() -> None:
+    table, scheduler = SessionTable(8, "m"), Scheduler(SPEC)
+    c = call(table, list(range(3, 43)))
+    scheduler.add(c)
+    answered(scheduler, scheduler.schedule())
+    for _ in range(3):
+        answered(scheduler, scheduler.schedule())
+    s = c.sessions[0]
+    replay = scheduler.replay(s.sid, upto=42)        # its worker was lost when the cache held 42 slots
+    assert [str(x) for x in replay.chunks] == [f"s{s.sid}[0:42)/64"]
+    assert replay.chunks[0].tokens == tuple(s.tokens[:42])
+    chunked = Scheduler(dataclasses.replace(SPEC, prefill_sizes=(16,)), lambda: (True, 1))
+    chunked.running = [c]
+    replay = chunked.replay(s.sid, upto=42)
+    assert [(x.start, x.stop) for x in replay.chunks] == [(0, 16), (16, 32), (32, 42)]
+    assert [(x.start, x.stop) for x in replay.ahead] == [(0, 10), (10, 26), (26, 42)]
+
+
+def test_the_spec_comes_from_the_configuration() -> None:
+    spec = SchedulerSpec.from_config(max_chunk=64, chains_steps=True)
+    assert spec.prefill_sizes == tuple(b for b in dask.config.get("seabiscuit.generate.prefill-buckets")
+                                       if b <= 64)
+    assert spec.batch_sizes == tuple(dask.config.get("seabiscuit.generate.batch-buckets"))
+    assert spec.loop_steps == dask.config.get("seabiscuit.generate.loop-steps") > 1
+    assert spec.lookahead and not SchedulerSpec.from_config().lookahead    # a runner that chains no step
+    with dask.config.set({"seabiscuit.generate.batch-buckets": [4, 1], "seabiscuit.generate.loop-steps": 1}):
+        spec = SchedulerSpec.from_config(max_chunk=10)
+        assert spec.batch_sizes == (1, 4) and spec.loop_steps == 1 and spec.prefill_sizes == (10,)
+    with dask.config.set({"seabiscuit.generate.prefill-buckets": []}), \
+            pytest.raises(BadInput, match="prefill-buckets must list positive sizes"):
+        SchedulerSpec.from_config()
+
+
+class RecordingRunner(LocalRunner):
+    """Logs each step it runs: (rows, tokens, sessions, first slots, real tokens per row)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__(model, "64KiB")
+        self.ran: list[tuple[int, int, list[int], list[int], list[int]]] = []
+
+    def run_step(self, batch: int, length: int, feed: dict[str, torch.Tensor]) -> torch.Tensor:
+        self.ran.append((batch, length, feed["sb_sessions"].tolist(), feed["sb_start"].tolist(),
+                         feed["sb_valid"].sum(dim=1).tolist()))
+        return super().run_step(batch, length, feed)
+
+
+def test_the_engine_runs_the_steps_its_records_say_and_no_other() -> None:
+    model = decoder("llama")
+    runner = RecordingRunner(model)
+    engine = Engine(runner, max_chunk=16)
+    records: list[SchedulerOutput] = []
+    decide = engine.scheduler.schedule
+    engine.scheduler.schedule = lambda: records.append(decide()) or records[-1]     # type: ignore[method-assign]
+    ids, mask = padded_batch((20, 5), seed=3)
+    args = GenerateArgs.make(model.generation_config, ids.shape[1], max_new_tokens=4, pad_token_id=0,
+                             eos_token_id=[])
+    assert torch.equal(generate_tokens(engine, ids, args, mask), hf_greedy(model, ids, mask, 4))
+    ran = iter(runner.ran)
+    for out in records:
+        said = [(1, c.length, [c.session], [c.start], [len(c.tokens)])
+                for a in out.admitted for p in a.prefills for c in p.chunks]
+        for g in out.decodes:
+            pad = g.batch - len(g.rows)
+            said.append((g.batch, 1, [*g.key, *[-1] * pad], [*g.starts, *[0] * pad],
+                         [1] * len(g.rows) + [0] * pad))
+        got = [next(ran) for _ in said]
+        # NOTE: a step's groups run side by side, in any order; a prompt's chunks in order
+        if out.decodes:
+            got, said = sorted(got), sorted(said)
+        assert got == said, out
+    assert next(ran, None) is None
+    assert [len(out.decodes) for out in records if out.decodes] == [2, 2, 2]     # a row a group, 3 steps
