@@ -7,8 +7,8 @@ real one."""
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 
-import dask.config
 import pytest
 import torch
 
@@ -51,7 +51,8 @@ def plan_version(dask_scheduler=None) -> int:
     return int(dep.version)
 
 
-def slow_down(src: str, dst: str, nbytes: float, dask_scheduler=None) -> list[str]:
+def slow_down(src: str, dst: str, nbytes: float, load_rate: float | None = None,
+              dask_scheduler=None) -> list[str]:
     """On the scheduler: the data plane of ``src`` reports six transfers to ``dst`` of twice the
     cut's bytes (no smaller than its real messages, which carry a header too) that took twenty times
     what the link measured so far says, their bytes coming in at the link's new pace; again, up to
@@ -62,6 +63,9 @@ def slow_down(src: str, dst: str, nbytes: float, dask_scheduler=None) -> list[st
     from seabiscuit_dask.runtime.state import LinksObserved
 
     plugin = dask_scheduler.plugins["seabiscuit"]
+    if load_rate is not None:       # NOTE: the state reads its settings when built: set its own
+        now = plugin.state.settings
+        plugin.state.settings = replace(now, reroute=replace(now.reroute, load_bytes_per_s=load_rate))
     size, done = 2 * nbytes, []
     for _ in range(4):
         now = plugin.state.links.links[(src, dst)].applied
@@ -117,8 +121,7 @@ def test_links_are_measured_from_requests_and_a_slow_one_is_left_while_requests_
         thread = threading.Thread(target=caller)
         thread.start()
         # NOTE: weights that load at a byte a second never pay back: the repair is a relay
-        with dask.config.set({"seabiscuit.routing.load-rate": "1B"}):
-            done = client.run_on_scheduler(slow_down, src, dst, nbytes)
+        done = client.run_on_scheduler(slow_down, src, dst, nbytes, 1.0)
         assert "relay" in done and "PlanChanged" not in done, done
         relaying = client.run_on_scheduler(
             lambda dask_scheduler: dask_scheduler.plugins["seabiscuit"].state.routes)
