@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from . import config
-from .errors import SeaBiscuitError
+from .errors import SeaBiscuitError, UnsupportedModel
 from .ir import OpGraph
 
 if TYPE_CHECKING:
@@ -34,8 +34,8 @@ def _plan(args: argparse.Namespace) -> int:
         graph = trace(args.model, x)
     else:
         if args.model not in MODELS:
-            raise SeaBiscuitError(f"--model {args.model!r} is neither a model folder nor one of "
-                                  f"{', '.join(MODELS)}")
+            raise UnsupportedModel(f"--model {args.model!r} is neither a model folder nor one of "
+                                   f"{', '.join(MODELS)}")
         dtype = torch.bfloat16 if args.model == "llama-20b" else None
         print(f"building {args.model} ({MODELS[args.model].description}) without weights ...",
               flush=True)

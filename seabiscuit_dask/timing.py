@@ -10,10 +10,9 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from typing import Any
 
 
-def median_s(fn: Callable[[], Any], reps: int) -> float:
+def median_s(fn: Callable[[], object], reps: int) -> float:
     """Median wall time of ``reps`` calls of ``fn``."""
     times = []
     for _ in range(reps):

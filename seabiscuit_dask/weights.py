@@ -148,7 +148,8 @@ class WeightStore:
     _headers: dict[str, dict[str, StoredTensor]] = field(default_factory=dict)
 
     @classmethod
-    def from_weights(cls, weights: Any, device: torch.device | str = "cpu") -> WeightStore:
+    def from_weights(cls, weights: torch.nn.Module | Mapping[str, torch.Tensor] | None,
+                     device: torch.device | str = "cpu") -> WeightStore:
         """``weights``: an ``nn.Module``, a state dict, or None (use the params' sources)."""
         dev = torch.device(device)
         if weights is None:
@@ -164,7 +165,8 @@ class WeightStore:
         raise BadCheckpoint(f"weights must be an nn.Module, a state dict or None, "
                             f"got {type(weights).__name__}")
 
-    def _read_rows(self, file: str, key: str, slices: Any) -> torch.Tensor | None:
+    def _read_rows(self, file: str, key: str,
+                   slices: tuple[tuple[int, int], ...] | None) -> torch.Tensor | None:
         """A tile of whole rows (all of a tensor, or a range of its first dimension) read from ``file``
         into memory of its own; None for any other tile (read through the file's mapping).
 

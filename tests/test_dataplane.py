@@ -6,6 +6,7 @@ cluster: the workers of a real plan as ``DataPlane`` s in one event loop, each o
 from __future__ import annotations
 
 import asyncio
+import struct
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -17,13 +18,20 @@ import torch
 from distributed.protocol import deserialize, serialize
 
 import seabiscuit_dask as sb
-from seabiscuit_dask.errors import AccessDenied, ClusterTooSmall, SeaBiscuitError
+from seabiscuit_dask.errors import (
+    AccessDenied,
+    BadMessage,
+    ClusterTooSmall,
+    SeaBiscuitError,
+    UnsupportedModel,
+)
 from seabiscuit_dask.lower.blocks import BlockSpec, block_specs
 from seabiscuit_dask.lower.kvcache import CacheLost
 from seabiscuit_dask.runtime.dataplane import DataPlane, RunFailed, StaleRun, Tensors, timed
 from seabiscuit_dask.runtime.dataplane.client import route
 from seabiscuit_dask.runtime.dataplane.loops import Loop, greedy
 from seabiscuit_dask.runtime.dataplane.ordered import OrderedExecutor
+from seabiscuit_dask.runtime.dataplane.runs import KINDS
 from seabiscuit_dask.runtime.dataplane.wire import (
     DTYPES,
     as_bytes,
@@ -520,8 +528,30 @@ def test_the_wire_refuses_an_unknown_dtype_or_a_short_buffer() -> None:
         with pytest.raises(SeaBiscuitError, match="header is malformed"):
             unpack(msgpack.packb(bad), [bytearray(8)] if bad != {"tensors": []} else [])
     # NOTE: a dtype no activation may have is refused where it would be sent, not at the peer
-    with pytest.raises(SeaBiscuitError, match="dtype uint16 cannot be sent"):
+    with pytest.raises(UnsupportedModel, match="dtype uint16 cannot be sent"):
         pack([{"op": "push", "tensors": Tensors(a=torch.zeros(2, dtype=torch.uint16))}])
+
+
+def test_a_malformed_frame_from_a_peer_is_a_bad_message() -> None:
+    # Every way a peer's bytes can fail to be a data-plane message is a BadMessage. Peers downstream
+    # hear of it as RunFailed, as of any failure the caller does not act on by class.
+    frames, _ = pack_message([{"op": "push", "tensors": Tensors(a=torch.ones(2))}])
+    good = b"".join(bytes(f) for f in frames)
+    for buf, why in ((good[:4], "needs 8 at least"), (struct.pack("<Q", 0) + good[8:], "names 0 frames"),
+                     (good[:-1], "whose frames take"), (good + bytes(64), "whose frames take")):
+        with pytest.raises(BadMessage, match=why):
+            unpack_message(bytearray(buf))
+    head = msgpack.packb({"msgs": [{"op": "push", "tensors": 0}], "tensors": [[["a", "float32", 2]]]})
+    with pytest.raises(BadMessage, match="header is malformed"):
+        unpack(head, [bytearray(8)])
+    with pytest.raises(BadMessage, match="inline are malformed"):
+        from_inline([["a", "float32", [2]]])
+    with pytest.raises(BadMessage, match="arrived with 4 bytes"):
+        from_inline([["a", "float32", [2], b"\0" * 4]])
+    header, wire_frames = serialize(Tensors(a=torch.ones(2)))
+    with pytest.raises(BadMessage, match="names 1 tensors and has 2 frames"):
+        deserialize(header, [*wire_frames, b""])
+    assert not issubclass(BadMessage, RunFailed) and BadMessage.__name__ not in KINDS
 
 
 @pytest.mark.parametrize("dtype", sorted(DTYPES))

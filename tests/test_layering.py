@@ -177,9 +177,6 @@ def test_the_circle_finder_finds_circles() -> None:
 
 
 # --- settings -------------------------------------------------------------------------------------
-# NOTE: modules being reshaped (the client split by concern) that still give some settings a default
-# of their own; strike a module once its calls read the yaml alone
-DEFAULTS_BEING_RESHAPED = frozenset({f"{PACKAGE}.runtime.client"})
 
 
 def _getters(module: str, tree: ast.AST) -> set[str]:
@@ -224,5 +221,5 @@ def test_every_setting_read_has_its_default_in_the_yaml() -> None:
     missing = [f"{m}:{line} {key}" for m, line, key, _ in read if key is not None and not there(key)]
     assert not missing, missing
     inline = [f"{m}:{line} {key}" for m, line, key, default in read
-              if default and m not in DEFAULTS_BEING_RESHAPED]
+              if default]
     assert not inline, f"settings read with a default of their own (the yaml holds it): {inline}"

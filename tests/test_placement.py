@@ -10,6 +10,7 @@ import torch
 import yaml
 
 import seabiscuit_dask as sb
+from seabiscuit_dask.errors import BadClusterSpec, BadPlan
 from seabiscuit_dask.placement import (
     BASELINES,
     ClusterSpec,
@@ -110,6 +111,16 @@ def test_cluster_yaml_round_trip_with_profiles_and_matrix(tmp_path):
 def test_bad_cluster_descriptions_are_named(doc, match):
     with pytest.raises(sb.SeaBiscuitError, match=match):
         ClusterSpec.from_dict(doc)
+
+
+def test_a_bad_cluster_file_is_a_bad_cluster_spec(tmp_path):
+    f = tmp_path / "cluster.yaml"
+    f.write_text(yaml.safe_dump({"devices": [{"name": "a", "profile": "gpu16", "memory": -5}]}))
+    with pytest.raises(BadClusterSpec, match="device 'a' memory must be positive"):
+        ClusterSpec.from_yaml(f)
+    f.write_text("devices: [{name: a, profile: gpu16}]\nrelays: [[a, a, a]]\n")
+    with pytest.raises(BadClusterSpec, match="a relay is"):
+        ClusterSpec.from_yaml(f)
 
 
 def test_bad_cluster_files(tmp_path):
@@ -402,6 +413,14 @@ def test_malformed_plan_documents_are_named(doc):
     g = chain([4])
     with pytest.raises(sb.SeaBiscuitError):
         Plan.from_json(doc, g)
+
+
+def test_a_plan_document_for_another_graph_is_a_bad_plan():
+    doc = place(chain([4, 4]), small_spec()).to_json()
+    with pytest.raises(BadPlan, match="plan was made for graph"):
+        Plan.from_json(doc, chain([4]))
+    with pytest.raises(BadPlan, match="plan schema"):
+        Plan.from_dict({**json.loads(doc), "schema": 0}, chain([4, 4]))
 
 
 def test_tight_memory_gives_a_feasible_plan_or_cluster_too_small():

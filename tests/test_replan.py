@@ -398,7 +398,9 @@ def every_repair(plan: sb.Plan, name: str) -> list[sb.Plan]:
     """What ``replan`` chooses from after losing ``name``, each to be simulated: the op-by-op repair,
     then the lost ops whole on each of the nearest, then quickest, ``WHOLE_TRIES`` devices that have
     room for them and are not ``QUICK`` times slower than the quickest (alike ones included)."""
-    from seabiscuit_dask.placement.replan import QUICK, WHOLE_TRIES, _rehome
+    from seabiscuit_dask.placement.handover import WHOLE_TRIES
+    from seabiscuit_dask.placement.rehome import rehome
+    from seabiscuit_dask.placement.repair import QUICK
 
     spec, lost = plan.spec.without(name), plan.spec.index(name)
     home = plan.spec.devices[lost]
@@ -413,7 +415,7 @@ def every_repair(plan: sb.Plan, name: str) -> list[sb.Plan]:
     need = float(w.weight_bytes[moving].sum())
     tries = [d for d in order if held[d] + need <= cap[d] and work[d] <= QUICK * min(work)][:WHOLE_TRIES]
     info = {**plan.info, "phases_from": (plan.phases, int(moving.min()), int(moving.max()) + 1)}
-    plans = [sb.Plan(plan.graph, spec, _rehome(plan, spec, dev, moving, home), plan.method, info=info)]
+    plans = [sb.Plan(plan.graph, spec, rehome(plan, spec, dev, moving, home), plan.method, info=info)]
     for d in tries:
         whole = dev.copy()
         whole[moving] = d
@@ -458,7 +460,7 @@ def test_a_lost_stage_is_simulated_once_on_one_of_alike_idle_gpus(monkeypatch):
 
 @pytest.mark.parametrize("case", ["random-no-dask", "random-dask", "stages", "stages-cut"])
 def test_a_lost_device_gets_the_repair_that_simulating_every_one_picks(plan, case):
-    from seabiscuit_dask.placement.replan import _bound_s
+    from seabiscuit_dask.placement.handover import bound_s
 
     if case.startswith("random"):
         g = random_dag(300, seed=5, window=20, out_kib=(16, 128))
@@ -475,7 +477,7 @@ def test_a_lost_device_gets_the_repair_that_simulating_every_one_picks(plan, cas
         assert np.array_equal(new.device_of, cands[best].device_of), (case, name)
         assert np.array_equal(new.block_of, cands[best].block_of) and valid(new, name)
         # NOTE: the bound that spares simulations is one: no simulation of a repair beats it
-        assert all(_bound_s(c, c.schedule.client_s) <= c.makespan_s for c in cands)
+        assert all(bound_s(c, c.schedule.client_s) <= c.makespan_s for c in cands)
 
 
 def test_an_op_by_op_repair_that_overfills_a_device_through_a_shared_weight_loses_to_one_that_fits():
@@ -494,7 +496,7 @@ def test_an_op_by_op_repair_that_overfills_a_device_through_a_shared_weight_lose
 
 
 def test_the_op_by_op_repair_gives_up_only_where_it_cannot_win():
-    from seabiscuit_dask.placement.replan import _rehome_within
+    from seabiscuit_dask.placement.rehome import rehome_within
 
     plan = stages_beside_alike_idle_gpus()
     op_by_op = every_repair(plan, "a1")[0]
@@ -504,7 +506,7 @@ def test_the_op_by_op_repair_gives_up_only_where_it_cannot_win():
     dev[moving] = -1
     gave_up = []
     for share in (0.1, 0.3, 0.5, 0.7, 0.9, 1.0, 1.5):
-        got = _rehome_within(plan, spec, dev, moving, plan.spec.devices[1], -1, share * spare_s)
+        got = rehome_within(plan, spec, dev, moving, plan.spec.devices[1], -1, share * spare_s)
         # NOTE: it gives up only given less time than the repair takes, else it is the same repair
         assert (share < 1) if got is None else np.array_equal(got, op_by_op.device_of), share
         gave_up.append(got is None)

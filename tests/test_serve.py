@@ -23,8 +23,23 @@ import numpy as np
 import pytest
 import torch
 
+from seabiscuit_dask.errors import (
+    BadMessage,
+    BlockFailed,
+    SeaBiscuitError,
+    SpecUnavailable,
+    UnsupportedModel,
+)
+from seabiscuit_dask.plugins import PluginMissing
 from seabiscuit_dask.serve import ServedModel, Server, make_app
-from seabiscuit_dask.serve.api import BadParam, StopScan, parse_chat, parse_completion, parse_embedding
+from seabiscuit_dask.serve.api import (
+    BadParam,
+    StopScan,
+    error_reply,
+    parse_chat,
+    parse_completion,
+    parse_embedding,
+)
 from seabiscuit_dask.serve.server import Source, deploy, load, readable, running
 
 from . import models as M
@@ -83,6 +98,15 @@ def test_bodies_are_read_as_the_api_says() -> None:
     assert parse_embedding({"model": "e", "input": "hi"}).inputs == ["hi"]
     with pytest.raises(BadParam, match="encoding_format"):
         parse_embedding({"model": "e", "input": "hi", "encoding_format": "int8"})
+
+
+@pytest.mark.parametrize("cls", [BadMessage, BlockFailed, SpecUnavailable, PluginMissing, UnsupportedModel])
+def test_a_failure_of_the_cluster_answers_500_naming_its_class(cls: type[SeaBiscuitError]) -> None:
+    # These were plain SeaBiscuitErrors: a 500 server_error, as before, whose code now names the cause.
+    assert error_reply(SeaBiscuitError("x"))[0] == 500
+    status, body = error_reply(cls("block b3 of request 7 failed"))
+    assert status == 500 and body["error"]["type"] == "server_error" and body["error"]["code"] == cls.__name__
+    assert body["error"]["message"] == "block b3 of request 7 failed"
 
 
 def test_stop_strings_cut_the_text_and_hold_back_what_may_begin_one() -> None:

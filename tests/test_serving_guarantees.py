@@ -471,7 +471,7 @@ def test_a_distribute_whose_room_another_model_took_meanwhile_places_again(model
     """Two clients measured an empty cluster with room for one model, then deployed: the second
     plan is refused on the scheduler (``RoomTaken``), and ``distribute`` measures and places once
     more, which finds no room: a plain ``ClusterTooSmall``, nothing overcommitted."""
-    import seabiscuit_dask.runtime.client as rc
+    import seabiscuit_dask.runtime.client.deployment as rc
 
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     with seabiscuit_cluster(2, int(0.8 * weights)) as small:

@@ -7,12 +7,14 @@ import dataclasses
 import json
 import math
 
+import dask.config
 import numpy as np
 import pytest
 import torch
 
 import seabiscuit_dask as sb
 from seabiscuit_dask import config
+from seabiscuit_dask.errors import BadConfig
 from seabiscuit_dask.ir import MAX_ELEMENTS, OpGraph, verify
 from seabiscuit_dask.placement import ClusterSpec, Plan, place
 from seabiscuit_dask.placement.plan import check_spec
@@ -218,6 +220,16 @@ def test_to_bytes_still_refuses_zero_and_negative() -> None:
     for budget in (0, -5, "-1MiB"):
         with pytest.raises(sb.SeaBiscuitError, match="budget must be positive"):
             config.to_bytes(budget)
+
+
+def test_a_bad_setting_is_bad_config() -> None:
+    with dask.config.set({"seabiscuit.runtime.data-plane": "pigeon"}), \
+            pytest.raises(BadConfig, match="'pigeon': it must be p2p or tasks"):
+        config.data_plane()
+    with pytest.raises(BadConfig, match="device must be one of"):
+        config.device_choice("tpu")
+    with pytest.raises(BadConfig, match="budget must be a byte count"):
+        config.to_bytes("lots")
 
 
 # --- counts ------------------------------------------------------------------------------------

@@ -169,13 +169,14 @@ def _plan_data(dep: Deployment, state: PlacementState, activity: Activity) -> di
         "cut_bytes": float(plan.cut_bytes), "programs": programs}
 
 
+ScalesKey = tuple[tuple[str, tuple[tuple[str, float], ...]], ...]     # learned scales, as a key
 # NOTE: per plan (gone with it), the simulated latency at the last learned scales seen
-_PREDICTED: weakref.WeakKeyDictionary[Plan, tuple[Any, float]] = weakref.WeakKeyDictionary()
+_PREDICTED: weakref.WeakKeyDictionary[Plan, tuple[ScalesKey, float]] = weakref.WeakKeyDictionary()
 
 
 def predicted_s(plan: Plan, scales: dict[str, dict[str, float]]) -> float:
     """Simulated latency of one request of ``plan``, with the speeds learned on its devices."""
-    key = tuple(sorted((a, tuple(sorted(s.items()))) for a, s in scales.items()))
+    key: ScalesKey = tuple(sorted((a, tuple(sorted(s.items()))) for a, s in scales.items()))
     seen = _PREDICTED.get(plan)
     if seen is None or seen[0] != key:
         spec = plan.spec

@@ -22,17 +22,20 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from dask.sizeof import sizeof
 
-from ..errors import SeaBiscuitError
-from ..ir import Op, ParamSpec, TensorSpec
-from .fuse import fused_linear, linear_groups, span
+from ..errors import InvalidGraph
+from ..ir import Op, OpGraph, ParamSpec, TensorSpec
+from .fuse import LinearGroupKernel, fused_linear, linear_groups, span
 from .kernels import compile_args, resolve_target
 from .layout import LINEAR, check_forms, check_layouts, columns_kernel
 from .registry import require_registered
+
+if TYPE_CHECKING:
+    from ..placement.plan import Plan
 
 KEY_PREFIX = "sb-"
 Key = Hashable
@@ -145,7 +148,7 @@ class BlockSpec:
         )
 
 
-def block_specs(plan: Any, model_id: str, version: int = 0, checkpoint_dir: str = "",
+def block_specs(plan: Plan, model_id: str, version: int = 0, checkpoint_dir: str = "",
                 verify_every: int = 0, program: int = 0) -> list[BlockSpec]:
     """Cut ``plan`` (a ``Plan``) into self-contained block specs, in block order.
 
@@ -232,7 +235,7 @@ def _links(members: list[list[Op]], made_in: Mapping[str, int],
     return imports, exported
 
 
-def _remade_views(graph: Any, made_in: Mapping[str, int], members: list[list[Op]]) -> list[list[Op]]:
+def _remade_views(graph: OpGraph, made_in: Mapping[str, int], members: list[list[Op]]) -> list[list[Op]]:
     """Each block's ops, with the views it reads from another block put in before their first
     reader, where ``_remakes`` allows (their sources are read instead, or made again in turn)."""
     producer = {t: op for op in graph.ops for t in op.outputs}
@@ -257,7 +260,7 @@ def _remade_views(graph: Any, made_in: Mapping[str, int], members: list[list[Op]
     return out
 
 
-def _remakes(graph: Any, op: Op) -> bool:
+def _remakes(graph: OpGraph, op: Op) -> bool:
     """Whether a block that reads ``op``'s output makes it again rather than import it: a view of
     one tensor, with no weights, whose output takes as many bytes as its input at least (an
     ``unsqueeze``, a ``reshape``, an ``expand``; a slice would make the hop carry more)."""
@@ -313,7 +316,7 @@ class BlockProgram:
             steps.append((fn, args, kwargs, outs, multi, frees))
         self.steps = steps
 
-    def _kernel(self, op: Op) -> Any:
+    def _kernel(self, op: Op) -> Callable[..., Any]:
         """The op's kernel: the registered one, run in columns for the rows counts its spec names for a
         linear layer's weight (``layout.columns_kernel``)."""
         fn = _direct(resolve_target(op.target, op))
@@ -324,12 +327,12 @@ class BlockProgram:
         rows = self.spec.forms.get(w["p"]) if isinstance(w, Mapping) and set(w) == {"p"} else None
         return columns_kernel(rows, fn) if rows else fn
 
-    def _fused(self, fuse: bool) -> dict[int, tuple[Any, tuple[int, ...]]]:
+    def _fused(self, fuse: bool) -> dict[int, tuple[LinearGroupKernel, tuple[int, ...]]]:
         """First op of each linear group whose weights lie end to end -> (its kernel, the group's ops)."""
         if not fuse:
             return {}
         shapes = {n: tuple(p.shape) for n, p in self.spec.params.items()}
-        out: dict[int, tuple[Any, tuple[int, ...]]] = {}
+        out: dict[int, tuple[LinearGroupKernel, tuple[int, ...]]] = {}
         for g in linear_groups(self.spec.ops, shapes):
             weight = span([self.weights[w] for w in g.weights])
             bias = span([self.weights[b] for b in g.biases]) if g.biases else None
@@ -356,8 +359,8 @@ class BlockProgram:
             try:
                 x = imports[name]
             except KeyError:
-                raise SeaBiscuitError(f"block b{self.spec.index} of model {self.spec.model}: import "
-                                      f"{name!r} missing (got {sorted(imports)[:5]})") from None
+                raise InvalidGraph(f"block b{self.spec.index} of model {self.spec.model}: import "
+                                   f"{name!r} missing (got {sorted(imports)[:5]})") from None
             env[name] = x.to(dev) if x.device != dev else x
         with torch.inference_mode():      # NOTE: no autograd bookkeeping at all (2-3% of a decode step)
             for fn, args, kwargs, outs, multi, frees in self.steps:
@@ -389,7 +392,7 @@ def _exported(env: Mapping[str, torch.Tensor], names: Sequence[str], cpu: bool) 
     return out
 
 
-def _direct(fn: Any) -> Any:
+def _direct(fn: Callable[..., Any]) -> Callable[..., Any]:
     """An ATen overload's own C++ callable (what ``OpOverload.__call__`` calls: one Python frame
     less for each of a block's thousands of ops); any other kernel as it is."""
     op = getattr(fn, "_op", None) if isinstance(fn, torch._ops.OpOverload) else None

@@ -13,7 +13,7 @@ Graphs are unchanged: this is how a worker runs the ops a graph names, not a new
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,7 +98,10 @@ def pack_rows(parts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
-def fused_linear(weight: torch.Tensor, bias: torch.Tensor | None, sizes: Sequence[int]) -> Any:
+LinearGroupKernel = Callable[[torch.Tensor], list[torch.Tensor]]     # a group's input -> its tiles' outputs
+
+
+def fused_linear(weight: torch.Tensor, bias: torch.Tensor | None, sizes: Sequence[int]) -> LinearGroupKernel:
     """One kernel for a group: ``linear(x, weight, bias)`` split into the tiles' outputs."""
     cuts = [int(s) for s in sizes]
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Container, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,13 +82,13 @@ class KVStore:
             return {s: max((c.length for c in layers.values()), default=0)
                     for (m, s), layers in self.caches.items() if m == model}
 
-    def cached(self, model: str, session: int, layers: Any) -> int:
+    def cached(self, model: str, session: int, layers: Iterable[int]) -> int:
         """Slots of ``session`` cached in every one of ``layers`` here (0 where one has none)."""
         with self._lock:
             held = self.caches.get((model, int(session))) or {}
             return min((held[int(i)].length if int(i) in held else 0 for i in layers), default=0)
 
-    def ready(self, model: str, spec: Any, imports: Any) -> bool:
+    def ready(self, model: str, spec: Any, imports: Mapping[str, torch.Tensor]) -> bool:
         """Whether the ``sb.kv_attention`` ops of block ``spec`` find, for every live row of the
         step in ``imports``, its session cached up to the row's first slot in their layers:
         what a step that follows another of the same session (a prompt's next chunk) waits for.
@@ -100,7 +100,7 @@ class KVStore:
         return all(self.cached(model, s, layers) >= st
                    for s, st in zip(sessions.flatten().tolist(), start.flatten().tolist()) if s >= 0)
 
-    def drop(self, model: str, sessions: Any = None) -> int:
+    def drop(self, model: str, sessions: Container[int] | None = None) -> int:
         """Forget the caches of ``sessions`` of ``model`` (all when None); returns bytes freed."""
         with self._lock:
             keys = [k for k in self.caches if k[0] == model and (sessions is None or k[1] in sessions)]

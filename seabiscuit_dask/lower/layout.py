@@ -41,6 +41,7 @@ import torch
 from .. import config
 from .. import ops as O
 from ..errors import BadInput
+from ..ir import OpGraph
 from ..timing import median_s
 
 TRANSPOSED = "t"
@@ -138,7 +139,7 @@ def _ref(x: Any) -> tuple[str, str] | None:
     return None
 
 
-def matmul_cases(graph: Any, rows: int | None = None) -> dict[str, Case]:
+def matmul_cases(graph: OpGraph, rows: int | None = None) -> dict[str, Case]:
     """Each 2-D weight a matmul of ``graph`` reads -> the case its kernel runs.
 
     ``rows``: the rows the deployment will multiply (a generation deployment's decode
@@ -210,7 +211,7 @@ def time_case(case: Case, reps: int = 5, cold_bytes: int = COLD_BYTES) -> tuple[
             out.append(transposed(w) if flip else w)
         return out
 
-    def run(ws: list[torch.Tensor]) -> Callable[[], Any]:
+    def run(ws: list[torch.Tensor]) -> Callable[[], list[torch.Tensor]]:
         if case.out_in:
             return lambda: [torch.nn.functional.linear(x, w, b) for w in ws]
         if b is not None:
@@ -245,7 +246,7 @@ def time_columns(case: Case, reps: int = 5, cold_bytes: int = COLD_BYTES) -> tup
         return timed(torch.nn.functional.linear), timed(columns)
 
 
-def decide_forms(graph: Any, timer: Callable[[list[Case]], Mapping[str, tuple[float, float]]],
+def decide_forms(graph: OpGraph, timer: Callable[[list[Case]], Mapping[str, tuple[float, float]]],
                  rows: Iterable[int], only: Iterable[str] | None = None,
                  held: Mapping[str, str] | None = None, min_bytes: int | None = None,
                  margin: float = MARGIN) -> dict[str, list[int]]:
@@ -319,7 +320,7 @@ def held(t: torch.Tensor, layout: str | None) -> torch.Tensor:
     return t
 
 
-def decide(graph: Any, timer: Callable[[list[Case]], Mapping[str, tuple[float, float]]],
+def decide(graph: OpGraph, timer: Callable[[list[Case]], Mapping[str, tuple[float, float]]],
            rows: int | None = None, only: Iterable[str] | None = None,
            min_bytes: int | None = None) -> dict[str, str]:
     """The layouts for ``graph``'s matmul weights of at least ``min_bytes`` (default ``MIN_BYTES``;

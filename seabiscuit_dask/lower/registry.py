@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 import torch
 
 from .. import ops as O
-from ..errors import SeaBiscuitError, UnsupportedOp
+from ..errors import BadInput, UnsupportedOp
 from ..ir import DTYPE_BYTES, Op, OpGraph
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -66,10 +66,10 @@ def register_kernel(target: str, fn: F | None = None, *, replace: bool = False) 
     if fn is None:
         return lambda f: register_kernel(target, f, replace=replace)
     if not isinstance(target, str) or target.count(".") not in (1, 2) or not callable(fn):
-        raise SeaBiscuitError(f"register_kernel: expected a target 'ns.op[.overload]' and a callable, "
-                              f"got {target!r} and {type(fn).__name__}")
+        raise BadInput(f"register_kernel: expected a target 'ns.op[.overload]' and a callable, "
+                       f"got {target!r} and {type(fn).__name__}")
     if target in _kernels and not replace and _kernels[target] is not fn:
-        raise SeaBiscuitError(f"register_kernel: {target} already has a kernel; pass replace=True")
+        raise BadInput(f"register_kernel: {target} already has a kernel; pass replace=True")
     _kernels[target] = fn
     O.declare(target)       # NOTE: an op of the table, so tracing knows it too
     return fn

@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from ..errors import SeaBiscuitError
+from ..errors import ClusterTooSmall, MissingPackage
 from ..ir import OpGraph
 from .capacity import check_fits, weight_capacity
 from .cluster import ClusterSpec
@@ -28,7 +28,7 @@ from .workload import Workload, workload
 
 
 def _fit_or_raise(w: Workload, spec: ClusterSpec, free: np.ndarray, v: int, method: str) -> None:
-    raise SeaBiscuitError(f"{method}: no device has room for op {w.names[v]!r} "
+    raise ClusterTooSmall(f"{method}: no device has room for op {w.names[v]!r} "
                           f"({int(w.weight_bytes[v])} bytes of weights); most free: {int(free.max())} bytes")
 
 
@@ -69,7 +69,7 @@ def metis(graph: OpGraph, spec: ClusterSpec) -> Plan:
     try:
         import pymetis
     except ImportError as e:
-        raise SeaBiscuitError("the METIS baseline needs pymetis: pip install pymetis") from e
+        raise MissingPackage("the METIS baseline needs pymetis: pip install pymetis") from e
     t0 = time.perf_counter()
     w = workload(graph)
     cap = weight_capacity(spec)

@@ -58,7 +58,7 @@ import numpy as np
 import yaml
 
 from ..config import to_bytes
-from ..errors import SeaBiscuitError
+from ..errors import BadClusterSpec, BadConfig, ClusterTooSmall, UnknownWorker
 
 OP_CLASSES = ("matmul", "other")
 MATMUL_KINDS = frozenset({"linear", "matmul", "conv", "conv_transpose", "attention"})
@@ -88,11 +88,11 @@ class LinkSpec:
         try:
             bw, lat = float(d["bandwidth"]), float(d["latency"])
         except (KeyError, TypeError, ValueError) as e:
-            raise SeaBiscuitError(f"{what} needs numeric 'bandwidth' (bytes/s) and 'latency' (s), "
-                                  f"got {dict(d) if isinstance(d, Mapping) else d!r}") from e
+            raise BadClusterSpec(f"{what} needs numeric 'bandwidth' (bytes/s) and 'latency' (s), "
+                                 f"got {dict(d) if isinstance(d, Mapping) else d!r}") from e
         if not bw > 0 or not lat >= 0 or math.isinf(bw):
-            raise SeaBiscuitError(f"{what}: bandwidth must be > 0 and latency >= 0, "
-                                  f"got bandwidth={bw}, latency={lat}")
+            raise BadClusterSpec(f"{what}: bandwidth must be > 0 and latency >= 0, "
+                                 f"got bandwidth={bw}, latency={lat}")
         return cls(bw, lat)
 
 
@@ -123,9 +123,9 @@ class DaskSpec:
         for k in ("task_s", "hop_s", "submit_s", "gather_s"):
             v = getattr(self, k)
             if not (isinstance(v, (int, float)) and 0 <= v < math.inf):
-                raise SeaBiscuitError(f"dask.{k} must be a time in seconds >= 0, got {v!r}")
+                raise BadClusterSpec(f"dask.{k} must be a time in seconds >= 0, got {v!r}")
         if not self.client_bytes_per_s > 0:
-            raise SeaBiscuitError(f"dask.client_bandwidth must be > 0 bytes/s, got {self.client_bytes_per_s}")
+            raise BadClusterSpec(f"dask.client_bandwidth must be > 0 bytes/s, got {self.client_bytes_per_s}")
 
     @property
     def cut_s(self) -> float:
@@ -138,14 +138,14 @@ class DaskSpec:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> DaskSpec:
         if not isinstance(d, Mapping):
-            raise SeaBiscuitError(f"'dask' must map {sorted(DASK_FIELDS)} to numbers, got {d!r}")
+            raise BadClusterSpec(f"'dask' must map {sorted(DASK_FIELDS)} to numbers, got {d!r}")
         unknown = set(d) - set(DASK_FIELDS)
         if unknown:
-            raise SeaBiscuitError(f"dask: unknown fields {sorted(unknown)}; known: {sorted(DASK_FIELDS)}")
+            raise BadClusterSpec(f"dask: unknown fields {sorted(unknown)}; known: {sorted(DASK_FIELDS)}")
         try:
             return cls(**{DASK_FIELDS[k]: float(v) for k, v in d.items()})
         except (TypeError, ValueError) as e:
-            raise SeaBiscuitError(f"dask: every field must be a number: {e}") from e
+            raise BadClusterSpec(f"dask: every field must be a number: {e}") from e
 
 
 NO_DASK = DaskSpec(0.0, 0.0, 0.0, 0.0, math.inf)
@@ -169,31 +169,31 @@ class DeviceSpec:
 
     def __post_init__(self) -> None:
         if not self.name or not isinstance(self.name, str):
-            raise SeaBiscuitError(f"device name must be a non-empty string, got {self.name!r}")
+            raise BadClusterSpec(f"device name must be a non-empty string, got {self.name!r}")
         if self.kind not in ("cpu", "gpu"):
-            raise SeaBiscuitError(f"device {self.name!r}: kind must be 'cpu' or 'gpu', got {self.kind!r}")
+            raise BadClusterSpec(f"device {self.name!r}: kind must be 'cpu' or 'gpu', got {self.kind!r}")
         if not isinstance(self.memory_bytes, int) or self.memory_bytes <= 0:
-            raise SeaBiscuitError(f"device {self.name!r}: memory must be a positive byte count, "
-                                  f"got {self.memory_bytes!r}")
+            raise BadClusterSpec(f"device {self.name!r}: memory must be a positive byte count, "
+                                 f"got {self.memory_bytes!r}")
         missing = [c for c in OP_CLASSES if c not in self.flops_per_s]
         if missing:
-            raise SeaBiscuitError(f"device {self.name!r}: flops_per_s lacks classes {missing} "
-                                  f"(needs {list(OP_CLASSES)})")
+            raise BadClusterSpec(f"device {self.name!r}: flops_per_s lacks classes {missing} "
+                                 f"(needs {list(OP_CLASSES)})")
         for c, v in self.flops_per_s.items():
             if not float(v) > 0:
-                raise SeaBiscuitError(f"device {self.name!r}: flops_per_s[{c!r}] must be > 0, got {v}")
+                raise BadClusterSpec(f"device {self.name!r}: flops_per_s[{c!r}] must be > 0, got {v}")
         if not self.mem_bytes_per_s > 0:
-            raise SeaBiscuitError(f"device {self.name!r}: mem_bytes_per_s must be > 0, "
-                                  f"got {self.mem_bytes_per_s}")
+            raise BadClusterSpec(f"device {self.name!r}: mem_bytes_per_s must be > 0, "
+                                 f"got {self.mem_bytes_per_s}")
         if not self.op_overhead_s >= 0:
-            raise SeaBiscuitError(f"device {self.name!r}: op_overhead_s must be >= 0, "
-                                  f"got {self.op_overhead_s}")
+            raise BadClusterSpec(f"device {self.name!r}: op_overhead_s must be >= 0, "
+                                 f"got {self.op_overhead_s}")
         object.__setattr__(self, "flops_per_s", {c: float(v) for c, v in self.flops_per_s.items()})
         bad = {c: v for c, v in dict(self.scale).items()
                if c not in OP_CLASSES or not 0 < float(v) < math.inf}
         if bad:
-            raise SeaBiscuitError(f"device {self.name!r}: scale must map op classes {list(OP_CLASSES)} to "
-                                  f"positive factors, got {bad}")
+            raise BadClusterSpec(f"device {self.name!r}: scale must map op classes {list(OP_CLASSES)} to "
+                                 f"positive factors, got {bad}")
         object.__setattr__(self, "scale", {c: float(v) for c, v in self.scale.items() if float(v) != 1.0})
 
     def time_scale(self, op_class: str) -> float:
@@ -219,18 +219,18 @@ class DeviceSpec:
         base: dict[str, Any] = {}
         if profile is not None:
             if profile not in PROFILES:
-                raise SeaBiscuitError(f"device {d.get('name')!r}: unknown profile {profile!r}; "
-                                      f"known: {', '.join(PROFILES)}")
+                raise BadClusterSpec(f"device {d.get('name')!r}: unknown profile {profile!r}; "
+                                     f"known: {', '.join(PROFILES)}")
             base = PROFILES[profile].to_dict()
         base.update(d)
         unknown = set(base) - {"name", "kind", "memory", "flops_per_s", "mem_bytes_per_s",
                                "op_overhead_s", "host", "rack", "address", "scale"}
         if unknown:
-            raise SeaBiscuitError(f"device {base.get('name')!r}: unknown fields {sorted(unknown)}")
+            raise BadClusterSpec(f"device {base.get('name')!r}: unknown fields {sorted(unknown)}")
         need = [k for k in ("name", "kind", "memory", "flops_per_s", "mem_bytes_per_s") if k not in base]
         if need:
-            raise SeaBiscuitError(f"device {base.get('name')!r}: missing fields {need} "
-                                  f"(or give a profile: {', '.join(PROFILES)})")
+            raise BadClusterSpec(f"device {base.get('name')!r}: missing fields {need} "
+                                 f"(or give a profile: {', '.join(PROFILES)})")
         try:
             return cls(name=str(base["name"]), kind=str(base["kind"]),
                        memory_bytes=to_bytes(base["memory"], f"device {base['name']!r} memory"),
@@ -241,7 +241,9 @@ class DeviceSpec:
                        address=str(base.get("address", "")),
                        scale={k: float(v) for k, v in dict(base.get("scale") or {}).items()})
         except (TypeError, ValueError) as e:
-            raise SeaBiscuitError(f"device {base.get('name')!r}: {e}") from e
+            raise BadClusterSpec(f"device {base.get('name')!r}: {e}") from e
+        except BadConfig as e:      # NOTE: a memory that is no byte count is the description's fault
+            raise BadClusterSpec(str(e)) from e
 
 
 # Built-in device profiles: a 16 GB data-centre GPU (HBM2, tensor cores) and a
@@ -273,13 +275,17 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+Rows = tuple[tuple[float, ...], ...]
+Matrix = tuple[Rows, Rows]         # (bandwidth, latency), a row and a column per device
+
+
 @dataclass(frozen=True)
 class ClusterSpec:
     """Devices and links of a cluster. Frozen; ``without``/``with_device`` return new specs."""
 
     devices: tuple[DeviceSpec, ...]
     links: Mapping[str, LinkSpec] = field(default_factory=lambda: dict(DEFAULT_LINKS))
-    matrix: tuple[tuple[tuple[float, ...], ...], tuple[tuple[float, ...], ...]] | None = None
+    matrix: Matrix | None = None
     dask: DaskSpec = field(default_factory=DaskSpec)
     relays: tuple[tuple[str, str, str], ...] = ()       # (from, to, via) device names
 
@@ -287,26 +293,26 @@ class ClusterSpec:
         object.__setattr__(self, "devices", tuple(self.devices))
         object.__setattr__(self, "relays", tuple(tuple(str(x) for x in r) for r in self.relays))
         if not isinstance(self.dask, DaskSpec):
-            raise SeaBiscuitError(f"ClusterSpec.dask must be a DaskSpec, got {type(self.dask).__name__}")
+            raise BadClusterSpec(f"ClusterSpec.dask must be a DaskSpec, got {type(self.dask).__name__}")
         if not self.devices:
-            raise SeaBiscuitError("a cluster needs at least one device, got none")
+            raise BadClusterSpec("a cluster needs at least one device, got none")
         names = [d.name for d in self.devices]
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
-            raise SeaBiscuitError(f"device names must be unique; repeated: {dup}")
+            raise BadClusterSpec(f"device names must be unique; repeated: {dup}")
         missing = [lvl for lvl in TOPOLOGY_LEVELS if lvl not in self.links]
         if missing and self.matrix is None:
-            raise SeaBiscuitError(f"links lack topology levels {missing} (needs {list(TOPOLOGY_LEVELS)})")
+            raise BadClusterSpec(f"links lack topology levels {missing} (needs {list(TOPOLOGY_LEVELS)})")
         if self.matrix is not None:
             n = len(self.devices)
             for what, m in zip(("bandwidth", "latency"), self.matrix):
                 if len(m) != n or any(len(r) != n for r in m):
-                    raise SeaBiscuitError(f"matrix.{what} must be {n}x{n} (one row and column per "
-                                          f"device), got {len(m)} rows")
+                    raise BadClusterSpec(f"matrix.{what} must be {n}x{n} (one row and column per "
+                                         f"device), got {len(m)} rows")
             bw, lat = np.array(self.matrix[0]), np.array(self.matrix[1])
             off = ~np.eye(n, dtype=bool)
             if not ((bw[off] > 0).all() and (lat[off] >= 0).all()):
-                raise SeaBiscuitError("matrix: every off-diagonal bandwidth must be > 0 and latency >= 0")
+                raise BadClusterSpec("matrix: every off-diagonal bandwidth must be > 0 and latency >= 0")
         self._check_relays()
 
     def _check_relays(self) -> None:
@@ -314,14 +320,14 @@ class ClusterSpec:
         pairs = [(a, b) for a, b, _ in self.relays]
         for r in self.relays:
             if len(r) != 3 or not set(r) <= names or len(set(r)) != 3:
-                raise SeaBiscuitError(f"relay {list(r)}: a relay is [from, to, via], three different devices "
-                                      f"of the cluster (devices: {sorted(names)[:8]})")
+                raise BadClusterSpec(f"relay {list(r)}: a relay is [from, to, via], three different devices "
+                                     f"of the cluster (devices: {sorted(names)[:8]})")
             if (r[0], r[2]) in pairs or (r[2], r[1]) in pairs:
-                raise SeaBiscuitError(f"relay {list(r)}: a leg of it is relayed itself; a transfer takes "
-                                      "one relay at most")
+                raise BadClusterSpec(f"relay {list(r)}: a leg of it is relayed itself; a transfer takes "
+                                     "one relay at most")
         if len(set(pairs)) != len(pairs):
             twice = next(p for p in pairs if pairs.count(p) > 1)
-            raise SeaBiscuitError(f"relays name the pair {twice} twice; a pair has one route")
+            raise BadClusterSpec(f"relays name the pair {twice} twice; a pair has one route")
 
     # --- construction ---------------------------------------------------------------
     @classmethod
@@ -337,7 +343,7 @@ class ClusterSpec:
         """
         base = dict(PRESETS.get(preset, {})) if preset else {}
         if preset and preset not in PRESETS:
-            raise SeaBiscuitError(f"unknown cluster preset {preset!r}; known: {', '.join(PRESETS)}")
+            raise BadClusterSpec(f"unknown cluster preset {preset!r}; known: {', '.join(PRESETS)}")
         for k, v in {"hosts": hosts, "gpus_per_host": gpus_per_host, "cpus_per_host": cpus_per_host,
                      "hosts_per_rack": hosts_per_rack}.items():
             if v is not None:
@@ -347,12 +353,12 @@ class ClusterSpec:
             n_gpu, n_cpu = int(base.get("gpus_per_host", 0)), int(base.get("cpus_per_host", 1))
             per_rack = int(base.get("hosts_per_rack", n_hosts))
         except (TypeError, ValueError) as e:
-            raise SeaBiscuitError(f"synthetic cluster counts must be integers: {e}") from e
+            raise BadClusterSpec(f"synthetic cluster counts must be integers: {e}") from e
         if per_rack < 1:
-            raise SeaBiscuitError(f"hosts_per_rack must be >= 1, got {per_rack}")
+            raise BadClusterSpec(f"hosts_per_rack must be >= 1, got {per_rack}")
         if n_hosts < 1 or n_gpu < 0 or n_cpu < 0 or n_gpu + n_cpu < 1:
-            raise SeaBiscuitError(f"synthetic cluster needs >= 1 host with >= 1 device, got hosts={n_hosts}, "
-                                  f"gpus_per_host={n_gpu}, cpus_per_host={n_cpu}")
+            raise BadClusterSpec(f"synthetic cluster needs >= 1 host with >= 1 device, got hosts={n_hosts}, "
+                                 f"gpus_per_host={n_gpu}, cpus_per_host={n_cpu}")
         gpu_mem = to_bytes(gpu_memory, "gpu_memory") if gpu_memory is not None else None
         cpu_mem = to_bytes(cpu_memory, "cpu_memory") if cpu_memory is not None else None
         devices = []
@@ -376,22 +382,22 @@ class ClusterSpec:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> ClusterSpec:
         if not isinstance(d, Mapping):
-            raise SeaBiscuitError(f"a cluster description must be a mapping, got {type(d).__name__}")
+            raise BadClusterSpec(f"a cluster description must be a mapping, got {type(d).__name__}")
         dask = DaskSpec.from_dict(d["dask"]) if d.get("dask") is not None else DaskSpec()
         if "preset" in d:
             return replace(cls.synthetic(str(d["preset"])), dask=dask)
         devs = d.get("devices")
         if not isinstance(devs, Sequence) or isinstance(devs, str) or not all(
                 isinstance(x, Mapping) for x in devs):
-            raise SeaBiscuitError("a cluster description needs a 'devices' list of mappings "
-                                  f"(or a 'preset'), got {devs!r}")
+            raise BadClusterSpec("a cluster description needs a 'devices' list of mappings "
+                                 f"(or a 'preset'), got {devs!r}")
         if not isinstance(d.get("links") or {}, Mapping):
-            raise SeaBiscuitError(f"'links' must map topology levels to links, got {d['links']!r}")
+            raise BadClusterSpec(f"'links' must map topology levels to links, got {d['links']!r}")
         devices = tuple(DeviceSpec.from_dict(x) for x in d["devices"])
         links = dict(DEFAULT_LINKS)
         for lvl, ld in dict(d.get("links") or {}).items():
             if lvl not in TOPOLOGY_LEVELS:
-                raise SeaBiscuitError(f"unknown link level {lvl!r}; known: {list(TOPOLOGY_LEVELS)}")
+                raise BadClusterSpec(f"unknown link level {lvl!r}; known: {list(TOPOLOGY_LEVELS)}")
             links[lvl] = LinkSpec.from_dict(ld, f"link {lvl!r}")
         matrix = None
         if d.get("matrix") is not None:
@@ -400,11 +406,11 @@ class ClusterSpec:
                 matrix = tuple(tuple(tuple(float(x) for x in row) for row in m[k])
                                for k in ("bandwidth", "latency"))
             except (KeyError, TypeError, ValueError) as e:
-                raise SeaBiscuitError(f"matrix needs numeric 'bandwidth' and 'latency' lists: {e}") from e
+                raise BadClusterSpec(f"matrix needs numeric 'bandwidth' and 'latency' lists: {e}") from e
         relays = d.get("relays") or ()
         if not isinstance(relays, Sequence) or not all(isinstance(r, Sequence) and not isinstance(r, str)
                                                        for r in relays):
-            raise SeaBiscuitError(f"'relays' must be a list of [from, to, via] device names, got {relays!r}")
+            raise BadClusterSpec(f"'relays' must be a list of [from, to, via] device names, got {relays!r}")
         return cls(devices, links, matrix, dask, tuple(tuple(r) for r in relays))  # type: ignore[arg-type]
 
     @classmethod
@@ -414,9 +420,9 @@ class ClusterSpec:
         try:
             data = yaml.safe_load(p.read_text())
         except OSError as e:
-            raise SeaBiscuitError(f"cannot read cluster file {str(p)!r}: {e}") from e
+            raise BadClusterSpec(f"cannot read cluster file {str(p)!r}: {e}") from e
         except yaml.YAMLError as e:
-            raise SeaBiscuitError(f"cluster file {str(p)!r} is not valid YAML: {e}") from e
+            raise BadClusterSpec(f"cluster file {str(p)!r} is not valid YAML: {e}") from e
         return cls.from_dict(data)
 
     def to_dict(self) -> dict[str, Any]:
@@ -440,12 +446,12 @@ class ClusterSpec:
         for i, d in enumerate(self.devices):
             if d.address and d.address == name:
                 return i
-        raise SeaBiscuitError(f"no device {name!r} in the cluster; devices: {list(self.names)}")
+        raise UnknownWorker(f"no device {name!r} in the cluster; devices: {list(self.names)}")
 
     def without(self, name: str) -> ClusterSpec:
         i = self.index(name)
         if len(self.devices) == 1:
-            raise SeaBiscuitError(f"cannot remove {name!r}: it is the cluster's last device")
+            raise ClusterTooSmall(f"cannot remove {name!r}: it is the cluster's last device")
         matrix = None
         if self.matrix is not None:
             matrix = tuple(tuple(r[:i] + r[i + 1:] for j, r in enumerate(m) if j != i) for m in self.matrix)
@@ -461,7 +467,7 @@ class ClusterSpec:
         return replace(self, devices=(*self.devices, device),
                        matrix=None if self.matrix is None else self._matrix_with(device))
 
-    def _matrix_with(self, device: DeviceSpec) -> Any:
+    def _matrix_with(self, device: DeviceSpec) -> Matrix:
         n = len(self.devices)
         peer = next((i for i, d in enumerate(self.devices) if d.where == device.where), -1)
         mates = [j for j, d in enumerate(self.devices) if d.where == device.where and j != peer]
@@ -484,7 +490,7 @@ class ClusterSpec:
             grown[:n, :n], grown[n, :n], grown[:n, n] = a, row, col
             grown[n, n] = diag if not math.isinf(diag) else 0.0
             out.append(tuple(tuple(float(x) for x in r) for r in grown))
-        return tuple(out)
+        return out[0], out[1]
 
     def with_changes(self, name: str, **changes: Any) -> ClusterSpec:
         i = self.index(name)
@@ -499,7 +505,7 @@ class ClusterSpec:
         measured; the other links stay as they are (a measured matrix is made if there is none)."""
         i, j = self.index(a), self.index(b)
         if i == j:
-            raise SeaBiscuitError(f"a link joins two devices; {a!r} and {b!r} are one")
+            raise BadClusterSpec(f"a link joins two devices; {a!r} and {b!r} are one")
         bw, lat = self.direct_bandwidth.copy(), self.direct_latency.copy()
         np.fill_diagonal(bw, 0.0)
         bw[i, j], lat[i, j] = link.bandwidth_bytes_per_s, link.latency_s

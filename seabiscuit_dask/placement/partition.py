@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ClusterTooSmall, SeaBiscuitError
+from ..errors import ClusterTooSmall, InvalidGraph
 from ..ir import OpGraph
 from ..pauses import no_gc
 from .capacity import check_fits, weight_capacity
@@ -74,7 +74,7 @@ def place(graph: OpGraph, spec: ClusterSpec, *, refine_passes: int = 4) -> Plan:
     """
     t0 = _time.perf_counter()
     if not graph.ops:
-        raise SeaBiscuitError("the graph has no ops to place")
+        raise InvalidGraph("the graph has no ops to place")
     with no_gc():
         return _place_all(graph, spec, refine_passes, t0)
 

@@ -42,9 +42,10 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import numpy.typing as npt
 
 from ..config import MAX_BYTES, MAX_BYTES_TEXT
-from ..errors import ClusterTooSmall, SeaBiscuitError
+from ..errors import BadClusterSpec, BadPlan, ClusterTooSmall
 from ..ir import OpGraph, fmt_bytes, is_count
 from .cluster import ClusterSpec
 from .simulate import Schedule, simulate
@@ -150,9 +151,9 @@ def check_spec(spec: ClusterSpec) -> ClusterSpec:
     Returns the spec."""
     for d in spec.devices:
         if d.memory_bytes > MAX_BYTES:
-            raise SeaBiscuitError(f"device {d.name!r} claims {fmt_bytes(d.memory_bytes)} ({d.memory_bytes} "
-                                  f"bytes) of memory; a device has at most {MAX_BYTES_TEXT}: give the "
-                                  "memory it has")
+            raise BadClusterSpec(f"device {d.name!r} claims {fmt_bytes(d.memory_bytes)} ({d.memory_bytes} "
+                                 f"bytes) of memory; a device has at most {MAX_BYTES_TEXT}: give the "
+                                 "memory it has")
         speeds = {f"flops_per_s[{c!r}]": v for c, v in d.flops_per_s.items()}
         _finite(f"device {d.name!r}", {**speeds, "mem_bytes_per_s": d.mem_bytes_per_s,
                                        "op_overhead_s": d.op_overhead_s})
@@ -166,8 +167,8 @@ def check_spec(spec: ClusterSpec) -> ClusterSpec:
 def _finite(what: str, figures: Mapping[str, float]) -> None:
     bad = {k: v for k, v in figures.items() if not math.isfinite(v)}
     if bad:
-        raise SeaBiscuitError(f"{what}: {', '.join(f'{k} = {v}' for k, v in bad.items())}; every figure of "
-                              "a cluster must be a finite number (measure it, or leave it to a profile)")
+        raise BadClusterSpec(f"{what}: {', '.join(f'{k} = {v}' for k, v in bad.items())}; every figure of "
+                             "a cluster must be a finite number (measure it, or leave it to a profile)")
 
 
 def fingerprint(graph: OpGraph) -> str:
@@ -457,31 +458,31 @@ class Plan:
         try:
             return cls._from_dict(d, graph)
         except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise SeaBiscuitError(f"plan document is malformed: {type(e).__name__}: {e}") from e
+            raise BadPlan(f"plan document is malformed: {type(e).__name__}: {e}") from e
 
     @classmethod
     def _from_dict(cls, d: Mapping[str, Any], graph: OpGraph) -> Plan:
         if d.get("schema") != PLAN_SCHEMA:
-            raise SeaBiscuitError(f"plan schema {d.get('schema')!r} is not supported "
-                                  f"(expected {PLAN_SCHEMA})")
+            raise BadPlan(f"plan schema {d.get('schema')!r} is not supported "
+                          f"(expected {PLAN_SCHEMA})")
         g = d.get("graph", {})
         if g.get("ops") != len(graph.ops) or g.get("fingerprint") != fingerprint(graph):
-            raise SeaBiscuitError(f"plan was made for graph {g.get('name')!r} with {g.get('ops')} ops; "
-                                  f"this graph has {len(graph.ops)} ops and other names")
+            raise BadPlan(f"plan was made for graph {g.get('name')!r} with {g.get('ops')} ops; "
+                          f"this graph has {len(graph.ops)} ops and other names")
         spec = check_spec(ClusterSpec.from_dict(d["cluster"]))
         assignment = d["assignment"]
         missing = [op.name for op in graph.ops if op.name not in assignment]
         if missing:
-            raise SeaBiscuitError(f"plan assigns no device to {len(missing)} op(s), e.g. {missing[0]!r}")
+            raise BadPlan(f"plan assigns no device to {len(missing)} op(s), e.g. {missing[0]!r}")
         if len(assignment) != len(graph.ops):
             extra = next(n for n in assignment if n not in graph.op_by_name)
-            raise SeaBiscuitError(f"plan assigns devices to {len(assignment) - len(graph.ops)} op(s) the "
-                                  f"graph does not have, e.g. {extra!r}")
+            raise BadPlan(f"plan assigns devices to {len(assignment) - len(graph.ops)} op(s) the "
+                          f"graph does not have, e.g. {extra!r}")
         idx = {n: i for i, n in enumerate(spec.names)}
         try:
             dev = np.array([idx[assignment[op.name]] for op in graph.ops], dtype=np.int64)
         except KeyError as e:
-            raise SeaBiscuitError(f"plan names device {e.args[0]!r}, not in its cluster") from None
+            raise BadPlan(f"plan names device {e.args[0]!r}, not in its cluster") from None
         stats = d.get("stats", {})
         info: dict[str, Any] = {"phases_from": (ph, len(graph.ops), len(graph.ops))} \
             if (ph := _block_phases(d.get("blocks"), graph, workload(graph), dev)) is not None else {}
@@ -489,8 +490,8 @@ class Plan:
             info["fused"] = True
         planning_s = float(stats.get("planning_s", 0.0))
         if not 0 <= planning_s < math.inf:
-            raise SeaBiscuitError(f"plan stats.planning_s is {planning_s}: a time is a finite number of "
-                                  "seconds >= 0")
+            raise BadPlan(f"plan stats.planning_s is {planning_s}: a time is a finite number of "
+                          "seconds >= 0")
         return cls(graph, spec, dev, method=str(d.get("method", "loaded")), planning_s=planning_s, info=info)
 
     @classmethod
@@ -498,27 +499,27 @@ class Plan:
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:
-            raise SeaBiscuitError(f"plan is not valid JSON: {e}") from e
+            raise BadPlan(f"plan is not valid JSON: {e}") from e
         return cls.from_dict(data, graph)
 
 
-def device_indices(device_of: Any, graph: OpGraph, spec: ClusterSpec) -> np.ndarray:
+def device_indices(device_of: npt.ArrayLike, graph: OpGraph, spec: ClusterSpec) -> np.ndarray:
     """``device_of`` as int64, checked: one int per op of ``graph``, each a device of ``spec``."""
     raw = np.asarray(device_of)
     n_ops, n_dev = len(graph.ops), len(spec.devices)
     if raw.shape != (n_ops,):
-        raise SeaBiscuitError(f"a plan needs one device per op: {n_ops} ops, "
-                              f"{raw.shape[0] if raw.ndim else 0} devices given")
+        raise BadPlan(f"a plan needs one device per op: {n_ops} ops, "
+                      f"{raw.shape[0] if raw.ndim else 0} devices given")
     if raw.size and raw.dtype.kind not in "iu":
-        raise SeaBiscuitError(f"a plan's devices are indices into its cluster, ints; got {raw.dtype} "
-                              f"values such as {raw[0].item()!r}")
+        raise BadPlan(f"a plan's devices are indices into its cluster, ints; got {raw.dtype} "
+                      f"values such as {raw[0].item()!r}")
     dev = np.asarray(raw, dtype=np.int64)
     bad = np.flatnonzero((dev < 0) | (dev >= n_dev))
     if len(bad):
         i = int(bad[0])
-        raise SeaBiscuitError(f"plan puts op {graph.ops[i].name!r} (#{i}) on device {int(dev[i])}, and "
-                              f"{len(bad) - 1} more op(s) out of range: the cluster has devices "
-                              f"0..{n_dev - 1}")
+        raise BadPlan(f"plan puts op {graph.ops[i].name!r} (#{i}) on device {int(dev[i])}, and "
+                      f"{len(bad) - 1} more op(s) out of range: the cluster has devices "
+                      f"0..{n_dev - 1}")
     return dev
 
 
@@ -533,13 +534,13 @@ def _block_phases(blocks: Any, graph: OpGraph, w: Workload, dev: np.ndarray) -> 
     for b in blocks:
         phase = b["phase"]
         if not is_count(phase) or phase > len(graph.ops):
-            raise SeaBiscuitError(f"plan block {b.get('name')!r} has phase {phase!r}: a phase is an int "
-                                  f"from 0 to the graph's {len(graph.ops)} ops")
+            raise BadPlan(f"plan block {b.get('name')!r} has phase {phase!r}: a phase is an int "
+                          f"from 0 to the graph's {len(graph.ops)} ops")
         ph[[index[name] for name in b["ops"]]] = phase
     eu, ev = w.edges
     if (ph < 0).any() or (ph[ev] < ph[eu] + (dev[eu] != dev[ev])).any():
-        raise SeaBiscuitError("plan blocks do not cover every op in phase order: a block would wait "
-                              "on a later one")
+        raise BadPlan("plan blocks do not cover every op in phase order: a block would wait "
+                      "on a later one")
     return ph
 
 

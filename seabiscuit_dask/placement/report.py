@@ -40,7 +40,7 @@ import numpy as np
 
 from .. import ops as O
 from ..errors import BadInput, ClusterTooSmall
-from ..ir import DTYPE_BYTES, OpGraph, fmt_bytes
+from ..ir import DTYPE_BYTES, Op, OpGraph, fmt_bytes
 from .plan import Plan
 from .replan import DeviceLost, replan
 from .workload import workload
@@ -167,11 +167,11 @@ def cache_devices(plan: Plan) -> dict[int, int]:
     return {layer: v.most_common(1)[0][0] for layer, v in votes.items()}
 
 
-def _attention_by_layer(graph: OpGraph) -> dict[int, list[Any]]:
+def _attention_by_layer(graph: OpGraph) -> dict[int, list[Op]]:
     """Attention ops grouped by cache layer: the ``layer`` argument of a cache attention, else the
     layer number in the op's scope (as ``workload`` charges the KV reservation)."""
     w = workload(graph)
-    out: dict[int, list[Any]] = {}
+    out: dict[int, list[Op]] = {}
     for i, op in enumerate(graph.ops):
         if op.kind == "kv_attention":
             out.setdefault(int(op.attrs["args"][6]), []).append(op)

@@ -30,7 +30,7 @@ from typing import Protocol
 
 import numpy as np
 
-from ..errors import SeaBiscuitError
+from ..errors import BadInput, BadPlan
 from ..ir import OpGraph
 from .cluster import ClusterSpec, DaskSpec
 from .workload import Workload, workload
@@ -136,12 +136,12 @@ def simulate(plan: Placed, dask: DaskSpec | None = None) -> Schedule:
 
 
 def _check_finished(finish: np.ndarray, plan: Placed) -> None:
-    """``SeaBiscuitError`` when a block never ran: it waits for inputs that never come."""
+    """``BadPlan`` when a block never ran: it waits for inputs that never come."""
     if len(finish) and (finish < 0).any():
         stuck = [b for b in range(len(finish)) if finish[b] < 0]
         where = plan.spec.names[int(plan.block_device[stuck[0]])]
-        raise SeaBiscuitError(f"plan deadlocks: {len(stuck)} block(s) wait for inputs that never come "
-                              f"(first: block {stuck[0]} on {where!r})")
+        raise BadPlan(f"plan deadlocks: {len(stuck)} block(s) wait for inputs that never come "
+                      f"(first: block {stuck[0]} on {where!r})")
 
 
 def _op_times(block_of: np.ndarray, t_op: np.ndarray, start: np.ndarray,
@@ -261,7 +261,7 @@ def lower_bound_s(plan_or_graph: Placed | OpGraph, spec: ClusterSpec | None = No
     else:
         graph, spec = plan_or_graph.graph, plan_or_graph.spec
     if spec is None:
-        raise SeaBiscuitError("lower_bound_s needs a cluster spec")
+        raise BadInput("lower_bound_s needs a cluster spec")
     w = workload(graph)
     times = w.times(spec)
     fastest = times.min(axis=1)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
 
 import numpy as np
 
@@ -117,7 +116,7 @@ class Workload:
         return col
 
     @cached_property
-    def _times_cache(self) -> dict[tuple[Any, ...], np.ndarray]:
+    def _times_cache(self) -> dict[tuple[str | float, ...], np.ndarray]:
         return {}
 
     @cached_property

@@ -40,7 +40,7 @@ from ..errors import AccessDenied, SeaBiscuitError, UnknownWorker, WorkerHung
 from ..ir import OpGraph
 from ..lower.blocks import parse_key
 from ..lower.registry import require_registered
-from ..placement import CapacityChanged, DeviceAdded, DeviceLost, Plan
+from ..placement import CapacityChanged, DeviceAdded, DeviceLost, DeviceSpec, Plan
 from ..runtime import access, agent
 from ..runtime.discover import device_from_report, device_name
 from ..runtime.events import TOPIC
@@ -48,6 +48,7 @@ from ..runtime.scheduler.events import (
     BlockRan,
     DeviceDrained,
     DeviceRestored,
+    Event,
     ForModel,
     Instruction,
     LinksObserved,
@@ -229,7 +230,7 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
             graph = self.state.models[model].plan.graph if model in self.state.models else None
             self._background_task(self._release(model, graph))
 
-    async def _drop_store(self, model: str, graph: Any) -> None:
+    async def _drop_store(self, model: str, graph: OpGraph) -> None:
         """Remove the weight store of a model whose client left (it cannot remove it now)."""
         try:
             for folder in await asyncio.to_thread(remove_store, graph):
@@ -316,7 +317,7 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
         self.events.append({k: v for k, v in msg.items() if k != "plan"} | {"time": time.time()})
         self.scheduler.log_event(TOPIC, msg)
 
-    def _device_of(self, address: str, report: dict[str, Any] | None = None) -> Any:
+    def _device_of(self, address: str, report: dict[str, Any] | None = None) -> DeviceSpec | None:
         """A DeviceSpec for a worker, from its agent's report (or a device of its host), else None.
 
         Its speeds are those of the devices of its host already known (same kind) when
@@ -346,7 +347,7 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
                              mem_bytes_per_s=like[0].mem_bytes_per_s, op_overhead_s=like[0].op_overhead_s)
         return device
 
-    async def _event(self, event: Any) -> dict[str, Any]:
+    async def _event(self, event: Event) -> dict[str, Any]:
         """Handle ``event``, and return once every worker holds what the new plans give it."""
         t0 = time.perf_counter()
         ins = self.state.handle(event)
@@ -499,7 +500,7 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
         await self._release(model)
         return True
 
-    async def _release(self, model: str, store_of: Any = None) -> None:
+    async def _release(self, model: str, store_of: OpGraph | None = None) -> None:
         """Forget ``model`` everywhere; with ``store_of`` (its graph), remove its weight store too."""
         self._apply(self.state.handle(ModelReleased(model)))     # NOTE: fenced workers drop it on return
         self.activity.forget(model)

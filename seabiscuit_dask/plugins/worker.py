@@ -20,7 +20,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
 from distributed import WorkerPlugin
@@ -33,7 +33,7 @@ from ..errors import AccessDenied, BadInput, WorkerLost
 from ..lower.blocks import BlockSpec
 from ..runtime import access, agent
 from ..runtime.dataplane import DataPlane, Links, Tensors, decode_loop, timed
-from ..runtime.dataplane.host import Outcome
+from ..runtime.dataplane.host import Imports, Outcome
 from ..runtime.dataplane.ordered import OrderedExecutor
 from ..runtime.dataplane.streams import Overrun, Receiving, admit, opener, serve
 from ..runtime.dataplane.wire import inline
@@ -41,6 +41,9 @@ from ..runtime.resident import ResidentBlocks
 from ..runtime.tasks import PLUGIN_NAME, fetch_spec
 from ..runtime.watch import seconds
 from .refusing import refusing
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -278,7 +281,7 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
                                    tokens: str = "") -> Any:
         """A decode loop's steps' outputs, written down ``comm`` one message each as they are made
         (``DataPlane.follow``), till the last, the first failure, or the caller's closing ``comm``."""
-        async def write(request: int, out: dict[int, Any] | None, error: BaseException | None) -> None:
+        async def write(request: int, out: dict[int, Tensors] | None, error: BaseException | None) -> None:
             if error is not None:
                 logger.info("seabiscuit: step %s of a decode loop of %s (for %s) failed: %s: %s", request,
                             model, comm.peer_address, type(error).__name__, error)
@@ -454,11 +457,11 @@ class WorkerHost:
         self.executor = plugin._pool
         self._timed = timed(self._run, self.address)
 
-    def compute(self, model: str, version: int, request: int, block: int,
-                imports: Mapping[str, Any]) -> Outcome:
+    def compute(self, model: str, version: int, request: int, block: int, imports: Imports) -> Outcome:
         return self._timed(model, version, request, block, imports)
 
-    def _run(self, model: str, version: int, request: int, block: int, imports: Mapping[str, Any]) -> Any:
+    def _run(self, model: str, version: int, request: int, block: int,
+             imports: Imports) -> tuple[dict[str, torch.Tensor], str]:
         return self.resident.run(model, version, request, block, imports, (), self._fetch)
 
     def spec_of(self, model: str, version: int, block: int) -> BlockSpec | None:
@@ -474,7 +477,7 @@ class WorkerHost:
     def version_of(self, model: str) -> int:
         return self.resident.versions.get(model, -1)
 
-    def ready(self, model: str, version: int, block: int, imports: Mapping[str, Any]) -> bool:
+    def ready(self, model: str, version: int, block: int, imports: Imports) -> bool:
         """Whether a block of a prompt's later chunk finds its sessions cached up to its first slot
         here (its run holds it until then)."""
         spec = self.spec_of(model, version, block)
@@ -492,7 +495,7 @@ class WorkerHost:
     async def check(self, model: str, ticket: Any) -> str:
         return await self.plugin._check_ticket(model, ticket)
 
-    def _fetch(self, model: str, version: int, block: int) -> Any:
+    def _fetch(self, model: str, version: int, block: int) -> Mapping[str, Any]:
         return fetch_spec(model, version, block, self.worker)
 
 

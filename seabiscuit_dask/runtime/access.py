@@ -20,7 +20,7 @@ from typing import Any
 
 from .. import config
 from ..errors import AccessDenied
-from ..ir import OpGraph, fmt_bytes
+from ..ir import OpGraph, ParamSource, fmt_bytes
 
 MODEL_ID = re.compile(r"[0-9a-f]{16}")
 
@@ -86,7 +86,7 @@ def check_path(path: Any, what: str) -> Path:
     return p
 
 
-def check_source(source: Any) -> None:
+def check_source(source: ParamSource) -> None:
     """A param's weights file lies inside the roots; a ``raw`` one (bytes at an offset, no header
     to check) must be an ONNX model's external data: its folder, or one of the three above it
     that is not itself a root, holds an ``.onnx`` file. So a payload cannot read arbitrary bytes

@@ -26,12 +26,13 @@ import statistics
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
 from .. import config
 from ..errors import ClusterTooSmall, DeviceUnavailable, SeaBiscuitError
-from ..placement.cluster import DEFAULT_LINKS, ClusterSpec, DaskSpec, DeviceSpec, LinkSpec
+from ..placement.cluster import DEFAULT_LINKS, ClusterSpec, DaskSpec, DeviceSpec, LinkSpec, Matrix
 from ..timing import median_s
 
 PROBE_BYTES = 8 * 2**20
@@ -112,7 +113,7 @@ def nvml_link(a: dict[str, Any], b: dict[str, Any]) -> LinkSpec | None:
     return None
 
 
-def topology_matrix(spec: ClusterSpec, infos: list[dict[str, Any]]) -> Any:
+def topology_matrix(spec: ClusterSpec, infos: list[dict[str, Any]]) -> Matrix | None:
     """The link matrix of ``spec`` (its devices in the order of ``infos``) by topology level, with
     NVML's figure for each pair of GPU workers on one host where the agents know it; None when
     NVML knows no pair (the levels say it all)."""
@@ -122,8 +123,9 @@ def topology_matrix(spec: ClusterSpec, infos: list[dict[str, Any]]) -> Any:
         return None
     n = len(infos)
     links = [[known.get((a, b)) or spec.links[spec.level(a, b)] for b in range(n)] for a in range(n)]
-    return tuple(tuple(tuple(0.0 if a == b else getattr(links[a][b], f) for b in range(n)) for a in range(n))
-                 for f in ("bandwidth_bytes_per_s", "latency_s"))
+    bw, lat = (tuple(tuple(0.0 if a == b else getattr(links[a][b], f) for b in range(n)) for a in range(n))
+               for f in ("bandwidth_bytes_per_s", "latency_s"))
+    return bw, lat
 
 
 def _payload(nbytes: int) -> bytes:
@@ -226,7 +228,8 @@ def measure_dask(client: Any, worker: str, *, chain: int = 12, wide: int = 48, r
 
 
 def probe_links(client: Any, infos: list[dict[str, Any]],
-                probe: Any = probe_link) -> tuple[Any, dict[tuple[str, str], LinkSpec]]:
+                probe: Callable[[Any, str, str], LinkSpec] = probe_link
+                ) -> tuple[Matrix, dict[tuple[str, str], LinkSpec]]:
     """The measured link matrix between the workers of ``infos`` (bandwidth, latency), and the
     link measured for each host pair (``(h, h)``: inside host h). One pair of workers stands
     for each pair of hosts; workers alone on their host have no inner link to measure.
@@ -367,20 +370,20 @@ async def _rpc_trip_s(address: str, reps: int, dask_worker: Any = None, rpc: Any
     return float(statistics.median(times))
 
 
-# NOTE: releases of models their callers dropped unclosed (``client._release_dropped``), still on
+# NOTE: releases of models their callers dropped unclosed (``client.model._release_dropped``), still on
 # their way: a measurement waits for them, so what they held counts as free
 _releasing: set[concurrent.futures.Future[Any]] = set()
 _releasing_lock = threading.Lock()
 RELEASE_WAIT_S = 30.0
 
 
-def releasing(release: concurrent.futures.Future[Any], on_error: Any) -> None:
+def releasing(release: concurrent.futures.Future[Any], on_error: Callable[[BaseException], None]) -> None:
     """Count ``release`` as on its way until it is done; ``on_error(exception)`` if it fails."""
     def done(f: concurrent.futures.Future[Any]) -> None:
         with _releasing_lock:
             _releasing.discard(f)
-        if not f.cancelled() and f.exception() is not None:
-            on_error(f.exception())
+        if not f.cancelled() and (error := f.exception()) is not None:
+            on_error(error)
 
     with _releasing_lock:
         _releasing.add(release)

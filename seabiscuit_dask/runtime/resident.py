@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +35,11 @@ COUNTERS = ("block_runs", "resumed_from_checkpoint", "checkpoints_written", "che
             "corrupt_tiles", "corrupt_checkpoints", "prefetched_blocks")
 
 
-def tile_key(p: ParamSpec) -> tuple[Any, ...]:
+# a tile's identity: its source's key, slices, file and dtype (and an inline constant's shape and contents)
+TileKey = tuple[Hashable, ...]
+
+
+def tile_key(p: ParamSpec) -> TileKey:
     # NOTE: inline constants are named by their tracer (``_tensor_constant0``): programs traced at
     # other shapes reuse the names for other values, so their contents are part of the key
     inline = (p.shape, hash(p.source.data)) if p.source.kind == "inline" else ()
@@ -62,8 +66,8 @@ class ResidentBlocks:
         self.host_budget_bytes = int(host_budget_bytes if host_budget_bytes is not None else budget_bytes)
         self._running = threading.local()             # the device of the block this thread runs
         self.programs: dict[tuple[str, int], BlockProgram] = {}
-        self.tiles: dict[str, dict[tuple[Any, ...], torch.Tensor]] = {}
-        self.tile_crc: dict[str, dict[tuple[Any, ...], int]] = {}
+        self.tiles: dict[str, dict[TileKey, torch.Tensor]] = {}
+        self.tile_crc: dict[str, dict[TileKey, int]] = {}
         self.versions: dict[str, int] = {}
         self.released: set[str] = set()              # model ids are never reused
         self.checkpoint_dirs: dict[str, Path] = {}
@@ -71,7 +75,7 @@ class ResidentBlocks:
         self.counters = dict.fromkeys(COUNTERS, 0)
         self._stores: dict[tuple[str, str], WeightStore] = {}     # (model, device type) -> store
         # NOTE: (device, model, tile) -> [bytes, loads, plan version] of the tiles being read to keep
-        self._loading: dict[tuple[str, str, Any], list[int]] = {}
+        self._loading: dict[tuple[str, str, TileKey], list[int]] = {}
         self._lock = threading.Lock()
         self.kv = KVStore(self._reserve_cache)         # generation sessions' KV caches
 
@@ -163,7 +167,7 @@ class ResidentBlocks:
         if spec.checkpoint_dir and spec.model not in self.checkpoint_dirs:
             self.checkpoint_dirs[spec.model] = writable(spec.checkpoint_dir, self.address)
 
-    def _will_hold(self, key: tuple[str, str, Any]) -> bool:
+    def _will_hold(self, key: tuple[str, str, TileKey]) -> bool:
         """Whether a tile being read (``_loading``) is read for the model's current plan (lock held)."""
         entry = self._loading.get(key)
         return entry is not None and entry[2] >= self.versions.get(key[1], -1)
@@ -223,9 +227,9 @@ class ResidentBlocks:
             keep = keep and spec.version == self.versions.get(spec.model) and spec.model not in self.released
             tiles = self.tiles.setdefault(spec.model, {}) if keep else dict(tiles)
             crcs = self.tile_crc.setdefault(spec.model, {})
-            for k, (t, c) in read.items():
-                tiles.setdefault(k, t)
-                crcs.setdefault(k, c)
+            for key, (t, c) in read.items():
+                tiles.setdefault(key, t)
+                crcs.setdefault(key, c)
             program = BlockProgram.load(spec, lambda p: tiles[tile_key(p)].to(dev), dev, fuse)
             if keep:
                 self.programs[(spec.model, spec.index)] = program
@@ -369,7 +373,7 @@ class ResidentBlocks:
             self._stores.clear()
 
 
-Read = dict[Any, tuple[torch.Tensor, int]]      # tile key -> (tile, CRC-32)
+Read = dict[TileKey, tuple[torch.Tensor, int]]      # tile key -> (tile, CRC-32)
 
 
 def _packed(spec: BlockSpec, read: Read) -> Read:
@@ -377,7 +381,7 @@ def _packed(spec: BlockSpec, read: Read) -> Read:
     a view of it, so the block runs the group as one kernel on the weights as they are held."""
     shapes = {n: tuple(p.shape) for n, p in spec.params.items()}
     keys = {n: tile_key(p) for n, p in spec.params.items()}
-    packed: set[Any] = set()
+    packed: set[TileKey] = set()
     for g in linear_groups(spec.ops, shapes):
         for names in (g.weights, g.biases):
             ks = [keys[n] for n in names]

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from .. import config
-from ..errors import AccessDenied, SeaBiscuitError
+from ..errors import AccessDenied, BadCheckpoint
 from ..ir import OpGraph
 from ..trace import bind_checkpoint
 from ..weights import WeightStore
@@ -47,11 +47,11 @@ def write_store(model: torch.nn.Module, graph: OpGraph, folder: Path) -> Path:
     keys = sorted({p.source.key for p in graph.params.values() if p.source.kind == "model"})
     missing = [k for k in keys if k not in named]
     if missing:
-        raise SeaBiscuitError(f"the model has no tensors {missing[:5]} that its graph reads")
+        raise BadCheckpoint(f"the model has no tensors {missing[:5]} that its graph reads")
     meta = [k for k in keys if named[k].is_meta]
     if meta:
-        raise SeaBiscuitError(f"{len(meta)} tensor(s) of the model are on the meta device "
-                              f"({meta[:3]}): pass real weights or a checkpoint")
+        raise BadCheckpoint(f"{len(meta)} tensor(s) of the model are on the meta device "
+                            f"({meta[:3]}): pass real weights or a checkpoint")
     seen: set[int] = set()
     tensors = {}
     for k in keys:
@@ -77,8 +77,8 @@ def stored(graph: OpGraph, weights: Any, owner: object) -> tuple[OpGraph, Path |
     if not any(p.source.kind == "model" for p in graph.params.values()):
         return (graph.with_meta(tile_crc32=crcs) if crcs else graph), None
     if not isinstance(weights, torch.nn.Module):
-        raise SeaBiscuitError("the graph reads weights from a model in memory, but no module was given "
-                              "(pass weights=model)")
+        raise BadCheckpoint("the graph reads weights from a model in memory, but no module was given "
+                            "(pass weights=model)")
     remove_orphans()
     folder = Path(tempfile.mkdtemp(prefix=PREFIX, dir=store_root()))
     weakref.finalize(owner, shutil.rmtree, folder, ignore_errors=True)

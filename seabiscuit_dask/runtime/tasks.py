@@ -11,12 +11,14 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 from distributed import get_worker
 from distributed.utils import sync
 
-from ..errors import AccessDenied, SeaBiscuitError
+from ..errors import AccessDenied, BadMessage, SpecUnavailable
 from ..lower.blocks import BlockSpec, parse_key, task_name
 from .dataplane.wire import Tensors
+from .discover import PluginMissing
 from .generation.sampling import greedy
 from .resident import ResidentBlocks
 
@@ -31,7 +33,7 @@ def resident(worker: Any = None) -> ResidentBlocks:
     w = worker or get_worker()
     blocks = getattr(w.plugins.get(PLUGIN_NAME), "resident", None)
     if not isinstance(blocks, ResidentBlocks):
-        raise SeaBiscuitError(f"worker {w.address} has no SeaBiscuit plugin: {INSTALL}")
+        raise PluginMissing(f"worker {w.address} has no SeaBiscuit plugin: {INSTALL}")
     return blocks
 
 
@@ -57,13 +59,13 @@ def fetch_spec(model: str, version: int, block: int, worker: Any = None) -> Mapp
     w = worker or get_worker()
     plugin: Any = w.plugins.get(PLUGIN_NAME)
     if plugin is not None and not plugin.has_secret.wait(30):
-        raise SeaBiscuitError(f"worker {w.address} has not heard from the SeaBiscuit scheduler plugin: "
-                              f"{INSTALL}")
+        raise PluginMissing(f"worker {w.address} has not heard from the SeaBiscuit scheduler plugin: "
+                            f"{INSTALL}")
     try:
         return sync(w.loop, w.scheduler.seabiscuit_block, model=model, version=version, block=block,
                     address=w.address, secret=getattr(plugin, "secret", ""))
     except Exception as e:
-        raise SeaBiscuitError(f"worker {w.address} could not get block b{block} of model {model} "
+        raise SpecUnavailable(f"worker {w.address} could not get block b{block} of model {model} "
                               f"plan {version} from the scheduler: {e}") from e
 
 
@@ -71,7 +73,7 @@ PICK = "sb_pick"     # NOTE: a step's input_ids are the greedy tokens of the ste
 
 
 def run_block_task(model: str, version: int, request: int, block: int, inputs: Mapping[str, Any],
-                   *deps: Any) -> Any:
+                   *deps: Mapping[str, torch.Tensor]) -> Tensors:
     """Task: run one block of one request, or take its outputs from an intact checkpoint.
 
     A generation step queued behind the one before it carries ``inputs["sb_pick"]``: its
@@ -91,12 +93,11 @@ def run_block_task(model: str, version: int, request: int, block: int, inputs: M
     return Tensors(out)     # NOTE: SeaBiscuit's serialization: activations of every dtype (bf16 too)
 
 
-def _picked(inputs: Mapping[str, Any], deps: tuple[Any, ...]) -> tuple[dict[str, Any], tuple[Any, ...]]:
-    import torch
-
+def _picked(inputs: Mapping[str, Any], deps: tuple[Mapping[str, torch.Tensor], ...]
+            ) -> tuple[dict[str, torch.Tensor], tuple[Mapping[str, torch.Tensor], ...]]:
     pick = inputs[PICK]
     if not deps or not isinstance(pick, Mapping) or str(pick.get("logits")) not in deps[-1]:
-        raise SeaBiscuitError(f"a chained step names logits {pick!r} that its last dependency lacks")
+        raise BadMessage(f"a chained step names logits {pick!r} that its last dependency lacks")
     logits = deps[-1][str(pick["logits"])]
     out = {k: v for k, v in inputs.items() if k != PICK}
     out["input_ids"] = greedy(logits[:, -1]).reshape(-1, 1).to(torch.long)

@@ -38,6 +38,7 @@ logger = logging.getLogger("seabiscuit.serve")
 
 _END = object()
 T = TypeVar("T")
+AnswerEvent = Delta | Finish       # what an answer yields as its tokens come (``ServedModel.answer``)
 
 
 class _Failed:
@@ -171,7 +172,7 @@ def _sse(data: Any) -> bytes:
     return f"data: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
 
 
-async def _events(run: Callable[[threading.Event], Iterator[Any]]) -> AsyncGenerator[Any, None]:
+async def _events(run: Callable[[threading.Event], Iterator[T]]) -> AsyncGenerator[T, None]:
     """The items ``run`` yields on a thread of its own, here as they come. Leaving early (the
     caller went away) sets the event ``run`` watches, so it ends at its next item."""
     loop = asyncio.get_running_loop()
@@ -308,7 +309,7 @@ async def _generate(request: Request, body: dict[str, Any], chat: bool) -> Respo
     return JSONResponse(_complete(model, req, rows, texts, reasons, usage))
 
 
-async def _collect(events: AsyncIterator[Any], texts: list[str], reasons: list[str], usage: Usage,
+async def _collect(events: AsyncIterator[AnswerEvent], texts: list[str], reasons: list[str], usage: Usage,
                    timing: _Timing) -> None:
     """Each choice's text and finish reason, and the tokens generated, from an answer's events."""
     async for ev in events:
@@ -419,14 +420,14 @@ async def _hung_up(request: Request) -> None:
         pass
 
 
-async def _first(events: AsyncIterator[Any]) -> Any:
+async def _first(events: AsyncIterator[AnswerEvent]) -> AnswerEvent | None:
     try:
         return await events.__anext__()
     except StopAsyncIteration:
         return None
 
 
-async def _chain(first: Any, events: AsyncIterator[Any]) -> AsyncIterator[Any]:
+async def _chain(first: AnswerEvent | None, events: AsyncIterator[AnswerEvent]) -> AsyncIterator[AnswerEvent]:
     if first is not None:
         yield first
         async for ev in events:
@@ -449,7 +450,7 @@ def _complete(model: ServedModel, req: api.GenerationRequest, rows: list[list[in
 
 
 async def _stream(server: Server, model: ServedModel, req: api.GenerationRequest, rows: list[list[int]],
-                  first: Any, events: AsyncGenerator[Any, None], usage: Usage,
+                  first: AnswerEvent | None, events: AsyncGenerator[AnswerEvent, None], usage: Usage,
                   timing: _Timing) -> AsyncIterator[bytes]:
     """Server-sent events as OpenAI streams them: a chunk per piece of text, the finish reasons,
     the usage when asked for, then ``[DONE]``. An error after the first byte is an ``error`` event."""

@@ -12,12 +12,15 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..errors import BadInput
 from .api import BadParam, EmbeddingRequest, GenerationRequest, StopScan
+
+if TYPE_CHECKING:
+    from ..runtime.client import DistributedModel
 
 
 class Detokenized:
@@ -90,7 +93,7 @@ class ServedModel:
     "embed" (an encoder: embeddings, mean-pooled over the real tokens and L2-normalised)."""
 
     name: str
-    dm: Any
+    dm: DistributedModel
     tokenizer: Any
     kind: str
     context: int

@@ -11,19 +11,25 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import dask.config
 import torch
 
 from .. import config
-from ..errors import SeaBiscuitError
+from ..errors import BadCheckpoint, BadInput, SeaBiscuitError, UnsupportedModel
 from ..ir import fmt_bytes
 from ..runtime.serving import accepts, connect, local_cluster, page_link, say, worker_budget_bytes
 from .app import Server, make_app
 from .connections import uvicorn_config
 from .models import EMBED_BUCKETS, ServedModel
+
+
+class CannotListen(SeaBiscuitError):
+    """The HTTP server did not start on its host and port (the port taken, or an address that is not
+    this machine's): choose another ``--port`` or ``--host``."""
 
 
 @dataclass
@@ -50,7 +56,7 @@ class Source:
 @dataclass
 class Loaded:
     source: Source
-    model: Any            # a module, or a folder for the workers to read
+    model: torch.nn.Module | str      # a module, or a folder for the workers to read
     weights: torch.nn.Module      # the module (or its skeleton) for the sizes
     tokenizer: Any
     name: str
@@ -62,7 +68,7 @@ class Loaded:
         return sum(p.numel() * p.element_size() for p in self.weights.parameters())
 
 
-def load(source: Source, say: Any = print) -> Loaded:
+def load(source: Source, say: Callable[[str], None] = print) -> Loaded:
     """The model, its tokenizer and what it serves."""
     import transformers as tf
 
@@ -83,26 +89,26 @@ def load(source: Source, say: Any = print) -> Loaded:
         path = source.path or ""
         file = os.path.join(path, "model.onnx") if os.path.isdir(path) else path
         if not os.path.isfile(file):
-            raise SeaBiscuitError(f"--onnx {path!r}: no such ONNX file (or folder with model.onnx)")
+            raise BadCheckpoint(f"--onnx {path!r}: no such ONNX file (or folder with model.onnx)")
         where = source.tokenizer or os.path.dirname(os.path.abspath(file))
         try:
             tok = tf.AutoTokenizer.from_pretrained(where)
         except (OSError, ValueError) as e:
-            raise SeaBiscuitError(f"--onnx {file}: no tokenizer in {where} ({type(e).__name__}); name a "
-                                  "folder that has one with --tokenizer") from e
+            raise UnsupportedModel(f"--onnx {file}: no tokenizer in {where} ({type(e).__name__}); name a "
+                                   "folder that has one with --tokenizer") from e
         graph = onnx.load(file, load_external_data=False).graph
         known = {i.name for i in graph.initializer}
         inputs = tuple(i.name for i in graph.input if i.name not in known)
         unread = [n for n in inputs if n not in ("input_ids", "attention_mask", "token_type_ids")]
         if "input_ids" not in inputs or unread:
-            raise SeaBiscuitError(f"--onnx {file}: an encoder reads input_ids (and attention_mask, "
-                                  f"token_type_ids); this graph reads {list(inputs)}")
+            raise UnsupportedModel(f"--onnx {file}: an encoder reads input_ids (and attention_mask, "
+                                   f"token_type_ids); this graph reads {list(inputs)}")
         name = source.name or os.path.splitext(os.path.basename(file))[0]
         say(f"reading {name} (an ONNX encoder: embeddings) ...")
         return Loaded(source, file, load_onnx(file, lazy=True), tok, name, "embed", inputs)
     folder = source.path or ""
     if not os.path.isfile(os.path.join(folder, "config.json")):
-        raise SeaBiscuitError(f"--model {folder!r} is not a Hugging Face model folder (no config.json)")
+        raise UnsupportedModel(f"--model {folder!r} is not a Hugging Face model folder (no config.json)")
     cfg = tf.AutoConfig.from_pretrained(folder)
     tok = tf.AutoTokenizer.from_pretrained(folder)
     name = source.name or os.path.basename(os.path.abspath(folder))
@@ -114,7 +120,7 @@ def load(source: Source, say: Any = print) -> Loaded:
 
 
 def deploy(item: Loaded, client: Any, *, sessions: int, context: int, budget: str | None,
-           device: str | None, say: Any = print) -> ServedModel:
+           device: str | None, say: Callable[[str], None] = print) -> ServedModel:
     """``item`` distributed on ``client``'s workers, its programs built (ready to answer)."""
     import seabiscuit_dask as sb
 
@@ -162,11 +168,9 @@ def deploy(item: Loaded, client: Any, *, sessions: int, context: int, budget: st
     return served
 
 
-def readable(folders: list[str]) -> Any:
+def readable(folders: list[str]) -> dask.config.set:
     """A config context in which an embedded cluster may read these model folders (added to
     ``seabiscuit.roots``: set it before the cluster starts, its workers inherit it)."""
-    import dask.config
-
     have = list(config.get("roots") or [])
     tops = [os.path.dirname(os.path.abspath(f)) if os.path.isfile(f) else os.path.abspath(f) for f in folders]
     more = [t for t in dict.fromkeys(tops) if t not in have]
@@ -183,7 +187,7 @@ def running(app: Any, host: str = "127.0.0.1", port: int = 0) -> Iterator[str]:
     thread.start()
     while not server.started:
         if not thread.is_alive():
-            raise SeaBiscuitError(f"the HTTP server did not start on {host}:{port} (is the port taken?)")
+            raise CannotListen(f"the HTTP server did not start on {host}:{port} (is the port taken?)")
         time.sleep(0.01)    # NOTE: uvicorn offers no event for "listening"; this only waits for it
     sock = server.servers[0].sockets[0].getsockname()
     try:
@@ -210,7 +214,7 @@ def run(sources: list[Source], *, workers: int, scheduler: str | None, host: str
     loaded = [load(s, say) for s in sources]
     names = [m.name for m in loaded]
     if len(set(names)) != len(names):
-        raise SeaBiscuitError(f"two models have the same name in {names}: name them with NAME=PATH")
+        raise BadInput(f"two models have the same name in {names}: name them with NAME=PATH")
     with contextlib.ExitStack() as stack:
         if scheduler:
             client = stack.enter_context(connect(scheduler))

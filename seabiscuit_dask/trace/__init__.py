@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import UnsupportedModel
 from ..ir import OpGraph
 from .checkpoint import bind_checkpoint
 from .skeleton import build_empty, empty_weights, load_hf_skeleton
 
+if TYPE_CHECKING:
+    from .onnx import OnnxModule
+
 
 def trace(model_or_path: Any, example_inputs: Any, kwargs: Mapping[str, Any] | None = None, *,
-          checkpoint: str | os.PathLike[str] | None = None) -> Any:
+          checkpoint: str | os.PathLike[str] | None = None) -> OpGraph:
     """Trace a model at the shapes of ``example_inputs`` into an ``OpGraph``.
 
     Parameters
@@ -66,7 +69,7 @@ def trace(model_or_path: Any, example_inputs: Any, kwargs: Mapping[str, Any] | N
     return graph
 
 
-def _onnx_inputs(model: Any, example_inputs: Any) -> tuple[Any, ...]:
+def _onnx_inputs(model: OnnxModule, example_inputs: Any) -> tuple[Any, ...]:
     """Example inputs of an ONNX model in its input order: a tuple, or a dict by input name."""
     from ..errors import BadInput
     from .onnx import symbolic_inputs

@@ -12,9 +12,9 @@ torch.export's functionalization, which makes ``slice_scatter``, ``select_scatte
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
+from torch.export import ExportedProgram
+from torch.fx.node import Argument, Target
 
 from ..errors import UnsupportedOp
 
@@ -29,13 +29,13 @@ def name_of(target: OpOverload) -> str:
     return f"{target.namespace}.{target._schema.name.split('::')[-1]}.{target._overloadname}"
 
 
-def in_place_targets(ep: Any) -> list[str]:
+def in_place_targets(ep: ExportedProgram) -> list[str]:
     """Targets of the calls in ``ep`` that write into an operand (``copy_``, ``masked_fill_``, ...)."""
     return sorted({name_of(n.target) for n in ep.graph.nodes if n.op == "call_function"
                    and isinstance(n.target, OpOverload) and n.target._schema.is_mutable})
 
 
-def out_of_place(target: Any) -> OpOverload | None:
+def out_of_place(target: Target) -> OpOverload | None:
     """The out-of-place twin of an ATen op that writes into its first operand only
     (``aten.add_.Tensor`` -> ``aten.add.Tensor``, same arguments); else None."""
     if not isinstance(target, OpOverload) or target.namespace != "aten" or not target._schema.is_mutable:
@@ -58,7 +58,7 @@ def aliases(node: torch.fx.Node) -> bool:
     return not isinstance(t, OpOverload) or any(r.alias_info is not None for r in t._schema.returns)
 
 
-def fresh(x: Any, write: torch.fx.Node, order: dict[torch.fx.Node, int]) -> bool:
+def fresh(x: Argument, write: torch.fx.Node, order: dict[torch.fx.Node, int]) -> bool:
     """Is ``x`` a tensor an op made (not an input, view or alias) of which no view is taken before
     ``write``, so that ``write`` changes no tensor but ``x``?"""
     return (isinstance(x, torch.fx.Node) and x.op == "call_function" and not aliases(x)
@@ -85,7 +85,7 @@ def write_fresh_tensors_out_of_place(gm: torch.fx.GraphModule) -> int:
     return done
 
 
-def functionalise(ep: Any, name: str) -> Any:
+def functionalise(ep: ExportedProgram, name: str) -> ExportedProgram:
     """``ep`` (of model ``name``) with no op that writes into an operand (module docstring).
 
     Writes into fresh tensors are rewritten in ``ep``'s own graph; if others remain, a new

@@ -20,7 +20,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -29,6 +29,11 @@ from ..errors import BadCheckpoint, BadInput, UnsupportedModel, UnsupportedOp
 from .onnx_ops import B_SLOTS, FOLDS, ONNX_OPS, Node, QuantSlot, QuantWeight, Value, _tensor
 from .onnx_patterns import find_quantized, held_transposed, operand_users, read_at_load
 from .onnx_read import Place, embedded_places, external_place, initializer_array, read_model
+
+if TYPE_CHECKING:
+    from onnx import ModelProto
+
+    from ..ir import OpGraph
 
 INLINE_ELEMENTS = 64                  # constants larger than this live as buffers of the module
 # NOTE: in the template key: the op functions and the patterns (a changed one makes new templates)
@@ -90,7 +95,7 @@ def _safe(name: str, taken: set[str]) -> str:
 class OnnxModule(torch.nn.Module):
     """An ONNX graph as a torch module (``load_onnx``): ``forward(*inputs)`` in the graph's input order."""
 
-    def __init__(self, model: Any, path: Path | None = None, name: str = "",
+    def __init__(self, model: ModelProto, path: Path | None = None, name: str = "",
                  constants: Mapping[str, Any] | None = None, lazy: bool = False) -> None:
         super().__init__()
         self.path = path           # NOTE: the .onnx file it was read from (None: a ModelProto)
@@ -171,7 +176,7 @@ class OnnxModule(torch.nn.Module):
         digest = hashlib.sha256(model.SerializeToString(deterministic=True)).hexdigest()[:16]
         self.fingerprint = digest
 
-    def bind_stored(self, graph: Any) -> Any:
+    def bind_stored(self, graph: OpGraph) -> OpGraph:
         """``graph`` with the params that are initializers as stored read from the model's files: a
         tile reads only its own bytes of the ``.onnx`` file or of its external data (``ParamSource``
         kind ``raw``), and nothing is copied."""

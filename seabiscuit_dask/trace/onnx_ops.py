@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import torch
@@ -19,6 +19,9 @@ import torch.nn.functional as F
 
 from .. import qlinear as _qlinear_op  # noqa: F401  (defines torch.ops.sb.qlinear)
 from ..errors import UnsupportedOp
+
+if TYPE_CHECKING:
+    from onnx import NodeProto
 
 Value = Any              # a torch.Tensor (traced) or an np.ndarray (a constant, folded)
 OpFn = Callable[["Node", list[Value]], list[Value]]
@@ -80,7 +83,7 @@ class Node:
     quant: QuantSlot | None = None       # its B input is an integer weight, held as such
 
     @classmethod
-    def of(cls, proto: Any, opset: int = 13) -> Node:
+    def of(cls, proto: NodeProto, opset: int = 13) -> Node:
         from onnx import helper
 
         return cls(str(proto.op_type), str(proto.name) or f"{proto.op_type}({', '.join(proto.output)})",

@@ -14,11 +14,14 @@ import mmap
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..errors import BadCheckpoint
+
+if TYPE_CHECKING:
+    from onnx import ModelProto, TensorProto
 
 Place = tuple[Path, int, np.dtype, tuple[int, ...]]
 """Where an initializer's bytes are: the file, the byte offset, the dtype and the shape (C order)."""
@@ -31,7 +34,7 @@ _GRAPH, _INITIALIZER = 7, 5
 _DIMS, _DATA_TYPE, _FLOAT_DATA, _NAME, _RAW_DATA, _DOUBLE_DATA, _LOCATION = 1, 2, 4, 8, 9, 10, 14
 
 
-def read_model(source: Any) -> tuple[Any, Path | None]:
+def read_model(source: Any) -> tuple[ModelProto, Path | None]:
     """The ``ModelProto`` of ``source`` (a ``ModelProto``, an ``.onnx`` file or a folder holding
     ``model.onnx``) and the file it was read from (None for a ``ModelProto``). External data is
     not read here (``initializer_array``)."""
@@ -54,7 +57,7 @@ def read_model(source: Any) -> tuple[Any, Path | None]:
     return model, p
 
 
-def external_place(t: Any, folder: Path | None) -> Place:
+def external_place(t: TensorProto, folder: Path | None) -> Place:
     """Where an initializer stored outside the model file is, checked: the file lies inside the
     model's folder and holds the tensor's bytes."""
     from onnx import helper
@@ -83,7 +86,7 @@ def external_place(t: Any, folder: Path | None) -> Place:
     return path, offset, dtype, shape
 
 
-def initializer_array(t: Any, folder: Path | None) -> np.ndarray:
+def initializer_array(t: TensorProto, folder: Path | None) -> np.ndarray:
     """An initializer's values (``read_external`` for external data)."""
     from onnx import numpy_helper
 
@@ -92,7 +95,7 @@ def initializer_array(t: Any, folder: Path | None) -> np.ndarray:
     return np.asarray(numpy_helper.to_array(t))
 
 
-def read_external(t: Any, folder: Path | None) -> np.ndarray:
+def read_external(t: TensorProto, folder: Path | None) -> np.ndarray:
     """An initializer stored outside the model file: only its own bytes, from inside the model's folder."""
     path, offset, dtype, shape = external_place(t, folder)
     with path.open("rb") as f:
@@ -119,7 +122,7 @@ def embedded_places(path: Path) -> dict[str, Place]:
         return out
 
 
-def _tensor_place(buf: Any, start: int, stop: int, path: Path) -> tuple[str, Place] | None:
+def _tensor_place(buf: mmap.mmap, start: int, stop: int, path: Path) -> tuple[str, Place] | None:
     name, dtype_code, data, location = "", 0, None, 0
     dims: list[int] = []
     for num, a, b in _fields(buf, start, stop, path):
@@ -142,7 +145,7 @@ def _tensor_place(buf: Any, start: int, stop: int, path: Path) -> tuple[str, Pla
     return name, (path, data[0], dtype, shape)
 
 
-def _varint(buf: Any, i: int) -> tuple[int, int]:
+def _varint(buf: mmap.mmap, i: int) -> tuple[int, int]:
     """The varint at ``buf[i]`` and the index after it."""
     out = shift = 0
     while True:
@@ -154,7 +157,7 @@ def _varint(buf: Any, i: int) -> tuple[int, int]:
         shift += 7
 
 
-def _varints(buf: Any, start: int, stop: int) -> Iterator[int]:
+def _varints(buf: mmap.mmap, start: int, stop: int) -> Iterator[int]:
     """The values of a varint field: one (``stop`` at its end) or a packed run."""
     i = start
     while i < stop:
@@ -162,7 +165,7 @@ def _varints(buf: Any, start: int, stop: int) -> Iterator[int]:
         yield v
 
 
-def _fields(buf: Any, start: int, stop: int, path: Path) -> Iterator[tuple[int, int, int]]:
+def _fields(buf: mmap.mmap, start: int, stop: int, path: Path) -> Iterator[tuple[int, int, int]]:
     """``(field number, value start, value stop)`` of each field of the message at
     ``buf[start:stop]``; a length-delimited value's span is its payload."""
     i = start

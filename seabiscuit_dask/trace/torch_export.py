@@ -19,6 +19,8 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
+from torch.export import ExportedProgram
+from torch.fx.node import Target
 from torch.utils import _pytree as pytree
 
 from .. import config
@@ -33,7 +35,7 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def target_name(target: Any) -> str:
+def target_name(target: Target) -> str:
     """``torch.ops.aten.linear.default`` -> ``"aten.linear.default"``."""
     if isinstance(target, torch._ops.OpOverload):
         ns = target.namespace
@@ -102,7 +104,7 @@ def _batched_experts(model: torch.nn.Module) -> Iterator[None]:
             cfg._experts_implementation = impl
 
 
-def export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ExportedProgram:
     """Run non-strict ``torch.export``; any failure becomes ``UnsupportedModel``."""
     was_training = model.training
     model.eval()
@@ -127,7 +129,7 @@ def export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
 class _Converter:
     """Turns one ExportedProgram into an OpGraph."""
 
-    def __init__(self, ep: Any, model: torch.nn.Module, name: str) -> None:
+    def __init__(self, ep: ExportedProgram, model: torch.nn.Module, name: str) -> None:
         self.ep = ep
         self.model = model
         self.name = name
@@ -202,7 +204,7 @@ class _Converter:
             return a
         raise UnsupportedModel(f"{where}: argument of type {type(a).__name__} is not supported")
 
-    def normalise(self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+    def normalise(self, target: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any],
                   where: str) -> tuple[list[Any], dict[str, Any]]:
         """Positional args as the schema lists them; keyword-only args in kwargs."""
         schema = target._schema

@@ -20,20 +20,18 @@ from __future__ import annotations
 
 import concurrent.futures
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 
+from .host import ComputeArgs, Outcome
 from .loops import Loop
-
-Outcome = tuple[dict[str, torch.Tensor], dict[str, Any]]
 
 
 class Chain:
     """The logits block ``args`` (``compute``'s arguments), then ``feeds`` (next-step blocks
     here, each reading only step inputs) of the loop's next request (see module doc)."""
 
-    def __init__(self, compute: Callable[..., Outcome], args: tuple[Any, ...], loop: Loop,
+    def __init__(self, compute: Callable[..., Outcome], args: ComputeArgs, loop: Loop,
                  feeds: Sequence[tuple[int, tuple[str, ...]]], idle: Callable[[], bool]) -> None:
         self.compute, self.args, self.loop, self.feeds, self.idle = compute, args, loop, list(feeds), idle
         self.next: dict[int, concurrent.futures.Future[Outcome]] = {}

@@ -20,6 +20,7 @@ from ...lower.blocks import BlockSpec
 
 Imports = Mapping[str, torch.Tensor]
 Outcome = tuple[dict[str, torch.Tensor], dict[str, Any]]      # a block's outputs, and the record of its run
+ComputeArgs = tuple[str, int, int, int, Imports]              # model, version, request, block, its imports
 
 
 class Host(Protocol):

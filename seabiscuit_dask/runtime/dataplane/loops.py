@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ...errors import SeaBiscuitError, WorkerLost
+from ...errors import UnsupportedModel, WorkerLost
 
 STEP_INPUTS = ("input_ids", "position_ids", "sb_sessions", "sb_start", "sb_valid")
 FLOATS = (torch.float32, torch.float64)
@@ -29,7 +29,7 @@ class Loop:
     route: list[tuple[str, list[tuple[int, tuple[str, ...]]]]]   # worker -> its blocks and their inputs
     logits: str                                           # the output tile the tokens come from
     inputs: dict[str, torch.Tensor]                       # this step's inputs (positions, sessions, ...)
-    ahead: tuple[Any, bool, dict[str, torch.Tensor]] | None = None   # ``prepare``'s
+    ahead: tuple[np.ndarray, bool, dict[str, torch.Tensor]] | None = None   # ``prepare``'s
 
     def prepare(self) -> None:
         """Work out what the next step reads but its tokens: which rows are live (pad rows stay as
@@ -64,8 +64,8 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
     if logits.is_cpu and logits.dtype in FLOATS:
         return torch.from_numpy(greedy_numpy(logits))
     if logits.dim() != 3 or not logits.is_floating_point():
-        raise SeaBiscuitError(f"greedy tokens need (batch, length, vocab) float logits, got "
-                              f"{tuple(logits.shape)} {logits.dtype}")
+        raise UnsupportedModel(f"greedy tokens need (batch, length, vocab) float logits, got "
+                               f"{tuple(logits.shape)} {logits.dtype}")
     return logits[:, -1].detach().argmax(dim=-1).to(torch.long)
 
 
@@ -78,8 +78,8 @@ def greedy_numpy(logits: torch.Tensor) -> np.ndarray:
         return greedy(logits).cpu().numpy()
     a = (logits.detach() if logits.requires_grad else logits).numpy()
     if a.ndim != 3:
-        raise SeaBiscuitError(f"greedy tokens need (batch, length, vocab) float logits, got {a.shape} "
-                              f"{logits.dtype}")
+        raise UnsupportedModel(f"greedy tokens need (batch, length, vocab) float logits, got {a.shape} "
+                               f"{logits.dtype}")
     return a[:, -1].argmax(axis=-1).astype(np.int64, copy=False)
 
 

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from ... import config
-from ...errors import AccessDenied, RunFailed, SeaBiscuitError, StaleRun
+from ...errors import AccessDenied, BadConfig, BadMessage, RunFailed, SeaBiscuitError, StaleRun
 from ...lower.blocks import split_block
 from ..watch import seconds
 from .host import Host
@@ -331,8 +331,8 @@ class DataPlane:
             self._make_room()
             run = self.runs[key] = Run(self, model, version, request)
         elif run.version != version:
-            raise SeaBiscuitError(f"request {request} of model {model} runs under plan v{run.version} here; "
-                                  f"a message names v{version}")
+            raise BadMessage(f"request {request} of model {model} runs under plan v{run.version} here; "
+                             f"a message names v{version}")
         return run
 
     def holds(self, key: RunKey) -> bool:
@@ -433,10 +433,10 @@ def token_delay_s() -> float:
     try:
         delay = seconds("generate.token-delay")
     except (KeyError, TypeError, ValueError) as e:
-        raise SeaBiscuitError("seabiscuit.generate.token-delay must be a duration such as '2ms' "
-                              f"({e})") from None
+        raise BadConfig("seabiscuit.generate.token-delay must be a duration such as '2ms' "
+                        f"({e})") from None
     if not 0.0 <= delay <= MAX_TOKEN_DELAY_S:
-        raise SeaBiscuitError(f"seabiscuit.generate.token-delay is {delay * 1e3:g} ms: it must be from 0 "
-                              f"to {MAX_TOKEN_DELAY_S * 1e3:g} ms (each token reaches its caller that much "
-                              "later; 2ms keeps the caller's wake-up off the next worker's core)")
+        raise BadConfig(f"seabiscuit.generate.token-delay is {delay * 1e3:g} ms: it must be from 0 "
+                        f"to {MAX_TOKEN_DELAY_S * 1e3:g} ms (each token reaches its caller that much "
+                        "later; 2ms keeps the caller's wake-up off the next worker's core)")
     return delay

@@ -31,6 +31,8 @@ import torch
 from ...errors import (
     BadCheckpoint,
     BadInput,
+    BadMessage,
+    BlockFailed,
     BudgetTooSmall,
     ClusterTooSmall,
     RunFailed,
@@ -40,7 +42,7 @@ from ...errors import (
 from ...lower.blocks import BlockSpec
 from ...lower.kvcache import CacheLost
 from .chain import Chain
-from .host import Host
+from .host import ComputeArgs, Host, Outcome
 from .loops import Loop, greedy
 from .wire import Tensors
 
@@ -298,7 +300,7 @@ class Run:
             return False
         return self.keeper.alone(self, br)
 
-    def _chain(self, br: BlockRun, args: tuple[Any, ...]) -> Chain | None:
+    def _chain(self, br: BlockRun, args: ComputeArgs) -> Chain | None:
         """A ``Chain`` of ``br`` and the next decode step's blocks here, where ``br`` makes the
         logits of a loop that goes on and each of those blocks is resident and reads only the
         step's inputs; else None."""
@@ -314,7 +316,7 @@ class Run:
                 return None
         return Chain(host.compute, args, loop, feeds, lambda: pending() == 0) if feeds else None
 
-    def _submit(self, args: tuple[Any, ...]) -> Awaitable[Any]:
+    def _submit(self, args: ComputeArgs) -> Awaitable[Outcome]:
         """The block on a compute thread; the oldest run's blocks first (``ordered``): a stage hands
         a request on down the pipeline before it starts the next one."""
         host = self.keeper.host
@@ -339,8 +341,8 @@ class Run:
         assert br.spec is not None
         extra = [t for t in br.imports if t not in br.spec.imports]
         if extra:
-            raise SeaBiscuitError(f"block b{br.block} of {self.where()} reads no tensor {extra[0]!r} "
-                                  f"(it reads {list(br.spec.imports)[:5]})")
+            raise BadMessage(f"block b{br.block} of {self.where()} reads no tensor {extra[0]!r} "
+                             f"(it reads {list(br.spec.imports)[:5]})")
 
     def _spawn(self, coro: Any) -> asyncio.Task[Any]:
         task = asyncio.ensure_future(coro)
@@ -371,7 +373,7 @@ class Run:
         self.start(br, ticket)
 
     # --- a block ran ---------------------------------------------------------------------------
-    async def _compute(self, br: BlockRun, ticket: str, running: Awaitable[Any],
+    async def _compute(self, br: BlockRun, ticket: str, running: Awaitable[Outcome],
                        chain: Chain | None = None) -> None:
         """The block's outputs, from ``running`` (its compute thread); ``chain``: the block makes a
         loop's logits, and its next step may be running already."""
@@ -487,7 +489,7 @@ class Run:
         return False
 
     def _adopt(self, block: int, tensors: Mapping[str, torch.Tensor],
-               running: concurrent.futures.Future[Any], ticket: str) -> list[Any]:
+               running: concurrent.futures.Future[Outcome], ticket: str) -> list[Any]:
         """``block``, which a ``Chain`` ran with ``tensors`` (its outcome in ``running``): it goes on
         from here as if it ran here; returns its sends. A repeat (the block ran or runs already)
         is dropped."""
@@ -561,8 +563,8 @@ class Run:
             return
         keeper = self.keeper
         if not isinstance(error, SeaBiscuitError):      # NOTE: the block itself failed: no retry cures it
-            error = SeaBiscuitError(f"{self.where()} failed in a block on worker {keeper.host.address}: "
-                                    f"{type(error).__name__}: {error}")
+            error = BlockFailed(f"{self.where()} failed in a block on worker {keeper.host.address}: "
+                                f"{type(error).__name__}: {error}")
         keeper.counters["runs_failed"] += 1
         self.end(error)
         keeper.drop(self, error)

@@ -39,7 +39,7 @@ import math
 import secrets
 import struct
 import time
-from collections.abc import Awaitable, Callable, Hashable
+from collections.abc import Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,10 +49,10 @@ from distributed.protocol import to_serialize
 from tornado.iostream import IOStream, StreamClosedError
 
 from ... import config
-from ...errors import AccessDenied, RunFailed, SeaBiscuitError
+from ...errors import AccessDenied, BadMessage, RunFailed, SeaBiscuitError
 from ..watch import seconds
 from .flow import FlowState, Unit
-from .wire import MAX_FRAME_BYTES, Tensors, nbytes, pack_message, unpack_message
+from .wire import MAX_FRAME_BYTES, Frame, Tensors, nbytes, pack_message, unpack_message
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +61,7 @@ Connect = Callable[[str], Awaitable[tuple[Any, bool]]]   # address -> (a comm it
 Receive = Callable[[Any], Awaitable[None]]
 Prove = Callable[[str, str], Awaitable[str]]   # (nonce, receiver address) -> the opener's proof
 Verify = Callable[[str, str, Any], bool]   # (nonce, sender address, proof) -> whether it holds
+Writable = bytearray | memoryview          # a message's buffer, filled as its units arrive
 
 UNIT = struct.Struct("<BIIQ")      # kind, message id, bytes of this unit, bytes of the whole message
 ACK = struct.Struct("<BIIdd")      # kind, message id, bytes taken, seconds held, seconds its bytes came in
@@ -177,7 +178,7 @@ def _settle(sent: list[asyncio.Future[None]], flushed: Any = None) -> None:
                                             f"{error}"))
 
 
-def _pieces(frames: list[Any], offset: int, length: int) -> list[Any]:
+def _pieces(frames: Sequence[Frame], offset: int, length: int) -> list[memoryview]:
     """The bytes ``offset`` to ``offset + length`` of ``frames`` laid end to end, as views."""
     out, pos, end = [], 0, offset + length
     for f in frames:
@@ -191,7 +192,7 @@ def _pieces(frames: list[Any], offset: int, length: int) -> list[Any]:
     return out
 
 
-def write(stream: Any, pieces: list[Any]) -> Any:
+def write(stream: Any, pieces: Sequence[Frame]) -> Any:
     """Write ``pieces`` (bytes-like, in order) to a tornado stream: None where its socket took every
     byte at once, else the future of their flush. Over plain TCP, with nothing of the stream's
     own waiting to go out, they go in one ``sendmsg`` of the socket, not through the stream's
@@ -211,7 +212,7 @@ def write(stream: Any, pieces: list[Any]) -> Any:
         if n == total:
             return None
         pieces = _pieces(pieces, n, total - n)
-    small: list[Any] = []       # NOTE: headers and small frames go in one write with their neighbours
+    small: list[Frame] = []     # NOTE: headers and small frames go in one write with their neighbours
     done = None
     for p in pieces:
         if memoryview(p).nbytes < JOIN_BYTES:
@@ -321,7 +322,7 @@ class Link:
     def _write_raw(self, units: list[Unit]) -> Any:
         """Write ``units`` to the stream: None where the socket took every byte at once, else the
         future of their flush."""
-        pieces: list[Any] = []
+        pieces: list[Frame] = []
         for u in units:
             pieces.append(UNIT.pack(DATA, u.item.msg_id, u.length, u.item.nbytes))
             whole = u.length == u.item.nbytes       # NOTE: most messages go as one unit
@@ -356,7 +357,7 @@ class Link:
         except (OSError, StreamClosedError) as e:
             raise CommClosedError(f"the data-plane stream to {self.address} closed: {e}") from e
         if kind != ACKED:
-            raise SeaBiscuitError(f"worker {self.address} sent a data-plane unit of kind {kind} back")
+            raise BadMessage(f"worker {self.address} sent a data-plane unit of kind {kind} back")
         return [(msg_id, length, hold_s, read_s)]
 
     def _reader_ended(self, task: asyncio.Future[None]) -> None:
@@ -452,13 +453,13 @@ class Receiving:
     peak_bytes: int = 0
     messages: int = 0
     window_bytes: float = math.inf
-    partial: dict[int, tuple[Any, int, int]] = field(default_factory=dict)
+    partial: dict[int, tuple[Writable, int, int]] = field(default_factory=dict)
 
     def hold(self, nbytes: int) -> None:
         self.held_bytes += nbytes
         self.peak_bytes = max(self.peak_bytes, self.held_bytes)
 
-    def begin(self, msg_id: int, total: int, length: int) -> Any:
+    def begin(self, msg_id: int, total: int, length: int) -> Writable:
         """A buffer for a new message of ``total`` bytes whose first unit brings ``length``."""
         if length < total and self.partial:
             open_bytes = sum(t for _, _, t in self.partial.values())
@@ -469,7 +470,7 @@ class Receiving:
         return buffer(total)
 
 
-def buffer(nbytes: int) -> Any:
+def buffer(nbytes: int) -> Writable:
     """A writable buffer of ``nbytes``, not written to: its pages take memory only as bytes are
     written into them (fresh ones from the system; ones the heap reused hold memory already), so
     what a header declares costs nothing until it comes."""
@@ -607,7 +608,7 @@ async def _read_unit(comm: Any, held: Receiving, receive: Receive,
     try:
         try:
             msgs = unpack_message(buf)
-        except SeaBiscuitError as e:
+        except BadMessage as e:
             raise Overrun(f"a malformed data-plane message ({e})") from e
         for m in msgs:
             await receive(m)

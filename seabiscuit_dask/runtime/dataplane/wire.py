@@ -11,7 +11,7 @@ both data planes: returned by a task, or sent worker to worker.
 from __future__ import annotations
 
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import msgpack
@@ -20,7 +20,7 @@ import torch
 from dask.sizeof import sizeof
 from distributed.protocol.serialize import dask_deserialize, dask_serialize
 
-from ...errors import SeaBiscuitError
+from ...errors import BadMessage, UnsupportedModel
 
 # NOTE: the dtypes an activation may have; anything else named in a header is refused
 DTYPES: dict[str, torch.dtype] = {str(d).removeprefix("torch."): d for d in (
@@ -39,20 +39,21 @@ class Tensors(dict):  # type: ignore[type-arg]
 # NOTE: each dtype as numpy holds its bytes (bfloat16, which numpy lacks, as int16): a tensor
 # becomes bytes and back with one numpy view each way, not a chain of torch calls (each costs
 # tens of microseconds where a block run left the caches cold, as at every hop of a decode step)
-NUMPY: dict[torch.dtype, Any] = {
+NUMPY: dict[torch.dtype, type[np.generic]] = {
     torch.float64: np.float64, torch.float32: np.float32, torch.float16: np.float16,
     torch.bfloat16: np.int16, torch.complex64: np.complex64, torch.complex128: np.complex128,
     torch.int64: np.int64, torch.int32: np.int32, torch.int16: np.int16, torch.int8: np.int8,
     torch.uint8: np.uint8, torch.bool: np.bool_}
 NAMES: dict[torch.dtype, str] = {d: n for n, d in DTYPES.items()}
+Frame = bytes | bytearray | memoryview      # the bytes of one frame, or a view of them
 
 
 def dtype_name(t: torch.Tensor) -> str:
     """How a header names the dtype of ``t``; one no activation may have is refused here."""
     name = NAMES.get(t.dtype)
     if name is None:
-        raise SeaBiscuitError(f"an activation of dtype {str(t.dtype).removeprefix('torch.')} cannot be sent; "
-                              f"SeaBiscuit sends only {', '.join(DTYPES)} (cast it in the model)")
+        raise UnsupportedModel(f"an activation of dtype {str(t.dtype).removeprefix('torch.')} cannot be "
+                               f"sent; SeaBiscuit sends only {', '.join(DTYPES)} (cast it in the model)")
     return name
 
 
@@ -79,13 +80,13 @@ def as_bytes(t: torch.Tensor) -> memoryview:
 ITEMSIZE: dict[torch.dtype, int] = {d: torch.empty((), dtype=d).element_size() for d in DTYPES.values()}
 
 
-def from_bytes(buf: Any, dtype: str, shape: list[int], offset: int = 0, nbytes: int = -1) -> torch.Tensor:
+def from_bytes(buf: Frame, dtype: str, shape: list[int], offset: int = 0, nbytes: int = -1) -> torch.Tensor:
     """A CPU tensor of ``dtype`` and ``shape`` over ``buf`` (its ``nbytes`` from ``offset``; all of
     it by default), copied once if ``buf`` is read-only."""
     kind = DTYPES.get(dtype)
     if kind is None:
-        raise SeaBiscuitError(f"an activation of dtype {dtype!r} arrived; SeaBiscuit sends only "
-                              f"{', '.join(DTYPES)}")
+        raise BadMessage(f"an activation of dtype {dtype!r} arrived; SeaBiscuit sends only "
+                         f"{', '.join(DTYPES)}")
     dims = [int(s) for s in shape]
     n = 1
     for s in dims:
@@ -94,8 +95,8 @@ def from_bytes(buf: Any, dtype: str, shape: list[int], offset: int = 0, nbytes: 
         buf = memoryview(buf).cast("B")
         nbytes = buf.nbytes - offset
     if nbytes != n * ITEMSIZE[kind]:
-        raise SeaBiscuitError(f"an activation of dtype {dtype} and shape {list(shape)} arrived with "
-                              f"{nbytes} bytes")
+        raise BadMessage(f"an activation of dtype {dtype} and shape {list(shape)} arrived with "
+                         f"{nbytes} bytes")
     if not n:
         return torch.empty(dims, dtype=kind)
     if type(buf) is not bytearray and memoryview(buf).readonly:
@@ -116,8 +117,8 @@ def _serialize(ts: Tensors) -> tuple[dict[str, Any], list[memoryview]]:
 def _deserialize(header: dict[str, Any], frames: list[Any]) -> Tensors:
     names, dtypes, shapes = header["names"], header["dtypes"], header["shapes"]
     if not len(names) == len(dtypes) == len(shapes) == len(frames):
-        raise SeaBiscuitError(f"an activation message names {len(names)} tensors and has {len(frames)} "
-                              "frames")
+        raise BadMessage(f"an activation message names {len(names)} tensors and has {len(frames)} "
+                         "frames")
     return Tensors({str(n): from_bytes(f, str(d), list(s))
                     for n, d, s, f in zip(names, dtypes, shapes, frames)})
 
@@ -127,7 +128,7 @@ def _sizeof(ts: Tensors) -> int:
     return sum(int(t.numel() * t.element_size()) + 64 for t in ts.values())
 
 
-def nbytes(ts: Any) -> int:
+def nbytes(ts: Mapping[str, torch.Tensor]) -> int:
     """Bytes of the tensors in a mapping; of one read off a stream, the bytes that crossed."""
     crossed = getattr(ts, "wire_bytes", None)
     if crossed is not None:
@@ -148,7 +149,7 @@ def from_inline(items: Any) -> Tensors:
     try:
         return Tensors({str(n): from_bytes(bytearray(b), str(d), list(s)) for n, d, s, b in items})
     except (TypeError, ValueError) as e:
-        raise SeaBiscuitError(f"tensors sent inline are malformed ({type(e).__name__}: {e})") from None
+        raise BadMessage(f"tensors sent inline are malformed ({type(e).__name__}: {e})") from None
 
 
 # --- stream messages as frames (``streams``) ---------------------------------------------------
@@ -165,10 +166,10 @@ def pack(msgs: Sequence[dict[str, Any]]) -> list[Any]:
     view of one rotary table) goes once; its header entry names the frame (``[name, dtype, shape,
     frame]``)."""
     specs: list[list[list[Any]]] = []
-    frames: list[Any] = []
+    frames: list[memoryview] = []
     sent: dict[tuple[Any, ...], int] = {}
 
-    def entry(name: Any, t: torch.Tensor) -> list[Any]:
+    def entry(name: str, t: torch.Tensor) -> list[Any]:
         dtype = NAMES.get(t.dtype) or dtype_name(t)
         head = [str(name), dtype, list(t.shape)]
         key = (t.data_ptr(), dtype, t.shape, t.stride(), None if t.is_cpu else t.device)
@@ -179,7 +180,7 @@ def pack(msgs: Sequence[dict[str, Any]]) -> list[Any]:
         frames.append(as_bytes(t))
         return head
 
-    def take(ts: Any) -> int:
+    def take(ts: Mapping[str, torch.Tensor]) -> int:
         specs.append([entry(n, t) for n, t in ts.items()])
         return len(specs) - 1
 
@@ -213,16 +214,16 @@ def pack_message(msgs: Sequence[dict[str, Any]]) -> tuple[list[Any], int]:
     return out, pos
 
 
-def unpack_message(buf: Any) -> list[dict[str, Any]]:
+def unpack_message(buf: Frame) -> list[dict[str, Any]]:
     """The messages of one ``pack_message`` buffer; each tensor is a view of ``buf`` (no copy)."""
     mv = memoryview(buf)
     if mv.format != "B" or mv.ndim != 1:
         mv = mv.cast("B")
     if mv.nbytes < 8:
-        raise SeaBiscuitError(f"a data-plane message of {mv.nbytes} bytes (it needs 8 at least)")
+        raise BadMessage(f"a data-plane message of {mv.nbytes} bytes (it needs 8 at least)")
     (n,) = struct.unpack_from("<Q", mv, 0)
     if not 1 <= n <= MAX_FRAMES or 8 + 8 * n > mv.nbytes:
-        raise SeaBiscuitError(f"a data-plane message of {mv.nbytes} bytes names {n} frames")
+        raise BadMessage(f"a data-plane message of {mv.nbytes} bytes names {n} frames")
     lengths = struct.unpack_from(f"<{n}Q", mv, 8)
     pos = 8 + 8 * n + lengths[0]
     head, frames = mv[8 + 8 * n:pos], []
@@ -231,32 +232,36 @@ def unpack_message(buf: Any) -> list[dict[str, Any]]:
         frames.append((pos, length))
         pos += length
     if pos != mv.nbytes:
-        raise SeaBiscuitError(f"a data-plane message of {mv.nbytes} bytes whose frames take {pos}")
+        raise BadMessage(f"a data-plane message of {mv.nbytes} bytes whose frames take {pos}")
     if mv.readonly:
         mv = memoryview(bytearray(mv))
     return _unpack(head, [n for _, n in frames],
                    lambda i, dtype, shape: from_bytes(mv, dtype, shape, *frames[i]))
 
 
-def unpack(head: bytes, frames: list[Any]) -> list[dict[str, Any]]:
+def unpack(head: bytes, frames: Sequence[Frame]) -> list[dict[str, Any]]:
     """``pack``'s messages back, tensors and all; a header that does not match its frames is refused."""
     return _unpack(head, [memoryview(f).nbytes for f in frames],
                    lambda i, dtype, shape: from_bytes(frames[i], dtype, shape))
 
 
-def _unpack(head: Any, sizes: list[int], frame: Any) -> list[dict[str, Any]]:
+# (frame index, dtype, shape) -> the tensor over that frame's bytes
+ReadFrame = Callable[[int, str, list[int]], torch.Tensor]
+
+
+def _unpack(head: Frame, sizes: list[int], frame: ReadFrame) -> list[dict[str, Any]]:
     """``unpack``, of frames of ``sizes`` bytes, each read by ``frame(i, dtype, shape)``; a header
     that is not the layout ``pack`` writes (a field missing or of another kind) is refused."""
     try:
         return _build(msgpack.unpackb(head, raw=False, strict_map_key=True), sizes, frame)
-    except SeaBiscuitError:
+    except BadMessage:
         raise
     except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
-        raise SeaBiscuitError(f"a data-plane message's header is malformed ({type(e).__name__}: "
-                              f"{e})") from None
+        raise BadMessage(f"a data-plane message's header is malformed ({type(e).__name__}: "
+                         f"{e})") from None
 
 
-def _build(h: Any, sizes: list[int], frame: Any) -> list[dict[str, Any]]:
+def _build(h: Any, sizes: list[int], frame: ReadFrame) -> list[dict[str, Any]]:
     count = len(sizes)
     built: list[Tensors] = []
     read: list[torch.Tensor] = []
@@ -268,19 +273,19 @@ def _build(h: Any, sizes: list[int], frame: Any) -> list[dict[str, Any]]:
                 at = again[0]
                 ref = read[at] if len(again) == 1 and isinstance(at, int) and 0 <= at < len(read) else None
                 if ref is None or NAMES.get(ref.dtype) != dtype or list(ref.shape) != shape:
-                    raise SeaBiscuitError(f"a data-plane batch names frame {again} for tensor {name!r} of "
-                                          f"{dtype} {shape}, after {len(read)} frames")
+                    raise BadMessage(f"a data-plane batch names frame {again} for tensor {name!r} of "
+                                     f"{dtype} {shape}, after {len(read)} frames")
                 ts[str(name)] = ref.clone()
                 continue
             if len(read) >= count:
-                raise SeaBiscuitError(f"a data-plane batch names more tensors than its {count} frames")
+                raise BadMessage(f"a data-plane batch names more tensors than its {count} frames")
             ts[str(name)] = t = frame(len(read), str(dtype), shape)
             own += sizes[len(read)]
             read.append(t)
         ts.wire_bytes = own
         built.append(ts)
     if len(read) != count:
-        raise SeaBiscuitError(f"a data-plane batch has {count} frames and names {len(read)} tensors")
+        raise BadMessage(f"a data-plane batch has {count} frames and names {len(read)} tensors")
     msgs = []
     for m in h["msgs"]:
         m = dict(m)

@@ -14,8 +14,7 @@ import atexit
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -177,7 +176,7 @@ class Engine:
         self.executor.close()
 
     def warm(self, lengths: Sequence[int] | None = None, batches: Sequence[int] | None = None,
-             progress: Any = None) -> list[str]:
+             progress: Callable[[str], None] | None = None) -> list[str]:
         """Build and run once the step programs generation asks for (``Scheduler.shapes``), each
         on sessions of its own whose caches go at once; the shapes ("batch x tokens") made ready."""
         built = []
@@ -262,7 +261,7 @@ class Engine:
             else:
                 self._guard(c, lambda c: self._emit(c, picked(c.sampling, [got[s.sid] for s in c.live])))
 
-    def _guard(self, call: Call, fn: Any) -> None:
+    def _guard(self, call: Call, fn: Callable[..., None]) -> None:
         try:
             fn(call)
         except BaseException as e:  # noqa: BLE001 - the caller gets it; other calls go on

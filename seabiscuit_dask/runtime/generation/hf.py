@@ -20,7 +20,7 @@ from .sampling import Sampling
 from .sessions import Session
 
 
-def prompts_of(input_ids: Any, attention_mask: Any = None) -> list[list[int]]:
+def prompts_of(input_ids: Any, attention_mask: torch.Tensor | None = None) -> list[list[int]]:
     """The real tokens of each row (those the mask keeps; every token without a mask)."""
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
         shape, dtype = getattr(input_ids, "shape", ""), getattr(input_ids, "dtype", "")
@@ -74,8 +74,9 @@ class GenerateArgs:
         return cls(int(max_new_tokens), sampling, eos_t, pad)
 
 
-def stream_tokens(engine: Engine, input_ids: torch.Tensor, args: GenerateArgs, attention_mask: Any = None,
-                  streamer: Any = None, session: Session | None = None) -> Iterator[torch.Tensor]:
+def stream_tokens(engine: Engine, input_ids: torch.Tensor, args: GenerateArgs,
+                  attention_mask: torch.Tensor | None = None, streamer: Any = None,
+                  session: Session | None = None) -> Iterator[torch.Tensor]:
     """The tokens of one call, a (batch,) tensor per step, as they come; ``streamer`` is fed too."""
     prompts = prompts_of(input_ids, attention_mask)
     call = engine.submit(prompts, args.max_new, args.sampling, args.eos, args.pad,
@@ -95,8 +96,9 @@ def stream_tokens(engine: Engine, input_ids: torch.Tensor, args: GenerateArgs, a
             streamer.end()
 
 
-def generate_tokens(engine: Engine, input_ids: torch.Tensor, args: GenerateArgs, attention_mask: Any = None,
-                    streamer: Any = None, session: Session | None = None) -> torch.Tensor:
+def generate_tokens(engine: Engine, input_ids: torch.Tensor, args: GenerateArgs,
+                    attention_mask: torch.Tensor | None = None, streamer: Any = None,
+                    session: Session | None = None) -> torch.Tensor:
     """What Hugging Face ``generate`` returns: the prompt then the new tokens (``pad`` after EOS)."""
     rows = list(stream_tokens(engine, input_ids, args, attention_mask, streamer, session))
     return torch.cat([input_ids.cpu(), torch.stack(rows, dim=1)], dim=1)

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 import torch
 
 from ...decompose import decompose
+from ...ir import OpGraph
 from ...lower.kvcache import KVStore, using
 from ...trace.decoder import trace_step
 from ..local import run_local
@@ -89,10 +90,10 @@ class LocalRunner:
         self.model = model
         self.budget = budget
         self.store = KVStore()
-        self.programs: dict[tuple[int, int], Any] = {}
+        self.programs: dict[tuple[int, int], OpGraph] = {}
         self._lock = threading.Lock()           # NOTE: torch.export is not thread-safe
 
-    def program(self, batch: int, length: int) -> Any:
+    def program(self, batch: int, length: int) -> OpGraph:
         key = (batch, length)
         with self._lock:
             if key not in self.programs:

@@ -15,10 +15,13 @@ import queue
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ...errors import BadInput, Busy, SessionClosed
 from .sampling import Sampling
+
+if TYPE_CHECKING:
+    import torch
 
 TURN_WAIT_S = 120.0  # NOTE: how long a kept session's next turn waits for its last one to end
 _CALL_IDS = itertools.count()
@@ -45,7 +48,8 @@ class Call:
     sampling: Sampling
     eos: frozenset[int]
     pad: int
-    out: queue.Queue[Any] = field(default_factory=queue.Queue)
+    # NOTE: a (rows,) tensor of tokens per step, then None (the end) or the error that ended it
+    out: queue.Queue[torch.Tensor | BaseException | None] = field(default_factory=queue.Queue)
     produced: int = 0
     keep: bool = False          # a caller-held session stays cached after the call
     cancelled: bool = False     # the caller stopped reading: end at the next step
