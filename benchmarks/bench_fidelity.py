@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from seabiscuit_dask.runtime.agent import median_s
+from seabiscuit_dask.runtime.worker.agent import median_s
 
 
 class ConvNet(torch.nn.Module):

@@ -21,9 +21,9 @@ import transformers as tf
 import seabiscuit_dask as sb
 from seabiscuit_dask.ir import fmt_bytes
 from seabiscuit_dask.lower.blocks import block_specs
-from seabiscuit_dask.runtime.agent import median_s
-from seabiscuit_dask.runtime.resident import ResidentBlocks
-from seabiscuit_dask.runtime.store import stored
+from seabiscuit_dask.runtime.worker.agent import median_s
+from seabiscuit_dask.runtime.worker.resident import ResidentBlocks
+from seabiscuit_dask.runtime.worker.store import stored
 
 MODEL = "0123456789abcdef"
 

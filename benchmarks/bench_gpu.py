@@ -25,7 +25,7 @@ import torch
 import seabiscuit_dask as sb
 from seabiscuit_dask.ir import fmt_bytes
 from seabiscuit_dask.models import demo_model
-from seabiscuit_dask.runtime.agent import median_s as agent_median_s
+from seabiscuit_dask.runtime.worker.agent import median_s as agent_median_s
 
 
 def median_s(fn, reps: int, sync: bool) -> float:

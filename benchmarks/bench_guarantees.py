@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import seabiscuit_dask as sb
-from seabiscuit_dask.runtime.agent import median_s
+from seabiscuit_dask.runtime.worker.agent import median_s
 from tests.clusters import seabiscuit_cluster
 from tests.test_generate import decoder, padded_batch
 

@@ -21,7 +21,7 @@ from dask.utils import format_bytes, parse_bytes
 
 import seabiscuit_dask as sb
 from seabiscuit_dask.placement import Plan
-from seabiscuit_dask.runtime.agent import median_s
+from seabiscuit_dask.runtime.worker.agent import median_s
 
 
 def chain(hops: int) -> torch.nn.Module:

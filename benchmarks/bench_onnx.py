@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from seabiscuit_dask.runtime.agent import median_s as agent_median_s
+from seabiscuit_dask.runtime.worker.agent import median_s as agent_median_s
 
 
 def median_s(fn, reps: int) -> float:

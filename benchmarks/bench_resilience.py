@@ -207,7 +207,7 @@ def many_requests(client, model, total: int, threads_n: int) -> dict:
 
 def corruptions(client, model, n: int, expected, x, ckpt: str) -> dict:
     import seabiscuit_dask as sb
-    from seabiscuit_dask.runtime.integrity import save_checkpoint
+    from seabiscuit_dask.runtime.worker.integrity import save_checkpoint
 
     detected, wrong = 0, 0
     full(client)

@@ -82,7 +82,7 @@ def __getattr__(name: str):
 
         return measure_cluster
     if name == "PlacementState":
-        from .runtime.state import PlacementState
+        from .runtime.scheduler import PlacementState
 
         return PlacementState
     if name in ("SeaBiscuitSchedulerPlugin", "SeaBiscuitWorkerPlugin"):

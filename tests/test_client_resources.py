@@ -7,7 +7,7 @@ import torch
 
 import seabiscuit_dask as sb
 from seabiscuit_dask.runtime.client import EVENTS_KEPT
-from seabiscuit_dask.runtime.events import TOPIC
+from seabiscuit_dask.runtime.client.events import TOPIC
 
 from .clusters import seabiscuit_cluster, wait_for
 

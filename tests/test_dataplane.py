@@ -44,7 +44,7 @@ from seabiscuit_dask.runtime.dataplane.wire import (
     unpack,
     unpack_message,
 )
-from seabiscuit_dask.runtime.resident import ResidentBlocks
+from seabiscuit_dask.runtime.worker.resident import ResidentBlocks
 
 from .planes import TICKET, FunctionHost
 from .test_runtime_resident import MODEL, blocks  # noqa: F401 - its module-scoped fixture

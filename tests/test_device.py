@@ -24,9 +24,9 @@ import seabiscuit_dask as sb
 from seabiscuit_dask import cli, config
 from seabiscuit_dask.lower.blocks import block_specs
 from seabiscuit_dask.plugins.worker import SeaBiscuitWorkerPlugin
-from seabiscuit_dask.runtime.resident import ResidentBlocks
-from seabiscuit_dask.runtime.state import admits
-from seabiscuit_dask.runtime.store import stored
+from seabiscuit_dask.runtime.scheduler import admits
+from seabiscuit_dask.runtime.worker.resident import ResidentBlocks
+from seabiscuit_dask.runtime.worker.store import stored
 
 from . import models as M
 from .clusters import seabiscuit_cluster

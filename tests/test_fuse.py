@@ -9,8 +9,8 @@ import torch
 import seabiscuit_dask as sb
 from seabiscuit_dask.lower.blocks import block_specs
 from seabiscuit_dask.lower.fuse import linear_groups, pack_rows, should_fuse, span
-from seabiscuit_dask.runtime.resident import ResidentBlocks
-from seabiscuit_dask.runtime.store import stored
+from seabiscuit_dask.runtime.worker.resident import ResidentBlocks
+from seabiscuit_dask.runtime.worker.store import stored
 
 from . import models as M
 from .test_runtime_resident import MODEL, Owner, run_all

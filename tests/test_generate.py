@@ -323,7 +323,7 @@ def test_a_cache_grows_by_doubling_but_never_past_its_declared_context() -> None
 
 
 def test_a_full_worker_refuses_to_grow_a_cache() -> None:
-    from seabiscuit_dask.runtime.resident import ResidentBlocks
+    from seabiscuit_dask.runtime.worker.resident import ResidentBlocks
 
     r = ResidentBlocks(10_000, address="w9")
     k = torch.zeros(2, 1, 64)

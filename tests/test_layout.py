@@ -12,8 +12,8 @@ from seabiscuit_dask.lower import layout
 from seabiscuit_dask.lower.blocks import BlockSpec, block_specs
 from seabiscuit_dask.runtime.client import _with_checksums
 from seabiscuit_dask.runtime.generation import decode_rows
-from seabiscuit_dask.runtime.resident import ResidentBlocks
-from seabiscuit_dask.runtime.store import stored
+from seabiscuit_dask.runtime.worker.resident import ResidentBlocks
+from seabiscuit_dask.runtime.worker.store import stored
 
 from . import models as M
 from .clusters import seabiscuit_cluster

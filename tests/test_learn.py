@@ -12,7 +12,7 @@ import seabiscuit_dask as sb
 from seabiscuit_dask import config
 from seabiscuit_dask.placement import DeviceAdded
 from seabiscuit_dask.placement.learn import CostLearner
-from seabiscuit_dask.runtime.state import BlockObserved, ModelDeployed, PlacementState, PlanChanged
+from seabiscuit_dask.runtime.scheduler import BlockObserved, ModelDeployed, PlacementState, PlanChanged
 
 from . import models as M
 
@@ -136,7 +136,7 @@ def test_the_scheduler_repairs_the_plan_of_a_slowed_worker(graph):
 
 
 def test_availability_forecast_plans_on_the_lows():
-    from seabiscuit_dask.runtime.agent import AvailabilityForecast
+    from seabiscuit_dask.runtime.worker.agent import AvailabilityForecast
 
     steady, swinging = AvailabilityForecast(), AvailabilityForecast()
     for i in range(40):

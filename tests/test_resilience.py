@@ -177,7 +177,7 @@ def test_corrupted_resident_tiles_are_detected_and_reloaded(client, llama) -> No
 
 
 def test_a_corrupted_checkpoint_is_recomputed_not_used(client, llama, tmp_path) -> None:
-    from seabiscuit_dask.runtime.integrity import load_checkpoint, save_checkpoint
+    from seabiscuit_dask.runtime.worker.integrity import load_checkpoint, save_checkpoint
 
     model, x, expected = llama
     with sb.distribute(model, client, (x,), budget="256KiB", checkpoint_dir=tmp_path) as dm:

@@ -22,7 +22,7 @@ from seabiscuit_dask.placement.reroute import LinkChanged, RepairPolicy, best_ro
 from seabiscuit_dask.runtime.dataplane.flow import URGENT, FlowState
 from seabiscuit_dask.runtime.dataplane.streams import ACK, FlowSettings, Links, Receiving, serve
 from seabiscuit_dask.runtime.dataplane.wire import Tensors, pack_message, unpack_message
-from seabiscuit_dask.runtime.state import (
+from seabiscuit_dask.runtime.scheduler import (
     DeviceAdded,
     LinksObserved,
     ModelDeployed,

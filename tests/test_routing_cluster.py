@@ -60,7 +60,7 @@ def slow_down(src: str, dst: str, nbytes: float, load_rate: float | None = None,
     figures on trial, which the first of these samples settle. Returns the instructions (a repair
     by its kind)."""
     from seabiscuit_dask.placement.cluster import LinkSpec
-    from seabiscuit_dask.runtime.state import LinksObserved
+    from seabiscuit_dask.runtime.scheduler import LinksObserved
 
     plugin = dask_scheduler.plugins["seabiscuit"]
     if load_rate is not None:       # NOTE: the state reads its settings when built: set its own

@@ -11,8 +11,8 @@ import torch
 
 import seabiscuit_dask as sb
 from seabiscuit_dask.lower.blocks import BlockSpec, block_specs
-from seabiscuit_dask.runtime.resident import ResidentBlocks
-from seabiscuit_dask.runtime.store import stored
+from seabiscuit_dask.runtime.worker.resident import ResidentBlocks
+from seabiscuit_dask.runtime.worker.store import stored
 
 from . import models as M
 

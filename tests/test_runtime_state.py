@@ -20,7 +20,7 @@ from seabiscuit_dask.lower.blocks import (
     task_name,
 )
 from seabiscuit_dask.placement import CapacityChanged, DeviceAdded, DeviceLost
-from seabiscuit_dask.runtime.scheduler import fencing
+from seabiscuit_dask.runtime.scheduler import fencing, parse_key
 from seabiscuit_dask.runtime.scheduler.claims import MAX_CLAIMS, Claims
 from seabiscuit_dask.runtime.scheduler.events import (
     BlockObserved,
@@ -39,7 +39,6 @@ from seabiscuit_dask.runtime.scheduler.events import (
 )
 from seabiscuit_dask.runtime.scheduler.settings import StateSettings
 from seabiscuit_dask.runtime.scheduler.state import PlacementState
-from seabiscuit_dask.runtime.state import parse_key
 from seabiscuit_dask.weights import WeightStore
 
 from . import models as M

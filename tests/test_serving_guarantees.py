@@ -381,7 +381,7 @@ def _first(outputs):
 
 
 def test_another_client_cannot_reach_the_model(client, model) -> None:
-    from seabiscuit_dask.runtime.tasks import run_block_task
+    from seabiscuit_dask.runtime.worker.tasks import run_block_task
 
     prompt = padded_batch((6,), seed=9)[0]
     with torch.no_grad():
@@ -605,7 +605,7 @@ def test_a_store_whose_writer_is_gone_is_removed_by_the_next(tmp_path) -> None:
     import json
     import socket
 
-    from seabiscuit_dask.runtime.store import OWNER, remove_orphans
+    from seabiscuit_dask.runtime.worker.store import OWNER, remove_orphans
 
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True, check=True)

@@ -21,8 +21,8 @@ from typing import Any
 from ..lower.blocks import split_block
 from ..placement import Plan
 from ..placement.workload import layer_of
-from ..runtime.state import Deployment, PlacementState
-from ..runtime.tasks import PLUGIN_NAME
+from ..runtime.scheduler import Deployment, PlacementState
+from ..runtime.worker.tasks import PLUGIN_NAME
 
 RUNS_KEPT = 5000           # block runs on the timeline
 REQUESTS_KEPT = 500        # requests whose latency is kept, per model and program
@@ -63,7 +63,7 @@ class Activity:
             req.blocks.add(local)
 
     def ran(self, msg: dict[str, Any]) -> None:
-        """A worker's report of one block run (``runtime.tasks.run_block_task``)."""
+        """A worker's report of one block run (``runtime.worker.tasks.run_block_task``)."""
         try:
             model, block = str(msg["model"]), int(msg["block"])
             version, request = int(msg.get("version", 0)), int(msg.get("request", -1))

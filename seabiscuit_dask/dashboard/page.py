@@ -310,7 +310,7 @@ def seabiscuit_doc(scheduler: Any, extra: dict[str, Any], doc: Any, pane: str = 
     or of one of its figures (``pane``, a key of ``PANES``)."""
     from distributed.dashboard.components.scheduler import BOKEH_THEME, env
 
-    from ..runtime.tasks import PLUGIN_NAME
+    from ..runtime.worker.tasks import PLUGIN_NAME
 
     plugin = scheduler.plugins.get(PLUGIN_NAME)
     doc.title = "Dask: SeaBiscuit"

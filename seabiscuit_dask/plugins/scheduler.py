@@ -41,9 +41,9 @@ from ..ir import OpGraph
 from ..lower.blocks import parse_key
 from ..lower.registry import require_registered
 from ..placement import CapacityChanged, DeviceAdded, DeviceLost, DeviceSpec, Plan
-from ..runtime import access, agent
+from ..runtime import access
+from ..runtime.client.events import TOPIC
 from ..runtime.discover import device_from_report, device_name
-from ..runtime.events import TOPIC
 from ..runtime.scheduler.events import (
     BlockRan,
     DeviceDrained,
@@ -66,9 +66,10 @@ from ..runtime.scheduler.events import (
 )
 from ..runtime.scheduler.fencing import SessionEnd
 from ..runtime.scheduler.state import PlacementState
-from ..runtime.store import remove_store
-from ..runtime.tasks import PLUGIN_NAME, RUNS_TOPIC
 from ..runtime.watch import seconds
+from ..runtime.worker import agent
+from ..runtime.worker.store import remove_store
+from ..runtime.worker.tasks import PLUGIN_NAME, RUNS_TOPIC
 from .refusing import refusing
 from .worker import SeaBiscuitWorkerPlugin
 

@@ -1,9 +1,9 @@
 """``SeaBiscuitWorkerPlugin``: the resource agent on one worker, and the keeper of its blocks.
 
-It measures the worker once at setup (``runtime.agent``), publishes its figures
+It measures the worker once at setup (``runtime.worker.agent``), publishes its figures
 through ``worker.metrics["seabiscuit"]`` on every heartbeat, asks the scheduler to
 move work away under memory or heat pressure, and wraps the worker's
-``ResidentBlocks`` (``runtime.resident``). Its RPCs: ``seabiscuit_sync`` (hold what
+``ResidentBlocks`` (``runtime.worker.resident``). Its RPCs: ``seabiscuit_sync`` (hold what
 the scheduler says this worker owns of a model; any peer may ask, the answer comes
 from the scheduler), ``seabiscuit_report`` (the agent's figures now) and
 ``seabiscuit_routes`` (the relays and links to probe, from the scheduler plugin only:
@@ -31,15 +31,16 @@ from distributed.protocol import to_serialize
 from .. import config
 from ..errors import AccessDenied, BadInput, WorkerLost
 from ..lower.blocks import BlockSpec
-from ..runtime import access, agent
+from ..runtime import access
 from ..runtime.dataplane import DataPlane, Links, Tensors, decode_loop, timed
 from ..runtime.dataplane.host import Imports, Outcome
 from ..runtime.dataplane.ordered import OrderedExecutor
 from ..runtime.dataplane.streams import Overrun, Receiving, admit, opener, serve
 from ..runtime.dataplane.wire import inline
-from ..runtime.resident import ResidentBlocks
-from ..runtime.tasks import PLUGIN_NAME, fetch_spec
 from ..runtime.watch import seconds
+from ..runtime.worker import agent
+from ..runtime.worker.resident import ResidentBlocks
+from ..runtime.worker.tasks import PLUGIN_NAME, fetch_spec
 from .refusing import refusing
 
 if TYPE_CHECKING:

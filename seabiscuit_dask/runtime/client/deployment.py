@@ -30,9 +30,9 @@ from ...trace import decoder, load_hf_skeleton, trace
 from ...trace.onnx import is_onnx, load_onnx
 from ..discover import HOW_TO_INSTALL, PluginMissing, measure_cluster
 from ..generation.scheduler import decode_rows as rows_of_decode
-from ..resident import writable
-from ..store import stored
-from ..tasks import load_block
+from ..worker.resident import writable
+from ..worker.store import stored
+from ..worker.tasks import load_block
 from .layouts import matmul_forms, weight_layouts
 from .limits import kv_reserve
 from .model import DistributedModel

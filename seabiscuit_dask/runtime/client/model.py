@@ -33,10 +33,10 @@ from ... import config
 from ...errors import BadInput, StaleRun
 from ...lower.blocks import BlockSpec
 from ...placement import Plan
-from .. import events
 from ..discover import releasing
 from ..generation import STEP_INPUTS, Engine, GenerateArgs, generate_tokens, stream_tokens
 from ..local import bind_call, check_ids, flatten_inputs, split_inputs
+from . import events
 from .chat import ChatSession
 from .limits import max_positions
 from .operations import ModelOperations

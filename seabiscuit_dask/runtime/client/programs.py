@@ -29,7 +29,7 @@ from ...trace import bind_checkpoint, decoder, load_hf_skeleton, trace
 from ...trace.torch_export import EXPORT_FAILED
 from ..dataplane import client as p2p
 from ..local import bind_call
-from ..store import copied_if_unreadable
+from ..worker.store import copied_if_unreadable
 from .limits import max_positions
 
 logger = logging.getLogger(__name__)

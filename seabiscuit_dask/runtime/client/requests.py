@@ -41,8 +41,8 @@ from ...lower.blocks import request_graph
 from ..dataplane import client as p2p
 from ..generation import greedy
 from ..local import assemble_outputs, unflatten_outputs
-from ..tasks import PICK, run_block_task
 from ..watch import Deadline, seconds
+from ..worker.tasks import PICK, run_block_task
 from .plans import PlanFollower
 from .programs import StepLayout, StepProgram
 

@@ -7,3 +7,38 @@ counts, under the ``settings.StateSettings`` read when it is built. The schedule
 (``plugins/scheduler.py``) forwards Dask's hooks and RPCs to it and carries the
 instructions out.
 """
+
+from __future__ import annotations
+
+from ...lower.blocks import parse_key
+from ...placement import CapacityChanged, DeviceAdded, DeviceLost
+from .deployment import Deployment, admits, modelled_block_times
+from .events import (
+    BlockObserved,
+    BlockRan,
+    DeviceDrained,
+    DeviceEvent,
+    DeviceRestored,
+    Event,
+    ForModel,
+    Instruction,
+    LinksObserved,
+    ModelDeployed,
+    ModelReleased,
+    Pin,
+    PlanChanged,
+    ProgramAdded,
+    Rerouted,
+    RoutesChanged,
+    Stranded,
+    TasksForgotten,
+    TasksSubmitted,
+    WorkerFenced,
+)
+from .state import PlacementState
+
+__all__ = ["BlockObserved", "BlockRan", "CapacityChanged", "Deployment", "DeviceAdded", "DeviceDrained",
+           "DeviceEvent", "DeviceLost", "DeviceRestored", "Event", "ForModel", "Instruction", "LinksObserved",
+           "ModelDeployed", "ModelReleased", "Pin", "PlacementState", "PlanChanged", "ProgramAdded",
+           "Rerouted", "RoutesChanged", "Stranded", "TasksForgotten", "TasksSubmitted", "WorkerFenced",
+           "admits", "modelled_block_times", "parse_key"]

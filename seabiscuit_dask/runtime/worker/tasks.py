@@ -15,11 +15,11 @@ import torch
 from distributed import get_worker
 from distributed.utils import sync
 
-from ..errors import AccessDenied, BadMessage, SpecUnavailable
-from ..lower.blocks import BlockSpec, parse_key, task_name
-from .dataplane.wire import Tensors
-from .discover import PluginMissing
-from .generation.sampling import greedy
+from ...errors import AccessDenied, BadMessage, SpecUnavailable
+from ...lower.blocks import BlockSpec, parse_key, task_name
+from ..dataplane.wire import Tensors
+from ..discover import PluginMissing
+from ..generation.sampling import greedy
 from .resident import ResidentBlocks
 
 PLUGIN_NAME = "seabiscuit"

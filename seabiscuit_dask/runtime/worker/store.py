@@ -19,11 +19,11 @@ from typing import Any
 
 import torch
 
-from .. import config
-from ..errors import AccessDenied, BadCheckpoint
-from ..ir import OpGraph
-from ..trace import bind_checkpoint
-from ..weights import WeightStore
+from ... import config
+from ...errors import AccessDenied, BadCheckpoint
+from ...ir import OpGraph
+from ...trace import bind_checkpoint
+from ...weights import WeightStore
 from .integrity import crc32
 
 
@@ -95,8 +95,8 @@ def copied_if_unreadable(graph: OpGraph, weights: Any) -> OpGraph:
     memory does. Params ``weights`` does not hold stay as they are (the workers refuse them)."""
     from dataclasses import replace
 
-    from ..ir import ParamSource, ParamSpec
-    from .access import check_source
+    from ...ir import ParamSource, ParamSpec
+    from ..access import check_source
 
     if not isinstance(weights, torch.nn.Module):
         return graph

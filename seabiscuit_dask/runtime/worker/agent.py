@@ -18,9 +18,9 @@ from typing import Any
 
 import psutil
 
-from .. import config
-from ..ir import fmt_bytes
-from ..timing import median_s
+from ... import config
+from ...ir import fmt_bytes
+from ...timing import median_s
 
 
 def _read(path: Path) -> str | None:

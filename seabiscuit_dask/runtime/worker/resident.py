@@ -17,15 +17,15 @@ from typing import Any
 
 import torch
 
-from .. import config
-from ..errors import BadCheckpoint, ClusterTooSmall
-from ..ir import ParamSpec, fmt_bytes
-from ..lower.blocks import BlockProgram, BlockSpec, run_block
-from ..lower.fuse import linear_groups, pack_rows, should_fuse
-from ..lower.kvcache import KVStore, using
-from ..lower.layout import held as laid_out
-from ..weights import WeightStore
-from . import access
+from ... import config
+from ...errors import BadCheckpoint, ClusterTooSmall
+from ...ir import ParamSpec, fmt_bytes
+from ...lower.blocks import BlockProgram, BlockSpec, run_block
+from ...lower.fuse import linear_groups, pack_rows, should_fuse
+from ...lower.kvcache import KVStore, using
+from ...lower.layout import held as laid_out
+from ...weights import WeightStore
+from .. import access
 from .integrity import crc32, load_checkpoint, save_checkpoint
 
 logger = logging.getLogger(__name__)
