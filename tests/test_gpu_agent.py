@@ -18,7 +18,8 @@ import torch
 import seabiscuit_dask as sb
 from seabiscuit_dask.placement.cluster import DEFAULT_LINKS
 from seabiscuit_dask.plugins.worker import SeaBiscuitWorkerPlugin
-from seabiscuit_dask.runtime import agent, discover
+from seabiscuit_dask.runtime import discover
+from seabiscuit_dask.runtime.worker import agent
 
 GiB = 2**30
 PCIE4_X16 = 16 * 1.969e9                      # the agent's nominal PCIe 4.0 x16, per direction
