@@ -16,6 +16,7 @@ import torch
 
 import seabiscuit_dask as sb
 from seabiscuit_dask.errors import SeaBiscuitError
+from seabiscuit_dask.placement import DeviceAdded
 from seabiscuit_dask.placement.cluster import ClusterSpec, DaskSpec, DeviceSpec, LinkSpec
 from seabiscuit_dask.placement.links import LinkEstimator, LinkLearner, sample_s
 from seabiscuit_dask.placement.reroute import LinkChanged, RepairPolicy, best_routes, reroute
@@ -23,7 +24,6 @@ from seabiscuit_dask.runtime.dataplane.flow import URGENT, FlowState
 from seabiscuit_dask.runtime.dataplane.streams import ACK, FlowSettings, Links, Receiving, serve
 from seabiscuit_dask.runtime.dataplane.wire import Tensors, pack_message, unpack_message
 from seabiscuit_dask.runtime.scheduler import (
-    DeviceAdded,
     LinksObserved,
     ModelDeployed,
     PlacementState,

@@ -346,9 +346,9 @@ def test_links_are_timed_the_way_the_data_plane_moves_activations(client, monkey
 def test_a_worker_that_just_joined_is_waited_for_and_one_without_an_agent_is_named() -> None:
     """A worker restarted by its nanny is in the scheduler's table before its agent is set up: a
     model deployed then waits for its hello; one that never says hello is named as agentless."""
+    from seabiscuit_dask.placement import DeviceLost
     from seabiscuit_dask.plugins.worker import PLUGIN_NAME
     from seabiscuit_dask.runtime.discover import workers_info
-    from seabiscuit_dask.runtime.scheduler import DeviceLost
 
     with dask.config.set({"seabiscuit.runtime.sync-timeout": "60s"}), \
             seabiscuit_cluster(2, WORKER_BUDGET, processes=False) as c:

@@ -16,11 +16,12 @@ from seabiscuit_dask.lower.blocks import (
     BlockSpec,
     _remakes,
     block_specs,
+    parse_key,
     request_graph,
     task_name,
 )
 from seabiscuit_dask.placement import CapacityChanged, DeviceAdded, DeviceLost
-from seabiscuit_dask.runtime.scheduler import fencing, parse_key
+from seabiscuit_dask.runtime.scheduler import fencing
 from seabiscuit_dask.runtime.scheduler.claims import MAX_CLAIMS, Claims
 from seabiscuit_dask.runtime.scheduler.events import (
     BlockObserved,

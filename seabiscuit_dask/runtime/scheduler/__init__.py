@@ -10,8 +10,6 @@ instructions out.
 
 from __future__ import annotations
 
-from ...lower.blocks import parse_key
-from ...placement import CapacityChanged, DeviceAdded, DeviceLost
 from .deployment import Deployment, admits, modelled_block_times
 from .events import (
     BlockObserved,
@@ -37,8 +35,8 @@ from .events import (
 )
 from .state import PlacementState
 
-__all__ = ["BlockObserved", "BlockRan", "CapacityChanged", "Deployment", "DeviceAdded", "DeviceDrained",
-           "DeviceEvent", "DeviceLost", "DeviceRestored", "Event", "ForModel", "Instruction", "LinksObserved",
+__all__ = ["BlockObserved", "BlockRan", "Deployment", "DeviceDrained",
+           "DeviceEvent", "DeviceRestored", "Event", "ForModel", "Instruction", "LinksObserved",
            "ModelDeployed", "ModelReleased", "Pin", "PlacementState", "PlanChanged", "ProgramAdded",
            "Rerouted", "RoutesChanged", "Stranded", "TasksForgotten", "TasksSubmitted", "WorkerFenced",
-           "admits", "modelled_block_times", "parse_key"]
+           "admits", "modelled_block_times"]
