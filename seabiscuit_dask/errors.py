@@ -45,6 +45,11 @@ class Busy(BadInput):
     finish, or deploy with more ``sessions``."""
 
 
+class QueueTimeout(Busy):
+    """A call waited for room longer than ``seabiscuit.generate.queue-timeout``: the deployment
+    is busy for longer than that; try again later (503 with ``Retry-After`` over HTTP)."""
+
+
 class BudgetTooSmall(SeaBiscuitError):
     """Some op cannot be split to fit the per-op memory budget."""
 

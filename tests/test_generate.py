@@ -15,7 +15,16 @@ import pytest
 import torch
 
 import seabiscuit_dask as sb
-from seabiscuit_dask.errors import BadInput, Busy, ClusterTooSmall, RunFailed, SessionClosed, StaleRun
+from seabiscuit_dask.errors import (
+    BadInput,
+    Busy,
+    ClusterTooSmall,
+    ModelClosed,
+    QueueTimeout,
+    RunFailed,
+    SessionClosed,
+    StaleRun,
+)
 from seabiscuit_dask.lower.kvcache import CacheLost, KVStore
 from seabiscuit_dask.placement.follow import follow
 from seabiscuit_dask.runtime.generation import (
@@ -503,7 +512,8 @@ def test_limits_are_clear_errors() -> None:
         engine.submit([[5, 6]] * 3, 4, args.sampling, args.eos, args.pad)
     assert not isinstance(never.value, Busy)
     held = [engine.open_session(), engine.open_session()]
-    with pytest.raises(Busy, match="limit is 2"):                        # it fits once one ends
+    engine.sessions.max_queued = 0                                       # NOTE: no call may wait
+    with pytest.raises(Busy, match="max-queued = 0"):                    # it fits once one ends
         engine.submit([[5, 6]], 4, args.sampling, args.eos, args.pad)
     for s in held:
         engine.close_session(s)
@@ -868,3 +878,48 @@ def test_a_turn_stopped_midway_keeps_what_was_read_and_a_session_closed_midway_f
     assert runner.store.nbytes == 0
     with pytest.raises(SessionClosed, match="is closed"):
         next(stream_tokens(engine, turn2, args, session=s))
+
+
+def test_calls_past_the_sessions_wait_their_turn_first_come_first_served() -> None:
+    """12 calls from 12 threads on 2 sessions' room all finish, each equal to its own greedy
+    answer, admitted in the order they came; one that waits past the queue's time is refused with
+    ``QueueTimeout`` (503 over HTTP), and one waiting as the deployment closes hears ``ModelClosed``."""
+    model = decoder("llama")
+    engine = Engine(LocalRunner(model, "64KiB"), max_sessions=2, context=32)
+    args = GenerateArgs.make(model.generation_config, 2, max_new_tokens=3, pad_token_id=0)
+    got: dict[int, torch.Tensor] = {}
+    errors: list[BaseException] = []
+
+    def one(i: int) -> None:
+        try:
+            call = engine.submit([[5, 6 + i]], 3, args.sampling, args.eos, args.pad)
+            got[i] = torch.cat(list(engine.results(call)))
+        except BaseException as e:  # noqa: BLE001 - asserted on below
+            errors.append(e)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and sorted(got) == list(range(12))
+    for i, tokens in got.items():
+        want = hf_greedy(model, torch.tensor([[5, 6 + i]]), None, 3)[0, 2:]
+        assert torch.equal(tokens, want), i
+    assert engine.sessions.open == 0 and engine.sessions.queued == 0
+
+    held = [engine.open_session(), engine.open_session()]
+    engine.queue_timeout_s = 0.0
+    with pytest.raises(QueueTimeout, match="waited 0 s"):
+        engine.submit([[5, 6]], 3, args.sampling, args.eos, args.pad)
+    assert engine.sessions.queued == 0
+    engine.queue_timeout_s = 600.0
+    waiting = threading.Thread(target=one, args=(99,))
+    waiting.start()
+    wait_for(lambda: engine.sessions.queued == 1, "the call to wait for room")
+    assert engine.sessions.open == 2
+    engine.close()
+    waiting.join()
+    assert isinstance(errors[-1], ModelClosed), errors
+    for s in held:
+        engine.close_session(s)

@@ -26,6 +26,8 @@ import torch
 from seabiscuit_dask.errors import (
     BadMessage,
     BlockFailed,
+    Busy,
+    QueueTimeout,
     SeaBiscuitError,
     SpecUnavailable,
     UnsupportedModel,
@@ -107,6 +109,12 @@ def test_a_failure_of_the_cluster_answers_500_naming_its_class(cls: type[SeaBisc
     status, body = error_reply(cls("block b3 of request 7 failed"))
     assert status == 500 and body["error"]["type"] == "server_error" and body["error"]["code"] == cls.__name__
     assert body["error"]["message"] == "block b3 of request 7 failed"
+
+
+def test_a_full_queue_is_429_and_a_wait_past_its_bound_is_503() -> None:
+    assert error_reply(Busy("no room, and the queue is full"))[:1] == (429,)
+    status, body = error_reply(QueueTimeout("waited 600 s for a session"))
+    assert status == 503 and body["error"]["code"] == "queue_timeout"
 
 
 def test_stop_strings_cut_the_text_and_hold_back_what_may_begin_one() -> None:
@@ -387,9 +395,14 @@ def test_a_full_deployment_answers_429_with_retry_after_and_a_disconnect_frees_i
     api = live.api()
     # NOTE: one session of four held the whole time (a stream of the tiny model may end before a
     # second request is made: it did in CI)
-    with live.lm.dm.session():
-        status, headers, body = http(live.url + "/v1/chat/completions",
-                                     {"model": "tiny", "messages": MESSAGES, "n": SESSIONS, "max_tokens": 2})
+    table = live.lm.dm._engine.sessions
+    queued, table.max_queued = table.max_queued, 0      # NOTE: no call may wait for room: refused at once
+    try:
+        with live.lm.dm.session():
+            status, headers, body = http(live.url + "/v1/chat/completions", {
+                "model": "tiny", "messages": MESSAGES, "n": SESSIONS, "max_tokens": 2})
+    finally:
+        table.max_queued = queued
     assert status == 429 and headers.get("retry-after") == "1"
     assert body["error"]["code"] == "too_many_sessions"
     before = live.lm.dm.generation_stats().get("tokens", 0)

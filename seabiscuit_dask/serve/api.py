@@ -21,6 +21,7 @@ from ..errors import (
     Busy,
     ClusterTooSmall,
     ModelClosed,
+    QueueTimeout,
     SeaBiscuitError,
     WorkerLost,
 )
@@ -65,6 +66,7 @@ STATUS: list[tuple[type[BaseException], int, str, str | None]] = [
     (TooLarge, 413, "invalid_request_error", "request_too_large"),
     (SlowBody, 408, "invalid_request_error", "request_timeout"),
     (ClientGone, 499, "invalid_request_error", "client_closed_request"),
+    (QueueTimeout, 503, "service_unavailable", "queue_timeout"),
     (Busy, 429, "rate_limit_exceeded", "too_many_sessions"),
     (BadInput, 400, "invalid_request_error", None),
     (WorkerLost, 503, "service_unavailable", "model_unavailable"),

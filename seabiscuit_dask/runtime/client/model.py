@@ -240,9 +240,13 @@ class DistributedModel:
         return ChatSession(self, self._generation_engine().open_session())
 
     def generation_stats(self) -> dict[str, Any]:
-        """Steps, tokens and seconds of generation so far, and the step programs built:
-        per (batch, tokens) shape its Dask tasks per step and what building it cost."""
+        """Steps, tokens and seconds of generation so far, the sessions open and the rows of calls
+        waiting for room now, and the step programs built: per (batch, tokens) shape its Dask
+        tasks per step and what building it cost."""
         stats: dict[str, Any] = self._engine.stats.as_dict() if self._engine is not None else {}
+        if self._engine is not None:
+            table = self._engine.sessions
+            stats.update(sessions_open=table.open, rows_queued=table.queued)     # NOTE: read without the lock
         stats["programs"] = self._programs.stats()
         return stats
 

@@ -20,6 +20,7 @@ import torch
 
 from ... import config
 from ...errors import BadInput, ModelClosed, SessionClosed
+from ..watch import seconds
 from .executor import EngineStats, Executor, Result
 from .inputs import step_inputs
 from .kv import KVLedger
@@ -42,7 +43,8 @@ class Engine:
         self.runner = runner
         self.name = name
         limit = max_sessions if max_sessions is not None else config.get("generate.max-sessions")
-        self.sessions = SessionTable(int(limit), name)
+        self.sessions = SessionTable(int(limit), name, int(config.get("generate.max-queued")))
+        self.queue_timeout_s = seconds("generate.queue-timeout")
         self.kv = KVLedger(runner, context, name)
         self.spec = SchedulerSpec.from_config(max_chunk=max_chunk, chains_steps=runner.chains_steps)
         self.scheduler = Scheduler(self.spec, self._flow)
@@ -100,7 +102,7 @@ class Engine:
             self.kv.check_call(prompts, max_new)
             self.sessions.check_rows(len(prompts))
             with self._cond:
-                self.sessions.reserve(len(prompts))
+                self.sessions.wait(len(prompts), self._cond, self.queue_timeout_s, lambda: self._closed)
             call = self.sessions.call(prompts, max_new, sampling, eos, pad)
         else:
             for s in sessions:
@@ -130,6 +132,7 @@ class Engine:
             if session.closed:
                 return
             self.sessions.release(1)
+            self._cond.notify_all()             # NOTE: calls waiting for room
             session.closed = True
             call = session.call
             running = call is not None and not call.finished
@@ -169,7 +172,7 @@ class Engine:
             for call in self.scheduler.waiting + self.scheduler.running:
                 call.closing = ModelClosed(f"{self.name} was closed after {call.produced} of "
                                            f"{call.max_new} new tokens of this call: it did not finish")
-            self._cond.notify()
+            self._cond.notify_all()             # NOTE: the loop, and calls waiting for room
             thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout_s)
@@ -296,6 +299,7 @@ class Engine:
             seen = call.seen
             if not call.keep:
                 self.sessions.release(len(call.sessions))
+                self._cond.notify_all()         # NOTE: calls waiting for room
         freed = [s.sid for s in call.sessions if not call.keep or s.closed]    # NOTE: closed as it ran
         moved: list[tuple[int, int, int]] = []
         if call.keep:

@@ -13,11 +13,12 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ...errors import BadInput, Busy, SessionClosed
+from ...errors import BadInput, Busy, ModelClosed, QueueTimeout, SessionClosed
 from .sampling import Sampling
 
 if TYPE_CHECKING:
@@ -75,11 +76,18 @@ class SessionTable:
     """The sessions one deployment holds open, counted against its limit, and their ids. The
     counts change under the engine's lock."""
 
-    def __init__(self, max_sessions: int, name: str) -> None:
+    def __init__(self, max_sessions: int, name: str, max_queued: int = 0) -> None:
         self.max_sessions = max_sessions
+        self.max_queued = max_queued         # rows that may wait for room, first come first served
         self.name = name
         self.open = 0
+        self.queue: deque[tuple[object, int]] = deque()     # NOTE: (a waiter's token, its rows), in order
         self._ids = itertools.count()
+
+    @property
+    def queued(self) -> int:
+        """Rows of calls waiting for room."""
+        return sum(rows for _, rows in self.queue)
 
     def next_id(self) -> int:
         return next(self._ids)
@@ -98,6 +106,36 @@ class SessionTable:
                        f"the limit is {self.max_sessions} (seabiscuit.generate.max-sessions): wait for "
                        "calls to finish or raise the limit")
         self.open += rows
+
+    def wait(self, rows: int, cond: threading.Condition, timeout_s: float,
+             closed: Callable[[], bool]) -> None:
+        """Count a call's ``rows`` new sessions open once there is room, waiting behind the calls
+        that came before it (``cond`` held; it is notified as sessions close). ``Busy`` at once when
+        ``max_queued`` rows wait already, ``QueueTimeout`` after ``timeout_s``; ``ModelClosed`` when
+        the deployment closes meanwhile (``closed``)."""
+        if not self.queue and self.open + rows <= self.max_sessions:
+            self.open += rows
+            return
+        if self.queued + rows > self.max_queued:
+            raise Busy(f"{self.name} has {self.open} session(s) open of {self.max_sessions} and "
+                       f"{self.queued} row(s) waiting, the most that may wait "
+                       f"(seabiscuit.generate.max-queued = {self.max_queued}): try again once calls finish")
+        token = object()
+        self.queue.append((token, rows))
+        try:
+            ready = cond.wait_for(lambda: closed() or (self.queue[0][0] is token
+                                                       and self.open + rows <= self.max_sessions),
+                                  timeout_s)
+            if closed():
+                raise ModelClosed(f"{self.name} was closed while this call waited for room")
+            if not ready:
+                raise QueueTimeout(f"{self.name}: this call waited {timeout_s:.0f} s for one of "
+                                   f"{self.max_sessions} sessions (seabiscuit.generate.queue-timeout); "
+                                   "try again later")
+            self.open += rows
+        finally:
+            self.queue = deque(e for e in self.queue if e[0] is not token)
+            cond.notify_all()       # NOTE: the next in line may fit now
 
     def keep(self) -> Session:
         """A session kept across calls, counted open until it is closed (lock held)."""
