@@ -54,6 +54,100 @@ def chat_prompt(tok, n_tokens: int) -> torch.Tensor:
     return torch.cat([ids[:, :1], ids[:, ids.shape[1] - n_tokens + 1:]], dim=1)   # BOS, then the last tokens
 
 
+CHATS = ["What is the capital of France?", "Name three primary colors.", "How many legs does a spider have?",
+         "Write a haiku about the sea.", "What is 12 times 12?", "Who wrote Romeo and Juliet?",
+         "Explain what a noun is in one sentence.", "Give me a synonym for happy, and use it in a sentence."]
+
+
+def burst_prompts(tok, n: int) -> list[torch.Tensor]:
+    """``n`` different chat prompts (a question each, in the chat template)."""
+    from seabiscuit_dask.demo import prompt_ids
+
+    return [prompt_ids(tok, CHATS[i % len(CHATS)] + " " * (i // len(CHATS)), True) for i in range(n)]
+
+
+def hf_burst(model, prompts: list[torch.Tensor], new: int, n_threads: int) -> float:
+    """Tokens/s of one Hugging Face generate over ``prompts`` as one left-padded batch, over its
+    whole wall time (prefill included): what 8 chats sent at once get from HF."""
+    n = max(p.shape[1] for p in prompts)
+    ids = torch.zeros((len(prompts), n), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for r, p in enumerate(prompts):
+        ids[r, n - p.shape[1]:], mask[r, n - p.shape[1]:] = p[0], 1
+    with threads(n_threads), torch.no_grad():
+        t = time.perf_counter()
+        model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+        return len(prompts) * new / (time.perf_counter() - t)
+
+
+def sb_burst(dm, prompts: list[torch.Tensor], new: int) -> tuple[float, list[float]]:
+    """(tokens/s over the whole wall time, first-token seconds of each) of ``prompts`` started together,
+    each a stream from its own thread: what 8 chats sent at once get."""
+    firsts: list[float] = []
+    counts: list[int] = []
+    barrier = threading.Barrier(len(prompts) + 1)
+
+    def one(ids: torch.Tensor) -> None:
+        barrier.wait()
+        t, n = time.perf_counter(), 0
+        for _ in dm.stream(ids, new, eos_token_id=[]):
+            if not n:
+                firsts.append(time.perf_counter() - t)
+            n += 1
+        counts.append(n)
+
+    ths = [threading.Thread(target=one, args=(p,)) for p in prompts]
+    for th in ths:
+        th.start()
+    barrier.wait()
+    t = time.perf_counter()
+    for th in ths:
+        th.join()
+    return sum(counts) / (time.perf_counter() - t), sorted(firsts)
+
+
+def cold_burst(model, tok, workers: int, sessions: int, new: int, reps: int) -> None:
+    """The cold burst: a fresh deployment, one prompt warmed, then ``sessions`` different chats at
+    once, --reps times (each a deployment of its own), against HF's padded batch on 2 threads of
+    the same prompts right before (no cluster up)."""
+    import seabiscuit_dask as sb
+    from seabiscuit_dask.demo import worker_budget_bytes
+    from seabiscuit_dask.runtime.client import kv_reserve
+    from tests.clusters import seabiscuit_cluster
+
+    prompts = burst_prompts(tok, sessions)
+    context = max(p.shape[1] for p in prompts) + new + 16
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    reserve, _ = kv_reserve(model, sessions, context)
+    budget = worker_budget_bytes(weights, workers) + reserve * model.config.num_hidden_layers // workers
+    out = []
+    for _ in range(reps):
+        hf = hf_burst(model, prompts, new, 2)
+        with seabiscuit_cluster(workers, budget) as client:
+            t = time.perf_counter()
+            dm = sb.distribute(model, client, torch.zeros(1, 256, dtype=torch.long),
+                               kwargs={"logits_to_keep": 1}, sessions=sessions, context=context)
+            deploy_s = time.perf_counter() - t
+            dm.generate(prompts[0], 2, eos_token_id=[])
+            warm_s = time.perf_counter() - t - deploy_s
+            tps, firsts = sb_burst(dm, prompts, new)
+            stats = dm.generation_stats()
+            dm.close()
+        out.append((tps / hf, tps, hf, deploy_s, warm_s, firsts, stats))
+        print(f"  burst: {tps:.1f} tok/s vs HF padded batch {hf:.1f} tok/s on 2 threads = {tps / hf:.2f}x; "
+              f"deploy {deploy_s:.1f} s, one prompt warmed {warm_s:.1f} s, first tokens "
+              f"{firsts[0]:.2f}-{firsts[-1]:.2f} s; {stats['rows']} rows in {stats['decode_steps']} decode "
+              f"steps, {stats['prefill_steps']} prefill steps; programs "
+              + ", ".join(f"{k} {v['build_s']:.1f} s" for k, v in stats["programs"].items()), flush=True)
+    ratio, tps, hf, deploy_s, warm_s, firsts, _ = sorted(out, key=lambda o: o[0])[len(out) // 2]
+    lengths = ", ".join(str(p.shape[1]) for p in prompts)
+    print(f"\ncold burst of {sessions} chats ({lengths} tokens, {new} new "
+          f"each), whole wall time, the median of {reps} deployments:\n"
+          f"  SeaBiscuit {tps:.1f} tok/s, HF padded batch on 2 threads {hf:.1f} tok/s: {ratio:.2f}x; "
+          f"distribute {deploy_s:.1f} s + one prompt {warm_s:.1f} s, then first tokens after "
+          f"{firsts[0]:.2f}-{firsts[-1]:.2f} s")
+
+
 def hf_stamps(model, ids: torch.Tensor, mask: torch.Tensor, new: int) -> list[float]:
     """When Hugging Face greedy generate hands its streamer the prompt, then each new step."""
     from transformers import TextStreamer
@@ -253,6 +347,7 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=32, help="new tokens per session")
     ap.add_argument("--sessions", type=int, default=8)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--burst-only", action="store_true", help="only the cold burst of --sessions chats")
     args = ap.parse_args()
 
     import seabiscuit_dask as sb
@@ -262,6 +357,9 @@ def main() -> None:
     from tests.clusters import seabiscuit_cluster
 
     model, tok = load_gguf()
+    if args.burst_only:
+        cold_burst(model, tok, args.workers, args.sessions, args.new, args.reps)
+        return
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     ids = chat_prompt(tok, args.prompt_tokens)
     prompts = [chat_prompt(tok, 20 + 7 * i) for i in range(args.sessions)]

@@ -641,6 +641,39 @@ def test_a_step_program_whose_export_failed_is_traced_again_and_a_second_failure
                                hf_greedy(model, long, torch.ones_like(long), 3))
 
 
+def test_steps_of_every_shape_run_on_two_programs_built_once() -> None:
+    """A decode program and a prefill program serve every row count and chunk length: calls of
+    many prompt lengths and batch sizes, one after another and at once, build nothing more, and
+    each answer is Hugging Face's greedy one."""
+    model = decoder("llama")
+    shapes = [(3,), (7, 12), (16, 5, 9), (11,), (2, 14)]
+    calls = [padded_batch(lengths, seed=i) for i, lengths in enumerate(shapes)]
+    want = [hf_greedy(model, ids, mask, 6) for ids, mask in calls]
+    with seabiscuit_cluster(2, 320_000) as client:
+        with sb.distribute(model, client, torch.zeros(1, 16, dtype=torch.long), budget="128KiB",
+                           sessions=4, context=32) as dm:
+            for (ids, mask), w in zip(calls[:2], want):
+                got0 = dm.generate(ids, 6, attention_mask=mask, pad_token_id=0, eos_token_id=[])
+                assert torch.equal(got0, w)
+            built = dm.generation_stats()["programs"]
+            got: dict[int, Any] = {}
+
+            def call(i: int) -> None:
+                ids, mask = calls[i]
+                got[i] = dm.generate(ids, 6, attention_mask=mask, pad_token_id=0, eos_token_id=[])
+
+            threads = [threading.Thread(target=call, args=(i,)) for i in range(2, len(calls))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert all(torch.equal(got[i], want[i]) for i in range(2, len(calls)))
+            stats = dm.generation_stats()
+    assert set(built) == set(stats["programs"]) == {"decode", "prefill"}
+    assert all(stats["programs"][k]["build_s"] == built[k]["build_s"] for k in built)
+    assert stats["rows"] > stats["decode_steps"]        # NOTE: rows of several calls shared steps
+
+
 @pytest.mark.slow
 def test_concurrent_calls_batch_into_the_same_steps() -> None:
     model = decoder("gpt2")

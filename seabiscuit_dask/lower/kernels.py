@@ -14,6 +14,8 @@ import torch
 
 from ..errors import UnsupportedOp
 from ..ir import Op
+from . import dims
+from .dims import has_dim, is_dim
 from .registry import (
     KERNELS,
     SUPPORTED,
@@ -70,8 +72,13 @@ def decode_args(value: Any, env: Mapping[str, torch.Tensor], device: torch.devic
     layouts and memory formats come from the registry's tables only.
     """
     if isinstance(value, Mapping):
+        if is_dim(value):                 # NOTE: a size of a step read at run time (``dims``)
+            return dims.value(value, *env[dims.VALID].shape)
         if set(value) == {"t", "view"}:   # NOTE: a region of a tile, read in place
-            return env[value["t"]][tuple(slice(int(a), int(b)) for a, b in value["view"])]
+            view = value["view"]
+            if has_dim(view):
+                view = dims.resolved(view, *env[dims.VALID].shape)
+            return env[value["t"]][tuple(slice(int(a), int(b)) for a, b in view)]
         tag, v = next(iter(value.items())) if len(value) == 1 else (None, None)
         # NOTE: a tag holds a string; kwargs like {"dtype": {"dtype": "float16"}} are no tag.
         if isinstance(v, str):
@@ -102,8 +109,16 @@ def _compile(value: Any, device: torch.device) -> tuple[bool, Any]:
     """(True, the decoded constant) or (False, a function of ``env``)."""
     if isinstance(value, Mapping):
         if set(value) == {"t", "view"}:
-            name, window = value["t"], tuple(slice(int(a), int(b)) for a, b in value["view"])
+            name = value["t"]
+            if has_dim(value["view"]):     # NOTE: a region as wide as the step: read at run time
+                bounds = value["view"]
+                return False, lambda env: env[name][tuple(slice(*(b if isinstance(b, int) else dims.value(
+                    b, *env[dims.VALID].shape) for b in ab)) for ab in bounds)]
+            window = tuple(slice(int(a), int(b)) for a, b in value["view"])
             return False, lambda env: env[name][window]
+        if is_dim(value):
+            c, i, j = (int(x) for x in value[dims.DIM])
+            return False, lambda env: c * env[dims.VALID].shape[0] ** i * env[dims.VALID].shape[1] ** j
         tag, v = next(iter(value.items())) if len(value) == 1 else (None, None)
         if isinstance(v, str):
             if tag in ("t", "p"):

@@ -10,6 +10,7 @@ from torch.utils import _pytree as pytree
 
 from ..errors import BadInput
 from ..ir import OpGraph, TensorSpec
+from ..lower import dims
 from ..lower.kernels import execute_op
 from ..lower.registry import require_registered
 from ..weights import WeightStore
@@ -57,8 +58,14 @@ def flatten_inputs(graph: OpGraph, inputs: tuple[Any, ...],
         raise BadInput(f"{graph.meta.get('name', 'graph')} takes {len(graph.inputs)} tensor "
                        f"input(s) {list(graph.inputs)}, got {len(leaves)}")
     ranges = graph.meta.get("index_ranges") or {}
+    shapes = {n: graph.tensors[n].shape for n in graph.inputs}
+    if "dims" in graph.meta:        # NOTE: a step program of any shape: the one this step is
+        try:
+            shapes = dims.input_shapes(graph, dict(zip(graph.inputs, leaves)))
+        except dims.NotGeneral as e:
+            raise BadInput(str(e)) from None
     for name, x in zip(graph.inputs, leaves):
-        check_input(name, graph.tensors[name], x)
+        check_input(name, TensorSpec(shapes[name], graph.tensors[name].dtype), x)
         if name in ranges:
             check_ids(name, x, int(ranges[name]))
     return leaves

@@ -297,6 +297,7 @@ class DistributedModel:
             self._engine = Engine(self, max_sessions=sessions, context=int(context) if context else None,
                                   max_chunk=int(first[-1]) if len(first) == 2 else None,
                                   name=f"model {self.model_id}")
+            self._programs.set_dims(*self._engine.spec.dims(self._engine.max_sessions))
         return self._engine
 
     def _step_program(self, batch: int, length: int) -> StepProgram:
@@ -328,9 +329,10 @@ class DistributedModel:
         while the chunk before runs on the next): those holding blocks of the model's plan."""
         return max(1, len({s.address for s in self.specs if s.ops}))
 
-    def prepare(self, batch: int, length: int) -> None:
-        """Build the step program of this shape (if not yet) before a step is timed."""
-        self._programs.step_program(batch, length)
+    def prepare(self, batch: int, length: int) -> StepProgram:
+        """Build the step program of this shape (if not yet) before a step is timed; it is returned
+        (one general program serves many shapes)."""
+        return self._programs.step_program(batch, length)
 
     def run_step(self, batch: int, length: int, feed: dict[str, Any]) -> Any:
         """One step of generation on the cluster: logits (batch, vocab) of each row's last token."""

@@ -23,6 +23,7 @@ from torch.utils import _pytree as pytree
 from ...decompose import decompose
 from ...errors import BadInput, UnsupportedModel
 from ...lower.blocks import BlockSpec, block_specs
+from ...lower.dims import Dims, NotGeneral, generalize, over_budget
 from ...placement import Plan
 from ...placement.follow import follow
 from ...trace import bind_checkpoint, decoder, load_hf_skeleton, trace
@@ -33,6 +34,10 @@ from ..worker.store import copied_if_unreadable
 from .limits import max_positions
 
 logger = logging.getLogger(__name__)
+
+# NOTE: the shapes a general prefill program is traced at: a size of each (rows, length, or their
+# product) differs between them in its own ratio (2, 19/17, 38/17), so each literal tells which it is
+TRACE_SHAPES = ((1, 17), (2, 19))
 
 
 @dataclass(frozen=True)
@@ -136,8 +141,10 @@ class ProgramCache:
         self.budget: int | None = None
         self.trace_kwargs: dict[str, Any] = {}       # the non-tensor keywords it was traced with
         self.limits: tuple[int | None, int | None] = (None, None)    # (sessions, context) reserved
-        self.steps: dict[tuple[int, int], StepProgram] = {}
+        self.steps: dict[tuple[int | str, int], StepProgram] = {}   # (rows, tokens); (kind, 0)
         self.shapes: dict[tuple[Any, ...], StepProgram] = {}     # forward at other input shapes
+        self.dims: dict[bool, Dims] = {}                         # decode? -> what its general program serves
+        self.kinds: dict[bool, StepProgram | None] = {}          # decode? -> that program (None: per shape)
         self._build = threading.Lock()               # NOTE: one program is built at a time
         self._follow = threading.Lock()
         self._plan: tuple[Plan, int] | None = None   # the plan the programs follow, and its version
@@ -167,13 +174,61 @@ class ProgramCache:
 
     # --- programs -----------------------------------------------------------------------------
     def step_program(self, batch: int, length: int) -> StepProgram:
-        """The step program of this shape: traced, decomposed and registered once, then reused."""
+        """The step program of this shape: the general program of its kind where one serves it
+        (``set_dims``), else one of this shape alone, traced, decomposed and registered once."""
         key = (batch, length)
         with self._build:
+            kind = self._kind(batch, length)
+            if kind is not None:
+                return kind
             prog = self.steps.get(key)
             if prog is None:
-                prog = self._built(self.steps, key, lambda: self._trace_step(batch, length))
+                prog = self._built(self.steps, key,
+                                   lambda: self._decomposed(self._trace_step(batch, length)))
             return prog
+
+    def set_dims(self, decode: Dims, prefill: Dims) -> None:
+        """The shapes the general decode and prefill programs serve (built at their first step)."""
+        with self._build:
+            self.dims = {True: decode, False: prefill}
+
+    def _kind(self, batch: int, length: int) -> StepProgram | None:
+        """The general program that serves this shape, built on first use (lock held); None where
+        no general program serves it (another shape, or a model whose traces differ in more)."""
+        decode = length == 1
+        dims = self.dims.get(decode)
+        if dims is None or not dims.covers(batch, length):
+            return None
+        prog = self.kinds.get(decode)
+        if prog is None and decode not in self.kinds:
+            try:
+                prog = self._built(self.steps, ("decode" if decode else "prefill", 0),
+                                   lambda: self._generalized(dims))
+            except NotGeneral as e:
+                logger.warning("seabiscuit: model %s: a %s step is built per shape: %s", self.model_id,
+                               "decode" if decode else "prefill", e)
+            self.kinds[decode] = prog
+            if prog is not None:     # NOTE: it may serve fewer tokens a step than asked (the budget)
+                d = prog.graph.meta["dims"]
+                self.dims[decode] = Dims(int(d["rows"]), int(d["length"]), int(d["tokens"]))
+        return prog if prog is not None and self.dims[decode].covers(batch, length) else None
+
+    def _generalized(self, dims: Dims) -> Any:
+        """The general program of ``dims``'s kind: traced at two shapes, each decomposed where the
+        deployment cut its weights, made one (``lower.dims.generalize``), checked within the budget."""
+        at, bt = ((1, 1), (2, 1)) if dims.decode else TRACE_SHAPES
+        a, b = (self._decomposed(self._trace_step(*s)) for s in (at, bt))
+        budget = int(a.meta.get("budget_bytes") or self.budget or 0) or 1 << 62
+        while True:     # NOTE: fewer tokens a step where the largest passes the budget (a tiny budget)
+            graph = generalize(a, at, b, bt, dims)
+            over = over_budget(graph, a, budget, dims)
+            if not over:
+                return graph
+            fewer = Dims(dims.rows, dims.length, dims.tokens // 2)
+            if fewer.tokens < max(bt[0] * bt[1], dims.length):
+                raise NotGeneral(f"{len(over)} micro-op(s) pass the budget at a shape it serves, "
+                                 f"{over[0]} first")
+            dims = fewer
 
     def _trace_step(self, batch: int, length: int) -> Any:
         """``trace_step`` of the model at this shape, once more where ``torch.export`` failed: it fails
@@ -215,8 +270,8 @@ class ProgramCache:
             if prog is None:
                 call = {**self.trace_kwargs, **ordered}
                 try:
-                    prog = self._built(self.shapes, shapes,
-                                       lambda: trace(self.source_module(), tuple(args), call))
+                    prog = self._built(self.shapes, shapes, lambda: self._decomposed(
+                        trace(self.source_module(), tuple(args), call)))
                 except UnsupportedModel as e:      # NOTE: it traced at its first shapes: these are wrong
                     got = ", ".join(f"{list(s)} {d}" for s, d in shapes)
                     want = ", ".join(f"{list(s)} {d}" for s, d in traced)
@@ -225,10 +280,11 @@ class ProgramCache:
             return prog
 
     def _built(self, kept: dict[Any, StepProgram], key: Any, make: Callable[[], Any]) -> StepProgram:
-        """Another program of this deployment (``_registered``), following the model's plan and kept
-        in ``kept`` under ``key``, its blocks derived: what building it cost is ``build_s``."""
+        """Another program of this deployment, of ``make()``'s decomposed graph (``_registered``),
+        following the model's plan and kept in ``kept`` under ``key``, its blocks derived: what
+        building it cost is ``build_s``."""
         t0 = time.perf_counter()
-        prog = self._registered(make)
+        prog = self._registered(make())
         with self._follow:      # NOTE: kept and following at once: no plan comes between the two
             assert self._plan is not None, "the model's first plan comes before any program"
             plan, version = self._plan
@@ -238,10 +294,12 @@ class ProgramCache:
         prog.build_s = time.perf_counter() - t0
         return prog
 
-    def _registered(self, make: Callable[[], Any]) -> StepProgram:
-        """``make()``'s graph, decomposed where the deployment cut its weights, bound to the same
-        weight tiles and registered with the scheduler."""
-        graph = copied_if_unreadable(decompose(make(), self.budget, like=self.graph), self.source)
+    def _decomposed(self, graph: Any) -> Any:
+        """``graph`` decomposed where the deployment cut its weights."""
+        return copied_if_unreadable(decompose(graph, self.budget, like=self.graph), self.source)
+
+    def _registered(self, graph: Any) -> StepProgram:
+        """Decomposed ``graph`` bound to the deployment's weight tiles and registered with the scheduler."""
         if any(p.source.kind == "model" for p in graph.params.values()):
             if self.weights_path is None:
                 raise BadInput(f"model {self.model_id}: no weights file to bind another program to")
@@ -256,5 +314,6 @@ class ProgramCache:
 
     def stats(self) -> dict[str, dict[str, Any]]:
         """Per (batch, tokens) step shape: its Dask tasks per step, what building it cost, its micro-ops."""
-        return {f"{b}x{n}": {"tasks": len(p.specs), "build_s": p.build_s, "micro_ops": len(p.graph.ops)}
-                for (b, n), p in sorted(self.steps.items())}
+        return {(f"{b}x{n}" if isinstance(b, int) else str(b)):
+                {"tasks": len(p.specs), "build_s": p.build_s, "micro_ops": len(p.graph.ops)}
+                for (b, n), p in sorted(self.steps.items(), key=lambda kv: str(kv[0]))}

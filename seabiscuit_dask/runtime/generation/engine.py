@@ -181,11 +181,15 @@ class Engine:
     def warm(self, lengths: Sequence[int] | None = None, batches: Sequence[int] | None = None,
              progress: Callable[[str], None] | None = None) -> list[str]:
         """Build and run once the step programs generation asks for (``Scheduler.shapes``), each
-        on sessions of its own whose caches go at once; the shapes ("batch x tokens") made ready."""
-        built = []
+        on sessions of its own whose caches go at once; the shapes ("batch x tokens") made ready
+        (one of each program: a general one serves every shape of its kind, ``lower.dims``)."""
+        built, seen = [], set()
         for b, n in self.scheduler.shapes(lengths, batches, self.max_sessions):
             t0 = time.perf_counter()
-            self.runner.prepare(b, n)
+            program = self.runner.prepare(b, n)
+            if program is not None and id(program) in seen:
+                continue            # NOTE: a general program (any rows, any length) runs once
+            seen.add(id(program))
             sids = [self.sessions.next_id() for _ in range(b)]     # NOTE: each a first chunk at slot 0
             try:
                 self.runner.run_step(b, n, step_inputs([(sid, 0, [0] * n) for sid in sids], b, n))

@@ -43,8 +43,9 @@ class Runner(Protocol):
     def prefill_stages(self) -> int:
         """The workers a pipelined prompt's chunks flow through, one after another."""
 
-    def prepare(self, batch: int, length: int) -> None:
-        """Build the step program of this shape now, so step times leave its one-off cost out."""
+    def prepare(self, batch: int, length: int) -> Any:
+        """Build the step program of this shape now, so step times leave its one-off cost out; it is
+        returned, where one program serves several shapes (else None)."""
 
     def run_step(self, batch: int, length: int, feed: StepFeed) -> torch.Tensor:
         """Logits (batch, vocab) of the last position of each row."""

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 from ... import config
 from ...errors import BadInput
+from ...lower.dims import Dims
 from .output import Admission, Chunk, DecodeGroup, Prefill, SchedulerOutput
 from .sessions import Call, Session
 
@@ -100,6 +101,7 @@ class SchedulerSpec:
     pipeline: int = 1
     loop_steps: int = 1
     lookahead: bool = False      # greedy groups queue their next step (the runner chains steps)
+    step_tokens: int = 256       # tokens one step computes at most (``generate.step-tokens``)
 
     @classmethod
     def from_config(cls, *, max_chunk: int | None = None, chains_steps: bool = False) -> SchedulerSpec:
@@ -110,7 +112,17 @@ class SchedulerSpec:
         fit = tuple(b for b in prefill_buckets() if max_chunk is None or b <= max_chunk)
         return cls(fit or (max(1, int(max_chunk or 1)),), batch_buckets(), pipeline_groups(),
                    max(1, int(config.get("generate.loop-steps") or 1)),
-                   bool(config.get("generate.lookahead")) and chains_steps)
+                   bool(config.get("generate.lookahead")) and chains_steps,
+                   max(1, int(config.get("generate.step-tokens"))))
+
+    def dims(self, sessions: int) -> tuple[Dims, Dims]:
+        """The shapes the general decode and prefill programs serve for ``sessions`` at once: any
+        rows up to the sessions (and the largest batch), any chunk up to the largest prefill
+        bucket, ``step_tokens`` in all (never under one chunk of the largest bucket)."""
+        rows = max(self.batch_sizes[-1], int(sessions))
+        length = self.prefill_sizes[-1]
+        tokens = max(self.step_tokens, length)
+        return Dims(min(rows, tokens), 1, min(rows, tokens)), Dims(min(rows, tokens), length, tokens)
 
 
 class Scheduler:
