@@ -424,7 +424,7 @@ def main() -> None:
         kv = client.run(lambda dask_worker: dask_worker.plugins["seabiscuit"].resident.kv.nbytes)
         cached = ids.shape[1] + 7
         probe.close()
-        tasks = stats["programs"]["1x1"]["tasks"]
+        tasks = next(v["tasks"] for k, v in stats["programs"].items() if k in ("decode", "1x1"))
         dm_pipeline, p2p = dm._engine.pipeline, dm.p2p
         dm.close()
     after = alone_2t()

@@ -270,7 +270,7 @@ def run_generate(model_path: str | None, gguf: str | None, prompt: str, chat: bo
             say(f"check        {'OK: the same tokens as' if ok else 'MISMATCH with'} Hugging Face generate "
                 "on the local model")
         decode = stats["decode_steps"]
-        tasks = stats["programs"].get("1x1", {}).get("tasks", 0)
+        tasks = next((v["tasks"] for k, v in stats["programs"].items() if k in ("decode", "1x1")), 0)
         say(f"generation   {new} tokens in {total_s:.2f} s: first token after {printer.first_s or 0:.2f} s "
             f"(prefill of {ids.shape[1]} tokens in {stats['prefill_steps']} step(s)), then "
             f"{decode / stats['decode_s'] if stats['decode_s'] else 0:.1f} tokens/s, {tasks} blocks per "

@@ -244,3 +244,40 @@ def test_the_engine_runs_the_steps_its_records_say_and_no_other() -> None:
         assert got == said, out
     assert next(ran, None) is None
     assert [len(out.decodes) for out in records if out.decodes] == [2, 2, 2]     # a row a group, 3 steps
+
+
+def test_prompts_that_fit_a_chunk_are_prefilled_together_within_the_step_tokens() -> None:
+    """With a prefill program of any rows (``grouping``: 128 tokens a step), 6 prompts admitted
+    at once go in 2 groups side by side (the pipeline), longest first, each padded to the bucket
+    of its longest and within the step's tokens; a prompt longer than a chunk goes alone."""
+    table = SessionTable(8, "m")
+    scheduler = Scheduler(SPEC, grouping=lambda: 128)
+    lengths = [5, 30, 12, 20, 9, 3]
+    calls = [call(table, [i + 1] * n) for i, n in enumerate(lengths)] + [call(table, [9] * 100)]
+    for c in calls:
+        scheduler.add(c)
+    out = scheduler.schedule()
+    assert [str(g) for g in out.prefill_groups] == [
+        "prefill s1[0:30) s3[0:20) s2[0:12) in 3x32", "prefill s4[0:9) s0[0:5) s5[0:3) in 3x16"]
+    assert all(g.tokens <= 128 for g in out.prefill_groups)
+    by_session = {p.session: p for a in out.admitted for p in a.prefills}
+    assert all(by_session[s].grouped for s in range(6)) and not by_session[6].grouped
+    assert [c.length for c in by_session[6].chunks] == [64, 64]      # NOTE: 100 tokens alone, as before
+    answered(scheduler, out)
+    assert all(s.cached == len(s.tokens) - 1 for c in calls for s in c.sessions)
+
+
+def test_more_prompts_than_a_step_holds_make_more_groups_and_one_alone_is_not_grouped() -> None:
+    table = SessionTable(16, "m")
+    scheduler = Scheduler(SPEC, grouping=lambda: 64)
+    for n in [16] * 10:
+        scheduler.add(call(table, [1] * n))
+    groups = scheduler.schedule().prefill_groups
+    assert [len(g.rows) for g in groups] == [4, 4, 2] and all(g.tokens <= 64 for g in groups)
+    alone = Scheduler(SPEC, grouping=lambda: 64)
+    alone.add(call(table, [1] * 10))
+    assert alone.schedule().prefill_groups == ()
+    none = Scheduler(SPEC)          # NOTE: a runner whose prefill programs are built per shape
+    none.add(call(table, [1] * 10))
+    none.add(call(table, [2] * 10))
+    assert none.schedule().prefill_groups == ()

@@ -54,9 +54,9 @@ def test_chat_answers_match_hugging_face_on_workers_that_cannot_hold_the_model(s
             got = dm.generate(batch["input_ids"], NEW, attention_mask=batch["attention_mask"])
             assert torch.equal(got, hf(model, batch["input_ids"], batch["attention_mask"]))
             stats = dm.generation_stats()
-            # one deployment, a few step programs: decode at batch 1 and 2, prefill chunks of two lengths
-            assert set(stats["programs"]) <= {"1x1", "2x1", *(f"1x{n}" for n in (16, 24, 32, 40, 48, 56, 64))}
-            assert stats["programs"]["1x1"]["tasks"] <= len(dm.specs)
+            # one deployment, two step programs: decode at any batch, prefill at any rows and length
+            assert set(stats["programs"]) == {"decode", "prefill"}
+            assert stats["programs"]["decode"]["tasks"] <= len(dm.specs)
             held = client.run(lambda dask_worker: dask_worker.plugins["seabiscuit"].metrics())
             assert all(r["resident_bytes"] <= r["budget_bytes"] and r["kv_cache_bytes"] == 0
                        for r in held.values())

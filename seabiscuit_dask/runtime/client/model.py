@@ -329,6 +329,12 @@ class DistributedModel:
         while the chunk before runs on the next): those holding blocks of the model's plan."""
         return max(1, len({s.address for s in self.specs if s.ops}))
 
+    @property
+    def group_tokens(self) -> int:
+        """Tokens a prefill step of several prompts may hold: those the general prefill program
+        serves once it is built (``lower.dims``); 0 before, or where steps are built per shape."""
+        return self._programs.group_tokens()
+
     def prepare(self, batch: int, length: int) -> StepProgram:
         """Build the step program of this shape (if not yet) before a step is timed; it is returned
         (one general program serves many shapes)."""

@@ -192,6 +192,11 @@ class ProgramCache:
         with self._build:
             self.dims = {True: decode, False: prefill}
 
+    def group_tokens(self) -> int:
+        """Tokens the general prefill program serves a step, once built; else 0."""
+        dims = self.dims.get(False)
+        return dims.tokens if dims is not None and self.kinds.get(False) is not None else 0
+
     def _kind(self, batch: int, length: int) -> StepProgram | None:
         """The general program that serves this shape, built on first use (lock held); None where
         no general program serves it (another shape, or a model whose traces differ in more)."""

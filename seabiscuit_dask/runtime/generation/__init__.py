@@ -23,14 +23,14 @@ from .executor import EngineStats, Executor
 from .hf import GenerateArgs, generate_tokens, prompts_of, stream_tokens
 from .inputs import STEP_INPUTS, step_inputs
 from .kv import KVLedger
-from .output import Admission, Chunk, DecodeGroup, Prefill, SchedulerOutput
+from .output import Admission, Chunk, DecodeGroup, Prefill, PrefillGroup, SchedulerOutput
 from .runner import LocalRunner, Runner
 from .sampling import Sampling, greedy
 from .scheduler import Scheduler, SchedulerSpec, batch_buckets, chunking, decode_rows, prefill_buckets
 from .sessions import Call, Session, SessionTable
 
 __all__ = ["STEP_INPUTS", "Admission", "Call", "Chunk", "DecodeGroup", "Engine", "EngineStats", "Executor",
-           "GenerateArgs", "KVLedger", "LocalRunner", "Prefill", "Runner", "Sampling", "Scheduler",
-           "SchedulerOutput", "SchedulerSpec", "Session", "SessionTable", "batch_buckets", "chunking",
-           "decode_rows", "generate_tokens", "greedy", "prefill_buckets", "prompts_of", "step_inputs",
+           "GenerateArgs", "KVLedger", "LocalRunner", "Prefill", "PrefillGroup", "Runner", "Sampling",
+           "Scheduler", "SchedulerOutput", "SchedulerSpec", "Session", "SessionTable", "batch_buckets",
+           "chunking", "decode_rows", "generate_tokens", "greedy", "prefill_buckets", "prompts_of", "step_inputs",
            "stream_tokens"]

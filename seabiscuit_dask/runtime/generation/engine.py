@@ -47,7 +47,7 @@ class Engine:
         self.queue_timeout_s = seconds("generate.queue-timeout")
         self.kv = KVLedger(runner, context, name)
         self.spec = SchedulerSpec.from_config(max_chunk=max_chunk, chains_steps=runner.chains_steps)
-        self.scheduler = Scheduler(self.spec, self._flow)
+        self.scheduler = Scheduler(self.spec, self._flow, lambda: int(runner.group_tokens))
         self.stats = EngineStats()
         self.executor = Executor(runner, self.scheduler.replay, self.stats, self.spec.pipeline)
         self._cond = threading.Condition()

@@ -23,7 +23,7 @@ import torch
 from ...errors import STALE_TRIES, BadInput, StaleRun, WorkerLost, restless
 from ...lower.kvcache import CacheLost
 from .inputs import step_inputs
-from .output import Chunk, DecodeGroup, Prefill, SchedulerOutput
+from .output import Chunk, DecodeGroup, Prefill, PrefillGroup, SchedulerOutput
 from .runner import Handle, Runner, StepFeed
 from .sampling import greedy
 
@@ -72,8 +72,17 @@ class Executor:
         """Prefill the calls ``out`` admits, ``out.together`` at a time: per call, the logits
         (sessions, vocab) of its sessions' last tokens."""
         got: dict[int, Result] = {}
+        rows = self._groups(out.prefill_groups, out.together)
         todo = iter(out.admitted)
         lock = threading.Lock()
+
+        def logits(p: Prefill) -> torch.Tensor:
+            if not p.grouped:
+                return self._prefill(p, out.together)
+            res = rows[p.session]
+            if isinstance(res, BaseException):
+                raise res
+            return res
 
         def admit_next() -> None:
             while True:
@@ -82,7 +91,7 @@ class Executor:
                 if a is None:
                     return
                 try:
-                    got[a.call] = torch.stack([self._prefill(p, out.together) for p in a.prefills])
+                    got[a.call] = torch.stack([logits(p) for p in a.prefills])
                 except BaseException as e:  # noqa: BLE001 - the caller gets it; other calls go on
                     got[a.call] = e
 
@@ -91,6 +100,31 @@ class Executor:
         for h in helpers:
             h.result()
         return got
+
+    def _groups(self, groups: Sequence[PrefillGroup], together: int) -> dict[int, Result]:
+        """Run the prefill groups side by side; each session's last-token logits, or the error
+        that ended its group."""
+        if not groups:
+            return {}
+        t0 = time.perf_counter()
+
+        def run(g: PrefillGroup) -> Result:
+            feed = step_inputs([(r.session, r.start, r.tokens) for r in g.rows], len(g.rows), g.length)
+            try:
+                self.runner.prepare(len(g.rows), g.length)
+                return self._run(g.rows, len(g.rows), g.length, feed, together)
+            except BaseException as e:  # noqa: BLE001 - fails the calls of these rows only
+                return e
+
+        runs = [self._pool.submit(run, g) for g in groups[1:]]
+        results = [run(groups[0]), *(f.result() for f in runs)]
+        out: dict[int, Result] = {}
+        for g, res in zip(groups, results):
+            self.stats.prefill_steps += not isinstance(res, BaseException)
+            for i, r in enumerate(g.rows):
+                out[r.session] = res if isinstance(res, BaseException) else res[i]
+        self.stats.prefill_s += time.perf_counter() - t0
+        return out
 
     def _prefill(self, p: Prefill, together: int) -> torch.Tensor:
         """Cache a session's uncached tokens (``p``); the logits of its last token."""

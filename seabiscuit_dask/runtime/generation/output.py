@@ -44,15 +44,19 @@ class Chunk:
 class Prefill:
     """A session's uncached tokens as chunks run one by one (``chunks``, largest first), or, where
     the runner pipelines a prompt, all sent at once, each following the one before (``ahead``,
-    smallest first: the pipeline fills sooner); if those fail, ``chunks`` run after all."""
+    smallest first: the pipeline fills sooner); if those fail, ``chunks`` run after all.
+    ``grouped``: its one chunk is a row of one of the step's ``PrefillGroup``s instead."""
 
     session: int
     chunks: tuple[Chunk, ...]
     ahead: tuple[Chunk, ...] = ()
+    grouped: bool = False
 
     def __str__(self) -> str:
         if not self.chunks:
             return f"s{self.session}: nothing to prefill"
+        if self.grouped:
+            return f"{self.chunks[0]} in a group"
         ahead = f" (at once: {' '.join(map(str, self.ahead))})" if self.ahead else ""
         return " ".join(map(str, self.chunks)) + ahead
 
@@ -66,6 +70,24 @@ class Admission:
 
     def __str__(self) -> str:
         return f"call {self.call}: " + "; ".join(map(str, self.prefills))
+
+
+@dataclass(frozen=True)
+class PrefillGroup:
+    """Prompts prefilled together: one chunk each (their whole prompt), left-padded to ``length``,
+    in one step program of ``len(rows)`` rows; its logits are each prompt's last token's."""
+
+    rows: tuple[Chunk, ...]
+    length: int
+
+    @property
+    def tokens(self) -> int:
+        """Tokens the step computes, padding included."""
+        return len(self.rows) * self.length
+
+    def __str__(self) -> str:
+        return f"prefill {' '.join(f's{r.session}[{r.start}:{r.stop})' for r in self.rows)} " \
+               f"in {len(self.rows)}x{self.length}"
 
 
 @dataclass(frozen=True)
@@ -107,6 +129,7 @@ class SchedulerOutput:
     admitted: tuple[Admission, ...] = ()
     together: int = 1
     decodes: tuple[DecodeGroup, ...] = ()
+    prefill_groups: tuple[PrefillGroup, ...] = ()     # admitted prompts prefilled together, side by side
 
     def __str__(self) -> str:
         head = [f"step {self.step}:"]
@@ -119,4 +142,5 @@ class SchedulerOutput:
                         "group(s)")
         if len(head) == 1:
             head.append("nothing")
-        return "\n  ".join([" ".join(head), *map(str, self.admitted), *map(str, self.decodes)])
+        return "\n  ".join([" ".join(head), *map(str, self.admitted), *map(str, self.prefill_groups),
+                             *map(str, self.decodes)])

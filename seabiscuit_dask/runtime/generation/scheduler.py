@@ -9,6 +9,9 @@ touching execution. The policy:
   sessions share no cache, so one prompt runs on a stage while another runs on the
   next), unless the step before admitted calls that run now: then every running row
   decodes once first, so no running call waits more than one admission;
+- where the runner's prefill program takes any number of rows (``lower.dims``), the prompts
+  admitted that fit one chunk are prefilled together in groups (``prefill_groups``): as many
+  rows a step as ``seabiscuit.generate.step-tokens`` holds, ``pipeline`` groups side by side;
 - a prompt is cut into chunks of the bucketed lengths of ``seabiscuit.generate.prefill-buckets``
   (``chunking``: the fewest tokens computed, a step's fixed cost counted), so any prompt length
   reuses a handful of programs; where the runner pipelines a prompt's chunks, a prompt prefilled
@@ -30,7 +33,7 @@ from dataclasses import dataclass
 from ... import config
 from ...errors import BadInput
 from ...lower.dims import Dims
-from .output import Admission, Chunk, DecodeGroup, Prefill, SchedulerOutput
+from .output import Admission, Chunk, DecodeGroup, Prefill, PrefillGroup, SchedulerOutput
 from .sessions import Call, Session
 
 # NOTE: a step's fixed cost (every weight read once) in tokens' worth of compute
@@ -130,9 +133,11 @@ class Scheduler:
     engine calls it under its lock; ``flow()`` says whether the runner sends a prompt's chunks
     at once, and through how many stages they flow (read each time: the plan may change)."""
 
-    def __init__(self, spec: SchedulerSpec, flow: PrefillFlow = one_by_one) -> None:
+    def __init__(self, spec: SchedulerSpec, flow: PrefillFlow = one_by_one,
+                 grouping: Callable[[], int] = lambda: 0) -> None:
         self.spec = spec
         self.flow = flow
+        self.grouping = grouping
         self.waiting: list[Call] = []
         self.running: list[Call] = []
         self._calls: dict[int, Call] = {}
@@ -175,9 +180,37 @@ class Scheduler:
         todo = [c for c in new if c not in ended]
         together = max(1, min(self.spec.pipeline, len(todo)))
         self.running.extend(todo)
-        admitted = tuple(Admission(c.cid, tuple(self.prefill(s.sid, s.cached, s.tokens[s.cached:], together)
-                                                for s in c.sessions)) for c in todo)
-        return SchedulerOutput(step, tuple(c.cid for c in ended), admitted, together)
+        groups = self.prefill_groups([(s.sid, s.cached, s.tokens[s.cached:])
+                                      for c in todo for s in c.sessions])
+        grouped = {r.session: Prefill(r.session, (r,), grouped=True) for g in groups for r in g.rows}
+        admitted = tuple(Admission(c.cid, tuple(grouped.get(s.sid) or self.prefill(
+            s.sid, s.cached, s.tokens[s.cached:], together) for s in c.sessions)) for c in todo)
+        return SchedulerOutput(step, tuple(c.cid for c in ended), admitted, together, prefill_groups=groups)
+
+    def prefill_groups(self, rows: Sequence[tuple[int, int, Sequence[int]]]) -> tuple[PrefillGroup, ...]:
+        """The prompts of ``rows`` ((session, first slot, tokens)) that fit one chunk, prefilled in
+        groups instead of one by one, where the runner's prefill program takes any rows
+        (``grouping()``: the tokens one step holds; 0: none): longest first, in as few groups as
+        the step's tokens allow and ``pipeline`` at least (one runs on a stage while another runs
+        on the next), each padded to the bucket of its longest. Two prompts at least, else none."""
+        budget, sizes = self.grouping(), self.spec.prefill_sizes
+        fit = sorted((r for r in rows if 0 < len(r[2]) <= sizes[-1]), key=lambda r: -len(r[2]))
+        if budget <= 0 or len(fit) < 2:
+            return ()
+        top = self.spec.batch_sizes[-1]
+        n = min(self.spec.pipeline, len(fit))
+        while True:
+            size = -(-len(fit) // n)
+            parts = [fit[i:i + size] for i in range(0, len(fit), size)]
+            if all(len(p) <= top and len(p) * bucket(len(p[0][2]), sizes) <= budget for p in parts) \
+                    or size == 1:
+                break
+            n += 1
+        if size == 1:
+            return ()       # NOTE: one prompt a step: each goes as a prompt alone goes (chunks pipelined)
+        lengths = [bucket(len(p[0][2]), sizes) for p in parts]
+        return tuple(PrefillGroup(tuple(Chunk(sid, start, tuple(toks), n) for sid, start, toks in p), n)
+                     for p, n in zip(parts, lengths))
 
     def _decode(self, step: int) -> SchedulerOutput:
         ended = [c for c in self.running if c.stopping]
