@@ -32,5 +32,5 @@ from .sessions import Call, Session, SessionTable
 __all__ = ["STEP_INPUTS", "Admission", "Call", "Chunk", "DecodeGroup", "Engine", "EngineStats", "Executor",
            "GenerateArgs", "KVLedger", "LocalRunner", "Prefill", "PrefillGroup", "Runner", "Sampling",
            "Scheduler", "SchedulerOutput", "SchedulerSpec", "Session", "SessionTable", "batch_buckets",
-           "chunking", "decode_rows", "generate_tokens", "greedy", "prefill_buckets", "prompts_of", "step_inputs",
-           "stream_tokens"]
+           "chunking", "decode_rows", "generate_tokens", "greedy", "prefill_buckets", "prompts_of",
+           "step_inputs", "stream_tokens"]
