@@ -201,6 +201,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--kill-after", type=int, default=40, help="chunks received before a worker is killed")
     ap.add_argument("--no-kill", action="store_true")
+    ap.add_argument("--sessions", type=int, default=0,
+                    help="sessions the deployment serves at once (more clients wait in its queue); "
+                         "0: as many as the most clients")
     args = ap.parse_args()
     levels = [int(x) for x in args.levels.split(",")]
 
@@ -218,7 +221,7 @@ def main() -> None:
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     refs = references(model, tok, args.max_tokens)
     prefill_s, hf_batch = hf_anchors(model, tok, args.max_tokens, args.reps)
-    sessions = max(levels)
+    sessions = args.sessions or max(levels)
     per_layer, _ = kv_reserve(model, sessions, args.context)
     # NOTE: any workers-1 of them hold the model, so one may be killed
     budget = int(weights * 1.25 / (args.workers - 1)) + per_layer * model.config.num_hidden_layers
@@ -235,7 +238,7 @@ def main() -> None:
                             client, sessions=sessions, context=args.context, budget=None, device=None,
                             say=lambda s: print(s, flush=True))
             server.add(served)
-            print(f"ready in {time.perf_counter() - t:.1f} s\n", flush=True)
+            print(f"ready in {time.perf_counter() - t:.1f} s ({sessions} sessions)\n", flush=True)
             ttft37 = first_token_s(url, PROMPTS[0], args.reps)
             runs = [load_run(url, c, args.requests, args.max_tokens, refs) for c in levels]
 
@@ -250,13 +253,13 @@ def main() -> None:
             served.dm.close()
 
     print(f"{'clients':>7} {'reqs':>5} {'done':>5} {'wrong':>5} {'ttft p50':>9} {'ttft p99':>9} "
-          f"{'itl p50':>8} {'itl p99':>8} {'tok/s':>7}  note")
+          f"{'itl p50':>8} {'itl p99':>8} {'tok/s':>7} {'vs HF b8':>8}  note")
     for r in runs:
         note = f"worker {r['killed']} SIGKILLed midway" if r["killed"] else ""
         print(f"{r['clients']:>7} {r['requests']:>5} {r['done']:>5} {len(r['wrong']):>5} "
               f"{pct(r['ttft'], 50) * 1e3:>7.0f}ms {pct(r['ttft'], 99) * 1e3:>7.0f}ms "
               f"{pct(r['itl'], 50) * 1e3:>6.1f}ms {pct(r['itl'], 99) * 1e3:>6.1f}ms "
-              f"{r['tokens'] / r['wall']:>7.1f}  {note}")
+              f"{r['tokens'] / r['wall']:>7.1f} {r['tokens'] / r['wall'] / hf_batch:>7.2f}x  {note}")
     print(f"\ntime to first token of the 37-token chat prompt, one request at a time: {ttft37 * 1e3:.0f} ms, "
           f"{ttft37 / prefill_s:.2f}x Hugging Face's prefill of it in this process "
           f"({prefill_s * 1e3:.0f} ms, 1 thread)")

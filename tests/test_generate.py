@@ -313,9 +313,10 @@ def test_a_renamed_cache_is_cut_back_and_its_old_session_can_no_longer_write() -
     assert store.rename("m", 99, 8, 3) == 0 and store.sessions("m") == {7: 5}
 
 
-def test_a_cache_grows_by_doubling_but_never_past_its_declared_context() -> None:
-    """A session of a deployment that declared 96 tokens: 64 slots grow to 96, not 128 (placement
-    kept room for 96; the 32 more took another session's room, and its growth failed)."""
+def test_a_cache_grows_by_blocks_never_past_its_declared_context_and_doubles_without_one() -> None:
+    """A session of a deployment that declared 96 tokens: 64 slots grow a block (32 tokens) to 96,
+    not 128 (placement kept room for 96; the 32 more took another session's room, and its growth
+    failed); the caller counts the blocks its tokens fill, and so does the cache."""
     asked: list[int] = []
     store = KVStore(lambda n, what: asked.append(n))
     k = torch.zeros(2, 64, 4)
@@ -323,9 +324,11 @@ def test_a_cache_grows_by_doubling_but_never_past_its_declared_context() -> None
     store.write("m", 0, 0, 64, k[:, :2], k[:, :2], 96)
     per_token = 2 * 4 * 4 * 2
     assert asked == [64 * per_token, 32 * per_token] and store.caches[("m", 0)][0].k.shape[1] == 96
-    store.write("m", 1, 0, 0, k[:, :20], k[:, :20], 24)           # doubling stops at the context too
+    store.write("m", 1, 0, 0, k[:, :20], k[:, :20], 24)           # a block stops at the context too
     store.write("m", 1, 0, 20, k[:, :4], k[:, :4], 24)
     assert store.caches[("m", 1)][0].k.shape[1] == 24
+    store.write("m", 3, 0, 0, k[:, :40], k[:, :40], 1024)         # 40 tokens fill 2 blocks
+    assert store.caches[("m", 3)][0].k.shape[1] == 64
     store.write("m", 2, 0, 0, k, k)                                   # no context declared: doubling
     store.write("m", 2, 0, 64, k[:, :2], k[:, :2])
     assert store.caches[("m", 2)][0].k.shape[1] == 128

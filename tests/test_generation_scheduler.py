@@ -5,6 +5,7 @@ decode in which group, and which calls end; the engine carries out exactly what 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import dask.config
 import pytest
@@ -281,3 +282,91 @@ def test_more_prompts_than_a_step_holds_make_more_groups_and_one_alone_is_not_gr
     none.add(call(table, [1] * 10))
     none.add(call(table, [2] * 10))
     assert none.schedule().prefill_groups == ()
+
+
+def test_an_admission_prefills_while_the_running_rows_decode_and_its_calls_join_once_out() -> None:
+    """With ``overlap`` (a runner that chains steps): a step both admits the calls waiting and
+    decodes the running rows; no second admission starts while one prefills, and its calls decode
+    only once joined (their first tokens out)."""
+    table, scheduler = SessionTable(8, "m"), Scheduler(dataclasses.replace(SPEC, overlap=True))
+    first = call(table, [1] * 6)
+    scheduler.add(first)
+    out = scheduler.schedule()
+    assert [a.call for a in out.admitted] == [first.cid] and not out.decodes
+    assert not scheduler.schedule().admitted and scheduler.prefilling == [first]   # nothing to do meanwhile
+    answered(scheduler, out)
+    scheduler.joined(first)
+    later, third = call(table, [2] * 3), call(table, [3] * 5)
+    scheduler.add(later)
+    out = scheduler.schedule()          # NOTE: the later call prefills as the first decodes
+    assert [a.call for a in out.admitted] == [later.cid]
+    assert [g.key for g in out.decodes] == [(first.sessions[0].sid,)]
+    scheduler.add(third)
+    out2 = scheduler.schedule()         # NOTE: one admission at a time: the third waits, the first decodes
+    assert not out2.admitted and [g.key for g in out2.decodes] == [(first.sessions[0].sid,)]
+    scheduler.joined(later)
+    out3 = scheduler.schedule()
+    assert [a.call for a in out3.admitted] == [third.cid]
+    assert sorted(g.key for g in out3.decodes) == [(first.sessions[0].sid,), (later.sessions[0].sid,)]
+    scheduler.finish(third)
+    assert third not in scheduler.prefilling and not scheduler.waiting
+
+
+def test_kv_room_is_counted_in_blocks_so_8_sessions_of_1024_hold_32_chats_of_200() -> None:
+    """A deployment that kept room for 8 sessions of 1024 tokens counts that room in tokens: 32
+    chats of 200 tokens (prompt and answer) are open at once, a 33rd waits, a kept session counts
+    its whole context, and a call past the room or the rows is refused naming both."""
+    table = SessionTable(8, "m", context=1024, max_rows=64)
+    room = table.room([200])
+    assert room == 224                                  # 7 blocks of 32
+    for _ in range(32):
+        table.reserve(1, room)
+    assert table.open == 32 and table.tokens == 7168 and not table.fits(1, 1024 + 32)
+    with pytest.raises(Busy, match="8192 KV tokens, 7168 counted"):
+        table.reserve(5, table.room([200] * 5))
+    table.keep()                                        # NOTE: 1024 more: the room is full
+    assert table.tokens == 8192 and not table.fits(1, 32)
+    table.release(1, table.kept_room)
+    with pytest.raises(BadInput, match="fill 9216 KV tokens.*room for 8192"):
+        table.check_rows(9, table.room([1024] * 9))
+    with pytest.raises(BadInput, match="at most 64"):
+        table.check_rows(65)
+    plain = SessionTable(8, "m")                        # NOTE: no room kept: sessions are counted
+    assert plain.room([200]) == 0 and plain.max_rows == 8
+
+
+def test_calls_past_the_sessions_run_at_once_where_the_kv_room_holds_them() -> None:
+    """An engine of 2 sessions of 64 tokens: 4 calls of at most 22 tokens each (prompt and answer,
+    a block of 32) never wait for room, each answer Hugging Face's greedy one."""
+    import threading
+
+    model = decoder("llama")
+    engine = Engine(LocalRunner(model, "64KiB"), max_sessions=2, context=64, max_chunk=16)
+    had_room: list[bool] = []
+    wait = engine.sessions.wait
+
+    def seen(rows: int, *args: Any, **kwargs: Any) -> None:
+        had_room.append(engine.sessions.fits(rows, args[3] if len(args) > 3 else kwargs.get("tokens", 0)))
+        wait(rows, *args, **kwargs)
+
+    engine.sessions.wait = seen     # type: ignore[method-assign]
+    prompts = [padded_batch((k,), seed=k) for k in (8, 12, 16, 10)]
+    got: dict[int, torch.Tensor] = {}
+    start = threading.Barrier(len(prompts))
+
+    def run(i: int) -> None:
+        ids, mask = prompts[i]
+        args = GenerateArgs.make(model.generation_config, ids.shape[1], max_new_tokens=6, pad_token_id=0)
+        start.wait()
+        got[i] = generate_tokens(engine, ids, args, mask)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i, (ids, mask) in enumerate(prompts):
+        assert torch.equal(got[i], hf_greedy(model, ids, mask, 6))
+    assert had_room == [True] * 4
+    assert engine.max_sessions == 64 and engine.sessions.open == 0 and engine.sessions.tokens == 0
+    engine.close()

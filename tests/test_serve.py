@@ -12,6 +12,7 @@ import base64
 import contextlib
 import json
 import os
+import re
 import shutil
 import threading
 import urllib.error
@@ -461,8 +462,12 @@ def test_metrics_count_requests_tokens_and_latencies(live: Live) -> None:
                  'seabiscuit_completion_tokens_total{model="tiny"}',
                  "seabiscuit_time_to_first_token_seconds_count",
                  "seabiscuit_inter_token_latency_seconds_bucket", 'seabiscuit_sessions{model="tiny"}',
-                 "seabiscuit_kv_cache_bytes{worker="):
+                 "seabiscuit_kv_cache_bytes{worker=", 'seabiscuit_requests_running{model="tiny"} 0.0',
+                 'seabiscuit_requests_waiting{model="tiny"} 0.0'):
         assert name in text, name
+    steps = float(re.search(r'seabiscuit_steps\{model="tiny"\} (\S+)', text).group(1))
+    tokens = float(re.search(r'seabiscuit_step_tokens\{model="tiny"\} (\S+)', text).group(1))
+    assert steps >= 3 and tokens >= steps       # NOTE: a prefill and two decode steps at least, a token each
 
 
 @pytest.mark.skipif(find_chromium() is None, reason="needs Debian's chromium (apt-get install chromium)")
@@ -503,11 +508,13 @@ def _type(page: Any, selector: str, text: str) -> None:
 
 def test_the_serve_command_answers_once_healthy(live: Live, monkeypatch: pytest.MonkeyPatch,
                                                 capsys: pytest.CaptureFixture[str]) -> None:
-    """``seabiscuit serve --model FOLDER`` on an embedded cluster, stopped by its stop event. Its
-    ready line counts the workers the scheduler lists, though the client's own copy (which its
-    periodic update replaces) lists none at the time."""
+    """``seabiscuit serve --model FOLDER`` on an embedded cluster, stopped by its stop event. It
+    listens before the weights load: /health answers 503 with Retry-After, naming the model, until
+    it is ready. Its ready line counts the workers the scheduler lists, though the client's own
+    copy (which its periodic update replaces) lists none at the time."""
     import distributed
 
+    from seabiscuit_dask.serve import server as serve_server
     from seabiscuit_dask.serve.server import run
 
     shared = distributed.Client.scheduler_info
@@ -516,6 +523,13 @@ def test_the_serve_command_answers_once_healthy(live: Live, monkeypatch: pytest.
         return {**shared(self, **kwargs), "workers": {}}
 
     monkeypatch.setattr(distributed.Client, "scheduler_info", replaced)
+    go, real_load = threading.Event(), serve_server.load
+
+    def held_load(*args: Any, **kwargs: Any) -> Any:
+        go.wait(60)             # NOTE: the weights load only once the test saw the server answer
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(serve_server, "load", held_load)
     stop = threading.Event()
     port = _free_port()
     done: list[Any] = []
@@ -529,6 +543,10 @@ def test_the_serve_command_answers_once_healthy(live: Live, monkeypatch: pytest.
             assert thread.is_alive() or done, "the server stopped before it was ready"
             return _status(url + "/health") == 200
 
+        wait_for(lambda: _status(url + "/health") != 0, "the server to listen", 60)
+        status, headers, body = http(url + "/health", key=None)
+        assert status == 503 and headers.get("retry-after") and body["waiting_for"] == ["chat"]
+        go.set()
         wait_for(healthy, "the server to say it is ready", 180)
         api = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
         got = api.chat.completions.create(model="chat", messages=MESSAGES, max_tokens=4, temperature=0)

@@ -2,9 +2,11 @@
 
 ``KVStore`` holds the caches of one process (a worker, or a local run); the
 ``sb.kv_attention`` kernel reaches the store of the block it runs in through
-``using(store, model, context)``. A cache grows in steps of ``GROW_TOKENS``, doubling,
-but never past the ``context`` its deployment declared (placement kept room for its
-sessions of that many tokens, and no more); each growth is asked of the store's
+``using(store, model, context)``. A cache of a deployment that declared its ``context``
+(placement kept room for its sessions of that many tokens, and no more) grows a block
+(``BLOCK_TOKENS``) at a time, to the blocks its tokens fill: the room the caller counts for
+it (``generation.sessions.SessionTable``); any other doubles, in steps of ``GROW_TOKENS``.
+Each growth is asked of the store's
 ``reserve`` callback, which a worker uses to keep caches and weights within its
 budget. A cache is written only at its end: a step whose
 tokens are already cached (a step run again, or a replay) reads them and writes
@@ -27,6 +29,7 @@ from ..errors import BadInput, WorkerLost
 from .registry import register_kernel
 
 GROW_TOKENS = 16
+BLOCK_TOKENS = 32         # a cache of a declared context grows a block at a time (what the caller counts)
 SCORE_BYTES = 4 << 20     # a query chunk's score matrix stays under this
 
 
@@ -148,17 +151,19 @@ class KVStore:
     def _grow(self, model: str, session: int, layer: int, c: LayerCache | None, end: int,
               k: torch.Tensor, v: torch.Tensor, context: int = 0) -> LayerCache:
         old = c.k.shape[1] if c is not None else 0
-        cap = max(end, 2 * old, GROW_TOKENS)
-        cap = -(-cap // GROW_TOKENS) * GROW_TOKENS
-        if context > 0:
-            cap = max(end, min(cap, context))
+        if context > 0:     # NOTE: the blocks its tokens fill: the room the caller counted for it
+            cap = max(end, min(-(-end // BLOCK_TOKENS) * BLOCK_TOKENS, context))
+        else:
+            cap = max(end, 2 * old, GROW_TOKENS)
+            cap = -(-cap // GROW_TOKENS) * GROW_TOKENS
         per_token = k.shape[0] * k.shape[2] * k.element_size() + v.shape[0] * v.shape[2] * v.element_size()
         if self.reserve is not None:
             self.reserve((cap - old) * per_token,
                          f"the KV cache of session {session} of model {model} (layer {layer}) to "
                          f"{cap} tokens")
-        new = LayerCache(k.new_zeros((k.shape[0], cap, k.shape[2])),
-                         v.new_zeros((v.shape[0], cap, v.shape[2])))
+        # NOTE: slots past ``length`` are never read: no zeroing
+        new = LayerCache(k.new_empty((k.shape[0], cap, k.shape[2])),
+                         v.new_empty((v.shape[0], cap, v.shape[2])))
         if c is not None:
             new.k[:, :c.length] = c.k[:, :c.length]
             new.v[:, :c.length] = c.v[:, :c.length]

@@ -58,6 +58,14 @@ class _Live:
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         sessions = GaugeMetricFamily("seabiscuit_sessions", "generation sessions open", labels=["model"])
+        running = GaugeMetricFamily("seabiscuit_requests_running", "generate calls being answered",
+                                    labels=["model"])
+        waiting = GaugeMetricFamily("seabiscuit_requests_waiting", "generate calls waiting to start",
+                                    labels=["model"])
+        steps = GaugeMetricFamily("seabiscuit_steps", "generation steps run (prefill and decode)",
+                                  labels=["model"])
+        tokens = GaugeMetricFamily("seabiscuit_step_tokens", "tokens the generation steps computed, padding "
+                                   "included (over seabiscuit_steps: tokens per step)", labels=["model"])
         kv = GaugeMetricFamily("seabiscuit_kv_cache_bytes", "KV-cache bytes held, per worker",
                                labels=["worker"])
         clients = {}
@@ -65,6 +73,13 @@ class _Live:
             engine = getattr(m.dm, "_engine", None)
             if m.kind == "generate":
                 sessions.add_metric([m.name], float(getattr(engine, "_open", 0)))
+                load = getattr(engine, "load", None)
+                if callable(load):
+                    figures = load()
+                    running.add_metric([m.name], float(figures["running"]))
+                    waiting.add_metric([m.name], float(figures["waiting"]))
+                    steps.add_metric([m.name], float(figures["steps"]))
+                    tokens.add_metric([m.name], float(figures["step_tokens"]))
             clients[id(m.dm.client)] = m.dm.client
         for client in clients.values():
             try:
@@ -74,8 +89,7 @@ class _Live:
                 continue
             for worker, b in sorted(held.items()):
                 kv.add_metric([worker], float(b))
-        yield sessions
-        yield kv
+        yield from (sessions, running, waiting, steps, tokens, kv)
 
 
 def _kv_bytes(dask_worker: Any) -> int:

@@ -68,6 +68,21 @@ class Loaded:
         return sum(p.numel() * p.element_size() for p in self.weights.parameters())
 
 
+def name_of(source: Source) -> str:
+    """The name a source's model is served under (what ``load`` names it), known before it loads."""
+    from ..models import gguf_path
+
+    if source.name:
+        return source.name
+    if source.kind == "gguf":
+        return os.path.splitext(os.path.basename(gguf_path(source.path)))[0]
+    path = source.path or ""
+    if source.kind == "onnx":
+        file = os.path.join(path, "model.onnx") if os.path.isdir(path) else path
+        return os.path.splitext(os.path.basename(file))[0]
+    return os.path.basename(os.path.abspath(path))
+
+
 def load(source: Source, say: Callable[[str], None] = print) -> Loaded:
     """The model, its tokenizer and what it serves."""
     import transformers as tf
@@ -79,8 +94,7 @@ def load(source: Source, say: Callable[[str], None] = print) -> Loaded:
         file = gguf_path(source.path)
         say(f"loading {os.path.basename(file)} (de-quantising GGUF to float32) ...")
         lm, tok = load_gguf(file)
-        name = source.name or os.path.splitext(os.path.basename(file))[0]
-        return Loaded(source, lm, lm, tok, name, "generate")
+        return Loaded(source, lm, lm, tok, name_of(source), "generate")
     if source.kind == "onnx":
         import onnx
 
@@ -103,7 +117,7 @@ def load(source: Source, say: Callable[[str], None] = print) -> Loaded:
         if "input_ids" not in inputs or unread:
             raise UnsupportedModel(f"--onnx {file}: an encoder reads input_ids (and attention_mask, "
                                    f"token_type_ids); this graph reads {list(inputs)}")
-        name = source.name or os.path.splitext(os.path.basename(file))[0]
+        name = name_of(source)
         say(f"reading {name} (an ONNX encoder: embeddings) ...")
         return Loaded(source, file, load_onnx(file, lazy=True), tok, name, "embed", inputs)
     folder = source.path or ""
@@ -111,7 +125,7 @@ def load(source: Source, say: Callable[[str], None] = print) -> Loaded:
         raise UnsupportedModel(f"--model {folder!r} is not a Hugging Face model folder (no config.json)")
     cfg = tf.AutoConfig.from_pretrained(folder)
     tok = tf.AutoTokenizer.from_pretrained(folder)
-    name = source.name or os.path.basename(os.path.abspath(folder))
+    name = name_of(source)
     causal = any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in cfg.architectures or ())
     say(f"reading {name} ({'a causal LM' if causal else 'an encoder: embeddings'}) ...")
     with torch.device("meta"):
@@ -201,74 +215,65 @@ def run(sources: list[Source], *, workers: int, scheduler: str | None, host: str
         context: int, budget: str | None, api_key: str | None, device: str | None,
         stop: threading.Event | None = None) -> int:
     """``seabiscuit serve``: until Ctrl-C (or until ``stop`` is set)."""
-    import uvicorn
-
-    import seabiscuit_dask as sb
-
-    from ..runtime.client import kv_reserve
     from ..runtime.discover import cluster_workers
 
     api_key = api_key or os.environ.get(str(config.get("serve.api-key-env")) or "", "") or None
     if host not in ("127.0.0.1", "localhost", "::1") and api_key is None:
         say(f"warning: listening on {host} with no API key: anyone who reaches it may use the models")
-    loaded = [load(s, say) for s in sources]
-    names = [m.name for m in loaded]
+    names = [name_of(s) for s in sources]
     if len(set(names)) != len(names):
         raise BadInput(f"two models have the same name in {names}: name them with NAME=PATH")
-    with contextlib.ExitStack() as stack:
-        if scheduler:
-            client = stack.enter_context(connect(scheduler))
-            client.register_plugin(sb.SeaBiscuitSchedulerPlugin())
-        else:
-            stack.enter_context(readable([m.model for m in loaded if isinstance(m.model, str)]))
-            total = sum(m.weight_bytes for m in loaded)
-            reserve = 0
-            for m in loaded:
-                per_layer, _ = kv_reserve(m.weights, sessions if m.kind == "generate" else 0, context)
-                layers = getattr(getattr(m.weights, "config", None), "num_hidden_layers", 0) or 0
-                reserve += per_layer * layers
-            budget_bytes = worker_budget_bytes(total, workers) + reserve // workers
-            client = stack.enter_context(local_cluster(workers, budget_bytes, sb.SeaBiscuitSchedulerPlugin()))
-        server = Server(api_key=api_key)
-        server.loading = list(names)
-        http = uvicorn.Server(uvicorn_config(make_app(server), host, port))
-        failed: list[BaseException] = []
-        served: list[ServedModel] = []
-
-        def deploy_all() -> None:
-            try:
-                for m in loaded:
-                    s = deploy(m, client, sessions=sessions, context=context, budget=budget, device=device,
-                               say=say)
-                    served.append(s)
-                    server.add(s)
-                    server.loading.remove(m.name)
-                weights = fmt_bytes(sum(m.weight_bytes for m in loaded))
-                say(f"\nready: {len(served)} model(s), {weights} of weights on "
-                    f"{len(cluster_workers(client))} workers")
-                say(f"chat page    http://{host}:{port}/")
-                say(f"API          http://{host}:{port}/v1 (OpenAI-compatible: /chat/completions, "
-                    "/completions, /embeddings, /models)")
-                say(f"dashboard    {page_link(client.dashboard_link)}")
-            except BaseException as e:  # noqa: BLE001 - reported by the main thread, which stops the server
-                failed.append(e)
-                http.should_exit = True
-
+    # NOTE: it listens at once (on a thread of its own): /health and every model route answer 503 with
+    # Retry-After while the weights load, the cluster starts and the models deploy
+    server = Server(api_key=api_key)
+    server.loading = list(names)
+    served: list[ServedModel] = []
+    with running(make_app(server), host, port), contextlib.ExitStack() as stack:
         say(f"listening on http://{host}:{port} (GET /health answers 503 until the models are ready)")
-        loader = threading.Thread(target=deploy_all, name="seabiscuit-serve-deploy", daemon=True)
-        loader.start()
-        if stop is not None:
-            def stopper() -> None:
-                stop.wait()
-                http.should_exit = True
-
-            threading.Thread(target=stopper, daemon=True, name="seabiscuit-serve-stop").start()
         try:
-            http.run()
+            loaded = [load(s, say) for s in sources]
+            client = _cluster(stack, loaded, scheduler, workers, sessions, context)
+            for m in loaded:
+                one = deploy(m, client, sessions=sessions, context=context, budget=budget, device=device,
+                             say=say)
+                served.append(one)
+                server.add(one)
+                server.loading.remove(m.name)
+            weights = fmt_bytes(sum(m.weight_bytes for m in loaded))
+            say(f"\nready: {len(served)} model(s), {weights} of weights on "
+                f"{len(cluster_workers(client))} workers")
+            say(f"chat page    http://{host}:{port}/")
+            say(f"API          http://{host}:{port}/v1 (OpenAI-compatible: /chat/completions, "
+                "/completions, /embeddings, /models)")
+            say(f"dashboard    {page_link(client.dashboard_link)}")
+            (stop or threading.Event()).wait()       # NOTE: Ctrl-C ends the wait with KeyboardInterrupt
+        except KeyboardInterrupt:
+            pass
         finally:
             say("stopping ...")
-            for s in served:
-                s.dm.close()
-        if failed:
-            raise failed[0]
+            for one in served:
+                one.dm.close()
     return 0
+
+
+def _cluster(stack: contextlib.ExitStack, loaded: list[Loaded], scheduler: str | None, workers: int,
+             sessions: int, context: int) -> Any:
+    """A client of the cluster at ``scheduler`` (its plugin registered), or of an embedded one with
+    room for the ``loaded`` models' weights and their sessions' KV caches; closed with ``stack``."""
+    import seabiscuit_dask as sb
+
+    from ..runtime.client import kv_reserve
+
+    if scheduler:
+        client = stack.enter_context(connect(scheduler))
+        client.register_plugin(sb.SeaBiscuitSchedulerPlugin())
+        return client
+    stack.enter_context(readable([m.model for m in loaded if isinstance(m.model, str)]))
+    total = sum(m.weight_bytes for m in loaded)
+    reserve = 0
+    for m in loaded:
+        per_layer, _ = kv_reserve(m.weights, sessions if m.kind == "generate" else 0, context)
+        layers = getattr(getattr(m.weights, "config", None), "num_hidden_layers", 0) or 0
+        reserve += per_layer * layers
+    budget_bytes = worker_budget_bytes(total, workers) + reserve // workers
+    return stack.enter_context(local_cluster(workers, budget_bytes, sb.SeaBiscuitSchedulerPlugin()))

@@ -240,13 +240,18 @@ class DistributedModel:
         return ChatSession(self, self._generation_engine().open_session())
 
     def generation_stats(self) -> dict[str, Any]:
-        """Steps, tokens and seconds of generation so far, the sessions open and the rows of calls
-        waiting for room now, and the step programs built: per (batch, tokens) shape its Dask
-        tasks per step and what building it cost."""
+        """Steps, tokens and seconds of generation so far (``step_tokens``: what the steps computed,
+        padding included; ``tokens_per_step`` its mean), the sessions open, the KV room they count
+        and what is free of it (``kv_tokens``, ``kv_tokens_free``: 0 where the deployment kept
+        none), the calls running and waiting to start and the rows of calls waiting for room now,
+        and the step programs built: per program (a shape, or ``decode`` and ``prefill`` of any
+        shape) its Dask tasks per step and what building it cost."""
         stats: dict[str, Any] = self._engine.stats.as_dict() if self._engine is not None else {}
         if self._engine is not None:
-            table = self._engine.sessions
-            stats.update(sessions_open=table.open, rows_queued=table.queued)     # NOTE: read without the lock
+            table, load = self._engine.sessions, self._engine.load()
+            stats.update(sessions_open=table.open, rows_queued=table.queued, kv_tokens=table.tokens,
+                         kv_tokens_free=(table.max_tokens or 0) - table.tokens, running=load["running"],
+                         waiting=load["waiting"], tokens_per_step=load["tokens_per_step"])
         stats["programs"] = self._programs.stats()
         return stats
 

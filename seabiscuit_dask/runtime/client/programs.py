@@ -210,8 +210,9 @@ class ProgramCache:
                 prog = self._built(self.steps, ("decode" if decode else "prefill", 0),
                                    lambda: self._generalized(dims))
             except NotGeneral as e:
+                # NOTE: the text only: a record kept by a log handler must not hold the traceback's frames
                 logger.warning("seabiscuit: model %s: a %s step is built per shape: %s", self.model_id,
-                               "decode" if decode else "prefill", e)
+                               "decode" if decode else "prefill", str(e))
             self.kinds[decode] = prog
             if prog is not None:     # NOTE: it may serve fewer tokens a step than asked (the budget)
                 d = prog.graph.meta["dims"]

@@ -15,6 +15,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -43,7 +44,10 @@ class Engine:
         self.runner = runner
         self.name = name
         limit = max_sessions if max_sessions is not None else config.get("generate.max-sessions")
-        self.sessions = SessionTable(int(limit), name, int(config.get("generate.max-queued")))
+        # NOTE: a deployment that kept KV room (sessions x context) counts it in tokens
+        self.sessions = SessionTable(int(limit), name, int(config.get("generate.max-queued")),
+                                     context if max_sessions is not None else None,
+                                     int(config.get("generate.max-rows")))
         self.queue_timeout_s = seconds("generate.queue-timeout")
         self.kv = KVLedger(runner, context, name)
         self.spec = SchedulerSpec.from_config(max_chunk=max_chunk, chains_steps=runner.chains_steps)
@@ -53,6 +57,10 @@ class Engine:
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._closed = False
+        # NOTE: admissions that prefill while rows decode (``SchedulerSpec.overlap``): run on a thread of
+        # their own, their results land here and are handed out on the engine's thread
+        self._admitting = ThreadPoolExecutor(1, thread_name_prefix="seabiscuit-admit")
+        self._landed: list[tuple[SchedulerOutput, dict[int, Result]]] = []
 
     def _flow(self) -> tuple[bool, int]:
         """Whether the runner sends a prompt's chunks at once now, and the stages they flow through."""
@@ -62,7 +70,9 @@ class Engine:
     # --- what callers read ---------------------------------------------------------------------
     @property
     def max_sessions(self) -> int:
-        return self.sessions.max_sessions
+        """Sessions open at once at most (rows: with KV room counted in tokens, more than the
+        sessions the deployment kept room for, each shorter than its context)."""
+        return self.sessions.max_rows
 
     @property
     def open_sessions(self) -> int:
@@ -70,6 +80,16 @@ class Engine:
         return self.sessions.open
 
     _open = open_sessions       # NOTE: what ``serve``'s metrics read
+
+    def load(self) -> dict[str, float]:
+        """What the engine holds now and did so far: calls running and waiting to start, steps and
+        the tokens they computed (figures of a moment, read without the lock)."""
+        st = self.stats
+        steps = st.prefill_steps + st.decode_steps
+        return {"running": len(self.scheduler.running) + len(self.scheduler.prefilling),
+                "waiting": len(self.scheduler.waiting) + len(self.sessions.queue),
+                "steps": steps, "step_tokens": st.step_tokens,
+                "tokens_per_step": st.step_tokens / steps if steps else 0.0}
 
     @property
     def context(self) -> int | None:
@@ -100,10 +120,12 @@ class Engine:
             raise BadInput(f"max_new_tokens must be >= 1, got {max_new}")
         if sessions is None:
             self.kv.check_call(prompts, max_new)
-            self.sessions.check_rows(len(prompts))
+            room = self.sessions.room([len(p) + max_new for p in prompts])
+            self.sessions.check_rows(len(prompts), room)
             with self._cond:
-                self.sessions.wait(len(prompts), self._cond, self.queue_timeout_s, lambda: self._closed)
+                self.sessions.wait(len(prompts), self._cond, self.queue_timeout_s, lambda: self._closed, room)
             call = self.sessions.call(prompts, max_new, sampling, eos, pad)
+            call.room = room
         else:
             for s in sessions:
                 after_turn(s, self.name)
@@ -131,7 +153,7 @@ class Engine:
         with self._cond:
             if session.closed:
                 return
-            self.sessions.release(1)
+            self.sessions.release(1, self.sessions.kept_room)
             self._cond.notify_all()             # NOTE: calls waiting for room
             session.closed = True
             call = session.call
@@ -169,7 +191,7 @@ class Engine:
         """Stop taking calls, end those running at their next step, and wait for the loop."""
         with self._cond:
             self._closed = True
-            for call in self.scheduler.waiting + self.scheduler.running:
+            for call in self.scheduler.waiting + self.scheduler.running + self.scheduler.prefilling:
                 call.closing = ModelClosed(f"{self.name} was closed after {call.produced} of "
                                            f"{call.max_new} new tokens of this call: it did not finish")
             self._cond.notify_all()             # NOTE: the loop, and calls waiting for room
@@ -177,6 +199,7 @@ class Engine:
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout_s)
         self.executor.close()
+        self._admitting.shutdown(wait=False)
 
     def warm(self, lengths: Sequence[int] | None = None, batches: Sequence[int] | None = None,
              progress: Callable[[str], None] | None = None) -> list[str]:
@@ -203,24 +226,35 @@ class Engine:
     # --- the loop ------------------------------------------------------------------------------
     def _has_work(self) -> bool:
         """Whether the loop has calls to run, caches to free, or its close to finish (lock held)."""
-        return self.scheduler.has_calls or self._closed or self.kv.owed
+        return self.scheduler.has_calls or self._closed or self.kv.owed or bool(self._landed)
+
+    def _ready(self) -> bool:
+        """Whether the loop has a step to take now, not only an admission in flight to wait for
+        (lock held)."""
+        s = self.scheduler
+        idle = not s.prefilling         # NOTE: one admission in flight at a time
+        return bool(self._landed or self.kv.owed or s.running or ((s.waiting or self._closed) and idle))
 
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not (self._has_work() or EXITING.is_set()):
+                while not (self._ready() or EXITING.is_set()):
                     # NOTE: idle, the thread ends (and starts again with the next call): a model
-                    # its caller dropped is not kept alive by it
-                    if not self._cond.wait(IDLE_EXIT_S):
+                    # its caller dropped is not kept alive by it; an admission in flight is waited for
+                    if not self._cond.wait(IDLE_EXIT_S) and not self._has_work():
                         break
                 if EXITING.is_set() or not self._has_work():    # NOTE: exiting: ``end_threads``
                     self._thread = None
                     return
                 owed = self.kv.take_owed()
-                if self._closed and not self.scheduler.has_calls:
+                landed, self._landed = self._landed, []
+                if self._closed and not self.scheduler.has_calls and not landed:
                     return
-                out = self.scheduler.schedule()
             self.kv.free(owed)
+            for admission, got in landed:
+                self._joined(admission, got)
+            with self._cond:
+                out = self.scheduler.schedule()
             self.step(out)
             if not self.scheduler.running:
                 self.executor.drop_ahead()
@@ -230,10 +264,31 @@ class Engine:
         for cid in out.ended:
             call = self.scheduler.call(cid)
             self._finish(call, call.closing)
-        if out.admitted:
+        if out.admitted and self.spec.overlap:
+            self._admitting.submit(self._admit, out)
+        elif out.admitted:
             self._admitted(out, self.executor.admit(out))
         if out.decodes:
             self._decoded(out, self.executor.decode(out))
+
+    def _admit(self, out: SchedulerOutput) -> None:
+        """Prefill an admission while the running rows decode (on the admitting thread); its results
+        land for the engine's thread to hand out (``_joined``)."""
+        try:
+            got = self.executor.admit(out)
+        except BaseException as e:  # noqa: BLE001 - each call of the admission gets it
+            got = {a.call: e for a in out.admitted}
+        with self._cond:
+            self._landed.append((out, got))
+            self._cond.notify()
+
+    def _joined(self, out: SchedulerOutput, got: dict[int, Result]) -> None:
+        """An admission that prefilled alongside the decoding: its first tokens out, its calls decode."""
+        calls = [self.scheduler.call(a.call) for a in out.admitted]
+        self._admitted(out, got)
+        for call in calls:
+            if not call.finished:
+                self.scheduler.joined(call)
 
     def _admitted(self, out: SchedulerOutput, got: dict[int, Result]) -> None:
         """Each admitted call's first tokens, picked from its prompts' logits, to its caller."""
@@ -302,7 +357,7 @@ class Engine:
             call.finished = True
             seen = call.seen
             if not call.keep:
-                self.sessions.release(len(call.sessions))
+                self.sessions.release(len(call.sessions), call.room)
                 self._cond.notify_all()         # NOTE: calls waiting for room
         freed = [s.sid for s in call.sessions if not call.keep or s.closed]    # NOTE: closed as it ran
         moved: list[tuple[int, int, int]] = []

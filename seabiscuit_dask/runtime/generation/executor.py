@@ -46,6 +46,8 @@ class EngineStats:
     rows: int = 0
     decode_s: float = 0.0
     prefill_s: float = 0.0
+    prefill_groups: int = 0       # steps that prefilled several prompts together (``PrefillGroup``)
+    step_tokens: int = 0          # tokens the steps computed, padding included (rows x length each)
 
     def as_dict(self) -> dict[str, float]:
         return dict(vars(self))
@@ -62,10 +64,14 @@ class Executor:
         self._ahead: dict[tuple[int, ...], tuple[Handle, tuple[int, ...]]] = {}
         self._ahead_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max(1, pipeline - 1), thread_name_prefix="seabiscuit-step")
+        # NOTE: prompts prefilled side by side on threads of their own: an admission that runs while
+        # rows decode (``SchedulerSpec.overlap``) never holds a thread a decode group waits for
+        self._prefill_pool = ThreadPoolExecutor(max(1, pipeline - 1), thread_name_prefix="seabiscuit-prefill")
 
     def close(self) -> None:
         self.drop_ahead()
         self._pool.shutdown(wait=False)
+        self._prefill_pool.shutdown(wait=False)
 
     # --- admissions --------------------------------------------------------------------------
     def admit(self, out: SchedulerOutput) -> dict[int, Result]:
@@ -95,7 +101,7 @@ class Executor:
                 except BaseException as e:  # noqa: BLE001 - the caller gets it; other calls go on
                     got[a.call] = e
 
-        helpers = [self._pool.submit(admit_next) for _ in range(out.together - 1)]
+        helpers = [self._prefill_pool.submit(admit_next) for _ in range(out.together - 1)]
         admit_next()
         for h in helpers:
             h.result()
@@ -116,11 +122,14 @@ class Executor:
             except BaseException as e:  # noqa: BLE001 - fails the calls of these rows only
                 return e
 
-        runs = [self._pool.submit(run, g) for g in groups[1:]]
+        runs = [self._prefill_pool.submit(run, g) for g in groups[1:]]
         results = [run(groups[0]), *(f.result() for f in runs)]
         out: dict[int, Result] = {}
         for g, res in zip(groups, results):
-            self.stats.prefill_steps += not isinstance(res, BaseException)
+            ok = not isinstance(res, BaseException)
+            self.stats.prefill_steps += ok
+            self.stats.prefill_groups += ok
+            self.stats.step_tokens += g.tokens if ok else 0
             for i, r in enumerate(g.rows):
                 out[r.session] = res if isinstance(res, BaseException) else res[i]
         self.stats.prefill_s += time.perf_counter() - t0
@@ -146,6 +155,7 @@ class Executor:
             try:
                 logits = self._pipelined(p.ahead)
                 self.stats.prefill_steps += 0 if replay else len(p.ahead)
+                self.stats.step_tokens += 0 if replay else sum(c.length for c in p.ahead)
                 self.stats.prefill_ahead += len(p.ahead) - 1
                 return logits
             except WorkerLost as e:
@@ -163,6 +173,7 @@ class Executor:
             logits = out[0]
             lost = None
             self.stats.prefill_steps += not replay
+            self.stats.step_tokens += 0 if replay else c.length
         return logits
 
     def _pipelined(self, chunks: Sequence[Chunk]) -> torch.Tensor:
@@ -210,6 +221,7 @@ class Executor:
             if not isinstance(res, BaseException):
                 self.stats.decode_steps += 1
                 self.stats.rows += len(g.rows)
+                self.stats.step_tokens += g.batch
         self.stats.decode_s += time.perf_counter() - t0
         return results
 

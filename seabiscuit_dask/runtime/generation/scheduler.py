@@ -20,11 +20,15 @@ touching execution. The policy:
   largest of ``seabiscuit.generate.batch-buckets``, each padded to a bucket; a greedy group on a
   runner that chains steps is ``queued``: its tokens are picked on the workers, and its next
   step is queued behind this one (a decode loop of ``seabiscuit.generate.loop-steps`` at most);
+- where the runner chains steps (``seabiscuit.generate.overlap-prefill``), an admission does not
+  stop the decoding: its prompts prefill while the running rows decode (one admission in flight
+  at a time), and its calls join the decode groups once their first tokens are out (``joined``);
 - a call its caller stopped reading, or that the deployment's close ends, ends before the step.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 from collections.abc import Callable, Sequence
@@ -104,6 +108,7 @@ class SchedulerSpec:
     pipeline: int = 1
     loop_steps: int = 1
     lookahead: bool = False      # greedy groups queue their next step (the runner chains steps)
+    overlap: bool = False        # admissions prefill while the running rows decode (the runner chains steps)
     step_tokens: int = 256       # tokens one step computes at most (``generate.step-tokens``)
 
     @classmethod
@@ -116,6 +121,7 @@ class SchedulerSpec:
         return cls(fit or (max(1, int(max_chunk or 1)),), batch_buckets(), pipeline_groups(),
                    max(1, int(config.get("generate.loop-steps") or 1)),
                    bool(config.get("generate.lookahead")) and chains_steps,
+                   bool(config.get("generate.overlap-prefill")) and chains_steps,
                    max(1, int(config.get("generate.step-tokens"))))
 
     def dims(self, sessions: int) -> tuple[Dims, Dims]:
@@ -140,6 +146,7 @@ class Scheduler:
         self.grouping = grouping
         self.waiting: list[Call] = []
         self.running: list[Call] = []
+        self.prefilling: list[Call] = []      # admitted, their prompts prefilling (``spec.overlap``)
         self._calls: dict[int, Call] = {}
         self._steps = itertools.count()
         self._admitted_last = False
@@ -156,18 +163,33 @@ class Scheduler:
 
     def finish(self, call: Call) -> None:
         """Forget a call the engine finished."""
-        if call in self.running:
-            self.running.remove(call)
+        for calls in (self.running, self.prefilling):
+            if call in calls:
+                calls.remove(call)
         self._calls.pop(call.cid, None)
+
+    def joined(self, call: Call) -> None:
+        """An admitted call's prompts are cached and its first tokens out: it decodes from the next step."""
+        if call in self.prefilling:
+            self.prefilling.remove(call)
+            self.running.append(call)
 
     @property
     def has_calls(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.prefilling)
 
     # --- steps ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        """The next step: an admission of the calls waiting, or a decode step of the running rows."""
+        """The next step: an admission of the calls waiting, or a decode step of the running rows;
+        with ``spec.overlap`` both at once (the admission prefills while the rows decode), one
+        admission in flight at a time."""
         step = next(self._steps)
+        if self.spec.overlap:
+            out = self._decode(step) if self.running else SchedulerOutput(step)
+            if self.waiting and not self.prefilling:
+                new = self._admit(step)
+                out = dataclasses.replace(new, ended=out.ended + new.ended, decodes=out.decodes)
+            return out
         if self.waiting and not (self._admitted_last and self.running):
             self._admitted_last = True
             return self._admit(step)
@@ -179,7 +201,7 @@ class Scheduler:
         ended = [c for c in new if c.stopping]
         todo = [c for c in new if c not in ended]
         together = max(1, min(self.spec.pipeline, len(todo)))
-        self.running.extend(todo)
+        (self.prefilling if self.spec.overlap else self.running).extend(todo)
         groups = self.prefill_groups([(s.sid, s.cached, s.tokens[s.cached:])
                                       for c in todo for s in c.sessions])
         grouped = {r.session: Prefill(r.session, (r,), grouped=True) for g in groups for r in g.rows}
@@ -250,7 +272,7 @@ class Scheduler:
     def replay(self, sid: int, upto: int, together: int = 1) -> Prefill:
         """The chunks that rebuild running session ``sid``'s cache up to slot ``upto`` (its worker
         was lost): its tokens from the first, cut as a prompt is (slots still cached are read)."""
-        s = next(s for c in self.running for s in c.sessions if s.sid == sid)
+        s = next(s for c in [*self.running, *self.prefilling] for s in c.sessions if s.sid == sid)
         return self.prefill(sid, 0, s.tokens[:upto], together)
 
     def shapes(self, lengths: Sequence[int] | None = None, batches: Sequence[int] | None = None,

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ...errors import BadInput, Busy, ModelClosed, QueueTimeout, SessionClosed
+from ...lower.kvcache import BLOCK_TOKENS
 from .sampling import Sampling
 
 if TYPE_CHECKING:
@@ -58,6 +59,7 @@ class Call:
     seen: int | None = None     # rows the caller read before it stopped (a cancelled call)
     finished: bool = False      # the engine is done with it (under the engine's lock)
     ended: threading.Event = field(default_factory=threading.Event)     # and its caller was told
+    room: int = 0               # KV tokens counted for its new sessions (``SessionTable.room``)
     before: list[int] = field(default_factory=list)   # each kept session's tokens before this turn
     base: list[int] = field(default_factory=list)     # and with its prompt: where the answer starts
     cid: int = field(default_factory=lambda: next(_CALL_IDS))     # what a step's record names it by
@@ -74,13 +76,25 @@ class Call:
 
 class SessionTable:
     """The sessions one deployment holds open, counted against its limit, and their ids. The
-    counts change under the engine's lock."""
+    counts change under the engine's lock.
 
-    def __init__(self, max_sessions: int, name: str, max_queued: int = 0) -> None:
+    With a ``context`` (a deployment that kept KV room for ``max_sessions`` sessions of that many
+    tokens), what bounds the sessions open is that room, in tokens: a new session counts the
+    blocks (``lower.kvcache.BLOCK_TOKENS``, as a cache grows) its prompt and new tokens fill, a
+    kept one the whole context, so room for 8 x 1024 tokens holds 32 chats of 200 tokens at once;
+    ``max_rows`` bounds the sessions open all the same (``seabiscuit.generate.max-rows``).
+    Without one, ``max_sessions`` sessions at most."""
+
+    def __init__(self, max_sessions: int, name: str, max_queued: int = 0, context: int | None = None,
+                 max_rows: int | None = None) -> None:
         self.max_sessions = max_sessions
+        self.context = context
+        self.max_tokens = max_sessions * context if context else None     # the KV room, in tokens
+        self.max_rows = max(max_sessions, int(max_rows or 0)) if context else max_sessions
         self.max_queued = max_queued         # rows that may wait for room, first come first served
         self.name = name
         self.open = 0
+        self.tokens = 0                      # KV tokens counted for the sessions open
         self.queue: deque[tuple[object, int]] = deque()     # NOTE: (a waiter's token, its rows), in order
         self._ids = itertools.count()
 
@@ -92,29 +106,47 @@ class SessionTable:
     def next_id(self) -> int:
         return next(self._ids)
 
-    def check_rows(self, rows: int) -> None:
-        """Refuse a call of more rows than the deployment ever serves at once."""
-        if rows > self.max_sessions:
-            raise BadInput(f"{self.name}: this call asks for {rows} sessions (rows) at once and the "
-                           f"deployment serves at most {self.max_sessions}; send fewer rows or deploy "
-                           "with more sessions")
+    def room(self, lengths: Sequence[int]) -> int:
+        """KV tokens new sessions of ``lengths`` tokens each (prompt and new tokens) count: the
+        blocks they fill (0 where the table counts sessions only)."""
+        if not self.max_tokens:
+            return 0
+        return sum(-(-int(n) // BLOCK_TOKENS) * BLOCK_TOKENS for n in lengths)
 
-    def reserve(self, rows: int) -> None:
-        """Count a call's ``rows`` new sessions open, or raise ``Busy`` (lock held)."""
-        if self.open + rows > self.max_sessions:
+    def fits(self, rows: int, tokens: int) -> bool:
+        room = not self.max_tokens or self.tokens + tokens <= self.max_tokens
+        return self.open + rows <= self.max_rows and room
+
+    def check_rows(self, rows: int, tokens: int = 0) -> None:
+        """Refuse a call of more rows (or KV tokens) than the deployment ever serves at once."""
+        if rows > self.max_rows:
+            raise BadInput(f"{self.name}: this call asks for {rows} sessions (rows) at once and the "
+                           f"deployment serves at most {self.max_rows}; send fewer rows or deploy "
+                           "with more sessions")
+        if self.max_tokens and tokens > self.max_tokens:
+            raise BadInput(f"{self.name}: this call's {rows} sessions fill {tokens} KV tokens and the "
+                           f"deployment kept room for {self.max_tokens} ({self.max_sessions} sessions x "
+                           f"{self.context}); send fewer rows or tokens, or deploy with more sessions")
+
+    def reserve(self, rows: int, tokens: int = 0) -> None:
+        """Count a call's ``rows`` new sessions open (``tokens`` of KV room), or raise ``Busy`` (lock
+        held)."""
+        if not self.fits(rows, tokens):
             raise Busy(f"{self.name} has {self.open} session(s) open and this call asks for {rows} more; "
-                       f"the limit is {self.max_sessions} (seabiscuit.generate.max-sessions): wait for "
-                       "calls to finish or raise the limit")
+                       f"the limit is {self.max_rows} (seabiscuit.generate.max-sessions){self._counted()}: "
+                       "wait for calls to finish or raise the limit")
         self.open += rows
+        self.tokens += tokens
 
     def wait(self, rows: int, cond: threading.Condition, timeout_s: float,
-             closed: Callable[[], bool]) -> None:
-        """Count a call's ``rows`` new sessions open once there is room, waiting behind the calls
-        that came before it (``cond`` held; it is notified as sessions close). ``Busy`` at once when
-        ``max_queued`` rows wait already, ``QueueTimeout`` after ``timeout_s``; ``ModelClosed`` when
-        the deployment closes meanwhile (``closed``)."""
-        if not self.queue and self.open + rows <= self.max_sessions:
+             closed: Callable[[], bool], tokens: int = 0) -> None:
+        """Count a call's ``rows`` new sessions (``tokens`` of KV room) open once there is room, waiting
+        behind the calls that came before it (``cond`` held; it is notified as sessions close).
+        ``Busy`` at once when ``max_queued`` rows wait already, ``QueueTimeout`` after ``timeout_s``;
+        ``ModelClosed`` when the deployment closes meanwhile (``closed``)."""
+        if not self.queue and self.fits(rows, tokens):
             self.open += rows
+            self.tokens += tokens
             return
         if self.queued + rows > self.max_queued:
             raise Busy(f"{self.name} has {self.open} session(s) open of {self.max_sessions} and "
@@ -123,9 +155,8 @@ class SessionTable:
         token = object()
         self.queue.append((token, rows))
         try:
-            ready = cond.wait_for(lambda: closed() or (self.queue[0][0] is token
-                                                       and self.open + rows <= self.max_sessions),
-                                  timeout_s)
+            ready = cond.wait_for(
+                lambda: closed() or (self.queue[0][0] is token and self.fits(rows, tokens)), timeout_s)
             if closed():
                 raise ModelClosed(f"{self.name} was closed while this call waited for room")
             if not ready:
@@ -133,21 +164,34 @@ class SessionTable:
                                    f"{self.max_sessions} sessions (seabiscuit.generate.queue-timeout); "
                                    "try again later")
             self.open += rows
+            self.tokens += tokens
         finally:
             self.queue = deque(e for e in self.queue if e[0] is not token)
             cond.notify_all()       # NOTE: the next in line may fit now
 
     def keep(self) -> Session:
-        """A session kept across calls, counted open until it is closed (lock held)."""
-        if self.open + 1 > self.max_sessions:
-            raise Busy(f"{self.name} has {self.open} session(s) open; the limit is {self.max_sessions} "
-                       "(seabiscuit.generate.max-sessions)")
+        """A session kept across calls, counted open (a whole context of KV room) until it is closed
+        (lock held)."""
+        room = self.context if self.max_tokens and self.context else 0
+        if not self.fits(1, room):
+            raise Busy(f"{self.name} has {self.open} session(s) open; the limit is {self.max_rows} "
+                       f"(seabiscuit.generate.max-sessions){self._counted()}")
         self.open += 1
+        self.tokens += room
         return self.new([])
 
-    def release(self, rows: int) -> None:
-        """Count ``rows`` sessions closed (lock held)."""
+    def release(self, rows: int, tokens: int = 0) -> None:
+        """Count ``rows`` sessions closed, and the ``tokens`` of KV room they counted (lock held)."""
         self.open -= rows
+        self.tokens -= tokens
+
+    def _counted(self) -> str:
+        return f" and {self.max_tokens} KV tokens, {self.tokens} counted" if self.max_tokens else ""
+
+    @property
+    def kept_room(self) -> int:
+        """KV tokens a kept session counts."""
+        return self.context if self.max_tokens and self.context else 0
 
     def new(self, tokens: Sequence[int]) -> Session:
         return Session(self.next_id(), list(tokens))
