@@ -331,6 +331,8 @@ def test_kv_room_is_counted_in_blocks_so_8_sessions_of_1024_hold_32_chats_of_200
         table.check_rows(9, table.room([1024] * 9))
     with pytest.raises(BadInput, match="at most 64"):
         table.check_rows(65)
+    odd = SessionTable(8, "m", context=92)              # NOTE: a block past the context counts the context
+    assert odd.room([69, 92]) == 92 + 92 and all(odd.fits(1, odd.room([69])) for _ in range(8))
     plain = SessionTable(8, "m")                        # NOTE: no room kept: sessions are counted
     assert plain.room([200]) == 0 and plain.max_rows == 8
 

@@ -114,3 +114,11 @@ def test_a_general_program_past_the_budget_at_its_largest_step_says_which_op(mod
     over = over_budget(generalize(a, (1, 17), b, (2, 19), wide), a, 1 << 20, wide)
     assert over and "bytes at" in over[0]
     assert not over_budget(generalize(a, (1, 17), b, (2, 19), PREFILL), a, 1 << 20, PREFILL)
+
+
+def test_the_corners_of_the_shapes_served_are_within_every_bound() -> None:
+    assert Dims(64, 1, 32).corners() == [(32, 1)]          # NOTE: a decode program of fewer tokens: fewer rows
+    assert Dims(16, 256, 256).corners() == [(1, 256), (16, 16)]
+    assert all(r * n <= d.tokens and r <= d.rows and n <= d.length
+               for d in (Dims(64, 1, 32), Dims(16, 256, 256), Dims(8, 32, 64)) for r, n in d.corners())
+    assert Dims(64, 1, 32).covers(32, 1) and not Dims(64, 1, 32).covers(33, 1)

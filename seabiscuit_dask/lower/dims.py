@@ -53,8 +53,9 @@ class Dims:
     def corners(self) -> list[tuple[int, int]]:
         """The shapes where each size it serves is largest (a size grows with rows, length or
         their product, so its largest value over the shapes served is at one of these)."""
-        wide = (min(self.rows, self.tokens // max(1, self.length)) or 1, self.length)
-        tall = (self.rows, min(self.length, self.tokens // self.rows) or 1)
+        wide = (max(1, min(self.rows, self.tokens // self.length)), self.length)
+        rows = min(self.rows, self.tokens)
+        tall = (rows, max(1, min(self.length, self.tokens // rows)))
         return sorted({wide, tall})
 
 

@@ -126,9 +126,10 @@ class SchedulerSpec:
 
     def dims(self, sessions: int) -> tuple[Dims, Dims]:
         """The shapes the general decode and prefill programs serve for ``sessions`` at once: any
-        rows up to the sessions (and the largest batch), any chunk up to the largest prefill
-        bucket, ``step_tokens`` in all (never under one chunk of the largest bucket)."""
-        rows = max(self.batch_sizes[-1], int(sessions))
+        rows up to the largest batch (no decode or prefill group has more) and the sessions, any
+        chunk up to the largest prefill bucket, ``step_tokens`` in all (never under one chunk of
+        the largest bucket)."""
+        rows = min(self.batch_sizes[-1], max(1, int(sessions)))
         length = self.prefill_sizes[-1]
         tokens = max(self.step_tokens, length)
         return Dims(min(rows, tokens), 1, min(rows, tokens)), Dims(min(rows, tokens), length, tokens)

@@ -109,9 +109,10 @@ class SessionTable:
     def room(self, lengths: Sequence[int]) -> int:
         """KV tokens new sessions of ``lengths`` tokens each (prompt and new tokens) count: the
         blocks they fill (0 where the table counts sessions only)."""
-        if not self.max_tokens:
+        if not self.max_tokens or not self.context:
             return 0
-        return sum(-(-int(n) // BLOCK_TOKENS) * BLOCK_TOKENS for n in lengths)
+        # NOTE: a cache never grows past the context (``KVStore``): nor does what it counts
+        return sum(min(-(-int(n) // BLOCK_TOKENS) * BLOCK_TOKENS, self.context) for n in lengths)
 
     def fits(self, rows: int, tokens: int) -> bool:
         room = not self.max_tokens or self.tokens + tokens <= self.max_tokens
