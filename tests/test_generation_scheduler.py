@@ -372,3 +372,26 @@ def test_calls_past_the_sessions_run_at_once_where_the_kv_room_holds_them() -> N
     assert had_room == [True] * 4
     assert engine.max_sessions == 64 and engine.sessions.open == 0 and engine.sessions.tokens == 0
     engine.close()
+
+
+def test_prompts_admitted_while_rows_decode_go_in_steps_of_the_bound_one_by_one() -> None:
+    """``overlap_tokens`` 32: a prompt admitted while a row decodes is cut into chunks of 32 tokens
+    at most, none sent ahead, and no group passes 32 tokens; with no row decoding, as before."""
+    spec = dataclasses.replace(SPEC, overlap=True, overlap_tokens=32)
+    table, scheduler = SessionTable(8, "m"), Scheduler(spec, grouping=lambda: 128)
+    first = call(table, [1] * 6)
+    scheduler.add(first)
+    out = scheduler.schedule()
+    answered(scheduler, out)
+    scheduler.joined(first)
+    long, short = call(table, [2] * 70), call(table, [3] * 20)
+    scheduler.add(long)
+    scheduler.add(short)
+    out = scheduler.schedule()
+    prefills = {p.session: p for a in out.admitted for p in a.prefills}
+    assert [c.length for c in prefills[long.sessions[0].sid].chunks] == [32, 32, 16]
+    assert not prefills[long.sessions[0].sid].ahead and out.decodes
+    assert all(g.tokens <= 32 for g in out.prefill_groups)
+    unbounded = Scheduler(dataclasses.replace(SPEC, overlap=True, overlap_tokens=32), grouping=lambda: 128)
+    unbounded.add(call(table, [4] * 70))
+    assert [c.length for c in unbounded.schedule().admitted[0].prefills[0].chunks] == [64, 16]

@@ -23,6 +23,8 @@ touching execution. The policy:
 - where the runner chains steps (``seabiscuit.generate.overlap-prefill``), an admission does not
   stop the decoding: its prompts prefill while the running rows decode (one admission in flight
   at a time), and its calls join the decode groups once their first tokens are out (``joined``);
+  its steps then hold ``seabiscuit.generate.prefill-while-decoding`` tokens at most where that
+  is set, so a decode step never waits long behind one (chunked prefill);
 - a call its caller stopped reading, or that the deployment's close ends, ends before the step.
 """
 
@@ -109,6 +111,7 @@ class SchedulerSpec:
     loop_steps: int = 1
     lookahead: bool = False      # greedy groups queue their next step (the runner chains steps)
     overlap: bool = False        # admissions prefill while the running rows decode (the runner chains steps)
+    overlap_tokens: int = 0      # and then hold at most this many tokens a step (0: no bound)
     step_tokens: int = 256       # tokens one step computes at most (``generate.step-tokens``)
 
     @classmethod
@@ -122,6 +125,7 @@ class SchedulerSpec:
                    max(1, int(config.get("generate.loop-steps") or 1)),
                    bool(config.get("generate.lookahead")) and chains_steps,
                    bool(config.get("generate.overlap-prefill")) and chains_steps,
+                   int(config.get("generate.prefill-while-decoding") or 0),
                    max(1, int(config.get("generate.step-tokens"))))
 
     def dims(self, sessions: int) -> tuple[Dims, Dims]:
@@ -202,21 +206,31 @@ class Scheduler:
         ended = [c for c in new if c.stopping]
         todo = [c for c in new if c not in ended]
         together = max(1, min(self.spec.pipeline, len(todo)))
+        # NOTE: prompts prefilled while rows decode go in small steps: a decode step waits behind one
+        limit = self.spec.overlap_tokens if self.spec.overlap and self.running else 0
         (self.prefilling if self.spec.overlap else self.running).extend(todo)
         groups = self.prefill_groups([(s.sid, s.cached, s.tokens[s.cached:])
-                                      for c in todo for s in c.sessions])
+                                      for c in todo for s in c.sessions], limit)
         grouped = {r.session: Prefill(r.session, (r,), grouped=True) for g in groups for r in g.rows}
         admitted = tuple(Admission(c.cid, tuple(grouped.get(s.sid) or self.prefill(
-            s.sid, s.cached, s.tokens[s.cached:], together) for s in c.sessions)) for c in todo)
+            s.sid, s.cached, s.tokens[s.cached:], together, limit) for s in c.sessions)) for c in todo)
         return SchedulerOutput(step, tuple(c.cid for c in ended), admitted, together, prefill_groups=groups)
 
-    def prefill_groups(self, rows: Sequence[tuple[int, int, Sequence[int]]]) -> tuple[PrefillGroup, ...]:
+    def sizes(self, limit: int = 0) -> tuple[int, ...]:
+        """The prefill lengths, none over ``limit`` tokens (0: all)."""
+        sizes = self.spec.prefill_sizes
+        return tuple(n for n in sizes if n <= limit) or sizes[:1] if limit else sizes
+
+    def prefill_groups(self, rows: Sequence[tuple[int, int, Sequence[int]]],
+                       limit: int = 0) -> tuple[PrefillGroup, ...]:
         """The prompts of ``rows`` ((session, first slot, tokens)) that fit one chunk, prefilled in
         groups instead of one by one, where the runner's prefill program takes any rows
         (``grouping()``: the tokens one step holds; 0: none): longest first, in as few groups as
         the step's tokens allow and ``pipeline`` at least (one runs on a stage while another runs
-        on the next), each padded to the bucket of its longest. Two prompts at least, else none."""
-        budget, sizes = self.grouping(), self.spec.prefill_sizes
+        on the next), each padded to the bucket of its longest. Two prompts at least, else none.
+        ``limit``: the tokens a step holds at most (prompts prefilled while rows decode)."""
+        budget, sizes = self.grouping(), self.sizes(limit)
+        budget = min(budget, limit) if limit else budget
         fit = sorted((r for r in rows if 0 < len(r[2]) <= sizes[-1]), key=lambda r: -len(r[2]))
         if budget <= 0 or len(fit) < 2:
             return ()
@@ -261,10 +275,14 @@ class Scheduler:
         _, stages = self.flow()
         return chunking(n, self.spec.prefill_sizes, max(1, stages // max(1, together)))
 
-    def prefill(self, sid: int, start: int, tokens: Sequence[int], together: int = 1) -> Prefill:
-        """Session ``sid``'s ``tokens``, cached from slot ``start`` on, as prefill chunks."""
+    def prefill(self, sid: int, start: int, tokens: Sequence[int], together: int = 1,
+                limit: int = 0) -> Prefill:
+        """Session ``sid``'s ``tokens``, cached from slot ``start`` on, as prefill chunks; with a
+        ``limit``, chunks of at most that many tokens, one by one (no chunks sent at once)."""
         if not tokens:
             return Prefill(sid, ())
+        if limit:
+            return Prefill(sid, _chunks(sid, start, tokens, chunking(len(tokens), self.sizes(limit))))
         pipelined, _ = self.flow()
         cut = self.chunking(len(tokens), together)
         ahead = _chunks(sid, start, tokens, sorted(cut)) if pipelined and len(cut) > 1 else ()
