@@ -117,7 +117,7 @@ def test_a_general_program_past_the_budget_at_its_largest_step_says_which_op(mod
 
 
 def test_the_corners_of_the_shapes_served_are_within_every_bound() -> None:
-    assert Dims(64, 1, 32).corners() == [(32, 1)]          # NOTE: a decode program of fewer tokens: fewer rows
+    assert Dims(64, 1, 32).corners() == [(32, 1)]      # NOTE: a decode program of fewer tokens: fewer rows
     assert Dims(16, 256, 256).corners() == [(1, 256), (16, 16)]
     assert all(r * n <= d.tokens and r <= d.rows and n <= d.length
                for d in (Dims(64, 1, 32), Dims(16, 256, 256), Dims(8, 32, 64)) for r, n in d.corners())
