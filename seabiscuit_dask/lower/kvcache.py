@@ -123,6 +123,29 @@ class KVStore:
             self.caches[(model, new)] = layers
             return min(c.length for c in layers.values())
 
+    def fork(self, model: str, src: int, dst: int, keep: int) -> int:
+        """Session ``dst`` starts with a copy of session ``src``'s first ``keep`` slots, in every layer
+        held here (a prompt that shares that prefix: ``generation.prefix``); each counted through
+        ``reserve`` as any growth. Returns the slots copied (the least over layers; 0 for none here)."""
+        with self._lock:
+            layers = dict(self.caches.get((model, int(src))) or {})
+        out: dict[int, LayerCache] = {}
+        for i, c in layers.items():
+            n = min(c.length, max(0, int(keep)))
+            cap = max(n, -(-n // BLOCK_TOKENS) * BLOCK_TOKENS)
+            k = c.k.new_empty((c.k.shape[0], cap, c.k.shape[2]))
+            v = c.v.new_empty((c.v.shape[0], cap, c.v.shape[2]))
+            if self.reserve is not None:
+                self.reserve(k.numel() * k.element_size() + v.numel() * v.element_size(),
+                             f"the KV cache of session {dst} of model {model} (layer {i}), from {src}")
+            k[:, :n], v[:, :n] = c.k[:, :n], c.v[:, :n]
+            out[i] = LayerCache(k, v, n)
+        if not out:
+            return 0
+        with self._lock:
+            self.caches[(model, int(dst))] = out
+        return min(c.length for c in out.values())
+
     def write(self, model: str, session: int, layer: int, start: int, k: torch.Tensor,
               v: torch.Tensor, context: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Cache ``k``, ``v`` ((Hk, n, E)) at slots ``start..start+n-1``; returns all keys and values

@@ -476,18 +476,21 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
         return {"program": len(dep.programs), "version": dep.version}
 
     async def end_sessions(self, comm: Any = None, model: str = "", token: str = "",
-                           sessions: list[int] | None = None, renamed: Any = ()) -> int:
-        """Every worker frees the KV caches of ``sessions`` of ``model``, and renames those of
-        ``renamed`` ((old, new, slots kept) each); returns the bytes freed."""
+                           sessions: list[int] | None = None, renamed: Any = (), forked: Any = ()) -> int:
+        """Every worker frees the KV caches of ``sessions`` of ``model``, renames those of
+        ``renamed`` ((old, new, slots kept) each) and starts those of ``forked`` ((source, new,
+        slots) each) with a copy of another's first slots; returns the bytes freed."""
         self.state.authorized(access.check_model_id(model), token)
         ids = [int(s) for s in sessions or ()]
         moves = [[int(old), int(new), int(keep)] for old, new, keep in renamed or ()]
+        forks = [[int(src), int(dst), int(keep)] for src, dst, keep in forked or ()]
         timeout = seconds("runtime.probe-timeout")        # NOTE: a drop is quick; a hung worker waits
 
         async def one(addr: str) -> int:
             try:
                 return int(await asyncio.wait_for(self.scheduler.rpc(addr).seabiscuit_drop_sessions(
-                    model=model, sessions=ids, secret=self._worker_secret(addr), renamed=moves), timeout))
+                    model=model, sessions=ids, secret=self._worker_secret(addr), renamed=moves, forked=forks),
+                    timeout))
             except Exception as e:  # noqa: BLE001 - a worker gone took its caches with it
                 logger.info("seabiscuit: worker %s did not free sessions of %s: %s", addr, model, e)
                 return 0

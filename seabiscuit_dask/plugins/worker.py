@@ -234,15 +234,19 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
                 logger.info("seabiscuit: link to %s not probed: %s", peer, e)
 
     async def drop_sessions(self, comm: Any = None, model: str = "", sessions: list[int] | None = None,
-                            secret: str = "", renamed: Any = ()) -> int:
-        """Free the KV caches of ``sessions`` of ``model`` here, and rename the sessions of
-        ``renamed`` ((old, new, slots kept) each, ``KVStore.rename``); returns the bytes freed.
+                            secret: str = "", renamed: Any = (), forked: Any = ()) -> int:
+        """Free the KV caches of ``sessions`` of ``model`` here, rename the sessions of ``renamed``
+        ((old, new, slots kept) each, ``KVStore.rename``) and start those of ``forked`` with a copy
+        of another's first slots ((source, new, slots) each, ``KVStore.fork``, first of all);
+        returns the bytes freed.
         A worker that just started waits for its secret first (the scheduler asks every worker)."""
         await self._secret_known()
         if not access.same_token(self.secret, secret):
             raise AccessDenied(f"dropping sessions of model {model!r} on {self.worker.address} needs the "
                                "scheduler plugin's secret: end sessions through the model's client")
         model = access.check_model_id(model)
+        for src, dst, keep in forked or ():
+            self.resident.kv.fork(model, int(src), int(dst), int(keep))
         for old, new, keep in renamed or ():
             self.resident.kv.rename(model, int(old), int(new), int(keep))
         return self.resident.kv.drop(model, {int(s) for s in sessions or ()})

@@ -64,6 +64,10 @@ class _Live:
                                     labels=["model"])
         steps = GaugeMetricFamily("seabiscuit_steps", "generation steps run (prefill and decode)",
                                   labels=["model"])
+        hits = GaugeMetricFamily("seabiscuit_prefix_hits", "new sessions that started from a kept cache "
+                                 "(prefix caching)", labels=["model"])
+        reused = GaugeMetricFamily("seabiscuit_prefix_tokens", "prompt tokens not prefilled again: read "
+                                   "from a kept cache", labels=["model"])
         tokens = GaugeMetricFamily("seabiscuit_step_tokens", "tokens the generation steps computed, padding "
                                    "included (over seabiscuit_steps: tokens per step)", labels=["model"])
         kv = GaugeMetricFamily("seabiscuit_kv_cache_bytes", "KV-cache bytes held, per worker",
@@ -80,6 +84,8 @@ class _Live:
                     waiting.add_metric([m.name], float(figures["waiting"]))
                     steps.add_metric([m.name], float(figures["steps"]))
                     tokens.add_metric([m.name], float(figures["step_tokens"]))
+                    hits.add_metric([m.name], float(figures["prefix_hits"]))
+                    reused.add_metric([m.name], float(figures["prefix_tokens"]))
             clients[id(m.dm.client)] = m.dm.client
         for client in clients.values():
             try:
@@ -89,7 +95,7 @@ class _Live:
                 continue
             for worker, b in sorted(held.items()):
                 kv.add_metric([worker], float(b))
-        yield from (sessions, running, waiting, steps, tokens, kv)
+        yield from (sessions, running, waiting, steps, tokens, hits, reused, kv)
 
 
 def _kv_bytes(dask_worker: Any) -> int:

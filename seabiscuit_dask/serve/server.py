@@ -157,7 +157,9 @@ def deploy(item: Loaded, client: Any, *, sessions: int, context: int, budget: st
                              sessions=sessions or None)
         say(f"{item.name}: deployed in {time.perf_counter() - t0:.1f} s; building its step programs ...")
         t1 = time.perf_counter()
-        shapes = dm.warm()
+        caching = bool(config.get("serve.prefix-caching"))
+        with dask.config.set({"seabiscuit.generate.prefix-caching": caching}):
+            shapes = dm.warm()          # NOTE: the deployment's engine is made here, reading it
         say(f"{item.name}: {len(shapes)} step programs ({', '.join(shapes)}) built in "
             f"{time.perf_counter() - t1:.1f} s")
     else:

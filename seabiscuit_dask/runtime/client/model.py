@@ -244,6 +244,8 @@ class DistributedModel:
         padding included; ``tokens_per_step`` its mean), the sessions open, the KV room they count
         and what is free of it (``kv_tokens``, ``kv_tokens_free``: 0 where the deployment kept
         none), the calls running and waiting to start and the rows of calls waiting for room now,
+        the finished sessions' caches kept and the share of new sessions that reused one
+        (``prefix_kept``, ``prefix_hit_rate``; ``prefix_hits`` and ``prefix_tokens`` so far),
         and the step programs built: per program (a shape, or ``decode`` and ``prefill`` of any
         shape) its Dask tasks per step and what building it cost."""
         stats: dict[str, Any] = self._engine.stats.as_dict() if self._engine is not None else {}
@@ -251,7 +253,8 @@ class DistributedModel:
             table, load = self._engine.sessions, self._engine.load()
             stats.update(sessions_open=table.open, rows_queued=table.queued, kv_tokens=table.tokens,
                          kv_tokens_free=(table.max_tokens or 0) - table.tokens, running=load["running"],
-                         waiting=load["waiting"], tokens_per_step=load["tokens_per_step"])
+                         waiting=load["waiting"], tokens_per_step=load["tokens_per_step"],
+                         prefix_kept=load["prefix_kept"], prefix_hit_rate=load["prefix_hit_rate"])
         stats["programs"] = self._programs.stats()
         return stats
 
@@ -398,13 +401,15 @@ class DistributedModel:
         the steps of a decode loop after it."""
         self._sender.discard(handle)
 
-    def end_sessions(self, sessions: Any, renamed: Any = ()) -> None:
-        """Free the KV caches of ``sessions`` on every worker, and rename those of ``renamed``
-        ((old, new, slots kept) each, ``KVStore.rename``)."""
+    def end_sessions(self, sessions: Any, renamed: Any = (), forked: Any = ()) -> None:
+        """Free the KV caches of ``sessions`` on every worker, rename those of ``renamed`` ((old,
+        new, slots kept) each, ``KVStore.rename``) and start those of ``forked`` ((source, new,
+        slots) each, ``KVStore.fork``) with a copy of another's first slots."""
         if self.client.status == "running" and not self._plans.closed:
             self.client.sync(self.client.scheduler.seabiscuit_end_sessions, model=self.model_id,
                              token=self._token, sessions=[int(s) for s in sessions],
-                             renamed=[[int(o), int(n), int(k)] for o, n, k in renamed])
+                             renamed=[[int(o), int(n), int(k)] for o, n, k in renamed],
+                             forked=[[int(o), int(n), int(k)] for o, n, k in forked])
 
     def recover(self, error: BaseException) -> None:
         """After a worker loss in a step: take the plan the scheduler holds now (the event that

@@ -11,6 +11,7 @@ A call admitted while others decode joins them at the next step.
 from __future__ import annotations
 
 import atexit
+import logging
 import threading
 import time
 import weakref
@@ -26,10 +27,13 @@ from .executor import EngineStats, Executor, Result
 from .inputs import step_inputs
 from .kv import KVLedger
 from .output import SchedulerOutput
+from .prefix import PrefixCache
 from .runner import Runner
 from .sampling import Sampling, picked
 from .scheduler import Scheduler, SchedulerSpec
 from .sessions import Call, Session, SessionTable, after_turn
+
+logger = logging.getLogger(__name__)
 
 IDLE_EXIT_S = 2.0    # NOTE: how long the engine's thread waits for work before it ends
 EXIT_JOIN_S = 5.0    # NOTE: how long the interpreter's exit waits for the engines' threads, in all
@@ -50,6 +54,10 @@ class Engine:
                                      int(config.get("generate.max-rows")))
         self.queue_timeout_s = seconds("generate.queue-timeout")
         self.kv = KVLedger(runner, context, name)
+        # NOTE: finished sessions' caches kept for prompts that begin as theirs did, where the room
+        # is counted in tokens (it bounds what is kept)
+        self.prefixes = PrefixCache() if self.sessions.max_tokens and config.get("generate.prefix-caching") \
+            else None
         self.spec = SchedulerSpec.from_config(max_chunk=max_chunk, chains_steps=runner.chains_steps)
         self.scheduler = Scheduler(self.spec, self._flow, lambda: int(runner.group_tokens))
         self.stats = EngineStats()
@@ -83,13 +91,18 @@ class Engine:
 
     def load(self) -> dict[str, float]:
         """What the engine holds now and did so far: calls running and waiting to start, steps and
-        the tokens they computed (figures of a moment, read without the lock)."""
-        st = self.stats
+        the tokens they computed, kept caches and the prompts that reused one (figures of a moment,
+        read without the lock)."""
+        st, prefixes = self.stats, self.prefixes
         steps = st.prefill_steps + st.decode_steps
+        lookups = prefixes.lookups if prefixes is not None else 0
         return {"running": len(self.scheduler.running) + len(self.scheduler.prefilling),
                 "waiting": len(self.scheduler.waiting) + len(self.sessions.queue),
                 "steps": steps, "step_tokens": st.step_tokens,
-                "tokens_per_step": st.step_tokens / steps if steps else 0.0}
+                "tokens_per_step": st.step_tokens / steps if steps else 0.0,
+                "prefix_kept": len(prefixes) if prefixes is not None else 0,
+                "prefix_hits": st.prefix_hits, "prefix_tokens": st.prefix_tokens,
+                "prefix_hit_rate": st.prefix_hits / lookups if lookups else 0.0}
 
     @property
     def context(self) -> int | None:
@@ -123,9 +136,11 @@ class Engine:
             room = self.sessions.room([len(p) + max_new for p in prompts])
             self.sessions.check_rows(len(prompts), room)
             with self._cond:
+                self._make_room(len(prompts), room)
                 self.sessions.wait(len(prompts), self._cond, self.queue_timeout_s, lambda: self._closed, room)
             call = self.sessions.call(prompts, max_new, sampling, eos, pad)
             call.room = room
+            self._reuse(call)
         else:
             for s in sessions:
                 after_turn(s, self.name)
@@ -140,9 +155,61 @@ class Engine:
             self._start_thread()
         return call
 
+    def _make_room(self, rows: int, room: int) -> None:
+        """Let go of kept caches, oldest first, until a call of ``rows`` sessions and ``room`` KV
+        tokens fits (lock held); their frees go from the engine's thread."""
+        while self.prefixes is not None and not self.sessions.fits(rows, room):
+            gone = self.prefixes.evict()
+            if gone is None:
+                return
+            self.sessions.tokens -= gone[1]
+            self.kv.drop_later(gone[0])
+            self._cond.notify()
+            self._start_thread()
+
+    def _reuse(self, call: Call) -> None:
+        """Start each new session of ``call`` whose prompt begins as a kept cache's tokens did with a
+        copy of those slots: only the rest is prefilled (``prefix``)."""
+        if self.prefixes is None:
+            return
+        with self._cond:
+            hits = [(s, self.prefixes.match(s.tokens)) for s in call.sessions]
+        forks = [(h[0], s.sid, h[1]) for s, h in hits if h is not None]
+        if not forks:
+            return
+        try:
+            self.kv.fork(forks)
+            for s, h in hits:
+                if h is not None:
+                    s.cached = h[1]
+            self.stats.prefix_hits += len(forks)
+            self.stats.prefix_tokens += sum(n for _, _, n in forks)
+        except Exception as e:  # noqa: BLE001 - the prompts are prefilled whole instead
+            logger.warning("%s: kept caches not copied (%s); the prompts are prefilled whole", self.name, e)
+        finally:
+            with self._cond:
+                for src, _, _ in forks:
+                    self.prefixes.unpin(src)
+
+    def _keep(self, call: Call, freed: list[int]) -> list[int]:
+        """The sessions of ``freed`` (a finished call's) whose caches are let go: the others are kept
+        for prompts that begin as theirs (``prefix``), where the room has space and no call waits."""
+        if self.prefixes is None or call.keep:
+            return freed
+        kept = set()
+        with self._cond:
+            for s in call.sessions:
+                room = self.sessions.room([s.cached])
+                if s.sid in freed and not self.sessions.queue and self.sessions.fits(0, room) \
+                        and self.prefixes.keep(s.sid, s.tokens[:s.cached], room):
+                    self.sessions.tokens += room
+                    kept.add(s.sid)
+        return [sid for sid in freed if sid not in kept]
+
     def open_session(self) -> Session:
         """A session kept across calls (``DistributedModel.session``); counted until ``close_session``."""
         with self._cond:
+            self._make_room(1, self.sessions.kept_room)
             return self.sessions.keep()
 
     def close_session(self, session: Session, wait: bool = True) -> None:
@@ -360,6 +427,8 @@ class Engine:
                 self.sessions.release(len(call.sessions), call.room)
                 self._cond.notify_all()         # NOTE: calls waiting for room
         freed = [s.sid for s in call.sessions if not call.keep or s.closed]    # NOTE: closed as it ran
+        if error is None and not call.cancelled:        # NOTE: a caller that hung up will not resend
+            freed = self._keep(call, freed)
         moved: list[tuple[int, int, int]] = []
         if call.keep:
             # NOTE: a turn its caller stopped, or one whose decode loop may have run on past its EOS

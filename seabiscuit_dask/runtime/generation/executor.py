@@ -47,6 +47,8 @@ class EngineStats:
     decode_s: float = 0.0
     prefill_s: float = 0.0
     prefill_groups: int = 0       # steps that prefilled several prompts together (``PrefillGroup``)
+    prefix_hits: int = 0          # new sessions that started from a kept cache (``prefix``)
+    prefix_tokens: int = 0        # and the tokens they did not prefill again
     step_tokens: int = 0          # tokens the steps computed, padding included (rows x length each)
 
     def as_dict(self) -> dict[str, float]:

@@ -62,6 +62,11 @@ class KVLedger:
         out, self._dropped = self._dropped, []
         return out
 
+    def fork(self, forks: Sequence[Renamed]) -> None:
+        """Start each new session of ``forks`` ((source, new, slots) each) with a copy of the
+        source's first slots on every worker (``KVStore.fork``); a failure is raised."""
+        self.runner.end_sessions([], (), forks)
+
     def end(self, sids: Sequence[int]) -> None:
         """Free the caches of ``sids`` everywhere now; a failure is raised."""
         self.runner.end_sessions(sids)

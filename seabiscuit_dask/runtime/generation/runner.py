@@ -75,9 +75,11 @@ class Runner(Protocol):
         """Submit one prefill chunk of one session; ``follows``: the chunk before it, which may
         still run (the runner orders their cache writes)."""
 
-    def end_sessions(self, sessions: Sequence[int], renamed: Sequence[tuple[int, int, int]] = ()) -> None:
-        """Free the cache of ``sessions`` everywhere, and rename those of ``renamed`` ((old, new,
-        slots kept) each, ``KVStore.rename``)."""
+    def end_sessions(self, sessions: Sequence[int], renamed: Sequence[tuple[int, int, int]] = (),
+                     forked: Sequence[tuple[int, int, int]] = ()) -> None:
+        """Free the cache of ``sessions`` everywhere, rename those of ``renamed`` ((old, new, slots
+        kept) each, ``KVStore.rename``), and start those of ``forked`` ((source, new, slots) each,
+        ``KVStore.fork``) with a copy of another's first slots."""
 
     def recover(self, error: BaseException) -> None:
         """Return once a step may be tried again after ``error`` (a worker loss), else raise."""
@@ -132,7 +134,10 @@ class LocalRunner:
     def submit_chunk(self, length: int, feed: StepFeed, follows: Handle = None) -> Handle:
         return self.run_step(1, length, feed)
 
-    def end_sessions(self, sessions: Sequence[int], renamed: Sequence[tuple[int, int, int]] = ()) -> None:
+    def end_sessions(self, sessions: Sequence[int], renamed: Sequence[tuple[int, int, int]] = (),
+                     forked: Sequence[tuple[int, int, int]] = ()) -> None:
+        for src, dst, keep in forked:
+            self.store.fork("local", src, dst, keep)
         for old, new, keep in renamed:
             self.store.rename("local", old, new, keep)
         self.store.drop("local", set(sessions))
