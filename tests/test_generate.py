@@ -511,7 +511,8 @@ def test_limits_are_clear_errors() -> None:
     model = decoder("llama")
     engine = Engine(LocalRunner(model, "64KiB"), max_sessions=2, context=32)
     args = GenerateArgs.make(model.generation_config, 4, max_new_tokens=4)
-    with pytest.raises(BadInput, match="serves at most 2") as never:      # it can never fit
+    with pytest.raises(BadInput, match="3 sessions fill 96 KV tokens and the deployment kept room for 64") \
+            as never:                                                    # it can never fit
         engine.submit([[5, 6]] * 3, 4, args.sampling, args.eos, args.pad)
     assert not isinstance(never.value, Busy)
     held = [engine.open_session(), engine.open_session()]
