@@ -252,7 +252,7 @@ def test_prompts_that_fit_a_chunk_are_prefilled_together_within_the_step_tokens(
     at once go in 2 groups side by side (the pipeline), longest first, each padded to the bucket
     of its longest and within the step's tokens; a prompt longer than a chunk goes alone."""
     table = SessionTable(8, "m")
-    scheduler = Scheduler(SPEC, grouping=lambda: 128)
+    scheduler = Scheduler(SPEC, grouping=lambda: (128, 8))
     lengths = [5, 30, 12, 20, 9, 3]
     calls = [call(table, [i + 1] * n) for i, n in enumerate(lengths)] + [call(table, [9] * 100)]
     for c in calls:
@@ -270,12 +270,12 @@ def test_prompts_that_fit_a_chunk_are_prefilled_together_within_the_step_tokens(
 
 def test_more_prompts_than_a_step_holds_make_more_groups_and_one_alone_is_not_grouped() -> None:
     table = SessionTable(16, "m")
-    scheduler = Scheduler(SPEC, grouping=lambda: 64)
+    scheduler = Scheduler(SPEC, grouping=lambda: (64, 8))
     for n in [16] * 10:
         scheduler.add(call(table, [1] * n))
     groups = scheduler.schedule().prefill_groups
     assert [len(g.rows) for g in groups] == [4, 4, 2] and all(g.tokens <= 64 for g in groups)
-    alone = Scheduler(SPEC, grouping=lambda: 64)
+    alone = Scheduler(SPEC, grouping=lambda: (64, 8))
     alone.add(call(table, [1] * 10))
     assert alone.schedule().prefill_groups == ()
     none = Scheduler(SPEC)          # NOTE: a runner whose prefill programs are built per shape
@@ -378,7 +378,7 @@ def test_prompts_admitted_while_rows_decode_go_in_steps_of_the_bound_one_by_one(
     """``overlap_tokens`` 32: a prompt admitted while a row decodes is cut into chunks of 32 tokens
     at most, none sent ahead, and no group passes 32 tokens; with no row decoding, as before."""
     spec = dataclasses.replace(SPEC, overlap=True, overlap_tokens=32)
-    table, scheduler = SessionTable(8, "m"), Scheduler(spec, grouping=lambda: 128)
+    table, scheduler = SessionTable(8, "m"), Scheduler(spec, grouping=lambda: (128, 8))
     first = call(table, [1] * 6)
     scheduler.add(first)
     out = scheduler.schedule()
@@ -392,6 +392,7 @@ def test_prompts_admitted_while_rows_decode_go_in_steps_of_the_bound_one_by_one(
     assert [c.length for c in prefills[long.sessions[0].sid].chunks] == [32, 32, 16]
     assert not prefills[long.sessions[0].sid].ahead and out.decodes
     assert all(g.tokens <= 32 for g in out.prefill_groups)
-    unbounded = Scheduler(dataclasses.replace(SPEC, overlap=True, overlap_tokens=32), grouping=lambda: 128)
+    unbounded = Scheduler(dataclasses.replace(SPEC, overlap=True, overlap_tokens=32),
+                          grouping=lambda: (128, 8))
     unbounded.add(call(table, [4] * 70))
     assert [c.length for c in unbounded.schedule().admitted[0].prefills[0].chunks] == [64, 16]

@@ -53,7 +53,8 @@ class Dims:
     def corners(self) -> list[tuple[int, int]]:
         """The shapes where each size it serves is largest (a size grows with rows, length or
         their product, so its largest value over the shapes served is at one of these)."""
-        wide = (max(1, min(self.rows, self.tokens // self.length)), self.length)
+        length = min(self.length, self.tokens)
+        wide = (max(1, min(self.rows, self.tokens // length)), length)
         rows = min(self.rows, self.tokens)
         tall = (rows, max(1, min(self.length, self.tokens // rows)))
         return sorted({wide, tall})
@@ -197,10 +198,11 @@ def at_shape(graph: OpGraph, rows: int, length: int) -> OpGraph:
     return OpGraph(ops, tensors, graph.params, graph.inputs, graph.outputs, graph.meta, graph.tilings)
 
 
-def over_budget(graph: OpGraph, traced: OpGraph, budget: int, dims: Dims) -> list[str]:
+def over_budget(graph: OpGraph, traced: OpGraph, budget: int, dims: Dims) -> list[tuple[str, int, int, int]]:
     """The micro-ops of general program ``graph`` whose working set passes ``budget`` at some
     shape ``dims`` covers (at one of its corners) while it fits at a shape it was ``traced`` at
-    (an op no cut brings under the budget is the decomposition's to refuse), with their sizes."""
+    (an op no cut brings under the budget is the decomposition's to refuse): (name, bytes, rows,
+    length) each."""
     fit = {op.name for op in traced.ops if traced.working_set(op) <= budget}
     out = []
     for rows, length in dims.corners():
@@ -208,7 +210,7 @@ def over_budget(graph: OpGraph, traced: OpGraph, budget: int, dims: Dims) -> lis
         for op in shaped.ops:
             ws = shaped.working_set(op)
             if ws > budget and op.name in fit:
-                out.append(f"{op.name} ({ws} bytes at {rows}x{length})")
+                out.append((op.name, ws, rows, length))
     return out
 
 

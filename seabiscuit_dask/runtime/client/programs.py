@@ -192,10 +192,10 @@ class ProgramCache:
         with self._build:
             self.dims = {True: decode, False: prefill}
 
-    def group_tokens(self) -> int:
-        """Tokens the general prefill program serves a step, once built; else 0."""
+    def group_tokens(self) -> tuple[int, int]:
+        """(tokens, rows) the general prefill program serves a step, once built; else (0, 0)."""
         dims = self.dims.get(False)
-        return dims.tokens if dims is not None and self.kinds.get(False) is not None else 0
+        return (dims.tokens, dims.rows) if dims is not None and self.kinds.get(False) is not None else (0, 0)
 
     def _kind(self, batch: int, length: int) -> StepProgram | None:
         """The general program that serves this shape, built on first use (lock held); None where
@@ -230,10 +230,14 @@ class ProgramCache:
             over = over_budget(graph, a, budget, dims)
             if not over:
                 return graph
-            fewer = Dims(dims.rows, dims.length, dims.tokens // 2)
-            if fewer.tokens < max(bt[0] * bt[1], dims.length):
-                raise NotGeneral(f"{len(over)} micro-op(s) pass the budget at a shape it serves, "
-                                 f"{over[0]} first")
+            # NOTE: fewer rows where a size of rows alone passes it (a tall step), else fewer tokens
+            name, size, rows, length = over[0]
+            tall = rows > 1 and length < dims.length
+            fewer = Dims(max(1, dims.rows // 2), dims.length, dims.tokens) if tall \
+                else Dims(dims.rows, dims.length, dims.tokens // 2)
+            if fewer.tokens < bt[0] * bt[1] or fewer.rows < bt[0] or fewer == dims:
+                raise NotGeneral(f"{len(over)} micro-op(s) pass the budget at a shape it serves, {name} "
+                                 f"first ({size} bytes at {rows}x{length})")
             dims = fewer
 
     def _trace_step(self, batch: int, length: int) -> Any:

@@ -44,9 +44,9 @@ class Runner(Protocol):
         """The workers a pipelined prompt's chunks flow through, one after another."""
 
     @property
-    def group_tokens(self) -> int:
-        """Tokens a prefill step of several prompts may hold with no program built for it (0: the
-        scheduler prefills prompts one by one)."""
+    def group_tokens(self) -> tuple[int, int]:
+        """(tokens, rows) a prefill step of several prompts may hold with no program built for it
+        (0 tokens: the scheduler prefills prompts one by one)."""
 
     def prepare(self, batch: int, length: int) -> Any:
         """Build the step program of this shape now, so step times leave its one-off cost out; it is
@@ -93,7 +93,7 @@ class LocalRunner:
     chains_steps = False
     pipelines_prefill = False
     prefill_stages = 1
-    group_tokens = 0
+    group_tokens = (0, 0)
 
     def __init__(self, model: Any, budget: int | str | None = None) -> None:
         self.model = model

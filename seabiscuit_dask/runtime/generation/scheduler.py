@@ -145,7 +145,7 @@ class Scheduler:
     at once, and through how many stages they flow (read each time: the plan may change)."""
 
     def __init__(self, spec: SchedulerSpec, flow: PrefillFlow = one_by_one,
-                 grouping: Callable[[], int] = lambda: 0) -> None:
+                 grouping: Callable[[], tuple[int, int]] = lambda: (0, 0)) -> None:
         self.spec = spec
         self.flow = flow
         self.grouping = grouping
@@ -225,16 +225,16 @@ class Scheduler:
                        limit: int = 0) -> tuple[PrefillGroup, ...]:
         """The prompts of ``rows`` ((session, first slot, tokens)) that fit one chunk, prefilled in
         groups instead of one by one, where the runner's prefill program takes any rows
-        (``grouping()``: the tokens one step holds; 0: none): longest first, in as few groups as
-        the step's tokens allow and ``pipeline`` at least (one runs on a stage while another runs
-        on the next), each padded to the bucket of its longest. Two prompts at least, else none.
+        (``grouping()``: the tokens and rows one step holds; 0 tokens: none): longest first, in as
+        few groups as the step's tokens allow and ``pipeline`` at least (one runs on a stage while
+        another runs on the next), each padded to the bucket of its longest. Two prompts at least, else none.
         ``limit``: the tokens a step holds at most (prompts prefilled while rows decode)."""
-        budget, sizes = self.grouping(), self.sizes(limit)
+        (budget, most), sizes = self.grouping(), self.sizes(limit)
         budget = min(budget, limit) if limit else budget
         fit = sorted((r for r in rows if 0 < len(r[2]) <= sizes[-1]), key=lambda r: -len(r[2]))
         if budget <= 0 or len(fit) < 2:
             return ()
-        top = self.spec.batch_sizes[-1]
+        top = min(most, self.spec.batch_sizes[-1])
         n = min(self.spec.pipeline, len(fit))
         while True:
             size = -(-len(fit) // n)
