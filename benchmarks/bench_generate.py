@@ -469,7 +469,7 @@ def main() -> None:
         * (model.config.hidden_size // model.config.num_attention_heads) * 4
     held = sum(kv.values()) / 2**20
     print(f"KV cache per session          {per_token / 1024:.1f} KiB per token; {held:.2f} "
-          f"MiB held for a session of {cached} tokens (grown in 16-token steps)")
+          f"MiB held for a session of {cached} tokens (grown a block of 32 tokens at a time)")
     print("step programs (built once)    " + ", ".join(
         f"{k}: {v['build_s']:.1f} s" for k, v in stats["programs"].items())
         + f"; first call with new shapes {first_build_s:.1f} s")
