@@ -153,7 +153,7 @@ def generalize(a: OpGraph, at: tuple[int, int], b: OpGraph, bt: tuple[int, int],
     if len(shapes) != len(a.tensors):
         raise NotGeneral("a tensor of the step has another rank at another shape")
     corner = max(dims.corners(), key=lambda c: sum(
-        _bytes(a.tensors[n].dtype, [d if isinstance(d, int) else value(d, *c) for d in s])
+        TensorSpec(tuple(d if isinstance(d, int) else value(d, *c) for d in s), a.tensors[n].dtype).nbytes
         for n, s in shapes.items()))
     tensors = {n: TensorSpec(tuple(d if isinstance(d, int) else value(d, *corner) for d in s),
                              a.tensors[n].dtype) for n, s in shapes.items()}
@@ -166,13 +166,6 @@ def generalize(a: OpGraph, at: tuple[int, int], b: OpGraph, bt: tuple[int, int],
 
 def _largest(dims: Dims) -> tuple[int, int]:
     return max(dims.corners(), key=lambda c: c[0] * c[1])
-
-
-def _bytes(dtype: str, shape: list[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= max(0, int(d))
-    return n * TensorSpec((), dtype).nbytes
 
 
 def resolved(attrs: Any, rows: int, length: int) -> Any:

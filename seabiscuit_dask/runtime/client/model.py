@@ -338,10 +338,10 @@ class DistributedModel:
         return max(1, len({s.address for s in self.specs if s.ops}))
 
     @property
-    def group_tokens(self) -> tuple[int, int]:
+    def prefill_room(self) -> tuple[int, int]:
         """(tokens, rows) a prefill step of several prompts may hold: those the general prefill
         program serves once it is built (``lower.dims``); 0 before, or where steps are built per shape."""
-        return self._programs.group_tokens()
+        return self._programs.prefill_room()
 
     def prepare(self, batch: int, length: int) -> StepProgram:
         """Build the step program of this shape (if not yet) before a step is timed; it is returned

@@ -192,7 +192,7 @@ class ProgramCache:
         with self._build:
             self.dims = {True: decode, False: prefill}
 
-    def group_tokens(self) -> tuple[int, int]:
+    def prefill_room(self) -> tuple[int, int]:
         """(tokens, rows) the general prefill program serves a step, once built; else (0, 0)."""
         dims = self.dims.get(False)
         return (dims.tokens, dims.rows) if dims is not None and self.kinds.get(False) is not None else (0, 0)

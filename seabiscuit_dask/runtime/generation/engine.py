@@ -59,7 +59,7 @@ class Engine:
         self.prefixes = PrefixCache() if self.sessions.max_tokens and config.get("generate.prefix-caching") \
             else None
         self.spec = SchedulerSpec.from_config(max_chunk=max_chunk, chains_steps=runner.chains_steps)
-        self.scheduler = Scheduler(self.spec, self._flow, lambda: runner.group_tokens)
+        self.scheduler = Scheduler(self.spec, self._flow, lambda: runner.prefill_room)
         self.stats = EngineStats()
         self.executor = Executor(runner, self.scheduler.replay, self.stats, self.spec.pipeline)
         self._cond = threading.Condition()

@@ -44,7 +44,7 @@ class Runner(Protocol):
         """The workers a pipelined prompt's chunks flow through, one after another."""
 
     @property
-    def group_tokens(self) -> tuple[int, int]:
+    def prefill_room(self) -> tuple[int, int]:
         """(tokens, rows) a prefill step of several prompts may hold with no program built for it
         (0 tokens: the scheduler prefills prompts one by one)."""
 
@@ -93,7 +93,7 @@ class LocalRunner:
     chains_steps = False
     pipelines_prefill = False
     prefill_stages = 1
-    group_tokens = (0, 0)
+    prefill_room = (0, 0)
 
     def __init__(self, model: Any, budget: int | str | None = None) -> None:
         self.model = model

@@ -173,7 +173,7 @@ class SessionTable:
     def keep(self) -> Session:
         """A session kept across calls, counted open (a whole context of KV room) until it is closed
         (lock held)."""
-        room = self.context if self.max_tokens and self.context else 0
+        room = self.kept_room
         if not self.fits(1, room):
             raise Busy(f"{self.name} has {self.open} session(s) open; the limit is {self.max_rows} "
                        f"(seabiscuit.generate.max-sessions){self._counted()}")
