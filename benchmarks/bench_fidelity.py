@@ -4,10 +4,12 @@ For each (model, cluster) configuration, a LocalCluster of worker processes x 1 
 whose budgets force the model across workers where asked; ``distribute`` measures
 the cluster (``measure_cluster``: agents' speeds, Dask's per-task, hop, submit and
 gather costs, the link matrix), places and deploys. Printed per configuration, medians
-over --reps requests after a warm-up:
+over --reps requests after a warm-up, each the median of --rounds fresh deployments:
 
 - tasks per request (blocks) and the devices the plan uses;
-- predicted latency: the plan's simulated makespan with the measured costs;
+- predicted latency: the plan's simulated makespan with the measured costs (the agents' speeds
+  and what the block runtime spends per op and per view; a request's submit and gather as a
+  caller's round trip of tensors through the client's event loop; a hop between workers);
 - the same after the worker-side block timings of the warm-up taught the scheduler
   its per-(op class, worker) scales (``dm.predicted_s()``);
 - measured latency, and the error of each prediction.
@@ -17,7 +19,8 @@ Then, for one configuration, the learner's block-time prediction error after 1, 
 test's two plans on hosts joined by a slow link; with --slowdown, a busy loop pinned
 to one worker's core until the scheduler repairs the plan.
 
-    python benchmarks/bench_fidelity.py [--reps 7] [--only tiny-1,gpt2m-2] [--slow-links] [--slowdown]
+    python benchmarks/bench_fidelity.py [--reps 7] [--rounds 3] [--only tiny-1,gpt2m-2]
+        [--slow-links] [--slowdown]
 """
 
 from __future__ import annotations
@@ -267,6 +270,7 @@ def slowdown(reps: int, budget: str, hogs: int = 3) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--rounds", type=int, default=3, help="deployments per configuration (medians printed)")
     ap.add_argument("--budget", default="16MiB")
     ap.add_argument("--only", default="", help="comma-separated configuration names")
     ap.add_argument("--no-curve", action="store_true", help="skip the learning curve")
@@ -277,9 +281,14 @@ def main() -> None:
     chosen = [c for c in CONFIGS if not args.only or c.name in args.only.split(",")]
     rows = []
     for cfg in chosen:
-        rows.append(run_config(cfg, args.reps, args.budget))
-        r = rows[-1]
-        print(f"{r['name']}: {r['dask']}", flush=True)
+        rounds = []
+        for _ in range(args.rounds):      # NOTE: fresh deployments: each measures its cluster anew
+            rounds.append(run_config(cfg, args.reps, args.budget))
+            r = rounds[-1]
+            print(f"{cfg.name}: {r['dask']}; predicted {r['predicted'] * 1e3:.2f} ms, "
+                  f"learned {r['learned'] * 1e3:.2f} ms, measured {r['measured'] * 1e3:.2f} ms", flush=True)
+        rows.append({**rounds[0], **{k: statistics.median(r[k] for r in rounds)
+                                     for k in ("predicted", "learned", "measured")}})
     print(f"\n{'configuration':<12} {'workers':>7} {'devices':>7} {'tasks':>6} {'predicted ms':>13} "
           f"{'learned ms':>11} {'measured ms':>12} {'error':>7} {'learned err':>12}")
     for r in rows:

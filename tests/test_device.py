@@ -58,7 +58,7 @@ def one_gpu_worker(client) -> Iterator[str]:
     address, p = sorted(plugins(client).items())[0]
     report, host = p.report, p.resident.host_budget_bytes
     speeds = {k: report[k] for k in ("matmul_flops_per_s", "other_flops_per_s", "mem_bytes_per_s",
-                                     "op_overhead_s")}
+                                     "op_overhead_s", "view_overhead_s")}
     p.report = {**report, "device": "cuda", "as_cpu": speeds}
     p.resident.host_budget_bytes = HOST_BUDGET
     try:

@@ -144,6 +144,27 @@ def test_roofline_time_per_op_and_device():
     assert t[1, 0] == pytest.approx(max(1e9 / 1e12, 8 * 1024 / 1e9) + 1e-5)
 
 
+def test_a_view_costs_its_dispatch_not_a_kernel():
+    """A view launches no kernel, but the block runtime still calls it: each costs the device's
+    ``view_overhead_s`` (measured by its agent), not its roofline and not nothing; the figure
+    survives the spec's dict round trip and a negative one is refused."""
+    import torch
+
+    g = sb.trace(torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Flatten(0)), (torch.randn(4, 16),))
+    w = workload(g)
+    views = [i for i, op in enumerate(g.ops) if op.kind == "view"]
+    assert views and not w.is_view.all()
+    dev = DeviceSpec("cpu", "cpu", 2**30, {"matmul": 1e11, "other": 1e10}, 1e10, 4e-6, view_overhead_s=2e-6)
+    t = w.device_times(dev)
+    assert (t[views] == 2e-6).all()
+    assert (t[~w.is_view] >= 4e-6).all()
+    free = w.device_times(DeviceSpec("cpu", "cpu", 2**30, {"matmul": 1e11, "other": 1e10}, 1e10, 4e-6))
+    assert (free[views] == 0).all() and (free[~w.is_view] == t[~w.is_view]).all()
+    assert DeviceSpec.from_dict(dev.to_dict()) == dev
+    with pytest.raises(BadClusterSpec, match="view_overhead_s must be >= 0"):
+        DeviceSpec("cpu", "cpu", 2**30, {"matmul": 1e11, "other": 1e10}, 1e10, view_overhead_s=-1.0)
+
+
 def test_a_lookup_streams_the_rows_it_gathers_not_its_table():
     """An embedding of a 32 MiB table read for 4 tokens moves kilobytes: its time is no
     more than a small op's, so a stage holding it is not judged busy by its table."""

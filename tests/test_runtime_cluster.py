@@ -305,6 +305,8 @@ def test_cluster_spec_from_client_reports_the_workers(client) -> None:
     assert {d.address for d in spec.devices} == set(workers)
     assert all(d.memory_bytes == WORKER_BUDGET for d in spec.devices)
     assert all(d.kind == "cpu" and d.flops_per_s["matmul"] > 1e8 for d in spec.devices)
+    # What the block runtime spends on a tiny op and on a view, measured through a block program.
+    assert all(d.op_overhead_s > 0 and d.view_overhead_s > 0 for d in spec.devices)
     assert len(spec.groups) == 1                           # one host
     link = spec.links["pcie"]
     assert 0 < link.latency_s < 1 and link.bandwidth_bytes_per_s > 1e6     # measured, not the defaults

@@ -15,6 +15,7 @@ YAML schema (``ClusterSpec.from_yaml``)::
         flops_per_s: {matmul: 1.0e14, other: 1.5e13}
         mem_bytes_per_s: 9.0e11          # memory bandwidth
         op_overhead_s: 8.0e-6            # fixed cost per micro-op (kernel launch)
+        view_overhead_s: 2.0e-6          # cost of a view or reshape (no kernel, still dispatched)
         host: server0
         rack: rack0
     links:                               # topology tree, bytes/s and seconds
@@ -162,6 +163,7 @@ class DeviceSpec:
     flops_per_s: Mapping[str, float]
     mem_bytes_per_s: float
     op_overhead_s: float = 0.0
+    view_overhead_s: float = 0.0      # a view's dispatch: no kernel, but the runtime still calls it
     host: str = "host0"
     rack: str = "rack0"
     address: str = ""                 # the Dask worker's address, for a cluster seen from a Client
@@ -185,9 +187,9 @@ class DeviceSpec:
         if not self.mem_bytes_per_s > 0:
             raise BadClusterSpec(f"device {self.name!r}: mem_bytes_per_s must be > 0, "
                                  f"got {self.mem_bytes_per_s}")
-        if not self.op_overhead_s >= 0:
-            raise BadClusterSpec(f"device {self.name!r}: op_overhead_s must be >= 0, "
-                                 f"got {self.op_overhead_s}")
+        for what in ("op_overhead_s", "view_overhead_s"):
+            if not getattr(self, what) >= 0:
+                raise BadClusterSpec(f"device {self.name!r}: {what} must be >= 0, got {getattr(self, what)}")
         object.__setattr__(self, "flops_per_s", {c: float(v) for c, v in self.flops_per_s.items()})
         bad = {c: v for c, v in dict(self.scale).items()
                if c not in OP_CLASSES or not 0 < float(v) < math.inf}
@@ -209,6 +211,7 @@ class DeviceSpec:
         return {"name": self.name, "kind": self.kind, "memory": self.memory_bytes,
                 "flops_per_s": dict(self.flops_per_s), "mem_bytes_per_s": self.mem_bytes_per_s,
                 "op_overhead_s": self.op_overhead_s, "host": self.host, "rack": self.rack,
+                **({"view_overhead_s": self.view_overhead_s} if self.view_overhead_s else {}),
                 **({"address": self.address} if self.address else {}),
                 **({"scale": dict(self.scale)} if self.scale else {})}
 
@@ -224,7 +227,7 @@ class DeviceSpec:
             base = PROFILES[profile].to_dict()
         base.update(d)
         unknown = set(base) - {"name", "kind", "memory", "flops_per_s", "mem_bytes_per_s",
-                               "op_overhead_s", "host", "rack", "address", "scale"}
+                               "op_overhead_s", "view_overhead_s", "host", "rack", "address", "scale"}
         if unknown:
             raise BadClusterSpec(f"device {base.get('name')!r}: unknown fields {sorted(unknown)}")
         need = [k for k in ("name", "kind", "memory", "flops_per_s", "mem_bytes_per_s") if k not in base]
@@ -237,6 +240,7 @@ class DeviceSpec:
                        flops_per_s={k: float(v) for k, v in dict(base["flops_per_s"]).items()},
                        mem_bytes_per_s=float(base["mem_bytes_per_s"]),
                        op_overhead_s=float(base.get("op_overhead_s", 0.0)),
+                       view_overhead_s=float(base.get("view_overhead_s", 0.0)),
                        host=str(base.get("host", "host0")), rack=str(base.get("rack", "rack0")),
                        address=str(base.get("address", "")),
                        scale={k: float(v) for k, v in dict(base.get("scale") or {}).items()})

@@ -156,7 +156,8 @@ def check_spec(spec: ClusterSpec) -> ClusterSpec:
                                  "memory it has")
         speeds = {f"flops_per_s[{c!r}]": v for c, v in d.flops_per_s.items()}
         _finite(f"device {d.name!r}", {**speeds, "mem_bytes_per_s": d.mem_bytes_per_s,
-                                       "op_overhead_s": d.op_overhead_s})
+                                       "op_overhead_s": d.op_overhead_s,
+                                       "view_overhead_s": d.view_overhead_s})
     for level, link in spec.links.items():
         _finite(f"link {level!r}", {"bandwidth": link.bandwidth_bytes_per_s, "latency": link.latency_s})
     for what, m in zip(("bandwidth", "latency"), spec.matrix or ()):

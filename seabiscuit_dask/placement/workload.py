@@ -96,7 +96,8 @@ class Workload:
         Time = max(flops / the device's flops/s for the op's class, bytes streamed /
         memory bandwidth) + the device's per-op overhead, times the device's learned
         ``scale`` for the op's class. Views and slices only
-        re-describe memory: they launch no kernel and cost nothing.
+        re-describe memory: they launch no kernel, but the runtime still calls each one
+        (the device's ``view_overhead_s``, measured by its agent).
         """
         return np.stack([self.device_times(d) for d in spec.devices], axis=1)
 
@@ -104,13 +105,13 @@ class Workload:
         """``[n]`` time of each op on device ``d`` (cached per device description)."""
         mm, other = d.time_scale("matmul"), d.time_scale("other")
         key = (d.kind, d.flops_per_s["matmul"], d.flops_per_s["other"], d.mem_bytes_per_s, d.op_overhead_s,
-               mm, other)
+               d.view_overhead_s, mm, other)
         col = self._times_cache.get(key)
         if col is None:
             fps = np.where(self.is_matmul, d.flops_per_s["matmul"], d.flops_per_s["other"])
             col = np.maximum(self.flops / fps, self.moved_bytes / d.mem_bytes_per_s) + d.op_overhead_s
             col *= np.where(self.is_matmul, mm, other)      # NOTE: learned from observed runs
-            col[self.is_view] = 0.0
+            col[self.is_view] = d.view_overhead_s
             col.flags.writeable = False
             self._times_cache[key] = col
         return col

@@ -345,7 +345,8 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
         like = [d for d in like if d.kind == device.kind]
         if like:
             device = replace(device, flops_per_s=dict(like[0].flops_per_s),
-                             mem_bytes_per_s=like[0].mem_bytes_per_s, op_overhead_s=like[0].op_overhead_s)
+                             mem_bytes_per_s=like[0].mem_bytes_per_s, op_overhead_s=like[0].op_overhead_s,
+                             view_overhead_s=like[0].view_overhead_s)
         return device
 
     async def _event(self, event: Event) -> dict[str, Any]:

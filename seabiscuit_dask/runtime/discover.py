@@ -61,6 +61,7 @@ def device_from_report(info: dict[str, Any], name: str | None = None) -> DeviceS
     return DeviceSpec(name or device_name(info, set()), kind, int(r["budget_bytes"]),
                       {"matmul": float(r["matmul_flops_per_s"]), "other": float(r["other_flops_per_s"])},
                       float(r["mem_bytes_per_s"]), float(r["op_overhead_s"]),
+                      view_overhead_s=float(r.get("view_overhead_s", 0.0)),
                       host=str(info["host"]), rack="rack0", address=str(info["address"]))
 
 
@@ -298,7 +299,8 @@ def forecast_budget(info: dict[str, Any], infos: list[dict[str, Any]]) -> int:
     return min(free, int(float(low) / max(peers, 1)))
 
 
-SPEED_KEYS = ("matmul_flops_per_s", "other_flops_per_s", "mem_bytes_per_s", "op_overhead_s")
+SPEED_KEYS = ("matmul_flops_per_s", "other_flops_per_s", "mem_bytes_per_s", "op_overhead_s",
+              "view_overhead_s")
 
 
 def same_speed(infos: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -313,7 +315,7 @@ def same_speed(infos: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for i in infos:
         peers = groups[(i["host"], i["report"].get("device"), i["nthreads"])]
-        med = {k: statistics.median(float(p["report"][k]) for p in peers) for k in SPEED_KEYS}
+        med = {k: statistics.median(float(p["report"].get(k, 0.0)) for p in peers) for k in SPEED_KEYS}
         out.append({**i, "report": {**i["report"], **med}})
     return out
 
@@ -323,17 +325,35 @@ def measure_data_plane(client: Any, workers: list[str], dask: DaskSpec, reps: in
     scheduler time per block; a hop is a message from one worker to another (the round trip of
     an RPC between two workers: the send, the handler, the reply, each side's event loop) and
     the hand-off of a block to the worker's compute thread and back; the caller's submit and
-    gather are one RPC to a worker (half its round trip each)."""
+    gather are one RPC to a worker (half its round trip each) as a caller makes it: from its own
+    thread, through the client's event loop and back (``p2p.start``)."""
     first, other = workers[0], workers[-1]
     hop = client.run(_rpc_trip_s, other, reps, workers=[first])[first]
     hop += client.run(_handoff_s, reps, workers=[first])[first]
-
-    async def caller() -> float:
-        return await _rpc_trip_s(first, reps, rpc=client.rpc)
-
-    trip = client.sync(caller)
+    trip = _caller_trip_s(client, first, reps)
     return replace(dask, task_s=FLOOR_S, hop_s=max(float(hop), FLOOR_S), submit_s=max(trip / 2, FLOOR_S),
                    gather_s=max(trip / 2, FLOOR_S))
+
+
+def _caller_trip_s(client: Any, address: str, reps: int) -> float:
+    """Median seconds of an RPC to ``address`` from this thread, the way a request's caller waits
+    for its outputs: the call handed to the client's event loop, tensors sent as a request's
+    inputs go (``wire.Tensors``) and echoed back as its outputs come, the reply handed back."""
+    import asyncio
+
+    import torch
+    from distributed.protocol import to_serialize
+
+    from .dataplane.wire import Tensors
+
+    call, loop = client.rpc(address), client.loop.asyncio_loop
+    tensors = Tensors({"x": torch.zeros(16)})
+
+    def trip() -> None:
+        asyncio.run_coroutine_threadsafe(call.echo(data=to_serialize(tensors)), loop).result()
+
+    trip()                                      # NOTE: the connection is made once, then pooled
+    return median_s(trip, reps)
 
 
 async def _handoff_s(reps: int, dask_worker: Any = None) -> float:

@@ -105,7 +105,7 @@ class ModelOperations:
             if client_s:
                 submit = statistics.median(s for s, _ in client_s)
                 after = statistics.median(a for _, a in client_s)
-                spec = spec.with_dask(replace(spec.dask, submit_s=max(spec.dask.submit_s, submit),
+                spec = spec.with_dask(replace(spec.dask, submit_s=spec.dask.submit_s + submit,
                                               gather_s=spec.dask.gather_s + after))
             plan = Plan(plan.graph, spec, plan.device_of, plan.method, plan.planning_s, dict(plan.info))
         return plan.makespan_s

@@ -270,8 +270,46 @@ def own_gpu(gpus: list[dict[str, Any]], uuid: str | None = None,
     return None
 
 
+def dispatch_s(device: str = "cpu", reps: int = 9) -> tuple[float, float]:
+    """Seconds the block runtime spends on one tiny op and on one view, as a block runs them
+    (``BlockProgram``: the op's kernel called on its operands from the block's environment): a
+    chain of 65 ops less a chain of one, over 64."""
+    import torch
+
+    from ...ir import Op, TensorSpec
+    from ...lower.blocks import BlockProgram, BlockSpec
+
+    dev = torch.device(device)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    x = {"x": torch.ones(8, device=dev)}
+
+    def chain(n: int, target: str, kind: str, extra: tuple[Any, ...]) -> BlockProgram:
+        ops, prev = [], "x"
+        for i in range(n):
+            ops.append(Op(f"op{i}", kind, target, (prev,), (f"t{i}",), attrs={"args": ({"t": prev}, *extra)}))
+            prev = f"t{i}"
+        spec = BlockSpec("probe", 0, 0, device, tuple(ops), {}, {"x": TensorSpec((8,), "float32")}, (prev,),
+                         (-1,))
+        return BlockProgram(spec, {}, dev)
+
+    def per_op(target: str, kind: str, extra: tuple[Any, ...]) -> float:
+        one, many = chain(1, target, kind, extra), chain(65, target, kind, extra)
+
+        def run(p: BlockProgram) -> None:
+            for _ in range(10):
+                p.run(x)
+            sync()
+
+        run(one)
+        run(many)
+        return max((median_s(lambda: run(many), reps) - median_s(lambda: run(one), reps)) / 640, 0.0)
+
+    return per_op("aten.add.Tensor", "elementwise", (1.0,)), per_op("aten.view.default", "view", ((8,),))
+
+
 def measure_speed(device: str = "cpu", n: int = 384, reps: int = 5) -> dict[str, float]:
-    """Matmul FLOP/s, elementwise FLOP/s, memory bandwidth and per-op overhead, measured."""
+    """Matmul FLOP/s, elementwise FLOP/s, memory bandwidth, and what the block runtime spends on a
+    tiny op and on a view (``dispatch_s``), measured."""
     import torch
 
     dev = torch.device(device)
@@ -279,8 +317,6 @@ def measure_speed(device: str = "cpu", n: int = 384, reps: int = 5) -> dict[str,
     a = torch.randn(n, n, device=dev)
     b = torch.randn(n, n, device=dev)
     big = torch.empty(64 * 2**20 // 4, device=dev)     # 64 MiB: larger than most L3 caches
-    small = torch.ones(8, device=dev)
-
     def mm() -> None:
         torch.mm(a, b)
         sync()
@@ -289,17 +325,13 @@ def measure_speed(device: str = "cpu", n: int = 384, reps: int = 5) -> dict[str,
         big.mul_(1.0)
         sync()
 
-    def tiny() -> None:
-        for _ in range(50):
-            small.add(1.0)
-        sync()
-
-    for f in (mm, copy, tiny):
+    for f in (mm, copy):
         f()
-    mm_s, copy_s, tiny_s = median_s(mm, reps), median_s(copy, reps), median_s(tiny, reps)
+    mm_s, copy_s = median_s(mm, reps), median_s(copy, reps)
+    op_s, view_s = dispatch_s(device)
     bytes_moved = 2 * big.numel() * 4
     return {"matmul_flops_per_s": 2 * n**3 / mm_s, "other_flops_per_s": big.numel() / copy_s,
-            "mem_bytes_per_s": bytes_moved / copy_s, "op_overhead_s": tiny_s / 50}
+            "mem_bytes_per_s": bytes_moved / copy_s, "op_overhead_s": op_s, "view_overhead_s": view_s}
 
 
 def static_report(nthreads: int, memory_limit: int | None, device: str = "cpu",
