@@ -52,6 +52,10 @@ class Deployment:
         self.client = type("NoWorkers", (), {"run": lambda self, fn, **kw: {}})()
         self._lock = threading.Lock()
 
+    @property
+    def max_rows(self) -> int:
+        return self.sessions
+
     def stream(self, ids: torch.Tensor, max_new: int, **kwargs: Any) -> Iterator[torch.Tensor]:
         from seabiscuit_dask.errors import BadInput, Busy
 

@@ -392,6 +392,24 @@ def test_every_caller_mistake_is_an_openai_error_and_the_server_goes_on(live: Li
     assert ok.choices[0].finish_reason == "length"
 
 
+def test_n_answers_past_the_sessions_fit_the_room_counted_in_tokens(live: Live) -> None:
+    """Room for SESSIONS x 128 tokens holds more short answers at once than SESSIONS: a request for
+    2 x SESSIONS of them is answered (it was a 400 naming n), every answer the greedy one; one for
+    more rows than the deployment ever runs at once is a 400 naming n and the numbers."""
+    api = live.api()
+    n = 2 * SESSIONS
+    assert live.lm.dm.max_rows >= n
+    out = api.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=3, temperature=0, n=n)
+    assert len(out.choices) == n and len({c.message.content for c in out.choices}) == 1
+    most = live.lm.dm.max_rows
+    prompts = ["a b"] * (most // 16 + 1)                  # NOTE: n is at most 16 a prompt
+    status, _, body = http(live.url + "/v1/completions", {"model": "tiny", "prompt": prompts, "n": 16,
+                                                          "max_tokens": 2})
+    assert status == 400 and body["error"]["param"] == "n", body
+    assert f"= {16 * len(prompts)} answers at once" in body["error"]["message"]
+    assert f"makes at most {most}" in body["error"]["message"]
+
+
 def test_a_full_deployment_answers_429_with_retry_after_and_a_disconnect_frees_its_caches(live: Live) -> None:
     api = live.api()
     # NOTE: the deployment's KV room held the whole time by kept sessions (each counts a whole

@@ -95,6 +95,10 @@ class Deployment:
         self.opened, self.closed = threading.Event(), threading.Event()
         self._lock = threading.Lock()
 
+    @property
+    def max_rows(self) -> int:
+        return self.sessions
+
     def stream(self, ids: torch.Tensor, max_new: int, **kwargs: Any) -> Iterator[torch.Tensor]:
         rows = ids.shape[0]
         if rows > self.sessions:

@@ -111,11 +111,11 @@ class ServedModel:
 
     # --- generation ---------------------------------------------------------------------------
     def check_rows(self, request: GenerationRequest) -> None:
-        """Refuse a request for more answers (``n`` per prompt) than the deployment makes at once,
-        before any prompt is tokenised: a body of many short prompts costs nothing to refuse."""
-        from .. import config
-
-        most = int(self.sessions or config.get("generate.max-sessions"))
+        """Refuse a request for more answers (``n`` per prompt) than the deployment makes at once
+        (``DistributedModel.max_rows``: with KV room counted in tokens, more than its sessions),
+        before any prompt is tokenised: a body of many short prompts costs nothing to refuse. Whether
+        their tokens fit the room is the engine's to say once they are known."""
+        most = int(self.dm.max_rows)
         rows = len(request.prompts) * request.n
         if rows > most:
             many = len(request.prompts) > most

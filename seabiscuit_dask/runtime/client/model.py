@@ -239,6 +239,13 @@ class DistributedModel:
         """
         return ChatSession(self, self._generation_engine().open_session())
 
+    @property
+    def max_rows(self) -> int:
+        """Sessions (rows) this deployment's generation runs at once at most: its sessions, or where
+        it kept KV room counted in tokens, as many shorter ones as the room and
+        ``seabiscuit.generate.max-rows`` allow (a call of more rows is refused)."""
+        return self._generation_engine().max_sessions
+
     def generation_stats(self) -> dict[str, Any]:
         """Steps, tokens and seconds of generation so far (``step_tokens``: what the steps computed,
         padding included; ``tokens_per_step`` its mean), the sessions open, the KV room they count
