@@ -396,3 +396,43 @@ def test_prompts_admitted_while_rows_decode_go_in_steps_of_the_bound_one_by_one(
                           grouping=lambda: (128, 8))
     unbounded.add(call(table, [4] * 70))
     assert [c.length for c in unbounded.schedule().admitted[0].prefills[0].chunks] == [64, 16]
+
+
+def test_rows_of_one_call_with_the_same_prompt_are_prefilled_once() -> None:
+    """``n`` answers to one prompt: of a call's rows with the same tokens to prefill (16 at least),
+    the first is prefilled (grouped with the others' prompts) and the rest are its twins: nothing
+    to prefill, a copy of its cache; a shorter shared prompt, or one row of another call, is
+    prefilled as before."""
+    table = SessionTable(16, "m")
+    scheduler = Scheduler(SPEC, grouping=lambda: (128, 8))
+    same = call(table, [5] * 20, [5] * 20, [6] * 20, [5] * 20)
+    short = call(table, [7] * 10, [7] * 10)
+    other = call(table, [5] * 20)
+    for c in (same, short, other):
+        scheduler.add(c)
+    out = scheduler.schedule()
+    prefills = {p.session: p for a in out.admitted for p in a.prefills}
+    s = [x.sid for x in same.sessions]
+    assert [prefills[x].twin for x in s] == [-1, s[0], -1, s[0]]
+    assert str(prefills[s[1]]) == f"s{s[1]} as s{s[0]} (a copy of its cache)" and not prefills[s[1]].chunks
+    grouped = {r.session for g in out.prefill_groups for r in g.rows}
+    assert grouped == {s[0], s[2], *(x.sid for x in short.sessions), other.sessions[0].sid}
+    assert all(prefills[x.sid].twin == -1 for x in (*short.sessions, *other.sessions))
+
+
+def test_n_answers_to_one_prompt_prefill_it_once_and_answer_as_hugging_face() -> None:
+    """An engine in this process: 3 rows of one 20-token prompt and one of another prefill 2 rows;
+    the twins start from a copy of the first row's cache, and every row's answer is Hugging Face's
+    greedy one (the twins' steps read the copied slots)."""
+    model = decoder("llama")
+    engine = Engine(LocalRunner(model, "64KiB"), max_sessions=4, context=64, max_chunk=32)
+    ids, mask = padded_batch((20, 20), seed=3)
+    ids = torch.cat([ids[:1], ids[:1], ids[1:], ids[:1]])
+    mask = torch.ones_like(ids)
+    args = GenerateArgs.make(model.generation_config, ids.shape[1], max_new_tokens=6, pad_token_id=0)
+    got = generate_tokens(engine, ids, args, mask)
+    assert torch.equal(got, hf_greedy(model, ids, mask, 6))
+    stats = engine.stats
+    assert (stats.prefix_hits, stats.prefix_tokens, stats.new_sessions) == (2, 40, 4)
+    assert engine.load()["prefix_hit_rate"] == 0.5
+    engine.close()

@@ -394,13 +394,17 @@ def test_every_caller_mistake_is_an_openai_error_and_the_server_goes_on(live: Li
 
 def test_n_answers_past_the_sessions_fit_the_room_counted_in_tokens(live: Live) -> None:
     """Room for SESSIONS x 128 tokens holds more short answers at once than SESSIONS: a request for
-    2 x SESSIONS of them is answered (it was a 400 naming n), every answer the greedy one; one for
+    2 x SESSIONS of them is answered (it was a 400 naming n), every answer the greedy one, the
+    prompt prefilled once for all of them; one for
     more rows than the deployment ever runs at once is a 400 naming n and the numbers."""
     api = live.api()
     n = 2 * SESSIONS
     assert live.lm.dm.max_rows >= n
+    hits = live.lm.dm.generation_stats().get("prefix_hits", 0)
     out = api.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=3, temperature=0, n=n)
     assert len(out.choices) == n and len({c.message.content for c in out.choices}) == 1
+    # NOTE: the prompt is prefilled once: the other rows start from a copy of its cache
+    assert live.lm.dm.generation_stats()["prefix_hits"] - hits >= n - 1
     most = live.lm.dm.max_rows
     prompts = ["a b"] * (most // 16 + 1)                  # NOTE: n is at most 16 a prompt
     status, _, body = http(live.url + "/v1/completions", {"model": "tiny", "prompt": prompts, "n": 16,

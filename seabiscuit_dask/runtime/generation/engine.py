@@ -26,7 +26,7 @@ from ..watch import seconds
 from .executor import EngineStats, Executor, Result
 from .inputs import step_inputs
 from .kv import KVLedger
-from .output import SchedulerOutput
+from .output import Prefill, SchedulerOutput
 from .prefix import PrefixCache
 from .runner import Runner
 from .sampling import Sampling, picked
@@ -95,7 +95,7 @@ class Engine:
         read without the lock)."""
         st, prefixes = self.stats, self.prefixes
         steps = st.prefill_steps + st.decode_steps
-        lookups = prefixes.lookups if prefixes is not None else 0
+        lookups = st.new_sessions
         return {"running": len(self.scheduler.running) + len(self.scheduler.prefilling),
                 "waiting": len(self.scheduler.waiting) + len(self.sessions.queue),
                 "steps": steps, "step_tokens": st.step_tokens,
@@ -151,6 +151,7 @@ class Engine:
             if self._closed:
                 raise ModelClosed(f"{self.name} is closed: it takes no more generate calls")
             self.scheduler.add(call)
+            self.stats.new_sessions += 0 if sessions is not None else len(call.sessions)
             self._cond.notify()
             self._start_thread()
         return call
@@ -364,9 +365,24 @@ class Engine:
             if isinstance(res, BaseException):
                 self._finish(call, call.closing or res)
                 continue
+            stop = {p.session: p.chunks[-1].stop for p in a.prefills if p.chunks}
+            try:
+                self._copy_twins(a.prefills, stop)
+            except Exception as e:  # noqa: BLE001 - this call fails, the others go on
+                self._finish(call, call.closing or e)
+                continue
             for s, p in zip(call.sessions, a.prefills):
-                s.cached = p.chunks[-1].stop
+                s.cached = stop[p.twin if p.twin >= 0 else p.session]
             self._guard(call, lambda c, res=res: self._emit(c, c.sampling.pick(res).tolist()))
+
+    def _copy_twins(self, prefills: Sequence[Prefill], stop: dict[int, int]) -> None:
+        """Start each twin of ``prefills`` (a row whose prompt another row of its call prefilled) with
+        a copy of that row's cache on every worker (``KVStore.fork``)."""
+        forks = [(p.twin, p.session, stop[p.twin]) for p in prefills if p.twin >= 0]
+        if forks:
+            self.kv.fork(forks)
+            self.stats.prefix_hits += len(forks)
+            self.stats.prefix_tokens += sum(n for _, _, n in forks)
 
     def _decoded(self, out: SchedulerOutput, results: list[Result]) -> None:
         """Each running call's next tokens from its groups' results, to its caller; a call of a

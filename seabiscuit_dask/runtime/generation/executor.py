@@ -47,7 +47,8 @@ class EngineStats:
     decode_s: float = 0.0
     prefill_s: float = 0.0
     prefill_groups: int = 0       # steps that prefilled several prompts together (``PrefillGroup``)
-    prefix_hits: int = 0          # new sessions that started from a kept cache (``prefix``)
+    new_sessions: int = 0         # sessions of new calls (not kept sessions' turns)
+    prefix_hits: int = 0          # new sessions that started from a kept cache (``prefix``) or a twin's
     prefix_tokens: int = 0        # and the tokens they did not prefill again
     step_tokens: int = 0          # tokens the steps computed, padding included (rows x length each)
 
@@ -99,7 +100,10 @@ class Executor:
                 if a is None:
                     return
                 try:
-                    got[a.call] = torch.stack([logits(p) for p in a.prefills])
+                    made: dict[int, torch.Tensor] = {}
+                    for p in a.prefills:      # NOTE: a twin comes after the session it copies
+                        made[p.session] = made[p.twin] if p.twin >= 0 else logits(p)
+                    got[a.call] = torch.stack([made[p.session] for p in a.prefills])
                 except BaseException as e:  # noqa: BLE001 - the caller gets it; other calls go on
                     got[a.call] = e
 

@@ -45,14 +45,20 @@ class Prefill:
     """A session's uncached tokens as chunks run one by one (``chunks``, largest first), or, where
     the runner pipelines a prompt, all sent at once, each following the one before (``ahead``,
     smallest first: the pipeline fills sooner); if those fail, ``chunks`` run after all.
-    ``grouped``: its one chunk is a row of one of the step's ``PrefillGroup``s instead."""
+    ``grouped``: its one chunk is a row of one of the step's ``PrefillGroup``s instead. ``twin``: a
+    session of the same call with the same tokens to prefill from the same slot (``n`` answers to
+    one prompt): this one prefills nothing, its cache starts as a copy of the twin's and its
+    first token is picked from the twin's logits."""
 
     session: int
     chunks: tuple[Chunk, ...]
     ahead: tuple[Chunk, ...] = ()
     grouped: bool = False
+    twin: int = -1
 
     def __str__(self) -> str:
+        if self.twin >= 0:
+            return f"s{self.session} as s{self.twin} (a copy of its cache)"
         if not self.chunks:
             return f"s{self.session}: nothing to prefill"
         if self.grouped:

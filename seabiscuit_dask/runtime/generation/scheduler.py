@@ -25,6 +25,8 @@ touching execution. The policy:
   at a time), and its calls join the decode groups once their first tokens are out (``joined``);
   its steps then hold ``seabiscuit.generate.prefill-while-decoding`` tokens at most where that
   is set, so a decode step never waits long behind one (chunked prefill);
+- rows of one call with the same prompt (``n`` answers to it) are prefilled once: the others
+  start from a copy of that cache and pick their first tokens from its logits (``twins_of``);
 - a call its caller stopped reading, or that the deployment's close ends, ends before the step.
 """
 
@@ -44,6 +46,9 @@ from .sessions import Call, Session
 
 # NOTE: a step's fixed cost (every weight read once) in tokens' worth of compute
 STEP_TOKENS = 48
+# NOTE: rows of one call with the same prompt are prefilled once from this many tokens on (fewer: a copy
+# of the cache on every worker costs more than their rows in the prefill)
+TWIN_TOKENS = 16
 
 # NOTE: the prefill buckets: each length at most 1.25x the one before from 32 on (a prompt up to 256
 # tokens computes 6.5% more than its own length on average, step cost included, 7.1% without 40 and
@@ -209,9 +214,11 @@ class Scheduler:
         # NOTE: prompts prefilled while rows decode go in small steps: a decode step waits behind one
         limit = self.spec.overlap_tokens if self.spec.overlap and self.running else 0
         (self.prefilling if self.spec.overlap else self.running).extend(todo)
+        twins = {sid: twin for c in todo for sid, twin in twins_of(c.sessions).items()}
         groups = self.prefill_groups([(s.sid, s.cached, s.tokens[s.cached:])
-                                      for c in todo for s in c.sessions], limit)
+                                      for c in todo for s in c.sessions if s.sid not in twins], limit)
         grouped = {r.session: Prefill(r.session, (r,), grouped=True) for g in groups for r in g.rows}
+        grouped.update((sid, Prefill(sid, (), twin=twin)) for sid, twin in twins.items())
         admitted = tuple(Admission(c.cid, tuple(grouped.get(s.sid) or self.prefill(
             s.sid, s.cached, s.tokens[s.cached:], together, limit) for s in c.sessions)) for c in todo)
         return SchedulerOutput(step, tuple(c.cid for c in ended), admitted, together, prefill_groups=groups)
@@ -305,6 +312,23 @@ class Scheduler:
         if batches is None:
             batches = [b for b in self.spec.batch_sizes if b <= max(1, max_sessions)]
         return [(1, n) for n in sizes] + [(int(b), 1) for b in batches]
+
+
+def twins_of(sessions: Sequence[Session]) -> dict[int, int]:
+    """Sessions of one call that prefill exactly what an earlier one of it does (the same tokens
+    from the same slot, ``TWIN_TOKENS`` at least: ``n`` answers to one prompt), each -> that earlier
+    session: they prefill nothing and start from a copy of its cache."""
+    first: dict[tuple[int, tuple[int, ...]], int] = {}
+    out = {}
+    for s in sessions:
+        key = (s.cached, tuple(s.tokens[s.cached:]))
+        if len(key[1]) < TWIN_TOKENS:
+            continue
+        if key in first:
+            out[s.sid] = first[key]
+        else:
+            first[key] = s.sid
+    return out
 
 
 def _chunks(sid: int, start: int, tokens: Sequence[int], cut: Sequence[tuple[int, int]]) -> tuple[Chunk, ...]:
