@@ -282,7 +282,7 @@ def main() -> None:
     rows = []
     for cfg in chosen:
         rounds = []
-        for _ in range(args.rounds):      # NOTE: fresh deployments: each measures its cluster anew
+        for _ in range(max(1, args.rounds)):    # NOTE: fresh deployments: each measures its cluster anew
             rounds.append(run_config(cfg, args.reps, args.budget))
             r = rounds[-1]
             print(f"{cfg.name}: {r['dask']}; predicted {r['predicted'] * 1e3:.2f} ms, "

@@ -189,7 +189,8 @@ def blind(spec: sb.ClusterSpec) -> sb.ClusterSpec:
     turns = [d for group in zip(*by_host.values()) for d in group]
     first = spec.devices[0]
     devices = tuple(replace(d, host=f"solo{i}", flops_per_s=dict(first.flops_per_s),
-                            mem_bytes_per_s=first.mem_bytes_per_s, op_overhead_s=first.op_overhead_s)
+                            mem_bytes_per_s=first.mem_bytes_per_s, op_overhead_s=first.op_overhead_s,
+                            view_overhead_s=first.view_overhead_s)
                     for i, d in enumerate(turns))
     link = sb.LinkSpec(bw, lat)
     return sb.ClusterSpec(devices, dict.fromkeys(("nvlink", "pcie", "rack", "network"), link), dask=spec.dask)

@@ -26,6 +26,7 @@ from seabiscuit_dask.runtime.generation import (
     SessionTable,
     generate_tokens,
 )
+from seabiscuit_dask.runtime.generation.scheduler import twins_of
 
 from .test_generate import decoder, hf_greedy, padded_batch
 
@@ -418,6 +419,34 @@ def test_rows_of_one_call_with_the_same_prompt_are_prefilled_once() -> None:
     grouped = {r.session for g in out.prefill_groups for r in g.rows}
     assert grouped == {s[0], s[2], *(x.sid for x in short.sessions), other.sessions[0].sid}
     assert all(prefills[x.sid].twin == -1 for x in (*short.sessions, *other.sessions))
+    # NOTE: two prompts that started from different kept caches of one length share only their tails
+    a, b = call(table, [1] * 20 + [8] * 20, [2] * 20 + [8] * 20).sessions
+    a.cached = b.cached = 20
+    assert twins_of([a, b]) == {}
+    b.tokens[:20] = a.tokens[:20]
+    assert twins_of([a, b]) == {b.sid: a.sid}
+
+
+def test_twins_that_started_from_a_kept_cache_count_one_hit_each() -> None:
+    """With prefix caching: a prompt answered, then 3 rows of it and a new turn: each row starts
+    from the kept cache (a hit each), the 2 twins from the first row's cache after it prefilled
+    the rest (no second hit, only the tokens past the kept ones counted); answers as HF's."""
+    model = decoder("llama")
+    with dask.config.set({"seabiscuit.generate.prefix-caching": True}):
+        engine = Engine(LocalRunner(model, "64KiB"), max_sessions=4, context=96, max_chunk=32)
+    first, _ = padded_batch((24,), seed=5)
+    args = GenerateArgs.make(model.generation_config, first.shape[1], max_new_tokens=4, pad_token_id=0)
+    answer = generate_tokens(engine, first, args, torch.ones_like(first))
+    assert engine.load()["prefix_kept"] == 1
+    turn = torch.cat([answer, torch.arange(100, 120).reshape(1, -1)], dim=1).repeat(3, 1)
+    args = GenerateArgs.make(model.generation_config, turn.shape[1], max_new_tokens=4, pad_token_id=0)
+    got = generate_tokens(engine, turn, args, torch.ones_like(turn))
+    assert torch.equal(got, hf_greedy(model, turn, torch.ones_like(turn), 4))
+    kept = answer.shape[1] - 1            # NOTE: the kept cache holds the answer but its last token
+    assert engine.stats.prefix_hits == 3 and engine.stats.new_sessions == 4
+    assert engine.stats.prefix_tokens == 3 * kept + 2 * (turn.shape[1] - kept)
+    assert engine.load()["prefix_hit_rate"] == 0.75
+    engine.close()
 
 
 def test_n_answers_to_one_prompt_prefill_it_once_and_answer_as_hugging_face() -> None:

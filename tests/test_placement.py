@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -161,6 +162,9 @@ def test_a_view_costs_its_dispatch_not_a_kernel():
     free = w.device_times(DeviceSpec("cpu", "cpu", 2**30, {"matmul": 1e11, "other": 1e10}, 1e10, 4e-6))
     assert (free[views] == 0).all() and (free[~w.is_view] == t[~w.is_view]).all()
     assert DeviceSpec.from_dict(dev.to_dict()) == dev
+    # NOTE: a learned scale of "other" scales views too: the learner fits blocks whose views it modelled so
+    scaled = w.device_times(dataclasses.replace(dev, scale={"other": 2.0}))
+    assert (scaled[views] == 4e-6).all()
     with pytest.raises(BadClusterSpec, match="view_overhead_s must be >= 0"):
         DeviceSpec("cpu", "cpu", 2**30, {"matmul": 1e11, "other": 1e10}, 1e10, view_overhead_s=-1.0)
 

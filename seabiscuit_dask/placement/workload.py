@@ -110,8 +110,9 @@ class Workload:
         if col is None:
             fps = np.where(self.is_matmul, d.flops_per_s["matmul"], d.flops_per_s["other"])
             col = np.maximum(self.flops / fps, self.moved_bytes / d.mem_bytes_per_s) + d.op_overhead_s
-            col *= np.where(self.is_matmul, mm, other)      # NOTE: learned from observed runs
             col[self.is_view] = d.view_overhead_s
+            # NOTE: learned from observed runs, whose blocks' modelled times held their views as "other"
+            col *= np.where(self.is_matmul, mm, other)
             col.flags.writeable = False
             self._times_cache[key] = col
         return col

@@ -50,7 +50,7 @@ logger = logging.getLogger(__name__)
 
 # NOTE: the data plane's RPCs, each a handler of the plugin of the same name
 DP_RPCS = tuple(f"seabiscuit_dp_{op}" for op in ("feed", "push", "follow", "fail", "forget", "flush",
-                                                  "stream", "status"))
+                                                  "stream", "status", "echo"))
 MAX_FOLLOWED = 1 << 16          # NOTE: steps one follow of a decode loop may name
 MAX_UNKNOWN = 4096              # NOTE: model ids refused lately that a worker remembers
 MAX_ASKING = 16                 # NOTE: questions for tickets waiting at once; more are refused at once
@@ -432,6 +432,13 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
         logger.warning("seabiscuit: worker %s dropped a data-plane stream from %s: %s: %s (further ones from "
                        "there are dropped without a log line)", self.worker.address, peer,
                        type(error).__name__, error)
+
+    async def seabiscuit_dp_echo(self, comm: Any = None, data: Any = None) -> Any:
+        """``data`` (tensors, as a request's inputs come) sent back as a request's outputs go: what
+        ``discover`` times a caller's round trip of a request with."""
+        if not isinstance(data, Tensors):
+            raise BadInput(f"an echo takes tensors (wire.Tensors), got {type(data).__name__}")
+        return to_serialize(data)
 
     async def seabiscuit_dp_flush(self, comm: Any = None) -> int:
         """Report the data plane's block runs now; returns once the scheduler has them."""

@@ -350,7 +350,7 @@ def _caller_trip_s(client: Any, address: str, reps: int) -> float:
     tensors = Tensors({"x": torch.zeros(16)})
 
     def trip() -> None:
-        asyncio.run_coroutine_threadsafe(call.echo(data=to_serialize(tensors)), loop).result()
+        asyncio.run_coroutine_threadsafe(call.seabiscuit_dp_echo(data=to_serialize(tensors)), loop).result()
 
     trip()                                      # NOTE: the connection is made once, then pooled
     return median_s(trip, reps)

@@ -65,9 +65,10 @@ class _Live:
         steps = GaugeMetricFamily("seabiscuit_steps", "generation steps run (prefill and decode)",
                                   labels=["model"])
         hits = GaugeMetricFamily("seabiscuit_prefix_hits", "new sessions that started from a kept cache "
-                                 "(prefix caching)", labels=["model"])
+                                 "(prefix caching) or from another row of their request with the same "
+                                 "prompt", labels=["model"])
         reused = GaugeMetricFamily("seabiscuit_prefix_tokens", "prompt tokens not prefilled again: read "
-                                   "from a kept cache", labels=["model"])
+                                   "from a kept cache or another row's", labels=["model"])
         tokens = GaugeMetricFamily("seabiscuit_step_tokens", "tokens the generation steps computed, padding "
                                    "included (over seabiscuit_steps: tokens per step)", labels=["model"])
         kv = GaugeMetricFamily("seabiscuit_kv_cache_bytes", "KV-cache bytes held, per worker",

@@ -99,7 +99,7 @@ class ServedModel:
     context: int
     eos: tuple[int, ...] = ()
     inputs: tuple[str, ...] = ()       # an ONNX encoder's graph inputs, fed by name
-    sessions: int | None = None        # answers the deployment makes at once (None: generate.max-sessions)
+    sessions: int | None = None        # sessions it kept KV room for (None: generate.max-sessions)
     created: int = field(default_factory=lambda: int(time.time()))
     ready: threading.Event = field(default_factory=threading.Event)
 

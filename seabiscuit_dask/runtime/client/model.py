@@ -243,8 +243,10 @@ class DistributedModel:
     def max_rows(self) -> int:
         """Sessions (rows) this deployment's generation runs at once at most: its sessions, or where
         it kept KV room counted in tokens, as many shorter ones as the room and
-        ``seabiscuit.generate.max-rows`` allow (a call of more rows is refused)."""
-        return self._generation_engine().max_sessions
+        ``seabiscuit.generate.max-rows`` allow (a call of more rows is refused). NOTE: read on the
+        server's event loop: an engine made already is read as it is, with no call to the scheduler."""
+        engine = self._engine
+        return (engine if engine is not None else self._generation_engine()).max_sessions
 
     def generation_stats(self) -> dict[str, Any]:
         """Steps, tokens and seconds of generation so far (``step_tokens``: what the steps computed,

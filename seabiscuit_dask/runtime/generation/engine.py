@@ -183,8 +183,9 @@ class Engine:
             for s, h in hits:
                 if h is not None:
                     s.cached = h[1]
-            self.stats.prefix_hits += len(forks)
-            self.stats.prefix_tokens += sum(n for _, _, n in forks)
+            with self._cond:
+                self.stats.prefix_hits += len(forks)
+                self.stats.prefix_tokens += sum(n for _, _, n in forks)
         except Exception as e:  # noqa: BLE001 - the prompts are prefilled whole instead
             logger.warning("%s: kept caches not copied (%s); the prompts are prefilled whole", self.name, e)
         finally:
@@ -367,7 +368,7 @@ class Engine:
                 continue
             stop = {p.session: p.chunks[-1].stop for p in a.prefills if p.chunks}
             try:
-                self._copy_twins(a.prefills, stop)
+                self._copy_twins(call, a.prefills, stop)
             except Exception as e:  # noqa: BLE001 - this call fails, the others go on
                 self._finish(call, call.closing or e)
                 continue
@@ -375,14 +376,18 @@ class Engine:
                 s.cached = stop[p.twin if p.twin >= 0 else p.session]
             self._guard(call, lambda c, res=res: self._emit(c, c.sampling.pick(res).tolist()))
 
-    def _copy_twins(self, prefills: Sequence[Prefill], stop: dict[int, int]) -> None:
-        """Start each twin of ``prefills`` (a row whose prompt another row of its call prefilled) with
-        a copy of that row's cache on every worker (``KVStore.fork``)."""
+    def _copy_twins(self, call: Call, prefills: Sequence[Prefill], stop: dict[int, int]) -> None:
+        """Start each twin of ``prefills`` (a row of ``call`` whose prompt another row of it
+        prefilled) with a copy of that row's cache on every worker (``KVStore.fork``). A twin that
+        started from a kept cache (``_reuse``) counted its hit then: only the tokens past it count."""
         forks = [(p.twin, p.session, stop[p.twin]) for p in prefills if p.twin >= 0]
-        if forks:
-            self.kv.fork(forks)
-            self.stats.prefix_hits += len(forks)
-            self.stats.prefix_tokens += sum(n for _, _, n in forks)
+        if not forks:
+            return
+        self.kv.fork(forks)
+        had = {s.sid: s.cached for s in call.sessions}
+        with self._cond:
+            self.stats.prefix_hits += sum(1 for _, sid, _ in forks if not had[sid])
+            self.stats.prefix_tokens += sum(n - had[sid] for _, sid, n in forks)
 
     def _decoded(self, out: SchedulerOutput, results: list[Result]) -> None:
         """Each running call's next tokens from its groups' results, to its caller; a call of a

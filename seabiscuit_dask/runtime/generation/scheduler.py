@@ -315,14 +315,16 @@ class Scheduler:
 
 
 def twins_of(sessions: Sequence[Session]) -> dict[int, int]:
-    """Sessions of one call that prefill exactly what an earlier one of it does (the same tokens
-    from the same slot, ``TWIN_TOKENS`` at least: ``n`` answers to one prompt), each -> that earlier
-    session: they prefill nothing and start from a copy of its cache."""
+    """Sessions of one call with the same tokens as an earlier one of it, cached up to the same slot,
+    with ``TWIN_TOKENS`` or more still to prefill (``n`` answers to one prompt), each -> that earlier
+    session: they prefill nothing and start from a copy of its cache. NOTE: the whole prompt is
+    compared, not only what is left to prefill: two prompts that started from different kept caches
+    (``prefix``) may share their tails."""
     first: dict[tuple[int, tuple[int, ...]], int] = {}
     out = {}
     for s in sessions:
-        key = (s.cached, tuple(s.tokens[s.cached:]))
-        if len(key[1]) < TWIN_TOKENS:
+        key = (s.cached, tuple(s.tokens))
+        if len(s.tokens) - s.cached < TWIN_TOKENS:
             continue
         if key in first:
             out[s.sid] = first[key]
