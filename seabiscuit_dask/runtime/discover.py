@@ -370,12 +370,10 @@ async def _handoff_s(reps: int, dask_worker: Any = None) -> float:
     return float(statistics.median(times[1:]))
 
 
-async def _rpc_trip_s(address: str, reps: int, dask_worker: Any = None, rpc: Any = None,
-                      nbytes: int = 0) -> float:
-    """Median seconds of an RPC to ``address`` from here (a worker, or ``rpc``'s owner): an
-    ``identity``, or with ``nbytes`` an ``echo`` of that many random bytes (no compression
-    flatters them)."""
-    call = (rpc or dask_worker.rpc)(address)
+async def _rpc_trip_s(address: str, reps: int, dask_worker: Any = None, nbytes: int = 0) -> float:
+    """Median seconds of an RPC to ``address`` from this worker: an ``identity``, or with ``nbytes``
+    an ``echo`` of that many random bytes (no compression flatters them)."""
+    call = dask_worker.rpc(address)
     data = os.urandom(nbytes) if nbytes else None
 
     async def trip() -> None:
