@@ -108,6 +108,11 @@ class StaleRun(RunFailed):
     while the request ran): the caller takes the current plan and sends the request again."""
 
 
+class LaneStopped(RunFailed):
+    """A lane's decode loop (rows that change as it runs) stopped: every row was empty when its next
+    step was to be built. Its caller starts the loop anew with the rows it holds now."""
+
+
 STALE_TRIES = 10     # NOTE: times a request or step is sent again because the plan changed while it ran
 
 

@@ -34,6 +34,7 @@ from ..lower.blocks import BlockSpec
 from ..runtime import access
 from ..runtime.dataplane import DataPlane, Links, Tensors, decode_loop, timed
 from ..runtime.dataplane.host import Imports, Outcome
+from ..runtime.dataplane.loops import MAX_EDITS
 from ..runtime.dataplane.ordered import OrderedExecutor
 from ..runtime.dataplane.streams import Overrun, Receiving, admit, opener, serve
 from ..runtime.dataplane.wire import inline
@@ -50,7 +51,7 @@ logger = logging.getLogger(__name__)
 
 # NOTE: the data plane's RPCs, each a handler of the plugin of the same name
 DP_RPCS = tuple(f"seabiscuit_dp_{op}" for op in ("feed", "push", "follow", "fail", "forget", "flush",
-                                                  "stream", "status", "echo"))
+                                                  "stream", "status", "echo", "lane"))
 MAX_FOLLOWED = 1 << 16          # NOTE: steps one follow of a decode loop may name
 MAX_UNKNOWN = 4096              # NOTE: model ids refused lately that a worker remembers
 MAX_ASKING = 16                 # NOTE: questions for tickets waiting at once; more are refused at once
@@ -311,6 +312,24 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
         except (CommClosedError, OSError):
             pass        # NOTE: the caller went; it forgets the steps it did not read
         return Status.dont_reply
+
+    async def seabiscuit_dp_lane(self, comm: Any = None, model: str = "", ticket: str = "", lane: int = 0,
+                                 edits: Any = ()) -> bool:
+        """Edits of a decode loop's rows (``dataplane.Lane``): each [row, session or -1, first slot,
+        token, steps or -1]; False where the lane runs no more steps here."""
+        try:
+            parsed = [(int(r), int(s), int(p), int(t), int(n))
+                      for r, s, p, t, n in list(edits or ())[:MAX_EDITS]]
+            lane_id = int(lane)
+            if any(p < 0 or t < 0 or n < -1 for _, _, p, t, n in parsed):
+                raise ValueError("a negative slot, token or steps")
+        except (TypeError, ValueError) as e:
+            raise BadInput(f"a lane's edits must be [row, session, slot, token, steps] integers, got "
+                           f"{str(edits)[:120]}: {e}") from None
+        try:
+            return await self.dataplane.edit(model, ticket, lane_id, parsed)
+        except ValueError as e:
+            raise BadInput(f"a lane's edits do not fit it: {e}") from None
 
     async def seabiscuit_dp_fail(self, comm: Any = None, model: str = "", ticket: str = "", version: int = 0,
                                  request: int = 0, reason: str = "", block: int = -1, kind: str = "") -> bool:

@@ -33,6 +33,7 @@ from ... import config
 from ...errors import BadInput, StaleRun
 from ...lower.blocks import BlockSpec
 from ...placement import Plan
+from ..dataplane.loops import Edit
 from ..discover import releasing
 from ..generation import STEP_INPUTS, Engine, GenerateArgs, generate_tokens, stream_tokens
 from ..local import bind_call, check_ids, flatten_inputs, split_inputs
@@ -384,6 +385,36 @@ class DistributedModel:
         if self.p2p and steps > 1 and one_tile and set(inputs) == set(STEP_INPUTS):
             return self._sender.submit_loop(prog, layout, inputs, steps)
         return self._sender.submit(prog, layout, inputs, after)
+
+    @property
+    def edits_loops(self) -> bool:
+        """Whether ``start_lane`` starts decode loops whose rows change as they run (the data plane)."""
+        return self.p2p
+
+    def start_lane(self, batch: int, feed: dict[str, Any], steps: int, left: list[int]) -> Handle | None:
+        """Start a decode loop of ``steps`` greedy steps of ``batch`` rows whose rows change as it runs
+        (``dataplane.Lane``): ``left``, each row's steps (the first included; -1: no bound). The
+        first step's handle (each one's ``next`` the step after it), or None where this model's
+        decode program cannot loop so (its logits in several tiles)."""
+        prog = self._programs.step_program(batch, 1)
+        layout = prog.layout
+        inputs = split_inputs(prog.graph, feed)
+        one_tile = len(prog.graph.leaf_outputs) == 1 and "input_ids" not in prog.graph.tilings
+        if not (self.p2p and one_tile and set(inputs) == set(STEP_INPUTS)):
+            return None
+        return self._sender.submit_loop(prog, layout, inputs, steps, left)
+
+    def edit_lane(self, handle: Handle, edits: list[Edit], after: Any = None) -> Any:
+        """Edit the rows of the lane ``handle`` is a step of: each (row, session or -1 to empty it,
+        first slot, token, steps or -1), applied to the next step its worker builds, after the
+        edits of ``after`` (the future an edit before returned); a future of whether the lane
+        took them (False: it runs no more steps)."""
+        return self._sender.edit_lane(handle, edits, after)
+
+    def step_rows(self, handle: Handle) -> tuple[Any, Any]:
+        """The greedy tokens (batch,) of a submitted step, and for a lane's later step the sessions
+        it ran (batch,) (None for a step fed from here: its caller knows them)."""
+        return self._sender.step_rows(handle)
 
     def submit_chunk(self, length: int, feed: dict[str, Any], follows: Handle | None = None) -> Handle:
         """Send one prefill chunk of one session without waiting; ``follows``: the chunk of the same

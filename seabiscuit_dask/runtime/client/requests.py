@@ -39,6 +39,7 @@ from ...errors import (
 )
 from ...lower.blocks import request_graph
 from ..dataplane import client as p2p
+from ..dataplane.loops import ROWS, Edit
 from ..generation import greedy
 from ..local import assemble_outputs, unflatten_outputs
 from ..watch import Deadline, seconds
@@ -59,6 +60,7 @@ class Handle:
         self.program, self.layout, self.request, self.wanted, self.futures, self.pending = (
             program, layout, request, wanted, futures, pending)
         self.next: Handle | None = None         # the next step of its decode loop (data plane)
+        self.lane: tuple[int, str] | None = None    # its loop is a lane: (its id, the worker that runs it)
         self.tokens = False                     # its outputs come back as greedy tokens (a loop step)
         graph = program.graph if program is not None else None
         chainable = graph is not None and len(graph.leaf_outputs) == 1 and len(wanted) == 1 \
@@ -183,21 +185,36 @@ class RequestSender:
         return list(self.client.get(dsk, [keys[at[b]] for b in wanted], sync=False))
 
     def submit_loop(self, prog: StepProgram, layout: StepLayout, inputs: dict[str, Any],
-                    steps: int) -> Handle:
+                    steps: int, left: list[int] | None = None) -> Handle:
         """Start a decode loop of ``steps`` greedy steps on the workers (data plane); the first
-        step's handle, each one's ``next`` the step after it."""
+        step's handle, each one's ``next`` the step after it. ``left``: each row's steps (-1: no
+        bound): the loop is a lane (``p2p.start_loop``), each handle's ``lane`` (its id, the
+        worker that runs it) what ``edit_lane`` names."""
         self.plans.check_open()
         requests = [self.next_request() for _ in range(steps)]
         wanted = sorted(set(layout.out_at.values()))
+        route = layout.route(wanted)
         futures = p2p.start_loop(self.client, self.model_id, self._ticket, layout.version, requests,
-                                 layout.route(wanted), inputs, prog.graph.leaf_outputs[0])
+                                 route, inputs, prog.graph.leaf_outputs[0], left)
         handles = [Handle(prog, layout, r, wanted, [], f) for r, f in zip(requests, futures)]
+        lane = None
+        if left is not None:
+            (runs,) = [a for a, (_, c) in route.items() if c]
+            lane = (requests[0], runs)
         for h, nxt in zip(handles, [*handles[1:], None]):
             h.next = nxt
+            h.lane = lane
             if nxt is not None:
                 nxt.tokens = True       # NOTE: collected as greedy tokens (``p2p.start_loop``)
             self.inflight[h.request] = h
         return handles[0]
+
+    def edit_lane(self, handle: Handle, edits: list[Edit], after: Any = None) -> Any:
+        """Send edits of the rows of the lane ``handle`` is a step of (``p2p.edit_lane``), after the
+        edits of ``after`` (a future of this); a future of whether it took them."""
+        assert handle.lane is not None
+        lane, address = handle.lane
+        return p2p.edit_lane(self.client, self.model_id, self._ticket, address, lane, edits, after)
 
     # --- reading ------------------------------------------------------------------------------
     def step_result(self, handle: Handle) -> Any:
@@ -211,12 +228,18 @@ class RequestSender:
 
     def step_tokens(self, handle: Handle) -> Any:
         """The greedy tokens (batch,) of a submitted step (see ``DistributedModel.step_tokens``)."""
-        if not handle.tokens:
-            return greedy(self.step_result(handle))
-        (tokens,) = self.outputs(handle).values()
-        return tokens
+        return self.step_rows(handle)[0]
 
-    def outputs(self, handle: Handle) -> dict[str, Any]:
+    def step_rows(self, handle: Handle) -> tuple[Any, Any]:
+        """The greedy tokens (batch,) of a submitted step, and for a later step of a lane the
+        sessions it ran (batch,) (else None)."""
+        if not handle.tokens:
+            return greedy(self.step_result(handle)), None
+        rows: list[Any] = []
+        (tokens,) = self.outputs(handle, rows).values()
+        return tokens, rows[0] if rows else None
+
+    def outputs(self, handle: Handle, rows: list[Any] | None = None) -> dict[str, Any]:
         """The graph output tiles a request computed; it is then let go; a failure as a SeaBiscuitError."""
         done = False
         try:
@@ -237,6 +260,8 @@ class RequestSender:
         finally:
             self.release(handle, done)
         out_at = handle.layout.out_at
+        if rows is not None:
+            rows.extend(ts[ROWS] for ts in results.values() if ROWS in ts)
         return {t: results[b][t] for t, b in out_at.items()}
 
     def _error(self, request: int, e: BaseException) -> SeaBiscuitError:

@@ -19,10 +19,10 @@ activations through Dask).
 
 from ...errors import RunFailed, StaleRun
 from .host import Host, timed
-from .loops import STEP_INPUTS, Loop, decode_loop
+from .loops import STEP_INPUTS, Lane, Loop, decode_loop
 from .manager import DataPlane
 from .streams import Links
 from .wire import Tensors
 
-__all__ = ["STEP_INPUTS", "DataPlane", "Host", "Links", "Loop", "RunFailed", "StaleRun", "Tensors",
+__all__ = ["STEP_INPUTS", "DataPlane", "Host", "Lane", "Links", "Loop", "RunFailed", "StaleRun", "Tensors",
            "decode_loop", "timed"]

@@ -22,6 +22,7 @@ from distributed.protocol import to_serialize
 
 from ...errors import RunFailed
 from ...lower.blocks import BlockSpec
+from .loops import Edit
 from .wire import Tensors, from_inline
 
 Route = dict[str, tuple[list[tuple[int, tuple[str, ...]]], list[int]]]   # address -> (feeds, collects)
@@ -66,18 +67,25 @@ def _calls(plan: Route, inputs: Mapping[str, torch.Tensor]) -> dict[str, tuple[l
 
 
 def start_loop(client: Any, model: str, ticket: str, version: int, requests: Sequence[int], plan: Route,
-               inputs: Mapping[str, torch.Tensor], logits: str) -> list[concurrent.futures.Future[Outputs]]:
+               inputs: Mapping[str, torch.Tensor], logits: str,
+               left: Sequence[int] | None = None) -> list[concurrent.futures.Future[Outputs]]:
     """A decode loop of ``len(requests)`` greedy steps: the first fed from here, each next one by
     the worker that makes ``logits`` (its greedy tokens, positions one on). Returns a future per
     step; the steps' outputs are collected one after another, off the steps' path: the first
     step's logits, then each later step's greedy tokens in their place ((batch,) int64, all the
-    loop's caller reads of them). A step whose future is cancelled stops the loop there."""
+    loop's caller reads of them). A step whose future is cancelled stops the loop there.
+
+    ``left`` (each row's steps, the first included; -1: no bound) makes the loop a lane named
+    by its first request (``loops.Lane``): its rows change as it runs (``edit_lane``), and each
+    later step's tokens come with the sessions it ran (``loops.ROWS``)."""
     (out_addr,) = [a for a, (_, c) in plan.items() if c]
     (wanted,) = [c for _, c in plan.values() if c]
     loop = {"requests": list(requests[1:]), "logits": logits,
             "route": [[a, [[b, list(names)] for b, names in feeds]] for a, (feeds, _) in plan.items()
                       if feeds],
             "inputs": to_serialize(Tensors(inputs))}
+    if left is not None:
+        loop.update(lane=int(requests[0]), left=[int(n) for n in left])
     futures: list[concurrent.futures.Future[Outputs]] = [concurrent.futures.Future() for _ in requests]
 
     async def run() -> None:
@@ -150,6 +158,25 @@ async def _run(rpc: Any, model: str, ticket: str, version: int, request: int,
 
     replies = await asyncio.gather(*(one(a, f, c) for a, (f, c) in calls.items()))
     return {int(b): ts for reply in replies for b, ts in reply}
+
+
+def edit_lane(client: Any, model: str, ticket: str, address: str, lane: int,
+              edits: Sequence[Edit],
+              after: concurrent.futures.Future[Any] | None = None) -> concurrent.futures.Future[bool]:
+    """Send edits of a lane's rows (``loops.Lane.edit``) to the worker that runs it (from any
+    thread, not waiting), once ``after`` (the lane's edits before, which must apply first: a row
+    emptied, then taken again) has its answer: its future is False where the lane runs no more
+    steps, or the worker is gone."""
+    async def one() -> bool:
+        if after is not None:
+            await asyncio.wait([asyncio.wrap_future(after)])
+        try:
+            return bool(await client.rpc(address).seabiscuit_dp_lane(
+                model=model, ticket=ticket, lane=int(lane), edits=[list(e) for e in edits]))
+        except (CommClosedError, OSError):
+            return False
+
+    return asyncio.run_coroutine_threadsafe(one(), client.loop.asyncio_loop)
 
 
 def forget(client: Any, model: str, ticket: str, requests: Sequence[int], addresses: Sequence[str]) -> None:

@@ -2,12 +2,20 @@
 greedy tokens of the one before, with no caller in between (``Loop``); the greedy pick itself
 (``greedy``), and the step inputs a loop feeds (``STEP_INPUTS``).
 
+A loop may be a lane (``Lane``): its rows change while it runs. The caller's edits (a
+session joins an empty row, or a row is emptied) apply to the next step built, and each row
+may run a given number of steps, then empties itself (a call's last token), so rows join
+and leave between steps with no restart of the loop. Each step of a lane tells its caller
+the sessions it ran (``Run.rows``): the caller reads tokens by session, not by edit timing.
+
 This is the generation engine's, not the data plane's: the data plane only carries a loop's
 steps (``runs.Run.advance``) and reads a loop from its message (``decode_loop``).
 """
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +26,76 @@ from ...errors import UnsupportedModel, WorkerLost
 
 STEP_INPUTS = ("input_ids", "position_ids", "sb_sessions", "sb_start", "sb_valid")
 FLOATS = (torch.float32, torch.float64)
+ROWS = "sb_rows"         # NOTE: the sessions a lane's step ran, sent with its tokens
+MAX_EDITS = 4096        # NOTE: edits a lane holds unapplied at once; more are refused
+Edit = tuple[int, int, int, int, int]     # (row, session or -1 to empty it, first slot, token, steps or -1)
+
+
+class Lane:
+    """The rows of a decode loop that change as it runs (see module doc): edits from the caller
+    (any thread: the event loop takes them, a compute thread may build the step), applied to
+    the next step built; each row's steps left (-1: no bound)."""
+
+    def __init__(self, lane: int, left: Sequence[int]) -> None:
+        self.id = int(lane)
+        self.left = np.asarray(left, dtype=np.int64).copy()
+        self.open = True
+        self._edits: list[Edit] = []
+        self._lock = threading.Lock()
+        self._built: tuple[int, dict[str, torch.Tensor]] | None = None
+
+    def edit(self, edits: Sequence[Edit]) -> bool:
+        """Queue ``edits`` for the next step built; False where the lane runs no more steps (the
+        caller starts a loop anew) or holds too many unapplied."""
+        rows = len(self.left)
+        for e in edits:
+            if not 0 <= e[0] < rows:
+                raise ValueError(f"row {e[0]} of a lane of {rows} rows")
+        with self._lock:
+            if not self.open or len(self._edits) + len(edits) > MAX_EDITS:
+                return False
+            self._edits.extend(edits)
+            return True
+
+    def close(self) -> None:
+        """It runs no more steps: edits from now on are refused."""
+        with self._lock:
+            self.open = False
+
+    def apply(self, request: int, x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Step ``request``'s inputs ``x`` as the lane has them: rows whose steps ran out emptied,
+        then the edits that came. Built once a request: asked again, the same inputs."""
+        with self._lock:
+            if self._built is not None and self._built[0] == request:
+                return self._built[1]
+            edits, self._edits = self._edits, []
+            left = self.left
+            out = x
+            for row, session, start, token, steps in edits:
+                left[row] = steps if session >= 0 else 0     # NOTE: this step is one of them
+                out = _set_row(out, x, row, session, start, token)
+            for i in np.flatnonzero(left == 0).tolist():
+                if int(out["sb_sessions"][i]) >= 0:
+                    out = _set_row(out, x, i, -1, 0, 0)
+            left[left > 0] -= 1
+            self._built = (request, out)
+            return out
+
+
+def _set_row(out: dict[str, torch.Tensor], x: dict[str, torch.Tensor], row: int, session: int,
+             start: int, token: int) -> dict[str, torch.Tensor]:
+    """``out`` (``x`` or a copy made here) with ``row`` as session ``session``'s next token
+    ``token`` at slot ``start``, or empty for session -1. ``x``'s tensors may be shared with
+    the step before (still running here): they are copied, never written."""
+    if out is x:
+        out = {k: v.clone() for k, v in x.items()}
+    live = session >= 0
+    out["input_ids"][row] = int(token) if live else 0
+    out["position_ids"][row] = int(start) if live else 0
+    out["sb_sessions"][row] = int(session)
+    out["sb_start"][row] = int(start) if live else 0
+    out["sb_valid"][row] = live
+    return out
 
 
 @dataclass(eq=False)
@@ -30,6 +108,7 @@ class Loop:
     logits: str                                           # the output tile the tokens come from
     inputs: dict[str, torch.Tensor]                       # this step's inputs (positions, sessions, ...)
     ahead: tuple[np.ndarray, bool, dict[str, torch.Tensor]] | None = None   # ``prepare``'s
+    lane: Lane | None = None                              # its rows change as it runs
 
     def prepare(self) -> None:
         """Work out what the next step reads but its tokens: which rows are live (pad rows stay as
@@ -55,7 +134,11 @@ class Loop:
         step, live, rest = self.ahead
         tokens = greedy_numpy(logits)
         nxt = {"input_ids": torch.from_numpy((tokens if live else tokens * step).reshape(-1, 1)), **rest}
-        return nxt, Loop(self.requests[1:], self.route, self.logits, nxt)
+        if self.lane is not None:
+            nxt = self.lane.apply(self.requests[0], nxt)
+            if len(self.requests) == 1:
+                self.lane.close()
+        return nxt, Loop(self.requests[1:], self.route, self.logits, nxt, lane=self.lane)
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
@@ -96,7 +179,14 @@ def decode_loop(msg: Any) -> Loop | None:
                  for a, feeds in msg["route"]]
         if any(t not in STEP_INPUTS for _, feeds in route for _, names in feeds for t in names):
             raise ValueError("a route names other inputs")
-        return Loop([int(r) for r in msg["requests"]][:4096], route, str(msg["logits"]), inputs)
+        lane = None
+        if msg.get("lane") is not None:
+            rows = int(inputs["sb_sessions"].shape[0])
+            left = [int(n) for n in msg.get("left") or [-1] * rows]
+            if len(left) != rows or any(n < -1 for n in left):
+                raise ValueError(f"a lane of {rows} rows with steps left {left[:8]}")
+            lane = Lane(int(msg["lane"]), [n - 1 if n > 0 else n for n in left])   # NOTE: the first step ran
+        return Loop([int(r) for r in msg["requests"]][:4096], route, str(msg["logits"]), inputs, lane=lane)
     except (KeyError, TypeError, ValueError) as e:
         raise WorkerLost(f"a decode loop's message is malformed ({e}): the step runs once") from e
 

@@ -36,7 +36,7 @@ from ...errors import AccessDenied, BadConfig, BadMessage, RunFailed, SeaBiscuit
 from ...lower.blocks import split_block
 from ..watch import seconds
 from .host import Host
-from .loops import Loop
+from .loops import Edit, Loop
 from .runs import DONE, KINDS, BlockRun, Memory, Run, RunKey, downstream, remember, tell_failed
 from .wire import Tensors, nbytes
 
@@ -61,6 +61,8 @@ class DataPlane:
         self.relaying: set[tuple[str, str]] = set()
         self.runs: dict[RunKey, Run] = {}
         self.loops: dict[RunKey, Loop] = {}               # run -> the decode loop that follows it
+        self.lanes: Memory = OrderedDict()                # (model, lane) -> a loop's ``Lane``
+        self.lane_rows: Memory = OrderedDict()            # a lane's step -> the sessions it runs
         self.held: dict[RunKey, tuple[Run, str]] = {}     # runs with blocks held behind the run they follow
         # NOTE: model -> the plan version its last sync retired the runs below (``retire``): a run of
         # an older one is refused from then on, before the blocks of the new one are loaded
@@ -99,6 +101,8 @@ class DataPlane:
             run.after = int(after)
         if run is not None and loop is not None and loop.requests:
             self.loops[run.key] = loop
+            if loop.lane is not None:
+                remember(self.lanes, (model, loop.lane.id), loop.lane)
             made = next((out for out in run.outputs.values() if loop.logits in out), None)
             if made is not None:         # NOTE: the step ran before its loop arrived
                 run.advance(made[loop.logits], ticket)
@@ -168,6 +172,14 @@ class DataPlane:
                 return
             await write(int(r), out, None)
 
+    async def edit(self, model: str, ticket: Any, lane: int, edits: Sequence[Edit]) -> bool:
+        """The caller's edits of a lane's rows (``loops.Lane``), applied to its next step built here;
+        False where this worker runs no such lane, or it runs no more steps (the caller starts
+        its loop anew)."""
+        await self.host.check(model, ticket)
+        found = self.lanes.get((model, int(lane)))
+        return bool(found is not None and found.edit(edits))
+
     async def fail(self, model: str, ticket: Any, version: int, request: int, reason: str = "",
                    block: int = -1, kind: str = "") -> bool:
         """A peer failed the run, which ``block`` here waited on: fail it here too, and downstream
@@ -221,7 +233,9 @@ class DataPlane:
         for r in requests:
             key = (model, int(r))
             error = RunFailed(f"request {r} of model {model} was ended by its caller")
-            self.loops.pop(key, None)
+            loop = self.loops.pop(key, None)
+            if loop is not None and loop.lane is not None:
+                loop.lane.close()
             gone_run = self.runs.pop(key, None)
             if gone_run is not None:
                 n += 1
@@ -300,7 +314,9 @@ class DataPlane:
                 run.chain.stopped = True
         for key in [k for k in self.loops if k[0] == model]:
             if version is None or (key in self.runs and self.runs[key].version < version):
-                del self.loops[key]
+                lane = self.loops.pop(key).lane
+                if lane is not None:
+                    lane.close()
         for run in doomed:
             why = "was released" if version is None else f"moved to plan v{version}"
             run.fail(StaleRun(f"{run.where()} cannot finish: the model {why} while it ran; "

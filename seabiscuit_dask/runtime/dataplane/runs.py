@@ -35,6 +35,7 @@ from ...errors import (
     BlockFailed,
     BudgetTooSmall,
     ClusterTooSmall,
+    LaneStopped,
     RunFailed,
     SeaBiscuitError,
     StaleRun,
@@ -43,7 +44,7 @@ from ...lower.blocks import BlockSpec
 from ...lower.kvcache import CacheLost
 from .chain import Chain
 from .host import ComputeArgs, Host, Outcome
-from .loops import Loop, greedy
+from .loops import ROWS, Loop, greedy
 from .wire import Tensors
 
 logger = logging.getLogger(__name__)
@@ -75,6 +76,7 @@ class Keeper(Protocol):
     # NOTE: by run, not in it: a run here may end between its blocks (all it had then ran) and
     # start again with the next, and the loop that follows it must still be found
     loops: dict[RunKey, Loop]                        # run -> the decode loop that follows it
+    lane_rows: Memory                                # a lane's step -> the sessions it runs
     ended: Memory                                    # failed or forgotten runs -> their error
     done: Memory                                     # runs that finished here
 
@@ -224,6 +226,11 @@ class Run:
             raise self.error
         out = {b: Tensors({t: greedy(x) if t == tokens else x for t, x in self.outputs.pop(b).items()})
                for b in blocks}
+        rows = self.keeper.lane_rows.pop(self.key, None) if tokens else None
+        if rows is not None:
+            for ts in out.values():
+                if tokens in ts:
+                    ts[ROWS] = rows
         self.wanted.difference_update(blocks)
         self.tidy()
         return out
@@ -434,6 +441,8 @@ class Run:
         keeper = self.keeper
         loop = keeper.loops.pop(self.key, None)
         if loop is None or not loop.requests or (self.model, loop.requests[0]) in keeper.ended:
+            if loop is not None and loop.lane is not None:
+                loop.lane.close()
             return []       # NOTE: the caller stopped the loop (forgot its next step)
         if chain is not None and chain.loop is loop and chain.step is not None:
             inputs, after = chain.step
@@ -442,7 +451,21 @@ class Run:
             chain = None
         nxt = keeper.get(self.model, self.version, loop.requests[0])
         if nxt is None:
+            if loop.lane is not None:
+                loop.lane.close()
             return []
+        if loop.lane is not None:
+            # NOTE: kept by the run manager, not the run: a run with no block here yet may be let go
+            # and made again by the next message of it
+            rows = inputs["sb_sessions"]
+            remember(keeper.lane_rows, nxt.key, rows)
+            if not bool((rows >= 0).any()):
+                # NOTE: every row of the lane ended: no step of pad rows runs on; a caller that reads
+                # it (a join came too late) starts the loop anew
+                loop.lane.close()
+                nxt.fail(LaneStopped(f"{nxt.where()}: every row of its lane ended, so its loop stopped "
+                                     "there; the lane starts anew"), ticket, spread=False)
+                return []
         if after.requests:
             keeper.loops[nxt.key] = after
             # NOTE: once this step is on its way, not on the path of the next one's tokens

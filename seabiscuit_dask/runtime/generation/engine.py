@@ -23,7 +23,7 @@ import torch
 from ... import config
 from ...errors import BadInput, ModelClosed, SessionClosed
 from ..watch import seconds
-from .executor import EngineStats, Executor, Result
+from .executor import EngineStats, Executor, LaneResult, Result
 from .inputs import step_inputs
 from .kv import KVLedger
 from .output import Prefill, SchedulerOutput
@@ -58,10 +58,16 @@ class Engine:
         # is counted in tokens (it bounds what is kept)
         self.prefixes = PrefixCache() if self.sessions.max_tokens and config.get("generate.prefix-caching") \
             else None
-        self.spec = SchedulerSpec.from_config(max_chunk=max_chunk, chains_steps=runner.chains_steps)
+        self.spec = SchedulerSpec.from_config(max_chunk=max_chunk, chains_steps=runner.chains_steps,
+                                              edits_loops=bool(getattr(runner, "edits_loops", False)))
         self.scheduler = Scheduler(self.spec, self._flow, lambda: runner.prefill_room)
         self.stats = EngineStats()
-        self.executor = Executor(runner, self.scheduler.replay, self.stats, self.spec.pipeline)
+        self.executor = Executor(runner, self.scheduler.replay, self.stats, self.spec.pipeline,
+                                 self.spec.lane_steps)
+        # NOTE: lane -> calls that ended there before their last token (an EOS, a stop, an error) and
+        # their sessions whose caches go once a step of the lane ran without them (its loop writes
+        # them till it hears they left): each call ends for its caller then (``_unpark``)
+        self._parked: dict[int, list[tuple[Call, list[int], BaseException | None]]] = {}
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -302,7 +308,8 @@ class Engine:
         (lock held)."""
         s = self.scheduler
         idle = not s.prefilling         # NOTE: one admission in flight at a time
-        return bool(self._landed or self.kv.owed or s.running or ((s.waiting or self._closed) and idle))
+        return bool(self._landed or self.kv.owed or s.running or s.lanes_leaving
+                    or ((s.waiting or self._closed) and idle))
 
     def _loop(self) -> None:
         while True:
@@ -337,8 +344,9 @@ class Engine:
             self._admitting.submit(self._admit, out)
         elif out.admitted:
             self._admitted(out, self.executor.admit(out))
-        if out.decodes:
-            self._decoded(out, self.executor.decode(out))
+        if out.decodes or out.lanes:
+            decoded = self.executor.decode(out) if out.decodes else []
+            self._decoded(out, decoded, self.executor.lanes(out) if out.lanes else [])
 
     def _admit(self, out: SchedulerOutput) -> None:
         """Prefill an admission while the running rows decode (on the admitting thread); its results
@@ -389,9 +397,10 @@ class Engine:
             self.stats.prefix_hits += sum(1 for _, sid, _ in forks if not had[sid])
             self.stats.prefix_tokens += sum(n - had[sid] for _, sid, n in forks)
 
-    def _decoded(self, out: SchedulerOutput, results: list[Result]) -> None:
-        """Each running call's next tokens from its groups' results, to its caller; a call of a
-        group that failed, or that the deployment's close ends, ends."""
+    def _decoded(self, out: SchedulerOutput, results: list[Result], lanes: Sequence[LaneResult] = ()) -> None:
+        """Each running call's next tokens from its groups' and lanes' results, to its caller; a
+        call of a group or lane that failed, or that the deployment's close ends, ends. A call in
+        a lane whose step did not run its rows yet (it joined a loop that runs ahead) waits."""
         got: dict[int, torch.Tensor] = {}
         failed: dict[int, BaseException] = {}
         owner = {s.sid: (c, s) for c in self.scheduler.running for s in c.live}
@@ -403,13 +412,43 @@ class Engine:
                 else:
                     s.cached = r.stop
                     got[r.session] = res[i]
+        for ls, lres in zip(out.lanes, lanes):
+            if lres is None or isinstance(lres, BaseException):
+                for sid in ls.sessions:
+                    if sid in owner and lres is not None:
+                        c, _ = owner[sid]
+                        failed[c.cid] = c.closing or lres
+                self._unpark(ls.lane, None)       # NOTE: its loop was let go
+                continue
+            tokens, rows = lres
+            ran = rows.tolist()
+            for i, sid in enumerate(ran):
+                if sid in owner and self.scheduler.in_lane(owner[sid][0]) == ls.lane:
+                    s = owner[sid][1]
+                    s.cached += 1
+                    got[sid] = tokens[i]
+            self._unpark(ls.lane, set(ran))
         for c in list(self.scheduler.running):
             if c.closing is not None:     # NOTE: a token computed as the model closed is not emitted
                 self._finish(c, c.closing)
             elif c.cid in failed:
                 self._finish(c, failed[c.cid])
-            else:
+            elif all(s.sid in got for s in c.live):
                 self._guard(c, lambda c: self._emit(c, picked(c.sampling, [got[s.sid] for s in c.live])))
+
+    def _unpark(self, lane: int, running: set[int] | None) -> None:
+        """End the parked calls of ``lane`` whose sessions its last step did not run (``running``;
+        None: its loop was let go, so none runs), freeing their caches first."""
+        parked = self._parked.get(lane)
+        if not parked:
+            return
+        done = [p for p in parked if running is None or running.isdisjoint(p[1])]
+        if done:
+            self._parked[lane] = [p for p in parked if p not in done]
+            self.kv.free([sid for _, sids, _ in done for sid in sids])
+            for call, _, error in done:
+                call.out.put(error)
+                call.ended.set()
 
     def _guard(self, call: Call, fn: Callable[..., None]) -> None:
         try:
@@ -437,7 +476,7 @@ class Engine:
             self._finish(call, None)
 
     def _finish(self, call: Call, error: BaseException | None) -> None:
-        self.scheduler.finish(call)
+        lane = self.scheduler.finish(call)
         for s in call.sessions:
             s.done = True
         self.executor.forget({s.sid for s in call.sessions})   # NOTE: a step queued for them is never needed
@@ -459,6 +498,10 @@ class Engine:
             elif seen is not None or ahead:
                 moved = self.sessions.rewind(call, [b + (call.produced if seen is None else seen)
                                                     for b in call.base])
+        if lane is not None and freed and call.produced < call.max_new:
+            # NOTE: its rows may still run (a call's rows stop by themselves after its last token only)
+            self._parked.setdefault(lane, []).append((call, freed, error))
+            return
         self.kv.free(freed, moved)
         call.out.put(error if error is not None else None)
         call.ended.set()

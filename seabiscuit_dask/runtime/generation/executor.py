@@ -16,14 +16,15 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from ...errors import STALE_TRIES, BadInput, StaleRun, WorkerLost, restless
+from ...errors import STALE_TRIES, BadInput, LaneStopped, StaleRun, WorkerLost, restless
 from ...lower.kvcache import CacheLost
-from .inputs import step_inputs
-from .output import Chunk, DecodeGroup, Prefill, PrefillGroup, SchedulerOutput
+from .inputs import SESSIONS, lane_inputs, step_inputs
+from .output import Chunk, DecodeGroup, LaneStep, Prefill, PrefillGroup, SchedulerOutput
 from .runner import Handle, Runner, StepFeed
 from .sampling import greedy
 
@@ -32,6 +33,25 @@ CHUNKS_IN_FLIGHT = 8    # NOTE: a prompt's chunks sent and not yet answered: a p
 STEP_TRIES = 4          # NOTE: a step's tries after worker losses, each after a replay
 Replay = Callable[[int, int, int], Prefill]      # (session, up to slot, prompts at once) -> its chunks
 Result = torch.Tensor | BaseException
+# NOTE: (tokens, sessions) of a lane's step, the error that ended it, or None (its loop stopped)
+LaneResult = tuple[torch.Tensor, torch.Tensor] | BaseException | None
+
+
+@dataclass(eq=False)
+class _LaneLoop:
+    """A lane's loop on the workers: the next step to read (None: it ran all its steps), its rows,
+    the sessions of its first step (fed from here), and the edits sent whose answers are unread
+    (each sent after the one before)."""
+
+    handle: Handle | None
+    batch: int
+    fed: torch.Tensor
+    edits: list[Any] = field(default_factory=list)
+
+
+def _took(f: Any) -> bool:
+    """Whether a lane took an edit (a done future's answer)."""
+    return not f.cancelled() and f.exception() is None and bool(f.result())
 
 
 @dataclass
@@ -51,6 +71,8 @@ class EngineStats:
     prefix_hits: int = 0          # new sessions that started from a kept cache (``prefix``) or a twin's
     prefix_tokens: int = 0        # and the tokens they did not prefill again
     step_tokens: int = 0          # tokens the steps computed, padding included (rows x length each)
+    lane_starts: int = 0          # lanes' loops started (a lane's first step, a growth, a loop run out)
+    lane_edits: int = 0           # rows joined or emptied in a running loop, in messages sent
 
     def as_dict(self) -> dict[str, float]:
         return dict(vars(self))
@@ -60,12 +82,15 @@ class Executor:
     """Carries out records through ``runner``: ``admit`` and ``decode`` return each call's or
     group's result, or the error that ended it; ``replay`` cuts a lost session's replay."""
 
-    def __init__(self, runner: Runner, replay: Replay, stats: EngineStats, pipeline: int = 1) -> None:
+    def __init__(self, runner: Runner, replay: Replay, stats: EngineStats, pipeline: int = 1,
+                 lane_steps: int = 256) -> None:
         self.runner = runner
         self.replay = replay
         self.stats = stats
         self._ahead: dict[tuple[int, ...], tuple[Handle, tuple[int, ...]]] = {}
         self._ahead_lock = threading.Lock()
+        self._lanes: dict[int, _LaneLoop] = {}       # lane -> its loop on the workers (the engine's thread's)
+        self.lane_steps = lane_steps
         self._pool = ThreadPoolExecutor(max(1, pipeline - 1), thread_name_prefix="seabiscuit-step")
         # NOTE: prompts prefilled side by side on threads of their own: an admission that runs while
         # rows decode (``SchedulerSpec.overlap``) never holds a thread a decode group waits for
@@ -73,6 +98,8 @@ class Executor:
 
     def close(self) -> None:
         self.drop_ahead()
+        for lane in list(self._lanes):
+            self.stop_lane(lane)
         self._pool.shutdown(wait=False)
         self._prefill_pool.shutdown(wait=False)
 
@@ -272,6 +299,92 @@ class Executor:
                 self.runner.recover(e)
             out = greedy(self._run(g.rows, g.batch, 1, feed(), 1, lost=None if stale else e))
         return out[:len(g.rows)]
+
+    # --- lanes -------------------------------------------------------------------------------
+    def lanes(self, out: SchedulerOutput) -> list[LaneResult]:
+        """A step of each lane of ``out``: its greedy tokens (batch,) and the sessions it ran
+        (batch,; -1 for an empty row), None for a lane left empty (its loop stopped), or the
+        error that ended the step."""
+        t0 = time.perf_counter()
+        results: list[LaneResult] = []
+        for ls in out.lanes:
+            try:
+                results.append(self._lane(ls))
+            except BaseException as e:  # noqa: BLE001 - fails the calls of this lane only
+                self.stop_lane(ls.lane)
+                results.append(e)
+        for ls, res in zip(out.lanes, results):
+            if isinstance(res, tuple):
+                self.stats.decode_steps += 1
+                self.stats.rows += len(ls.sessions)
+                self.stats.step_tokens += ls.batch
+        self.stats.decode_s += time.perf_counter() - t0
+        return results
+
+    def _lane(self, ls: LaneStep) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """One step of lane ``ls``: its edits sent to its running loop, or the loop started anew
+        (none runs, it ran out, refused an edit, or the lane grew); then the step read."""
+        if not ls.sessions:
+            self.stop_lane(ls.lane)
+            return None
+        loop = self._lanes.get(ls.lane)
+        if loop is not None:
+            loop.edits = [f for f in loop.edits if not (f.done() and _took(f))]
+        if loop is None or loop.handle is None or loop.batch != ls.batch \
+                or any(f.done() and not _took(f) for f in loop.edits):
+            loop = self._start_lane(ls)
+        elif ls.joins or ls.leaves:
+            edits = [(i, -1, 0, 0, 0) for i, _ in ls.leaves]
+            for i in ls.joins:
+                r = ls.rows[i]
+                if r is not None:
+                    edits.append((i, r.chunk.session, r.chunk.start, r.chunk.tokens[0], r.steps))
+            after = loop.edits[-1] if loop.edits else None
+            loop.edits.append(self.runner.edit_lane(loop.handle, edits, after))
+            self.stats.lane_edits += 1
+        for _ in range(2):
+            handle = loop.handle
+            assert handle is not None
+            try:
+                tokens, rows = self.runner.step_rows(handle)
+            except LaneStopped:        # NOTE: its rows had all ended when a join came: anew
+                loop = self._start_lane(ls)
+                continue
+            except WorkerLost as e:
+                self.stop_lane(ls.lane)
+                stale = isinstance(e, StaleRun)
+                if stale:
+                    self.runner.recover(e)
+                rows_now = [r.chunk for r in ls.rows if r is not None]
+                logits = self._run(rows_now, ls.batch, 1, self._lane_feed(ls), 1, lost=None if stale else e)
+                return greedy(logits), self._lane_feed(ls)[SESSIONS]
+            loop.handle = handle.next
+            return tokens, loop.fed if rows is None else rows
+        raise LaneStopped(f"lane {ls.lane}: its loop stopped twice as it started")
+
+    def _lane_feed(self, ls: LaneStep) -> StepFeed:
+        return lane_inputs([(r.chunk.session, r.chunk.start, r.chunk.tokens) if r is not None else None
+                            for r in ls.rows], ls.batch)
+
+    def _start_lane(self, ls: LaneStep) -> _LaneLoop:
+        """Start lane ``ls``'s loop anew from its rows (the one before let go)."""
+        self.stop_lane(ls.lane)
+        self.runner.prepare(ls.batch, 1)
+        feed = self._lane_feed(ls)
+        left = [r.steps if r is not None else 0 for r in ls.rows]
+        handle = self.runner.start_lane(ls.batch, feed, self.lane_steps, left)
+        if handle is None:
+            raise BadInput(f"lane {ls.lane}: this deployment's decode program cannot loop on the workers "
+                           "(set seabiscuit.generate.lanes to false)")
+        loop = self._lanes[ls.lane] = _LaneLoop(handle, ls.batch, feed[SESSIONS])
+        self.stats.lane_starts += 1
+        return loop
+
+    def stop_lane(self, lane: int) -> None:
+        """Let go of lane ``lane``'s loop, if one runs."""
+        loop = self._lanes.pop(lane, None)
+        if loop is not None and loop.handle is not None:
+            self.runner.discard(loop.handle)
 
     def drop_ahead(self, keep: set[tuple[int, ...]] | None = None) -> None:
         """Let go of the queued steps of groups not in ``keep`` (their work was never needed)."""

@@ -39,3 +39,22 @@ def step_inputs(rows: Sequence[Row], batch: int, length: int) -> dict[str, torch
         valid[b, length - n:] = True
         sessions[b], start[b] = sid, first
     return {TOKENS: ids, POSITIONS: pos, SESSIONS: sessions, START: start, VALID: valid}
+
+
+def lane_inputs(rows: Sequence[Row | None], batch: int) -> dict[str, torch.Tensor]:
+    """Decode step inputs of a lane: row ``i`` is ``rows[i]`` ((session, slot, (token,))), empty
+    where None or past ``rows`` (session -1, computed and ignored)."""
+    ids = torch.zeros((batch, 1), dtype=torch.long)
+    pos = torch.zeros((batch, 1), dtype=torch.long)
+    valid = torch.zeros((batch, 1), dtype=torch.bool)
+    sessions = torch.full((batch,), -1, dtype=torch.long)
+    start = torch.zeros((batch,), dtype=torch.long)
+    for b, row in enumerate(rows):
+        if row is None:
+            continue
+        sid, first, toks = row
+        if len(toks) != 1:
+            raise BadInput(f"a lane's row takes one token a step, got {len(toks)}")
+        ids[b, 0], pos[b, 0], valid[b, 0] = int(toks[0]), first, True
+        sessions[b], start[b] = sid, first
+    return {TOKENS: ids, POSITIONS: pos, SESSIONS: sessions, START: start, VALID: valid}

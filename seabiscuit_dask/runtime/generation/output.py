@@ -126,6 +126,44 @@ class DecodeGroup:
 
 
 @dataclass(frozen=True)
+class LaneRow:
+    """A row of a lane: its session's last token (``chunk``: not yet cached) and the steps it takes
+    from there at most (its call's tokens still to come)."""
+
+    chunk: Chunk
+    steps: int
+
+    def __str__(self) -> str:
+        return f"s{self.chunk.session}@{self.chunk.start} x{self.steps}"
+
+
+@dataclass(frozen=True)
+class LaneStep:
+    """One step of a lane (a decode loop on the workers whose rows change as it runs): its rows as
+    the scheduler holds them now (``rows``: a row each, None where empty), in a loop of
+    ``batch`` rows; ``joins``, the rows that took a session since the last step, and ``leaves``
+    ((row, session)), those emptied. Where the lane's loop runs with ``batch`` rows, the
+    executor sends the joins and leaves to it; else (none runs, it ended, it refused an edit,
+    or the batch grew) it starts one anew from ``rows``."""
+
+    lane: int
+    batch: int
+    rows: tuple[LaneRow | None, ...]
+    joins: tuple[int, ...] = ()
+    leaves: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def sessions(self) -> tuple[int, ...]:
+        return tuple(r.chunk.session for r in self.rows if r is not None)
+
+    def __str__(self) -> str:
+        rows = " ".join(str(r) if r is not None else "-" for r in self.rows)
+        edits = "".join([f", join rows {list(self.joins)}" if self.joins else "",
+                         f", leave {' '.join(f'{i}:s{s}' for i, s in self.leaves)}" if self.leaves else ""])
+        return f"lane {self.lane} of {self.batch} rows: {rows}{edits}"
+
+
+@dataclass(frozen=True)
 class SchedulerOutput:
     """One step of generation as decided: the calls that end before it, then the calls admitted
     (their prompts prefilled ``together`` at once) or the groups that decode."""
@@ -136,6 +174,7 @@ class SchedulerOutput:
     together: int = 1
     decodes: tuple[DecodeGroup, ...] = ()
     prefill_groups: tuple[PrefillGroup, ...] = ()     # admitted prompts prefilled together, side by side
+    lanes: tuple[LaneStep, ...] = ()                   # lanes that step (their rows decode on the workers)
 
     def __str__(self) -> str:
         head = [f"step {self.step}:"]
@@ -146,7 +185,10 @@ class SchedulerOutput:
         if self.decodes:
             head.append(f"decode {sum(len(g.rows) for g in self.decodes)} row(s) in {len(self.decodes)} "
                         "group(s)")
+        if self.lanes:
+            head.append(f"step {sum(len(ls.sessions) for ls in self.lanes)} row(s) in {len(self.lanes)} "
+                        "lane(s)")
         if len(head) == 1:
             head.append("nothing")
         return "\n  ".join([" ".join(head), *map(str, self.admitted), *map(str, self.prefill_groups),
-                             *map(str, self.decodes)])
+                             *map(str, self.decodes), *map(str, self.lanes)])

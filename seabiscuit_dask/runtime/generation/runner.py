@@ -10,16 +10,20 @@ step behind another (``chains_steps``), whether it sends a prompt's chunks at on
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
 from ...decompose import decompose
+from ...errors import BadInput, LaneStopped
 from ...ir import OpGraph
 from ...lower.kvcache import KVStore, using
 from ...trace.decoder import trace_step
+from ..dataplane.loops import Edit, Lane, Loop
 from ..local import run_local
 from .sampling import greedy
 
@@ -47,6 +51,24 @@ class Runner(Protocol):
     def prefill_room(self) -> tuple[int, int]:
         """(tokens, rows) a prefill step of several prompts may hold with no program built for it
         (0 tokens: the scheduler prefills prompts one by one)."""
+
+    @property
+    def edits_loops(self) -> bool:
+        """Whether ``start_lane`` starts decode loops whose rows change as they run."""
+
+    def start_lane(self, batch: int, feed: StepFeed, steps: int, left: list[int]) -> Handle:
+        """Start a decode loop of ``steps`` greedy steps whose rows change as it runs (a lane,
+        ``dataplane.Lane``), fed ``feed``; ``left``: each row's steps, the first included (-1: no
+        bound). Its first step's handle, each one's ``next`` the step after it (None: the last);
+        None where it cannot."""
+
+    def edit_lane(self, handle: Handle, edits: list[Edit], after: Any = None) -> Any:
+        """Edit the rows of the lane ``handle`` is a step of (each (row, session or -1 to empty it,
+        first slot, token, steps or -1)), after the edits of ``after``; a future of whether it took them."""
+
+    def step_rows(self, handle: Handle) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The greedy tokens (batch,) of a submitted step, and for a lane's later step the sessions
+        it ran (batch,); None where its caller fed them."""
 
     def prepare(self, batch: int, length: int) -> Any:
         """Build the step program of this shape now, so step times leave its one-off cost out; it is
@@ -95,9 +117,10 @@ class LocalRunner:
     prefill_stages = 1
     prefill_room = (0, 0)
 
-    def __init__(self, model: Any, budget: int | str | None = None) -> None:
+    def __init__(self, model: Any, budget: int | str | None = None, lanes: bool = False) -> None:
         self.model = model
         self.budget = budget
+        self.edits_loops = lanes        # NOTE: lanes run here as on the workers, a step as it is read
         self.store = KVStore()
         self.programs: dict[tuple[int, int], OpGraph] = {}
         self._lock = threading.Lock()           # NOTE: torch.export is not thread-safe
@@ -134,6 +157,19 @@ class LocalRunner:
     def submit_chunk(self, length: int, feed: StepFeed, follows: Handle = None) -> Handle:
         return self.run_step(1, length, feed)
 
+    def start_lane(self, batch: int, feed: StepFeed, steps: int, left: list[int]) -> Handle:
+        return _LocalLane(self, batch, feed, steps, left).step(0)
+
+    def edit_lane(self, handle: Handle, edits: list[Edit], after: Any = None) -> Any:
+        done: concurrent.futures.Future[bool] = concurrent.futures.Future()
+        done.set_result(handle.lane.loop.lane.edit(edits))
+        return done
+
+    def step_rows(self, handle: Handle) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if isinstance(handle, _LocalStep):
+            return handle.lane.read(handle.index)
+        return self.step_tokens(handle), None
+
     def end_sessions(self, sessions: Sequence[int], renamed: Sequence[tuple[int, int, int]] = (),
                      forked: Sequence[tuple[int, int, int]] = ()) -> None:
         for src, dst, keep in forked:
@@ -144,3 +180,46 @@ class LocalRunner:
 
     def recover(self, error: BaseException) -> None:
         raise error
+
+
+class _LocalLane:
+    """A lane run in this process (``LocalRunner``): each step computed as it is read, and the step
+    after it built right then, as the worker that makes a lane's logits builds it
+    (``dataplane.Loop.following``, with the edits its ``Lane`` holds by then)."""
+
+    def __init__(self, runner: LocalRunner, batch: int, feed: StepFeed, steps: int, left: list[int]) -> None:
+        self.runner, self.batch, self.steps = runner, batch, steps
+        lane = Lane(0, [n - 1 if n > 0 else n for n in left])       # NOTE: its first step runs as read
+        self.loop = Loop(list(range(1, steps)), [], "", feed, lane=lane)
+        self.at = 0
+        self.next: StepFeed | None = feed
+
+    def step(self, index: int) -> _LocalStep:
+        return _LocalStep(self, index)
+
+    def read(self, index: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if index != self.at:
+            raise BadInput(f"a lane's steps are read in order: step {index} asked after {self.at}")
+        inputs = self.next
+        if inputs is None:
+            raise LaneStopped("every row of the lane ended, or it ran its steps: its loop stopped")
+        logits = self.runner.run_step(self.batch, 1, inputs)
+        self.at += 1
+        self.next = None
+        if self.loop.requests:
+            nxt, self.loop = self.loop.following(logits.unsqueeze(1))
+            if bool((nxt["sb_sessions"] >= 0).any()):
+                self.next = nxt
+            elif self.loop.lane is not None:
+                self.loop.lane.close()
+        return greedy(logits), inputs["sb_sessions"] if index > 0 else None
+
+
+@dataclass(frozen=True)
+class _LocalStep:
+    lane: _LocalLane
+    index: int
+
+    @property
+    def next(self) -> _LocalStep | None:
+        return _LocalStep(self.lane, self.index + 1) if self.index + 1 < self.lane.steps else None

@@ -25,6 +25,11 @@ touching execution. The policy:
   at a time), and its calls join the decode groups once their first tokens are out (``joined``);
   its steps then hold ``seabiscuit.generate.prefill-while-decoding`` tokens at most where that
   is set, so a decode step never waits long behind one (chunked prefill);
+- where the runner's decode loops take edits (``Runner.edits_loops``, ``seabiscuit.generate.lanes``),
+  greedy calls decode in ``pipeline`` lanes instead: a call takes empty rows of the lane with
+  the fewest, and leaves them when it ends; a lane's rows are its loop's, which changes
+  between steps without a restart (``LaneStep``); a lane with no empty row for a call grows
+  (its loop starts anew with more rows), an empty one shrinks to nothing;
 - rows of one call with the same prompt (``n`` answers to it) are prefilled once: the others
   start from a copy of that cache and pick their first tokens from its logits (``twins_of``);
 - a call its caller stopped reading, or that the deployment's close ends, ends before the step.
@@ -41,7 +46,7 @@ from dataclasses import dataclass
 from ... import config
 from ...errors import BadInput
 from ...lower.dims import Dims
-from .output import Admission, Chunk, DecodeGroup, Prefill, PrefillGroup, SchedulerOutput
+from .output import Admission, Chunk, DecodeGroup, LaneRow, LaneStep, Prefill, PrefillGroup, SchedulerOutput
 from .sessions import Call, Session
 
 # NOTE: a step's fixed cost (every weight read once) in tokens' worth of compute
@@ -118,9 +123,12 @@ class SchedulerSpec:
     overlap: bool = False        # admissions prefill while the running rows decode (the runner chains steps)
     overlap_tokens: int = 0      # and then hold at most this many tokens a step (0: no bound)
     step_tokens: int = 256       # tokens one step computes at most (``generate.step-tokens``)
+    lanes: int = 0               # greedy calls decode in this many lanes (0: in groups)
+    lane_steps: int = 256        # steps a lane's loop runs at most before it starts anew
 
     @classmethod
-    def from_config(cls, *, max_chunk: int | None = None, chains_steps: bool = False) -> SchedulerSpec:
+    def from_config(cls, *, max_chunk: int | None = None, chains_steps: bool = False,
+                    edits_loops: bool = False) -> SchedulerSpec:
         """The spec the configuration gives, for a deployment whose own input is ``max_chunk``
         tokens long and whose runner chains steps or not."""
         # NOTE: chunks no longer than the deployment's own input: its weight tiles fit them too,
@@ -131,7 +139,9 @@ class SchedulerSpec:
                    bool(config.get("generate.lookahead")) and chains_steps,
                    bool(config.get("generate.overlap-prefill")) and chains_steps,
                    int(config.get("generate.prefill-while-decoding") or 0),
-                   max(1, int(config.get("generate.step-tokens"))))
+                   max(1, int(config.get("generate.step-tokens"))),
+                   pipeline_groups() if edits_loops and config.get("generate.lanes") else 0,
+                   max(2, int(config.get("generate.lane-steps") or 256)))
 
     def dims(self, sessions: int) -> tuple[Dims, Dims]:
         """The shapes the general decode and prefill programs serve for ``sessions`` at once: any
@@ -160,6 +170,11 @@ class Scheduler:
         self._calls: dict[int, Call] = {}
         self._steps = itertools.count()
         self._admitted_last = False
+        # NOTE: the lanes: each row's (call, session) or None, the rows of each lane's loop (0: none
+        # yet), the call in each, and the rows emptied since the lane's last step
+        self._lanes: list[list[tuple[int, int] | None]] = [[] for _ in range(spec.lanes)]
+        self._in_lane: dict[int, int] = {}
+        self._leaves: list[list[tuple[int, int]]] = [[] for _ in range(spec.lanes)]
 
     # --- calls ----------------------------------------------------------------------------
     def add(self, call: Call) -> None:
@@ -171,12 +186,24 @@ class Scheduler:
         """The call a record names."""
         return self._calls[cid]
 
-    def finish(self, call: Call) -> None:
-        """Forget a call the engine finished."""
+    def finish(self, call: Call) -> int | None:
+        """Forget a call the engine finished; the lane it decoded in (its rows emptied), if any."""
         for calls in (self.running, self.prefilling):
             if call in calls:
                 calls.remove(call)
         self._calls.pop(call.cid, None)
+        lane = self._in_lane.pop(call.cid, None)
+        if lane is not None:
+            rows = self._lanes[lane]
+            for i, row in enumerate(rows):
+                if row is not None and row[0] == call.cid:
+                    rows[i] = None
+                    self._leaves[lane].append((i, row[1]))
+        return lane
+
+    def in_lane(self, call: Call) -> int | None:
+        """The lane ``call`` decodes in, if any."""
+        return self._in_lane.get(call.cid)
 
     def joined(self, call: Call) -> None:
         """An admitted call's prompts are cached and its first tokens out: it decodes from the next step."""
@@ -186,7 +213,12 @@ class Scheduler:
 
     @property
     def has_calls(self) -> bool:
-        return bool(self.waiting or self.running or self.prefilling)
+        return bool(self.waiting or self.running or self.prefilling or self.lanes_leaving)
+
+    @property
+    def lanes_leaving(self) -> bool:
+        """Whether rows of a lane were emptied that its loop has not heard of yet."""
+        return any(self._leaves)
 
     # --- steps ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -195,10 +227,10 @@ class Scheduler:
         admission in flight at a time."""
         step = next(self._steps)
         if self.spec.overlap:
-            out = self._decode(step) if self.running else SchedulerOutput(step)
+            out = self._decode(step) if self.running or self.lanes_leaving else SchedulerOutput(step)
             if self.waiting and not self.prefilling:
                 new = self._admit(step)
-                out = dataclasses.replace(new, ended=out.ended + new.ended, decodes=out.decodes)
+                out = dataclasses.replace(new, ended=out.ended + new.ended, decodes=out.decodes, lanes=out.lanes)
             return out
         if self.waiting and not (self._admitted_last and self.running):
             self._admitted_last = True
@@ -259,10 +291,76 @@ class Scheduler:
     def _decode(self, step: int) -> SchedulerOutput:
         ended = [c for c in self.running if c.stopping]
         self.running = [c for c in self.running if c not in ended]
-        rows = [(c, s) for c in self.running for s in c.live]
+        lanes = self._lane_steps([c for c in self.running if self._lane_fit(c)])
+        rows = [(c, s) for c in self.running if c.cid not in self._in_lane for s in c.live]
         size = group_size(len(rows), self.spec.batch_sizes[-1], self.spec.pipeline) if rows else 1
         groups = tuple(self._group(rows[i:i + size]) for i in range(0, len(rows), size))
-        return SchedulerOutput(step, tuple(c.cid for c in ended), decodes=groups)
+        return SchedulerOutput(step, tuple(c.cid for c in ended), decodes=groups, lanes=lanes)
+
+    # --- lanes -------------------------------------------------------------------------------
+    def _lane_fit(self, call: Call) -> bool:
+        """Whether ``call`` decodes in a lane: lanes are on, it is greedy, not a kept session's turn
+        (whose next turn writes where a row still running would), and its rows fit one."""
+        return bool(self.spec.lanes) and not call.sampling.do_sample and not call.keep \
+            and not call.stopping and 0 < len(call.live) <= self.spec.batch_sizes[-1]
+
+    def _lane_steps(self, calls: list[Call]) -> tuple[LaneStep, ...]:
+        """Place the calls of ``calls`` in no lane yet (each in the lane with the fewest rows taken
+        that has room for it, else growing that lane), then each lane's step: those with rows
+        taken, or rows emptied since their last step (the loop of a lane left empty stops)."""
+        if not self.spec.lanes:
+            return ()
+        sessions = {c.cid: {s.sid: s for s in c.sessions} for c in calls}
+        calls_of = {c.cid: c for c in calls}
+        joins: list[list[int]] = [[] for _ in self._lanes]
+        waiting = sum(len(c.live) for c in calls)
+        target = -(-waiting // self.spec.lanes)
+        for c in calls:
+            if c.cid in self._in_lane:
+                continue
+            lane = self._place(c, target)
+            if lane is not None:
+                self._in_lane[c.cid] = lane
+                rows = self._lanes[lane]
+                free = iter([i for i, r in enumerate(rows) if r is None])
+                for s in c.live:
+                    i = next(free)
+                    rows[i] = (c.cid, s.sid)
+                    joins[lane].append(i)
+        out = []
+        for lane, rows in enumerate(self._lanes):
+            leaves, self._leaves[lane] = tuple(self._leaves[lane]), []
+            taken = [r for r in rows if r is not None]
+            if not taken and not leaves:
+                continue
+            made = tuple(None if r is None or r[0] not in calls_of else
+                         _lane_row(calls_of[r[0]], sessions[r[0]][r[1]]) for r in rows)
+            out.append(LaneStep(lane, len(rows), made, tuple(joins[lane]), leaves))
+            if not taken:
+                self._lanes[lane] = []        # NOTE: its loop stops; the next call sizes it anew
+        return tuple(out)
+
+    def _place(self, call: Call, target: int) -> int | None:
+        """The lane ``call``'s live rows go in: of those with room, the one with the fewest rows
+        taken; else that one grown to the next batch bucket that holds them (a lane with no
+        rows yet takes the bucket of ``target``, its share of the rows decoding); None where
+        none can hold them (it decodes in a group)."""
+        need = len(call.live)
+        taken = [sum(r is not None for r in rows) for rows in self._lanes]
+        order = sorted(range(len(self._lanes)), key=lambda i: taken[i])
+        for i in order:
+            if len(self._lanes[i]) - taken[i] >= need:
+                return i
+        sizes = self.spec.batch_sizes
+        for i in order:
+            size = bucket(max(taken[i] + need, target if not taken[i] else 0), sizes)
+            if size >= taken[i] + need:
+                rows = self._lanes[i]
+                if not taken[i]:
+                    rows.clear()      # NOTE: an empty lane starts anew at its new size
+                rows.extend([None] * (size - len(rows)))
+                return i
+        return None
 
     def _group(self, part: list[tuple[Call, Session]]) -> DecodeGroup:
         """One decode group: each session's uncached tokens (its last), a bucket of rows; queued
@@ -312,6 +410,14 @@ class Scheduler:
         if batches is None:
             batches = [b for b in self.spec.batch_sizes if b <= max(1, max_sessions)]
         return [(1, n) for n in sizes] + [(int(b), 1) for b in batches]
+
+
+def _lane_row(call: Call, s: Session) -> LaneRow | None:
+    """A lane's row of session ``s`` of ``call``: its last token at its first uncached slot, and
+    the steps left to its call (None for a row that ended: its loop empties it)."""
+    if s.done or len(s.tokens) - s.cached != 1:
+        return None
+    return LaneRow(Chunk(s.sid, s.cached, (s.tokens[-1],), 1), call.max_new - call.produced)
 
 
 def twins_of(sessions: Sequence[Session]) -> dict[int, int]:

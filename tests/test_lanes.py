@@ -1,0 +1,293 @@
+"""Lanes: decode loops on the workers whose rows change as they run.
+
+A call joins an empty row of a running loop and leaves it between steps, with no
+restart: the worker applies the caller's edits to the next step it builds
+(``dataplane.Lane``), each row stops by itself after its call's last token, and each
+step tells its caller the sessions it ran. The scheduler's placement is a plain record
+(``LaneStep``); in this process (``LocalRunner(lanes=True)``) and on a cluster the
+answers are Hugging Face's greedy ones for calls that join and leave at any time.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+import torch
+
+import seabiscuit_dask as sb
+from seabiscuit_dask.errors import BadInput
+from seabiscuit_dask.runtime.dataplane import Lane, Loop
+from seabiscuit_dask.runtime.generation import (
+    Engine,
+    GenerateArgs,
+    LocalRunner,
+    Scheduler,
+    SchedulerSpec,
+    SessionTable,
+    generate_tokens,
+    stream_tokens,
+)
+from seabiscuit_dask.runtime.generation.executor import EngineStats, Executor
+from seabiscuit_dask.runtime.generation.inputs import lane_inputs, step_inputs
+from seabiscuit_dask.runtime.generation.output import Chunk, LaneRow, LaneStep, SchedulerOutput
+
+from .clusters import seabiscuit_cluster
+from .test_generate import decoder, padded_batch
+from .test_generation_scheduler import call
+
+LANES = SchedulerSpec(prefill_sizes=(16, 32), batch_sizes=(1, 2, 4, 8), pipeline=2, loop_steps=32,
+                      lookahead=True, lanes=2, lane_steps=64)
+
+
+def answered(scheduler: Scheduler, out: Any, token: int = 7) -> None:
+    """What the engine does once a step ran: each admitted call's prompts cached and its first
+    token out; each lane's rows cached their token and took the next."""
+    calls = {}
+    for a in out.admitted:
+        c = calls[a.call] = scheduler.call(a.call)
+        for s, p in zip(c.sessions, a.prefills):
+            s.cached = p.chunks[-1].stop
+    for ls in out.lanes:
+        for sid in ls.sessions:
+            c = next(c for c in scheduler.running if sid in {s.sid for s in c.sessions})
+            calls[c.cid] = c
+            next(s for s in c.sessions if s.sid == sid).cached += 1
+    for c in calls.values():
+        for s in c.live:
+            s.tokens.append(token)
+        c.produced += 1
+
+
+# --- the worker's side ------------------------------------------------------------------------
+def logits_for(tokens: list[int], vocab: int = 10) -> torch.Tensor:
+    """(rows, 1, vocab) logits whose greedy tokens are ``tokens``."""
+    out = torch.zeros((len(tokens), 1, vocab))
+    for i, t in enumerate(tokens):
+        out[i, 0, t] = 1.0
+    return out
+
+
+def test_a_lane_takes_joins_and_leaves_between_steps_and_stops_each_row_after_its_steps() -> None:
+    feed = lane_inputs([(5, 3, (7,)), None], 2)
+    # NOTE: row 0 takes 3 steps, the one fed from the caller first (as ``decode_loop`` reads them)
+    loop = Loop([11, 12, 13, 14], [], "logits", feed, lane=Lane(1, [2, 0]))
+    # step 11: row 0 goes on at slot 4 with its greedy token
+    x, loop = loop.following(logits_for([2, 0]))
+    assert x["sb_sessions"].tolist() == [5, -1] and x["position_ids"].flatten().tolist() == [4, 0]
+    # step 12: the join takes row 1 at slot 4 for 2 steps
+    assert loop.lane is not None and loop.lane.edit([(1, 9, 4, 8, 2)])
+    x, loop = loop.following(logits_for([2, 0]))
+    assert x["sb_sessions"].tolist() == [5, 9]
+    assert x["position_ids"].flatten().tolist() == [5, 4] and x["sb_start"].tolist() == [5, 4]
+    assert x["input_ids"].flatten().tolist() == [2, 8] and x["sb_valid"].flatten().tolist() == [True, True]
+    # step 13: row 0 ran its 3 steps and empties itself; row 1 goes on, fed its greedy token
+    x, loop = loop.following(logits_for([3, 6]))
+    assert x["sb_sessions"].tolist() == [-1, 9] and x["input_ids"].flatten().tolist() == [0, 6]
+    assert x["sb_valid"].flatten().tolist() == [False, True]
+    assert x["position_ids"].flatten().tolist() == [0, 5]
+    # a leave empties a row at once; built twice for one request, a step is the same
+    assert loop.lane is not None and loop.lane.edit([(1, -1, 0, 0, 0)])
+    same = loop.lane.apply(14, x)
+    assert loop.lane.apply(14, x) is same and same["sb_sessions"].tolist() == [-1, -1]
+    assert x["sb_sessions"].tolist() == [-1, 9]          # NOTE: the step before's inputs are never written
+    # the lane's last step closes it: edits are refused from then on (the caller starts anew)
+    _, last = loop.following(logits_for([3, 6]))
+    assert not last.requests and loop.lane is not None and not loop.lane.open
+    assert not loop.lane.edit([(0, 4, 0, 1, 1)])
+    with pytest.raises(ValueError, match="row 2 of a lane of 2 rows"):
+        Lane(2, [1, 1]).edit([(2, 4, 0, 1, 1)])
+
+
+def test_a_stranger_cannot_edit_a_lane_with_bad_numbers() -> None:
+    from seabiscuit_dask.plugins.worker import SeaBiscuitWorkerPlugin
+
+    plugin = SeaBiscuitWorkerPlugin.__new__(SeaBiscuitWorkerPlugin)
+    import asyncio
+
+    for edits in ([("a", 1, 2, 3, 4)], [(0, 1, -2, 3, 4)], [(0, 1, 2)], "junk"):
+        with pytest.raises(BadInput, match=r"\[row, session, slot, token, steps\]"):
+            asyncio.run(plugin.seabiscuit_dp_lane(model="m", ticket="t", lane=1, edits=edits))
+
+
+# --- the scheduler's records ------------------------------------------------------------------
+def test_calls_take_empty_rows_of_the_lane_with_fewest_and_leave_them() -> None:
+    table, scheduler = SessionTable(16, "m"), Scheduler(LANES)
+    a = call(table, [1] * 5, max_new=4)
+    scheduler.add(a)
+    answered(scheduler, scheduler.schedule())              # admitted: its first token is out
+    out = scheduler.schedule()
+    assert [str(ls) for ls in out.lanes] == [f"lane 0 of 1 rows: s{a.sessions[0].sid}@5 x3, join rows [0]"]
+    assert not out.decodes
+    answered(scheduler, out)
+    b, c = call(table, [2] * 3, [3] * 3, max_new=6), call(table, [4] * 9, max_new=2)
+    scheduler.add(b)
+    scheduler.add(c)
+    answered(scheduler, scheduler.schedule())
+    out = scheduler.schedule()
+    # b's two rows go to the empty lane 1 (sized for its share of the 4 rows decoding), c's grows lane 0
+    lanes = {ls.lane: ls for ls in out.lanes}
+    assert (lanes[0].batch, lanes[0].joins, lanes[1].batch, lanes[1].joins) == (2, (1,), 2, (0, 1))
+    assert lanes[0].sessions == (a.sessions[0].sid, c.sessions[0].sid)
+    answered(scheduler, out)
+    # a ends: its row leaves lane 0; the next call of one row takes it without growing the lane
+    scheduler.finish(a)
+    d = call(table, [5] * 4, max_new=3)
+    scheduler.add(d)
+    answered(scheduler, scheduler.schedule())
+    out = scheduler.schedule()
+    lanes = {ls.lane: ls for ls in out.lanes}
+    assert lanes[0].leaves == ((0, a.sessions[0].sid),) and lanes[0].joins == (0,)
+    assert lanes[0].batch == 2 and lanes[0].sessions == (d.sessions[0].sid, c.sessions[0].sid)
+    assert lanes[1].joins == () and lanes[1].leaves == ()
+    # a lane left empty steps once more with no rows (its loop stops), then not at all
+    for x in (b, c, d):
+        scheduler.finish(x)
+    assert scheduler.has_calls and scheduler.lanes_leaving
+    out = scheduler.schedule()
+    assert all(ls.sessions == () for ls in out.lanes) and len(out.lanes) == 2
+    assert not scheduler.has_calls and scheduler.schedule().lanes == ()
+
+
+def test_sampled_calls_and_kept_sessions_decode_in_groups_beside_the_lanes() -> None:
+    table, scheduler = SessionTable(16, "m"), Scheduler(LANES)
+    greedy, sampled = call(table, [1] * 5), call(table, [2] * 5, sample=True)
+    kept = call(table, [3] * 5)
+    kept.keep = True
+    for x in (greedy, sampled, kept):
+        scheduler.add(x)
+    answered(scheduler, scheduler.schedule())
+    out = scheduler.schedule()
+    assert [ls.sessions for ls in out.lanes] == [(greedy.sessions[0].sid,)]
+    assert sorted(r.session for g in out.decodes for r in g.rows) == [sampled.sessions[0].sid,
+                                                                     kept.sessions[0].sid]
+
+
+def test_a_lane_record_prints_its_rows() -> None:
+    table, scheduler = SessionTable(16, "m"), Scheduler(LANES)
+    a = call(table, [1] * 5, [2] * 7, max_new=3)
+    scheduler.add(a)
+    answered(scheduler, scheduler.schedule())
+    out = scheduler.schedule()
+    s0, s1 = (s.sid for s in a.sessions)
+    assert str(out).splitlines() == [f"step {out.step}: step 2 row(s) in 1 lane(s)",
+                                     f"  lane 0 of 2 rows: s{s0}@5 x2 s{s1}@7 x2, join rows [0, 1]"]
+    assert isinstance(out.lanes[0], LaneStep)
+
+
+# --- an engine in this process -----------------------------------------------------------------
+def test_calls_joining_and_leaving_lanes_in_this_process_answer_as_hugging_face() -> None:
+    """Calls of many prompt lengths and lengths of answer join while others decode (each starts as
+    the one before has streamed 2 tokens): every answer is Hugging Face's greedy one, and the
+    lanes took joins as edits, starting no loop per call."""
+    model = decoder("llama")
+    engine = Engine(LocalRunner(model, "64KiB", lanes=True), max_sessions=8, context=64, max_chunk=32)
+    lengths, news = (5, 9, 13, 7, 11, 3), (12, 5, 9, 6, 3, 8)
+    prompts = [padded_batch((n,), seed=i)[0] for i, n in enumerate(lengths)]
+    got: dict[int, Any] = {}
+    started = [threading.Event() for _ in prompts]
+
+    def run(i: int) -> None:
+        ids = prompts[i]
+        args = GenerateArgs.make(model.generation_config, ids.shape[1], max_new_tokens=news[i],
+                                 pad_token_id=0, eos_token_id=[])
+        rows = []
+        for n, row in enumerate(stream_tokens(engine, ids, args, torch.ones_like(ids))):
+            rows.append(row)
+            if n == 1 and i + 1 < len(started):
+                started[i + 1].set()
+        got[i] = torch.cat([ids, torch.stack(rows, dim=1)], dim=1)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    threads[0].start()
+    for i, t in enumerate(threads[1:], 1):
+        started[i].wait()
+        t.start()
+    for t in threads:
+        t.join()
+    for i, ids in enumerate(prompts):
+        want = hf_no_eos(model, ids, news[i])
+        assert torch.equal(got[i], want), i
+    stats = engine.stats
+    assert stats.lane_edits >= 2 and stats.lane_starts < len(prompts)
+    engine.close()
+
+
+def hf_no_eos(model: torch.nn.Module, ids: torch.Tensor, new: int) -> torch.Tensor:
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
+                              pad_token_id=0, eos_token_id=None)
+
+
+def test_a_lane_whose_rows_all_ended_starts_anew_for_a_row_that_joins_late() -> None:
+    """A lane's loop stops once every row ran its steps; a row that joins after that (its edit too
+    late) is read from a loop started anew, and its token is Hugging Face's."""
+    model = decoder("llama")
+    runner = LocalRunner(model, "64KiB", lanes=True)
+    stats = EngineStats()
+    executor = Executor(runner, lambda *a: None, stats, pipeline=2, lane_steps=8)  # type: ignore[arg-type,return-value]
+    a, b = padded_batch((6,), seed=1)[0], padded_batch((9,), seed=2)[0]
+    first = {}
+    for sid, ids in ((0, a), (1, b)):
+        n = ids.shape[1]
+        logits = runner.run_step(1, n, step_inputs([(sid, 0, ids[0].tolist())], 1, n))
+        first[sid] = int(logits.argmax(-1))
+    one = LaneStep(0, 1, (LaneRow(Chunk(0, 6, (first[0],), 1), 1),), joins=(0,))
+    tokens, rows = executor.lanes(SchedulerOutput(0, lanes=(one,)))[0]    # type: ignore[misc]
+    assert rows.tolist() == [0] and int(tokens[0]) == int(hf_no_eos(model, a, 2)[0, -1])
+    late = LaneStep(0, 1, (LaneRow(Chunk(1, 9, (first[1],), 1), 3),), joins=(0,), leaves=((0, 0),))
+    tokens, rows = executor.lanes(SchedulerOutput(1, lanes=(late,)))[0]   # type: ignore[misc]
+    assert rows.tolist() == [1] and int(tokens[0]) == int(hf_no_eos(model, b, 2)[0, -1])
+    assert (stats.lane_starts, stats.lane_edits) == (2, 1)
+    executor.close()
+
+
+def local_call(engine: Engine, model: torch.nn.Module, ids: torch.Tensor, new: int) -> torch.Tensor:
+    args = GenerateArgs.make(model.generation_config, ids.shape[1], max_new_tokens=new, pad_token_id=0,
+                             eos_token_id=[])
+    return generate_tokens(engine, ids, args, torch.ones_like(ids))
+
+
+# --- on a cluster ------------------------------------------------------------------------------
+def test_calls_arriving_at_random_times_join_lanes_on_the_workers_and_answer_as_hugging_face() -> None:
+    """Two workers, the data plane: 8 calls of many lengths, 4 at once and each other one as the call
+    4 before it has streamed up to two tokens, join and leave the running loops; every answer is
+    Hugging Face's greedy one, and lane steps ran rows of several calls."""
+    model = decoder("llama")
+    lengths, news = (5, 9, 13, 7, 11, 3, 6, 8), (12, 15, 9, 14, 18, 11, 16, 13)
+    prompts = [padded_batch((n,), seed=i)[0] for i, n in enumerate(lengths)]
+    want = [hf_no_eos(model, p, n) for p, n in zip(prompts, news)]
+    gen = torch.Generator().manual_seed(5)
+    after = [int(x) for x in torch.randint(0, 3, (len(prompts),), generator=gen)]
+    with seabiscuit_cluster(2, 450_000) as client:
+        with sb.distribute(model, client, torch.zeros(1, 16, dtype=torch.long), budget="64KiB", sessions=4,
+                           context=48) as dm:
+            got: dict[int, Any] = {}
+            started = [threading.Event() for _ in prompts]
+            together = threading.Barrier(4)
+
+            def run(i: int) -> None:
+                if i < 4:
+                    together.wait()
+                rows = []
+                for n, row in enumerate(dm.stream(prompts[i], news[i], pad_token_id=0, eos_token_id=[])):
+                    rows.append(row)
+                    if n == after[i] and i + 4 < len(started):
+                        started[i + 4].set()
+                if i + 4 < len(started):
+                    started[i + 4].set()
+                got[i] = torch.cat([prompts[i], torch.stack(rows, dim=1)], dim=1)
+
+            threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+            for t in threads[:4]:
+                t.start()
+            for i, t in enumerate(threads[4:], 4):
+                started[i].wait()
+                t.start()
+            for t in threads:
+                t.join()
+            stats = dm.generation_stats()
+    for i in range(len(prompts)):
+        assert torch.equal(got[i], want[i]), i
+    assert stats["lane_starts"] >= 1 and stats["rows"] > stats["decode_steps"]
