@@ -141,8 +141,10 @@ def test_a_decode_loops_steps_reach_the_caller_down_one_comm(client, model, monk
     with deploy(client, model, "p2p") as dm:
         dm.generate(ids, 2, pad_token_id=0, eos_token_id=[])       # NOTE: built, before counting
         client.run(_count_calls)
-        feeds, made = [], executor.step_inputs
+        feeds, made, lane_made = [], executor.step_inputs, executor.lane_inputs
         monkeypatch.setattr(executor, "step_inputs", lambda rows, *a: feeds.append(rows) or made(rows, *a))
+        monkeypatch.setattr(executor, "lane_inputs", lambda rows, *a: feeds.append(
+            [r for r in rows if r is not None]) or lane_made(rows, *a))
         got = dm.generate(ids, 12, pad_token_id=0, eos_token_id=[])
         assert torch.equal(got, hf_greedy(model, ids, torch.ones_like(ids), 12))
         calls = client.run(lambda dask_worker: dict(dask_worker._sb_calls))

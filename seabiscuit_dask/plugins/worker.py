@@ -314,12 +314,15 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
         return Status.dont_reply
 
     async def seabiscuit_dp_lane(self, comm: Any = None, model: str = "", ticket: str = "", lane: int = 0,
-                                 edits: Any = ()) -> bool:
+                                 edits: Any = ()) -> int:
         """Edits of a decode loop's rows (``dataplane.Lane``): each [row, session or -1, first slot,
-        token, steps or -1]; False where the lane runs no more steps here."""
+        token, steps or -1]; the count of edit messages the lane took with these (0: it runs no
+        more steps here)."""
         try:
-            parsed = [(int(r), int(s), int(p), int(t), int(n))
-                      for r, s, p, t, n in list(edits or ())[:MAX_EDITS]]
+            items = list(edits or ())
+            if len(items) > MAX_EDITS:
+                raise ValueError(f"{len(items)} edits at once; at most {MAX_EDITS}")
+            parsed = [(int(r), int(s), int(p), int(t), int(n)) for r, s, p, t, n in items]
             lane_id = int(lane)
             if any(p < 0 or t < 0 or n < -1 for _, _, p, t, n in parsed):
                 raise ValueError("a negative slot, token or steps")

@@ -408,12 +408,17 @@ class DistributedModel:
         """Edit the rows of the lane ``handle`` is a step of: each (row, session or -1 to empty it,
         first slot, token, steps or -1), applied to the next step its worker builds, after the
         edits of ``after`` (the future an edit before returned); a future of whether the lane
-        took them (False: it runs no more steps)."""
+        took them: the count of edit messages it took with these (0: it runs no more steps)."""
         return self._sender.edit_lane(handle, edits, after)
 
-    def step_rows(self, handle: Handle) -> tuple[Any, Any]:
+    def step_future(self, handle: Handle) -> Any:
+        """A future that is done once a submitted step's outputs are here to read (None: unknown)."""
+        return handle.pending
+
+    def step_rows(self, handle: Handle) -> tuple[Any, Any, int]:
         """The greedy tokens (batch,) of a submitted step, and for a lane's later step the sessions
-        it ran (batch,) (None for a step fed from here: its caller knows them)."""
+        it ran (batch,) and the edit messages it was built with (None and 0 for a step fed from
+        here: its caller knows them)."""
         return self._sender.step_rows(handle)
 
     def submit_chunk(self, length: int, feed: dict[str, Any], follows: Handle | None = None) -> Handle:

@@ -39,7 +39,7 @@ from ...errors import (
 )
 from ...lower.blocks import request_graph
 from ..dataplane import client as p2p
-from ..dataplane.loops import ROWS, Edit
+from ..dataplane.loops import EDITS, ROWS, Edit
 from ..generation import greedy
 from ..local import assemble_outputs, unflatten_outputs
 from ..watch import Deadline, seconds
@@ -230,14 +230,19 @@ class RequestSender:
         """The greedy tokens (batch,) of a submitted step (see ``DistributedModel.step_tokens``)."""
         return self.step_rows(handle)[0]
 
-    def step_rows(self, handle: Handle) -> tuple[Any, Any]:
+    def step_rows(self, handle: Handle) -> tuple[Any, Any, int]:
         """The greedy tokens (batch,) of a submitted step, and for a later step of a lane the
-        sessions it ran (batch,) (else None)."""
+        sessions it ran (batch,) and the edit messages it was built with (else None and 0)."""
         if not handle.tokens:
-            return greedy(self.step_result(handle)), None
+            return greedy(self.step_result(handle)), None, 0
         rows: list[Any] = []
         (tokens,) = self.outputs(handle, rows).values()
-        return tokens, rows[0] if rows else None
+        if not rows:
+            if handle.lane is not None:
+                raise RunFailed(f"request {handle.request} of model {self.model_id}: a lane's step came back "
+                                "without the sessions it ran; the lane starts anew")
+            return tokens, None, 0
+        return tokens, rows[0][0], int(rows[0][1][0])
 
     def outputs(self, handle: Handle, rows: list[Any] | None = None) -> dict[str, Any]:
         """The graph output tiles a request computed; it is then let go; a failure as a SeaBiscuitError."""
@@ -261,7 +266,7 @@ class RequestSender:
             self.release(handle, done)
         out_at = handle.layout.out_at
         if rows is not None:
-            rows.extend(ts[ROWS] for ts in results.values() if ROWS in ts)
+            rows.extend((ts[ROWS], ts[EDITS]) for ts in results.values() if ROWS in ts and EDITS in ts)
         return {t: results[b][t] for t, b in out_at.items()}
 
     def _error(self, request: int, e: BaseException) -> SeaBiscuitError:

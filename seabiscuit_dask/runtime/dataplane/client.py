@@ -162,19 +162,19 @@ async def _run(rpc: Any, model: str, ticket: str, version: int, request: int,
 
 def edit_lane(client: Any, model: str, ticket: str, address: str, lane: int,
               edits: Sequence[Edit],
-              after: concurrent.futures.Future[Any] | None = None) -> concurrent.futures.Future[bool]:
+              after: concurrent.futures.Future[Any] | None = None) -> concurrent.futures.Future[int]:
     """Send edits of a lane's rows (``loops.Lane.edit``) to the worker that runs it (from any
     thread, not waiting), once ``after`` (the lane's edits before, which must apply first: a row
-    emptied, then taken again) has its answer: its future is False where the lane runs no more
-    steps, or the worker is gone."""
-    async def one() -> bool:
+    emptied, then taken again) has its answer: its future is the count of edit messages the lane
+    took with these, 0 where it runs no more steps or the worker is gone."""
+    async def one() -> int:
         if after is not None:
             await asyncio.wait([asyncio.wrap_future(after)])
         try:
-            return bool(await client.rpc(address).seabiscuit_dp_lane(
+            return int(await client.rpc(address).seabiscuit_dp_lane(
                 model=model, ticket=ticket, lane=int(lane), edits=[list(e) for e in edits]))
         except (CommClosedError, OSError):
-            return False
+            return 0
 
     return asyncio.run_coroutine_threadsafe(one(), client.loop.asyncio_loop)
 

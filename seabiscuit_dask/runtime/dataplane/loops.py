@@ -27,7 +27,9 @@ from ...errors import UnsupportedModel, WorkerLost
 STEP_INPUTS = ("input_ids", "position_ids", "sb_sessions", "sb_start", "sb_valid")
 FLOATS = (torch.float32, torch.float64)
 ROWS = "sb_rows"         # NOTE: the sessions a lane's step ran, sent with its tokens
-MAX_EDITS = 4096        # NOTE: edits a lane holds unapplied at once; more are refused
+EDITS = "sb_edits"       # NOTE: and how many of the caller's edit messages it had applied
+MAX_EDITS = 4096         # NOTE: edits a lane holds unapplied at once; more are refused
+MAX_VALUE = 1 << 31      # NOTE: sessions, slots, tokens and steps of an edit stay below this
 Edit = tuple[int, int, int, int, int]     # (row, session or -1 to empty it, first slot, token, steps or -1)
 
 
@@ -40,35 +42,44 @@ class Lane:
         self.id = int(lane)
         self.left = np.asarray(left, dtype=np.int64).copy()
         self.open = True
+        self.taken = 0              # edit messages taken, and applied to a step built
+        self.applied = 0
         self._edits: list[Edit] = []
         self._lock = threading.Lock()
-        self._built: tuple[int, dict[str, torch.Tensor]] | None = None
+        self._built: tuple[int, dict[str, torch.Tensor], int] | None = None
 
-    def edit(self, edits: Sequence[Edit]) -> bool:
-        """Queue ``edits`` for the next step built; False where the lane runs no more steps (the
-        caller starts a loop anew) or holds too many unapplied."""
+    def edit(self, edits: Sequence[Edit]) -> int:
+        """Queue ``edits`` (one message of the caller's) for the next step built: how many messages
+        the lane has taken with it (``applied`` reaches it once a step built holds them), or 0
+        where the lane runs no more steps (the caller starts a loop anew) or holds too many."""
         rows = len(self.left)
         for e in edits:
             if not 0 <= e[0] < rows:
                 raise ValueError(f"row {e[0]} of a lane of {rows} rows")
+            if not all(-1 <= v < MAX_VALUE for v in e[1:]):
+                raise ValueError(f"an edit's session, slot, token and steps must be in [-1, {MAX_VALUE}): "
+                                 f"{e}")
         with self._lock:
             if not self.open or len(self._edits) + len(edits) > MAX_EDITS:
-                return False
+                return 0
             self._edits.extend(edits)
-            return True
+            self.taken += 1
+            return self.taken
 
     def close(self) -> None:
         """It runs no more steps: edits from now on are refused."""
         with self._lock:
             self.open = False
 
-    def apply(self, request: int, x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def apply(self, request: int, x: dict[str, torch.Tensor], last: bool = False) -> dict[str, torch.Tensor]:
         """Step ``request``'s inputs ``x`` as the lane has them: rows whose steps ran out emptied,
-        then the edits that came. Built once a request: asked again, the same inputs."""
+        then the edits that came. Built once a request: asked again, the same inputs. The lane
+        closes (refuses edits) with its ``last`` step, or one with every row empty (it stops)."""
         with self._lock:
             if self._built is not None and self._built[0] == request:
                 return self._built[1]
             edits, self._edits = self._edits, []
+            self.applied = self.taken
             left = self.left
             out = x
             for row, session, start, token, steps in edits:
@@ -78,8 +89,15 @@ class Lane:
                 if int(out["sb_sessions"][i]) >= 0:
                     out = _set_row(out, x, i, -1, 0, 0)
             left[left > 0] -= 1
-            self._built = (request, out)
+            if last or not bool((out["sb_sessions"] >= 0).any()):
+                self.open = False
+            self._built = (request, out, self.applied)
             return out
+
+    def applied_by(self, request: int) -> int:
+        """The edit messages step ``request`` was built with (its caller reads which left)."""
+        with self._lock:
+            return self._built[2] if self._built is not None and self._built[0] == request else self.applied
 
 
 def _set_row(out: dict[str, torch.Tensor], x: dict[str, torch.Tensor], row: int, session: int,
@@ -135,9 +153,7 @@ class Loop:
         tokens = greedy_numpy(logits)
         nxt = {"input_ids": torch.from_numpy((tokens if live else tokens * step).reshape(-1, 1)), **rest}
         if self.lane is not None:
-            nxt = self.lane.apply(self.requests[0], nxt)
-            if len(self.requests) == 1:
-                self.lane.close()
+            nxt = self.lane.apply(self.requests[0], nxt, last=len(self.requests) == 1)
         return nxt, Loop(self.requests[1:], self.route, self.logits, nxt, lane=self.lane)
 
 
@@ -183,10 +199,10 @@ def decode_loop(msg: Any) -> Loop | None:
         if msg.get("lane") is not None:
             rows = int(inputs["sb_sessions"].shape[0])
             left = [int(n) for n in msg.get("left") or [-1] * rows]
-            if len(left) != rows or any(n < -1 for n in left):
+            if len(left) != rows or not all(-1 <= n < MAX_VALUE for n in left):
                 raise ValueError(f"a lane of {rows} rows with steps left {left[:8]}")
             lane = Lane(int(msg["lane"]), [n - 1 if n > 0 else n for n in left])   # NOTE: the first step ran
         return Loop([int(r) for r in msg["requests"]][:4096], route, str(msg["logits"]), inputs, lane=lane)
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError, OverflowError) as e:
         raise WorkerLost(f"a decode loop's message is malformed ({e}): the step runs once") from e
 

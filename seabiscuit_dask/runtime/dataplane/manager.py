@@ -100,9 +100,12 @@ class DataPlane:
         if run is not None and int(after) >= 0:
             run.after = int(after)
         if run is not None and loop is not None and loop.requests:
-            self.loops[run.key] = loop
             if loop.lane is not None:
+                if loop.lane.id != int(request):
+                    raise BadMessage(f"a lane is named by the request that starts it ({request}), "
+                                     f"not {loop.lane.id}")
                 remember(self.lanes, (model, loop.lane.id), loop.lane)
+            self.loops[run.key] = loop
             made = next((out for out in run.outputs.values() if loop.logits in out), None)
             if made is not None:         # NOTE: the step ran before its loop arrived
                 run.advance(made[loop.logits], ticket)
@@ -172,13 +175,13 @@ class DataPlane:
                 return
             await write(int(r), out, None)
 
-    async def edit(self, model: str, ticket: Any, lane: int, edits: Sequence[Edit]) -> bool:
-        """The caller's edits of a lane's rows (``loops.Lane``), applied to its next step built here;
-        False where this worker runs no such lane, or it runs no more steps (the caller starts
-        its loop anew)."""
+    async def edit(self, model: str, ticket: Any, lane: int, edits: Sequence[Edit]) -> int:
+        """The caller's edits of a lane's rows (``loops.Lane``), applied to its next step built here:
+        the count of edit messages the lane took with these (``Lane.edit``); 0 where this worker
+        runs no such lane, or it runs no more steps (the caller starts its loop anew)."""
         await self.host.check(model, ticket)
         found = self.lanes.get((model, int(lane)))
-        return bool(found is not None and found.edit(edits))
+        return found.edit(edits) if found is not None else 0
 
     async def fail(self, model: str, ticket: Any, version: int, request: int, reason: str = "",
                    block: int = -1, kind: str = "") -> bool:
@@ -234,6 +237,7 @@ class DataPlane:
             key = (model, int(r))
             error = RunFailed(f"request {r} of model {model} was ended by its caller")
             loop = self.loops.pop(key, None)
+            self.lane_rows.pop(key, None)
             if loop is not None and loop.lane is not None:
                 loop.lane.close()
             gone_run = self.runs.pop(key, None)

@@ -44,7 +44,7 @@ from ...lower.blocks import BlockSpec
 from ...lower.kvcache import CacheLost
 from .chain import Chain
 from .host import ComputeArgs, Host, Outcome
-from .loops import ROWS, Loop, greedy
+from .loops import EDITS, ROWS, Loop, greedy
 from .wire import Tensors
 
 logger = logging.getLogger(__name__)
@@ -226,11 +226,11 @@ class Run:
             raise self.error
         out = {b: Tensors({t: greedy(x) if t == tokens else x for t, x in self.outputs.pop(b).items()})
                for b in blocks}
-        rows = self.keeper.lane_rows.pop(self.key, None) if tokens else None
-        if rows is not None:
+        lane = self.keeper.lane_rows.pop(self.key, None) if tokens else None
+        if lane is not None:
             for ts in out.values():
                 if tokens in ts:
-                    ts[ROWS] = rows
+                    ts[ROWS], ts[EDITS] = lane[0], torch.tensor([lane[1]], dtype=torch.long)
         self.wanted.difference_update(blocks)
         self.tidy()
         return out
@@ -444,25 +444,31 @@ class Run:
             if loop is not None and loop.lane is not None:
                 loop.lane.close()
             return []       # NOTE: the caller stopped the loop (forgot its next step)
-        if chain is not None and chain.loop is loop and chain.step is not None:
-            inputs, after = chain.step
-        else:
-            inputs, after = loop.following(logits)
-            chain = None
         nxt = keeper.get(self.model, self.version, loop.requests[0])
         if nxt is None:
             if loop.lane is not None:
                 loop.lane.close()
             return []
+        if chain is not None and chain.loop is loop and chain.step is not None:
+            inputs, after = chain.step
+        else:
+            chain = None
+            try:
+                inputs, after = loop.following(logits)
+            except Exception as e:  # noqa: BLE001 - the next step fails with it; its caller hears
+                if loop.lane is not None:
+                    loop.lane.close()
+                nxt.fail(RunFailed(f"{nxt.where()}: its inputs could not be made from the step before "
+                                   f"({type(e).__name__}: {e})"), ticket, spread=False)
+                return []
         if loop.lane is not None:
             # NOTE: kept by the run manager, not the run: a run with no block here yet may be let go
             # and made again by the next message of it
             rows = inputs["sb_sessions"]
-            remember(keeper.lane_rows, nxt.key, rows)
+            remember(keeper.lane_rows, nxt.key, (rows, loop.lane.applied_by(nxt.request)))
             if not bool((rows >= 0).any()):
                 # NOTE: every row of the lane ended: no step of pad rows runs on; a caller that reads
                 # it (a join came too late) starts the loop anew
-                loop.lane.close()
                 nxt.fail(LaneStopped(f"{nxt.where()}: every row of its lane ended, so its loop stopped "
                                      "there; the lane starts anew"), ticket, spread=False)
                 return []

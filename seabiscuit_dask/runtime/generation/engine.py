@@ -23,7 +23,7 @@ import torch
 from ... import config
 from ...errors import BadInput, ModelClosed, SessionClosed
 from ..watch import seconds
-from .executor import EngineStats, Executor, LaneResult, Result
+from .executor import EngineStats, Executor, LaneResult, NotRead, Result
 from .inputs import step_inputs
 from .kv import KVLedger
 from .output import Prefill, SchedulerOutput
@@ -64,10 +64,11 @@ class Engine:
         self.stats = EngineStats()
         self.executor = Executor(runner, self.scheduler.replay, self.stats, self.spec.pipeline,
                                  self.spec.lane_steps)
-        # NOTE: lane -> calls that ended there before their last token (an EOS, a stop, an error) and
-        # their sessions whose caches go once a step of the lane ran without them (its loop writes
-        # them till it hears they left): each call ends for its caller then (``_unpark``)
-        self._parked: dict[int, list[tuple[Call, list[int], BaseException | None]]] = {}
+        # NOTE: lane -> calls that ended there before their last token (an EOS, a stop, an error) with
+        # the error each ends with: its loop may write their rows till it hears they left, so their
+        # room, caches and end wait till it did (``_unpark``); and the sessions known gone meanwhile
+        self._parked: dict[int, list[tuple[Call, BaseException | None]]] = {}
+        self._gone: dict[int, set[int]] = {}
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -274,6 +275,9 @@ class Engine:
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout_s)
         self.executor.close()
+        if thread is None or not thread.is_alive():
+            for lane in list(self._parked):         # NOTE: their loops are let go: the calls end
+                self._unpark(lane, None)
         self._admitting.shutdown(wait=False)
 
     def warm(self, lengths: Sequence[int] | None = None, batches: Sequence[int] | None = None,
@@ -413,6 +417,8 @@ class Engine:
                     s.cached = r.stop
                     got[r.session] = res[i]
         for ls, lres in zip(out.lanes, lanes):
+            if isinstance(lres, NotRead):
+                continue                    # NOTE: its step was not ready: its calls wait a round
             if lres is None or isinstance(lres, BaseException):
                 for sid in ls.sessions:
                     if sid in owner and lres is not None:
@@ -420,14 +426,13 @@ class Engine:
                         failed[c.cid] = c.closing or lres
                 self._unpark(ls.lane, None)       # NOTE: its loop was let go
                 continue
-            tokens, rows = lres
-            ran = rows.tolist()
-            for i, sid in enumerate(ran):
+            tokens, rows, gone = lres
+            for i, sid in enumerate(rows.tolist()):
                 if sid in owner and self.scheduler.in_lane(owner[sid][0]) == ls.lane:
                     s = owner[sid][1]
                     s.cached += 1
                     got[sid] = tokens[i]
-            self._unpark(ls.lane, set(ran))
+            self._unpark(ls.lane, gone)
         for c in list(self.scheduler.running):
             if c.closing is not None:     # NOTE: a token computed as the model closed is not emitted
                 self._finish(c, c.closing)
@@ -436,19 +441,21 @@ class Engine:
             elif all(s.sid in got for s in c.live):
                 self._guard(c, lambda c: self._emit(c, picked(c.sampling, [got[s.sid] for s in c.live])))
 
-    def _unpark(self, lane: int, running: set[int] | None) -> None:
-        """End the parked calls of ``lane`` whose sessions its last step did not run (``running``;
-        None: its loop was let go, so none runs), freeing their caches first."""
+    def _unpark(self, lane: int, gone: set[int] | None) -> None:
+        """End the parked calls of ``lane`` whose sessions left it for good (``gone``, with those known
+        before; None: its loop was let go, so all did): their room, caches and end (``_release``)."""
         parked = self._parked.get(lane)
         if not parked:
             return
-        done = [p for p in parked if running is None or running.isdisjoint(p[1])]
+        known = self._gone.setdefault(lane, set())
+        mine = {s.sid for call, _ in parked for s in call.sessions}
+        known |= mine if gone is None else mine & gone
+        done = [p for p in parked if all(s.sid in known for s in p[0].sessions)]
         if done:
             self._parked[lane] = [p for p in parked if p not in done]
-            self.kv.free([sid for _, sids, _ in done for sid in sids])
-            for call, _, error in done:
-                call.out.put(error)
-                call.ended.set()
+            for call, error in done:
+                known.difference_update(s.sid for s in call.sessions)
+                self._release(call, error)
 
     def _guard(self, call: Call, fn: Callable[..., None]) -> None:
         try:
@@ -480,6 +487,17 @@ class Engine:
         for s in call.sessions:
             s.done = True
         self.executor.forget({s.sid for s in call.sessions})   # NOTE: a step queued for them is never needed
+        if lane is not None and call.produced < call.max_new:
+            # NOTE: its rows may still run (a call's rows stop by themselves after its last token only)
+            with self._cond:
+                call.finished = True
+            self._parked.setdefault(lane, []).append((call, error))
+            return
+        self._release(call, error)
+
+    def _release(self, call: Call, error: BaseException | None) -> None:
+        """A finished call's room given back, its caches freed (or kept for a prompt that begins as
+        its did), and its end told to its caller."""
         with self._cond:
             call.finished = True
             seen = call.seen
@@ -498,10 +516,6 @@ class Engine:
             elif seen is not None or ahead:
                 moved = self.sessions.rewind(call, [b + (call.produced if seen is None else seen)
                                                     for b in call.base])
-        if lane is not None and freed and call.produced < call.max_new:
-            # NOTE: its rows may still run (a call's rows stop by themselves after its last token only)
-            self._parked.setdefault(lane, []).append((call, freed, error))
-            return
         self.kv.free(freed, moved)
         call.out.put(error if error is not None else None)
         call.ended.set()

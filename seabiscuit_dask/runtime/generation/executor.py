@@ -12,6 +12,7 @@ are read, missing ones rebuilt) and runs again, so the answer is an undisturbed 
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -33,25 +34,34 @@ CHUNKS_IN_FLIGHT = 8    # NOTE: a prompt's chunks sent and not yet answered: a p
 STEP_TRIES = 4          # NOTE: a step's tries after worker losses, each after a replay
 Replay = Callable[[int, int, int], Prefill]      # (session, up to slot, prompts at once) -> its chunks
 Result = torch.Tensor | BaseException
-# NOTE: (tokens, sessions) of a lane's step, the error that ended it, or None (its loop stopped)
-LaneResult = tuple[torch.Tensor, torch.Tensor] | BaseException | None
+# NOTE: (tokens, sessions, sessions gone for good) of a lane's step, the error that ended it, None (its
+# loop stopped), or ``NOT_READ`` (its step is not ready yet)
+class NotRead:
+    """A lane's step not read this round (it was not ready)."""
+
+
+NOT_READ = NotRead()
+LaneResult = tuple[torch.Tensor, torch.Tensor, set[int]] | NotRead | BaseException | None
+LANE_WAIT_S = 1.0       # NOTE: how long a round waits for any lane's step before it reads the first's
 
 
 @dataclass(eq=False)
 class _LaneLoop:
     """A lane's loop on the workers: the next step to read (None: it ran all its steps), its rows,
-    the sessions of its first step (fed from here), and the edits sent whose answers are unread
-    (each sent after the one before)."""
+    the sessions of its first step (fed from here), the edits sent not yet known to be taken
+    (each sent after the one before), and the sessions whose rows an edit empties."""
 
     handle: Handle | None
     batch: int
     fed: torch.Tensor
     edits: list[Any] = field(default_factory=list)
+    leaving: dict[int, Any] = field(default_factory=dict)    # session -> the edit that empties its row
+    gone: set[int] = field(default_factory=set)      # sessions gone as it started, told with its first read
 
 
 def _took(f: Any) -> bool:
-    """Whether a lane took an edit (a done future's answer)."""
-    return not f.cancelled() and f.exception() is None and bool(f.result())
+    """Whether a lane took an edit (a done future's answer: the count of edit messages it took)."""
+    return not f.cancelled() and f.exception() is None and int(f.result()) > 0
 
 
 @dataclass
@@ -90,6 +100,7 @@ class Executor:
         self._ahead: dict[tuple[int, ...], tuple[Handle, tuple[int, ...]]] = {}
         self._ahead_lock = threading.Lock()
         self._lanes: dict[int, _LaneLoop] = {}       # lane -> its loop on the workers (the engine's thread's)
+        self._loops = True                           # whether the deployment's decode program loops
         self.lane_steps = lane_steps
         self._pool = ThreadPoolExecutor(max(1, pipeline - 1), thread_name_prefix="seabiscuit-step")
         # NOTE: prompts prefilled side by side on threads of their own: an admission that runs while
@@ -302,17 +313,31 @@ class Executor:
 
     # --- lanes -------------------------------------------------------------------------------
     def lanes(self, out: SchedulerOutput) -> list[LaneResult]:
-        """A step of each lane of ``out``: its greedy tokens (batch,) and the sessions it ran
-        (batch,; -1 for an empty row), None for a lane left empty (its loop stopped), or the
-        error that ended the step."""
+        """A step of each lane of ``out`` whose next step is ready (at least one: the first to be,
+        waited for): its greedy tokens (batch,), the sessions it ran (batch,; -1 for an empty
+        row) and the sessions that left the lane for good (no step of its loop runs them any
+        more: their caches may go); ``NOT_READ`` for a lane whose step is not ready yet (its
+        edits went all the same), None for a lane left empty (its loop stopped: every session
+        that left it is gone), or the error that ended the step (its loop let go). A lane that
+        runs ahead is read on without waiting for one that does not."""
         t0 = time.perf_counter()
         results: list[LaneResult] = []
-        for ls in out.lanes:
+        ready: list[int] = []
+        for i, ls in enumerate(out.lanes):
             try:
-                results.append(self._lane(ls))
+                results.append(self._send_lane(ls))
             except BaseException as e:  # noqa: BLE001 - fails the calls of this lane only
                 self.stop_lane(ls.lane)
                 results.append(e)
+            if results[-1] is NOT_READ:
+                ready.append(i)
+        for i in self._ready(out.lanes, ready):
+            ls = out.lanes[i]
+            try:
+                results[i] = self._read_lane(ls)
+            except BaseException as e:  # noqa: BLE001 - fails the calls of this lane only
+                self.stop_lane(ls.lane)
+                results[i] = e
         for ls, res in zip(out.lanes, results):
             if isinstance(res, tuple):
                 self.stats.decode_steps += 1
@@ -321,70 +346,124 @@ class Executor:
         self.stats.decode_s += time.perf_counter() - t0
         return results
 
-    def _lane(self, ls: LaneStep) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """One step of lane ``ls``: its edits sent to its running loop, or the loop started anew
-        (none runs, it ran out, refused an edit, or the lane grew); then the step read."""
+    def _ready(self, lanes: Sequence[LaneStep], todo: list[int]) -> list[int]:
+        """Of the lanes ``todo`` (indices of ``lanes``), those whose next step can be read now, or
+        the first to be (``LANE_WAIT_S`` at most, then the first: its read waits as any step does)."""
+        if not todo:
+            return []
+        futures: dict[Any, int] = {}
+        for i in todo:
+            loop = self._lanes[lanes[i].lane]
+            f = self.runner.step_future(loop.handle)
+            if f is None or f.done():
+                futures.clear()
+                break
+            futures[f] = i
+        if futures:
+            concurrent.futures.wait(list(futures), timeout=LANE_WAIT_S,
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
+            done = [i for f, i in futures.items() if f.done()]
+            return done or todo[:1]
+        return [i for i in todo if (f := self.runner.step_future(self._lanes[lanes[i].lane].handle)) is None
+                or f.done()]
+
+    def _lane(self, ls: LaneStep) -> LaneResult:
+        """One step of lane ``ls``, waited for (``_send_lane`` then ``_read_lane``)."""
+        sent = self._send_lane(ls)
+        return self._read_lane(ls) if sent is NOT_READ else sent
+
+    def _send_lane(self, ls: LaneStep) -> LaneResult:
+        """Lane ``ls``'s edits sent to its running loop, or the loop started anew (none runs, it ran
+        out, refused an edit, or the lane grew): ``NOT_READ`` then, its step to read; None for a
+        lane left empty (its loop let go); a step's result where the deployment cannot loop."""
         if not ls.sessions:
             self.stop_lane(ls.lane)
             return None
         loop = self._lanes.get(ls.lane)
-        if loop is not None:
-            loop.edits = [f for f in loop.edits if not (f.done() and _took(f))]
         if loop is None or loop.handle is None or loop.batch != ls.batch \
                 or any(f.done() and not _took(f) for f in loop.edits):
+            gone = self.stop_lane(ls.lane) | {sid for _, sid in ls.leaves}
             loop = self._start_lane(ls)
+            if loop is None:        # NOTE: this deployment's decode step cannot loop: one step from here
+                feed = self._lane_feed(ls)
+                logits = self._run([r.chunk for r in ls.rows if r is not None], ls.batch, 1, feed, 1)
+                return greedy(logits), feed[SESSIONS], gone
+            loop.gone = gone
         elif ls.joins or ls.leaves:
             edits = [(i, -1, 0, 0, 0) for i, _ in ls.leaves]
             for i in ls.joins:
                 r = ls.rows[i]
                 if r is not None:
                     edits.append((i, r.chunk.session, r.chunk.start, r.chunk.tokens[0], r.steps))
-            after = loop.edits[-1] if loop.edits else None
-            loop.edits.append(self.runner.edit_lane(loop.handle, edits, after))
+            sent = self.runner.edit_lane(loop.handle, edits, loop.edits[-1] if loop.edits else None)
+            loop.edits.append(sent)
+            loop.leaving.update((sid, sent) for _, sid in ls.leaves)
             self.stats.lane_edits += 1
+        return NOT_READ
+
+    def _read_lane(self, ls: LaneStep) -> LaneResult:
+        """Read the next step of lane ``ls``'s loop (started or edited by ``_send_lane``)."""
+        loop = self._lanes[ls.lane]
+        gone, loop.gone = loop.gone, set()
         for _ in range(2):
             handle = loop.handle
             assert handle is not None
             try:
-                tokens, rows = self.runner.step_rows(handle)
+                tokens, rows, applied = self.runner.step_rows(handle)
             except LaneStopped:        # NOTE: its rows had all ended when a join came: anew
-                loop = self._start_lane(ls)
+                gone |= self.stop_lane(ls.lane)
+                started = self._start_lane(ls)
+                if started is None:
+                    raise
+                loop = started
                 continue
             except WorkerLost as e:
-                self.stop_lane(ls.lane)
+                gone |= self.stop_lane(ls.lane)
                 stale = isinstance(e, StaleRun)
                 if stale:
                     self.runner.recover(e)
+                feed = self._lane_feed(ls)
                 rows_now = [r.chunk for r in ls.rows if r is not None]
-                logits = self._run(rows_now, ls.batch, 1, self._lane_feed(ls), 1, lost=None if stale else e)
-                return greedy(logits), self._lane_feed(ls)[SESSIONS]
+                logits = self._run(rows_now, ls.batch, 1, feed, 1, lost=None if stale else e)
+                return greedy(logits), feed[SESSIONS], gone
             loop.handle = handle.next
-            return tokens, loop.fed if rows is None else rows
+            # NOTE: a session left for good once a step was built after its leave (steps run in order)
+            left = {sid for sid, f in loop.leaving.items() if f.done() and _took(f) and f.result() <= applied}
+            for sid in left:
+                del loop.leaving[sid]
+            loop.edits = [f for f in loop.edits if not (f.done() and _took(f))]
+            return tokens, loop.fed if rows is None else rows, gone | left
         raise LaneStopped(f"lane {ls.lane}: its loop stopped twice as it started")
 
     def _lane_feed(self, ls: LaneStep) -> StepFeed:
         return lane_inputs([(r.chunk.session, r.chunk.start, r.chunk.tokens) if r is not None else None
                             for r in ls.rows], ls.batch)
 
-    def _start_lane(self, ls: LaneStep) -> _LaneLoop:
-        """Start lane ``ls``'s loop anew from its rows (the one before let go)."""
+    def _start_lane(self, ls: LaneStep) -> _LaneLoop | None:
+        """Start lane ``ls``'s loop anew from its rows (the one before let go); None where this
+        deployment's decode program cannot loop on the workers."""
         self.stop_lane(ls.lane)
+        if not self._loops:
+            return None
         self.runner.prepare(ls.batch, 1)
         feed = self._lane_feed(ls)
         left = [r.steps if r is not None else 0 for r in ls.rows]
         handle = self.runner.start_lane(ls.batch, feed, self.lane_steps, left)
         if handle is None:
-            raise BadInput(f"lane {ls.lane}: this deployment's decode program cannot loop on the workers "
-                           "(set seabiscuit.generate.lanes to false)")
+            self._loops = False         # NOTE: its decode program cannot loop: every lane step goes from here
+            return None
         loop = self._lanes[ls.lane] = _LaneLoop(handle, ls.batch, feed[SESSIONS])
         self.stats.lane_starts += 1
         return loop
 
-    def stop_lane(self, lane: int) -> None:
-        """Let go of lane ``lane``'s loop, if one runs."""
+    def stop_lane(self, lane: int) -> set[int]:
+        """Let go of lane ``lane``'s loop, if one runs; the sessions that were leaving it (gone now)."""
         loop = self._lanes.pop(lane, None)
-        if loop is not None and loop.handle is not None:
+        if loop is None:
+            return set()
+        if loop.handle is not None:
             self.runner.discard(loop.handle)
+        return set(loop.leaving)
 
     def drop_ahead(self, keep: set[tuple[int, ...]] | None = None) -> None:
         """Let go of the queued steps of groups not in ``keep`` (their work was never needed)."""

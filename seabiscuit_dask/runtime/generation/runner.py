@@ -64,11 +64,15 @@ class Runner(Protocol):
 
     def edit_lane(self, handle: Handle, edits: list[Edit], after: Any = None) -> Any:
         """Edit the rows of the lane ``handle`` is a step of (each (row, session or -1 to empty it,
-        first slot, token, steps or -1)), after the edits of ``after``; a future of whether it took them."""
+        first slot, token, steps or -1)), after the edits of ``after``; a future of the count of
+        edit messages the lane took with these (0: it runs no more steps)."""
 
-    def step_rows(self, handle: Handle) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def step_future(self, handle: Handle) -> Any:
+        """A future that is done once a submitted step can be read without waiting (None: unknown)."""
+
+    def step_rows(self, handle: Handle) -> tuple[torch.Tensor, torch.Tensor | None, int]:
         """The greedy tokens (batch,) of a submitted step, and for a lane's later step the sessions
-        it ran (batch,); None where its caller fed them."""
+        it ran (batch,) and the edit messages it was built with; None and 0 where its caller fed it."""
 
     def prepare(self, batch: int, length: int) -> Any:
         """Build the step program of this shape now, so step times leave its one-off cost out; it is
@@ -161,14 +165,17 @@ class LocalRunner:
         return _LocalLane(self, batch, feed, steps, left).step(0)
 
     def edit_lane(self, handle: Handle, edits: list[Edit], after: Any = None) -> Any:
-        done: concurrent.futures.Future[bool] = concurrent.futures.Future()
+        done: concurrent.futures.Future[int] = concurrent.futures.Future()
         done.set_result(handle.lane.loop.lane.edit(edits))
         return done
 
-    def step_rows(self, handle: Handle) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def step_future(self, handle: Handle) -> Any:
+        return None         # NOTE: a step here runs as it is read
+
+    def step_rows(self, handle: Handle) -> tuple[torch.Tensor, torch.Tensor | None, int]:
         if isinstance(handle, _LocalStep):
             return handle.lane.read(handle.index)
-        return self.step_tokens(handle), None
+        return self.step_tokens(handle), None, 0
 
     def end_sessions(self, sessions: Sequence[int], renamed: Sequence[tuple[int, int, int]] = (),
                      forked: Sequence[tuple[int, int, int]] = ()) -> None:
@@ -193,26 +200,30 @@ class _LocalLane:
         self.loop = Loop(list(range(1, steps)), [], "", feed, lane=lane)
         self.at = 0
         self.next: StepFeed | None = feed
+        self.applied = 0            # edit messages the next step was built with
 
     def step(self, index: int) -> _LocalStep:
         return _LocalStep(self, index)
 
-    def read(self, index: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def read(self, index: int) -> tuple[torch.Tensor, torch.Tensor | None, int]:
         if index != self.at:
             raise BadInput(f"a lane's steps are read in order: step {index} asked after {self.at}")
-        inputs = self.next
+        inputs, applied = self.next, self.applied
         if inputs is None:
             raise LaneStopped("every row of the lane ended, or it ran its steps: its loop stopped")
         logits = self.runner.run_step(self.batch, 1, inputs)
         self.at += 1
         self.next = None
-        if self.loop.requests:
+        lane = self.loop.lane
+        if self.loop.requests and lane is not None:
+            request = self.loop.requests[0]
             nxt, self.loop = self.loop.following(logits.unsqueeze(1))
+            self.applied = lane.applied_by(request)
             if bool((nxt["sb_sessions"] >= 0).any()):
                 self.next = nxt
-            elif self.loop.lane is not None:
-                self.loop.lane.close()
-        return greedy(logits), inputs["sb_sessions"] if index > 0 else None
+        if index == 0:
+            return greedy(logits), None, 0
+        return greedy(logits), inputs["sb_sessions"], applied
 
 
 @dataclass(frozen=True)

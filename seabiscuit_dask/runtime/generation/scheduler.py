@@ -230,7 +230,8 @@ class Scheduler:
             out = self._decode(step) if self.running or self.lanes_leaving else SchedulerOutput(step)
             if self.waiting and not self.prefilling:
                 new = self._admit(step)
-                out = dataclasses.replace(new, ended=out.ended + new.ended, decodes=out.decodes, lanes=out.lanes)
+                out = dataclasses.replace(new, ended=out.ended + new.ended, decodes=out.decodes,
+                                          lanes=out.lanes)
             return out
         if self.waiting and not (self._admitted_last and self.running):
             self._admitted_last = True
