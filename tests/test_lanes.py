@@ -353,3 +353,41 @@ def test_calls_arriving_at_random_times_join_lanes_on_the_workers_and_answer_as_
     for i in range(len(prompts)):
         assert torch.equal(got[i], want[i]), i
     assert stats["lane_starts"] >= 1 and stats["rows"] > stats["decode_steps"]
+
+
+class SlowFrees(LocalRunner):
+    """A runner whose first free of caches waits to be let go (a scheduler round trip on a busy
+    machine)."""
+
+    def __init__(self, *a: Any, **kw: Any) -> None:
+        super().__init__(*a, **kw)
+        self.held = threading.Event()
+        self.freeing = threading.Event()
+
+    def end_sessions(self, sessions: Any, renamed: Any = (), forked: Any = ()) -> None:
+        if sessions and not self.freeing.is_set():
+            self.freeing.set()
+            self.held.wait()
+        super().end_sessions(sessions, renamed, forked)
+
+
+def test_a_slow_free_holds_its_calls_end_not_the_other_calls_tokens() -> None:
+    """A call's caches are freed off the engine's thread: while the first free hangs, another call
+    still gets every token; the first call's caller hears of its end only once its free is done."""
+    model = decoder("llama")
+    runner = SlowFrees(model, "64KiB", lanes=True)
+    engine = Engine(runner, max_sessions=4, context=64, max_chunk=32)
+    a, b = padded_batch((6,), seed=1)[0], padded_batch((9,), seed=2)[0]
+    first = engine.submit([a[0].tolist()], 2, Sampling(), [], 0)
+    rows = engine.results(first)
+    assert [int(next(rows)[0]) for _ in range(2)] == hf_no_eos(model, a, 2)[0, 6:].tolist()
+    assert runner.freeing.wait(60)                       # NOTE: its free is on its way, and hangs
+    second = engine.submit([b[0].tolist()], 8, Sampling(), [], 0)
+    got = engine.results(second)
+    assert [int(next(got)[0]) for _ in range(8)] == hf_no_eos(model, b, 8)[0, 9:].tolist()
+    assert not first.ended.is_set()
+    runner.held.set()
+    assert list(rows) == [] and first.ended.wait(60)
+    assert list(got) == [] and second.ended.wait(60)
+    assert not runner.store.caches
+    engine.close()

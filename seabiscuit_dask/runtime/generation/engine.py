@@ -278,6 +278,7 @@ class Engine:
         if thread is None or not thread.is_alive():
             for lane in list(self._parked):         # NOTE: their loops are let go: the calls end
                 self._unpark(lane, None)
+        self.kv.flush()
         self._admitting.shutdown(wait=False)
 
     def warm(self, lengths: Sequence[int] | None = None, batches: Sequence[int] | None = None,
@@ -330,7 +331,7 @@ class Engine:
                 landed, self._landed = self._landed, []
                 if self._closed and not self.scheduler.has_calls and not landed:
                     return
-            self.kv.free(owed)
+            self.kv.free_then(owed, (), lambda: None)
             for admission, got in landed:
                 self._joined(admission, got)
             with self._cond:
@@ -516,9 +517,12 @@ class Engine:
             elif seen is not None or ahead:
                 moved = self.sessions.rewind(call, [b + (call.produced if seen is None else seen)
                                                     for b in call.base])
-        self.kv.free(freed, moved)
-        call.out.put(error if error is not None else None)
-        call.ended.set()
+        def end() -> None:
+            call.out.put(error if error is not None else None)
+            call.ended.set()
+
+        # NOTE: its caller hears of its end once its caches are freed, off the engine's thread
+        self.kv.free_then(freed, moved, end)
 
     def stopped(self, call: Call, seen: int) -> None:
         """The caller of ``call`` stopped reading it after ``seen`` rows (or read them all): it ends
