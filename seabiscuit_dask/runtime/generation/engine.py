@@ -11,6 +11,7 @@ A call admitted while others decode joins them at the next step.
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
 import logging
 import threading
 import time
@@ -76,6 +77,14 @@ class Engine:
         # their own, their results land here and are handed out on the engine's thread
         self._admitting = ThreadPoolExecutor(1, thread_name_prefix="seabiscuit-admit")
         self._landed: list[tuple[SchedulerOutput, dict[int, Result]]] = []
+        # NOTE: done when work comes for the engine's thread (an admission landed, a call, a close):
+        # a round that waits for its lanes' steps stops waiting
+        self._wake: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+    def _poke(self) -> None:
+        """Wake the engine's thread from a wait for its lanes' steps (lock held)."""
+        if not self._wake.done():
+            self._wake.set_result(None)
 
     def _flow(self) -> tuple[bool, int]:
         """Whether the runner sends a prompt's chunks at once now, and the stages they flow through."""
@@ -160,6 +169,7 @@ class Engine:
             self.scheduler.add(call)
             self.stats.new_sessions += 0 if sessions is not None else len(call.sessions)
             self._cond.notify()
+            self._poke()
             self._start_thread()
         return call
 
@@ -271,6 +281,7 @@ class Engine:
                 call.closing = ModelClosed(f"{self.name} was closed after {call.produced} of "
                                            f"{call.max_new} new tokens of this call: it did not finish")
             self._cond.notify_all()             # NOTE: the loop, and calls waiting for room
+            self._poke()
             thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout_s)
@@ -329,6 +340,8 @@ class Engine:
                     return
                 owed = self.kv.take_owed()
                 landed, self._landed = self._landed, []
+                if self._wake.done():       # NOTE: what woke it is taken now; what comes later wakes anew
+                    self._wake = concurrent.futures.Future()
                 if self._closed and not self.scheduler.has_calls and not landed:
                     return
             self.kv.free_then(owed, (), lambda: None)
@@ -351,7 +364,7 @@ class Engine:
             self._admitted(out, self.executor.admit(out))
         if out.decodes or out.lanes:
             decoded = self.executor.decode(out) if out.decodes else []
-            self._decoded(out, decoded, self.executor.lanes(out) if out.lanes else [])
+            self._decoded(out, decoded, self.executor.lanes(out, self._wake) if out.lanes else [])
 
     def _admit(self, out: SchedulerOutput) -> None:
         """Prefill an admission while the running rows decode (on the admitting thread); its results
@@ -363,6 +376,7 @@ class Engine:
         with self._cond:
             self._landed.append((out, got))
             self._cond.notify()
+            self._poke()
 
     def _joined(self, out: SchedulerOutput, got: dict[int, Result]) -> None:
         """An admission that prefilled alongside the decoding: its first tokens out, its calls decode."""

@@ -312,14 +312,15 @@ class Executor:
         return out[:len(g.rows)]
 
     # --- lanes -------------------------------------------------------------------------------
-    def lanes(self, out: SchedulerOutput) -> list[LaneResult]:
+    def lanes(self, out: SchedulerOutput, wake: Any = None) -> list[LaneResult]:
         """A step of each lane of ``out`` whose next step is ready (at least one: the first to be,
         waited for): its greedy tokens (batch,), the sessions it ran (batch,; -1 for an empty
         row) and the sessions that left the lane for good (no step of its loop runs them any
         more: their caches may go); ``NOT_READ`` for a lane whose step is not ready yet (its
         edits went all the same), None for a lane left empty (its loop stopped: every session
         that left it is gone), or the error that ended the step (its loop let go). A lane that
-        runs ahead is read on without waiting for one that does not."""
+        runs ahead is read on without waiting for one that does not; none is waited for once
+        ``wake`` (a future) is done."""
         t0 = time.perf_counter()
         results: list[LaneResult] = []
         ready: list[int] = []
@@ -331,7 +332,7 @@ class Executor:
                 results.append(e)
             if results[-1] is NOT_READ:
                 ready.append(i)
-        for i in self._ready(out.lanes, ready):
+        for i in self._ready(out.lanes, ready, wake):
             ls = out.lanes[i]
             try:
                 results[i] = self._read_lane(ls)
@@ -346,9 +347,11 @@ class Executor:
         self.stats.decode_s += time.perf_counter() - t0
         return results
 
-    def _ready(self, lanes: Sequence[LaneStep], todo: list[int]) -> list[int]:
+    def _ready(self, lanes: Sequence[LaneStep], todo: list[int], wake: Any = None) -> list[int]:
         """Of the lanes ``todo`` (indices of ``lanes``), those whose next step can be read now, or
-        the first to be (``LANE_WAIT_S`` at most, then the first: its read waits as any step does)."""
+        the first to be (``LANE_WAIT_S`` at most, then the first: its read waits as any step does);
+        none where ``wake`` (a future) is done first (the engine has other work: an admission
+        landed, a call came)."""
         if not todo:
             return []
         futures: dict[Any, int] = {}
@@ -360,10 +363,10 @@ class Executor:
                 break
             futures[f] = i
         if futures:
-            concurrent.futures.wait(list(futures), timeout=LANE_WAIT_S,
+            concurrent.futures.wait([*futures, *([wake] if wake is not None else [])], timeout=LANE_WAIT_S,
                                     return_when=concurrent.futures.FIRST_COMPLETED)
             done = [i for f, i in futures.items() if f.done()]
-            return done or todo[:1]
+            return done or ([] if wake is not None and wake.done() else todo[:1])
         return [i for i in todo if (f := self.runner.step_future(self._lanes[lanes[i].lane].handle)) is None
                 or f.done()]
 
