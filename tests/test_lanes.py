@@ -391,3 +391,25 @@ def test_a_slow_free_holds_its_calls_end_not_the_other_calls_tokens() -> None:
     assert list(got) == [] and second.ended.wait(60)
     assert not runner.store.caches
     engine.close()
+
+
+def test_a_fault_in_the_engines_bookkeeping_fails_its_calls_and_the_engine_goes_on(monkeypatch: Any) -> None:
+    """A step whose bookkeeping raises (a fault of the engine, not of a step) fails the calls it held
+    with the error, none left waiting; the next call answers as Hugging Face."""
+    model = decoder("llama")
+    engine = Engine(LocalRunner(model, "64KiB", lanes=True), max_sessions=4, context=64, max_chunk=32)
+    a = padded_batch((6,), seed=1)[0]
+    real = engine.executor.lanes
+    faults = [1]
+
+    def lanes(out: Any, wake: Any = None) -> Any:
+        if faults[0]:
+            faults[0] -= 1
+            raise TypeError("a fault of the engine's own")
+        return real(out, wake)
+
+    monkeypatch.setattr(engine.executor, "lanes", lanes)
+    with pytest.raises(TypeError, match="a fault of the engine's own"):
+        local_call(engine, model, a, 5)
+    assert torch.equal(local_call(engine, model, a, 5), hf_no_eos(model, a, 5))
+    engine.close()

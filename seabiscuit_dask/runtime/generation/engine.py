@@ -349,9 +349,31 @@ class Engine:
                 self._joined(admission, got)
             with self._cond:
                 out = self.scheduler.schedule()
-            self.step(out)
+            try:
+                self.step(out)
+            except Exception as e:  # noqa: BLE001 - a fault of the engine's own: its calls fail, none hangs
+                self._fault(out, e)
             if not self.scheduler.running:
                 self.executor.drop_ahead()
+
+    def _fault(self, out: SchedulerOutput, error: Exception) -> None:
+        """A step's bookkeeping raised (a fault here, not a step that failed: those fail their own
+        calls): every call the step or the engine holds fails with it, so no caller waits forever."""
+        logger.error("%s: a generation step failed in the engine (%s: %s); its calls fail", self.name,
+                     type(error).__name__, error)
+        calls = {c.cid: c for c in [*self.scheduler.running, *self.scheduler.prefilling]}
+        for a in out.admitted:
+            try:
+                calls[a.call] = self.scheduler.call(a.call)
+            except KeyError:
+                pass            # NOTE: ended already
+        for call in calls.values():
+            if not call.finished:
+                try:
+                    self._finish(call, call.closing or error)
+                except Exception as e:  # noqa: BLE001 - the others still end
+                    logger.error("%s: call %s not ended cleanly: %s: %s", self.name, call.cid,
+                                 type(e).__name__, e)
 
     def step(self, out: SchedulerOutput) -> None:
         """Carry out one step's record and hand its calls their tokens."""
