@@ -370,11 +370,6 @@ class Executor:
         return [i for i in todo if (f := self.runner.step_future(self._lanes[lanes[i].lane].handle)) is None
                 or f.done()]
 
-    def _lane(self, ls: LaneStep) -> LaneResult:
-        """One step of lane ``ls``, waited for (``_send_lane`` then ``_read_lane``)."""
-        sent = self._send_lane(ls)
-        return self._read_lane(ls) if sent is NOT_READ else sent
-
     def _send_lane(self, ls: LaneStep) -> LaneResult:
         """Lane ``ls``'s edits sent to its running loop, or the loop started anew (none runs, it ran
         out, refused an edit, or the lane grew): ``NOT_READ`` then, its step to read; None for a
@@ -388,9 +383,7 @@ class Executor:
             gone = self.stop_lane(ls.lane) | {sid for _, sid in ls.leaves}
             loop = self._start_lane(ls)
             if loop is None:        # NOTE: this deployment's decode step cannot loop: one step from here
-                feed = self._lane_feed(ls)
-                logits = self._run([r.chunk for r in ls.rows if r is not None], ls.batch, 1, feed, 1)
-                return greedy(logits), feed[SESSIONS], gone
+                return self._from_caller(ls, gone)
             loop.gone = gone
         elif ls.joins or ls.leaves:
             edits = [(i, -1, 0, 0, 0) for i, _ in ls.leaves]
@@ -425,10 +418,7 @@ class Executor:
                 stale = isinstance(e, StaleRun)
                 if stale:
                     self.runner.recover(e)
-                feed = self._lane_feed(ls)
-                rows_now = [r.chunk for r in ls.rows if r is not None]
-                logits = self._run(rows_now, ls.batch, 1, feed, 1, lost=None if stale else e)
-                return greedy(logits), feed[SESSIONS], gone
+                return self._from_caller(ls, gone, None if stale else e)
             loop.handle = handle.next
             # NOTE: a session left for good once a step was built after its leave (steps run in order)
             left = {sid for sid, f in loop.leaving.items() if f.done() and _took(f) and f.result() <= applied}
@@ -437,6 +427,14 @@ class Executor:
             loop.edits = [f for f in loop.edits if not (f.done() and _took(f))]
             return tokens, loop.fed if rows is None else rows, gone | left
         raise LaneStopped(f"lane {ls.lane}: its loop stopped twice as it started")
+
+    def _from_caller(self, ls: LaneStep, gone: set[int], lost: WorkerLost | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor, set[int]]:
+        """One step of lane ``ls``'s rows fed from here (no loop runs it), after ``lost`` as ``_run``
+        recovers from one."""
+        feed = self._lane_feed(ls)
+        logits = self._run([r.chunk for r in ls.rows if r is not None], ls.batch, 1, feed, 1, lost=lost)
+        return greedy(logits), feed[SESSIONS], gone
 
     def _lane_feed(self, ls: LaneStep) -> StepFeed:
         return lane_inputs([(r.chunk.session, r.chunk.start, r.chunk.tokens) if r is not None else None
