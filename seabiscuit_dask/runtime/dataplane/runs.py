@@ -124,7 +124,8 @@ class BlockRun:
     state: str = WAITING
     resolving: bool = False               # its spec is being loaded
     deferred: bool = False                # ready, held until the run it follows wrote its cache here
-    task: asyncio.Task[Any] | None = None  # the task that runs it on the event loop, if it does
+    sending: list[asyncio.Future[Any]] = field(default_factory=list)   # run on the event loop: its
+    # sends not yet on the wire when it finished (an idle stream takes one at once)
 
     @property
     def ready(self) -> bool:
@@ -261,14 +262,16 @@ class Run:
 
     def _here(self, br: BlockRun, ticket: str) -> None:
         """Run ``br`` on the event loop now, not in a task a loop turn later (0.1 ms a block on 2
-        cores): its outputs go out before this returns; ``br.task`` waits for their sending."""
+        cores): its outputs go out before this returns (``br.sending``: those that wait to)."""
         try:
             out, record = self.keeper.host.compute(self.model, self.version, self.request, br.block,
                                                    br.imports)
         except BaseException as e:  # noqa: BLE001 - the run fails, everywhere
             self.fail(e, ticket)
             return
-        br.task = self._spawn(self._settle(*self._finish(br, ticket, out, record)))
+        sends, ahead = self._finish(br, ticket, out, record)
+        br.sending = [f for f in sends if not f.done()]
+        self._spawn(self._settle(sends, ahead))
 
     def _held(self, br: BlockRun, ticket: str) -> bool:
         """Whether ``br`` waits for the run this one follows to cache what it reads here (a
@@ -496,8 +499,10 @@ class Run:
                 for b, ts in mine:
                     if chain is not None and chain.ran:
                         ahead += self._adopt(b, ts, chain.next[b], ticket)
-                    elif self.deliver(b, ts, ticket) and self.block(b).task is not None:
-                        ahead.append(self.block(b).task)     # NOTE: it runs on the loop: tokens after it
+                    elif self.deliver(b, ts, ticket):
+                        # NOTE: it ran on the loop: the tokens go once its sends are on the wire (at
+                        # once where they are: no task in between, each a loop turn behind the rest)
+                        ahead += self.block(b).sending
             elif self._carrier(here, address, [b for b, _ in feeds]):
                 self.riders.setdefault(address, []).extend(mine)
             else:
@@ -562,8 +567,9 @@ class Run:
     def _post(self, address: str, op: str, ticket: str, what: str, **msg: Any) -> asyncio.Future[Any]:
         """Send ``op`` of this run to ``address`` now: down an idle stream it is written before this
         returns, not a loop turn later behind whatever else the loop has queued (a decode step's
-        hop waits on it). The future of its sending, held by the keeper (``tell``); if it cannot be
-        sent the run fails, everywhere (``what``: what could not be done)."""
+        hop waits on it). The future of its sending (done where it went at once), else held by the
+        keeper (``tell``); if it cannot be sent the run fails, everywhere (``what``: what could not
+        be done)."""
         host = self.keeper.host
         try:
             sent = host.send(address, op, model=self.model, ticket=ticket, version=self.version,
@@ -571,6 +577,9 @@ class Run:
         except BaseException as e:  # noqa: BLE001 - the run fails below, as for a send that fails later
             sent = asyncio.get_running_loop().create_future()
             sent.set_exception(e)
+        if isinstance(sent, asyncio.Future) and sent.done() and not sent.cancelled() \
+                and sent.exception() is None:
+            return sent         # NOTE: on the wire already (an idle stream): nothing to wait for
 
         async def sending() -> None:
             try:

@@ -546,7 +546,12 @@ async def serve(comm: Any, raw: bool, receive: Receive, held: Receiving | None =
     try:
         while True:
             if raw:
-                await _read_unit(comm, held, receive, acks.add, got)
+                if await _read_unit(comm, held, receive, acks.add, got):
+                    # NOTE: a message handled (maybe a block run on the loop): the loop's other work
+                    # (a step's tokens to the caller, replies) goes before the next one already read
+                    # in; a read of buffered bytes does not yield, and a pipeline's pushes kept
+                    # coming 0.6 s while every caller waited
+                    await asyncio.sleep(0)
             else:
                 units = await comm.read()
                 if not isinstance(units, (list, tuple)):
@@ -557,6 +562,7 @@ async def serve(comm: Any, raw: bool, receive: Receive, held: Receiving | None =
                     await receive(unit["msg"])
                     held.messages += 1
                     acks.add(int(unit["unit"]), int(unit["n"]), time.perf_counter() - t, 0.0, int(unit["n"]))
+                await asyncio.sleep(0)
     except (CommClosedError, OSError, StreamClosedError):
         return
     finally:
@@ -566,8 +572,9 @@ async def serve(comm: Any, raw: bool, receive: Receive, held: Receiving | None =
 
 
 async def _read_unit(comm: Any, held: Receiving, receive: Receive,
-                     ack: Callable[[int, int, float, float, int], None], got: bytearray) -> None:
-    """One unit of a raw stream to its message; a message's last one to ``receive``. ``got``: the
+                     ack: Callable[[int, int, float, float, int], None], got: bytearray) -> bool:
+    """One unit of a raw stream to its message; a message's last one to ``receive`` (True then).
+    ``got``: the
     bytes read and not yet cut into units. A read takes whatever has come in (``READ_BYTES`` at
     most): a small message comes with its header in one read, not two (each a loop turn, a cold
     50 us at a decode step's hop); the rest of a large unit is read straight into its message."""
@@ -603,7 +610,7 @@ async def _read_unit(comm: Any, held: Receiving, receive: Receive,
     if filled < total:
         held.partial[msg_id] = (buf, filled, total)
         ack(msg_id, length, 0.0, t - started, total)
-        return
+        return False
     del held.partial[msg_id]
     try:
         try:
@@ -616,3 +623,4 @@ async def _read_unit(comm: Any, held: Receiving, receive: Receive,
         held.held_bytes -= total     # NOTE: the data plane holds it now (its runs are bounded)
     held.messages += 1
     ack(msg_id, length, time.perf_counter() - t, t - started, total)
+    return True
