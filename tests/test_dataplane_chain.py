@@ -19,6 +19,7 @@ from seabiscuit_dask.ir import TensorSpec
 from seabiscuit_dask.lower.blocks import BlockSpec
 from seabiscuit_dask.runtime.dataplane import DataPlane, Loop, StaleRun, timed
 from seabiscuit_dask.runtime.dataplane.ordered import OrderedExecutor
+from seabiscuit_dask.runtime.dataplane.runs import Run
 
 from .planes import TICKET, FunctionHost, Planes
 
@@ -372,3 +373,40 @@ def test_the_greedy_pick_is_torchs_argmax_of_the_last_position_first_of_equal_ma
     assert nxt["input_ids"].tolist() == [[int(got[0])], [0]]          # NOTE: a pad row stays 0
     assert nxt["position_ids"].tolist() == [[6], [0]] and nxt["sb_start"].tolist() == [6, 0]
     assert after.requests == [2] and after.inputs is nxt
+
+
+def test_a_steps_tokens_are_told_as_the_next_step_leaves_on_idle_streams(monkeypatch) -> None:
+    """On the loop, where the next step's first block's outputs went down an idle stream at once
+    (its send is done as it returns), the caller is told of the step's tokens then, not after
+    more loop turns, behind the next worker's handling of that push."""
+    pair = Pair(specs=SPECS, seconds=0.01)
+    events: list[tuple[str, int]] = []
+    notify = Run.notify
+
+    def told(self: Run) -> None:
+        if self.keeper is pair.planes[A]:
+            events.append(("told", self.request))
+        notify(self)
+
+    monkeypatch.setattr(Run, "notify", told)
+    send = pair.planes[A].host.send
+
+    def wire(address: str, op: str, **msg: Any) -> Any:      # NOTE: as an idle stream: on the wire now
+        loop = asyncio.get_running_loop()
+        loop.call_soon(lambda: asyncio.ensure_future(send(address, op, **msg)))
+        sent = loop.create_future()
+        sent.set_result(None)
+        return sent
+
+    compute = pair.planes[B].host.compute
+
+    def logged(*args: Any) -> Any:
+        events.append(("b1", args[2]))
+        return compute(*args)
+
+    async def before() -> None:
+        pair.planes[A].host.send, pair.planes[B].host.compute = wire, logged
+
+    assert pair.loop_tokens([10, 11, 12, 13], before) == expected(4, 7, 4)
+    for r in (11, 12):          # NOTE: on the loop (10 ran on a thread: its time was unknown)
+        assert events.index(("told", r)) < events.index(("b1", r + 1))
