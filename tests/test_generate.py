@@ -966,3 +966,59 @@ def test_calls_past_the_sessions_wait_their_turn_first_come_first_served() -> No
     assert isinstance(errors[-1], ModelClosed), errors
     for s in held:
         engine.close_session(s)
+
+
+def test_a_later_chunk_attends_causally_from_the_bottom_right_with_no_compiler_import() -> None:
+    """A prompt's later chunk sees the cache before it and itself causally, as SDPA's
+    ``causal_lower_right`` bias has it; the kernel builds that mask itself: importing the bias took
+    torch._dynamo's import (2.3 s on each worker's first later chunk, and a deployment's warm-up)."""
+    import subprocess
+    import sys
+
+    from torch.nn.attention.bias import causal_lower_right
+
+    from seabiscuit_dask.lower.kvcache import _attend
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(4, 5, 8), torch.randn(2, 12, 8), torch.randn(2, 12, 8)
+    got = _attend(q, k, v, 7, None)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=causal_lower_right(5, 12),
+        enable_gqa=True)[0]
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    code = ("import sys, torch\nfrom seabiscuit_dask.lower.kvcache import _attend\n"
+            "_attend(torch.randn(4, 5, 8), torch.randn(2, 12, 8), torch.randn(2, 12, 8), 7, None)\n"
+            "print('torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_warm_builds_the_next_program_while_the_one_before_runs_once() -> None:
+    """A deployment's warm-up builds each step program here while the workers run the one before
+    once: the first program's run waits for the next one's build to start (it would wait in vain
+    were they one after another), and every program still runs once, in order."""
+    class Recording(LocalRunner):
+        def __init__(self, model: Any) -> None:
+            super().__init__(model, "64KiB")
+            self.events: list[tuple[Any, ...]] = []
+            self.built = threading.Event()
+
+        def prepare(self, batch: int, length: int) -> Any:
+            self.events.append(("build", batch, length))
+            if sum(e[0] == "build" for e in self.events) == 2:
+                self.built.set()
+            return self.program(batch, length)
+
+        def run_step(self, batch: int, length: int, feed: Any) -> torch.Tensor:
+            first = not any(e[0] == "run" for e in self.events)
+            self.events.append(("run", batch, length, self.built.wait(60) if first else True))
+            return super().run_step(batch, length, feed)
+
+    runner = Recording(decoder("llama"))
+    engine = Engine(runner)
+    assert engine.warm(lengths=[16], batches=[1]) == ["1x16", "1x1"]
+    assert [e for e in runner.events if e[0] == "run"] == [("run", 1, 16, True), ("run", 1, 1, True)]
+    assert runner.events.index(("build", 1, 1)) < runner.events.index(("run", 1, 16, True))
+    assert not runner.store.caches       # NOTE: the warm-up's sessions were freed
+    engine.close()

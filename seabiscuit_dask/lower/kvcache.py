@@ -290,8 +290,6 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
     slots some query of the chunk sees, masked to the latest ``window`` of each. With a
     ``spec`` the scores are computed here (``_scored``), not by SDPA.
     """
-    from torch.nn.attention.bias import causal_lower_right
-
     heads, n, _ = q.shape
     total = k.shape[1]
     rows = max(1, SCORE_BYTES // max(1, 4 * heads * total))
@@ -313,12 +311,20 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
         elif m == seen:
             mask, causal = None, True
         else:
-            mask, causal = causal_lower_right(m, seen), False
+            # NOTE: causal from the bottom right, as ``torch.nn.attention.bias.causal_lower_right``
+            # makes it, whose import takes torch._dynamo's (2.3 s on a worker's first later chunk)
+            mask, causal = lower_right(m, seen, q.device), False
         out = torch.nn.functional.scaled_dot_product_attention(
             q[:, a:b].unsqueeze(0), keys, values, attn_mask=mask, is_causal=causal, scale=scale,
             enable_gqa=True)[0]
         parts.append(out)
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
+def lower_right(m: int, seen: int, device: torch.device) -> torch.Tensor:
+    """(m, seen) bool: query i of the last ``m`` slots of ``seen`` sees the slots up to its own."""
+    return torch.arange(seen, device=device).unsqueeze(0) <= \
+        torch.arange(seen - m, seen, device=device).unsqueeze(1)
 
 
 def _scored(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: int, lo: int, scale: float | None,

@@ -296,23 +296,33 @@ class Engine:
              progress: Callable[[str], None] | None = None) -> list[str]:
         """Build and run once the step programs generation asks for (``Scheduler.shapes``), each
         on sessions of its own whose caches go at once; the shapes ("batch x tokens") made ready
-        (one of each program: a general one serves every shape of its kind, ``lower.dims``)."""
-        built, seen = [], set()
-        for b, n in self.scheduler.shapes(lengths, batches, self.max_sessions):
-            t0 = time.perf_counter()
-            program = self.runner.prepare(b, n)
-            if program is not None and id(program) in seen:
-                continue            # NOTE: a general program (any rows, any length) runs once
-            seen.add(id(program))
-            sids = [self.sessions.next_id() for _ in range(b)]     # NOTE: each a first chunk at slot 0
-            try:
-                self.runner.run_step(b, n, step_inputs([(sid, 0, [0] * n) for sid in sids], b, n))
-            finally:
-                self.kv.end(sids)
-            built.append(f"{b}x{n}")
-            if progress is not None:
-                progress(f"step program {b}x{n} ready in {time.perf_counter() - t0:.2f} s")
-        return built
+        (one of each program: a general one serves every shape of its kind, ``lower.dims``).
+        Each program's first run (the workers load its blocks and run them) goes on while the
+        next one is built here; the runs go one after another, in order."""
+        runs: list[tuple[str, float, concurrent.futures.Future[None]]] = []
+        seen: set[int] = set()
+        with ThreadPoolExecutor(1, thread_name_prefix="seabiscuit-warm") as pool:
+            for b, n in self.scheduler.shapes(lengths, batches, self.max_sessions):
+                t0 = time.perf_counter()
+                program = self.runner.prepare(b, n)
+                if program is not None and id(program) in seen:
+                    continue            # NOTE: a general program (any rows, any length) runs once
+                seen.add(id(program))
+                runs.append((f"{b}x{n}", t0, pool.submit(self._run_once, b, n)))
+            for shape, t0, ran in runs:
+                ran.result()
+                if progress is not None:
+                    progress(f"step program {shape} ready in {time.perf_counter() - t0:.2f} s")
+        return [shape for shape, _, _ in runs]
+
+    def _run_once(self, b: int, n: int) -> None:
+        """One step of ``b`` rows of ``n`` tokens, each a first chunk at slot 0 of a session of its
+        own, whose caches go at once."""
+        sids = [self.sessions.next_id() for _ in range(b)]
+        try:
+            self.runner.run_step(b, n, step_inputs([(sid, 0, [0] * n) for sid in sids], b, n))
+        finally:
+            self.kv.end(sids)
 
     # --- the loop ------------------------------------------------------------------------------
     def _has_work(self) -> bool:
