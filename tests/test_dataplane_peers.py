@@ -140,6 +140,15 @@ def test_the_workers_of_a_cluster_prove_themselves_and_a_proof_holds_once() -> N
         assert not admitted and not got and len(refused) == 1 and "no valid proof" in refused[0]
 
 
+async def raw_stream(handler):
+    """A listener served by ``handler`` and a comm to it that has said it sends raw units."""
+    listener = listen("tcp://127.0.0.1:0", handler)
+    await listener.start()
+    comm = await connect(listener.contact_address)
+    await comm.write({"raw": True})
+    return listener, comm
+
+
 async def served(units: list[tuple[int, int, int, int]], window_bytes: int):
     """A proven peer's raw units (message id, unit bytes, message bytes, body bytes sent) to ``serve``
     over TCP; returns the receiver's ``Receiving`` mid-stream and at the end, how the stream ended,
@@ -162,10 +171,7 @@ async def served(units: list[tuple[int, int, int, int]], window_bytes: int):
         finally:
             comm.abort()
 
-    listener = listen("tcp://127.0.0.1:0", handler)
-    await listener.start()
-    comm = await connect(listener.contact_address)
-    await comm.write({"raw": True})
+    listener, comm = await raw_stream(handler)
     await reading.wait()
     before = rss()
     sent = 0
@@ -261,10 +267,7 @@ def test_the_loops_other_work_runs_between_messages_already_read_in() -> None:
             finally:
                 comm.abort()
 
-        listener = listen("tcp://127.0.0.1:0", handler)
-        await listener.start()
-        comm = await connect(listener.contact_address)
-        await comm.write({"raw": True})
+        listener, comm = await raw_stream(handler)
         wire = b""
         for n in (1, 2, 3):         # NOTE: one write: every message is buffered by the first read
             frames, total = pack_message([{"op": "push", "request": n, "tensors": Tensors(x=torch.ones(2))}])

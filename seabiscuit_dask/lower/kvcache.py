@@ -302,29 +302,24 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
             parts.append(_scored(q[:, a:b], k[:, lo:seen], v[:, lo:seen], start + a, lo, scale, window, spec))
             continue
         keys, values = k[:, lo:seen].unsqueeze(0), v[:, lo:seen].unsqueeze(0)
-        if window is not None and m > 1:
-            pos = (start + torch.arange(a, b, device=q.device)).unsqueeze(1)
-            slot = torch.arange(lo, seen, device=q.device).unsqueeze(0)
-            mask, causal = (slot <= pos) & (slot > pos - window), False
-        elif m == 1:
+        if m == 1:
             mask, causal = None, False        # NOTE: one token sees every slot up to its own
-        elif m == seen:
+        elif m == seen and window is None:
             mask, causal = None, True
         else:
-            # NOTE: causal from the bottom right, as ``torch.nn.attention.bias.causal_lower_right``
-            # makes it, whose import takes torch._dynamo's (2.3 s on a worker's first later chunk)
-            mask, causal = lower_right(m, seen, q.device), False
+            # NOTE: causal from the bottom right (a later chunk), within the window if any; made here,
+            # not by ``torch.nn.attention.bias.causal_lower_right``, whose import takes torch._dynamo's
+            # (2.3 s on a worker's first later chunk)
+            pos = (start + torch.arange(a, b, device=q.device)).unsqueeze(1)
+            slot = torch.arange(lo, seen, device=q.device).unsqueeze(0)
+            mask, causal = slot <= pos, False
+            if window is not None:
+                mask &= slot > pos - window
         out = torch.nn.functional.scaled_dot_product_attention(
             q[:, a:b].unsqueeze(0), keys, values, attn_mask=mask, is_causal=causal, scale=scale,
             enable_gqa=True)[0]
         parts.append(out)
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-
-
-def lower_right(m: int, seen: int, device: torch.device) -> torch.Tensor:
-    """(m, seen) bool: query i of the last ``m`` slots of ``seen`` sees the slots up to its own."""
-    return torch.arange(seen, device=device).unsqueeze(0) <= \
-        torch.arange(seen - m, seen, device=device).unsqueeze(1)
 
 
 def _scored(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: int, lo: int, scale: float | None,

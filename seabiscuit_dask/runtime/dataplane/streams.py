@@ -574,10 +574,10 @@ async def serve(comm: Any, raw: bool, receive: Receive, held: Receiving | None =
 async def _read_unit(comm: Any, held: Receiving, receive: Receive,
                      ack: Callable[[int, int, float, float, int], None], got: bytearray) -> bool:
     """One unit of a raw stream to its message; a message's last one to ``receive`` (True then).
-    ``got``: the
-    bytes read and not yet cut into units. A read takes whatever has come in (``READ_BYTES`` at
-    most): a small message comes with its header in one read, not two (each a loop turn, a cold
-    50 us at a decode step's hop); the rest of a large unit is read straight into its message."""
+    ``got``: the bytes read and not yet cut into units. A read takes whatever has come in
+    (``READ_BYTES`` at most): a small message comes with its header in one read, not two (each a
+    loop turn, a cold 50 us at a decode step's hop); the rest of a large unit is read straight
+    into its message."""
     stream = comm.stream
     if stream is None:
         raise CommClosedError("the data-plane stream is closed")
