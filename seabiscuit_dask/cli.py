@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from . import config
 from .errors import SeaBiscuitError, UnsupportedModel
 from .ir import OpGraph
+from .quantize import SCHEMES
 
 if TYPE_CHECKING:
     from .placement import ClusterSpec
@@ -24,6 +25,7 @@ def _plan(args: argparse.Namespace) -> int:
     from .decompose import decompose, largest_working_set
     from .ir import fmt_bytes, verify
     from .models import MODELS, demo_model
+    from .quantize import quantize
     from .trace import trace
 
     budget = config.to_bytes(args.budget)
@@ -44,6 +46,11 @@ def _plan(args: argparse.Namespace) -> int:
             x = (torch.zeros((1, args.seq), dtype=torch.long),)
         print(f"tracing at input shape {tuple(x[0].shape)} ...", flush=True)
         graph = trace(model, x)
+    scheme = config.get("quantize")
+    if scheme:
+        graph = quantize(graph, scheme)
+        print(f"{graph.meta['quantized']} linear weight(s) as {scheme}: {fmt_bytes(graph.param_bytes)} of "
+              "weights", flush=True)
     t1 = time.perf_counter()
     print(f"decomposing at a budget of {fmt_bytes(budget)} per op ...", flush=True)
     micro = decompose(graph, budget)
@@ -137,6 +144,11 @@ def main(argv: list[str] | None = None) -> int:
         add(sub)
     args = parser.parse_args(argv)
     try:
+        if getattr(args, "quantize", None) is not None:      # NOTE: what distribute() and the budgets read
+            import dask
+
+            with dask.config.set({"seabiscuit.quantize": args.quantize}):
+                return int(args.func(args))
         return int(args.func(args))
     except SeaBiscuitError as e:
         print(f"seabiscuit: error: {e}", file=sys.stderr)
@@ -162,6 +174,9 @@ def _plan_parser(sub: Subcommands) -> None:
     p.add_argument("--lose", action="append", default=None, metavar="NAME",
                    help="report what losing this device changes (repeatable; a,b: lost together; "
                         "all: each device in turn)")
+    p.add_argument("--quantize", choices=SCHEMES, default=None,
+                   help="hold the weights of linear layers as int8, a scale per output channel "
+                        "(default: config seabiscuit.quantize, none)")
     p.set_defaults(func=_plan)
 
 
@@ -208,6 +223,9 @@ def _generate_parser(sub: Subcommands) -> None:
                         "only), cpu (CPUs only) (default: config seabiscuit.device, auto)")
     g.add_argument("--serve", action="store_true",
                    help="afterwards keep the cluster, the model and the dashboard up until Ctrl-C")
+    g.add_argument("--quantize", choices=SCHEMES, default=None,
+                   help="hold the weights of linear layers as int8, a scale per output channel "
+                        "(default: config seabiscuit.quantize, none)")
     g.set_defaults(func=_generate)
 
 
@@ -241,6 +259,9 @@ def _serve_parser(sub: Subcommands) -> None:
                         "seabiscuit.serve.api-key-env, SEABISCUIT_API_KEY)")
     v.add_argument("--device", choices=config.DEVICES, default=None,
                    help="where the models run: auto, cuda or cpu (as for distribute(device=))")
+    v.add_argument("--quantize", choices=SCHEMES, default=None,
+                   help="hold the weights of linear layers as int8, a scale per output channel "
+                        "(default: config seabiscuit.quantize, none)")
     v.set_defaults(func=_serve)
 
 

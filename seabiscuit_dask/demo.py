@@ -23,8 +23,10 @@ import torch
 
 import seabiscuit_dask as sb
 
+from . import config
 from .errors import MissingPackage, UnsupportedModel
 from .ir import fmt_bytes
+from .quantize import held_bytes
 from .runtime.serving import accepts, connect, local_cluster, page_link, say, worker_budget_bytes
 
 if TYPE_CHECKING:
@@ -228,7 +230,8 @@ def run_generate(model_path: str | None, gguf: str | None, prompt: str, chat: bo
             from .trace import load_hf_skeleton
 
             weights = load_hf_skeleton(model)
-        weight_bytes = sum(p.numel() * p.element_size() for p in weights.parameters())
+        scheme = config.get("quantize")
+        weight_bytes = held_bytes(weights, scheme)
         from .runtime.client import kv_reserve
 
         context = min(1024, ids.shape[1] + max_new_tokens + 256)
@@ -266,9 +269,15 @@ def run_generate(model_path: str | None, gguf: str | None, prompt: str, chat: bo
             with torch.no_grad():
                 want = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                                     do_sample=False)
-            ok = bool(torch.equal(out, want))
-            say(f"check        {'OK: the same tokens as' if ok else 'MISMATCH with'} Hugging Face generate "
-                "on the local model")
+            if scheme:      # NOTE: other weights: how far its answer follows the float model's, said
+                same = int((out[0, ids.shape[1]:] == want[0, ids.shape[1]:]).cumprod(0).sum()) \
+                    if out.shape == want.shape else 0
+                say(f"check        {scheme} weights: the first {same} of {new} tokens the same as Hugging "
+                    "Face generate on the local float model")
+            else:
+                ok = bool(torch.equal(out, want))
+                say(f"check        {'OK: the same tokens as' if ok else 'MISMATCH with'} Hugging Face "
+                    "generate on the local model")
         decode = stats["decode_steps"]
         tasks = next((v["tasks"] for k, v in stats["programs"].items() if k in ("decode", "1x1")), 0)
         say(f"generation   {new} tokens in {total_s:.2f} s: first token after {printer.first_s or 0:.2f} s "

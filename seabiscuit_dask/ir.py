@@ -72,6 +72,9 @@ DTYPE_BYTES = {
     "float8_e4m3fn": 1, "float8_e5m2": 1,
 }
 
+# NOTE: what a param derived on load from a float weight is (``ParamSource.quant``, ``quantize.py``)
+QUANT_KINDS = ("int8", "int8-scale")
+
 MAX_ELEMENTS = 2**48
 """Most elements a tensor or parameter may have (and most along any dim): ~2.8e14, far above any
 model's, so that every size stays exact in the int64 and float64 arithmetic of the passes."""
@@ -168,6 +171,8 @@ class ParamSource:
     offset: int | None = None
     stored: tuple[int, ...] | None = None
     transposed: bool = False
+    quant: str | None = None
+    whole: tuple[int, ...] | None = None
 
     def sliced(self, dim: int, start: int, stop: int, full_shape: tuple[int, ...]) -> ParamSource:
         """The source of ``self[..., start:stop, ...]`` along ``dim`` of the current view (an
@@ -195,6 +200,8 @@ class ParamSource:
         if self.kind == "raw":
             out.update(offset=self.offset, stored=list(self.stored) if self.stored is not None else None,
                        transposed=self.transposed)
+        if self.quant is not None:
+            out.update(quant=self.quant, whole=list(self.whole) if self.whole is not None else None)
         return out
 
     @classmethod
@@ -211,6 +218,8 @@ class ParamSource:
             offset=d.get("offset"),
             stored=tuple(stored) if stored is not None else None,
             transposed=bool(d.get("transposed", False)),
+            quant=str(d["quant"]) if d.get("quant") is not None else None,
+            whole=tuple(d["whole"]) if d.get("whole") is not None else None,
         )
 
 
@@ -536,6 +545,11 @@ def check_param(spec: ParamSpec) -> None:
                            f"[start, stop) with 0 <= start <= stop <= {MAX_ELEMENTS}")
     if src.stored is not None:
         check_dims(f"{what} (stored as {src.key!r})", src.stored)
+    if src.quant is not None:
+        if src.quant not in QUANT_KINDS or src.whole is None or len(src.whole) != 2:
+            raise InvalidGraph(f"{what} is {src.quant!r} of a float weight of shape {src.whole!r}: a derived "
+                               f"weight is one of {', '.join(QUANT_KINDS)} of a 2-D weight")
+        check_dims(f"{what} (quantized from {src.key!r})", src.whole)
     if src.offset is not None and not is_count(src.offset):
         raise InvalidGraph(f"{what} lies at byte offset {src.offset!r} of {src.file!r}: "
                            "an offset is an int >= 0")

@@ -469,10 +469,13 @@ class QlinearSlab:
     columns: int
     rows: int
     integer: bool
+    bf16: bool = False      # NOTE: float rows multiplied in bf16 (its ``bf16`` argument, ``qlinear.py``)
 
     def scratch(self, columns: int | None = None) -> int:
-        return qlinear_scratch(self.n, self.k, self.itemsize, self.columns if columns is None else columns,
-                               self.rows, self.integer)
+        cols = self.columns if columns is None else columns
+        if self.bf16:       # NOTE: the rows in bf16, a bf16 slab, one step's bf16 product
+            return ((self.rows + cols) * self.k + self.rows * cols) * 2
+        return qlinear_scratch(self.n, self.k, self.itemsize, cols, self.rows, self.integer)
 
 
 def qlinear_slab(args: Sequence[Any], outs: Sequence[tuple[int, ...]], spec_of: SpecOf) -> QlinearSlab | None:
@@ -486,8 +489,11 @@ def qlinear_slab(args: Sequence[Any], outs: Sequence[tuple[int, ...]], spec_of: 
     itemsize = 8 if integer else _ITEMSIZE.get(dtype, 4)
     n, k = outs[0][-1], shape[-1]
     given = args[5] if len(args) > 5 and isinstance(args[5], int) and args[5] > 0 else 0
-    columns = min(n, given) if given else qlinear_columns(n, k, itemsize)
-    return QlinearSlab(n, k, itemsize, columns, math.prod(shape[:-1]), integer)
+    bf16 = bool(len(args) > 6 and args[6]) and dtype == "float32"
+    if bf16:
+        itemsize = 2
+    columns = min(n, given) if given else qlinear_columns(n, k, itemsize, QLINEAR_SLAB if bf16 else 0)
+    return QlinearSlab(n, k, itemsize, columns, math.prod(shape[:-1]), integer, bf16)
 
 
 def _slab(args: Sequence[Any], outs: Sequence[tuple[int, ...]], spec_of: SpecOf) -> int:

@@ -1,12 +1,19 @@
 """``sb.qlinear``: a linear layer over int8 (or uint8) weights with per-column scales.
 
-``qlinear(x, w, scale, zero, bias, columns)`` is ``x @ ((w - zero) * scale).T + bias`` for a
+``qlinear(x, w, scale, zero, bias, columns, bf16)`` is ``x @ ((w - zero) * scale).T + bias`` for a
 weight ``w`` held as ``[out, in]`` integers, ``scale`` and ``zero`` one per output
 column (``None``: none). A float ``x`` gives a float output: weight-only
 quantization, as ``DequantizeLinear`` or ``Cast`` + ``Mul`` before a ``MatMul`` say.
 An integer ``x`` (zero point already taken off) gives the exact ``int32``
 accumulation of ``MatMulInteger`` and ``QLinearMatMul``: products of 8-bit values
 summed in float64 are integers below 2**53, so nothing rounds.
+
+``bf16=True`` (what ``quantize.py`` asks for its own weights) lets a float32 ``x`` be
+multiplied in bfloat16 where that is faster on a CPU: up to ``PACK_ROWS`` rows (decode steps)
+by ``aten._weight_int8pack_mm`` over the int8 weight as held, more (prefill chunks) by bf16
+GEMMs over the integers (exact in bf16) with the scales applied to the product; the output is
+float32 again. Without it (weights an ONNX model quantized)
+the product is computed in ``x``'s own dtype, as the model's runtime does.
 
 The weight stays integer wherever it is held; the kernel dequantizes ``columns``
 columns at a time into one slab (0: ``ops.qlinear_columns``'s default, at most 1/16 of
@@ -27,17 +34,31 @@ from __future__ import annotations
 import torch
 
 from .errors import UnsupportedOp
-from .ops import qlinear_columns
+from .ops import QLINEAR_SLAB, qlinear_columns
+
+# NOTE: up to this many rows the int8 weight-only kernel (``aten._weight_int8pack_mm``) beats bf16
+# GEMMs over the integers, on this CPU, one thread (ms at 1 / 8 / 12 / 16 / 24 rows, ``bench_quant.py``):
+# 1536x576 0.07 / 0.21 / 0.31 / 0.41 / 0.60 against 0.27 / 0.33 / 0.36 / 0.39 / 0.46; 6144x576
+# 0.21 / 0.80 / 1.21 / 1.61 / 2.40 against 1.03 / 1.22 / 1.37 / 1.50 / 1.74; but a weight of more
+# than ``PACK_LARGE`` elements only up to ``PACK_LARGE_ROWS`` (49152x576: 3.8 / 12.3 at 1 / 8 rows
+# against 7.9 / 9.7)
+PACK_ROWS = 12
+PACK_LARGE = 1 << 23
+PACK_LARGE_ROWS = 4
 
 
-@torch.library.custom_op("sb::qlinear", mutates_args=())
-def qlinear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, zero: torch.Tensor | None,
-            bias: torch.Tensor | None, columns: int = 0) -> torch.Tensor:
+def qlinear_kernel(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, zero: torch.Tensor | None,
+                   bias: torch.Tensor | None, columns: int = 0, bf16: bool = False) -> torch.Tensor:
+    """``sb.qlinear`` as a plain function (what block programs call: no dispatch through the op)."""
     integer = not x.is_floating_point()
     if integer and (scale is not None or bias is not None):
         raise UnsupportedOp("sb.qlinear over integer inputs accumulates integers: it takes no scale or bias "
                             "(apply them to its int32 output)")
     n, k = w.shape
+    if bf16 and x.dtype == torch.float32 and w.dtype == torch.int8 and x.device.type == "cpu" \
+            and scale is not None and zero is None:
+        y = _bf16(x.reshape(-1, k).to(torch.bfloat16), w, scale, columns).reshape(*x.shape[:-1], n)
+        return y.add_(bias) if bias is not None else y
     dtype = torch.float64 if integer else x.dtype
     xs = x.to(dtype) if integer else x
     step = min(n, columns) if columns > 0 else qlinear_columns(n, k, dtype.itemsize)
@@ -64,9 +85,36 @@ def qlinear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, zero: 
     return y
 
 
+def _bf16(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, columns: int) -> torch.Tensor:
+    """``x @ (w * scale).T`` in float32 for bf16 rows ``x`` and an int8 ``[n, k]`` weight: up to
+    ``PACK_ROWS`` rows by the int8 weight-only kernel, more by bf16 GEMMs over the integers as
+    bf16 (exact: int8 values are bf16 values), the scales applied to the product."""
+    rows, (n, k) = x.shape[0], w.shape
+    if rows <= (PACK_ROWS if n * k <= PACK_LARGE else PACK_LARGE_ROWS):
+        # NOTE: this kernel wants bf16 activations (fp32 ones take a path 20x slower)
+        return torch.ops.aten._weight_int8pack_mm(x, w.contiguous(), scale.to(torch.bfloat16)).float()
+    step = min(n, columns) if columns > 0 else qlinear_columns(n, k, 2, QLINEAR_SLAB)
+    if step >= n:
+        return torch.nn.functional.linear(x, w.to(torch.bfloat16)).float().mul_(scale)
+    slab = torch.empty((step, k), dtype=torch.bfloat16, device=x.device)
+    y = torch.empty((rows, n), dtype=torch.float32, device=x.device)
+    for a in range(0, n, step):
+        b = min(n, a + step)
+        s = slab[: b - a]
+        s.copy_(w[a:b])
+        y[:, a:b] = torch.nn.functional.linear(x, s)
+    return y.mul_(scale)
+
+
+@torch.library.custom_op("sb::qlinear", mutates_args=())
+def qlinear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, zero: torch.Tensor | None,
+            bias: torch.Tensor | None, columns: int = 0, bf16: bool = False) -> torch.Tensor:
+    return qlinear_kernel(x, w, scale, zero, bias, columns, bf16)
+
+
 @qlinear.register_fake
 def _qlinear_fake(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, zero: torch.Tensor | None,
-                  bias: torch.Tensor | None, columns: int = 0) -> torch.Tensor:
+                  bias: torch.Tensor | None, columns: int = 0, bf16: bool = False) -> torch.Tensor:
     dtype = x.dtype if x.is_floating_point() else torch.int32
     return x.new_empty((*x.shape[:-1], w.shape[0]), dtype=dtype)
 

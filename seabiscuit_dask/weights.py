@@ -11,7 +11,7 @@ import json
 import os
 import struct
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -146,6 +146,7 @@ class WeightStore:
     reads: list[tuple[str, tuple[tuple[int, int], ...] | None]] = field(default_factory=list)
     _handles: dict[str, Any] = field(default_factory=dict)
     _headers: dict[str, dict[str, StoredTensor]] = field(default_factory=dict)
+    _rows: tuple[Any, tuple[torch.Tensor, torch.Tensor]] | None = None    # the last rows quantized
 
     @classmethod
     def from_weights(cls, weights: torch.nn.Module | Mapping[str, torch.Tensor] | None,
@@ -219,6 +220,8 @@ class WeightStore:
 
     def load(self, spec: ParamSpec) -> torch.Tensor:
         src = spec.source
+        if src.quant is not None:
+            return self._quantized(spec)
         index = tuple(slice(a, b) for a, b in src.slices) if src.slices is not None else ()
         dtype = torch_dtype(spec.dtype)
         if src.key in self.tensors:
@@ -251,3 +254,31 @@ class WeightStore:
             raise BadCheckpoint(f"param {spec.name!r} (key {src.key!r}) has shape "
                                 f"{tuple(value.shape)}, the graph expects {spec.shape}")
         return value.to(device=self.device, dtype=dtype)
+
+    def _quantized(self, spec: ParamSpec) -> torch.Tensor:
+        """A param derived from a float weight (``ParamSource.quant``): the float rows its tile
+        covers are read whole (all ``k`` columns: a row's scale is over all of it), quantized
+        (``quantize.quantize_rows``) and dropped; the last rows quantized are kept for the
+        other param of the same rows (integers, then scales)."""
+        from .quantize import quantize_rows
+
+        src = spec.source
+        assert src.whole is not None
+        n, k = src.whole
+        rows = src.slices[0] if src.slices is not None else (0, n)
+        key = (replace(src, quant=None, slices=None), rows)
+        if self._rows is None or self._rows[0] != key:
+            sliced = None if rows == (0, n) else (rows, (0, k))
+            plain = replace(src, quant=None, whole=None, slices=sliced)
+            floats = self.load(ParamSpec(spec.name, (rows[1] - rows[0], k), "float32", plain))
+            self._rows = (key, quantize_rows(floats))
+        q, scale = self._rows[1]
+        if src.quant == "int8-scale":
+            value = scale
+        else:
+            cols = src.slices[1] if src.slices is not None and len(src.slices) > 1 else (0, k)
+            value = q if cols == (0, k) else q[:, cols[0]:cols[1]].contiguous()
+        if tuple(value.shape) != spec.shape:
+            raise BadCheckpoint(f"param {spec.name!r} ({src.quant} of {src.key!r}) has shape "
+                                f"{tuple(value.shape)}, the graph expects {spec.shape}")
+        return value.to(device=self.device)

@@ -63,8 +63,9 @@ def decompose(graph: OpGraph, budget: int | str | None = None, *,
 
     like : OpGraph, optional
         A decomposed graph of the same model (another input shape): weights are cut
-        where it cut them, so both read the same tiles (a generation step program
-        shares its deployment's resident weights).
+        where it cut them, and quantized as it quantized them (``quantize.py``), so both
+        read the same tiles (a generation step program shares its deployment's resident
+        weights).
 
     Examples
     --------
@@ -77,6 +78,10 @@ def decompose(graph: OpGraph, budget: int | str | None = None, *,
     if graph.tilings or any("view" in r for op in graph.ops for r in iter_refs(op.attrs.get("args", ()))):
         raise InvalidGraph(f"{graph.meta.get('name', 'the graph')} is already decomposed into tiles; "
                            "decompose the traced graph with the new budget instead")
+    if like is not None and like.meta.get("quantize") is not None:
+        from ..quantize import quantize  # NOTE: its weights as the deployment holds them
+
+        graph = quantize(graph, like.meta["quantize"])
     if like is None:
         return cached_decompose(graph, budget_bytes, allow_oversize, _decompose)
     cuts = weight_cuts_of(like, graph)

@@ -334,8 +334,11 @@ class Decomposer:
     def widened(self, op: Op) -> Op:
         """An ``sb.qlinear`` whose slab takes the budget its working set leaves (fewer, larger
         dequantizing steps); any other op as it is."""
-        slab = O.qlinear_slab(op.attrs["args"], [self.tensors[op.outputs[0]].shape], spec_of(self.tensors)) \
-            if op.target == O.QLINEAR else None
+        # NOTE: not one that may multiply in bf16 (a quantized graph's own): its slab would depend on
+        # the rows, so step programs of other shapes could not be derived from one (``lower.dims``)
+        args = op.attrs["args"]
+        slab = O.qlinear_slab(args, [self.tensors[op.outputs[0]].shape], spec_of(self.tensors)) \
+            if op.target == O.QLINEAR and not (len(args) > 6 and args[6]) else None
         if slab is None:
             return op
         room = max(0, self.budget - self.ws(op) + slab.scratch())   # NOTE: shared by the slab and its step

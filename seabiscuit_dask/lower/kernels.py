@@ -180,9 +180,9 @@ def execute_op(op: Op, env: Mapping[str, torch.Tensor], device: torch.device) ->
     return [out]
 
 
-from .. import qlinear as _qlinear  # noqa: E402,F401  (defines torch.ops.sb.qlinear)
+from .. import qlinear as _qlinear  # noqa: E402  (defines torch.ops.sb.qlinear)
 from . import attention as _attention  # noqa: E402,F401  (registers the attention tile kernels)
 from . import kvcache as _kvcache  # noqa: E402,F401  (registers sb.kv_attention)
 from . import spatial  # noqa: E402,F401  (registers sb.conv_strip and the pooling strips)
 
-register_kernel("sb.qlinear.default", torch.ops.sb.qlinear.default)
+register_kernel("sb.qlinear.default", _qlinear.qlinear_kernel)      # NOTE: a plain call, no dispatch

@@ -21,6 +21,7 @@ import torch
 from .. import config
 from ..errors import BadCheckpoint, BadInput, SeaBiscuitError, UnsupportedModel
 from ..ir import fmt_bytes
+from ..quantize import held_bytes
 from ..runtime.serving import accepts, connect, local_cluster, page_link, say, worker_budget_bytes
 from .app import Server, make_app
 from .connections import uvicorn_config
@@ -65,7 +66,8 @@ class Loaded:
 
     @property
     def weight_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.weights.parameters())
+        """Bytes of its weights as a deployment holds them (``seabiscuit.quantize``)."""
+        return held_bytes(self.weights, config.get("quantize") if self.kind == "generate" else None)
 
 
 def name_of(source: Source) -> str:

@@ -49,16 +49,20 @@ def bind_checkpoint(graph: OpGraph, path: str | os.PathLike[str],
         if hit is None:
             missing.append(src.key)
             continue
-        expected = full_shapes.get(src.key, p.shape if src.slices is None else None)
+        # NOTE: a quantized weight's integers or scales read rows of the float weight ``whole``
+        whole = src.whole if src.quant is not None else None
+        expected = full_shapes.get(src.key, whole or (p.shape if src.slices is None else None))
         if expected is not None and hit.shape != tuple(expected):
             mismatched.append(f"{src.key}: checkpoint {hit.shape}, model {tuple(expected)}")
             continue
-        if src.slices is not None and (len(src.slices) != len(hit.shape) or any(
-                b > s for (_, b), s in zip(src.slices, hit.shape))):
+        if src.slices is not None and (len(src.slices) != len(hit.shape) - (whole is not None and
+                                                                             src.quant == "int8-scale")
+                                       or any(b > s for (_, b), s in zip(src.slices, hit.shape))):
             mismatched.append(f"{src.key}: tile {list(src.slices)} outside stored {hit.shape}")
             continue
         params[name] = ParamSpec(name, p.shape, p.dtype,
-                                 ParamSource("safetensors", hit.key, src.slices, hit.file))
+                                 ParamSource("safetensors", hit.key, src.slices, hit.file,
+                                             quant=src.quant, whole=src.whole))
     if missing or mismatched:
         parts = []
         if missing:

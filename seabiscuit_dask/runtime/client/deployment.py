@@ -26,6 +26,8 @@ from ...lower.blocks import BlockSpec, task_name
 from ...placement import Plan, place
 from ...placement.follow import follow
 from ...placement.partition import place_stages
+from ...quantize import check_scheme
+from ...quantize import quantize as quantize_graph
 from ...trace import decoder, load_hf_skeleton, trace
 from ...trace.onnx import is_onnx, load_onnx
 from ..discover import HOW_TO_INSTALL, PluginMissing, measure_cluster
@@ -174,7 +176,7 @@ def distribute(model_or_path: Any, client: Any, example_inputs: Any, budget: int
                kwargs: Mapping[str, Any] | None = None, checkpoint: str | os.PathLike[str] | None = None,
                checkpoint_dir: str | os.PathLike[str] | None = None, verify_every: int | None = None,
                sessions: int | None = None, context: int | None = None, device: str | None = None,
-               progress: Progress | None = None) -> DistributedModel:
+               quantize: str | None = None, progress: Progress | None = None) -> DistributedModel:
     """Trace, decompose, place and deploy a model on the cluster behind ``client``.
 
     Parameters
@@ -200,6 +202,12 @@ def distribute(model_or_path: Any, client: Any, example_inputs: Any, budget: int
         only (``DeviceUnavailable`` at once, before any weight moves, when there are none);
         ``"cpu"`` on CPUs and host memory only, GPU workers included (with their host-memory
         budgets). The choice is part of the plan (its devices' kinds) and holds after repairs.
+    quantize : {"int8", None}, optional
+        Hold the weights of linear layers as int8 with a scale per output channel
+        (``quantize.py``; default: config ``seabiscuit.quantize``, None: as the model holds
+        them). Workers read the float weights tile by tile and keep the integers only; decode
+        steps multiply them with the CPU's int8 kernel. Every program of the deployment
+        (generation steps included) reads the same quantized tiles.
     checkpoint_dir, verify_every, progress
         As for ``deploy``.
 
@@ -216,10 +224,11 @@ def distribute(model_or_path: Any, client: Any, example_inputs: Any, budget: int
                                  else config.get("generate.reserve-sessions") or 0, "sessions")
     context = config.to_count(context, "context", minimum=1) if context is not None else None
     choice = config.device_choice(device)
+    scheme = check_scheme(quantize if quantize is not None else config.get("quantize"))
     if is_onnx(model_or_path):        # NOTE: a module whose buffers are its initializers (trace/onnx.py)
         model_or_path = load_onnx(model_or_path, lazy=True)
     spec = _measured(client, choice, say)
-    micro = _micro_ops(model_or_path, example_inputs, kwargs, checkpoint, nbytes, choice, say)
+    micro = _micro_ops(model_or_path, example_inputs, kwargs, checkpoint, nbytes, choice, say, scheme)
     module, reserve, limit = _kv_room(model_or_path, n_sessions, context)
     if reserve:
         micro = micro.with_meta(kv_reserve_bytes=reserve)
@@ -254,11 +263,16 @@ def _measured(client: Any, choice: str, say: Progress) -> Any:
 
 
 def _micro_ops(model_or_path: Any, example_inputs: Any, kwargs: Mapping[str, Any] | None,
-               checkpoint: str | os.PathLike[str] | None, nbytes: int, choice: str, say: Progress) -> Any:
-    """The model traced at ``example_inputs`` and decomposed to ``nbytes`` per micro-op."""
+               checkpoint: str | os.PathLike[str] | None, nbytes: int, choice: str, say: Progress,
+               scheme: str | None = None) -> Any:
+    """The model traced at ``example_inputs``, quantized per ``scheme`` and decomposed to ``nbytes``
+    per micro-op."""
     t0 = time.perf_counter()
     say("tracing ...")
     graph = trace(model_or_path, example_inputs, kwargs, checkpoint=checkpoint)
+    if scheme is not None:
+        graph = quantize_graph(graph, scheme)
+        say(f"{graph.meta['quantized']} linear weight(s) as {scheme}")
     say(f"decomposing {len(graph.ops)} ops at {fmt_bytes(nbytes)} per op ...")
     micro = decompose(graph, nbytes)
     if choice != "auto":     # NOTE: repairs on the scheduler keep the model on this kind of device

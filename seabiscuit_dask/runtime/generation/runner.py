@@ -22,6 +22,7 @@ from ...decompose import decompose
 from ...errors import BadInput, LaneStopped
 from ...ir import OpGraph
 from ...lower.kvcache import KVStore, using
+from ...quantize import quantize
 from ...trace.decoder import trace_step
 from ..dataplane.loops import Edit, Lane, Loop
 from ..local import run_local
@@ -121,9 +122,11 @@ class LocalRunner:
     prefill_stages = 1
     prefill_room = (0, 0)
 
-    def __init__(self, model: Any, budget: int | str | None = None, lanes: bool = False) -> None:
+    def __init__(self, model: Any, budget: int | str | None = None, lanes: bool = False,
+                 quantize: str | None = None) -> None:
         self.model = model
         self.budget = budget
+        self.quantize = quantize        # NOTE: its programs' weights as ``distribute(quantize=)`` holds them
         self.edits_loops = lanes        # NOTE: lanes run here as on the workers, a step as it is read
         self.store = KVStore()
         self.programs: dict[tuple[int, int], OpGraph] = {}
@@ -133,7 +136,8 @@ class LocalRunner:
         key = (batch, length)
         with self._lock:
             if key not in self.programs:
-                self.programs[key] = decompose(trace_step(self.model, batch, length), self.budget)
+                self.programs[key] = decompose(quantize(trace_step(self.model, batch, length), self.quantize),
+                                               self.budget)
             return self.programs[key]
 
     def prepare(self, batch: int, length: int) -> None:

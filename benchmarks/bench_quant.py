@@ -1,0 +1,219 @@
+"""Quantized weights: SmolLM2-135M-Instruct (its GGUF, de-quantized by transformers) deployed
+in fp32 and as int8 (``distribute(quantize="int8")``) on the same LocalCluster budget, in one run.
+
+Printed, each against its anchors measured in the same run:
+
+- the kernels: one thread, a SmolLM2 linear's weight, rows 1 to 145: fp32 ``linear`` against
+  ``sb.qlinear``'s kernel over the int8 weight, each way it can take (the int8 weight-only kernel,
+  bf16 GEMMs over the integers), the measurement ``qlinear.PACK_ROWS`` rests on;
+- per deployment (warm: its programs built, one prompt run): one session's prefill of a
+  --prompt-tokens chat prompt (time to its first token) and decode tokens/s (new tokens
+  after the first over their time), and --sessions concurrent sessions' tokens/s over the
+  window where all decode, medians over --reps; the workers' resident weight bytes;
+- Hugging Face ``generate`` in fp32 on 1 thread in this process, and llama.cpp on the same
+  GGUF on 1 and 2 threads where ``llama-cpp-python`` is installed (``pip install
+  llama-cpp-python``: it builds llama.cpp from source, about ten minutes on 2 cores);
+- fidelity: next-token agreement and perplexity over a paragraph, the quantized graph run in
+  this process (``run_local``; the deployment's result is the local one, ``tests/test_quantize.py``)
+  against the fp32 model.
+
+    python benchmarks/bench_quant.py [--workers 2] [--new 64] [--sessions 4] [--reps 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from bench_generate import chat_prompt, hf_once, sb_concurrent, sb_once
+
+PARAGRAPH = ("The river rose slowly through the night, and by morning the lower fields were under water. "
+             "Farmers moved their animals to the hills, while the children watched from the old stone "
+             "bridge. "
+             "Nobody in the village could remember a flood like it, although the oldest stories spoke of one "
+             "that had carried away the mill a hundred years before. When the rain finally stopped, the "
+             "people began to clear the mud from their houses and to count what they had lost.")
+
+SHAPES = {"q_proj": (576, 576), "k_proj": (192, 576), "gate/up": (1536, 576), "down": (576, 1536),
+          "lm_head": (49152, 576)}
+
+
+def median_ms(f, n: int = 20) -> float:
+    f()
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        f()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
+
+
+def kernels(rows_list: tuple[int, ...]) -> None:
+    """fp32 ``linear`` against ``sb.qlinear``'s kernel over the int8 weight (``bf16=True``) by the
+    int8 weight-only kernel (pack) and by bf16 GEMMs (gemm), one thread."""
+    from seabiscuit_dask import qlinear as ql
+    from seabiscuit_dask.quantize import quantize_rows
+
+    old = torch.get_num_threads(), ql.PACK_ROWS, ql.PACK_LARGE_ROWS
+    torch.set_num_threads(1)
+    print("kernels, one thread, ms: fp32 linear / int8 weight-only kernel / bf16 GEMM over the integers")
+    print("| weight | " + " | ".join(f"{r} rows" for r in rows_list) + " |")
+    print("|---|" + "---|" * len(rows_list))
+    try:
+        for name, (n, k) in SHAPES.items():
+            w = torch.randn(n, k) * 0.02
+            q, scale = quantize_rows(w)
+            cells = []
+            for r in rows_list:
+                x = torch.randn(r, k)
+                got = [median_ms(lambda: torch.nn.functional.linear(x, w))]
+                for rows in (1 << 20, 0):       # NOTE: every row count by one way, then the other
+                    ql.PACK_ROWS = ql.PACK_LARGE_ROWS = rows
+                    got.append(median_ms(lambda: ql.qlinear_kernel(x, q, scale, None, None, 0, True)))
+                cells.append(" / ".join(f"{g:.3f}" for g in got))
+            print(f"| {name} {n}x{k} | " + " | ".join(cells) + " |", flush=True)
+    finally:
+        torch.set_num_threads(old[0])
+        ql.PACK_ROWS, ql.PACK_LARGE_ROWS = old[1], old[2]
+
+
+def fidelity(model, tok, scheme: str) -> tuple[float, float, float]:
+    """(next-token agreement with fp32, fp32 perplexity, quantized perplexity) over ``PARAGRAPH``."""
+    import seabiscuit_dask as sb
+    from seabiscuit_dask.quantize import quantize
+    from seabiscuit_dask.runtime.local import run_local
+
+    ids = tok(PARAGRAPH, return_tensors="pt").input_ids
+    with torch.no_grad():
+        want = model(ids).logits[0]
+    graph = quantize(sb.trace(model, (ids,)), scheme)
+    with torch.no_grad():
+        got = run_local(graph, (ids,), weights=model).logits[0]
+
+    def ppl(logits: torch.Tensor) -> float:
+        return float(torch.exp(torch.nn.functional.cross_entropy(logits[:-1], ids[0, 1:])))
+
+    agree = float((got.argmax(-1) == want.argmax(-1)).float().mean())
+    return agree, ppl(want), ppl(got)
+
+
+def llama_cpp(ids: torch.Tensor, new: int, n_threads: int) -> float | None:
+    """llama.cpp's decode tokens/s on the same GGUF and prompt (new tokens after the first), or None
+    where ``llama-cpp-python`` is not installed."""
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return None
+    from seabiscuit_dask.models import gguf_path
+
+    llm = Llama(model_path=gguf_path(), n_threads=n_threads, n_ctx=512, verbose=False)
+    tokens = [int(t) for t in ids[0]]
+    stamps = []
+    llm.reset()
+    for i, _t in enumerate(llm.generate(tokens, temp=0.0)):
+        stamps.append(time.perf_counter())
+        if i + 1 >= new:
+            break
+    return (len(stamps) - 1) / (stamps[-1] - stamps[0])
+
+
+def deployment(model, ids, prompts, scheme, args, budget, context) -> dict:
+    import seabiscuit_dask as sb
+    from tests.clusters import seabiscuit_cluster
+
+    with seabiscuit_cluster(args.workers, budget) as client:
+        t = time.perf_counter()
+        dm = sb.distribute(model, client, torch.zeros(1, 256, dtype=torch.long), kwargs={"logits_to_keep": 1},
+                           sessions=args.sessions, context=context, quantize=scheme)
+        deploy_s = time.perf_counter() - t
+        dm.generate(ids, 2, eos_token_id=[])
+        for p in prompts:
+            dm.generate(p, 1, eos_token_id=[])
+        held = sum(client.run(_resident_bytes).values())
+        single = [sb_once(dm, ids, args.new) for _ in range(args.reps + 1)][1:]
+        many = [sb_concurrent(dm, prompts, args.new)[0] for _ in range(args.reps + 1)][1:]
+        hf = [hf_once(model, ids, args.new, 1) for _ in range(args.reps)]
+        dm.close()
+    return {"deploy_s": deploy_s, "prefill_s": statistics.median(s[0] for s in single),
+            "decode": statistics.median(s[1] for s in single), "many": statistics.median(many),
+            "hf_decode": statistics.median(h[1] for h in hf),
+            "hf_prefill": statistics.median(h[0] for h in hf), "held": held, "budget": budget}
+
+
+def _resident_bytes(dask_worker=None) -> int:
+    """Bytes of weight tiles a worker holds (every model's)."""
+    from seabiscuit_dask.runtime.worker.tasks import resident
+
+    return int(resident(dask_worker).weight_bytes)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--prompt-tokens", type=int, default=145)
+    ap.add_argument("--new", type=int, default=64, help="new tokens per session")
+    ap.add_argument("--sessions", type=int, default=4)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--schemes", default="none,int8", help="deployments to run, in order")
+    ap.add_argument("--no-kernels", action="store_true")
+    args = ap.parse_args()
+
+    from seabiscuit_dask.demo import worker_budget_bytes
+    from seabiscuit_dask.models import load_gguf
+    from seabiscuit_dask.runtime.client import kv_reserve
+
+    if not args.no_kernels:
+        kernels((1, 4, 8, 12, 16, 32, 145))
+    model, tok = load_gguf()
+    ids = chat_prompt(tok, args.prompt_tokens)
+    prompts = [chat_prompt(tok, 20 + 7 * i) for i in range(args.sessions)]
+    from seabiscuit_dask.quantize import held_bytes
+
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    context = args.prompt_tokens + args.new + 16
+    reserve, _ = kv_reserve(model, args.sessions, context)
+    print(f"\nSmolLM2-135M-Instruct on {args.workers} workers x 1 thread (fp32 weights {weights / 2**20:.0f} "
+          "MiB), each with room for a share of the weights as the deployment holds them, never all; "
+          f"{args.new} new tokens, medians of {args.reps}")
+    cpp = {n: llama_cpp(ids, args.new, n) for n in (1, 2)}
+    if cpp[1] is None:
+        print("llama.cpp: llama-cpp-python is not installed (pip install llama-cpp-python; it builds from "
+              "source, about ten minutes on 2 cores): no llama.cpp anchor this run")
+    results = {}
+    for scheme in args.schemes.split(","):
+        q = None if scheme == "none" else scheme
+        # NOTE: workers that cannot hold the weights alone: a deployment of 2 stages either way
+        budget = worker_budget_bytes(held_bytes(model, q), args.workers) + \
+            reserve * model.config.num_hidden_layers // args.workers
+        results[scheme] = r = deployment(model, ids, prompts, q, args, budget, context)
+        print(f"  {scheme}: {r['budget'] / 2**20:.0f} MiB of budget a worker, deployed in "
+              f"{r['deploy_s']:.1f} s, {r['held'] / 2**20:.0f} MiB of weights held", flush=True)
+    base = results.get("none")
+    print("\n| weights | prefill s (HF fp32 1 thread) | decode tok/s (HF 1 thread) | vs fp32 deployment | "
+          f"{args.sessions} sessions tok/s | vs fp32 | llama.cpp 1 / 2 threads |")
+    print("|---|---|---|---|---|---|---|")
+    for scheme, r in results.items():
+        vs = f"{r['decode'] / base['decode']:.2f}x" if base else "-"
+        vs_many = f"{r['many'] / base['many']:.2f}x" if base else "-"
+        cpp_cell = (f"{r['decode'] / cpp[1]:.2f}x / {r['decode'] / cpp[2]:.2f}x of {cpp[1]:.1f} / "
+                    f"{cpp[2]:.1f}" if cpp[1] and cpp[2] else "not installed")
+        print(f"| {scheme} | {r['prefill_s']:.3f} ({r['hf_prefill']:.3f}) | {r['decode']:.1f} "
+              f"({r['hf_decode']:.1f}) | {vs} | {r['many']:.1f} | {vs_many} | {cpp_cell} |")
+    for scheme in results:
+        if scheme != "none":
+            agree, p32, pq = fidelity(model, tok, scheme)
+            print(f"\n{scheme} fidelity over a {len(tok(PARAGRAPH).input_ids)}-token paragraph: next-token "
+                  f"agreement with fp32 {agree:.3f}; perplexity {pq:.2f} against fp32's {p32:.2f}")
+
+
+if __name__ == "__main__":
+    main()

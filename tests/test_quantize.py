@@ -1,0 +1,170 @@
+"""Weight-only int8 quantization (``quantize.py``): the pass, the tiles workers derive from float
+weights, the kernel's two ways (the int8 weight-only kernel for few rows, bf16 GEMMs for many),
+the budget arithmetic, and a quantized deployment whose result is its local graph's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import seabiscuit_dask as sb
+from seabiscuit_dask.errors import BadInput, InvalidGraph
+from seabiscuit_dask.ir import OpGraph, ParamSource, ParamSpec
+from seabiscuit_dask.ops import QLINEAR_SLAB, qlinear_columns, qlinear_slab
+from seabiscuit_dask.qlinear import PACK_LARGE, PACK_ROWS, qlinear_kernel
+from seabiscuit_dask.quantize import check_scheme, held_bytes, names_of, quantize, quantize_rows
+from seabiscuit_dask.runtime.generation import Engine, GenerateArgs, LocalRunner, generate_tokens
+from seabiscuit_dask.runtime.local import run_local
+from seabiscuit_dask.weights import WeightStore
+
+from .clusters import seabiscuit_cluster
+from .test_generate import decoder, padded_batch
+
+pytestmark = [pytest.mark.filterwarnings("ignore::ResourceWarning")]
+
+
+def logits(out) -> torch.Tensor:
+    return out.logits if hasattr(out, "logits") else out
+
+
+def close_to(got: torch.Tensor, want: torch.Tensor, rel: float) -> bool:
+    """Every value within ``rel`` of the largest magnitude of ``want``."""
+    return bool((got - want).abs().max() <= rel * want.abs().max())
+
+
+def test_rows_quantize_symmetrically_within_half_a_step() -> None:
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(40, 96, generator=g)
+    w[3] = 0.0
+    q, scale = quantize_rows(w)
+    assert q.dtype == torch.int8 and scale.shape == (40,) and int(q.abs().max()) == 127
+    assert float(scale[3]) == 1.0 and not q[3].any()
+    err = (q.float() * scale[:, None] - w).abs()
+    assert bool((err <= scale[:, None] / 2 + 1e-7).all())
+
+
+def test_the_pass_turns_linear_layers_into_qlinear_and_a_tied_embedding_keeps_its_floats() -> None:
+    model = decoder("llama")              # NOTE: its head is tied to the embedding
+    ids, _ = padded_batch((7,), seed=1)
+    graph = sb.trace(model, (ids,))
+    q = quantize(graph, "int8")
+    linears = [op for op in graph.ops if op.target == "aten.linear.default"]
+    assert q.meta["quantize"] == "int8" and q.meta["quantized"] == len(linears) > 0
+    assert not any(op.target == "aten.linear.default" for op in q.ops)
+    embed = next(op.params[0] for op in graph.ops if op.target == "aten.embedding.default")
+    assert any(op.params == (embed,) for op in linears)        # NOTE: one param, read by both
+    qname, sname = names_of(embed)
+    assert q.params[embed].dtype == "float32"                 # the embedding's rows, gathered
+    assert q.params[qname].dtype == "int8" and q.params[sname].shape == (q.params[embed].shape[0],)
+    assert q.params[qname].source.quant == "int8" and q.params[qname].source.key == embed
+    weights = {op.params[0] for op in linears}
+    shapes = [graph.params[w].shape for w in weights]
+    assert q.param_bytes == graph.param_bytes - sum(graph.params[w].nbytes for w in weights - {embed}) \
+        + sum(n * k + 4 * n for n, k in shapes)
+    assert quantize(q, "int8") is q and quantize(graph, None) is graph
+    assert OpGraph.from_json(q.to_json()).params == q.params
+    with pytest.raises(BadInput, match="int8"):
+        check_scheme("int3")
+    with pytest.raises(BadInput, match="already decomposed"):
+        quantize(sb.decompose(graph, "64KiB"), "int8")
+
+
+def test_tiles_of_a_quantized_weight_hold_the_whole_weights_integers() -> None:
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(30, 20, generator=g)
+    q, scale = quantize_rows(w)
+    store = WeightStore({"w": w})
+    src = ParamSource("model", "w", quant="int8", whole=(30, 20))
+    whole = store.load(ParamSpec("w:int8", (30, 20), "int8", src))
+    assert torch.equal(whole, q)
+    tile = src.sliced(0, 10, 25, (30, 20)).sliced(1, 5, 12, (15, 20))       # rows, then the reduction
+    assert torch.equal(store.load(ParamSpec("t", (15, 7), "int8", tile)), q[10:25, 5:12])
+    scales = ParamSource("model", "w", quant="int8-scale", whole=(30, 20)).sliced(0, 4, 9, (30,))
+    assert torch.equal(store.load(ParamSpec("s", (5,), "float32", scales)), scale[4:9])
+    with pytest.raises(InvalidGraph, match="int8"):
+        ParamSpec.from_dict("x", {"shape": [3], "dtype": "int8",
+                                  "source": {"kind": "model", "key": "w", "quant": "int4", "whole": [3, 2]}})
+
+
+@pytest.mark.parametrize("n,k", [(96, 64), (3000, 64)])         # one slab; several, the last short
+@pytest.mark.parametrize("rows", [1, PACK_ROWS, PACK_ROWS + 1, 40])   # the int8 kernel; bf16 GEMMs
+def test_the_kernel_multiplies_int8_weights_in_bf16_either_way(n: int, k: int, rows: int) -> None:
+    g = torch.Generator().manual_seed(rows)
+    q, scale = quantize_rows(torch.randn(n, k, generator=g))
+    x, bias = torch.randn(2, rows, k, generator=g), torch.randn(n, generator=g)
+    want = x @ (q.float() * scale[:, None]).T + bias
+    got = qlinear_kernel(x, q, scale, None, bias, 0, True)
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    assert close_to(got, want, 1e-2)
+    step = qlinear_columns(n, k, 2, QLINEAR_SLAB)
+    assert torch.equal(qlinear_kernel(x, q, scale, None, bias, step, True), got)
+    assert torch.equal(torch.ops.sb.qlinear(x, q, scale, None, bias, 0, True), got)
+    exact = qlinear_kernel(x, q, scale, None, bias)              # NOTE: without bf16: in x's own dtype
+    torch.testing.assert_close(exact, want, rtol=1e-5, atol=1e-4)
+
+
+def test_a_bf16_qlinear_counts_its_bf16_rows_slab_and_product() -> None:
+    def spec(ref):
+        return {"x": ((7, 576), "float32")}.get(ref.get("t")) if isinstance(ref, dict) else None
+
+    slab = qlinear_slab([{"t": "x"}, None, None, None, None, 0, True], [(7, 1536)], spec)
+    assert slab is not None and slab.bf16 and slab.itemsize == 2
+    assert slab.columns == qlinear_columns(1536, 576, 2, QLINEAR_SLAB) < 1536
+    assert slab.scratch() == (7 + slab.columns) * 576 * 2 + 7 * slab.columns * 2
+    assert PACK_LARGE > 1536 * 576
+
+
+def test_held_bytes_counts_int8_linear_weights_and_a_tied_embeddings_floats() -> None:
+    model = decoder("llama")
+    floats = sum(p.numel() * 4 for p in model.parameters())
+    embed = model.model.embed_tokens.weight
+    linear = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear) and m.weight is not embed]
+    want = floats - sum(w.numel() * 3 - 4 * w.shape[0] for w in linear) + embed.numel() + 4 * embed.shape[0]
+    assert held_bytes(model, None) == floats and held_bytes(model, "int8") == want
+
+
+def test_the_template_cache_keeps_float_and_quantized_decompositions_apart() -> None:
+    model = decoder("llama")
+    ids, _ = padded_batch((6,), seed=3)
+    graph = sb.trace(model, (ids,))
+    want = logits(model(ids)).detach()
+    first = sb.decompose(quantize(graph, "int8"), "64KiB")
+    again = sb.decompose(graph, "64KiB")
+    assert any(op.target == "sb.qlinear.default" for op in first.ops)
+    assert not any(op.target == "sb.qlinear.default" for op in again.ops)
+    torch.testing.assert_close(logits(run_local(again, (ids,), weights=model)), want, rtol=1e-4, atol=1e-5)
+
+
+def test_a_decomposed_quantized_graph_is_its_graph_up_to_bf16_and_follows_the_float_model() -> None:
+    model = decoder("llama")
+    ids, _ = padded_batch((12,), seed=4)
+    graph = quantize(sb.trace(model, (ids,)), "int8")
+    want = logits(model(ids)).detach()
+    whole = logits(run_local(graph, (ids,), weights=model))
+    cut = sb.decompose(graph, "16KiB")
+    assert sum(op.target == "sb.qlinear.default" for op in cut.ops) > graph.meta["quantized"]
+    assert close_to(logits(run_local(cut, (ids,), weights=model)), whole, 2e-2)
+    assert close_to(whole, want, 5e-2)
+    assert float((whole.argmax(-1) == want.argmax(-1)).float().mean()) >= 0.9
+
+
+def test_a_quantized_deployment_answers_as_its_local_graph_and_holds_int8_tiles() -> None:
+    model = decoder("llama")
+    ids, _ = padded_batch((9,), seed=1)
+    with seabiscuit_cluster(2, 400_000) as client:
+        with sb.distribute(model, client, torch.zeros(1, 16, dtype=torch.long), budget="64KiB",
+                           quantize="int8") as dm:
+            assert dm.graph.meta["quantize"] == "int8"
+            held = client.run(lambda dask_worker: {str(t.dtype) for ts in dask_worker.plugins["seabiscuit"]
+                                                   .resident.tiles.values() for t in ts.values()})
+            assert any("torch.int8" in d for d in held.values())
+            x = torch.zeros(1, 16, dtype=torch.long)
+            x[0, 7:] = ids[0]
+            assert torch.equal(logits(dm(x)), logits(run_local(dm.graph, (x,), weights=model)))
+            got = dm.generate(ids, 8, pad_token_id=0, eos_token_id=[])
+            steps = dm.generation_stats()["programs"]
+    engine = Engine(LocalRunner(model, "64KiB", quantize="int8"), max_sessions=2, context=64, max_chunk=16)
+    args = GenerateArgs.make(model.generation_config, ids.shape[1], max_new_tokens=8, pad_token_id=0,
+                             eos_token_id=[])
+    assert torch.equal(got, generate_tokens(engine, ids, args))
+    assert steps and all(p["build_s"] >= 0 for p in steps.values())
