@@ -47,7 +47,7 @@ SHAPES = {"q_proj": (576, 576), "k_proj": (192, 576), "gate/up": (1536, 576), "d
           "lm_head": (49152, 576)}
 
 
-def median_ms(f, n: int = 20) -> float:
+def median_ms(f, n: int = 5) -> float:
     f()
     times = []
     for _ in range(n):
@@ -57,30 +57,47 @@ def median_ms(f, n: int = 20) -> float:
     return statistics.median(times) * 1e3
 
 
+COLD_BYTES = 256 * 2**20     # NOTE: distinct weights cycled through, far more than this CPU's caches
+
+
 def kernels(rows_list: tuple[int, ...]) -> None:
     """fp32 ``linear`` against ``sb.qlinear``'s kernel over the int8 weight (``bf16=True``) by the
-    int8 weight-only kernel (pack) and by bf16 GEMMs (gemm), one thread."""
+    int8 weight-only kernel (pack) and by bf16 GEMMs (gemm), one thread, each call on a weight not
+    in cache (as in a decode step, which streams every weight once): the median of 5 passes over
+    enough copies of the weight to hold ``COLD_BYTES`` in fp32, per call."""
     from seabiscuit_dask import qlinear as ql
     from seabiscuit_dask.quantize import quantize_rows
 
     old = torch.get_num_threads(), ql.PACK_ROWS, ql.PACK_LARGE_ROWS
     torch.set_num_threads(1)
-    print("kernels, one thread, ms: fp32 linear / int8 weight-only kernel / bf16 GEMM over the integers")
+    print("kernels, one thread, weights not in cache, ms a call: fp32 linear / int8 weight-only kernel / "
+          "bf16 GEMM over the integers")
     print("| weight | " + " | ".join(f"{r} rows" for r in rows_list) + " |")
     print("|---|" + "---|" * len(rows_list))
     try:
         for name, (n, k) in SHAPES.items():
-            w = torch.randn(n, k) * 0.02
-            q, scale = quantize_rows(w)
+            copies = max(2, -(-COLD_BYTES // (n * k * 4)))
+            floats = [torch.randn(n, k) * 0.02 for _ in range(copies)]
+            ints = [quantize_rows(w) for w in floats]
             cells = []
             for r in rows_list:
                 x = torch.randn(r, k)
-                got = [median_ms(lambda: torch.nn.functional.linear(x, w))]
+
+                def fp32() -> None:
+                    for w in floats:
+                        torch.nn.functional.linear(x, w)
+
+                def int8() -> None:
+                    for q, scale in ints:
+                        ql.qlinear_kernel(x, q, scale, None, None, 0, True)
+
+                got = [median_ms(fp32) / copies]
                 for rows in (1 << 20, 0):       # NOTE: every row count by one way, then the other
                     ql.PACK_ROWS = ql.PACK_LARGE_ROWS = rows
-                    got.append(median_ms(lambda: ql.qlinear_kernel(x, q, scale, None, None, 0, True)))
+                    got.append(median_ms(int8) / copies)
                 cells.append(" / ".join(f"{g:.3f}" for g in got))
             print(f"| {name} {n}x{k} | " + " | ".join(cells) + " |", flush=True)
+            floats, ints = [], []      # NOTE: freed before the next shape
     finally:
         torch.set_num_threads(old[0])
         ql.PACK_ROWS, ql.PACK_LARGE_ROWS = old[1], old[2]
@@ -172,7 +189,7 @@ def main() -> None:
     from seabiscuit_dask.runtime.client import kv_reserve
 
     if not args.no_kernels:
-        kernels((1, 4, 8, 12, 16, 32, 145))
+        kernels((1, 4, 8, 12, 16, 24, 32, 145))
     model, tok = load_gguf()
     ids = chat_prompt(tok, args.prompt_tokens)
     prompts = [chat_prompt(tok, 20 + 7 * i) for i in range(args.sessions)]

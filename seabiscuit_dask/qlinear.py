@@ -37,11 +37,11 @@ from .errors import UnsupportedOp
 from .ops import QLINEAR_SLAB, qlinear_columns
 
 # NOTE: up to this many rows the int8 weight-only kernel (``aten._weight_int8pack_mm``) beats bf16
-# GEMMs over the integers, on this CPU, one thread (ms at 1 / 8 / 12 / 16 / 24 rows, ``bench_quant.py``):
-# 1536x576 0.07 / 0.21 / 0.31 / 0.41 / 0.60 against 0.27 / 0.33 / 0.36 / 0.39 / 0.46; 6144x576
-# 0.21 / 0.80 / 1.21 / 1.61 / 2.40 against 1.03 / 1.22 / 1.37 / 1.50 / 1.74; but a weight of more
-# than ``PACK_LARGE`` elements only up to ``PACK_LARGE_ROWS`` (49152x576: 3.8 / 12.3 at 1 / 8 rows
-# against 7.9 / 9.7)
+# GEMMs over the integers on this CPU, one thread, weights not in cache (ms at 1 / 8 / 12 / 16 rows,
+# ``bench_quant.py``): 1536x576 0.15 / 0.31 / 0.40 / 0.50 against 0.29 / 0.35 / 0.38 / 0.41 (fp32
+# ``linear``: 0.31 / 0.46 / 0.53 / 0.60); 576x1536 0.13 / 0.26 / 0.35 / 0.44 against 0.29 / 0.35 /
+# 0.39 / 0.43; but a weight of more than ``PACK_LARGE`` elements only up to ``PACK_LARGE_ROWS``
+# (49152x576 at 1 / 4 / 8 rows: 4.5 / 6.3 / 13.0 against 8.0 / 8.5 / 9.8; fp32 10.2 / 16.9 / 20.0)
 PACK_ROWS = 12
 PACK_LARGE = 1 << 23
 PACK_LARGE_ROWS = 4
@@ -55,10 +55,11 @@ def qlinear_kernel(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None,
         raise UnsupportedOp("sb.qlinear over integer inputs accumulates integers: it takes no scale or bias "
                             "(apply them to its int32 output)")
     n, k = w.shape
-    if bf16 and x.dtype == torch.float32 and w.dtype == torch.int8 and x.device.type == "cpu" \
-            and scale is not None and zero is None:
+    if bf16 and x.dtype in (torch.float32, torch.bfloat16) and w.dtype == torch.int8 \
+            and x.device.type == "cpu" and scale is not None and zero is None:
         y = _bf16(x.reshape(-1, k).to(torch.bfloat16), w, scale, columns).reshape(*x.shape[:-1], n)
-        return y.add_(bias) if bias is not None else y
+        y = y.add_(bias) if bias is not None else y
+        return y.to(x.dtype)
     dtype = torch.float64 if integer else x.dtype
     xs = x.to(dtype) if integer else x
     step = min(n, columns) if columns > 0 else qlinear_columns(n, k, dtype.itemsize)
@@ -92,7 +93,8 @@ def _bf16(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, columns: int) -
     rows, (n, k) = x.shape[0], w.shape
     if rows <= (PACK_ROWS if n * k <= PACK_LARGE else PACK_LARGE_ROWS):
         # NOTE: this kernel wants bf16 activations (fp32 ones take a path 20x slower)
-        return torch.ops.aten._weight_int8pack_mm(x, w.contiguous(), scale.to(torch.bfloat16)).float()
+        w = w if w.is_contiguous() else w.contiguous()
+        return torch.ops.aten._weight_int8pack_mm(x, w, scale.to(torch.bfloat16)).float()
     step = min(n, columns) if columns > 0 else qlinear_columns(n, k, 2, QLINEAR_SLAB)
     if step >= n:
         return torch.nn.functional.linear(x, w.to(torch.bfloat16)).float().mul_(scale)

@@ -4,7 +4,9 @@ Every ``aten.linear`` whose weight is a whole 2-D float param becomes an ``sb.ql
 (``qlinear.py``) over two params derived from that weight on load (``ParamSource.quant``):
 its rows as int8 (``"int8"``) and one scale per row (``"int8-scale"``), symmetric per output
 channel: ``w ~ q * scale`` with ``q = round(w / scale)`` in [-127, 127] and ``scale =
-max|w| / 127`` over the row. A tile of the int8 weight is any block of it; its rows are
+max|w| / 127`` over the row, held in bfloat16 (what the int8 kernel takes: no conversion per
+call; the integers are rounded against the bf16 scale, so ``q * scale`` is the weight within
+half a step, as with an exact scale). A tile of the int8 weight is any block of it; its rows are
 quantized whole wherever the tile is loaded, so every tile holds exactly the integers the
 whole weight would (``quantize_rows``), and a decomposed graph equals the graph it was cut
 from. Only the integers and the scales are kept: the float rows are read, quantized and
@@ -72,7 +74,7 @@ def quantize(graph: OpGraph, scheme: str | None) -> OpGraph:
         if qname not in params:
             whole = spec.shape
             params[qname] = ParamSpec(qname, whole, "int8", replace(spec.source, quant="int8", whole=whole))
-            params[sname] = ParamSpec(sname, (whole[0],), "float32",
+            params[sname] = ParamSpec(sname, (whole[0],), "bfloat16",
                                       replace(spec.source, quant="int8-scale", whole=whole))
             done.append(w)
         bias = args[2] if len(args) > 2 else None
@@ -100,20 +102,20 @@ def _float_weight(args: list[Any], params: Mapping[str, ParamSpec]) -> str | Non
 
 
 def quantize_rows(w: Any) -> tuple[Any, Any]:
-    """``w`` ``[n, k]`` float as (int8 ``[n, k]``, float32 scales ``[n]``), symmetric per row:
-    ``w ~ q * scale[:, None]``. An all-zero row has scale 1 (its integers are 0)."""
+    """``w`` ``[n, k]`` float as (int8 ``[n, k]``, bfloat16 scales ``[n]``), symmetric per row:
+    ``w ~ q * scale[:, None]`` within half a step. An all-zero row has scale 1 (its integers are 0)."""
     import torch
 
     w = w.to(torch.float32)
-    scale = w.abs().amax(dim=1) / 127.0
+    scale = (w.abs().amax(dim=1) / 127.0).to(torch.bfloat16)
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    q = torch.round(w / scale.float()[:, None]).clamp_(-127, 127).to(torch.int8)
     return q, scale
 
 
 def held_bytes(module: Any, scheme: str | None) -> int:
     """Bytes of ``module``'s weights as a deployment quantized per ``scheme`` holds them (each tensor
-    once): a linear layer's weight as int8 and a float32 scale per output, unless another module
+    once): a linear layer's weight as int8 and a bfloat16 scale per output, unless another module
     reads it too (a tied embedding keeps its float copy, and the head holds an int8 one beside it);
     for sizing workers' budgets before anything is traced."""
     import torch
@@ -131,6 +133,6 @@ def held_bytes(module: Any, scheme: str | None) -> int:
             else:
                 other.add(p.data_ptr())
     for ptr, w in linear.items():
-        quantized = w.numel() + 4 * w.shape[0]
+        quantized = w.numel() + 2 * w.shape[0]
         total += quantized - (0 if ptr in other else w.numel() * w.element_size())
     return total

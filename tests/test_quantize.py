@@ -37,10 +37,11 @@ def test_rows_quantize_symmetrically_within_half_a_step() -> None:
     w = torch.randn(40, 96, generator=g)
     w[3] = 0.0
     q, scale = quantize_rows(w)
-    assert q.dtype == torch.int8 and scale.shape == (40,) and int(q.abs().max()) == 127
+    assert q.dtype == torch.int8 and scale.dtype == torch.bfloat16 and scale.shape == (40,)
+    assert int(q.abs().max()) == 127
     assert float(scale[3]) == 1.0 and not q[3].any()
-    err = (q.float() * scale[:, None] - w).abs()
-    assert bool((err <= scale[:, None] / 2 + 1e-7).all())
+    err = (q.float() * scale.float()[:, None] - w).abs()
+    assert bool((err <= scale.float()[:, None] / 2 + 1e-6).all())
 
 
 def test_the_pass_turns_linear_layers_into_qlinear_and_a_tied_embedding_keeps_its_floats() -> None:
@@ -60,7 +61,7 @@ def test_the_pass_turns_linear_layers_into_qlinear_and_a_tied_embedding_keeps_it
     weights = {op.params[0] for op in linears}
     shapes = [graph.params[w].shape for w in weights]
     assert q.param_bytes == graph.param_bytes - sum(graph.params[w].nbytes for w in weights - {embed}) \
-        + sum(n * k + 4 * n for n, k in shapes)
+        + sum(n * k + 2 * n for n, k in shapes)
     assert quantize(q, "int8") is q and quantize(graph, None) is graph
     assert OpGraph.from_json(q.to_json()).params == q.params
     with pytest.raises(BadInput, match="int8"):
@@ -80,7 +81,7 @@ def test_tiles_of_a_quantized_weight_hold_the_whole_weights_integers() -> None:
     tile = src.sliced(0, 10, 25, (30, 20)).sliced(1, 5, 12, (15, 20))       # rows, then the reduction
     assert torch.equal(store.load(ParamSpec("t", (15, 7), "int8", tile)), q[10:25, 5:12])
     scales = ParamSource("model", "w", quant="int8-scale", whole=(30, 20)).sliced(0, 4, 9, (30,))
-    assert torch.equal(store.load(ParamSpec("s", (5,), "float32", scales)), scale[4:9])
+    assert torch.equal(store.load(ParamSpec("s", (5,), "bfloat16", scales)), scale[4:9])
     with pytest.raises(InvalidGraph, match="int8"):
         ParamSpec.from_dict("x", {"shape": [3], "dtype": "int8",
                                   "source": {"kind": "model", "key": "w", "quant": "int4", "whole": [3, 2]}})
@@ -92,7 +93,7 @@ def test_the_kernel_multiplies_int8_weights_in_bf16_either_way(n: int, k: int, r
     g = torch.Generator().manual_seed(rows)
     q, scale = quantize_rows(torch.randn(n, k, generator=g))
     x, bias = torch.randn(2, rows, k, generator=g), torch.randn(n, generator=g)
-    want = x @ (q.float() * scale[:, None]).T + bias
+    want = x @ (q.float() * scale.float()[:, None]).T + bias
     got = qlinear_kernel(x, q, scale, None, bias, 0, True)
     assert got.dtype == torch.float32 and got.shape == want.shape
     assert close_to(got, want, 1e-2)
@@ -119,7 +120,7 @@ def test_held_bytes_counts_int8_linear_weights_and_a_tied_embeddings_floats() ->
     floats = sum(p.numel() * 4 for p in model.parameters())
     embed = model.model.embed_tokens.weight
     linear = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear) and m.weight is not embed]
-    want = floats - sum(w.numel() * 3 - 4 * w.shape[0] for w in linear) + embed.numel() + 4 * embed.shape[0]
+    want = floats - sum(w.numel() * 3 - 2 * w.shape[0] for w in linear) + embed.numel() + 2 * embed.shape[0]
     assert held_bytes(model, None) == floats and held_bytes(model, "int8") == want
 
 
@@ -144,7 +145,8 @@ def test_a_decomposed_quantized_graph_is_its_graph_up_to_bf16_and_follows_the_fl
     cut = sb.decompose(graph, "16KiB")
     assert sum(op.target == "sb.qlinear.default" for op in cut.ops) > graph.meta["quantized"]
     assert close_to(logits(run_local(cut, (ids,), weights=model)), whole, 2e-2)
-    assert close_to(whole, want, 5e-2)
+    # NOTE: this decoder's large weights amplify every error (~3.5% here); a wrong scale or row: 100%
+    assert float((whole - want).abs().mean() / want.abs().mean()) < 0.06
     assert float((whole.argmax(-1) == want.argmax(-1)).float().mean()) >= 0.9
 
 
