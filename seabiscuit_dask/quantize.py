@@ -12,7 +12,10 @@ whole weight would (``quantize_rows``), and a decomposed graph equals the graph 
 from. Only the integers and the scales are kept: the float rows are read, quantized and
 dropped tile by tile (no full float copy on a worker).
 
-Other ops reading the same weight (a tied embedding) keep the float param. The graph says
+An ``aten.embedding`` whose table is such a param looks up its int8 rows and their scales (a
+``[n, 1]`` table of them) and multiplies the two (as llama.cpp keeps embeddings at 8 bits): a
+head tied to the embedding reads the same int8 tiles, and no float copy of the table is held.
+The graph says
 what was done in ``meta["quantize"]`` (the scheme) and ``meta["quantized"]`` (weights); a
 step program decomposed ``like`` a quantized graph is quantized the same way
 (``decompose``), so it reads the same tiles.
@@ -20,17 +23,21 @@ step program decomposed ``like`` a quantized graph is quantized the same way
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
 from . import ops as O
 from .errors import BadInput
-from .ir import OpGraph, ParamSpec, iter_refs
+from .ir import Op, OpGraph, ParamSpec, TensorSpec, iter_refs
 
 SCHEMES = ("int8",)
 FLOATS = ("float32", "float16", "bfloat16", "float64")
 LINEAR = "aten.linear.default"
+EMBEDDING = "aten.embedding.default"
+TO_DTYPE = "aten.to.dtype"
+MUL = "aten.mul.Tensor"
 
 
 def check_scheme(scheme: Any) -> str | None:
@@ -61,44 +68,75 @@ def quantize(graph: OpGraph, scheme: str | None) -> OpGraph:
         raise BadInput(f"{graph.meta.get('name', 'the graph')} is already decomposed; quantize the traced "
                        "graph, then decompose it")
     params: dict[str, ParamSpec] = dict(graph.params)
-    ops = []
-    done: list[str] = []
+    tensors = dict(graph.tensors)
+    ops: list[Op] = []
+    done: set[str] = set()
+
+    def derive(w: str, table: bool = False) -> tuple[str, str]:
+        """The int8 param of float param ``w`` and its scales (``[n]``, or ``[n, 1]`` for a table)."""
+        spec = graph.params[w]
+        qname, sname = names_of(w)
+        sname += "2d" if table else ""
+        whole = spec.shape
+        params.setdefault(qname, ParamSpec(qname, whole, "int8",
+                                           replace(spec.source, quant="int8", whole=whole)))
+        params.setdefault(sname, ParamSpec(sname, (whole[0], 1) if table else (whole[0],), "bfloat16",
+                                           replace(spec.source, quant="int8-scale", whole=whole)))
+        done.add(w)
+        return qname, sname
+
     for op in graph.ops:
         args = list(op.attrs.get("args", ()))
-        w = _float_weight(args, graph.params) if op.target == LINEAR else None
+        w = _float_weight(args, graph.params, 1 if op.target == LINEAR else 0) \
+            if op.target in (LINEAR, EMBEDDING) else None
         if w is None:
             ops.append(op)
             continue
-        spec = graph.params[w]
-        qname, sname = names_of(w)
-        if qname not in params:
-            whole = spec.shape
-            params[qname] = ParamSpec(qname, whole, "int8", replace(spec.source, quant="int8", whole=whole))
-            params[sname] = ParamSpec(sname, (whole[0],), "bfloat16",
-                                      replace(spec.source, quant="int8-scale", whole=whole))
-            done.append(w)
-        bias = args[2] if len(args) > 2 else None
-        new_args = [args[0], {"p": qname}, {"p": sname}, None, bias, 0, True]
         kept = tuple(p for p in op.params if p != w)
-        ops.append(replace(op, target=O.QLINEAR, kind=O.kind_of(O.QLINEAR), params=(qname, sname, *kept),
-                           attrs={**op.attrs, "args": new_args}))
+        if op.target == LINEAR:
+            qname, sname = derive(w)
+            bias = args[2] if len(args) > 2 else None
+            new_args = [args[0], {"p": qname}, {"p": sname}, None, bias, 0, True]
+            ops.append(replace(op, target=O.QLINEAR, kind=O.kind_of(O.QLINEAR), params=(qname, sname, *kept),
+                               attrs={**op.attrs, "args": new_args}))
+            continue
+        # NOTE: a table: its int8 rows gathered, converted and scaled by their rows' scales
+        qname, sname = derive(w, table=True)
+        out = op.outputs[0]
+        spec = tensors[out]
+        names = (f"{out}:int8", f"{out}:float", f"{out}:scale")
+        tensors[names[0]] = TensorSpec(spec.shape, "int8")
+        tensors[names[1]] = TensorSpec(spec.shape, spec.dtype)
+        tensors[names[2]] = TensorSpec((*spec.shape[:-1], 1), "bfloat16")
+        rest = args[2:]
+        ops += [replace(op, name=f"{op.name}.int8", outputs=(names[0],), params=(qname, *kept),
+                        attrs={**op.attrs, "args": [{"p": qname}, *args[1:]]}),
+                Op(f"{op.name}.float", O.kind_of(TO_DTYPE), TO_DTYPE, (names[0],), (names[1],),
+                   attrs={"args": [{"t": names[0]}, {"dtype": spec.dtype}], "kwargs": {}}, scope=op.scope,
+                   flops=math.prod(spec.shape)),
+                replace(op, name=f"{op.name}.scale", outputs=(names[2],), params=(sname,),
+                        attrs={**op.attrs, "args": [{"p": sname}, args[1], *rest]}),
+                Op(f"{op.name}.scaled", O.kind_of(MUL), MUL, (names[1], names[2]), (out,),
+                   attrs={"args": [{"t": names[1]}, {"t": names[2]}], "kwargs": {}}, scope=op.scope,
+                   flops=math.prod(spec.shape))]
     used = {p for op in ops for p in op.params}
     params = {n: p for n, p in params.items() if n in used or n not in graph.params}
     meta: dict[str, Any] = {"quantize": scheme, "quantized": len(done)}
     if graph.meta.get("template_key") is not None:      # NOTE: its decompositions are not the float one's
         meta["template_key"] = f"{graph.meta['template_key']}+{scheme}"
-    return replace(graph, ops=tuple(ops), params=params).with_meta(**meta)
+    return replace(graph, ops=tuple(ops), params=params, tensors=tensors).with_meta(**meta)
 
 
-def _float_weight(args: list[Any], params: Mapping[str, ParamSpec]) -> str | None:
-    """The param a linear's weight operand is, where it is a whole 2-D float param, else None."""
-    if len(args) < 2 or not isinstance(args[1], Mapping) or set(args[1]) != {"p"}:
+def _float_weight(args: list[Any], params: Mapping[str, ParamSpec], at: int) -> str | None:
+    """The param operand ``at`` (a linear's weight, an embedding's table) is, where it is a whole 2-D
+    float param, else None."""
+    if len(args) <= at or not isinstance(args[at], Mapping) or set(args[at]) != {"p"}:
         return None
-    spec = params.get(args[1]["p"])
+    spec = params.get(args[at]["p"])
     if spec is None or len(spec.shape) != 2 or spec.dtype not in FLOATS or spec.source.slices is not None \
             or spec.source.quant is not None or spec.source.kind == "inline":
         return None
-    return str(args[1]["p"])
+    return str(args[at]["p"])
 
 
 def quantize_rows(w: Any) -> tuple[Any, Any]:
@@ -115,24 +153,23 @@ def quantize_rows(w: Any) -> tuple[Any, Any]:
 
 def held_bytes(module: Any, scheme: str | None) -> int:
     """Bytes of ``module``'s weights as a deployment quantized per ``scheme`` holds them (each tensor
-    once): a linear layer's weight as int8 and a bfloat16 scale per output, unless another module
-    reads it too (a tied embedding keeps its float copy, and the head holds an int8 one beside it);
-    for sizing workers' budgets before anything is traced."""
+    once): the weights of its linear layers and embeddings as int8, with a bfloat16 scale per row
+    for each use (a tied head and embedding: one int8 table, two rows of scales), any other param
+    as it is; for sizing workers' budgets before anything is traced."""
     import torch
 
     params = {p.data_ptr(): p for p in module.parameters()}
-    total = sum(p.numel() * p.element_size() for p in params.values())
     if check_scheme(scheme) is None:
-        return total
-    linear: dict[int, Any] = {}
-    other: set[int] = set()
+        return sum(p.numel() * p.element_size() for p in params.values())
+    uses: dict[int, set[str]] = {}
     for m in module.modules():
         for name, p in m.named_parameters(recurse=False):
-            if isinstance(m, torch.nn.Linear) and name == "weight":
-                linear[p.data_ptr()] = p
-            else:
-                other.add(p.data_ptr())
-    for ptr, w in linear.items():
-        quantized = w.numel() + 2 * w.shape[0]
-        total += quantized - (0 if ptr in other else w.numel() * w.element_size())
+            kind = "linear" if isinstance(m, torch.nn.Linear) and name == "weight" else \
+                "table" if isinstance(m, torch.nn.Embedding) and name == "weight" else "other"
+            uses.setdefault(p.data_ptr(), set()).add(kind)
+    total = 0
+    for ptr, p in params.items():
+        quantized = uses.get(ptr, {"other"}) - {"other"}
+        float_bytes = p.numel() * p.element_size() if "other" in uses.get(ptr, {"other"}) else 0
+        total += float_bytes + (p.numel() + 2 * p.shape[0] * len(quantized) if quantized else 0)
     return total

@@ -274,7 +274,7 @@ class WeightStore:
             self._rows = (key, quantize_rows(floats))
         q, scale = self._rows[1]
         if src.quant == "int8-scale":
-            value = scale
+            value = scale if len(spec.shape) == 1 else scale[:, None]      # NOTE: [n, 1]: a table's
         else:
             cols = src.slices[1] if src.slices is not None and len(src.slices) > 1 else (0, k)
             value = q if cols == (0, k) else q[:, cols[0]:cols[1]].contiguous()

@@ -44,24 +44,29 @@ def test_rows_quantize_symmetrically_within_half_a_step() -> None:
     assert bool((err <= scale.float()[:, None] / 2 + 1e-6).all())
 
 
-def test_the_pass_turns_linear_layers_into_qlinear_and_a_tied_embedding_keeps_its_floats() -> None:
+def test_the_pass_turns_linear_layers_and_embeddings_int8_and_a_tied_table_is_held_once() -> None:
     model = decoder("llama")              # NOTE: its head is tied to the embedding
     ids, _ = padded_batch((7,), seed=1)
     graph = sb.trace(model, (ids,))
     q = quantize(graph, "int8")
     linears = [op for op in graph.ops if op.target == "aten.linear.default"]
-    assert q.meta["quantize"] == "int8" and q.meta["quantized"] == len(linears) > 0
-    assert not any(op.target == "aten.linear.default" for op in q.ops)
     embed = next(op.params[0] for op in graph.ops if op.target == "aten.embedding.default")
-    assert any(op.params == (embed,) for op in linears)        # NOTE: one param, read by both
-    qname, sname = names_of(embed)
-    assert q.params[embed].dtype == "float32"                 # the embedding's rows, gathered
-    assert q.params[qname].dtype == "int8" and q.params[sname].shape == (q.params[embed].shape[0],)
-    assert q.params[qname].source.quant == "int8" and q.params[qname].source.key == embed
     weights = {op.params[0] for op in linears}
-    shapes = [graph.params[w].shape for w in weights]
-    assert q.param_bytes == graph.param_bytes - sum(graph.params[w].nbytes for w in weights - {embed}) \
-        + sum(n * k + 2 * n for n, k in shapes)
+    assert embed in weights                                   # NOTE: one param, read by both
+    assert q.meta["quantize"] == "int8" and q.meta["quantized"] == len(weights) > 0
+    assert not any(op.target == "aten.linear.default" for op in q.ops)
+    qname, sname = names_of(embed)
+    assert embed not in q.params                              # NOTE: no float copy of the table
+    lookups = [op for op in q.ops if op.target == "aten.embedding.default"]
+    assert sorted(op.params for op in lookups) == [(qname,), (sname + "2d",)]
+    assert q.params[qname].dtype == "int8" and q.params[qname].source.key == embed
+    assert q.params[sname].shape == (q.params[qname].shape[0],) and q.params[sname + "2d"].shape[1] == 1
+    table_scales = 2 * q.params[sname].shape[0]
+    assert q.param_bytes == graph.param_bytes - sum(graph.params[w].nbytes for w in weights) \
+        + sum(n * k + 2 * n for n, k in (graph.params[w].shape for w in weights)) + table_scales
+    want = logits(model(ids)).detach()
+    got = logits(run_local(q, (ids,), weights=model))
+    assert float((got.argmax(-1) == want.argmax(-1)).float().mean()) >= 0.9
     assert quantize(q, "int8") is q and quantize(graph, None) is graph
     assert OpGraph.from_json(q.to_json()).params == q.params
     with pytest.raises(BadInput, match="int8"):
@@ -115,13 +120,14 @@ def test_a_bf16_qlinear_counts_its_bf16_rows_slab_and_product() -> None:
     assert PACK_LARGE > 1536 * 576
 
 
-def test_held_bytes_counts_int8_linear_weights_and_a_tied_embeddings_floats() -> None:
+def test_held_bytes_counts_what_a_quantized_deployment_holds() -> None:
     model = decoder("llama")
+    ids, _ = padded_batch((7,), seed=1)
     floats = sum(p.numel() * 4 for p in model.parameters())
-    embed = model.model.embed_tokens.weight
-    linear = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear) and m.weight is not embed]
-    want = floats - sum(w.numel() * 3 - 2 * w.shape[0] for w in linear) + embed.numel() + 2 * embed.shape[0]
-    assert held_bytes(model, None) == floats and held_bytes(model, "int8") == want
+    assert held_bytes(model, None) == floats
+    q = quantize(sb.trace(model, (ids,)), "int8")
+    buffers = sum(p.nbytes for p in q.params.values() if p.source.kind == "inline")     # NOTE: rotary's
+    assert held_bytes(model, "int8") == q.param_bytes - buffers
 
 
 def test_the_template_cache_keeps_float_and_quantized_decompositions_apart() -> None:

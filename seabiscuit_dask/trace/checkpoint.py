@@ -55,9 +55,8 @@ def bind_checkpoint(graph: OpGraph, path: str | os.PathLike[str],
         if expected is not None and hit.shape != tuple(expected):
             mismatched.append(f"{src.key}: checkpoint {hit.shape}, model {tuple(expected)}")
             continue
-        if src.slices is not None and (len(src.slices) != len(hit.shape) - (whole is not None and
-                                                                             src.quant == "int8-scale")
-                                       or any(b > s for (_, b), s in zip(src.slices, hit.shape))):
+        if src.slices is not None and (src.slices[0][1] > hit.shape[0] if whole is not None else (
+                len(src.slices) != len(hit.shape) or any(b > s for (_, b), s in zip(src.slices, hit.shape)))):
             mismatched.append(f"{src.key}: tile {list(src.slices)} outside stored {hit.shape}")
             continue
         params[name] = ParamSpec(name, p.shape, p.dtype,
