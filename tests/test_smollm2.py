@@ -6,6 +6,8 @@ token for token against Hugging Face ``generate`` on the same model.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -62,17 +64,21 @@ def test_chat_answers_match_hugging_face_on_workers_that_cannot_hold_the_model(s
                        for r in held.values())
 
 
-def test_generate_command_streams_a_checked_answer(smollm2, tmp_path, capsys) -> None:
-    """``seabiscuit generate --model FOLDER``: a seeded Llama with SmolLM2's tokenizer, saved as a folder."""
+def seeded_folder(tok, path) -> None:
+    """A seeded Llama with SmolLM2's tokenizer, saved as a Hugging Face folder."""
     import transformers as tf
 
-    _, tok = smollm2
     torch.manual_seed(0)
     cfg = tf.LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                          bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-    tf.LlamaForCausalLM(cfg).save_pretrained(tmp_path)
-    tok.save_pretrained(tmp_path)
+    tf.LlamaForCausalLM(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+
+
+def test_generate_command_streams_a_checked_answer(smollm2, tmp_path, capsys) -> None:
+    """``seabiscuit generate --model FOLDER``: a seeded Llama with SmolLM2's tokenizer, saved as a folder."""
+    seeded_folder(smollm2[1], tmp_path)
     code = cli.main(["generate", "--model", str(tmp_path), "--prompt", "Hello there", "--chat",
                      "--workers", "2", "--max-new-tokens", "6", "--budget", "4MiB"])
     captured = capsys.readouterr()
@@ -81,6 +87,23 @@ def test_generate_command_streams_a_checked_answer(smollm2, tmp_path, capsys) ->
     assert "check        OK: the same tokens as Hugging Face generate" in out
     assert "blocks per token (a decode loop on the workers)" in out and "smaller than the model" in out
     assert "dashboard    http" in out
+
+
+def test_generate_command_quantized_reads_int8_tiles_from_the_folders_safetensors(smollm2, tmp_path,
+                                                                                  capsys) -> None:
+    """``--quantize int8`` on a folder: the workers read its float rows from the safetensors file and
+    keep int8 tiles; the answer is set against the float model's, token by token."""
+    seeded_folder(smollm2[1], tmp_path)
+    code = cli.main(["generate", "--model", str(tmp_path), "--prompt", "Hello there", "--chat",
+                     "--workers", "2", "--max-new-tokens", "6", "--budget", "4MiB", "--quantize", "int8"])
+    captured = capsys.readouterr()
+    out = captured.out
+    assert code == 0, out + captured.err
+    same = re.search(r"check        int8 weights: the first (\d+) of 6 tokens the same as", out)
+    assert same is not None and int(same.group(1)) >= 1, out
+    with pytest.raises(SystemExit):                                   # NOTE: argparse: not a scheme here
+        cli.main(["generate", "--quantize", "int4"])
+    assert "invalid choice: 'int4'" in capsys.readouterr().err
 
 
 def test_demo_is_smollm2_answering_a_chat_prompt(capsys) -> None:
