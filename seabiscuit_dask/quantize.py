@@ -158,7 +158,9 @@ def held_bytes(module: Any, scheme: str | None) -> int:
     as it is; for sizing workers' budgets before anything is traced."""
     import torch
 
-    params = {p.data_ptr(): p for p in module.parameters()}
+    # NOTE: by identity, not storage: a skeleton on the meta device has no storage (a tied weight is
+    # one Parameter, listed once)
+    params = {id(p): p for p in module.parameters()}
     if check_scheme(scheme) is None:
         return sum(p.numel() * p.element_size() for p in params.values())
     uses: dict[int, set[str]] = {}
@@ -166,7 +168,7 @@ def held_bytes(module: Any, scheme: str | None) -> int:
         for name, p in m.named_parameters(recurse=False):
             kind = "linear" if isinstance(m, torch.nn.Linear) and name == "weight" else \
                 "table" if isinstance(m, torch.nn.Embedding) and name == "weight" else "other"
-            uses.setdefault(p.data_ptr(), set()).add(kind)
+            uses.setdefault(id(p), set()).add(kind)
     total = 0
     for ptr, p in params.items():
         quantized = uses.get(ptr, {"other"}) - {"other"}

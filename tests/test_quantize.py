@@ -128,6 +128,10 @@ def test_held_bytes_counts_what_a_quantized_deployment_holds() -> None:
     q = quantize(sb.trace(model, (ids,)), "int8")
     buffers = sum(p.nbytes for p in q.params.values() if p.source.kind == "inline")     # NOTE: rotary's
     assert held_bytes(model, "int8") == q.param_bytes - buffers
+    with torch.device("meta"):          # NOTE: a folder's skeleton, as serve sizes budgets from
+        skeleton = type(model)(model.config)
+    assert held_bytes(skeleton, "int8") == held_bytes(model, "int8")
+    assert held_bytes(skeleton, None) == floats
 
 
 def test_the_template_cache_keeps_float_and_quantized_decompositions_apart() -> None:
