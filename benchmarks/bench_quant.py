@@ -11,13 +11,15 @@ Printed, each against its anchors measured in the same run:
   after the first over their time), and --sessions concurrent sessions' tokens/s over the
   window where all decode, medians over --reps; the workers' resident weight bytes;
 - Hugging Face ``generate`` in fp32 on 1 thread in this process, and llama.cpp on the same
-  GGUF on 1 and 2 threads where ``llama-cpp-python`` is installed (``pip install
-  llama-cpp-python``: it builds llama.cpp from source, about ten minutes on 2 cores);
+  GGUF (its own Q4_1 weights) on 1 and 2 threads where ``llama-cpp-python`` is installed, here or
+  in the interpreter ``--llama-cpp-python`` names (``pip install llama-cpp-python``: it builds
+  llama.cpp from source, about ten minutes on 2 cores), run before the cluster starts;
 - fidelity: next-token agreement and perplexity over a paragraph, the quantized graph run in
   this process (``run_local``; the deployment's result is the local one, ``tests/test_quantize.py``)
   against the fp32 model.
 
     python benchmarks/bench_quant.py [--workers 2] [--new 64] [--sessions 4] [--reps 3]
+        [--llama-cpp-python /path/to/venv/bin/python]
 """
 
 from __future__ import annotations
@@ -123,24 +125,42 @@ def fidelity(model, tok, scheme: str) -> tuple[float, float, float]:
     return agree, ppl(want), ppl(got)
 
 
-def llama_cpp(ids: torch.Tensor, new: int, n_threads: int) -> float | None:
-    """llama.cpp's decode tokens/s on the same GGUF and prompt (new tokens after the first), or None
-    where ``llama-cpp-python`` is not installed."""
-    try:
-        from llama_cpp import Llama
-    except ImportError:
-        return None
-    from seabiscuit_dask.models import gguf_path
-
-    llm = Llama(model_path=gguf_path(), n_threads=n_threads, n_ctx=512, verbose=False)
-    tokens = [int(t) for t in ids[0]]
-    stamps = []
+LLAMA_CPP = """
+import json, sys, time
+from llama_cpp import Llama
+path, n_threads, new, tokens = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4])
+llm = Llama(model_path=path, n_threads=n_threads, n_threads_batch=n_threads, n_ctx=512, verbose=False)
+rates = []
+for _ in range(int(sys.argv[5])):
     llm.reset()
+    stamps = []
     for i, _t in enumerate(llm.generate(tokens, temp=0.0)):
         stamps.append(time.perf_counter())
         if i + 1 >= new:
             break
-    return (len(stamps) - 1) / (stamps[-1] - stamps[0])
+    rates.append((len(stamps) - 1) / (stamps[-1] - stamps[0]))
+print(json.dumps(sorted(rates)[len(rates) // 2]))
+"""
+
+
+def llama_cpp(python: str | None, ids: torch.Tensor, new: int, n_threads: int, reps: int) -> float | None:
+    """llama.cpp's decode tokens/s on the same GGUF and prompt (new tokens after the first, the median
+    of ``reps``), run by ``python`` (an interpreter with ``llama-cpp-python``: this one by default),
+    or None where it has none."""
+    import json
+    import subprocess
+
+    from seabiscuit_dask.models import gguf_path
+
+    python = python or sys.executable
+    tokens = json.dumps([int(t) for t in ids[0]])
+    args = [python, "-c", LLAMA_CPP, gguf_path(), str(n_threads), str(new), tokens, str(reps)]
+    done = subprocess.run(args, capture_output=True, text=True)
+    if done.returncode != 0:
+        if "No module named 'llama_cpp'" not in done.stderr:
+            print(f"llama.cpp failed: {done.stderr.strip()[-400:]}")
+        return None
+    return float(done.stdout.strip().splitlines()[-1])
 
 
 def deployment(model, ids, prompts, scheme, args, budget, context) -> dict:
@@ -182,6 +202,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--schemes", default="none,int8", help="deployments to run, in order")
     ap.add_argument("--no-kernels", action="store_true")
+    ap.add_argument("--llama-cpp-python", default=None, metavar="PYTHON",
+                    help="an interpreter with llama-cpp-python installed (default: this one)")
     args = ap.parse_args()
 
     from seabiscuit_dask.demo import worker_budget_bytes
@@ -201,10 +223,11 @@ def main() -> None:
     print(f"\nSmolLM2-135M-Instruct on {args.workers} workers x 1 thread (fp32 weights {weights / 2**20:.0f} "
           "MiB), each with room for a share of the weights as the deployment holds them, never all; "
           f"{args.new} new tokens, medians of {args.reps}")
-    cpp = {n: llama_cpp(ids, args.new, n) for n in (1, 2)}
+    cpp = {n: llama_cpp(args.llama_cpp_python, ids, args.new, n, args.reps) for n in (1, 2)}
     if cpp[1] is None:
-        print("llama.cpp: llama-cpp-python is not installed (pip install llama-cpp-python; it builds from "
-              "source, about ten minutes on 2 cores): no llama.cpp anchor this run")
+        print("llama.cpp: llama-cpp-python is not installed (pip install llama-cpp-python, here or in a venv "
+              "given by --llama-cpp-python; it builds from source, about ten minutes on 2 cores): no "
+              "llama.cpp anchor this run")
     results = {}
     for scheme in args.schemes.split(","):
         q = None if scheme == "none" else scheme

@@ -550,6 +550,12 @@ def check_param(spec: ParamSpec) -> None:
             raise InvalidGraph(f"{what} is {src.quant!r} of a float weight of shape {src.whole!r}: a derived "
                                f"weight is one of {', '.join(QUANT_KINDS)} of a 2-D weight")
         check_dims(f"{what} (quantized from {src.key!r})", src.whole)
+        ints = src.quant == "int8"
+        if (spec.dtype == "int8") != ints or not spec.shape or spec.shape[0] > src.whole[0] \
+                or (ints and (len(spec.shape) != 2 or spec.shape[1] > src.whole[1])):
+            raise InvalidGraph(f"{what} ({src.quant} of a {list(src.whole)} weight) is {spec.dtype} "
+                               f"{list(spec.shape)}: its integers are int8 and within the weight, its "
+                               "scales a float per row")
     if src.offset is not None and not is_count(src.offset):
         raise InvalidGraph(f"{what} lies at byte offset {src.offset!r} of {src.file!r}: "
                            "an offset is an int >= 0")

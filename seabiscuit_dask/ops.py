@@ -473,8 +473,8 @@ class QlinearSlab:
 
     def scratch(self, columns: int | None = None) -> int:
         cols = self.columns if columns is None else columns
-        if self.bf16:       # NOTE: the rows in bf16, a bf16 slab, one step's bf16 product
-            return ((self.rows + cols) * self.k + self.rows * cols) * 2
+        if self.bf16:       # NOTE: the rows in bf16, a bf16 slab, the whole bf16 product (the int8 kernel's)
+            return ((self.rows + cols) * self.k + self.rows * self.n) * 2
         return qlinear_scratch(self.n, self.k, self.itemsize, cols, self.rows, self.integer)
 
 
@@ -489,7 +489,7 @@ def qlinear_slab(args: Sequence[Any], outs: Sequence[tuple[int, ...]], spec_of: 
     itemsize = 8 if integer else _ITEMSIZE.get(dtype, 4)
     n, k = outs[0][-1], shape[-1]
     given = args[5] if len(args) > 5 and isinstance(args[5], int) and args[5] > 0 else 0
-    bf16 = bool(len(args) > 6 and args[6]) and dtype == "float32"
+    bf16 = bool(len(args) > 6 and args[6]) and dtype in ("float32", "bfloat16")
     if bf16:
         itemsize = 2
     columns = min(n, given) if given else qlinear_columns(n, k, itemsize, QLINEAR_SLAB if bf16 else 0)

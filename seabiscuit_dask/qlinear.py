@@ -45,6 +45,9 @@ from .ops import QLINEAR_SLAB, qlinear_columns
 PACK_ROWS = 12
 PACK_LARGE = 1 << 23
 PACK_LARGE_ROWS = 4
+# NOTE: the kernel reads the reduction in blocks of 16: any other length gives garbage (k = 24, 40,
+# 200: 1e32 and NaN, measured), so such a weight (or tile) takes the GEMM path
+PACK_K = 16
 
 
 def qlinear_kernel(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, zero: torch.Tensor | None,
@@ -88,10 +91,11 @@ def qlinear_kernel(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None,
 
 def _bf16(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, columns: int) -> torch.Tensor:
     """``x @ (w * scale).T`` in float32 for bf16 rows ``x`` and an int8 ``[n, k]`` weight: up to
-    ``PACK_ROWS`` rows by the int8 weight-only kernel, more by bf16 GEMMs over the integers as
+    ``PACK_ROWS`` rows (a reduction of whole blocks of ``PACK_K``) by the int8 weight-only kernel,
+    more by bf16 GEMMs over the integers as
     bf16 (exact: int8 values are bf16 values), the scales applied to the product."""
     rows, (n, k) = x.shape[0], w.shape
-    if rows <= (PACK_ROWS if n * k <= PACK_LARGE else PACK_LARGE_ROWS):
+    if rows <= (PACK_ROWS if n * k <= PACK_LARGE else PACK_LARGE_ROWS) and k % PACK_K == 0:
         # NOTE: this kernel wants bf16 activations (fp32 ones take a path 20x slower)
         w = w if w.is_contiguous() else w.contiguous()
         return torch.ops.aten._weight_int8pack_mm(x, w, scale.to(torch.bfloat16)).float()

@@ -13,9 +13,9 @@ from. Only the integers and the scales are kept: the float rows are read, quanti
 dropped tile by tile (no full float copy on a worker).
 
 An ``aten.embedding`` whose table is such a param looks up its int8 rows and their scales (a
-``[n, 1]`` table of them) and multiplies the two (as llama.cpp keeps embeddings at 8 bits): a
-head tied to the embedding reads the same int8 tiles, and no float copy of the table is held.
-The graph says
+``[n, 1]`` table of them, in the table's dtype) and multiplies the two (as llama.cpp keeps
+embeddings at 8 bits): a head tied to the embedding reads the same int8 tiles, and no float copy
+of the table is held. The graph says
 what was done in ``meta["quantize"]`` (the scheme) and ``meta["quantized"]`` (weights); a
 step program decomposed ``like`` a quantized graph is quantized the same way
 (``decompose``), so it reads the same tiles.
@@ -80,7 +80,9 @@ def quantize(graph: OpGraph, scheme: str | None) -> OpGraph:
         whole = spec.shape
         params.setdefault(qname, ParamSpec(qname, whole, "int8",
                                            replace(spec.source, quant="int8", whole=whole)))
-        params.setdefault(sname, ParamSpec(sname, (whole[0], 1) if table else (whole[0],), "bfloat16",
+        # NOTE: a table's scales in its own dtype: its rows come out as its lookups did
+        params.setdefault(sname, ParamSpec(sname, (whole[0], 1) if table else (whole[0],),
+                                           spec.dtype if table else "bfloat16",
                                            replace(spec.source, quant="int8-scale", whole=whole)))
         done.add(w)
         return qname, sname
@@ -107,7 +109,7 @@ def quantize(graph: OpGraph, scheme: str | None) -> OpGraph:
         names = (f"{out}:int8", f"{out}:float", f"{out}:scale")
         tensors[names[0]] = TensorSpec(spec.shape, "int8")
         tensors[names[1]] = TensorSpec(spec.shape, spec.dtype)
-        tensors[names[2]] = TensorSpec((*spec.shape[:-1], 1), "bfloat16")
+        tensors[names[2]] = TensorSpec((*spec.shape[:-1], 1), spec.dtype)
         rest = args[2:]
         ops += [replace(op, name=f"{op.name}.int8", outputs=(names[0],), params=(qname, *kept),
                         attrs={**op.attrs, "args": [{"p": qname}, *args[1:]]}),
@@ -153,9 +155,10 @@ def quantize_rows(w: Any) -> tuple[Any, Any]:
 
 def held_bytes(module: Any, scheme: str | None) -> int:
     """Bytes of ``module``'s weights as a deployment quantized per ``scheme`` holds them (each tensor
-    once): the weights of its linear layers and embeddings as int8, with a bfloat16 scale per row
-    for each use (a tied head and embedding: one int8 table, two rows of scales), any other param
-    as it is; for sizing workers' budgets before anything is traced."""
+    once): the weights of its linear layers and embeddings as int8, with a scale per row for each
+    use (bf16 for a head, the table's dtype for a table: a tied head and embedding hold one int8
+    table and both), any other param as it is; for sizing workers' budgets before anything is
+    traced."""
     import torch
 
     # NOTE: by identity, not storage: a skeleton on the meta device has no storage (a tied weight is
@@ -171,7 +174,8 @@ def held_bytes(module: Any, scheme: str | None) -> int:
             uses.setdefault(id(p), set()).add(kind)
     total = 0
     for ptr, p in params.items():
-        quantized = uses.get(ptr, {"other"}) - {"other"}
-        float_bytes = p.numel() * p.element_size() if "other" in uses.get(ptr, {"other"}) else 0
-        total += float_bytes + (p.numel() + 2 * p.shape[0] * len(quantized) if quantized else 0)
+        kinds = uses.get(ptr, {"other"})
+        float_bytes = p.numel() * p.element_size() if "other" in kinds else 0
+        scales = p.shape[0] * (2 * ("linear" in kinds) + p.element_size() * ("table" in kinds))
+        total += float_bytes + (p.numel() + scales if kinds - {"other"} else 0)
     return total

@@ -146,7 +146,7 @@ class WeightStore:
     reads: list[tuple[str, tuple[tuple[int, int], ...] | None]] = field(default_factory=list)
     _handles: dict[str, Any] = field(default_factory=dict)
     _headers: dict[str, dict[str, StoredTensor]] = field(default_factory=dict)
-    _rows: tuple[Any, tuple[torch.Tensor, torch.Tensor]] | None = None    # the last rows quantized
+    _scales: dict[Any, torch.Tensor] = field(default_factory=dict)     # rows quantized: their scales
 
     @classmethod
     def from_weights(cls, weights: torch.nn.Module | Mapping[str, torch.Tensor] | None,
@@ -258,8 +258,9 @@ class WeightStore:
     def _quantized(self, spec: ParamSpec) -> torch.Tensor:
         """A param derived from a float weight (``ParamSource.quant``): the float rows its tile
         covers are read whole (all ``k`` columns: a row's scale is over all of it), quantized
-        (``quantize.quantize_rows``) and dropped; the last rows quantized are kept for the
-        other param of the same rows (integers, then scales)."""
+        (``quantize.quantize_rows``) and dropped. The scales of rows quantized are kept by the
+        rows' source (a few bytes a row), so the scale params that follow read no float row again;
+        loads may run on several threads at once: each computes its own rows."""
         from .quantize import quantize_rows
 
         src = spec.source
@@ -267,18 +268,21 @@ class WeightStore:
         n, k = src.whole
         rows = src.slices[0] if src.slices is not None else (0, n)
         key = (replace(src, quant=None, slices=None), rows)
-        if self._rows is None or self._rows[0] != key:
+        scale = self._scales.get(key)
+        q = None
+        if scale is None or src.quant == "int8":
             sliced = None if rows == (0, n) else (rows, (0, k))
             plain = replace(src, quant=None, whole=None, slices=sliced)
             floats = self.load(ParamSpec(spec.name, (rows[1] - rows[0], k), "float32", plain))
-            self._rows = (key, quantize_rows(floats))
-        q, scale = self._rows[1]
-        if src.quant == "int8-scale":
-            value = scale if len(spec.shape) == 1 else scale[:, None]      # NOTE: [n, 1]: a table's
-        else:
+            q, scale = quantize_rows(floats)
+            self._scales[key] = scale
+        if src.quant == "int8":
+            assert q is not None
             cols = src.slices[1] if src.slices is not None and len(src.slices) > 1 else (0, k)
             value = q if cols == (0, k) else q[:, cols[0]:cols[1]].contiguous()
+        else:
+            value = scale if len(spec.shape) == 1 else scale[:, None]      # NOTE: [n, 1]: a table's
         if tuple(value.shape) != spec.shape:
             raise BadCheckpoint(f"param {spec.name!r} ({src.quant} of {src.key!r}) has shape "
                                 f"{tuple(value.shape)}, the graph expects {spec.shape}")
-        return value.to(device=self.device)
+        return value.to(device=self.device, dtype=torch_dtype(spec.dtype))

@@ -29,6 +29,7 @@ STAGE_OF = {
     f"{PACKAGE}.config": "core", f"{PACKAGE}.version": "core", f"{PACKAGE}.pauses": "core",
     f"{PACKAGE}.timing": "core", f"{PACKAGE}.cost": "core",
     f"{PACKAGE}.qlinear": "core",          # NOTE: the kernel of the op table's sb.qlinear (ONNX traces it)
+    f"{PACKAGE}.quantize": "core",         # NOTE: a pass over the IR (weights and decompose apply it)
     # NOTE: the runnable half of the op table: which targets a graph may name, checked wherever a
     # graph comes in (a template read from disk, a deploy); it imports only the core
     f"{PACKAGE}.lower.registry": "core",

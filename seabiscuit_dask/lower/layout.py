@@ -344,7 +344,7 @@ def decide(graph: OpGraph, timer: Callable[[list[Case]], Mapping[str, tuple[floa
             readers.setdefault(q, set()).add(op.target)
     tiles: dict[Any, list[str]] = {}
     for name, p in graph.params.items():
-        tiles.setdefault((p.source.file, p.source.key, p.source.slices), []).append(name)
+        tiles.setdefault((p.source.file, p.source.key, p.source.slices, p.source.quant), []).append(name)
     out = {}
     for names in tiles.values():
         gathered = [n for n in names if readers.get(n, set()) <= GATHERS]

@@ -25,8 +25,8 @@ from .plan import Plan
 from .workload import layer_of
 
 
-def _tile(p: ParamSpec) -> tuple[str, tuple[tuple[int, int], ...] | None]:
-    return p.source.key, p.source.slices
+def _tile(p: ParamSpec) -> tuple[str, tuple[tuple[int, int], ...] | None, str | None]:
+    return p.source.key, p.source.slices, p.source.quant
 
 
 def follow(plan: Plan, graph: OpGraph) -> Plan:
@@ -39,7 +39,7 @@ def follow(plan: Plan, graph: OpGraph) -> Plan:
     2
     """
     base = plan.graph
-    owner: dict[tuple[str, tuple[tuple[int, int], ...] | None], int] = {}
+    owner: dict[tuple[str, tuple[tuple[int, int], ...] | None, str | None], int] = {}
     by_key: dict[str, list[tuple[tuple[tuple[int, int], ...] | None, int]]] = {}
     attn_votes: dict[int, Counter[int]] = {}
     dev_of = plan.device_of.tolist()
@@ -78,7 +78,7 @@ def follow(plan: Plan, graph: OpGraph) -> Plan:
     return Plan(graph, plan.spec, out, method="follow", info={"fused": True, "follows": plan.method})
 
 
-def _param_device(p: ParamSpec, owner: dict[tuple[str, tuple[tuple[int, int], ...] | None], int],
+def _param_device(p: ParamSpec, owner: dict[tuple[str, tuple[tuple[int, int], ...] | None, str | None], int],
                   by_key: dict[str, list[tuple[tuple[tuple[int, int], ...] | None, int]]]) -> int:
     d = owner.get(_tile(p))
     if d is not None:

@@ -43,7 +43,10 @@ def tile_key(p: ParamSpec) -> TileKey:
     # NOTE: inline constants are named by their tracer (``_tensor_constant0``): programs traced at
     # other shapes reuse the names for other values, so their contents are part of the key
     inline = (p.shape, hash(p.source.data)) if p.source.kind == "inline" else ()
-    return (p.source.key, p.source.slices, p.source.file, p.dtype, *inline)
+    # NOTE: integers or scales derived from a float weight (the scales of a tied head and of its
+    # table, ``[n]`` and ``[n, 1]``, are two tensors of the same rows)
+    derived = (p.source.quant, len(p.shape)) if p.source.quant is not None else ()
+    return (p.source.key, p.source.slices, p.source.file, p.dtype, *inline, *derived)
 
 
 def tensor_bytes(t: torch.Tensor) -> int:

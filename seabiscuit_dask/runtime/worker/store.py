@@ -115,7 +115,8 @@ def copied_if_unreadable(graph: OpGraph, weights: Any) -> OpGraph:
                 except AccessDenied:
                     unreadable[src.file] = True
             if unreadable[src.file]:
-                p = ParamSpec(name, p.shape, p.dtype, ParamSource("model", src.key, src.slices))
+                p = ParamSpec(name, p.shape, p.dtype,
+                              ParamSource("model", src.key, src.slices, quant=src.quant, whole=src.whole))
         params[name] = p
     return replace(graph, params=params) if any(unreadable.values()) else graph
 
