@@ -255,7 +255,7 @@ def run_generate(model_path: str | None, gguf: str | None, prompt: str, chat: bo
         say(str(dm.plan))
         largest = max(d.memory_bytes for d in dm.plan.spec.devices)
         say(f"\nmodel        {description}: {fmt_bytes(weight_bytes)} of weights; largest worker budget "
-            f"{fmt_bytes(largest)} ({weight_bytes / largest:.1f}x smaller than the model)")
+            f"{fmt_bytes(largest)} ({_than_model(weight_bytes, largest)})")
         say(f"prompt       {prompt!r} ({ids.shape[1]} tokens{', chat template' if chat else ''})\n")
         printer = _Printer(tok)
         t = time.perf_counter()
@@ -293,6 +293,14 @@ def run_generate(model_path: str | None, gguf: str | None, prompt: str, chat: bo
             say(f"dashboard    {page_link(client.dashboard_link)} (closes when this ends; --serve keeps it "
                 "open)")
     return 0 if ok else 1
+
+
+def _than_model(weight_bytes: int, largest: int) -> str:
+    """How the largest worker's budget compares with the model's weights (small quantized weights may
+    fit one, the KV room kept beside them then not)."""
+    if weight_bytes > largest:
+        return f"{weight_bytes / largest:.1f}x smaller than the model"
+    return f"{largest / weight_bytes:.1f}x the model's weights, with the KV room kept beside them"
 
 
 def local_model_lm(model: ModelSource) -> Any:
