@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import dask
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -201,6 +202,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--kill-after", type=int, default=40, help="chunks received before a worker is killed")
     ap.add_argument("--no-kill", action="store_true")
+    ap.add_argument("--quantize", choices=("int8",), default=None,
+                    help="serve int8 weights (budgets sized from what the workers then hold); answers are "
+                         "then set against fp32 greedy, and counted as differing, not wrong")
     ap.add_argument("--sessions", type=int, default=0,
                     help="sessions the deployment serves at once (more clients wait in its queue); "
                          "0: as many as the most clients")
@@ -212,20 +216,22 @@ def main() -> None:
 
     import seabiscuit_dask as sb
     from seabiscuit_dask.models import load_gguf
+    from seabiscuit_dask.quantize import held_bytes
     from seabiscuit_dask.runtime.client import kv_reserve
     from seabiscuit_dask.serve import Server, make_app
     from seabiscuit_dask.serve.server import Loaded, Source, deploy, running
 
     torch.set_num_threads(1)
     model, tok = load_gguf()
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    weights = held_bytes(model, args.quantize)
     refs = references(model, tok, args.max_tokens)
     prefill_s, hf_batch = hf_anchors(model, tok, args.max_tokens, args.reps)
     sessions = args.sessions or max(levels)
     per_layer, _ = kv_reserve(model, sessions, args.context)
     # NOTE: any workers-1 of them hold the model, so one may be killed
     budget = int(weights * 1.25 / (args.workers - 1)) + per_layer * model.config.num_hidden_layers
-    print(f"SmolLM2-135M-Instruct: {weights / 2**20:.0f} MiB of weights; {args.workers} workers x 1 thread, "
+    print(f"SmolLM2-135M-Instruct: {weights / 2**20:.0f} MiB of weights ({args.quantize or 'fp32'}); "
+          f"{args.workers} workers x 1 thread, "
           f"{budget / 2**20:.0f} MiB of budget each; {sessions} sessions of {args.context} tokens",
           flush=True)
     with LocalCluster(n_workers=args.workers, threads_per_worker=1, resources={"MEM": budget},
@@ -234,9 +240,10 @@ def main() -> None:
         server = Server()
         with running(make_app(server)) as url:
             t = time.perf_counter()
-            served = deploy(Loaded(Source("gguf", None, "smollm2"), model, model, tok, "smollm2", "generate"),
-                            client, sessions=sessions, context=args.context, budget=None, device=None,
-                            say=lambda s: print(s, flush=True))
+            with dask.config.set({"seabiscuit.quantize": args.quantize}):
+                served = deploy(Loaded(Source("gguf", None, "smollm2"), model, model, tok, "smollm2",
+                                       "generate"), client, sessions=sessions, context=args.context,
+                                budget=None, device=None, say=lambda s: print(s, flush=True))
             server.add(served)
             print(f"ready in {time.perf_counter() - t:.1f} s ({sessions} sessions)\n", flush=True)
             ttft37 = first_token_s(url, PROMPTS[0], args.reps)
@@ -252,7 +259,8 @@ def main() -> None:
                 runs.append(load_run(url, 8, args.requests, args.max_tokens, refs, kill, args.kill_after))
             served.dm.close()
 
-    print(f"{'clients':>7} {'reqs':>5} {'done':>5} {'wrong':>5} {'ttft p50':>9} {'ttft p99':>9} "
+    wrong = "≠fp32" if args.quantize else "wrong"
+    print(f"{'clients':>7} {'reqs':>5} {'done':>5} {wrong:>5} {'ttft p50':>9} {'ttft p99':>9} "
           f"{'itl p50':>8} {'itl p99':>8} {'tok/s':>7} {'vs HF b8':>8}  note")
     for r in runs:
         note = f"worker {r['killed']} SIGKILLed midway" if r["killed"] else ""
@@ -268,7 +276,8 @@ def main() -> None:
         for e in r["errors"][:3]:
             print(f"error ({r['clients']} clients): {e}")
         for p, got, want in r["wrong"][:3]:
-            print(f"wrong ({r['clients']} clients): {p!r}: {got!r} != {want!r}")
+            print(f"{'differs from fp32' if args.quantize else 'wrong'} ({r['clients']} clients): {p!r}: "
+                  f"{got!r} != {want!r}")
 
 
 if __name__ == "__main__":
