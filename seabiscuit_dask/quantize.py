@@ -8,17 +8,16 @@ max|w| / 127`` over the row, held in bfloat16 (what the int8 kernel takes: no co
 call; the integers are rounded against the bf16 scale, so ``q * scale`` is the weight within
 half a step, as with an exact scale). A tile of the int8 weight is any block of it; its rows are
 quantized whole wherever the tile is loaded, so every tile holds exactly the integers the
-whole weight would (``quantize_rows``), and a decomposed graph equals the graph it was cut
-from. Only the integers and the scales are kept: the float rows are read, quantized and
-dropped tile by tile (no full float copy on a worker).
+whole weight would (``quantize_rows``), and a decomposed graph is the graph it was cut from
+up to the bf16 rounding of each tile's product. Only the integers and the scales are kept: the
+float rows are read, quantized and dropped tile by tile (no full float copy on a worker).
 
 An ``aten.embedding`` whose table is such a param looks up its int8 rows and their scales (a
 ``[n, 1]`` table of them, in the table's dtype) and multiplies the two (as llama.cpp keeps
 embeddings at 8 bits): a head tied to the embedding reads the same int8 tiles, and no float copy
-of the table is held. The graph says
-what was done in ``meta["quantize"]`` (the scheme) and ``meta["quantized"]`` (weights); a
-step program decomposed ``like`` a quantized graph is quantized the same way
-(``decompose``), so it reads the same tiles.
+of the table is held. The graph says what was done in ``meta["quantize"]`` (the scheme) and
+``meta["quantized"]`` (weights); a step program decomposed ``like`` a quantized graph is
+quantized the same way (``decompose``), so it reads the same tiles.
 """
 
 from __future__ import annotations
@@ -56,7 +55,8 @@ def names_of(weight: str) -> tuple[str, str]:
 
 
 def quantize(graph: OpGraph, scheme: str | None) -> OpGraph:
-    """``graph`` with its linear layers' weights quantized per ``scheme`` (None: ``graph``)."""
+    """``graph`` with its linear layers' weights and its embedding tables quantized per ``scheme``
+    (None: ``graph``)."""
     scheme = check_scheme(scheme)
     if scheme is None or graph.meta.get("quantize") == scheme:
         return graph
