@@ -73,7 +73,7 @@ DTYPE_BYTES = {
 }
 
 # NOTE: what a param derived on load from a float weight is (``ParamSource.quant``, ``quantize.py``)
-QUANT_KINDS = ("int8", "int8-scale")
+QUANT_KINDS = ("int8", "int8-scale", *(f"int4-g{g}{t}" for g in (32, 64, 128) for t in ("", "-sz")))
 
 MAX_ELEMENTS = 2**48
 """Most elements a tensor or parameter may have (and most along any dim): ~2.8e14, far above any
@@ -550,8 +550,19 @@ def check_param(spec: ParamSpec) -> None:
             raise InvalidGraph(f"{what} is {src.quant!r} of a float weight of shape {src.whole!r}: a derived "
                                f"weight is one of {', '.join(QUANT_KINDS)} of a 2-D weight")
         check_dims(f"{what} (quantized from {src.key!r})", src.whole)
-        ints = src.quant == "int8"
-        if (spec.dtype == "int8") != ints or not spec.shape or spec.shape[0] > src.whole[0] \
+        if src.quant.startswith("int4"):
+            n, k = src.whole
+            group = int(src.quant.split("-")[1][1:])
+            want = ((k // group, n, 2), "bfloat16") if src.quant.endswith("-sz") \
+                else ((n // 64, k, 32), "uint8")
+            if n % 64 or k % group or spec.dtype != want[1] or len(spec.shape) != len(want[0]) \
+                    or any(a > b for a, b in zip(spec.shape, want[0])) \
+                    or spec.shape[-1] != want[0][-1]:
+                raise InvalidGraph(f"{what} ({src.quant} of a {list(src.whole)} weight) is {spec.dtype} "
+                                   f"{list(spec.shape)}: an int4 weight is whole blocks of 64 rows and of "
+                                   f"{group} columns, held as {want[1]} within {list(want[0])}")
+        elif (spec.dtype == "int8") != (ints := src.quant == "int8") or not spec.shape \
+                or spec.shape[0] > src.whole[0] \
                 or (ints and (len(spec.shape) != 2 or spec.shape[1] > src.whole[1])):
             raise InvalidGraph(f"{what} ({src.quant} of a {list(src.whole)} weight) is {spec.dtype} "
                                f"{list(spec.shape)}: its integers are int8 and within the weight, its "

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-LINEAR = {"aten.linear.default", "aten.addmm.default", "sb.qlinear.default"}
+LINEAR = {"aten.linear.default", "aten.addmm.default", "sb.qlinear.default", "sb.q4linear.default"}
 MATMUL = {"aten.mm.default", "aten.matmul.default", "aten.bmm.default"}
 # NOTE: ``.padding`` overloads take "same" / "valid"; ``sb.conv_strip`` takes explicit (before, after)
 # padding per spatial dim (a strip of a convolution, its halo cut from the input).
@@ -415,7 +415,9 @@ FLOPS_BY_KIND: Mapping[str, FlopsFn] = MappingProxyType({
     "linear": _dot(1), "matmul": _dot(0), "conv": _conv, "conv_transpose": _conv_transpose,
     "attention": _attention, "norm": _norm, "pool": _pool, "view": _free, "creation": _free,
 })
-FLOPS_BY_TARGET: Mapping[str, FlopsFn] = MappingProxyType({"aten.addmm.default": _dot(1)})
+# NOTE: sb.q4linear holds its weight as [n, k / 2] bytes: the reduction is its input's last dim
+FLOPS_BY_TARGET: Mapping[str, FlopsFn] = MappingProxyType({"aten.addmm.default": _dot(1),
+                                                            "sb.q4linear.default": _dot(0)})
 
 
 # --- scratch: memory beyond the operands -----------------------------------------------------------
@@ -503,7 +505,32 @@ def _slab(args: Sequence[Any], outs: Sequence[tuple[int, ...]], spec_of: SpecOf)
 
 
 SCRATCH_BY_KIND: Mapping[str, ScratchFn] = MappingProxyType({"attention": _scores})
-SCRATCH_BY_TARGET: Mapping[str, ScratchFn] = MappingProxyType({QLINEAR: _slab})
+def _q4(args: Sequence[Any], outs: Sequence[tuple[int, ...]], spec_of: SpecOf) -> int:
+    """An ``sb.q4linear``'s rows and product in bf16 (the int4 kernel's), and where a device has no
+    int4 kernel the slab of rows it dequantizes at once (``qlinear.q4_rows``; counted on every device:
+    a plan may move)."""
+    x = spec_of(args[0]) if args else None
+    if x is None or not outs:
+        return 0
+    return q4linear_scratch(math.prod(x[0][:-1]), x[0][-1], outs[0][-1], _ITEMSIZE.get(x[1], 4))
+
+
+def q4linear_scratch(rows: int, k: int, n: int, itemsize: int) -> int:
+    """``_q4`` for ``rows`` rows of ``itemsize`` bytes an element over an ``[n, k]`` int4 weight."""
+    return (rows * k + rows * n) * 2 + q4_rows(n, k, itemsize) * (k + rows) * itemsize
+
+
+def q4_rows(n: int, k: int, itemsize: int) -> int:
+    """Rows of an ``[n, k]`` int4 weight dequantized at once into ``itemsize``-byte elements where a
+    device has no int4 kernel: whole blocks of 64 within ``QLINEAR_SLAB`` bytes, at least one."""
+    return min(n, max(64, QLINEAR_SLAB // max(1, k * itemsize) // 64 * 64))
+
+
+Q4LINEAR = "sb.q4linear.default"
+Q4_BLOCK = 64
+"""Rows of an int4 weight the CPU kernel's layout interleaves (``qlinear.unpack_int4``): an int4
+tile's rows are whole multiples of it."""
+SCRATCH_BY_TARGET: Mapping[str, ScratchFn] = MappingProxyType({QLINEAR: _slab, Q4LINEAR: _q4})
 
 
 # --- the table ------------------------------------------------------------------------------------

@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 
 from .errors import UnsupportedOp
-from .ops import QLINEAR_SLAB, qlinear_columns
+from .ops import Q4_BLOCK, QLINEAR_SLAB, q4_rows, qlinear_columns
 
 # NOTE: up to this many rows the int8 weight-only kernel (``aten._weight_int8pack_mm``) beats bf16
 # GEMMs over the integers on this CPU, one thread, weights not in cache (ms at 1 / 8 / 12 / 16 rows,
@@ -124,3 +124,76 @@ def _qlinear_fake(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, 
     dtype = x.dtype if x.is_floating_point() else torch.int32
     return x.new_empty((*x.shape[:-1], w.shape[0]), dtype=dtype)
 
+
+
+# --- int4: groups of a row, asymmetric (``quantize.py``'s "int4" schemes) ------------------------
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """``q`` ``[n, k]`` integers 0..15 (``n`` a multiple of ``Q4_BLOCK``) as the bytes
+    ``aten._weight_int4pack_mm_for_cpu`` reads, shaped ``[n / 64, k, 32]``: for each block of 64 rows
+    and each of the ``k`` reduction steps, 32 bytes whose low halves are the block's first 32 rows and
+    high halves its last 32. A slice of it along its first two dims (whole blocks, any steps) is the
+    packing of that tile of ``q``: tiles of an int4 weight are slices, as a float weight's are."""
+    n, k = q.shape
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 2)
+    return packed.reshape(n // Q4_BLOCK, k, Q4_BLOCK // 2)
+
+
+def unpack_int4(w: torch.Tensor) -> torch.Tensor:
+    """``pack_int4``'s ``[n / 64, k, 32]`` bytes as the ``[n, k]`` integers 0..15 again."""
+    blocks, k, _ = w.shape
+    return torch.cat([w & 15, w >> 4], dim=2).transpose(1, 2).reshape(blocks * Q4_BLOCK, k)
+
+
+def dequantize_int4(w: torch.Tensor, sz: torch.Tensor, group: int, dtype: torch.dtype) -> torch.Tensor:
+    """The ``[n, k]`` weight ``(q - 8) * scale + zero`` an int4 tile stands for, in ``dtype``."""
+    q = unpack_int4(w).to(dtype)
+    scale = sz[..., 0].t().to(dtype).repeat_interleave(group, dim=1)
+    zero = sz[..., 1].t().to(dtype).repeat_interleave(group, dim=1)
+    return q.sub_(8).mul_(scale).add_(zero)
+
+
+def q4linear_kernel(x: torch.Tensor, w: torch.Tensor, sz: torch.Tensor, bias: torch.Tensor | None,
+                    group: int) -> torch.Tensor:
+    """``sb.q4linear(x, w, sz, bias, group)``: ``x @ W.T + bias`` for the weight ``W`` ``[n, k]``
+    held as int4 (``w``: ``pack_int4``'s ``[n / 64, k, 32]`` bytes) with, for each group of
+    ``group`` of a row's ``k`` weights, a bf16 scale and the value of the integer 8 (``sz``
+    ``[k / group, n, 2]``): ``W = (q - 8) * scale + zero``. On a CPU the rows go through the int4 weight-only kernel in bf16
+    (any number of rows: at 145 rows it is within 10-20% of fp32 ``linear``, ``bench_quant.py``);
+    elsewhere the tile is dequantized a slab of rows at a time (``ops.q4_rows``) and multiplied in
+    ``x``'s dtype. The output is in ``x``'s dtype."""
+    n, k = w.shape[0] * Q4_BLOCK, w.shape[1]
+    if x.device.type == "cpu":
+        # NOTE: the kernel's own shape of the same bytes; it reads both operands as contiguous (a
+        # tile sliced from a larger weight in memory is not: copied)
+        w2, sz = w.reshape(n, k // 2), sz.contiguous()
+        rows = x.reshape(-1, k).to(torch.bfloat16)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, w2, group, sz)
+        y = y.reshape(*x.shape[:-1], n).to(x.dtype)
+        return y.add_(bias) if bias is not None else y
+    return q4linear_dequantized(x, w, sz, bias, group)
+
+
+def q4linear_dequantized(x: torch.Tensor, w: torch.Tensor, sz: torch.Tensor, bias: torch.Tensor | None,
+                         group: int, step: int = 0) -> torch.Tensor:
+    """``q4linear_kernel`` where a device has no int4 kernel: the weight dequantized ``step`` rows at a
+    time (0: ``ops.q4_rows``; whole blocks of ``Q4_BLOCK``) into ``x``'s dtype."""
+    n, k = w.shape[0] * Q4_BLOCK, w.shape[1]
+    y = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
+    step = step or q4_rows(n, k, x.element_size())
+    for a in range(0, n, step):          # NOTE: a slab of rows at a time (ops.scratch counts one)
+        b = min(n, a + step)
+        part = dequantize_int4(w[a // Q4_BLOCK:-(-b // Q4_BLOCK)], sz[:, a:b], group, x.dtype)
+        y[..., a:b] = torch.nn.functional.linear(x, part)
+    return y.add_(bias) if bias is not None else y
+
+
+@torch.library.custom_op("sb::q4linear", mutates_args=())
+def q4linear(x: torch.Tensor, w: torch.Tensor, sz: torch.Tensor, bias: torch.Tensor | None,
+             group: int) -> torch.Tensor:
+    return q4linear_kernel(x, w, sz, bias, group)
+
+
+@q4linear.register_fake
+def _q4linear_fake(x: torch.Tensor, w: torch.Tensor, sz: torch.Tensor, bias: torch.Tensor | None,
+                   group: int) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], w.shape[0] * Q4_BLOCK))

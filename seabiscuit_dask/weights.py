@@ -266,6 +266,8 @@ class WeightStore:
         src = spec.source
         assert src.whole is not None
         n, k = src.whole
+        if src.quant is not None and src.quant.startswith("int4"):
+            return self._int4(spec)
         rows = src.slices[0] if src.slices is not None else (0, n)
         key = (replace(src, quant=None, slices=None), rows)
         scale = self._scales.get(key)
@@ -286,3 +288,41 @@ class WeightStore:
             raise BadCheckpoint(f"param {spec.name!r} ({src.quant} of {src.key!r}) has shape "
                                 f"{tuple(value.shape)}, the graph expects {spec.shape}")
         return value.to(device=self.device, dtype=torch_dtype(spec.dtype))
+
+    def _int4(self, spec: ParamSpec) -> torch.Tensor:
+        """An int4 tile (``quantize.py``'s int4 schemes) or its scales and zeros: the float block its
+        rows and groups cover is read, quantized group by group (``quantize.quantize_groups``) and
+        packed for the int4 kernel (``qlinear.pack_int4``: its layout is a tile's own, so each tile is
+        packed from its own rows). The scales and zeros computed with the integers wait for the
+        param that follows (by the same tile's source), so the float rows are read once."""
+        from .qlinear import pack_int4
+        from .quantize import quantize_groups
+
+        src = spec.source
+        assert src.whole is not None and src.quant is not None
+        n, k = src.whole
+        group = int(src.quant.split("-")[1][1:])
+        sz_kind = src.quant.endswith("-sz")
+        sl = src.slices
+        if sz_kind:
+            rows = sl[1] if sl is not None else (0, n)
+            cols = (sl[0][0] * group, sl[0][1] * group) if sl is not None else (0, k)
+        else:           # NOTE: [n / 64, k, 32] (qlinear.pack_int4): whole blocks of 64 rows
+            rows = (sl[0][0] * 64, sl[0][1] * 64) if sl is not None else (0, n)
+            cols = sl[1] if sl is not None else (0, k)
+        key = (replace(src, quant=None, slices=None), rows, cols)
+        value = self._scales.pop(key, None) if sz_kind else None
+        if value is None:
+            sliced = None if (rows, cols) == ((0, n), (0, k)) else (rows, cols)
+            plain = replace(src, quant=None, whole=None, slices=sliced)
+            floats = self.load(ParamSpec(spec.name, (rows[1] - rows[0], cols[1] - cols[0]), "float32", plain))
+            q, sz = quantize_groups(floats, group)
+            if sz_kind:
+                value = sz
+            else:
+                value = pack_int4(q)
+                self._scales[key] = sz
+        if tuple(value.shape) != spec.shape:
+            raise BadCheckpoint(f"param {spec.name!r} ({src.quant} of {src.key!r}) has shape "
+                                f"{tuple(value.shape)}, the graph expects {spec.shape}")
+        return value.to(device=self.device)

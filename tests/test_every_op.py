@@ -18,6 +18,8 @@ import seabiscuit_dask as sb
 from seabiscuit_dask import ops as O
 from seabiscuit_dask.decompose import largest_working_set
 from seabiscuit_dask.lower.registry import SUPPORTED
+from seabiscuit_dask.qlinear import pack_int4
+from seabiscuit_dask.quantize import quantize_groups
 
 A = torch.ops.aten
 R, C = 64, 256          # NOTE: a 64 KiB float32 activation
@@ -298,6 +300,9 @@ case("aten.scaled_dot_product_attention.default",
 _Q = torch.randint(-127, 128, (192, C), dtype=torch.int8)
 case("sb.qlinear.default", lambda x, w, s: torch.ops.sb.qlinear(x, w, s, None, None, 16), fx(),
      params={"w": _Q, "s": torch.rand(192) / 100}, exact=False)
+_Q4, _SZ = quantize_groups(torch.randn(192, C), 32)
+case("sb.q4linear.default", lambda x, w, sz: torch.ops.sb.q4linear(x, w, sz, None, 32), fx(),
+     params={"w": pack_int4(_Q4), "sz": _SZ}, exact=False)     # NOTE: tiles are slices of the bytes
 
 # --- what ONNX graphs add --------------------------------------------------------------------------
 for _t, _make in [("tan.default", fx), ("asin.default", lambda: fx().clamp(-0.9, 0.9)),

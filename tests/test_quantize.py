@@ -4,6 +4,8 @@ the budget arithmetic, and a quantized deployment whose result is its local grap
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -11,8 +13,25 @@ import seabiscuit_dask as sb
 from seabiscuit_dask.errors import BadInput, InvalidGraph
 from seabiscuit_dask.ir import OpGraph, ParamSource, ParamSpec
 from seabiscuit_dask.ops import QLINEAR_SLAB, qlinear_columns, qlinear_slab
-from seabiscuit_dask.qlinear import PACK_LARGE, PACK_ROWS, qlinear_kernel
-from seabiscuit_dask.quantize import check_scheme, held_bytes, names_of, quantize, quantize_rows
+from seabiscuit_dask.qlinear import (
+    PACK_LARGE,
+    PACK_ROWS,
+    dequantize_int4,
+    pack_int4,
+    q4linear_dequantized,
+    q4linear_kernel,
+    qlinear_kernel,
+    unpack_int4,
+)
+from seabiscuit_dask.quantize import (
+    check_scheme,
+    held_bytes,
+    int4_fits,
+    names_of,
+    quantize,
+    quantize_groups,
+    quantize_rows,
+)
 from seabiscuit_dask.runtime.generation import Engine, GenerateArgs, LocalRunner, generate_tokens
 from seabiscuit_dask.runtime.local import run_local
 from seabiscuit_dask.weights import WeightStore
@@ -160,22 +179,24 @@ def test_a_decomposed_quantized_graph_is_its_graph_up_to_bf16_and_follows_the_fl
     assert float((whole.argmax(-1) == want.argmax(-1)).float().mean()) >= 0.9
 
 
-def test_a_quantized_deployment_answers_as_its_local_graph_and_holds_int8_tiles() -> None:
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_a_quantized_deployment_answers_as_its_local_graph_and_holds_quantized_tiles(scheme: str) -> None:
     model = decoder("llama")
     ids, _ = padded_batch((9,), seed=1)
     with seabiscuit_cluster(2, 400_000) as client:
         with sb.distribute(model, client, torch.zeros(1, 16, dtype=torch.long), budget="64KiB",
-                           quantize="int8") as dm:
-            assert dm.graph.meta["quantize"] == "int8"
-            held = client.run(lambda dask_worker: {str(t.dtype) for ts in dask_worker.plugins["seabiscuit"]
-                                                   .resident.tiles.values() for t in ts.values()})
-            assert any("torch.int8" in d for d in held.values())
+                           quantize=scheme) as dm:
+            assert dm.graph.meta["quantize"] == scheme
+            held = client.run(lambda dask_worker: sorted({str(t.dtype) for ts in dask_worker.plugins[
+                "seabiscuit"].resident.tiles.values() for t in ts.values()}))
+            dtypes = {d for ds in held.values() for d in ds}
+            assert "torch.int8" in dtypes and ("torch.uint8" in dtypes) == (scheme == "int4")
             x = torch.zeros(1, 16, dtype=torch.long)
             x[0, 7:] = ids[0]
             assert torch.equal(logits(dm(x)), logits(run_local(dm.graph, (x,), weights=model)))
             got = dm.generate(ids, 8, pad_token_id=0, eos_token_id=[])
             steps = dm.generation_stats()["programs"]
-    engine = Engine(LocalRunner(model, "64KiB", quantize="int8"), max_sessions=2, context=64, max_chunk=16)
+    engine = Engine(LocalRunner(model, "64KiB", quantize=scheme), max_sessions=2, context=64, max_chunk=16)
     args = GenerateArgs.make(model.generation_config, ids.shape[1], max_new_tokens=8, pad_token_id=0,
                              eos_token_id=[])
     assert torch.equal(got, generate_tokens(engine, ids, args))
@@ -244,3 +265,89 @@ def test_a_half_precision_tables_rows_stay_half() -> None:
     assert all(q.tensors[t].dtype == "float16" for t in lookup.inputs)
     table_scale = next(p for n, p in q.params.items() if n.endswith("scale2d"))
     assert WeightStore.from_weights(model).load(table_scale).dtype == torch.float16
+
+
+# --- int4 ------------------------------------------------------------------------------------------
+def int4_reference(model: torch.nn.Module, group: int = 32) -> torch.nn.Module:
+    """``model`` with the weights an int4 deployment holds, dequantized exactly: int4 linear layers,
+    the rest of its linear layers and its tables int8 (``quantize``'s choice)."""
+    ref = copy.deepcopy(model)
+    tables = {id(m.weight) for m in ref.modules() if isinstance(m, torch.nn.Embedding)}
+    vocab = {m.weight.shape[0] for m in ref.modules() if isinstance(m, torch.nn.Embedding)}
+    done: set[int] = set()
+    with torch.no_grad():
+        for m in ref.modules():
+            if not isinstance(m, torch.nn.Linear | torch.nn.Embedding):
+                continue
+            w = m.weight
+            if isinstance(m, torch.nn.Linear) and id(w) not in tables and w.shape[0] not in vocab \
+                    and int4_fits(*w.shape, group):
+                q, sz = quantize_groups(w, group)
+                scale, zero = (sz[..., i].t().float().repeat_interleave(group, 1) for i in (0, 1))
+                w.copy_((q.float() - 8) * scale + zero)
+            elif id(w) not in done:       # NOTE: a tied weight once
+                q8, s8 = quantize_rows(w)
+                w.copy_(q8.float() * s8.float()[:, None])
+            done.add(id(w))
+    return ref
+
+
+def test_groups_quantize_asymmetrically_within_half_a_step() -> None:
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 96, generator=g) + torch.linspace(-3, 3, 96)
+    w[5, 32:64] = 0.25
+    q, sz = quantize_groups(w, 32)
+    assert q.dtype == torch.uint8 and int(q.max()) == 15
+    assert sz.shape == (3, 64, 2) and sz.dtype == torch.bfloat16
+    scale, zero = (sz[..., i].t().float().repeat_interleave(32, 1) for i in (0, 1))
+    assert bool(((q.float() - 8) * scale + zero - w).abs().le(scale / 2 + 1e-6).all())
+    assert float(sz[1, 5, 0]) == 1.0 and bool((q[5, 32:64] == 8).all())      # NOTE: a constant group
+    assert torch.equal(unpack_int4(pack_int4(q)), q)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 145])
+def test_the_int4_kernel_is_the_dequantized_product_on_a_cpu_and_slab_by_slab(rows: int) -> None:
+    g = torch.Generator().manual_seed(rows)
+    w, bias = torch.randn(192, 128, generator=g), torch.randn(192, generator=g)
+    q, sz = quantize_groups(w, 64)
+    packed = pack_int4(q)
+    x = torch.randn(1, rows, 128, generator=g)
+    want = x @ dequantize_int4(packed, sz, 64, torch.float32).T + bias
+    assert close_to(q4linear_kernel(x, packed, sz, bias, 64), want, 1e-2)
+    torch.testing.assert_close(q4linear_dequantized(x, packed, sz, bias, 64, step=64), want)
+
+
+def test_int4_linear_layers_and_int8_tables_answer_as_their_weights_dequantized() -> None:
+    model = decoder("llama")              # NOTE: k_proj and v_proj have 32 rows: not a block of 64
+    ids, _ = padded_batch((12,), seed=4)
+    graph = sb.trace(model, (ids,))
+    q = quantize(graph, "int4")
+    assert q.meta["int4"] == 10 and q.meta["quantized"] == 15     # NOTE: 2 x (q, o, gate, up, down) ...
+    int4 = {op.params[0] for op in q.ops if op.target == "sb.q4linear.default"}
+    assert len(int4) == 10 and all(q.params[p].dtype == "uint8" for p in int4)
+    assert not any("embed" in p or "k_proj" in p for p in int4)   # NOTE: ... the table and head int8
+    buffers = sum(p.nbytes for p in q.params.values() if p.source.kind == "inline")
+    assert held_bytes(model, "int4") == q.param_bytes - buffers < held_bytes(model, "int8")
+    want = logits(int4_reference(model)(ids)).detach()
+    whole = logits(run_local(q, (ids,), weights=model))
+    assert close_to(whole, want, 2e-2)                            # NOTE: bf16 activations
+    cut = sb.decompose(q, "12KiB")
+    tiles = [p for p in cut.params.values() if p.source.quant == "int4-g32"]
+    assert len(tiles) > len(int4)
+    for p in tiles:                       # NOTE: whole blocks of 64 rows, whole groups of the reduction
+        (_, _), (c0, c1), _ = p.source.slices or ((0, p.shape[0]), (0, p.shape[1]), (0, 32))
+        assert c0 % 32 == 0 and c1 % 32 == 0
+    assert close_to(logits(run_local(cut, (ids,), weights=model)), whole, 2e-2)
+    assert OpGraph.from_json(cut.to_json()).params == cut.params
+
+
+def test_a_malformed_int4_param_is_refused() -> None:
+    from seabiscuit_dask.ir import check_param
+
+    src = ParamSource("model", "w", quant="int4-g32", whole=(96, 64))      # NOTE: 96 rows: 1.5 blocks
+    with pytest.raises(InvalidGraph, match="blocks of 64 rows"):
+        check_param(ParamSpec("w:int4", (96, 32), "uint8", src))
+    src = ParamSource("model", "w", quant="int4-g32-sz", whole=(64, 64))
+    with pytest.raises(InvalidGraph, match="bfloat16"):
+        check_param(ParamSpec("w:int4.sz", (2, 64, 2), "float32", src))
+    check_param(ParamSpec("w:int4.sz", (2, 64, 2), "bfloat16", src))

@@ -186,3 +186,4 @@ from . import kvcache as _kvcache  # noqa: E402,F401  (registers sb.kv_attention
 from . import spatial  # noqa: E402,F401  (registers sb.conv_strip and the pooling strips)
 
 register_kernel("sb.qlinear.default", _qlinear.qlinear_kernel)      # NOTE: a plain call, no dispatch
+register_kernel("sb.q4linear.default", _qlinear.q4linear_kernel)

@@ -21,6 +21,7 @@ from . import (
     embedding,
     matmul,
     pool,
+    q4linear,  # noqa: F401  (registers sb.q4linear's rules)
     reductions,
     scatter,
     strips,
