@@ -159,8 +159,9 @@ def q4linear_kernel(x: torch.Tensor, w: torch.Tensor, sz: torch.Tensor, bias: to
     ``group`` of a row's ``k`` weights, a bf16 scale and the value of the integer 8 (``sz``
     ``[k / group, n, 2]``): ``W = (q - 8) * scale + zero``. On a CPU the rows go through the int4
     weight-only kernel in bf16 (any number of rows: at 145 rows it is within 10-20% of fp32
-    ``linear``, and dequantizing to bf16 for a GEMM costs more than it saves, measured); elsewhere the tile is dequantized a slab of rows at a time (``ops.q4_rows``) and multiplied in
-    ``x``'s dtype. The output is in ``x``'s dtype."""
+    ``linear``, and dequantizing to bf16 for a GEMM costs more than it saves, measured); elsewhere
+    the tile is dequantized a slab of rows at a time (``ops.q4_rows``) and multiplied in ``x``'s
+    dtype. The output is in ``x``'s dtype."""
     n, k = w.shape[0] * Q4_BLOCK, w.shape[1]
     if x.device.type == "cpu":
         # NOTE: the kernel's own shape of the same bytes; it reads both operands as contiguous (a
