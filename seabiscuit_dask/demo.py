@@ -27,6 +27,7 @@ from . import config
 from .errors import MissingPackage, UnsupportedModel
 from .ir import fmt_bytes
 from .quantize import held_bytes
+from .runtime.access import readable
 from .runtime.serving import accepts, connect, local_cluster, page_link, say, worker_budget_bytes
 
 if TYPE_CHECKING:
@@ -130,6 +131,8 @@ def run(model_name: str, workers: int, requests: int, concurrency: int, schedule
             # NOTE: the plugin is idempotent: a scheduler started with the preload keeps its own.
             remote.register_plugin(sb.SeaBiscuitSchedulerPlugin())
         budget_bytes = worker_budget_bytes(weight_bytes, workers)
+        if isinstance(model, str) and remote is None:    # NOTE: the embedded workers read it in place
+            stack.enter_context(readable([model]))
         client = remote if remote is not None else stack.enter_context(
             local_cluster(workers, budget_bytes, sb.SeaBiscuitSchedulerPlugin()))
         t = time.perf_counter()
@@ -169,7 +172,7 @@ def load_causal_lm(model: str | None, gguf: str | None) -> tuple[ModelSource, An
 
     import transformers as tf
 
-    from .models import gguf_path, load_gguf
+    from .models import gguf_path, load_gguf, load_gguf_quantized
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if model is not None:
@@ -177,6 +180,11 @@ def load_causal_lm(model: str | None, gguf: str | None) -> tuple[ModelSource, An
             raise UnsupportedModel(f"--model {model!r} is not a Hugging Face model folder")
         say(f"loading the tokenizer of {model} ...")
         return model, tf.AutoTokenizer.from_pretrained(model), f"{os.path.basename(os.path.abspath(model))}"
+    if config.get("quantize"):
+        file, _, tok = load_gguf_quantized(gguf)
+        say(f"reading {os.path.basename(file)} in place ({config.get('quantize')}: its Q4_0 / Q4_1 blocks "
+            "as they are) ...")
+        return file, tok, os.path.basename(file)
     file = gguf_path(gguf)
     say(f"loading {os.path.basename(file)} (de-quantising GGUF to float32) ...")
     lm, tok = load_gguf(file)
@@ -239,6 +247,8 @@ def run_generate(model_path: str | None, gguf: str | None, prompt: str, chat: bo
         layers = getattr(getattr(weights, "config", None), "num_hidden_layers", 0) or 0
         if remote is not None:
             remote.register_plugin(sb.SeaBiscuitSchedulerPlugin())
+        if isinstance(model, str) and remote is None:    # NOTE: the embedded workers read it in place
+            stack.enter_context(readable([model]))
         client = remote if remote is not None else stack.enter_context(
             local_cluster(workers, worker_budget_bytes(weight_bytes, workers) + reserve * layers // workers,
                           sb.SeaBiscuitSchedulerPlugin()))
@@ -307,6 +317,13 @@ def local_model_lm(model: ModelSource) -> Any:
     """The local reference for a checked answer: the module itself, or the folder's model loaded."""
     if isinstance(model, torch.nn.Module):
         return model
+    import os
+
     import transformers as tf
 
+    from .gguf import is_gguf
+    from .models import load_gguf
+
+    if is_gguf(model):          # NOTE: the reference de-quantized by transformers, in this process only
+        return load_gguf(os.fspath(model))[0]
     return tf.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()

@@ -173,6 +173,7 @@ class ParamSource:
     transposed: bool = False
     quant: str | None = None
     whole: tuple[int, ...] | None = None
+    heads: int = 0          # NOTE: a "gguf" llama attention q or k: its heads' rows stored permuted
 
     def sliced(self, dim: int, start: int, stop: int, full_shape: tuple[int, ...]) -> ParamSource:
         """The source of ``self[..., start:stop, ...]`` along ``dim`` of the current view (an
@@ -202,6 +203,8 @@ class ParamSource:
                        transposed=self.transposed)
         if self.quant is not None:
             out.update(quant=self.quant, whole=list(self.whole) if self.whole is not None else None)
+        if self.heads:
+            out.update(heads=self.heads)
         return out
 
     @classmethod
@@ -220,6 +223,7 @@ class ParamSource:
             transposed=bool(d.get("transposed", False)),
             quant=str(d["quant"]) if d.get("quant") is not None else None,
             whole=tuple(d["whole"]) if d.get("whole") is not None else None,
+            heads=int(d.get("heads") or 0),
         )
 
 

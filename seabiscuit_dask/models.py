@@ -124,3 +124,23 @@ def load_gguf(path: str | None = None) -> tuple[torch.nn.Module, Any]:
         raise UnsupportedModel(f"transformers could not load {file}: {e} (GGUF needs the packages gguf "
                                "and accelerate)") from e
     return model.eval(), tok
+
+
+def load_gguf_quantized(path: str | None = None) -> tuple[str, torch.nn.Module, Any]:
+    """A GGUF file kept as it is: (the file, which ``sb.distribute`` reads in place, tile by tile;
+    its model's skeleton on the meta device, for sizes; its tokenizer). No float copy of its
+    weights is made (``gguf.py``)."""
+    import os
+
+    import transformers as tf
+
+    from .gguf import load_gguf_skeleton
+
+    file = gguf_path(path)
+    folder, name = os.path.split(file)
+    try:
+        tok = tf.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    except (ImportError, ValueError) as e:
+        raise UnsupportedModel(f"transformers could not read the tokenizer of {file}: {e} (GGUF needs the "
+                               "package gguf)") from e
+    return file, load_gguf_skeleton(file), tok

@@ -235,6 +235,10 @@ class WeightStore:
             value = torch.tensor(src.data, dtype=dtype).reshape(spec.shape)
         elif src.kind == "raw" and src.file and src.stored is not None:
             value = read_raw(spec)
+        elif src.kind == "gguf" and src.file:
+            from . import gguf
+
+            value = gguf.load(spec)
         elif src.kind == "safetensors" and src.file:
             rows = self._read_rows(src.file, src.key, src.slices)
             if rows is not None:
@@ -312,6 +316,13 @@ class WeightStore:
             cols = sl[1] if sl is not None else (0, k)
         key = (replace(src, quant=None, slices=None), rows, cols)
         value = self._scales.pop(key, None) if sz_kind else None
+        if value is None and src.kind == "gguf" and group == 32 and src.file:
+            from . import gguf
+
+            f = gguf.open_gguf(src.file)
+            if f.info(src.key).type in gguf.EXACT_INT4:     # NOTE: the file's own integers, as they are
+                q, sz = f.int4_rows(src.key, rows, cols, src.heads)
+                value = sz if sz_kind else pack_int4(q)
         if value is None:
             sliced = None if (rows, cols) == ((0, n), (0, k)) else (rows, cols)
             plain = replace(src, quant=None, whole=None, slices=sliced)

@@ -124,3 +124,14 @@ def check_budget(memory_bytes: Any, machine_bytes: int, where: str) -> int:
         raise AccessDenied(f"budget for {where} of {fmt_bytes(memory_bytes)} ({memory_bytes} bytes) is more "
                            f"than the machine has ({fmt_bytes(machine_bytes)}, {machine_bytes} bytes)")
     return memory_bytes
+
+
+def readable(folders: list[str]) -> Any:
+    """A config context in which an embedded cluster may read these model folders (added to
+    ``seabiscuit.roots``: set it before the cluster starts, its workers inherit it)."""
+    import dask.config
+
+    have = list(config.get("roots") or [])
+    tops = [os.path.dirname(os.path.abspath(f)) if os.path.isfile(f) else os.path.abspath(f) for f in folders]
+    more = [t for t in dict.fromkeys(tops) if t not in have]
+    return dask.config.set({"seabiscuit.roots": have + more})

@@ -22,6 +22,7 @@ from .. import config
 from ..errors import BadCheckpoint, BadInput, SeaBiscuitError, UnsupportedModel
 from ..ir import fmt_bytes
 from ..quantize import held_bytes
+from ..runtime.access import readable
 from ..runtime.serving import accepts, connect, local_cluster, page_link, say, worker_budget_bytes
 from .app import Server, make_app
 from .connections import uvicorn_config
@@ -89,9 +90,14 @@ def load(source: Source, say: Callable[[str], None] = print) -> Loaded:
     """The model, its tokenizer and what it serves."""
     import transformers as tf
 
-    from ..models import gguf_path, load_gguf
+    from ..models import gguf_path, load_gguf, load_gguf_quantized
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if source.kind == "gguf" and config.get("quantize"):
+        file, skeleton, tok = load_gguf_quantized(source.path)
+        say(f"reading {os.path.basename(file)} in place ({config.get('quantize')}: its Q4_0 / Q4_1 blocks "
+            "as they are) ...")
+        return Loaded(source, file, skeleton, tok, name_of(source), "generate")
     if source.kind == "gguf":
         file = gguf_path(source.path)
         say(f"loading {os.path.basename(file)} (de-quantising GGUF to float32) ...")
@@ -184,15 +190,6 @@ def deploy(item: Loaded, client: Any, *, sessions: int, context: int, budget: st
             f"{time.perf_counter() - t1:.1f} s")
     served.ready.set()
     return served
-
-
-def readable(folders: list[str]) -> dask.config.set:
-    """A config context in which an embedded cluster may read these model folders (added to
-    ``seabiscuit.roots``: set it before the cluster starts, its workers inherit it)."""
-    have = list(config.get("roots") or [])
-    tops = [os.path.dirname(os.path.abspath(f)) if os.path.isfile(f) else os.path.abspath(f) for f in folders]
-    more = [t for t in dict.fromkeys(tops) if t not in have]
-    return dask.config.set({"seabiscuit.roots": have + more})
 
 
 @contextlib.contextmanager

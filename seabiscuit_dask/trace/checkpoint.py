@@ -29,7 +29,12 @@ def bind_checkpoint(graph: OpGraph, path: str | os.PathLike[str],
     top-level prefix) with a stored shape that holds its slices; otherwise
     ``BadCheckpoint`` lists what is missing and which shapes differ. Params of other
     kinds keep their sources (``kinds=("model",)``: bind only what is read from memory).
+    A ``.gguf`` file binds to its tensors (``gguf.bind_gguf``).
     """
+    from ..gguf import bind_gguf, is_gguf
+
+    if is_gguf(path):
+        return bind_gguf(graph, path, kinds)
     stored: dict[str, StoredTensor] = {}
     for f in safetensors_files(path):
         stored.update(read_safetensors_header(f))

@@ -56,7 +56,12 @@ def empty_weights(threshold_bytes: int = 1 << 20) -> Iterator[None]:
 
 
 def load_hf_skeleton(folder: str | os.PathLike[str]) -> torch.nn.Module:
-    """The model of a Hugging Face folder (``config.json``), built without its weights."""
+    """The model of a Hugging Face folder (``config.json``) or of a GGUF file's metadata, built without
+    its weights."""
+    from ..gguf import is_gguf, load_gguf_skeleton
+
+    if is_gguf(folder):
+        return load_gguf_skeleton(folder)
     path = Path(folder)
     cfg_file = path / "config.json"
     if not cfg_file.exists():

@@ -1,0 +1,246 @@
+"""GGUF files kept quantized: a model's skeleton from a GGUF's metadata, its params bound to the
+file's tensors, and tiles read straight from the file's blocks.
+
+``sb.trace`` / ``sb.distribute`` take a ``.gguf`` file as they take a model folder: the model is
+built on the meta device from the file's metadata (``transformers`` parses it), and each param
+reads its GGUF tensor (``bind_gguf``: ``ParamSource`` kind ``"gguf"``, the tensor's name, and for
+llama's attention q and k the heads whose rows llama.cpp stores permuted). A worker reads only the
+rows a tile covers, from the file's memory map (``GGUFFile``):
+
+- Q4_0 and Q4_1 blocks (32 weights each, ``d * q + m`` with ``q`` 0..15, ``m = -8 d`` for Q4_0) become
+  the int4 tiles of ``quantize="int4"`` (groups of 32) exactly: the same integers, a scale ``d`` and
+  the value of 8 ``m + 8 d``, each rounded to bf16 (``int4_rows``); no float copy of them exists;
+- any other type (Q8_0, K-quants, F16, F32) is de-quantized row by row (the ``gguf`` package's
+  ``dequantize``) where a tile reads it, and quantized as the deployment's scheme says (Q8_0 tables
+  and heads to int8 per row: the GGUF's integers are not kept; ``quantize.py``).
+
+A GGUF is data: a tensor is found by its name in the file's own table, within its stored shape.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from .errors import BadCheckpoint, UnsupportedModel
+from .ir import OpGraph, ParamSource, ParamSpec
+
+EXACT_INT4 = ("Q4_0", "Q4_1")
+"""GGUF types whose blocks are int4 tiles of groups of 32 as they are."""
+GROUP = 32
+
+
+def is_gguf(path: Any) -> bool:
+    return isinstance(path, (str, os.PathLike)) and os.fspath(path).endswith(".gguf") \
+        and os.path.isfile(os.fspath(path))
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    """One tensor of a GGUF file: its type's name and its ``[rows, columns]`` (a 1-D tensor: one row)."""
+
+    name: str
+    type: str
+    shape: tuple[int, ...]
+
+
+class GGUFFile:
+    """A GGUF file's tensor table and rows (memory-mapped: a read touches only the rows it takes)."""
+
+    def __init__(self, path: str) -> None:
+        try:
+            import gguf
+        except ImportError as e:     # pragma: no cover - an extra of the package
+            raise UnsupportedModel("reading a GGUF file needs the gguf package (pip install gguf)") from e
+        self.path = path
+        try:
+            self.reader = gguf.GGUFReader(path)
+        except Exception as e:
+            raise BadCheckpoint(f"{path}: cannot be read as GGUF: {e}") from e
+        self._gguf = gguf
+        self.tensors = {t.name: t for t in self.reader.tensors}
+
+    def info(self, name: str) -> GGUFTensor:
+        t = self._tensor(name)
+        return GGUFTensor(name, t.tensor_type.name, tuple(int(d) for d in reversed(t.shape.tolist())))
+
+    def _tensor(self, name: str) -> Any:
+        t = self.tensors.get(name)
+        if t is None:
+            raise BadCheckpoint(f"{self.path}: no tensor {name!r} (it has {len(self.tensors)}, e.g. "
+                                f"{', '.join(list(self.tensors)[:4])})")
+        return t
+
+    def _raw(self, name: str, rows: tuple[int, int], heads: int) -> tuple[Any, np.ndarray]:
+        """The stored bytes (or values) of a tensor's rows ``[a, b)`` as the model numbers them."""
+        t = self._tensor(name)
+        n = int(t.shape[-1]) if len(t.shape) > 1 else 1
+        if not (0 <= rows[0] <= rows[1] <= n):
+            raise BadCheckpoint(f"{self.path}: rows {rows[0]}:{rows[1]} of {name!r} are outside its {n} rows")
+        data = t.data if len(t.shape) > 1 else t.data.reshape(1, -1)
+        index = stored_rows(n, heads)[rows[0]:rows[1]] if heads else slice(*rows)
+        return t, np.asarray(data[index])
+
+    def rows(self, name: str, rows: tuple[int, int], heads: int = 0) -> torch.Tensor:
+        """Rows ``[a, b)`` de-quantized to float32 (``[b - a, k]``; a 1-D tensor: its one row)."""
+        t, raw = self._raw(name, rows, heads)
+        values = np.array(self._gguf.quants.dequantize(raw, t.tensor_type), dtype=np.float32)   # NOTE: owned
+        return torch.from_numpy(values).reshape(rows[1] - rows[0], -1)
+
+    def int4_rows(self, name: str, rows: tuple[int, int], cols: tuple[int, int],
+                  heads: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """A Q4_0 / Q4_1 tensor's rows ``[a, b)`` and columns ``[c, d)`` (whole blocks of 32) as
+        (integers 0..15 ``[b - a, d - c]`` uint8, bf16 ``[(d - c) / 32, b - a, 2]`` scales and values of
+        8), the form ``quantize.quantize_groups`` gives: ``w = (q - 8) * d + (m + 8 d)``."""
+        t, raw = self._raw(name, rows, heads)
+        kind = t.tensor_type.name
+        if kind not in EXACT_INT4 or cols[0] % GROUP or cols[1] % GROUP:
+            raise BadCheckpoint(f"{self.path}: {name!r} is {kind}, columns {cols[0]}:{cols[1]}: int4 tiles "
+                                f"are read from {' or '.join(EXACT_INT4)} blocks of {GROUP} columns")
+        size = 20 if kind == "Q4_1" else 18
+        blocks = raw.reshape(raw.shape[0], -1, size)[:, cols[0] // GROUP:cols[1] // GROUP]
+        d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if kind == "Q4_1" else -8 * d
+        qs = blocks[..., size - 16:]
+        q = np.concatenate([qs & 15, qs >> 4], axis=-1).reshape(raw.shape[0], -1)     # NOTE: ggml's order
+        scale = torch.from_numpy(np.ascontiguousarray(d)).to(torch.bfloat16)
+        zero = torch.from_numpy(np.ascontiguousarray(m + 8 * d)).to(torch.bfloat16)
+        sz = torch.stack([scale, zero], dim=2).transpose(0, 1).contiguous()
+        return torch.from_numpy(np.ascontiguousarray(q)), sz
+
+
+def stored_rows(n: int, heads: int) -> np.ndarray:
+    """Which stored row each of a llama attention q or k weight's ``n`` rows is: llama.cpp stores
+    each head's rotary pairs interleaved (``transformers`` undoes it the same way on load)."""
+    dim = n // heads // 2
+    return np.arange(n).reshape(heads, dim, 2).swapaxes(1, 2).reshape(n)
+
+
+_files: dict[str, GGUFFile] = {}
+_files_lock = threading.Lock()
+
+
+def open_gguf(path: str) -> GGUFFile:
+    """The ``GGUFFile`` of ``path``, opened once a process."""
+    with _files_lock:
+        f = _files.get(path)
+        if f is None:
+            f = _files[path] = GGUFFile(path)
+        return f
+
+
+@functools.lru_cache(maxsize=8)
+def _config(path: str) -> tuple[Any, Any]:
+    """(transformers config, its GGUF tensor processor) of a GGUF file's metadata (read once: its
+    tokenizer's fields take seconds to parse)."""
+    import transformers as tf
+    from transformers import modeling_gguf_pytorch_utils as gu
+
+    try:
+        parsed = gu.load_gguf_checkpoint(path, return_tensors=False)
+        config = tf.AutoConfig.for_model(**parsed["config"])
+    except Exception as e:
+        raise UnsupportedModel(f"{path}: transformers cannot read its architecture: {e}") from e
+    arch = str(gu.read_field(open_gguf(path).reader, "general.architecture")[0])
+    return config, gu.TENSOR_PROCESSORS.get(arch, gu.TensorProcessor)(config=parsed.get("config", {}))
+
+
+def load_gguf_skeleton(path: str | os.PathLike[str]) -> torch.nn.Module:
+    """The causal LM a GGUF file describes, built on the meta device (no weights)."""
+    import transformers as tf
+
+    from .trace.skeleton import build_empty
+
+    config, _ = _config(os.fspath(path))
+    return build_empty(lambda: tf.AutoModelForCausalLM.from_config(config)).eval()
+
+
+def weights_map(path: str, model: torch.nn.Module | None = None) -> dict[str, tuple[str, int]]:
+    """HF param name -> (GGUF tensor name, heads whose rows are stored permuted, or 0)."""
+    from transformers import modeling_gguf_pytorch_utils as gu
+
+    config, processor = _config(path)
+    model = model if model is not None else load_gguf_skeleton(path)
+    to_hf = gu.get_gguf_hf_weights_map(model, processor)
+    permuted = type(processor).__name__ == "LlamaTensorProcessor"
+    if type(processor) not in (gu.TensorProcessor, gu.LlamaTensorProcessor):
+        raise UnsupportedModel(f"{path}: {type(processor).__name__} changes tensors on load in ways "
+                               "SeaBiscuit does not read in place; serve it de-quantized (no --quantize), "
+                               "or load it with transformers and pass the module")
+    out: dict[str, tuple[str, int]] = {}
+    for g, hf in to_hf.items():
+        heads = 0
+        if permuted and ".attn_q." in g:
+            heads = config.num_attention_heads
+        elif permuted and ".attn_k." in g:
+            heads = config.num_key_value_heads or config.num_attention_heads
+        out[hf] = (g, heads)
+    return out
+
+
+def bind_gguf(graph: OpGraph, path: str | os.PathLike[str], kinds: tuple[str, ...] = ("model", "safetensors"),
+              model: torch.nn.Module | None = None) -> OpGraph:
+    """``graph`` with each param of ``kinds`` reading its tensor of the GGUF file at ``path`` (by its
+    name, a tied alias, or the file's map of names), checked against the tensor's stored shape;
+    ``BadCheckpoint`` lists what is missing or of another shape."""
+    file = os.path.abspath(os.fspath(path))
+    table = open_gguf(file)
+    names = weights_map(file, model)
+    aliases: dict[str, Any] = dict(graph.meta.get("aliases", {}))
+    full_shapes = {k: tuple(v) for k, v in graph.meta.get("param_shapes", {}).items()}
+    params: dict[str, ParamSpec] = {}
+    missing: list[str] = []
+    mismatched: list[str] = []
+    for name, p in graph.params.items():
+        src = p.source
+        if src.kind not in kinds:
+            params[name] = p
+            continue
+        hit = next((names[k] for k in (src.key, *aliases.get(src.key, ())) if k in names
+                    and names[k][0] in table.tensors), None)
+        if hit is None:
+            missing.append(src.key)
+            continue
+        info = table.info(hit[0])
+        whole: tuple[int, ...] = tuple(src.whole or ()) if src.quant is not None \
+            else tuple(full_shapes.get(src.key, p.shape))
+        if whole != info.shape:
+            mismatched.append(f"{src.key}: GGUF {hit[0]} {list(info.shape)}, model {list(whole)}")
+            continue
+        params[name] = ParamSpec(name, p.shape, p.dtype,
+                                 ParamSource("gguf", hit[0], src.slices, file, quant=src.quant,
+                                             whole=src.whole, heads=hit[1]))
+    if missing or mismatched:
+        parts = []
+        if missing:
+            uniq = sorted(set(missing))
+            parts.append(f"{len(uniq)} key(s) missing: {', '.join(uniq[:5])}"
+                         + (" ..." if len(uniq) > 5 else ""))
+        if mismatched:
+            uniq = sorted(set(mismatched))
+            parts.append(f"{len(uniq)} shape mismatch(es): {'; '.join(uniq[:5])}")
+        raise BadCheckpoint(f"GGUF {file} does not match {graph.meta.get('name', 'the model')}: "
+                            + "; ".join(parts))
+    return OpGraph(graph.ops, graph.tensors, params, graph.inputs, graph.outputs,
+                   {**dict(graph.meta), "checkpoint": file}, graph.tilings)
+
+
+def load(spec: ParamSpec) -> torch.Tensor:
+    """A float param (or tile) of kind ``"gguf"``: its rows de-quantized, its columns cut."""
+    src = spec.source
+    f = open_gguf(src.file or "")
+    info = f.info(src.key)
+    if len(info.shape) == 1:
+        cols = src.slices[0] if src.slices is not None else (0, info.shape[0])
+        return f.rows(src.key, (0, 1), src.heads)[0, cols[0]:cols[1]]
+    rows = src.slices[0] if src.slices is not None else (0, info.shape[0])
+    values = f.rows(src.key, rows, src.heads)
+    if src.slices is not None and len(src.slices) > 1:
+        values = values[:, src.slices[1][0]:src.slices[1][1]]
+    return values
