@@ -158,7 +158,12 @@ def load_gguf_skeleton(path: str | os.PathLike[str]) -> torch.nn.Module:
     from .trace.skeleton import build_empty
 
     config, _ = _config(os.fspath(path))
-    return build_empty(lambda: tf.AutoModelForCausalLM.from_config(config)).eval()
+    model = build_empty(lambda: tf.AutoModelForCausalLM.from_config(config)).eval()
+    head: Any = model.get_output_embeddings()
+    if getattr(config, "tie_word_embeddings", False) and head is not None:
+        # NOTE: one tensor in the file (no output.weight): one param, as transformers ties it on load
+        head.weight = model.get_input_embeddings().weight
+    return model
 
 
 def weights_map(path: str, model: torch.nn.Module | None = None) -> dict[str, tuple[str, int]]:
