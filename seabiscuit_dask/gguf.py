@@ -151,15 +151,15 @@ def _config(path: str) -> tuple[Any, Any]:
     return config, gu.TENSOR_PROCESSORS.get(arch, gu.TensorProcessor)(config=parsed.get("config", {}))
 
 
-def load_gguf_skeleton(path: str | os.PathLike[str]) -> torch.nn.Module:
+def load_gguf_skeleton(path: str | os.PathLike[str]) -> Any:
     """The causal LM a GGUF file describes, built on the meta device (no weights)."""
     import transformers as tf
 
     from .trace.skeleton import build_empty
 
     config, _ = _config(os.fspath(path))
-    model = build_empty(lambda: tf.AutoModelForCausalLM.from_config(config)).eval()
-    head: Any = model.get_output_embeddings()
+    model: Any = build_empty(lambda: tf.AutoModelForCausalLM.from_config(config)).eval()
+    head = model.get_output_embeddings()
     if getattr(config, "tie_word_embeddings", False) and head is not None:
         # NOTE: one tensor in the file (no output.weight): one param, as transformers ties it on load
         head.weight = model.get_input_embeddings().weight
