@@ -1,5 +1,7 @@
-"""Quantized weights: SmolLM2-135M-Instruct (its GGUF, de-quantized by transformers) deployed
-in fp32 and as int8 (``distribute(quantize="int8")``) on the same LocalCluster budget, in one run.
+"""Quantized weights: SmolLM2-135M-Instruct deployed in fp32, as int8 and as int4
+(``distribute(quantize=...)``, from its GGUF de-quantized by transformers) and from the GGUF file
+itself read in place (``gguf``: its Q4_1 blocks as int4 tiles, ``gguf.py``) on the same
+LocalCluster budget, in one run.
 
 Printed, each against its anchors measured in the same run:
 
@@ -106,17 +108,20 @@ def kernels(rows_list: tuple[int, ...]) -> None:
 
 
 def fidelity(model, tok, scheme: str) -> tuple[float, float, float]:
-    """(next-token agreement with fp32, fp32 perplexity, quantized perplexity) over ``PARAGRAPH``."""
+    """(next-token agreement with fp32, fp32 perplexity, quantized perplexity) over ``PARAGRAPH``;
+    scheme ``gguf``: int4 read from the GGUF's own blocks."""
     import seabiscuit_dask as sb
+    from seabiscuit_dask.models import gguf_path
     from seabiscuit_dask.quantize import quantize
     from seabiscuit_dask.runtime.local import run_local
 
     ids = tok(PARAGRAPH, return_tensors="pt").input_ids
     with torch.no_grad():
         want = model(ids).logits[0]
-    graph = quantize(sb.trace(model, (ids,)), scheme)
+    source = gguf_path() if scheme == "gguf" else model
+    graph = quantize(sb.trace(source, (ids,)), "int4" if scheme == "gguf" else scheme)
     with torch.no_grad():
-        got = run_local(graph, (ids,), weights=model).logits[0]
+        got = run_local(graph, (ids,), weights=None if scheme == "gguf" else model).logits[0]
 
     def ppl(logits: torch.Tensor) -> float:
         return float(torch.exp(torch.nn.functional.cross_entropy(logits[:-1], ids[0, 1:])))
@@ -164,13 +169,18 @@ def llama_cpp(python: str | None, ids: torch.Tensor, new: int, n_threads: int, r
 
 
 def deployment(model, ids, prompts, scheme, args, budget, context) -> dict:
+    """One deployment's figures; scheme ``gguf``: the GGUF file itself, read in place as int4."""
     import seabiscuit_dask as sb
+    from seabiscuit_dask.models import gguf_path
+    from seabiscuit_dask.runtime.access import readable
     from tests.clusters import seabiscuit_cluster
 
-    with seabiscuit_cluster(args.workers, budget) as client:
+    source = gguf_path() if scheme == "gguf" else model
+    with readable([gguf_path()]), seabiscuit_cluster(args.workers, budget) as client:
         t = time.perf_counter()
-        dm = sb.distribute(model, client, torch.zeros(1, 256, dtype=torch.long), kwargs={"logits_to_keep": 1},
-                           sessions=args.sessions, context=context, quantize=scheme)
+        dm = sb.distribute(source, client, torch.zeros(1, 256, dtype=torch.long),
+                           kwargs={"logits_to_keep": 1}, sessions=args.sessions, context=context,
+                           quantize="int4" if scheme == "gguf" else scheme)
         deploy_s = time.perf_counter() - t
         dm.generate(ids, 2, eos_token_id=[])
         for p in prompts:
@@ -200,7 +210,8 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=64, help="new tokens per session")
     ap.add_argument("--sessions", type=int, default=4)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--schemes", default="none,int8", help="deployments to run, in order")
+    ap.add_argument("--schemes", default="none,int8,int4,gguf",
+                    help="deployments to run, in order (gguf: int4 read from the GGUF's own Q4_1 blocks)")
     ap.add_argument("--no-kernels", action="store_true")
     ap.add_argument("--llama-cpp-python", default=None, metavar="PYTHON",
                     help="an interpreter with llama-cpp-python installed (default: this one)")
@@ -232,7 +243,7 @@ def main() -> None:
     for scheme in args.schemes.split(","):
         q = None if scheme == "none" else scheme
         # NOTE: workers that cannot hold the weights alone: a deployment of 2 stages either way
-        budget = worker_budget_bytes(held_bytes(model, q), args.workers) + \
+        budget = worker_budget_bytes(held_bytes(model, "int4" if q == "gguf" else q), args.workers) + \
             reserve * model.config.num_hidden_layers // args.workers
         results[scheme] = r = deployment(model, ids, prompts, q, args, budget, context)
         print(f"  {scheme}: {r['budget'] / 2**20:.0f} MiB of budget a worker, deployed in "
