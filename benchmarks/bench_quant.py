@@ -66,16 +66,17 @@ COLD_BYTES = 256 * 2**20     # NOTE: distinct weights cycled through, far more t
 
 def kernels(rows_list: tuple[int, ...]) -> None:
     """fp32 ``linear`` against ``sb.qlinear``'s kernel over the int8 weight (``bf16=True``) by the
-    int8 weight-only kernel (pack) and by bf16 GEMMs (gemm), one thread, each call on a weight not
+    int8 weight-only kernel (pack) and by bf16 GEMMs (gemm), and ``sb.q4linear``'s int4 kernel over
+    groups of 32 (where the weight is whole blocks of 64 rows), one thread, each call on a weight not
     in cache (as in a decode step, which streams every weight once): the median of 5 passes over
     enough copies of the weight to hold ``COLD_BYTES`` in fp32, per call."""
     from seabiscuit_dask import qlinear as ql
-    from seabiscuit_dask.quantize import quantize_rows
+    from seabiscuit_dask.quantize import int4_fits, quantize_groups, quantize_rows
 
     old = torch.get_num_threads(), ql.PACK_ROWS, ql.PACK_LARGE_ROWS
     torch.set_num_threads(1)
     print("kernels, one thread, weights not in cache, ms a call: fp32 linear / int8 weight-only kernel / "
-          "bf16 GEMM over the integers")
+          "bf16 GEMM over the integers / int4 kernel")
     print("| weight | " + " | ".join(f"{r} rows" for r in rows_list) + " |")
     print("|---|" + "---|" * len(rows_list))
     try:
@@ -83,6 +84,8 @@ def kernels(rows_list: tuple[int, ...]) -> None:
             copies = max(2, -(-COLD_BYTES // (n * k * 4)))
             floats = [torch.randn(n, k) * 0.02 for _ in range(copies)]
             ints = [quantize_rows(w) for w in floats]
+            fours = [(ql.pack_int4(q), sz) for q, sz in (quantize_groups(w, 32) for w in floats)] \
+                if int4_fits(n, k, 32) else []
             cells = []
             for r in rows_list:
                 x = torch.randn(r, k)
@@ -95,13 +98,19 @@ def kernels(rows_list: tuple[int, ...]) -> None:
                     for q, scale in ints:
                         ql.qlinear_kernel(x, q, scale, None, None, 0, True)
 
+                def int4() -> None:
+                    for q, sz in fours:
+                        ql.q4linear_kernel(x, q, sz, None, 32)
+
                 got = [median_ms(fp32) / copies]
                 for rows in (1 << 20, 0):       # NOTE: every row count by one way, then the other
                     ql.PACK_ROWS = ql.PACK_LARGE_ROWS = rows
                     got.append(median_ms(int8) / copies)
+                if fours:
+                    got.append(median_ms(int4) / copies)
                 cells.append(" / ".join(f"{g:.3f}" for g in got))
             print(f"| {name} {n}x{k} | " + " | ".join(cells) + " |", flush=True)
-            floats, ints = [], []      # NOTE: freed before the next shape
+            floats, ints, fours = [], [], []      # NOTE: freed before the next shape
     finally:
         torch.set_num_threads(old[0])
         ql.PACK_ROWS, ql.PACK_LARGE_ROWS = old[1], old[2]

@@ -13,6 +13,10 @@ from .errors import SeaBiscuitError, UnsupportedModel
 from .ir import OpGraph
 from .quantize import SCHEMES
 
+QUANTIZE_HELP = ("hold weights as integers: int8 (linear layers and embeddings, a scale per output row) or "
+                 "int4 (linear layers in groups of 32, -g64 or -g128, with a scale and zero each; "
+                 "embeddings int8); a GGUF is then read in place (default: config seabiscuit.quantize, none)")
+
 if TYPE_CHECKING:
     from .placement import ClusterSpec
 
@@ -49,8 +53,9 @@ def _plan(args: argparse.Namespace) -> int:
     scheme = config.get("quantize")
     if scheme:
         graph = quantize(graph, scheme)
-        print(f"{graph.meta['quantized']} linear weight(s) as {scheme}: {fmt_bytes(graph.param_bytes)} of "
-              "weights", flush=True)
+        int4 = f", {graph.meta['int4']} of them int4" if graph.meta.get("int4") else ""
+        print(f"{graph.meta['quantized']} weight(s) quantized as {scheme}{int4}: "
+              f"{fmt_bytes(graph.param_bytes)} of weights", flush=True)
     t1 = time.perf_counter()
     print(f"decomposing at a budget of {fmt_bytes(budget)} per op ...", flush=True)
     micro = decompose(graph, budget)
@@ -175,8 +180,7 @@ def _plan_parser(sub: Subcommands) -> None:
                    help="report what losing this device changes (repeatable; a,b: lost together; "
                         "all: each device in turn)")
     p.add_argument("--quantize", choices=SCHEMES, default=None,
-                   help="hold the weights of linear layers as int8, a scale per output channel "
-                        "(default: config seabiscuit.quantize, none)")
+                   help=QUANTIZE_HELP)
     p.set_defaults(func=_plan)
 
 
@@ -224,8 +228,7 @@ def _generate_parser(sub: Subcommands) -> None:
     g.add_argument("--serve", action="store_true",
                    help="afterwards keep the cluster, the model and the dashboard up until Ctrl-C")
     g.add_argument("--quantize", choices=SCHEMES, default=None,
-                   help="hold the weights of linear layers as int8, a scale per output channel "
-                        "(default: config seabiscuit.quantize, none)")
+                   help=QUANTIZE_HELP)
     g.set_defaults(func=_generate)
 
 
@@ -260,8 +263,7 @@ def _serve_parser(sub: Subcommands) -> None:
     v.add_argument("--device", choices=config.DEVICES, default=None,
                    help="where the models run: auto, cuda or cpu (as for distribute(device=))")
     v.add_argument("--quantize", choices=SCHEMES, default=None,
-                   help="hold the weights of linear layers as int8, a scale per output channel "
-                        "(default: config seabiscuit.quantize, none)")
+                   help=QUANTIZE_HELP)
     v.set_defaults(func=_serve)
 
 

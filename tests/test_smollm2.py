@@ -102,8 +102,21 @@ def test_generate_command_quantized_reads_int8_tiles_from_the_folders_safetensor
     same = re.search(r"check        int8 weights: the first (\d+) of 6 tokens the same as", out)
     assert same is not None and int(same.group(1)) >= 1, out
     with pytest.raises(SystemExit):                                   # NOTE: argparse: not a scheme here
-        cli.main(["generate", "--quantize", "int4"])
-    assert "invalid choice: 'int4'" in capsys.readouterr().err
+        cli.main(["generate", "--quantize", "int3"])
+    assert "invalid choice: 'int3'" in capsys.readouterr().err
+
+
+def test_generate_reads_the_gguf_in_place_as_int4(smollm2, capsys) -> None:
+    """``--quantize int4`` on the GGUF: the file's Q4_1 blocks are the workers' tiles (no float copy
+    of them), and the answer is set against the float model's."""
+    code = cli.main(["generate", "--prompt", "What is the capital of France?", "--chat", "--workers", "2",
+                     "--max-new-tokens", "6", "--quantize", "int4"])
+    captured = capsys.readouterr()
+    out = captured.out
+    assert code == 0, out + captured.err
+    assert "in place (int4" in out and "of them int4" in out, out
+    same = re.search(r"check        int4 weights: the first (\d+) of \d+ tokens the same as", out)
+    assert same is not None and int(same.group(1)) >= 1, out
 
 
 def test_demo_is_smollm2_answering_a_chat_prompt(capsys) -> None:

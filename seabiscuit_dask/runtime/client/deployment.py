@@ -272,7 +272,8 @@ def _micro_ops(model_or_path: Any, example_inputs: Any, kwargs: Mapping[str, Any
     graph = trace(model_or_path, example_inputs, kwargs, checkpoint=checkpoint)
     if scheme is not None:
         graph = quantize_graph(graph, scheme)
-        say(f"{graph.meta['quantized']} linear weight(s) as {scheme}")
+        int4 = f", {graph.meta['int4']} of them int4" if graph.meta.get("int4") else ""
+        say(f"{graph.meta['quantized']} weight(s) quantized as {scheme}{int4}")
     say(f"decomposing {len(graph.ops)} ops at {fmt_bytes(nbytes)} per op ...")
     micro = decompose(graph, nbytes)
     if choice != "auto":     # NOTE: repairs on the scheduler keep the model on this kind of device
