@@ -351,3 +351,26 @@ def test_a_malformed_int4_param_is_refused() -> None:
     with pytest.raises(InvalidGraph, match="bfloat16"):
         check_param(ParamSpec("w:int4.sz", (2, 64, 2), "float32", src))
     check_param(ParamSpec("w:int4.sz", (2, 64, 2), "bfloat16", src))
+
+
+@pytest.mark.parametrize("scheme", [None, "int4"])
+def test_a_bf16_model_is_served_in_bf16_with_no_float32_weight_on_a_worker(scheme: str | None) -> None:
+    model = decoder("llama").to(torch.bfloat16)
+    ids, _ = padded_batch((9,), seed=1)
+    x = torch.zeros(1, 16, dtype=torch.long)
+    x[0, 7:] = ids[0]
+    with seabiscuit_cluster(2, 400_000) as client:
+        with sb.distribute(model, client, torch.zeros(1, 16, dtype=torch.long), budget="64KiB",
+                           quantize=scheme) as dm:
+            held = client.run(lambda dask_worker: sorted({str(t.dtype) for ts in dask_worker.plugins[
+                "seabiscuit"].resident.tiles.values() for t in ts.values()}))
+            dtypes = {d for ds in held.values() for d in ds}
+            assert "torch.bfloat16" in dtypes and "torch.float32" not in dtypes, dtypes
+            got = logits(dm(x))
+            assert got.dtype == torch.bfloat16
+            assert torch.equal(got, logits(run_local(dm.graph, (x,), weights=model)))
+            out = dm.generate(ids, 6, pad_token_id=0, eos_token_id=[])
+    if scheme is None:        # NOTE: the same greedy tokens as Hugging Face in bf16
+        want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
+                              pad_token_id=0)
+        assert torch.equal(out, want)
