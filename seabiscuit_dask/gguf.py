@@ -136,7 +136,7 @@ def open_gguf(path: str) -> GGUFFile:
 
 
 @functools.lru_cache(maxsize=8)
-def _config(path: str) -> tuple[Any, Any]:
+def config_of(path: str) -> tuple[Any, Any]:
     """(transformers config, its GGUF tensor processor) of a GGUF file's metadata (read once: its
     tokenizer's fields take seconds to parse)."""
     import transformers as tf
@@ -151,27 +151,16 @@ def _config(path: str) -> tuple[Any, Any]:
     return config, gu.TENSOR_PROCESSORS.get(arch, gu.TensorProcessor)(config=parsed.get("config", {}))
 
 
-def load_gguf_skeleton(path: str | os.PathLike[str]) -> Any:
-    """The causal LM a GGUF file describes, built on the meta device (no weights)."""
-    import transformers as tf
-
-    from .trace.skeleton import build_empty
-
-    config, _ = _config(os.fspath(path))
-    model: Any = build_empty(lambda: tf.AutoModelForCausalLM.from_config(config)).eval()
-    head = model.get_output_embeddings()
-    if getattr(config, "tie_word_embeddings", False) and head is not None:
-        # NOTE: one tensor in the file (no output.weight): one param, as transformers ties it on load
-        head.weight = model.get_input_embeddings().weight
-    return model
-
-
 def weights_map(path: str, model: torch.nn.Module | None = None) -> dict[str, tuple[str, int]]:
     """HF param name -> (GGUF tensor name, heads whose rows are stored permuted, or 0)."""
     from transformers import modeling_gguf_pytorch_utils as gu
 
-    config, processor = _config(path)
-    model = model if model is not None else load_gguf_skeleton(path)
+    config, processor = config_of(path)
+    if model is None:        # NOTE: its names only
+        import transformers as tf
+
+        with torch.device("meta"):
+            model = tf.AutoModelForCausalLM.from_config(config)
     to_hf = gu.get_gguf_hf_weights_map(model, processor)
     permuted = type(processor).__name__ == "LlamaTensorProcessor"
     if type(processor) not in (gu.TensorProcessor, gu.LlamaTensorProcessor):

@@ -134,7 +134,7 @@ def load_gguf_quantized(path: str | None = None) -> tuple[str, torch.nn.Module, 
 
     import transformers as tf
 
-    from .gguf import load_gguf_skeleton
+    from .trace.skeleton import load_gguf_skeleton
 
     file = gguf_path(path)
     folder, name = os.path.split(file)

@@ -34,7 +34,7 @@ STAGE_OF = {
     # graph comes in (a template read from disk, a deploy); it imports only the core
     f"{PACKAGE}.lower.registry": "core",
     f"{PACKAGE}.trace": "trace", f"{PACKAGE}.templates": "trace", f"{PACKAGE}.weights": "trace",
-    f"{PACKAGE}.models": "trace",
+    f"{PACKAGE}.models": "trace", f"{PACKAGE}.gguf": "trace",
     f"{PACKAGE}.decompose": "decompose",
     f"{PACKAGE}.placement": "placement",
     f"{PACKAGE}.lower": "lower",

@@ -58,7 +58,7 @@ def empty_weights(threshold_bytes: int = 1 << 20) -> Iterator[None]:
 def load_hf_skeleton(folder: str | os.PathLike[str]) -> torch.nn.Module:
     """The model of a Hugging Face folder (``config.json``) or of a GGUF file's metadata, built without
     its weights."""
-    from ..gguf import is_gguf, load_gguf_skeleton
+    from ..gguf import is_gguf
 
     if is_gguf(folder):
         return load_gguf_skeleton(folder)
@@ -99,4 +99,19 @@ def build_empty(build: Callable[[], torch.nn.Module]) -> torch.nn.Module:
                 kept[f"{prefix}.{name}" if prefix else name] = b.detach().clone()
     model = model.to("meta")
     model.sb_buffers = kept  # type: ignore[assignment]
+    return model
+
+
+def load_gguf_skeleton(path: str | os.PathLike[str]) -> Any:
+    """The causal LM a GGUF file describes, built on the meta device (no weights)."""
+    import transformers as tf
+
+    from ..gguf import config_of
+
+    config, _ = config_of(os.fspath(path))
+    model: Any = build_empty(lambda: tf.AutoModelForCausalLM.from_config(config)).eval()
+    head = model.get_output_embeddings()
+    if getattr(config, "tie_word_embeddings", False) and head is not None:
+        # NOTE: one tensor in the file (no output.weight): one param, as transformers ties it on load
+        head.weight = model.get_input_embeddings().weight
     return model
