@@ -182,8 +182,8 @@ def load_causal_lm(model: str | None, gguf: str | None) -> tuple[ModelSource, An
         return model, tf.AutoTokenizer.from_pretrained(model), f"{os.path.basename(os.path.abspath(model))}"
     if config.get("quantize"):
         file, _, tok = load_gguf_quantized(gguf)
-        say(f"reading {os.path.basename(file)} in place ({config.get('quantize')}: its Q4_0 / Q4_1 blocks "
-            "as they are) ...")
+        say(f"reading {os.path.basename(file)} in place ({config.get('quantize')}"
+            f"{': its Q4_0 / Q4_1 blocks as they are' if config.get('quantize') == 'int4' else ''}) ...")
         return file, tok, os.path.basename(file)
     file = gguf_path(gguf)
     say(f"loading {os.path.basename(file)} (de-quantising GGUF to float32) ...")

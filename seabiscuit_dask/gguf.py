@@ -87,11 +87,24 @@ class GGUFFile:
         index = stored_rows(n, heads)[rows[0]:rows[1]] if heads else slice(*rows)
         return t, np.asarray(data[index])
 
-    def rows(self, name: str, rows: tuple[int, int], heads: int = 0) -> torch.Tensor:
-        """Rows ``[a, b)`` de-quantized to float32 (``[b - a, k]``; a 1-D tensor: its one row)."""
+    def rows(self, name: str, rows: tuple[int, int], heads: int = 0,
+             cols: tuple[int, int] | None = None) -> torch.Tensor:
+        """Rows ``[a, b)`` (and columns ``[c, d)``) de-quantized to float32 (a 1-D tensor: its one
+        row). Only the blocks the columns lie in are de-quantized."""
         t, raw = self._raw(name, rows, heads)
+        k = int(t.shape[0])
+        c0, c1 = cols if cols is not None else (0, k)
+        if not (0 <= c0 <= c1 <= k):
+            raise BadCheckpoint(f"{self.path}: columns {c0}:{c1} of {name!r} are outside its {k} columns")
+        block, size = self._gguf.GGML_QUANT_SIZES[t.tensor_type]
+        if raw.dtype == np.uint8 and raw.shape[-1] != k:      # NOTE: ``block`` columns in ``size`` bytes
+            b0, b1 = c0 // block, -(-c1 // block)
+            raw, c0, c1 = raw[:, b0 * size:b1 * size], c0 - b0 * block, c1 - b0 * block
+        else:
+            raw, c0, c1 = raw[:, c0:c1], 0, c1 - c0
         values = np.array(self._gguf.quants.dequantize(raw, t.tensor_type), dtype=np.float32)   # NOTE: owned
-        return torch.from_numpy(values).reshape(rows[1] - rows[0], -1)
+        values = values.reshape(raw.shape[0], -1)[:, c0:c1]
+        return torch.from_numpy(np.ascontiguousarray(values))
 
     def int4_rows(self, name: str, rows: tuple[int, int], cols: tuple[int, int],
                   heads: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,17 +135,26 @@ def stored_rows(n: int, heads: int) -> np.ndarray:
     return np.arange(n).reshape(heads, dim, 2).swapaxes(1, 2).reshape(n)
 
 
-_files: dict[str, GGUFFile] = {}
+_files: dict[tuple[str, int, int, int], GGUFFile] = {}
 _files_lock = threading.Lock()
 
 
 def open_gguf(path: str) -> GGUFFile:
-    """The ``GGUFFile`` of ``path``, opened once a process."""
-    with _files_lock:
-        f = _files.get(path)
-        if f is None:
-            f = _files[path] = GGUFFile(path)
-        return f
+    """The ``GGUFFile`` of ``path``, opened once a process for each version of the file (by inode, size
+    and modification time: a file replaced at the same path is read afresh, never at stale offsets)."""
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise BadCheckpoint(f"GGUF file {path!r} cannot be read: {e}") from e
+    key = (path, st.st_ino, st.st_size, st.st_mtime_ns)
+    f = _files.get(key)
+    if f is None:
+        f = GGUFFile(path)           # NOTE: parsed outside the lock; the first one kept
+        with _files_lock:
+            for old in [k for k in _files if k[0] == path and k != key]:
+                del _files[old]
+            f = _files.setdefault(key, f)
+    return f
 
 
 @functools.lru_cache(maxsize=8)
@@ -170,7 +192,9 @@ def weights_map(path: str, model: torch.nn.Module | None = None) -> dict[str, tu
     out: dict[str, tuple[str, int]] = {}
     for g, hf in to_hf.items():
         heads = 0
-        if permuted and ".attn_q." in g:
+        if not g.endswith(".weight"):       # NOTE: llama.cpp permutes the rows of q and k weights only
+            pass
+        elif permuted and ".attn_q." in g:
             heads = config.num_attention_heads
         elif permuted and ".attn_k." in g:
             heads = config.num_key_value_heads or config.num_attention_heads
@@ -226,15 +250,16 @@ def bind_gguf(graph: OpGraph, path: str | os.PathLike[str], kinds: tuple[str, ..
 
 
 def load(spec: ParamSpec) -> torch.Tensor:
-    """A float param (or tile) of kind ``"gguf"``: its rows de-quantized, its columns cut."""
+    """A float param (or tile) of kind ``"gguf"``: its rows, and of them the blocks its columns lie in,
+    de-quantized (a column tile of a large table never holds whole rows in float), its columns cut."""
     src = spec.source
     f = open_gguf(src.file or "")
     info = f.info(src.key)
+    if len(info.shape) not in (1, 2):
+        raise UnsupportedModel(f"{f.path}: {src.key!r} has {len(info.shape)} dims {list(info.shape)}; "
+                               "SeaBiscuit reads GGUF tensors of 1 or 2 dims (no stacked experts)")
     if len(info.shape) == 1:
-        cols = src.slices[0] if src.slices is not None else (0, info.shape[0])
-        return f.rows(src.key, (0, 1), src.heads)[0, cols[0]:cols[1]]
+        return f.rows(src.key, (0, 1), src.heads, src.slices[0] if src.slices is not None else None)[0]
     rows = src.slices[0] if src.slices is not None else (0, info.shape[0])
-    values = f.rows(src.key, rows, src.heads)
-    if src.slices is not None and len(src.slices) > 1:
-        values = values[:, src.slices[1][0]:src.slices[1][1]]
-    return values
+    cols = src.slices[1] if src.slices is not None and len(src.slices) > 1 else None
+    return f.rows(src.key, rows, src.heads, cols)

@@ -571,9 +571,31 @@ def check_param(spec: ParamSpec) -> None:
             raise InvalidGraph(f"{what} ({src.quant} of a {list(src.whole)} weight) is {spec.dtype} "
                                f"{list(spec.shape)}: its integers are int8 and within the weight, its "
                                "scales a float per row")
+    if src.heads and (src.kind != "gguf" or not is_count(src.heads)):
+        raise InvalidGraph(f"{what} reads rows permuted for {src.heads!r} heads from a {src.kind!r} source: "
+                           "only a GGUF's attention weights are stored so, with a head count >= 1")
     if src.offset is not None and not is_count(src.offset):
         raise InvalidGraph(f"{what} lies at byte offset {src.offset!r} of {src.file!r}: "
                            "an offset is an int >= 0")
+
+
+def quant_region(src: ParamSource) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The rows and columns of the float weight ``src.whole`` a derived param's tile covers
+    (``ParamSource.quant``): an int8 tile's or a row scale's own rows (and columns); an int4 weight's
+    blocks of 64 rows and reduction steps; an int4 scale and zero's rows and groups."""
+    assert src.quant is not None and src.whole is not None
+    n, k = src.whole
+    sl = src.slices
+    if src.quant.startswith("int4"):
+        group = int(src.quant.split("-")[1][1:])
+        if sl is None:
+            return (0, n), (0, k)
+        if src.quant.endswith("-sz"):
+            return sl[1], (sl[0][0] * group, sl[0][1] * group)
+        return (sl[0][0] * 64, sl[0][1] * 64), sl[1]
+    rows = sl[0] if sl is not None else (0, n)
+    cols = sl[1] if sl is not None and len(sl) > 1 and src.quant == "int8" else (0, k)
+    return rows, cols
 
 
 def check_flops(op: str, flops: Any) -> int:

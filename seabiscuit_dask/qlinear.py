@@ -31,6 +31,8 @@ node): tracing an ONNX model calls it, and ``lower.kernels`` registers it as the
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .errors import UnsupportedOp
@@ -128,14 +130,31 @@ def _qlinear_fake(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, 
 
 # --- int4: groups of a row, asymmetric (``quantize.py``'s "int4" schemes) ------------------------
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """``q`` ``[n, k]`` integers 0..15 (``n`` a multiple of ``Q4_BLOCK``) as the bytes
-    ``aten._weight_int4pack_mm_for_cpu`` reads, shaped ``[n / 64, k, 32]``: for each block of 64 rows
-    and each of the ``k`` reduction steps, 32 bytes whose low halves are the block's first 32 rows and
-    high halves its last 32. A slice of it along its first two dims (whole blocks, any steps) is the
-    packing of that tile of ``q``: tiles of an int4 weight are slices, as a float weight's are."""
+    """``q`` ``[n, k]`` integers 0..15 (``n`` a multiple of ``Q4_BLOCK``) as ``[n / 64, k, 32]`` bytes:
+    for each block of 64 rows and each of the ``k`` reduction steps, 32 bytes whose low halves are the
+    block's first 32 rows and high halves its last 32. It is the layout
+    ``aten._weight_int4pack_mm_for_cpu`` reads on a CPU whose float vectors are 16 wide (AVX512;
+    ``kernel_reads_packed``), packed here on any device, so tiles are the same bytes wherever they
+    were made. A slice of it along its first two dims (whole blocks, any steps) is the packing of that
+    tile of ``q``: tiles of an int4 weight are slices, as a float weight's are."""
     n, k = q.shape
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 2)
-    return packed.reshape(n // Q4_BLOCK, k, Q4_BLOCK // 2)
+    b = q.to(torch.uint8).reshape(n // Q4_BLOCK, Q4_BLOCK, k)
+    half = Q4_BLOCK // 2
+    return (b[:, :half] | (b[:, half:] << 4)).transpose(1, 2).contiguous()
+
+
+@functools.cache
+def kernel_reads_packed() -> bool:
+    """Whether this CPU's int4 kernel reads ``pack_int4``'s layout (its blocks are as wide as four float
+    vectors: 64 rows with AVX512, 32 with AVX2): packed by torch's own op, a probe must be the same
+    bytes. Where it is not, ``sb.q4linear`` de-quantizes instead of calling the kernel."""
+    probe = torch.randint(0, 16, (2 * Q4_BLOCK, 64), generator=torch.Generator().manual_seed(0))
+    try:
+        theirs = torch.ops.aten._convert_weight_to_int4pack_for_cpu(probe.to(torch.int32), 2)
+    except (RuntimeError, NotImplementedError):
+        return False
+    ours = pack_int4(probe).reshape(-1)
+    return theirs.numel() == ours.numel() and torch.equal(theirs.reshape(-1), ours)
 
 
 def unpack_int4(w: torch.Tensor) -> torch.Tensor:
@@ -160,10 +179,11 @@ def q4linear_kernel(x: torch.Tensor, w: torch.Tensor, sz: torch.Tensor, bias: to
     ``[k / group, n, 2]``): ``W = (q - 8) * scale + zero``. On a CPU the rows go through the int4
     weight-only kernel in bf16 (any number of rows: at 145 rows it is within 10-20% of fp32
     ``linear``, and dequantizing to bf16 for a GEMM costs more than it saves, measured); elsewhere
-    the tile is dequantized a slab of rows at a time (``ops.q4_rows``) and multiplied in ``x``'s
+    (another device, or a CPU whose kernel packs otherwise: ``kernel_reads_packed``) the tile is
+    dequantized a slab of rows at a time (``ops.q4_rows``) and multiplied in ``x``'s
     dtype. The output is in ``x``'s dtype."""
     n, k = w.shape[0] * Q4_BLOCK, w.shape[1]
-    if x.device.type == "cpu":
+    if x.device.type == "cpu" and kernel_reads_packed():
         # NOTE: the kernel's own shape of the same bytes; it reads both operands as contiguous (a
         # tile sliced from a larger weight in memory is not: copied)
         w2, sz = w.reshape(n, k // 2), sz.contiguous()

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from .errors import BadCheckpoint
-from .ir import DTYPE_BYTES, ParamSpec
+from .ir import DTYPE_BYTES, ParamSpec, quant_region
 from .lower.registry import torch_dtype
 
 SAFETENSORS_DTYPES = {
@@ -307,13 +307,7 @@ class WeightStore:
         n, k = src.whole
         group = int(src.quant.split("-")[1][1:])
         sz_kind = src.quant.endswith("-sz")
-        sl = src.slices
-        if sz_kind:
-            rows = sl[1] if sl is not None else (0, n)
-            cols = (sl[0][0] * group, sl[0][1] * group) if sl is not None else (0, k)
-        else:           # NOTE: [n / 64, k, 32] (qlinear.pack_int4): whole blocks of 64 rows
-            rows = (sl[0][0] * 64, sl[0][1] * 64) if sl is not None else (0, n)
-            cols = sl[1] if sl is not None else (0, k)
+        rows, cols = quant_region(src)      # NOTE: [n / 64, k, 32] (qlinear.pack_int4): whole blocks
         key = (replace(src, quant=None, slices=None), rows, cols)
         value = self._scales.pop(key, None) if sz_kind else None
         if value is None and src.kind == "gguf" and group == 32 and src.file:

@@ -182,3 +182,26 @@ def test_a_gguf_that_does_not_match_the_model_is_refused(gguf_file: Path, tmp_pa
     bad.write_bytes(b"GGUF" + b"\0" * 20)
     with pytest.raises(BadCheckpoint, match="cannot be read as GGUF"):
         open_gguf(os.fspath(bad))
+
+
+def test_a_column_tile_reads_only_its_blocks_and_is_the_files_columns(gguf_file: Path) -> None:
+    f = open_gguf(os.fspath(gguf_file))
+    for name in ("token_embd.weight", "blk.0.ffn_up.weight", "blk.1.attn_q.weight"):    # Q8_0, Q4_1, Q4_0
+        heads = HEADS if "attn_q" in name else 0
+        whole = f.rows(name, (3, 40), heads)
+        for cols in ((0, 64), (5, 37), (32, 64), (17, 18)):
+            assert torch.equal(f.rows(name, (3, 40), heads, cols), whole[:, cols[0]:cols[1]])
+    norm = f.rows("output_norm.weight", (0, 1), 0)
+    assert torch.equal(f.rows("output_norm.weight", (0, 1), 0, (10, 20)), norm[:, 10:20])
+    with pytest.raises(BadCheckpoint, match="outside"):
+        f.rows("token_embd.weight", (0, 1), 0, (60, 70))
+
+
+def test_permuted_rows_are_read_from_gguf_sources_only() -> None:
+    from seabiscuit_dask.errors import InvalidGraph
+    from seabiscuit_dask.ir import ParamSource, ParamSpec, check_param
+
+    with pytest.raises(InvalidGraph, match="permuted"):
+        check_param(ParamSpec("w", (64, 64), "float32", ParamSource("safetensors", "w", file="m.st", heads=4)))
+    check_param(ParamSpec("w", (64, 64), "float32", ParamSource("gguf", "blk.0.attn_q.weight", file="m.gguf",
+                                                                  heads=4)))

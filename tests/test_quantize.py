@@ -374,3 +374,30 @@ def test_a_bf16_model_is_served_in_bf16_with_no_float32_weight_on_a_worker(schem
         want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
                               pad_token_id=0)
         assert torch.equal(out, want)
+
+
+def test_int4_tiles_cut_along_a_long_reduction_bind_to_a_checkpoint(tmp_path) -> None:
+    """A scale-and-zero tile counts groups (here 128 of them over a weight of 64 rows): binding checks
+    it against the weight's columns, not its rows."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(9)
+    layer = torch.nn.Linear(4096, 64, bias=False).eval()
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(64, 4096, generator=g))
+    x = torch.randn(2, 4096, generator=g)
+    cut = sb.decompose(quantize(sb.trace(layer, (x,)), "int4"), "96KiB")
+    assert any(p.source.quant == "int4-g32-sz" and p.source.slices and p.source.slices[0][1] > 64
+               for p in cut.params.values())
+    save_file({"weight": layer.weight.detach().contiguous()}, str(tmp_path / "model.safetensors"))
+    bound = sb.bind_checkpoint(cut, tmp_path / "model.safetensors")
+    assert {p.source.kind for p in bound.params.values()} == {"safetensors"}
+    assert torch.equal(run_local(bound, (x,)), run_local(cut, (x,), weights=layer))
+
+
+def test_the_int4_bytes_are_the_kernels_own_packing_here() -> None:
+    from seabiscuit_dask.qlinear import kernel_reads_packed
+
+    q = torch.randint(0, 16, (192, 96), generator=torch.Generator().manual_seed(3))
+    theirs = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 2).reshape(-1)
+    assert kernel_reads_packed() == torch.equal(theirs, pack_int4(q).reshape(-1))

@@ -29,6 +29,8 @@ def _tile(p: ParamSpec) -> tuple[str, tuple[tuple[int, int], ...] | None, str | 
     return p.source.key, p.source.slices, p.source.quant
 
 
+Slices = tuple[tuple[int, int], ...] | None
+
 def follow(plan: Plan, graph: OpGraph) -> Plan:
     """The plan of ``graph`` on ``plan``'s devices that moves none of ``plan``'s weights.
 
@@ -40,14 +42,16 @@ def follow(plan: Plan, graph: OpGraph) -> Plan:
     """
     base = plan.graph
     owner: dict[tuple[str, tuple[tuple[int, int], ...] | None, str | None], int] = {}
-    by_key: dict[str, list[tuple[tuple[tuple[int, int], ...] | None, int]]] = {}
+    # NOTE: by key and derived kind: an int4 weight's slices (blocks) and its scales' (groups) are in
+    # units of their own
+    by_key: dict[tuple[str, str | None], list[tuple[Slices, int]]] = {}
     attn_votes: dict[int, Counter[int]] = {}
     dev_of = plan.device_of.tolist()
     for op, d in zip(base.ops, dev_of):
         for p in op.params:
             spec = base.params[p]
             owner.setdefault(_tile(spec), d)
-            by_key.setdefault(spec.source.key, []).append((spec.source.slices, d))
+            by_key.setdefault((spec.source.key, spec.source.quant), []).append((spec.source.slices, d))
         if op.kind in ("attention", "kv_attention"):
             attn_votes.setdefault(layer_of(op.scope or op.name), Counter())[d] += 1
     attn = {layer: votes.most_common(1)[0][0] for layer, votes in attn_votes.items()}
@@ -79,12 +83,12 @@ def follow(plan: Plan, graph: OpGraph) -> Plan:
 
 
 def _param_device(p: ParamSpec, owner: dict[tuple[str, tuple[tuple[int, int], ...] | None, str | None], int],
-                  by_key: dict[str, list[tuple[tuple[tuple[int, int], ...] | None, int]]]) -> int:
+                  by_key: dict[tuple[str, str | None], list[tuple[Slices, int]]]) -> int:
     d = owner.get(_tile(p))
     if d is not None:
         return d
     best, where = 0, -1
-    for slices, dev in by_key.get(p.source.key, ()):
+    for slices, dev in by_key.get((p.source.key, p.source.quant), ()):
         overlap = _overlap(p.source.slices, slices, p.shape)
         if overlap > best:
             best, where = overlap, dev

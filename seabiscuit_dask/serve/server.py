@@ -95,8 +95,8 @@ def load(source: Source, say: Callable[[str], None] = print) -> Loaded:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if source.kind == "gguf" and config.get("quantize"):
         file, skeleton, tok = load_gguf_quantized(source.path)
-        say(f"reading {os.path.basename(file)} in place ({config.get('quantize')}: its Q4_0 / Q4_1 blocks "
-            "as they are) ...")
+        say(f"reading {os.path.basename(file)} in place ({config.get('quantize')}"
+            f"{': its Q4_0 / Q4_1 blocks as they are' if config.get('quantize') == 'int4' else ''}) ...")
         return Loaded(source, file, skeleton, tok, name_of(source), "generate")
     if source.kind == "gguf":
         file = gguf_path(source.path)

@@ -7,7 +7,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from ..errors import BadCheckpoint
-from ..ir import OpGraph, ParamSource, ParamSpec
+from ..ir import OpGraph, ParamSource, ParamSpec, quant_region
 from ..weights import StoredTensor, read_safetensors_header, safetensors_files
 
 
@@ -60,7 +60,9 @@ def bind_checkpoint(graph: OpGraph, path: str | os.PathLike[str],
         if expected is not None and hit.shape != tuple(expected):
             mismatched.append(f"{src.key}: checkpoint {hit.shape}, model {tuple(expected)}")
             continue
-        if src.slices is not None and (src.slices[0][1] > hit.shape[0] if whole is not None else (
+        # NOTE: a derived tile's slices are in its own units (int4: blocks, groups): its float region
+        region = quant_region(src) if whole is not None and src.slices is not None else None
+        if src.slices is not None and (any(b > s for (_, b), s in zip(region, hit.shape)) if region else (
                 len(src.slices) != len(hit.shape) or any(b > s for (_, b), s in zip(src.slices, hit.shape)))):
             mismatched.append(f"{src.key}: tile {list(src.slices)} outside stored {hit.shape}")
             continue

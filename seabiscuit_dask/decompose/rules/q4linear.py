@@ -109,6 +109,10 @@ def q4_reduction(d: Decomposing, op: Op) -> Split | None:
             new[3] = None
         return new, dict(op.attrs["kwargs"]), op.target, m.out
 
+    w = O.ref_name(m.args[1])
+    weight_cut = w is not None and w[0] == "p" and (w[1], 1) in d.param_edges
+    # NOTE: as the deployment cut the weight, when it did
+    along = (m.args[1], 1, m.group) if weight_cut else (m.args[0], -1, m.group)
     return Split("r", "the reduction", groups,
                  lambda k: (m.x + m.w) * frac(groups, k) + m.y + m.scratch(m.n, m.rows),
-                 0, piece, "sum", -1, along=(m.args[0], -1, m.group))
+                 0, piece, "sum", -1, along=along)
