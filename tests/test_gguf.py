@@ -202,6 +202,7 @@ def test_permuted_rows_are_read_from_gguf_sources_only() -> None:
     from seabiscuit_dask.ir import ParamSource, ParamSpec, check_param
 
     with pytest.raises(InvalidGraph, match="permuted"):
-        check_param(ParamSpec("w", (64, 64), "float32", ParamSource("safetensors", "w", file="m.st", heads=4)))
-    check_param(ParamSpec("w", (64, 64), "float32", ParamSource("gguf", "blk.0.attn_q.weight", file="m.gguf",
-                                                                  heads=4)))
+        check_param(ParamSpec("w", (64, 64), "float32", ParamSource("safetensors", "w", file="m.st",
+                                                                      heads=4)))
+    src = ParamSource("gguf", "blk.0.attn_q.weight", file="m.gguf", heads=4)
+    check_param(ParamSpec("w", (64, 64), "float32", src))
