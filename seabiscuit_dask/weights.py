@@ -53,6 +53,10 @@ def read_raw(spec: ParamSpec) -> torch.Tensor:
     return torch.from_numpy(np.array(part, copy=True, order="C"))
 
 
+INT4_WAITING = 8
+"""int4 tiles' scales and zeros a store keeps, computed with the integers, until their own param is read."""
+
+
 @dataclass(frozen=True)
 class StoredTensor:
     """What a safetensors header says about one tensor."""
@@ -327,6 +331,11 @@ class WeightStore:
             else:
                 value = pack_int4(q)
                 self._scales[key] = sz
+                # NOTE: a block reads a weight's scales right after it; one left unread (its block
+                # loaded elsewhere) is dropped after a few others, so the store holds no stray copies
+                waiting = [k for k in list(self._scales) if len(k) == 3]
+                for old in waiting[:-INT4_WAITING]:
+                    self._scales.pop(old, None)
         if tuple(value.shape) != spec.shape:
             raise BadCheckpoint(f"param {spec.name!r} ({src.quant} of {src.key!r}) has shape "
                                 f"{tuple(value.shape)}, the graph expects {spec.shape}")

@@ -401,3 +401,26 @@ def test_the_int4_bytes_are_the_kernels_own_packing_here() -> None:
     q = torch.randint(0, 16, (192, 96), generator=torch.Generator().manual_seed(3))
     theirs = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 2).reshape(-1)
     assert kernel_reads_packed() == torch.equal(theirs, pack_int4(q).reshape(-1))
+
+
+def test_int4_scales_wait_for_their_param_a_bounded_while() -> None:
+    from seabiscuit_dask.weights import INT4_WAITING
+
+    g = torch.Generator().manual_seed(4)
+    store = WeightStore({"w": torch.randn(64 * 12, 64, generator=g)})
+    q, sz = quantize_groups(store.tensors["w"], 32)
+
+    def spec(block: int, scales: bool) -> ParamSpec:
+        kind = "int4-g32-sz" if scales else "int4-g32"
+        src = ParamSource("model", "w", quant=kind, whole=(64 * 12, 64))
+        if scales:
+            tile = src.sliced(1, 64 * block, 64 * (block + 1), (2, 768, 2))
+            return ParamSpec("s", (2, 64, 2), "bfloat16", tile)
+        return ParamSpec("w", (1, 64, 32), "uint8", src.sliced(0, block, block + 1, (12, 64, 32)))
+
+    assert torch.equal(store.load(spec(0, False)), pack_int4(q[:64]))
+    assert torch.equal(store.load(spec(0, True)), sz[:, :64]) and not store._scales     # NOTE: taken
+    for b in range(12):                       # NOTE: weights whose scales are read elsewhere
+        store.load(spec(b, False))
+    assert len(store._scales) == INT4_WAITING
+    assert torch.equal(store.load(spec(1, True)), sz[:, 64:128])     # NOTE: dropped: read again, same
