@@ -157,10 +157,18 @@ def open_gguf(path: str) -> GGUFFile:
     return f
 
 
-@functools.lru_cache(maxsize=8)
 def config_of(path: str) -> tuple[Any, Any]:
-    """(transformers config, its GGUF tensor processor) of a GGUF file's metadata (read once: its
-    tokenizer's fields take seconds to parse)."""
+    """(transformers config, its GGUF tensor processor) of a GGUF file's metadata, read once for each
+    version of the file (its tokenizer's fields take seconds to parse)."""
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise BadCheckpoint(f"GGUF file {path!r} cannot be read: {e}") from e
+    return _config(path, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _config(path: str, *version: int) -> tuple[Any, Any]:
     import transformers as tf
     from transformers import modeling_gguf_pytorch_utils as gu
 
@@ -192,9 +200,8 @@ def weights_map(path: str, model: torch.nn.Module | None = None) -> dict[str, tu
     out: dict[str, tuple[str, int]] = {}
     for g, hf in to_hf.items():
         heads = 0
-        if not g.endswith(".weight"):       # NOTE: llama.cpp permutes the rows of q and k weights only
-            pass
-        elif permuted and ".attn_q." in g:
+        # NOTE: llama.cpp permutes q and k (weights' rows, biases' elements) per head
+        if permuted and ".attn_q." in g:
             heads = config.num_attention_heads
         elif permuted and ".attn_k." in g:
             heads = config.num_key_value_heads or config.num_attention_heads
@@ -259,7 +266,10 @@ def load(spec: ParamSpec) -> torch.Tensor:
         raise UnsupportedModel(f"{f.path}: {src.key!r} has {len(info.shape)} dims {list(info.shape)}; "
                                "SeaBiscuit reads GGUF tensors of 1 or 2 dims (no stacked experts)")
     if len(info.shape) == 1:
-        return f.rows(src.key, (0, 1), src.heads, src.slices[0] if src.slices is not None else None)[0]
+        span = src.slices[0] if src.slices is not None else (0, info.shape[0])
+        if src.heads:           # NOTE: a q or k bias: its elements stored permuted per head
+            return f.rows(src.key, (0, 1))[0, stored_rows(info.shape[0], src.heads)][span[0]:span[1]]
+        return f.rows(src.key, (0, 1), 0, span)[0]
     rows = src.slices[0] if src.slices is not None else (0, info.shape[0])
     cols = src.slices[1] if src.slices is not None and len(src.slices) > 1 else None
     return f.rows(src.key, rows, src.heads, cols)

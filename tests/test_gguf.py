@@ -206,3 +206,22 @@ def test_permuted_rows_are_read_from_gguf_sources_only() -> None:
                                                                       heads=4)))
     src = ParamSource("gguf", "blk.0.attn_q.weight", file="m.gguf", heads=4)
     check_param(ParamSpec("w", (64, 64), "float32", src))
+
+
+def test_a_permuted_bias_is_read_in_the_models_order(tmp_path: Path) -> None:
+    """llama.cpp stores a q or k bias permuted per head as it does the weight's rows."""
+    from seabiscuit_dask.gguf import load
+    from seabiscuit_dask.ir import ParamSource, ParamSpec
+
+    bias = np.arange(HIDDEN, dtype=np.float32)
+    path = tmp_path / "bias.gguf"
+    w = gguf.GGUFWriter(os.fspath(path), "llama")
+    w.add_tensor("blk.0.attn_q.bias", permute(bias, HEADS))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    src = ParamSource("gguf", "blk.0.attn_q.bias", file=os.fspath(path), heads=HEADS)
+    assert torch.equal(load(ParamSpec("b", (HIDDEN,), "float32", src)), torch.from_numpy(bias))
+    tile = src.sliced(0, 8, 40, (HIDDEN,))
+    assert torch.equal(load(ParamSpec("b", (32,), "float32", tile)), torch.from_numpy(bias[8:40]))
