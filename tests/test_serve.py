@@ -609,3 +609,27 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def test_a_gguf_served_quantized_is_read_in_place() -> None:
+    """``serve --quantize int4`` on a GGUF: the workers read the file (no float model is loaded here),
+    the skeleton sizes the budgets from int4 bytes."""
+    import dask
+
+    pytest.importorskip("gguf")
+    from seabiscuit_dask.errors import SeaBiscuitError
+    from seabiscuit_dask.models import gguf_path
+    from seabiscuit_dask.serve.server import Source, load
+
+    try:
+        file = gguf_path()
+    except SeaBiscuitError as e:
+        pytest.skip(str(e))
+    lines: list[str] = []
+    with dask.config.set({"seabiscuit.quantize": "int4"}):
+        item = load(Source("gguf", None), say=lines.append)
+        assert item.model == file and item.kind == "generate"
+        assert all(p.is_meta for p in item.weights.parameters())
+        assert item.weight_bytes < 100 * 2**20 < sum(p.numel() * 4 for p in item.weights.parameters())
+    assert "in place (int4: its Q4_0 / Q4_1 blocks as they are)" in lines[0]
+    assert item.tokenizer("Paris").input_ids
