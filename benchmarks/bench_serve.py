@@ -202,9 +202,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--kill-after", type=int, default=40, help="chunks received before a worker is killed")
     ap.add_argument("--no-kill", action="store_true")
-    ap.add_argument("--quantize", choices=("int8",), default=None,
-                    help="serve int8 weights (budgets sized from what the workers then hold); answers are "
-                         "then set against fp32 greedy, and counted as differing, not wrong")
+    ap.add_argument("--quantize", choices=("int8", "int4"), default=None,
+                    help="serve int8 or int4 weights (budgets sized from what the workers then hold); "
+                         "answers are then set against fp32 greedy, and counted as differing, not wrong")
     ap.add_argument("--sessions", type=int, default=0,
                     help="sessions the deployment serves at once (more clients wait in its queue); "
                          "0: as many as the most clients")
