@@ -137,8 +137,8 @@ def _serve(args: argparse.Namespace) -> int:
         [Source.parse("onnx", o, args.tokenizer) for o in args.onnx or ()]
     return run(sources or [Source("gguf", None, "smollm2")], workers=args.workers, scheduler=args.scheduler,
                host=args.host, port=args.port, sessions=args.sessions, context=args.context,
-               budget=args.budget,
-               api_key=args.api_key, device=args.device)
+               budget=args.budget, api_key=args.api_key, device=args.device,
+               allowed_origins=args.allowed_origins)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -264,6 +264,9 @@ def _serve_parser(sub: Subcommands) -> None:
                    help="where the models run: auto, cuda or cpu (as for distribute(device=))")
     v.add_argument("--quantize", choices=SCHEMES, default=None,
                    help=QUANTIZE_HELP)
+    v.add_argument("--allowed-origins", default=None, metavar="ORIGIN[,ORIGIN...]",
+                   help="browser apps of these origins ('https://app.example.com', or '*') may call the API "
+                        "(CORS; default: seabiscuit.serve.allowed-origins, none)")
     v.set_defaults(func=_serve)
 
 

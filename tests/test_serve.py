@@ -74,8 +74,29 @@ MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 0}, "n"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": "yes"}, "stream"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "stop": ["a", ""]}, "stop"),
-    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "logprobs": 2}, "logprobs"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, "top_logprobs"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+     "top_logprobs"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "top_k": -2}, "top_k"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "frequency_penalty": 2.5},
+     "frequency_penalty"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "repetition_penalty": 0},
+     "repetition_penalty"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "logit_bias": {"x": 1}}, "logit_bias"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": 101}}, "logit_bias"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "min_tokens": 9, "max_tokens": 8},
+     "min_tokens"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "stop_token_ids": [1, -1]},
+     "stop_token_ids"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "ignore_eos": "yes"}, "ignore_eos"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "x"}]}, "tools"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "use_beam_search": True},
+     "use_beam_search"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "min_p": 0.1}, "min_p"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "best_of": 2}, "best_of"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "skip_special_tokens": False},
+     "skip_special_tokens"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "stream_options": {}}, None),
 ])
 def test_a_bad_chat_body_is_refused_naming_the_parameter(body: dict, param: str | None) -> None:
@@ -96,6 +117,20 @@ def test_bodies_are_read_as_the_api_says() -> None:
     assert chat.stop == ("x",) and chat.stream and chat.include_usage and chat.sampling.greedy
     comp = parse_completion({"model": "m", "prompt": [[1, 2], [3]], "temperature": 1, "seed": 3})
     assert comp.prompts == [[1, 2], [3]] and comp.sampling.greedy is False and comp.sampling.seed == 3
+    # every sampling field is read into the request (each one's effect is tested on a live server)
+    full = parse_chat({"model": "m", "messages": [{"role": "user", "content": "x"}], "top_k": 5,
+                       "min_tokens": 3, "ignore_eos": True, "frequency_penalty": 0.5, "presence_penalty": -1,
+                       "repetition_penalty": 1.3, "logit_bias": {"7": -100, "3": 2.5}, "logprobs": True,
+                       "top_logprobs": 4, "stop_token_ids": [9], "tool_choice": "none", "tools": [],
+                       "response_format": {"type": "text"}, "user": "u1", "colour": "blue"})
+    assert full.sampling.top_k == 5 and full.sampling.min_tokens == 3 and full.ignore_eos
+    assert (full.sampling.frequency_penalty, full.sampling.presence_penalty) == (0.5, -1.0)
+    assert full.sampling.repetition_penalty == 1.3 and full.sampling.logit_bias == ((3, 2.5), (7, -100.0))
+    assert full.sampling.logprobs == 4 and full.stop_token_ids == (9,)
+    assert full.unknown == ("colour",)        # logged and let be, as vLLM does; "user" is known
+    assert parse_chat({"model": "m", "messages": [{"role": "user", "content": "x"}],
+                       "logprobs": True}).sampling.logprobs == 0
+    assert parse_completion({"model": "m", "prompt": "a", "logprobs": 3, "top_k": -1}).sampling.logprobs == 3
     with pytest.raises(BadParam, match="'prompt' must be"):
         parse_completion({"model": "m", "prompt": [1, "a"]})
     assert parse_embedding({"model": "e", "input": "hi"}).inputs == ["hi"]
@@ -127,6 +162,12 @@ def test_stop_strings_cut_the_text_and_hold_back_what_may_begin_one() -> None:
     assert scan.text == "hello STX " and scan.feed("hello STX STOP and more!") == ""
     free = StopScan(())
     assert free.feed("ab") == "ab" and free.feed("abc", final=True) == "c"
+    # min_tokens: a stop string counts only from where the scan was armed
+    late = StopScan(("ST",), armed=False)
+    assert late.feed("a ST") == "a ST" and not late.stopped       # not armed: all of it goes out
+    late.arm()
+    assert late.feed("a ST b S") == " b " and late.feed("a ST b ST c") == "" and late.stopped
+    assert late.text == "a ST b "
 
 
 def _tokenizer(which: str) -> Any:
@@ -316,6 +357,189 @@ def test_seeded_sampling_is_reproducible(live: Live) -> None:
     assert sample(11) == sample(11)
 
 
+def _served_as(live: Live, name: str, eos: tuple[int, ...]) -> contextlib.AbstractContextManager[None]:
+    """The live deployment served also as ``name``, with ``eos`` as its end-of-text tokens."""
+    @contextlib.contextmanager
+    def serving() -> Any:
+        other = ServedModel(name, live.lm.dm, live.tok, "generate", live.lm.context, eos=eos)
+        other.ready.set()
+        live.server.add(other)
+        try:
+            yield
+        finally:
+            del live.server.models[name]
+    return serving()
+
+
+def _hf_with(live: Live, ids: list[int], new: int, **kwargs: Any) -> list[int]:
+    x = torch.tensor([ids])
+    kwargs.setdefault("eos_token_id", None)
+    with torch.no_grad():
+        out = live.ref.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new, do_sample=False,
+                                pad_token_id=0, **kwargs)
+    return out[0, len(ids):].tolist()
+
+
+def _by_rule(live: Live, ids: list[int], new: int, bias: dict[int, float], repetition_penalty: float = 1.0,
+             frequency_penalty: float = 0.0, presence_penalty: float = 0.0) -> list[int]:
+    """Greedy tokens of the reference model, step by step, its logits biased and penalised as
+    the rules say (``sampling.LogitRules``)."""
+    out: list[int] = []
+    with torch.no_grad():
+        for _ in range(new):
+            logits = live.ref(torch.tensor([ids + out])).logits[0, -1].float()
+            for t, b in bias.items():
+                logits[t] += b
+            for t in set(ids + out):
+                v = logits[t]
+                logits[t] = v / repetition_penalty if v > 0 else v * repetition_penalty
+            for t in set(out):
+                logits[t] -= frequency_penalty * out.count(t) + presence_penalty
+            out.append(int(logits.argmax()))
+    return out
+
+
+def test_every_sampling_field_changes_the_answer_as_its_reference_does(live: Live) -> None:
+    """Each sampling field a request may send has its effect, checked token for token against
+    Hugging Face ``generate`` with the same setting, or against the rule computed here step by step
+    (``_by_rule``: the penalties on an answer a bias makes repeat itself)."""
+    api = live.api()
+    ids = live.tok("the river flows")["input_ids"]
+    plain = live.hf(ids, 8)
+
+    def answer(model: str = "tiny", new: int = 8, **extra: Any) -> Any:
+        r = api.completions.create(model=model, prompt=ids, max_tokens=new, temperature=0, extra_body=extra)
+        return r.choices[0]
+
+    def tokens(text: str) -> list[int]:
+        return live.tok(text, add_special_tokens=False)["input_ids"]
+
+    # logit_bias, as Hugging Face's sequence_bias of single tokens
+    want = _hf_with(live, ids, 8, sequence_bias={(plain[0],): -100.0})
+    got = api.completions.create(model="tiny", prompt=ids, max_tokens=8, temperature=0,
+                                 logit_bias={str(plain[0]): -100}).choices[0].text
+    assert want[0] != plain[0] and got == live.tok.decode(want, skip_special_tokens=True)
+    # the penalties, on an answer a bias makes repeat one token: repetition_penalty as Hugging Face's
+    # (over prompt and answer), frequency and presence as OpenAI's (over the answer), computed here
+    bias = {plain[0]: 0.5}
+    stuck = _by_rule(live, ids, 8, bias)
+    assert stuck.count(plain[0]) >= 3
+    for rules in ({"repetition_penalty": 2.0}, {"frequency_penalty": 0.4, "presence_penalty": 0.2},
+                  {"presence_penalty": 1.5}):
+        want = _by_rule(live, ids, 8, bias, **rules)
+        got = answer(logit_bias={str(t): b for t, b in bias.items()}, **rules).text
+        assert want != stuck and got == live.tok.decode(want, skip_special_tokens=True), rules
+    # top_k=1 sampling is greedy, whatever the seed
+    for seed in (1, 2):
+        r = api.completions.create(model="tiny", prompt=ids, max_tokens=8, temperature=1.0, seed=seed,
+                                   extra_body={"top_k": 1})
+        assert r.choices[0].text == live.tok.decode(plain, skip_special_tokens=True)
+    # stop_token_ids end the answer as an end-of-text token does
+    stopped = answer(stop_token_ids=[plain[2]])
+    assert stopped.finish_reason == "stop" and tokens(stopped.text) == tokens(live.tok.decode(plain[:3]))
+    # ignore_eos and min_tokens, on a model whose end-of-text token is its third greedy token
+    with _served_as(live, "tiny-ends", (plain[2],)):
+        assert answer("tiny-ends").finish_reason == "stop"
+        going = answer("tiny-ends", ignore_eos=True)
+        assert going.finish_reason == "length"
+        assert going.text == live.tok.decode(plain, skip_special_tokens=True)
+        want = _hf_with(live, ids, 8, eos_token_id=plain[2], min_new_tokens=5)
+        late = api.completions.create(model="tiny-ends", prompt=ids, max_tokens=8, temperature=0,
+                                      extra_body={"min_tokens": 5})
+        assert want[2] != plain[2]
+        assert late.choices[0].text == live.tok.decode(want, skip_special_tokens=True)
+        assert late.usage.completion_tokens == len(want) >= 5
+    # a field no version of the API has is let be (logged, as vLLM does); one it does not do is refused
+    assert answer(colour="blue").text == live.tok.decode(plain, skip_special_tokens=True)
+    with pytest.raises(openai.BadRequestError, match="'use_beam_search' is not supported"):
+        answer(use_beam_search=True)
+    with pytest.raises(openai.BadRequestError, match="outside model 'tiny'"):
+        answer(stop_token_ids=[10**6])
+
+
+def test_logprobs_are_the_models_own_and_their_top_token_is_the_greedy_one(live: Live) -> None:
+    api = live.api()
+    ids = live.chat_ids(MESSAGES)
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        ref = live.ref.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=6, do_sample=False,
+                                eos_token_id=None, pad_token_id=0, output_logits=True,
+                                return_dict_in_generate=True)
+    greedy = ref.sequences[0, len(ids):].tolist()
+    want = [torch.log_softmax(step[0].float(), -1) for step in ref.logits]
+    got = api.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=6, temperature=0,
+                                      logprobs=True, top_logprobs=3)
+    content = got.choices[0].logprobs.content
+    assert len(content) == 6
+    for t, item, lp in zip(greedy, content, want):
+        assert item.token == live.tok.decode([t]) and item.top_logprobs[0].token == item.token
+        assert abs(item.logprob - float(lp[t])) < 1e-3 and len(item.top_logprobs) == 3
+        top = torch.topk(lp, 3)
+        assert [abs(a.logprob - float(v)) < 1e-3 for a, v in zip(item.top_logprobs, top.values)] == [True] * 3
+        assert bytes(item.bytes) == item.token.encode()
+    # streamed: the same log-probabilities, a chunk's with its text
+    chunks = list(api.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=6, temperature=0,
+                                              logprobs=True, stream=True))
+    streamed = [i for c in chunks if c.choices and c.choices[0].logprobs
+                for i in c.choices[0].logprobs.content]
+    assert [i.token for i in streamed] == [i.token for i in content]
+    assert [round(i.logprob, 4) for i in streamed] == [round(i.logprob, 4) for i in content]
+    # completions: tokens, their log-probabilities, each one's likeliest with its own, and offsets
+    text = api.completions.create(model="tiny", prompt=ids, max_tokens=4, temperature=0, logprobs=2)
+    lp = text.choices[0].logprobs
+    assert lp.tokens == [live.tok.decode([t]) for t in greedy[:4]] and len(lp.top_logprobs) == 4
+    assert all(tok in top and len(top) <= 3 for tok, top in zip(lp.tokens, lp.top_logprobs))
+    assert lp.text_offset[0] == 0 and lp.text_offset[1] == len(lp.tokens[0])
+    # sampled with a seed: reproducible, each token's log-probability its own
+    pair = [api.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=5, temperature=1.0,
+                                        seed=7, logprobs=True).choices[0].logprobs.content for _ in range(2)]
+    assert [(i.token, round(i.logprob, 4)) for i in pair[0]] == \
+        [(i.token, round(i.logprob, 4)) for i in pair[1]]
+
+
+def test_a_model_is_retrieved_by_name_and_cors_is_off_unless_set(live: Live) -> None:
+    api = live.api()
+    card = api.models.retrieve("tiny")
+    assert card.id == "tiny" and card.object == "model"
+    with pytest.raises(openai.NotFoundError, match="'nope' is not served here"):
+        api.models.retrieve("nope")
+    # the engine's messages name the model as its callers do, not by its id
+    with pytest.raises(SeaBiscuitError, match="^model 'tiny'"):
+        live.lm.dm.generate(torch.ones((10_000, 2), dtype=torch.long), 2)
+    origin = "https://app.example.com"
+    preflight = urllib.request.Request(live.url + "/v1/chat/completions", method="OPTIONS", headers={
+        "Origin": origin, "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization,content-type"})
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+    def ask(url: str) -> tuple[int, dict[str, str]]:
+        req = urllib.request.Request(url + "/v1/chat/completions", method="OPTIONS",
+                                     headers=dict(preflight.header_items()))
+        try:
+            with opener.open(req, timeout=30) as r:
+                return r.status, {k.lower(): v for k, v in r.headers.items()}
+        except urllib.error.HTTPError as e:
+            return e.code, {k.lower(): v for k, v in e.headers.items()}
+
+    status, headers = ask(live.url)
+    assert "access-control-allow-origin" not in headers and status == 405
+    with pytest.raises(BadParam, match="is not an origin"):
+        Server([], allowed_origins=["app.example.com/path"])
+    server = Server([live.lm], api_key=KEY, allowed_origins=[origin])
+    with running(make_app(server)) as url:
+        status, headers = ask(url)
+        assert status == 200 and headers["access-control-allow-origin"] == origin
+        assert "authorization" in headers["access-control-allow-headers"].lower()
+        auth = f"Bearer {KEY}"
+        req = urllib.request.Request(url + "/v1/models", headers={"Origin": origin, "Authorization": auth})
+        with opener.open(req, timeout=30) as r:
+            assert r.status == 200 and r.headers["access-control-allow-origin"] == origin
+        req = urllib.request.Request(url + "/v1/models", headers={"Origin": "https://other.example",
+                                                                  "Authorization": auth})
+        with opener.open(req, timeout=30) as r:
+            assert "access-control-allow-origin" not in {k.lower() for k in r.headers}
+
+
 def test_embeddings_equal_the_local_model_mean_pooled(live: Live) -> None:
     import transformers as tf
 
@@ -365,7 +589,7 @@ def test_every_caller_mistake_is_an_openai_error_and_the_server_goes_on(live: Li
     api = live.api()
     with pytest.raises(openai.NotFoundError, match="'nope' is not served here"):
         api.chat.completions.create(model="nope", messages=MESSAGES)
-    with pytest.raises(openai.BadRequestError, match="context of 128 tokens"):
+    with pytest.raises(openai.BadRequestError, match=r"the context of model 'tiny' \(128 tokens\)"):
         api.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=10**9)
     with pytest.raises(openai.BadRequestError, match="shorten it"):
         api.completions.create(model="tiny", prompt="word " * 300, max_tokens=1)

@@ -183,11 +183,20 @@ def _range(name: str, value: float | int | None, lo: float, hi: float, *, lo_ope
 
 @dataclass(frozen=True)
 class Sampling:
-    """How a request picks tokens, as the API says it (``None``: the model's generation config)."""
+    """How a request picks tokens, as the API says it (``None``: the model's generation config).
+    ``top_k`` 0 is off; ``logit_bias`` pairs token ids with values added to their logits;
+    ``logprobs``: None, or how many likeliest tokens come with each picked one's log-probability."""
 
     temperature: float | None = None
     top_p: float | None = None
     seed: int | None = None
+    top_k: int = 0
+    min_tokens: int = 0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None
 
     @property
     def greedy(self) -> bool | None:
@@ -196,7 +205,9 @@ class Sampling:
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    """A chat or text completion request, checked: the model, the prompt(s) and how to answer."""
+    """A chat or text completion request, checked: the model, the prompt(s) and how to answer.
+    ``ignore_eos``: answers go on past the model's end-of-text tokens (to ``max_tokens``);
+    ``stop_token_ids``: tokens that end an answer as those do."""
 
     model: str
     prompts: list[Any]                  # chat: one list of messages; completions: strings or token lists
@@ -208,23 +219,68 @@ class GenerationRequest:
     stream: bool
     include_usage: bool
     echo: bool = False
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    unknown: tuple[str, ...] = ()       # fields it held that this server does not know (logged)
     id: str = field(default_factory=lambda: f"cmpl-{uuid.uuid4().hex[:24]}")
     created: int = field(default_factory=lambda: int(time.time()))
 
 
-UNSUPPORTED = ("logprobs", "top_logprobs", "tools", "functions", "tool_choice", "function_call",
-               "response_format", "logit_bias", "best_of", "suffix", "audio", "modalities", "prediction")
+# NOTE: fields of OpenAI's API and vLLM's extensions this server does not do, and the values
+# meaning "off" that are taken: any other value is refused, naming the field
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none"),
+    "function_call": (None, "none"), "response_format": (None, {"type": "text"}), "best_of": (None, 1),
+    "suffix": (None, ""), "audio": (None,),
+    "modalities": (None, ["text"]), "prediction": (None,), "use_beam_search": (None, False),
+    "length_penalty": (None, 1, 1.0), "min_p": (None, 0, 0.0), "allowed_token_ids": (None,),
+    "bad_words": (None, []), "prompt_logprobs": (None,), "include_stop_str_in_output": (None, False),
+    "skip_special_tokens": (None, True), "truncate_prompt_tokens": (None,), "guided_json": (None,),
+    "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+    "structured_outputs": (None,),
+    "continue_final_message": (None, False), "add_generation_prompt": (None, True), "chat_template": (None,),
+    "documents": (None,), "web_search_options": (None,), "logits_processors": (None,),
+}
+# NOTE: fields that change nothing of an answer (who asks, how it is stored or billed), taken and let be
+IGNORED = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", "stream_options",
+           "reasoning_effort", "safety_identifier", "prompt_cache_key", "request_id", "priority",
+           "chat_template_kwargs", "add_special_tokens", "spaces_between_special_tokens", "verbosity")
+TAKEN_CHAT = ("model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "n",
+              "stop", "stream", "top_k", "min_tokens", "ignore_eos", "frequency_penalty", "presence_penalty",
+              "repetition_penalty", "logit_bias", "logprobs", "top_logprobs", "stop_token_ids")
+TAKEN_COMPLETION = (*[f for f in TAKEN_CHAT if f not in ("messages", "max_completion_tokens",
+                                                         "top_logprobs")], "prompt", "echo")
 MAX_N = 16
 MAX_STOP = 4
+MAX_LOGPROBS = 20
+MAX_BIAS = 300          # NOTE: OpenAI's bound on logit_bias entries
 
 
-def _unsupported(data: Mapping[str, Any]) -> None:
-    for name in UNSUPPORTED:
+def _unsupported(data: Mapping[str, Any], taken: tuple[str, ...]) -> list[str]:
+    """Refuse a field this server does not do, set to anything but "off"; the names of fields it
+    does not know at all (the caller logs them: vLLM ignores such fields with a warning)."""
+    for name, off in UNSUPPORTED.items():
         value = data.get(name)
-        off = value is None or value is False or value == [] or value == {} or (
-            type(value) is int and value == {"top_logprobs": 0, "best_of": 1}.get(name))
-        if not off:
-            raise BadParam(f"'{name}' is not supported by this server; leave it out", name)
+        if name in data and not any(type(value) is type(o) and value == o for o in off):
+            raise BadParam(f"'{name}' is not supported by this server (set to {_short(value)}); leave "
+                           "it out", name)
+    return sorted(k for k in data if k not in taken and k not in UNSUPPORTED and k not in IGNORED)
+
+
+def _logit_bias(data: Mapping[str, Any]) -> tuple[tuple[int, float], ...]:
+    raw = _take(data, "logit_bias", dict, {})
+    if len(raw) > MAX_BIAS:
+        raise BadParam(f"'logit_bias' may hold at most {MAX_BIAS} tokens, got {len(raw)}", "logit_bias")
+    out = []
+    for key, value in raw.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 12):
+            raise BadParam(f"'logit_bias' keys must be token ids written as strings (\"1234\"), got {key!r}",
+                           "logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise BadParam(f"'logit_bias' values must be numbers in [-100, 100], got {_short(value)} for "
+                           f"token {key}", "logit_bias")
+        out.append((int(key), float(value)))
+    return tuple(sorted(out))
 
 
 def _common(data: Mapping[str, Any], chat: bool) -> dict[str, Any]:
@@ -240,6 +296,33 @@ def _common(data: Mapping[str, Any], chat: bool) -> dict[str, Any]:
     seed = _take(data, "seed", int)
     if seed is not None and not -2**63 <= seed < 2**64:
         raise BadParam(f"'seed' must fit 64 bits, got {seed}", "seed")
+    top_k = _take(data, "top_k", int, 0)
+    _range("top_k", top_k, -1, 2**31)
+    min_tokens = _take(data, "min_tokens", int, 0)
+    _range("min_tokens", min_tokens, 0, 2**31)
+    if limit is not None and min_tokens > limit:
+        raise BadParam(f"'min_tokens' ({min_tokens}) must be at most 'max_tokens' ({limit})", "min_tokens")
+    penalties = {}
+    for name in ("frequency_penalty", "presence_penalty"):
+        penalties[name] = _take(data, name, float, 0.0)
+        _range(name, penalties[name], -2, 2)
+    repetition = _take(data, "repetition_penalty", float, 1.0)
+    _range("repetition_penalty", repetition, 0, 2, lo_open=True)
+    if chat:
+        wants = _take(data, "logprobs", bool, False)
+        top = _take(data, "top_logprobs", int)
+        _range("top_logprobs", top, 0, MAX_LOGPROBS)
+        if top is not None and not wants:
+            raise BadParam("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        logprobs = (top or 0) if wants else None
+    else:
+        logprobs = _take(data, "logprobs", int)
+        _range("logprobs", logprobs, 0, MAX_LOGPROBS)
+    stop_ids = _take(data, "stop_token_ids", list, [])
+    if len(stop_ids) > 64 or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                     for t in stop_ids):
+        raise BadParam(f"'stop_token_ids' must be up to 64 token ids, got {_short(stop_ids)}",
+                       "stop_token_ids")
     n = _take(data, "n", int, 1)
     _range("n", n, 1, MAX_N)
     stop = _take(data, "stop", (str, list), ())
@@ -252,9 +335,11 @@ def _common(data: Mapping[str, Any], chat: bool) -> dict[str, Any]:
     include_usage = _take(options or {}, "include_usage", bool, False)
     if options is not None and not stream:
         raise BadParam("'stream_options' is only allowed with 'stream': true", "stream_options")
-    _unsupported(data)
-    return {"model": model, "max_tokens": limit, "sampling": Sampling(temperature, top_p, seed), "stop": stop,
-            "n": n, "stream": stream, "include_usage": include_usage}
+    sampling = Sampling(temperature, top_p, seed, max(top_k, 0), min_tokens, penalties["frequency_penalty"],
+                        penalties["presence_penalty"], repetition, _logit_bias(data), logprobs)
+    return {"model": model, "max_tokens": limit, "sampling": sampling, "stop": stop, "n": n, "stream": stream,
+            "include_usage": include_usage, "ignore_eos": _take(data, "ignore_eos", bool, False),
+            "stop_token_ids": tuple(stop_ids)}
 
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -287,7 +372,9 @@ def parse_chat(data: Mapping[str, Any]) -> GenerationRequest:
             raise BadParam(f"messages[{i}].content must be a string or text parts, got "
                            f"{_json_type(type(content))}", f"messages[{i}].content")
         out.append({"role": "system" if role == "developer" else role, "content": content})
-    return GenerationRequest(prompts=[out], chat=True, **_common(data, chat=True))
+    common = _common(data, chat=True)
+    return GenerationRequest(prompts=[out], chat=True, unknown=tuple(_unsupported(data, TAKEN_CHAT)),
+                             **common)
 
 
 def parse_completion(data: Mapping[str, Any]) -> GenerationRequest:
@@ -306,7 +393,9 @@ def parse_completion(data: Mapping[str, Any]) -> GenerationRequest:
         raise BadParam("'prompt' must be a string, an array of strings, an array of token ids or an array "
                        "of such arrays, none empty", "prompt")
     echo = _take(data, "echo", bool, False)
-    return GenerationRequest(prompts=prompts, chat=False, echo=echo, **_common(data, chat=False))
+    common = _common(data, chat=False)
+    return GenerationRequest(prompts=prompts, chat=False, echo=echo,
+                             unknown=tuple(_unsupported(data, TAKEN_COMPLETION)), **common)
 
 
 @dataclass(frozen=True)
@@ -342,13 +431,21 @@ def parse_embedding(data: Mapping[str, Any]) -> EmbeddingRequest:
 # --- stop strings --------------------------------------------------------------------------------
 class StopScan:
     """The text of one answer as its tokens come, cut at the first stop string. ``feed`` returns
-    what can be sent now: an end of the text that may still grow into a stop string is held back."""
+    what can be sent now: an end of the text that may still grow into a stop string is held back.
+    A scan made not ``armed`` looks for stop strings only from where the text was when ``arm``
+    was called (``min_tokens``: an answer stops at none before its minimum length)."""
 
-    def __init__(self, stop: tuple[str, ...]) -> None:
+    def __init__(self, stop: tuple[str, ...], armed: bool = True) -> None:
         self.stop = stop
         self.text = ""
         self.sent = 0
         self.stopped = False
+        self.start: int | None = 0 if armed else None
+
+    def arm(self) -> None:
+        """Stop strings count from here on."""
+        if self.start is None:
+            self.start = len(self.text)
 
     def _held(self, text: str) -> int:
         """Characters at the end of ``text`` that begin some stop string."""
@@ -360,12 +457,16 @@ class StopScan:
         if self.stopped:
             return ""
         self.text = text
-        cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
+        start = self.start
+        cut = -1 if start is None else \
+            min((i for i in (text.find(s, start) for s in self.stop) if i >= 0), default=-1)
         if cut >= 0:
             self.stopped = True
             self.text = text[:cut]
             end = cut
+        elif final or start is None:
+            end = len(text)
         else:
-            end = len(text) if final else max(self.sent, len(text) - self._held(text))
+            end = max(self.sent, start, len(text) - self._held(text))
         out, self.sent = self.text[self.sent:end], max(self.sent, end)
         return out

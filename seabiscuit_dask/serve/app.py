@@ -15,14 +15,17 @@ import asyncio
 import hmac
 import json
 import logging
+import re
 import threading
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Coroutine, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Coroutine, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -33,6 +36,9 @@ from . import api
 from .metrics import Metrics
 from .models import Delta, Finish, ServedModel, Usage
 from .page import PAGE
+
+if TYPE_CHECKING:
+    from ..runtime.generation import TokenLogprob
 
 logger = logging.getLogger("seabiscuit.serve")
 
@@ -51,7 +57,8 @@ class Server:
 
     def __init__(self, models: list[ServedModel] | None = None, *, api_key: str | None = None,
                  max_body_bytes: int | None = None, max_per_key: int | None = None,
-                 body_timeout_s: float | None = None, metrics_public: bool | None = None) -> None:
+                 body_timeout_s: float | None = None, metrics_public: bool | None = None,
+                 allowed_origins: Sequence[str] | None = None) -> None:
         self.models: dict[str, ServedModel] = {}
         for m in models or ():
             self.add(m)
@@ -65,6 +72,9 @@ class Server:
         self.metrics_public = bool(metrics_public if metrics_public is not None
                                    else config.get("serve.metrics-public"))
         self.retry_after = str(int(config.get("serve.retry-after-s")))
+        origins = allowed_origins if allowed_origins is not None else \
+            (config.get("serve.allowed-origins") or ())
+        self.allowed_origins = check_origins(origins)
         # NOTE: apart from asyncio's default pool, where embeddings run for as long as they take
         self.parsing = ThreadPoolExecutor(int(config.get("serve.parse-threads")),
                                           thread_name_prefix="seabiscuit-serve-parse")
@@ -227,18 +237,36 @@ class _Timing:
         self.last = now
 
 
+def check_origins(origins: Any) -> tuple[str, ...]:
+    """The origins CORS lets call the API: each ``*`` or a scheme and host (and port), no path."""
+    if isinstance(origins, str):
+        origins = [o.strip() for o in origins.split(",") if o.strip()]
+    out = []
+    for o in origins:
+        if not isinstance(o, str) or not (o == "*" or re.fullmatch(r"https?://[^/\s]+", o)):
+            raise api.BadParam(f"allowed origin {o!r} is not an origin: write '*' or a scheme and host as "
+                               "'https://app.example.com' (a port may follow; no path)")
+        out.append(o)
+    return tuple(out)
+
+
 def make_app(server: Server) -> Starlette:
-    """The ASGI app of ``server`` (each route reads it from ``request.app.state.server``)."""
+    """The ASGI app of ``server`` (each route reads it from ``request.app.state.server``); with
+    ``server.allowed_origins``, browser apps of those origins may call it (CORS)."""
     routes = [
         Route("/", _page, methods=["GET"]),
         Route("/health", _health, methods=["GET"]),
         Route("/metrics", _metrics, methods=["GET"]),
         Route("/v1/models", _models, methods=["GET"]),
+        Route("/v1/models/{model:path}", _model, methods=["GET"]),
         Route("/v1/chat/completions", _chat, methods=["POST"]),
         Route("/v1/completions", _completions, methods=["POST"]),
         Route("/v1/embeddings", _embeddings, methods=["POST"]),
     ]
-    app = Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
+    middleware = [Middleware(CORSMiddleware, allow_origins=list(server.allowed_origins),
+                             allow_methods=["GET", "POST", "OPTIONS"], allow_headers=["*"],
+                             expose_headers=["Retry-After"], max_age=600)] if server.allowed_origins else []
+    app = Starlette(routes=routes, middleware=middleware, exception_handlers={HTTPException: _http_error})
     app.state.server = server
     return app
 
@@ -286,6 +314,8 @@ async def _generate(request: Request, body: dict[str, Any], chat: bool) -> Respo
     """A chat or text completion: streamed as it comes, or whole once every choice finished."""
     server = _server(request)
     req = api.parse_chat(body) if chat else api.parse_completion(body)
+    if req.unknown:     # NOTE: as vLLM does: a field no version of the API has is let be, with a warning
+        logger.warning("a request held fields this server does not know, ignored: %s", ", ".join(req.unknown))
     model = server.model(req.model, "generate")
     model.check_rows(req)
     rows = await server.off_loop(model.prompt_ids, req)
@@ -302,19 +332,22 @@ async def _generate(request: Request, body: dict[str, Any], chat: bool) -> Respo
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     texts = [""] * (len(rows) * req.n)
     reasons = ["length"] * len(texts)
+    logprobs: list[list[TokenLogprob]] = [[] for _ in texts]
     try:
-        await _unless_gone(request, _collect(_chain(first, events), texts, reasons, usage, timing))
+        await _unless_gone(request, _collect(_chain(first, events), texts, reasons, usage, timing, logprobs))
     finally:
         server.metrics.completion_tokens.labels(model.name).inc(usage.completion_tokens)
-    return JSONResponse(_complete(model, req, rows, texts, reasons, usage))
+    return JSONResponse(_complete(model, req, rows, texts, reasons, usage, logprobs))
 
 
 async def _collect(events: AsyncIterator[AnswerEvent], texts: list[str], reasons: list[str], usage: Usage,
-                   timing: _Timing) -> None:
-    """Each choice's text and finish reason, and the tokens generated, from an answer's events."""
+                   timing: _Timing, logprobs: list[list[TokenLogprob]]) -> None:
+    """Each choice's text, finish reason and log-probabilities, and the tokens generated, from an
+    answer's events."""
     async for ev in events:
         if isinstance(ev, Delta):
             texts[ev.index] += ev.text
+            logprobs[ev.index].extend(ev.logprobs)
             timing.token()
         elif isinstance(ev, Finish):
             reasons[ev.index] = ev.reason
@@ -337,14 +370,33 @@ async def _embed(request: Request, body: dict[str, Any]) -> Response:
                          "usage": {"prompt_tokens": used, "total_tokens": used}})
 
 
+def _model_card(m: ServedModel) -> dict[str, Any]:
+    return {"id": m.name, "object": "model", "created": m.created, "owned_by": "seabiscuit", "kind": m.kind,
+            "context": m.context, "max_model_len": m.context, "ready": m.ready.is_set()}
+
+
 async def _models(request: Request) -> Response:
     async def handle(body: None) -> Response:
-        return JSONResponse({"object": "list", "data": [
-            {"id": m.name, "object": "model", "created": m.created, "owned_by": "seabiscuit",
-             "kind": m.kind, "context": m.context, "ready": m.ready.is_set()}
-            for m in _server(request).models.values()]})
+        return JSONResponse({"object": "list", "data": [_model_card(m) for m in
+                                                         _server(request).models.values()]})
 
     return await _guarded(request, "/v1/models", handle, reads_body=False)
+
+
+async def _model(request: Request) -> Response:
+    """``GET /v1/models/{id}``: one model's card (the ``openai`` client's ``models.retrieve``)."""
+    async def handle(body: None) -> Response:
+        server, name = _server(request), request.path_params["model"]
+        m = server.models.get(name)
+        if m is None:
+            if name in server.loading:
+                raise api.Starting(f"model {name!r} is still being deployed: GET /health answers 200 once it "
+                                   "is ready")
+            raise api.UnknownModel(f"model {name!r} is not served here; GET /v1/models lists "
+                                   f"{', '.join(sorted(server.models)) or 'none yet'}")
+        return JSONResponse(_model_card(m))
+
+    return await _guarded(request, "/v1/models/{id}", handle, reads_body=False)
 
 
 async def _health(request: Request) -> Response:
@@ -435,18 +487,54 @@ async def _chain(first: AnswerEvent | None, events: AsyncIterator[AnswerEvent]) 
 
 
 def _complete(model: ServedModel, req: api.GenerationRequest, rows: list[list[int]], texts: list[str],
-              reasons: list[str], usage: Usage) -> dict[str, Any]:
+              reasons: list[str], usage: Usage, logprobs: list[list[TokenLogprob]]) -> dict[str, Any]:
+    asked = req.sampling.logprobs is not None
     if req.chat:
-        choices = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None,
+        choices = [{"index": i, "message": {"role": "assistant", "content": t},
+                    "logprobs": _chat_logprobs(model, logprobs[i]) if asked else None,
                     "finish_reason": r} for i, (t, r) in enumerate(zip(texts, reasons))]
         kind = "chat.completion"
     else:
         prefix = [model.tokenizer.decode(r) if req.echo else "" for r in rows]
-        choices = [{"index": i, "text": prefix[i // req.n] + t, "logprobs": None, "finish_reason": r}
-                   for i, (t, r) in enumerate(zip(texts, reasons))]
+        choices = [{"index": i, "text": prefix[i // req.n] + t,
+                    "logprobs": _text_logprobs(model, logprobs[i], len(prefix[i // req.n]))[0]
+                    if asked else None,
+                    "finish_reason": r} for i, (t, r) in enumerate(zip(texts, reasons))]
         kind = "text_completion"
     return {"id": req.id, "object": kind, "created": req.created, "model": model.name, "choices": choices,
             "usage": usage.as_dict(), "system_fingerprint": None}
+
+
+LOGPROB_FLOOR = -9999.0     # NOTE: a log-probability of -inf (a token ruled out), as vLLM writes it in JSON
+
+
+def _lp(value: float) -> float:
+    return value if value > LOGPROB_FLOOR else LOGPROB_FLOOR
+
+
+def _chat_logprobs(model: ServedModel, lps: Sequence[TokenLogprob]) -> dict[str, Any]:
+    """Chat's ``logprobs``: each token's text, bytes and log-probability, and its top alternatives."""
+    def entry(token: int, value: float) -> dict[str, Any]:
+        text, raw = model.token_text(token)
+        return {"token": text, "logprob": _lp(value), "bytes": raw}
+
+    return {"content": [{**entry(lp.token, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+                        for lp in lps], "refusal": None}
+
+
+def _text_logprobs(model: ServedModel, lps: Sequence[TokenLogprob],
+                   offset: int) -> tuple[dict[str, Any], int]:
+    """Completions' ``logprobs`` (tokens, their log-probabilities, each one's likeliest tokens with
+    its own among them, and where its text starts), and the offset after them."""
+    tokens, offsets = [], []
+    for lp in lps:
+        text = model.token_text(lp.token)[0]
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+    tops = [{model.token_text(t)[0]: _lp(v) for t, v in ((lp.token, lp.logprob), *lp.top)} for lp in lps]
+    return {"tokens": tokens, "token_logprobs": [_lp(lp.logprob) for lp in lps], "top_logprobs": tops,
+            "text_offset": offsets}, offset
 
 
 async def _stream(server: Server, model: ServedModel, req: api.GenerationRequest, rows: list[list[int]],
@@ -458,15 +546,23 @@ async def _stream(server: Server, model: ServedModel, req: api.GenerationRequest
     head = {"id": req.id, "object": kind, "created": req.created, "model": model.name,
             "system_fingerprint": None}
     extra = {"usage": None} if req.include_usage else {}
+    offsets = [0] * (len(rows) * req.n)        # NOTE: where each choice's next token's text starts
 
-    def chunk(index: int, text: str | None, reason: str | None, role: bool = False) -> bytes:
+    def chunk(index: int, text: str | None, reason: str | None, role: bool = False,
+              lps: tuple[TokenLogprob, ...] = ()) -> bytes:
+        logprobs: Any = None
+        if req.sampling.logprobs is not None and lps:
+            if req.chat:
+                logprobs = _chat_logprobs(model, lps)
+            else:
+                logprobs, offsets[index] = _text_logprobs(model, lps, offsets[index])
         if req.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else \
                 ({"content": text} if text is not None else {})
-            choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": None,
+            choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": logprobs,
                                       "finish_reason": reason}
         else:
-            choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": reason}
+            choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": reason}
         return _sse({**head, "choices": [choice], **extra})
 
     try:
@@ -475,11 +571,13 @@ async def _stream(server: Server, model: ServedModel, req: api.GenerationRequest
                 yield chunk(i, None, None, role=True)
         if req.echo and not req.chat:
             for i in range(len(rows) * req.n):
-                yield chunk(i, model.tokenizer.decode(rows[i // req.n]), None)
+                prefix = model.tokenizer.decode(rows[i // req.n])
+                offsets[i] = len(prefix)
+                yield chunk(i, prefix, None)
         async for ev in _chain(first, events):
             if isinstance(ev, Delta):
                 timing.token()
-                yield chunk(ev.index, ev.text, None)
+                yield chunk(ev.index, ev.text, None, lps=ev.logprobs)
             elif isinstance(ev, Finish):
                 usage.completion_tokens += ev.tokens
                 yield chunk(ev.index, None if req.chat else "", ev.reason)

@@ -21,6 +21,23 @@ from .api import BadParam, EmbeddingRequest, GenerationRequest, StopScan
 
 if TYPE_CHECKING:
     from ..runtime.client import DistributedModel
+    from ..runtime.generation import TokenLogprob
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """The characters byte-level BPE (GPT-2's) writes each byte as: printable bytes as themselves,
+    the rest from U+0100 on."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)]
+    out, extra = {chr(b): b for b in printable}, 0
+    for b in range(256):
+        if b not in printable:
+            out[chr(256 + extra)] = b
+            extra += 1
+    return out
+
+
+_BYTE_OF = _byte_level_alphabet()
 
 
 class Detokenized:
@@ -57,11 +74,13 @@ class Detokenized:
 
 @dataclass(frozen=True)
 class Delta:
-    """New text of choice ``index``; ``tokens``: how many tokens it has produced so far."""
+    """New text of choice ``index``; ``tokens``: how many tokens it has produced so far;
+    ``logprobs``: those of the tokens this text came of (when the request asked for them)."""
 
     index: int
     text: str
     tokens: int
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -102,6 +121,12 @@ class ServedModel:
     sessions: int | None = None        # sessions it kept KV room for (None: generate.max-sessions)
     created: int = field(default_factory=lambda: int(time.time()))
     ready: threading.Event = field(default_factory=threading.Event)
+    _token_texts: dict[int, tuple[str, list[int]]] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        naming = getattr(self.dm, "name_as", None)
+        if callable(naming) and getattr(self.dm, "label", "") is None:
+            naming(f"model {self.name!r}")        # NOTE: the engine's messages name it as callers do
 
     def unavailable(self) -> str | None:
         """None while the deployment serves; else why it does not (closed, or stranded: the rest of
@@ -157,8 +182,8 @@ class ServedModel:
         if max_tokens is None:
             return min(room, int(config.get("serve.default-max-tokens")))
         if max_tokens > room:
-            raise BadParam(f"max_tokens={max_tokens} and the prompt's {longest} tokens exceed model "
-                           f"{self.name!r}'s context of {self.context} tokens: ask for at most {room}",
+            raise BadParam(f"max_tokens={max_tokens} and the prompt's {longest} tokens exceed the context of "
+                           f"model {self.name!r} ({self.context} tokens): ask for at most {room}",
                            "max_tokens")
         return max_tokens
 
@@ -174,6 +199,7 @@ class ServedModel:
             ids[i, width - len(r):] = torch.tensor(r)
             mask[i, width - len(r):] = 1
         s = request.sampling
+        self.check_tokens(request)
         generator = torch.Generator().manual_seed(s.seed % 2**63) if s.seed is not None else None
         kwargs: dict[str, Any] = {}
         if s.greedy is not None:
@@ -182,27 +208,41 @@ class ServedModel:
             kwargs["temperature"] = s.temperature
         if s.top_p is not None:
             kwargs["top_p"] = s.top_p
-        if s.greedy is False:
-            kwargs["top_k"] = 0            # NOTE: the API has no top-k; Hugging Face's default is 50
+        if s.greedy is False or s.top_k:
+            kwargs["top_k"] = s.top_k      # NOTE: 0 is off; Hugging Face's default is 50
+        # NOTE: the answer ends at the model's end-of-text tokens (unless ``ignore_eos``) and the request's
+        eos = tuple(dict.fromkeys((*(() if request.ignore_eos else self.eos), *request.stop_token_ids)))
         stream = self.dm.stream(ids, max_new, attention_mask=mask, generator=generator,
-                                eos_token_id=list(self.eos) or None, **kwargs)
+                                eos_token_id=list(eos) if eos or request.ignore_eos else None,
+                                pad_token_id=self.eos[0] if self.eos else None, logprobs=s.logprobs,
+                                min_new_tokens=s.min_tokens, repetition_penalty=s.repetition_penalty,
+                                frequency_penalty=s.frequency_penalty, presence_penalty=s.presence_penalty,
+                                logit_bias=dict(s.logit_bias), **kwargs)
         made = [Detokenized(self.tokenizer) for _ in choices]
-        scans = [StopScan(request.stop) for _ in choices]
+        scans = [StopScan(request.stop, armed=s.min_tokens <= 1) for _ in choices]
+        pending: list[list[TokenLogprob]] = [[] for _ in choices]
         done = [False] * len(choices)
-        eos = set(self.eos)
+        ends = set(eos)
         try:
             for step in stream:
+                lps = stream.logprobs if s.logprobs is not None else None
                 for i, t in enumerate(step.tolist()):
                     if done[i]:
                         continue
+                    if len(made[i].tokens) + 1 == s.min_tokens:
+                        scans[i].arm()        # NOTE: stop strings count from the answer's min_tokens-th token
                     whole = made[i].add(t)
-                    end = t in eos
+                    end = t in ends
+                    lp = lps[i] if lps is not None else None
+                    if lp is not None and not end:
+                        pending[i].append(lp)
                     final = end or len(made[i].tokens) >= max_new
                     if not (whole or final):
                         continue              # NOTE: half a character: wait for its other bytes
                     delta = scans[i].feed(made[i].full() if final else made[i].text, final=final)
-                    if delta:
-                        yield Delta(i, delta, len(made[i].tokens))
+                    if delta or (pending[i] and not scans[i].stopped):
+                        yield Delta(i, delta, len(made[i].tokens), tuple(pending[i]))
+                        pending[i] = []
                     if scans[i].stopped or final:
                         done[i] = True
                         yield Finish(i, "length" if not (end or scans[i].stopped) else "stop",
@@ -211,6 +251,30 @@ class ServedModel:
                     break
         finally:
             stream.close()          # NOTE: ends the call at its next step and frees its sessions
+
+    def check_tokens(self, request: GenerationRequest) -> None:
+        """Refuse token ids (``logit_bias``, ``stop_token_ids``) the model's vocabulary lacks."""
+        vocab = len(self.tokenizer)
+        for name, ids in (("logit_bias", [t for t, _ in request.sampling.logit_bias]),
+                          ("stop_token_ids", list(request.stop_token_ids))):
+            bad = sorted(t for t in ids if t >= vocab)
+            if bad:
+                raise BadParam(f"'{name}' names token id(s) {bad[:5]} outside model {self.name!r}'s "
+                               f"vocabulary of {vocab}", name)
+
+    def token_text(self, token: int) -> tuple[str, list[int]]:
+        """A token's text and its bytes, as OpenAI's log-probabilities name a token: a byte-level
+        BPE token's own bytes (a piece of a character too), else its decoded text's."""
+        got = self._token_texts.get(token)
+        if got is None:
+            piece = self.tokenizer.convert_ids_to_tokens(token)
+            raw = bytes(_BYTE_OF[c] for c in piece) if isinstance(piece, str) and piece and \
+                all(c in _BYTE_OF for c in piece) else None
+            text = str(self.tokenizer.decode([token]))
+            if raw is None:
+                raw = text.encode("utf-8")
+            got = self._token_texts[token] = (raw.decode("utf-8", errors="replace"), list(raw))
+        return got
 
     # --- embeddings -----------------------------------------------------------------------------
     def embed(self, request: EmbeddingRequest) -> tuple[list[Any], int]:

@@ -24,7 +24,7 @@ from ..ir import fmt_bytes
 from ..quantize import held_bytes
 from ..runtime.access import readable
 from ..runtime.serving import accepts, connect, local_cluster, page_link, say, worker_budget_bytes
-from .app import Server, make_app
+from .app import Server, check_origins, make_app
 from .connections import uvicorn_config
 from .models import EMBED_BUCKETS, ServedModel
 
@@ -214,7 +214,7 @@ def running(app: Any, host: str = "127.0.0.1", port: int = 0) -> Iterator[str]:
 
 def run(sources: list[Source], *, workers: int, scheduler: str | None, host: str, port: int, sessions: int,
         context: int, budget: str | None, api_key: str | None, device: str | None,
-        stop: threading.Event | None = None) -> int:
+        stop: threading.Event | None = None, allowed_origins: str | None = None) -> int:
     """``seabiscuit serve``: until Ctrl-C (or until ``stop`` is set)."""
     from ..runtime.discover import cluster_workers
 
@@ -226,7 +226,8 @@ def run(sources: list[Source], *, workers: int, scheduler: str | None, host: str
         raise BadInput(f"two models have the same name in {names}: name them with NAME=PATH")
     # NOTE: it listens at once (on a thread of its own): /health and every model route answer 503 with
     # Retry-After while the weights load, the cluster starts and the models deploy
-    server = Server(api_key=api_key)
+    server = Server(api_key=api_key, allowed_origins=check_origins(allowed_origins)
+                    if allowed_origins is not None else None)
     server.loading = list(names)
     served: list[ServedModel] = []
     with running(make_app(server), host, port), contextlib.ExitStack() as stack:

@@ -7,7 +7,6 @@ the model's attention blocks are (``dm.session()``).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator
 from typing import Any, Protocol
 
 import torch
@@ -25,7 +24,7 @@ class GeneratingModel(Protocol):
 
     def _generation_args(self, input_ids: Any, max_new_tokens: Any, do_sample: Any, temperature: Any,
                          top_k: Any, top_p: Any, eos: Any, pad: Any, generator: Any,
-                         attention_mask: Any = None) -> tuple[Engine, GenerateArgs]: ...
+                         attention_mask: Any = None, **rules: Any) -> tuple[Engine, GenerateArgs]: ...
 
 
 class ChatSession:
@@ -44,7 +43,8 @@ class ChatSession:
         return list(self._session.tokens)
 
     def stream(self, input_ids: Any, max_new_tokens: int | None = None, **kwargs: Any) -> Any:
-        """``DistributedModel.stream`` for this conversation's next turn (a (1, n) LongTensor)."""
+        """``DistributedModel.stream`` for this conversation's next turn (a (1, n) LongTensor); its
+        keyword arguments too (logit rules, ``logprobs``)."""
         if self._closed:
             raise SessionClosed(f"session {self._session.sid} of model {self.dm.model_id} is closed; open "
                                 "another (dm.session())")
@@ -56,15 +56,12 @@ class ChatSession:
         names = ("do_sample", "temperature", "top_k", "top_p", "eos_token_id", "pad_token_id", "generator")
         do_sample, temperature, top_k, top_p, eos, pad, generator = [kwargs.pop(n, None) for n in names]
         engine, args = self.dm._generation_args(input_ids, max_new_tokens, do_sample, temperature, top_k,
-                                                top_p, eos, pad, generator, attention_mask=mask)
-        if kwargs:
-            raise BadInput(f"unknown generate arguments {sorted(kwargs)}")
-        return self._holding(stream_tokens(engine, input_ids, args, mask, streamer, session=self._session))
-
-    def _holding(self, tokens: Any) -> Iterator[Any]:
-        """``tokens`` as they come, this session kept alive meanwhile (``dm.session().stream(...)``
-        drops the session at once, and its finalizer would close it under its own turn)."""
-        yield from tokens
+                                                top_p, eos, pad, generator, attention_mask=mask, **kwargs)
+        stream = stream_tokens(engine, input_ids, args, mask, streamer, session=self._session)
+        # NOTE: ``dm.session().stream(...)`` drops the session at once, and its finalizer would close
+        # it under its own turn: the stream keeps it alive while it is read
+        stream.holds = self
+        return stream
 
     def generate(self, input_ids: Any, max_new_tokens: int | None = None, **kwargs: Any) -> Any:
         """This turn's prompt followed by its answer, as ``DistributedModel.generate`` returns it."""

@@ -35,7 +35,8 @@ from ...lower.blocks import BlockSpec
 from ...placement import Plan
 from ..dataplane.loops import Edit
 from ..discover import releasing
-from ..generation import STEP_INPUTS, Engine, GenerateArgs, generate_tokens, stream_tokens
+from ..generation import STEP_INPUTS, Engine, GenerateArgs, TokenStream, generate_tokens, stream_tokens
+from ..generation.hf import RULES
 from ..local import bind_call, check_ids, flatten_inputs, split_inputs
 from . import events
 from .chat import ChatSession
@@ -81,6 +82,7 @@ class DistributedModel:
         self.verify_every = verify_every
         self._store: object | None = None            # keeps a weight store folder alive
         self._engine: Engine | None = None
+        self._label: str | None = None        # how generation's messages name it (``name_as``)
         self._programs = ProgramCache(client, self.graph, model_id, token, verify_every)
         self._plans = PlanFollower(client, plan, model_id, token, version, self._programs.follow,
                                    checkpoint_dir, verify_every)
@@ -191,16 +193,20 @@ class DistributedModel:
     def generate(self, input_ids: Any, max_new_tokens: int | None = None, *, attention_mask: Any = None,
                  do_sample: bool | None = None, temperature: float | None = None, top_k: int | None = None,
                  top_p: float | None = None, eos_token_id: Any = None, pad_token_id: int | None = None,
-                 generator: Any = None, streamer: Any = None) -> Any:
+                 generator: Any = None, streamer: Any = None, **rules: Any) -> Any:
         """Generate as Hugging Face ``model.generate`` does, on the cluster: returns the prompt
         followed by the new tokens ((batch, length + new) LongTensor, ``pad_token_id`` after EOS).
 
         Greedy decoding gives Hugging Face's tokens; sampling (``do_sample=True`` with
         ``temperature``, ``top_k``, ``top_p``) is reproducible from a seeded ``generator``.
-        Defaults come from the model's generation config. Every row is a session whose
-        KV cache lives on the workers that own its attention blocks; rows of different
-        lengths (left padding and an ``attention_mask``) are fine. ``streamer``: a Hugging
-        Face streamer (``TextStreamer``), fed the prompt and then each new token.
+        ``rules`` shape the logits first (``LogitRules``): ``min_new_tokens`` and
+        ``repetition_penalty`` as Hugging Face's, ``frequency_penalty``, ``presence_penalty`` and
+        ``logit_bias`` ({token id: value}) as OpenAI's. Defaults come from the model's generation
+        config. Every row is a session whose KV cache lives on the workers that own its attention
+        blocks; rows of different lengths (left padding and an ``attention_mask``) are fine.
+        ``streamer``: a Hugging Face streamer (``TextStreamer``), fed the prompt and then each new
+        token. A call with logit rules, or sampled, reads its logits back each step: greedy
+        decoding alone is picked on the workers.
 
         Examples
         --------
@@ -210,14 +216,17 @@ class DistributedModel:
         >>> print(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))  # doctest: +SKIP
         """
         engine, args = self._generation_args(input_ids, max_new_tokens, do_sample, temperature, top_k, top_p,
-                                             eos_token_id, pad_token_id, generator, attention_mask)
+                                             eos_token_id, pad_token_id, generator, attention_mask, **rules)
         return generate_tokens(engine, input_ids, args, attention_mask, streamer)
 
     def stream(self, input_ids: Any, max_new_tokens: int | None = None, *, attention_mask: Any = None,
                do_sample: bool | None = None, temperature: float | None = None, top_k: int | None = None,
                top_p: float | None = None, eos_token_id: Any = None, pad_token_id: int | None = None,
-               generator: Any = None, streamer: Any = None) -> Any:
+               generator: Any = None, streamer: Any = None, logprobs: int | None = None,
+               **rules: Any) -> TokenStream:
         """``generate``, yielding the new tokens as they come: a (batch,) LongTensor per step.
+        ``logprobs=k``: after each step, the stream's ``logprobs`` holds each row's token's
+        log-probability and its ``k`` likeliest tokens' (``TokenLogprob``, 0 <= k <= 20).
 
         Examples
         --------
@@ -225,8 +234,21 @@ class DistributedModel:
         ...     print(tok.decode(t[0]), end="", flush=True)
         """
         engine, args = self._generation_args(input_ids, max_new_tokens, do_sample, temperature, top_k, top_p,
-                                             eos_token_id, pad_token_id, generator, attention_mask)
+                                             eos_token_id, pad_token_id, generator, attention_mask,
+                                             logprobs=logprobs, **rules)
         return stream_tokens(engine, input_ids, args, attention_mask, streamer)
+
+    @property
+    def label(self) -> str | None:
+        """How generation's messages name this deployment, when it was named (``name_as``)."""
+        return self._label
+
+    def name_as(self, label: str) -> None:
+        """Name this deployment as ``label`` in generation's messages (``"model 'smollm2'"``) instead
+        of by its id: a server names each model as its callers do."""
+        self._label = label
+        if self._engine is not None:
+            self._engine.rename(label)
 
     def session(self) -> ChatSession:
         """A conversation whose KV cache stays on the workers between calls: each ``generate``
@@ -287,19 +309,24 @@ class DistributedModel:
 
     def _generation_args(self, input_ids: Any, max_new_tokens: Any, do_sample: Any, temperature: Any,
                          top_k: Any, top_p: Any, eos: Any, pad: Any, generator: Any,
-                         attention_mask: Any = None) -> tuple[Engine, GenerateArgs]:
+                         attention_mask: Any = None, **rules: Any) -> tuple[Engine, GenerateArgs]:
+        unknown = sorted(set(rules) - set(RULES) - {"logprobs"})
+        if unknown:
+            raise BadInput(f"unknown generate arguments {unknown}; the logit rules are {', '.join(RULES)}")
         engine = self._generation_engine()
         module = self._programs.source_module()
+        cfg = getattr(module, "config", None)
+        vocab = (self.graph.meta.get("index_ranges") or {}).get("input_ids") or \
+            getattr(getattr(cfg, "get_text_config", lambda: cfg)(), "vocab_size", None)
         if isinstance(input_ids, torch.Tensor):      # NOTE: the engine checks the type and the context
-            cfg = getattr(module, "config", None)
-            vocab = (self.graph.meta.get("index_ranges") or {}).get("input_ids") or \
-                getattr(getattr(cfg, "get_text_config", lambda: cfg)(), "vocab_size", None)
             kept = input_ids if not isinstance(attention_mask, torch.Tensor) or \
                 attention_mask.shape != input_ids.shape else input_ids[attention_mask.bool()]
             check_ids("input_ids", kept, int(vocab) if vocab else 2**62)
         length = int(input_ids.shape[-1]) if hasattr(input_ids, "shape") else 0
         args = GenerateArgs.make(getattr(module, "generation_config", None), length,
-                                 max_new_tokens, do_sample, temperature, top_k, top_p, eos, pad, generator)
+                                 max_new_tokens, do_sample, temperature, top_k, top_p, eos, pad, generator,
+                                 **rules)
+        args.sampling.rules.check_vocab(int(vocab) if vocab else 2**62)
         return engine, args
 
     def _generation_engine(self) -> Engine:
@@ -314,7 +341,7 @@ class DistributedModel:
             first = self.graph.tensors[self.graph.inputs[0]].shape if self.graph.inputs else ()
             self._engine = Engine(self, max_sessions=sessions, context=int(context) if context else None,
                                   max_chunk=int(first[-1]) if len(first) == 2 else None,
-                                  name=f"model {self.model_id}")
+                                  name=self._label or f"model {self.model_id}")
             self._programs.set_dims(*self._engine.spec.dims(self._engine.max_sessions))
         return self._engine
 

@@ -12,7 +12,8 @@ Laid out as an engine in the manner of vLLM v1, each part a module:
 - ``engine``: ``Engine``, the loop that ties them, on a thread of its own;
 - ``runner``: the ``Runner`` protocol the engine calls (``DistributedModel`` on a
   cluster, ``LocalRunner`` in this process); ``inputs``: a step program's inputs;
-  ``sampling``: greedy and sampled picks; ``hf``: Hugging Face's ``generate`` face.
+  ``sampling``: greedy and sampled picks, logit rules and log-probabilities; ``hf``:
+  Hugging Face's ``generate`` face.
 
 The engine is independent of Dask: a runner runs one step program (locally in tests,
 on the cluster for a ``DistributedModel``).
@@ -20,17 +21,17 @@ on the cluster for a ``DistributedModel``).
 
 from .engine import Engine
 from .executor import EngineStats, Executor
-from .hf import GenerateArgs, generate_tokens, prompts_of, stream_tokens
+from .hf import GenerateArgs, TokenStream, generate_tokens, prompts_of, stream_tokens
 from .inputs import STEP_INPUTS, step_inputs
 from .kv import KVLedger
 from .output import Admission, Chunk, DecodeGroup, Prefill, PrefillGroup, SchedulerOutput
 from .runner import LocalRunner, Runner
-from .sampling import Sampling, greedy
+from .sampling import History, LogitRules, Sampling, TokenLogprob, greedy
 from .scheduler import Scheduler, SchedulerSpec, batch_buckets, chunking, decode_rows, prefill_buckets
 from .sessions import Call, Session, SessionTable
 
 __all__ = ["STEP_INPUTS", "Admission", "Call", "Chunk", "DecodeGroup", "Engine", "EngineStats", "Executor",
-           "GenerateArgs", "KVLedger", "LocalRunner", "Prefill", "PrefillGroup", "Runner", "Sampling",
-           "Scheduler", "SchedulerOutput", "SchedulerSpec", "Session", "SessionTable", "batch_buckets",
-           "chunking", "decode_rows", "generate_tokens", "greedy", "prefill_buckets", "prompts_of",
-           "step_inputs", "stream_tokens"]
+           "GenerateArgs", "History", "KVLedger", "LocalRunner", "LogitRules", "Prefill", "PrefillGroup",
+           "Runner", "Sampling", "Scheduler", "SchedulerOutput", "SchedulerSpec", "Session", "SessionTable",
+           "TokenLogprob", "TokenStream", "batch_buckets", "chunking", "decode_rows", "generate_tokens",
+           "greedy", "prefill_buckets", "prompts_of", "step_inputs", "stream_tokens"]

@@ -30,7 +30,7 @@ from .kv import KVLedger
 from .output import Prefill, SchedulerOutput
 from .prefix import PrefixCache
 from .runner import Runner
-from .sampling import Sampling, picked
+from .sampling import History, Sampling, TokenLogprob
 from .scheduler import Scheduler, SchedulerSpec
 from .sessions import Call, Session, SessionTable, after_turn
 
@@ -127,6 +127,10 @@ class Engine:
     @property
     def prefill_sizes(self) -> tuple[int, ...]:
         return self.spec.prefill_sizes
+
+    def rename(self, name: str) -> None:
+        """Name the deployment in messages as its caller knows it (a served model's name)."""
+        self.name = self.sessions.name = self.kv.name = name
 
     @property
     def batch_sizes(self) -> tuple[int, ...]:
@@ -433,7 +437,7 @@ class Engine:
                 continue
             for s, p in zip(call.sessions, a.prefills):
                 s.cached = stop[p.twin if p.twin >= 0 else p.session]
-            self._guard(call, lambda c, res=res: self._emit(c, c.sampling.pick(res).tolist()))
+            self._guard(call, lambda c, res=res: self._pick(c, list(res)))
 
     def _copy_twins(self, call: Call, prefills: Sequence[Prefill], stop: dict[int, int]) -> None:
         """Start each twin of ``prefills`` (a row of ``call`` whose prompt another row of it
@@ -486,7 +490,7 @@ class Engine:
             elif c.cid in failed:
                 self._finish(c, failed[c.cid])
             elif all(s.sid in got for s in c.live):
-                self._guard(c, lambda c: self._emit(c, picked(c.sampling, [got[s.sid] for s in c.live])))
+                self._guard(c, lambda c: self._pick(c, [got[s.sid] for s in c.live]))
 
     def _unpark(self, lane: int, gone: set[int] | None) -> None:
         """End the parked calls of ``lane`` whose sessions left it for good (``gone``, with those known
@@ -511,16 +515,32 @@ class Engine:
             self._finish(call, call.closing or e)
 
     # --- results -------------------------------------------------------------------------------
-    def _emit(self, call: Call, tokens: list[int]) -> None:
-        """Hand the next token of every live row of ``call`` (``tokens``) to its caller."""
+    def _pick(self, call: Call, rows: list[torch.Tensor]) -> None:
+        """Pick the next token of every live row of ``call`` from its step's result (``rows``: a token
+        picked on the workers, or logits) as the call asks, and hand them to its caller."""
+        live = call.live
+        histories = [History(s.tokens, call.base[call.sessions.index(s)]) for s in live] \
+            if call.sampling.rules.active else []
+        tokens, logprobs = call.sampling.choose(rows, histories, call.eos)
+        self._emit(call, tokens, logprobs)
+
+    def _emit(self, call: Call, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> None:
+        """Hand the next token of every live row of ``call`` (``tokens``) to its caller, and their
+        log-probabilities (``call.logprobs``, read with the row) where the call asked for them."""
         live = call.live
         row = torch.full((len(call.sessions),), call.pad, dtype=torch.long)
-        for s, t in zip(live, tokens):
+        step: list[TokenLogprob | None] = [None] * len(call.sessions)
+        for i, (s, t) in enumerate(zip(live, tokens)):
             s.tokens.append(int(t))
-            row[call.sessions.index(s)] = int(t)
+            at = call.sessions.index(s)
+            row[at] = int(t)
+            if logprobs is not None:
+                step[at] = logprobs[i]
             if int(t) in call.eos:
                 s.done = True
         call.produced += 1
+        if call.sampling.logprobs is not None:
+            call.logprobs.append(step)      # NOTE: before its row: the reader takes both together
         self.stats.tokens += len(live)
         if call.produced >= call.max_new:
             for s in call.sessions:

@@ -8,7 +8,7 @@ defaults of the model's generation config, and the engine's tokens what Hugging 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,8 +16,8 @@ import torch
 
 from ...errors import BadInput
 from .engine import Engine
-from .sampling import Sampling
-from .sessions import Session
+from .sampling import LogitRules, Sampling, TokenLogprob
+from .sessions import Call, Session
 
 
 def prompts_of(input_ids: Any, attention_mask: torch.Tensor | None = None) -> list[list[int]]:
@@ -39,6 +39,10 @@ def prompts_of(input_ids: Any, attention_mask: torch.Tensor | None = None) -> li
     return rows
 
 
+# NOTE: generate's keyword arguments that shape the logits (``LogitRules``)
+RULES = ("min_new_tokens", "repetition_penalty", "frequency_penalty", "presence_penalty", "logit_bias")
+
+
 @dataclass(frozen=True)
 class GenerateArgs:
     """A generate call's settings, with Hugging Face's defaults from the model's generation config."""
@@ -53,7 +57,10 @@ class GenerateArgs:
              do_sample: bool | None = None, temperature: float | None = None, top_k: int | None = None,
              top_p: float | None = None,
              eos_token_id: int | Sequence[int] | None = None, pad_token_id: int | None = None,
-             generator: torch.Generator | None = None) -> GenerateArgs:
+             generator: torch.Generator | None = None, *, repetition_penalty: float | None = None,
+             min_new_tokens: int | None = None, frequency_penalty: float | None = None,
+             presence_penalty: float | None = None, logit_bias: Mapping[int, float] | None = None,
+             logprobs: int | None = None) -> GenerateArgs:
         def pick(value: Any, name: str, default: Any) -> Any:
             if value is not None:
                 return value
@@ -68,32 +75,64 @@ class GenerateArgs:
         eos_t = tuple(int(e) for e in ([eos] if isinstance(eos, int) else eos))
         pad = pick(pad_token_id, "pad_token_id", None)
         pad = int(pad) if pad is not None else (eos_t[0] if eos_t else 0)
+        if logit_bias is not None and not isinstance(logit_bias, Mapping):
+            raise BadInput(f"logit_bias must map token ids to values, got {type(logit_bias).__name__}")
+        rules = LogitRules(int(pick(min_new_tokens, "min_new_tokens", 0) or 0),
+                           tuple(sorted((int(t), float(b)) for t, b in (logit_bias or {}).items())),
+                           float(pick(repetition_penalty, "repetition_penalty", 1.0)),
+                           float(frequency_penalty or 0.0), float(presence_penalty or 0.0))
         sampling = Sampling(bool(pick(do_sample, "do_sample", False)),
                             float(pick(temperature, "temperature", 1.0)), int(pick(top_k, "top_k", 50) or 0),
-                            float(pick(top_p, "top_p", 1.0)), generator)
+                            float(pick(top_p, "top_p", 1.0)), generator, rules, logprobs)
         return cls(int(max_new_tokens), sampling, eos_t, pad)
+
+
+class TokenStream:
+    """The tokens of one call, a (batch,) tensor per step, as they come (``DistributedModel.stream``).
+    After each step, ``logprobs`` holds each row's ``TokenLogprob`` (None for a row that ended), where
+    the call asked for them (``logprobs=``); ``close`` ends the call at its next step."""
+
+    def __init__(self, engine: Engine, call: Call, input_ids: torch.Tensor, streamer: Any) -> None:
+        self.logprobs: list[TokenLogprob | None] | None = None
+        self.holds: Any = None         # what must live while it is read (a chat session)
+        self._rows = self._read(engine, call, input_ids, streamer)
+
+    def __iter__(self) -> TokenStream:
+        return self
+
+    def __next__(self) -> torch.Tensor:
+        return next(self._rows)
+
+    def close(self) -> None:
+        self._rows.close()
+
+    def _read(self, engine: Engine, call: Call, input_ids: torch.Tensor,
+              streamer: Any) -> Generator[torch.Tensor, None, None]:
+        if streamer is not None:
+            streamer.put(input_ids.cpu())
+        seen = 0
+        try:
+            for row in engine.results(call):
+                if call.sampling.logprobs is not None:
+                    self.logprobs = call.logprobs.popleft()
+                if streamer is not None:
+                    streamer.put(row)
+                seen += 1
+                yield row
+        finally:
+            engine.stopped(call, seen)     # NOTE: a caller that stops reading frees its sessions
+            if streamer is not None:
+                streamer.end()
 
 
 def stream_tokens(engine: Engine, input_ids: torch.Tensor, args: GenerateArgs,
                   attention_mask: torch.Tensor | None = None, streamer: Any = None,
-                  session: Session | None = None) -> Iterator[torch.Tensor]:
+                  session: Session | None = None) -> TokenStream:
     """The tokens of one call, a (batch,) tensor per step, as they come; ``streamer`` is fed too."""
     prompts = prompts_of(input_ids, attention_mask)
     call = engine.submit(prompts, args.max_new, args.sampling, args.eos, args.pad,
                          sessions=[session] if session is not None else None)
-    if streamer is not None:
-        streamer.put(input_ids.cpu())
-    seen = 0
-    try:
-        for row in engine.results(call):
-            if streamer is not None:
-                streamer.put(row)
-            seen += 1
-            yield row
-    finally:
-        engine.stopped(call, seen)     # NOTE: a caller that stops reading frees its sessions
-        if streamer is not None:
-            streamer.end()
+    return TokenStream(engine, call, input_ids, streamer)
 
 
 def generate_tokens(engine: Engine, input_ids: torch.Tensor, args: GenerateArgs,

@@ -300,9 +300,10 @@ class Scheduler:
 
     # --- lanes -------------------------------------------------------------------------------
     def _lane_fit(self, call: Call) -> bool:
-        """Whether ``call`` decodes in a lane: lanes are on, it is greedy, not a kept session's turn
+        """Whether ``call`` decodes in a lane: lanes are on, its tokens are picked on the workers
+        (``Sampling.on_workers``: greedy, no logit rules, no log-probabilities), not a kept session's turn
         (whose next turn writes where a row still running would), and its rows fit one."""
-        return bool(self.spec.lanes) and not call.sampling.do_sample and not call.keep \
+        return bool(self.spec.lanes) and call.sampling.on_workers and not call.keep \
             and not call.stopping and 0 < len(call.live) <= self.spec.batch_sizes[-1]
 
     def _lane_steps(self, calls: list[Call]) -> tuple[LaneStep, ...]:
@@ -365,9 +366,10 @@ class Scheduler:
 
     def _group(self, part: list[tuple[Call, Session]]) -> DecodeGroup:
         """One decode group: each session's uncached tokens (its last), a bucket of rows; queued
-        when every call of it is greedy, its next step too unless this is a call's last."""
+        when every call of it has its tokens picked on the workers, its next step too unless this
+        is a call's last."""
         calls = [c for c, _ in part]
-        queued = self.spec.lookahead and all(not c.sampling.do_sample and not c.cancelled for c in calls)
+        queued = self.spec.lookahead and all(c.sampling.on_workers and not c.cancelled for c in calls)
         more = queued and all(c.produced + 1 < c.max_new for c in calls)
         steps = min(min(c.max_new - c.produced for c in calls), self.spec.loop_steps) if queued else 1
         rows = tuple(Chunk(s.sid, s.cached, tuple(s.tokens[s.cached:]), 1) for _, s in part)

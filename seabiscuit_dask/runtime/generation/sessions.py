@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from ...errors import BadInput, Busy, ModelClosed, QueueTimeout, SessionClosed
 from ...lower.kvcache import BLOCK_TOKENS
-from .sampling import Sampling
+from .sampling import Sampling, TokenLogprob
 
 if TYPE_CHECKING:
     import torch
@@ -61,7 +61,9 @@ class Call:
     ended: threading.Event = field(default_factory=threading.Event)     # and its caller was told
     room: int = 0               # KV tokens counted for its new sessions (``SessionTable.room``)
     before: list[int] = field(default_factory=list)   # each kept session's tokens before this turn
-    base: list[int] = field(default_factory=list)     # and with its prompt: where the answer starts
+    base: list[int] = field(default_factory=list)     # with its prompt: where each answer starts
+    # NOTE: per step read, each row's ``TokenLogprob`` (None: not live), when the call asks for them
+    logprobs: deque[list[TokenLogprob | None]] = field(default_factory=deque)
     cid: int = field(default_factory=lambda: next(_CALL_IDS))     # what a step's record names it by
 
     @property
@@ -200,7 +202,8 @@ class SessionTable:
     def call(self, prompts: Sequence[Sequence[int]], max_new: int, sampling: Sampling,
              eos: Sequence[int], pad: int) -> Call:
         """A call of new sessions, one a prompt (counted open already: ``reserve``)."""
-        return Call([self.new(p) for p in prompts], max_new, sampling, frozenset(eos), pad)
+        return Call([self.new(p) for p in prompts], max_new, sampling, frozenset(eos), pad,
+                    base=[len(p) for p in prompts])
 
     def turn(self, sessions: Sequence[Session], prompts: Sequence[Sequence[int]], max_new: int,
              sampling: Sampling, eos: Sequence[int], pad: int) -> Call:
