@@ -714,21 +714,41 @@ def test_health_and_models_answer_503_until_ready(live: Live) -> None:
         assert http(url + "/health")[0] == 200
 
 
-def test_metrics_count_requests_tokens_and_latencies(live: Live) -> None:
+def test_metrics_count_requests_tokens_and_latencies_as_vllm_names_them(live: Live) -> None:
+    def figure(text: str, name: str, **labels: str) -> float:
+        want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+        found = re.search(rf"^{re.escape(name)}\{{{re.escape(want)}\}} (\S+)$", text, re.M)
+        assert found, (name, labels)
+        return float(found.group(1))
+
+    before = http(live.url + "/metrics")[2]
+    ended = figure(before, "seabiscuit:request_success_total", model_name="tiny", finished_reason="length") \
+        if 'finished_reason="length"' in before else 0.0
+    made = figure(before, "seabiscuit:generation_tokens_total", model_name="tiny") \
+        if "seabiscuit:generation_tokens_total" in before else 0.0
     list(live.api().chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=3, temperature=0,
                                             stream=True))
+    live.api().chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2, temperature=0)
     status, headers, text = http(live.url + "/metrics")
     assert status == 200 and headers["content-type"].startswith("text/plain")
-    for name in ('seabiscuit_requests_total{route="/v1/chat/completions",status="200"}',
-                 'seabiscuit_completion_tokens_total{model="tiny"}',
-                 "seabiscuit_time_to_first_token_seconds_count",
-                 "seabiscuit_inter_token_latency_seconds_bucket", 'seabiscuit_sessions{model="tiny"}',
-                 "seabiscuit_kv_cache_bytes{worker=", 'seabiscuit_requests_running{model="tiny"} 0.0',
-                 'seabiscuit_requests_waiting{model="tiny"} 0.0'):
-        assert name in text, name
-    steps = float(re.search(r'seabiscuit_steps\{model="tiny"\} (\S+)', text).group(1))
-    tokens = float(re.search(r'seabiscuit_step_tokens\{model="tiny"\} (\S+)', text).group(1))
+    assert figure(text, "seabiscuit:http_requests_total", route="/v1/chat/completions", status="200") >= 2
+    assert figure(text, "seabiscuit:generation_tokens_total", model_name="tiny") - made == 5
+    assert figure(text, "seabiscuit:request_success_total", model_name="tiny", finished_reason="length") \
+        - ended == 2
+    for histogram in ("time_to_first_token_seconds", "inter_token_latency_seconds",
+                      "e2e_request_latency_seconds", "request_queue_time_seconds", "request_prompt_tokens",
+                      "request_generation_tokens"):
+        assert figure(text, f"seabiscuit:{histogram}_count", model_name="tiny") >= 1, histogram
+    assert figure(text, "seabiscuit:num_requests_running", model_name="tiny") == 0
+    assert figure(text, "seabiscuit:num_requests_waiting", model_name="tiny") == 0
+    assert 0 <= figure(text, "seabiscuit:kv_cache_usage_perc", model_name="tiny") <= 1
+    assert figure(text, "seabiscuit:num_sessions", model_name="tiny") >= 0
+    workers = re.findall(r'^seabiscuit:kv_cache_bytes\{worker="([^"]+)"\}', text, re.M)
+    assert len(workers) == 2 and not any("://" in w for w in workers), workers     # short names
+    steps = figure(text, "seabiscuit:steps_total", model_name="tiny")
+    tokens = figure(text, "seabiscuit:step_tokens_total", model_name="tiny")
     assert steps >= 3 and tokens >= steps       # NOTE: a prefill and two decode steps at least, a token each
+    assert figure(text, "seabiscuit:prefix_cache_queries_total", model_name="tiny") >= 2
 
 
 @pytest.mark.skipif(find_chromium() is None, reason="needs Debian's chromium (apt-get install chromium)")

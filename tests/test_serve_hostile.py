@@ -199,7 +199,7 @@ def completion(**kwargs: Any) -> dict[str, Any]:
 def sessions_metric(url: str) -> float:
     status, text = http(url + "/metrics")
     assert status == 200, text
-    found = re.search(r'^seabiscuit_sessions\{model="fake"\} (\S+)$', text, re.M)
+    found = re.search(r'^seabiscuit:num_sessions\{model_name="fake"\} (\S+)$', text, re.M)
     assert found, text
     return float(found.group(1))
 
@@ -317,4 +317,4 @@ def test_metrics_ask_for_the_key_unless_made_public() -> None:
         assert http(url + "/metrics")[0] == 200
     with serving({"seabiscuit.serve.metrics-public": True}) as (url, _, _, _, _):
         status, text = http(url + "/metrics", key=None)
-        assert status == 200 and "seabiscuit_sessions" in text
+        assert status == 200 and "seabiscuit:num_sessions" in text

@@ -220,12 +220,15 @@ async def _events(run: Callable[[threading.Event], Iterator[T]]) -> AsyncGenerat
 
 
 class _Timing:
-    """Time to first token and between tokens of one request, for the metrics."""
+    """One generation request's figures for the metrics: time to its first token and between its
+    tokens, its queueing, each choice's end and its reason, and its whole time."""
 
-    def __init__(self, metrics: Metrics, model: str) -> None:
-        self.metrics, self.model = metrics, model
+    def __init__(self, metrics: Metrics, model: str, prompt_tokens: int) -> None:
+        self.metrics, self.model, self.prompt_tokens = metrics, model, prompt_tokens
         self.t0 = self.last = time.perf_counter()
         self.first = True
+        self.queued = False
+        self.done = False
 
     def token(self) -> None:
         now = time.perf_counter()
@@ -235,6 +238,25 @@ class _Timing:
         else:
             self.metrics.itl.labels(self.model).observe(now - self.last)
         self.last = now
+
+    def finished(self, ev: Finish) -> None:
+        """Choice ``ev.index`` ended."""
+        if ev.admitted is not None and not self.queued:
+            self.metrics.queue.labels(self.model).observe(max(0.0, ev.admitted - self.t0))
+            self.queued = True
+        self.metrics.success.labels(self.model, ev.reason).inc()
+        self.metrics.request_generation.labels(self.model).observe(ev.tokens)
+
+    def ended(self, error: BaseException | None) -> None:
+        """The request ended: answered, or not (``error``: the caller went away, or a failure)."""
+        if self.done:
+            return
+        self.done = True
+        self.metrics.e2e.labels(self.model).observe(time.perf_counter() - self.t0)
+        self.metrics.request_prompt.labels(self.model).observe(self.prompt_tokens)
+        if error is not None:
+            reason = "abort" if isinstance(error, (api.ClientGone, asyncio.CancelledError)) else "error"
+            self.metrics.success.labels(self.model, reason).inc()
 
 
 def check_origins(origins: Any) -> tuple[str, ...]:
@@ -321,7 +343,7 @@ async def _generate(request: Request, body: dict[str, Any], chat: bool) -> Respo
     rows = await server.off_loop(model.prompt_ids, req)
     max_new = model.budget(rows, req.max_tokens)
     usage = Usage(prompt_tokens=sum(len(r) for r in rows))
-    timing = _Timing(server.metrics, model.name)
+    timing = _Timing(server.metrics, model.name, usage.prompt_tokens)
     events = _events(lambda stopped: model.answer(req, rows, max_new, stopped))
     # NOTE: a refusal (no session free, ...) is still an HTTP error
     first = await _unless_gone(request, _first(events))
@@ -333,10 +355,15 @@ async def _generate(request: Request, body: dict[str, Any], chat: bool) -> Respo
     texts = [""] * (len(rows) * req.n)
     reasons = ["length"] * len(texts)
     logprobs: list[list[TokenLogprob]] = [[] for _ in texts]
+    error: BaseException | None = None
     try:
         await _unless_gone(request, _collect(_chain(first, events), texts, reasons, usage, timing, logprobs))
+    except BaseException as e:
+        error = e
+        raise
     finally:
-        server.metrics.completion_tokens.labels(model.name).inc(usage.completion_tokens)
+        server.metrics.generation_tokens.labels(model.name).inc(usage.completion_tokens)
+        timing.ended(error)
     return JSONResponse(_complete(model, req, rows, texts, reasons, usage, logprobs))
 
 
@@ -352,6 +379,7 @@ async def _collect(events: AsyncIterator[AnswerEvent], texts: list[str], reasons
         elif isinstance(ev, Finish):
             reasons[ev.index] = ev.reason
             usage.completion_tokens += ev.tokens
+            timing.finished(ev)
 
 
 async def _embeddings(request: Request) -> Response:
@@ -580,15 +608,20 @@ async def _stream(server: Server, model: ServedModel, req: api.GenerationRequest
                 yield chunk(ev.index, ev.text, None, lps=ev.logprobs)
             elif isinstance(ev, Finish):
                 usage.completion_tokens += ev.tokens
+                timing.finished(ev)
                 yield chunk(ev.index, None if req.chat else "", ev.reason)
         if req.include_usage:
             yield _sse({**head, "choices": [], "usage": usage.as_dict()})
         yield b"data: [DONE]\n\n"
+        timing.ended(None)
     except SeaBiscuitError as e:
+        timing.ended(e)
         yield _sse(api.error_reply(e)[1])
     except Exception as e:
+        timing.ended(e)
         logger.error("a streamed answer failed", exc_info=e)
         yield _sse(api.error_reply(e)[1])
     finally:
-        server.metrics.completion_tokens.labels(model.name).inc(usage.completion_tokens)
+        timing.ended(api.ClientGone("the caller went away mid-stream"))    # NOTE: only if not ended yet
+        server.metrics.generation_tokens.labels(model.name).inc(usage.completion_tokens)
         await events.aclose()

@@ -1,7 +1,11 @@
-"""``GET /metrics``: the server's figures in Prometheus' text format (``prometheus-client``).
+"""``GET /metrics``: the server's figures in Prometheus' text format (``prometheus-client``),
+named as vLLM names its own under a ``seabiscuit:`` prefix (``seabiscuit:num_requests_running``
+where vLLM has ``vllm:num_requests_running``), each per model with a ``model_name`` label, so a
+dashboard made for vLLM reads them with the prefix changed.
 
-Counters and histograms are kept as requests run; sessions and KV-cache bytes are read when
-scraped: sessions from each deployment's generation engine, KV bytes from the workers' plugins.
+Counters and histograms are kept as requests run; requests running and waiting, sessions, KV
+usage and the engines' step counts are read when scraped: from each deployment's generation
+engine, and KV-cache bytes from the workers' plugins, per worker by its short name.
 """
 
 from __future__ import annotations
@@ -11,14 +15,19 @@ from collections.abc import Iterator, Mapping
 from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from .models import ServedModel
 
 logger = logging.getLogger("seabiscuit.serve")
 
+PREFIX = "seabiscuit:"
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0)
+REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                   240.0, 480.0, 960.0)        # NOTE: vLLM's, for whole requests and their queueing
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+MODEL = ["model_name"]
 
 
 class Serving(Protocol):
@@ -29,26 +38,39 @@ class Serving(Protocol):
 
 
 class Metrics:
+    """The counters and histograms requests feed; the rest is read when scraped (``_Live``)."""
+
     def __init__(self, server: Serving) -> None:
-        self.registry = CollectorRegistry()
-        self.requests = Counter("seabiscuit_requests", "HTTP requests answered, by route and status",
-                                ["route", "status"], registry=self.registry)
-        self.prompt_tokens = Counter("seabiscuit_prompt_tokens", "prompt tokens read", ["model"],
-                                     registry=self.registry)
-        self.completion_tokens = Counter("seabiscuit_completion_tokens", "tokens generated", ["model"],
-                                         registry=self.registry)
-        self.ttft = Histogram("seabiscuit_time_to_first_token_seconds", "request to its first token",
-                              ["model"], buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.itl = Histogram("seabiscuit_inter_token_latency_seconds", "between a stream's tokens", ["model"],
-                             buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.registry.register(_Live(server))
+        r = self.registry = CollectorRegistry()
+        p = PREFIX
+        self.requests = Counter(p + "http_requests", "HTTP requests answered, by route and status",
+                                ["route", "status"], registry=r)
+        self.prompt_tokens = Counter(p + "prompt_tokens", "prompt tokens read", MODEL, registry=r)
+        self.generation_tokens = Counter(p + "generation_tokens", "tokens generated", MODEL, registry=r)
+        self.ttft = Histogram(p + "time_to_first_token_seconds", "request to its first token", MODEL,
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram(p + "inter_token_latency_seconds", "between a request's tokens", MODEL,
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram(p + "e2e_request_latency_seconds", "request to its last token", MODEL,
+                             buckets=REQUEST_BUCKETS, registry=r)
+        self.queue = Histogram(p + "request_queue_time_seconds", "request to its start: waiting for room "
+                               "and for the scheduler to admit it", MODEL, buckets=REQUEST_BUCKETS,
+                               registry=r)
+        self.request_prompt = Histogram(p + "request_prompt_tokens", "prompt tokens of a request", MODEL,
+                                        buckets=TOKEN_BUCKETS, registry=r)
+        self.request_generation = Histogram(p + "request_generation_tokens", "tokens a request generated",
+                                            MODEL, buckets=TOKEN_BUCKETS, registry=r)
+        self.success = Counter(p + "request_success", "requests finished, by why they ended (stop, length, "
+                               "abort: the caller went away, error)", [*MODEL, "finished_reason"], registry=r)
+        r.register(_Live(server))
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 
 class _Live:
-    """Figures read when scraped: open sessions per model, KV-cache bytes per worker."""
+    """Figures read when scraped: requests, sessions and KV usage per model, steps and prefix
+    caching per model, KV-cache bytes per worker."""
 
     def __init__(self, server: Serving) -> None:
         self.server = server
@@ -56,47 +78,56 @@ class _Live:
     def describe(self) -> list[Any]:
         return []          # NOTE: read at scrape time only, never while registering
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
-        sessions = GaugeMetricFamily("seabiscuit_sessions", "generation sessions open", labels=["model"])
-        running = GaugeMetricFamily("seabiscuit_requests_running", "generate calls being answered",
-                                    labels=["model"])
-        waiting = GaugeMetricFamily("seabiscuit_requests_waiting", "generate calls waiting to start",
-                                    labels=["model"])
-        steps = GaugeMetricFamily("seabiscuit_steps", "generation steps run (prefill and decode)",
-                                  labels=["model"])
-        hits = GaugeMetricFamily("seabiscuit_prefix_hits", "new sessions that started from a kept cache "
-                                 "(prefix caching) or from another row of their request with the same "
-                                 "prompt", labels=["model"])
-        reused = GaugeMetricFamily("seabiscuit_prefix_tokens", "prompt tokens not prefilled again: read "
-                                   "from a kept cache or another row's", labels=["model"])
-        tokens = GaugeMetricFamily("seabiscuit_step_tokens", "tokens the generation steps computed, padding "
-                                   "included (over seabiscuit_steps: tokens per step)", labels=["model"])
-        kv = GaugeMetricFamily("seabiscuit_kv_cache_bytes", "KV-cache bytes held, per worker",
+    def collect(self) -> Iterator[Metric]:
+        p = PREFIX
+        gauges = {
+            "num_requests_running": "requests being answered (their prompts prefilled or decoding)",
+            "num_requests_waiting": "requests waiting to start (for room, or for the scheduler)",
+            "num_sessions": "generation sessions open",
+            "kv_cache_usage_perc": "KV-cache room in use, 0 to 1: tokens counted for the sessions open over "
+                                   "the deployment's room (sessions over its sessions where it counts those)",
+        }
+        counters = {
+            "steps": "generation steps run (prefill and decode)",
+            "step_tokens": "tokens the generation steps computed, padding included",
+            "prefix_cache_queries": "new sessions that looked for a kept cache",
+            "prefix_cache_hits": "new sessions that started from a kept cache (prefix caching) or from "
+                                 "another row of their request with the same prompt",
+            "prefix_cache_tokens": "prompt tokens not prefilled again: read from a kept cache or another "
+                                   "row's",
+        }
+        g = {k: GaugeMetricFamily(p + k, doc, labels=MODEL) for k, doc in gauges.items()}
+        c = {k: CounterMetricFamily(p + k, doc, labels=MODEL) for k, doc in counters.items()}
+        kv = GaugeMetricFamily(p + "kv_cache_bytes", "KV-cache bytes held, per worker (by its name)",
                                labels=["worker"])
         clients = {}
         for m in self.server.models.values():
             engine = getattr(m.dm, "_engine", None)
             if m.kind == "generate":
-                sessions.add_metric([m.name], float(getattr(engine, "_open", 0)))
+                g["num_sessions"].add_metric([m.name], float(getattr(engine, "_open", 0)))
                 load = getattr(engine, "load", None)
                 if callable(load):
-                    figures = load()
-                    running.add_metric([m.name], float(figures["running"]))
-                    waiting.add_metric([m.name], float(figures["waiting"]))
-                    steps.add_metric([m.name], float(figures["steps"]))
-                    tokens.add_metric([m.name], float(figures["step_tokens"]))
-                    hits.add_metric([m.name], float(figures["prefix_hits"]))
-                    reused.add_metric([m.name], float(figures["prefix_tokens"]))
+                    f = load()
+                    g["num_requests_running"].add_metric([m.name], float(f["running"]))
+                    g["num_requests_waiting"].add_metric([m.name], float(f["waiting"]))
+                    g["kv_cache_usage_perc"].add_metric([m.name], float(f.get("kv_usage", 0.0)))
+                    c["steps"].add_metric([m.name], float(f["steps"]))
+                    c["step_tokens"].add_metric([m.name], float(f["step_tokens"]))
+                    c["prefix_cache_queries"].add_metric([m.name], float(f.get("prefix_queries", 0)))
+                    c["prefix_cache_hits"].add_metric([m.name], float(f["prefix_hits"]))
+                    c["prefix_cache_tokens"].add_metric([m.name], float(f["prefix_tokens"]))
             clients[id(m.dm.client)] = m.dm.client
         for client in clients.values():
             try:
                 held = client.run(_kv_bytes, on_error="ignore")
+                names = {a: str(w.get("name", a)) for a, w in client.scheduler_info(n_workers=-1)
+                         .get("workers", {}).items()}
             except Exception as e:  # noqa: BLE001 - a scrape never fails for a worker that does not answer
                 logger.warning("KV-cache bytes not read from the workers: %s", e)
                 continue
             for worker, b in sorted(held.items()):
-                kv.add_metric([worker], float(b))
-        yield from (sessions, running, waiting, steps, tokens, hits, reused, kv)
+                kv.add_metric([names.get(worker, worker)], float(b))
+        yield from (*g.values(), *c.values(), kv)
 
 
 def _kv_bytes(dask_worker: Any) -> int:

@@ -91,6 +91,7 @@ class Finish:
     index: int
     reason: str
     tokens: int
+    admitted: float | None = None     # when the engine admitted the request (``time.perf_counter``)
 
 
 @dataclass
@@ -246,7 +247,7 @@ class ServedModel:
                     if scans[i].stopped or final:
                         done[i] = True
                         yield Finish(i, "length" if not (end or scans[i].stopped) else "stop",
-                                     len(made[i].tokens))
+                                     len(made[i].tokens), getattr(stream, "admitted", None))
                 if all(done) or (stopped is not None and stopped.is_set()):
                     break
         finally:

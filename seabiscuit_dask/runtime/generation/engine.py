@@ -107,8 +107,8 @@ class Engine:
 
     def load(self) -> dict[str, float]:
         """What the engine holds now and did so far: calls running and waiting to start, steps and
-        the tokens they computed, kept caches and the prompts that reused one (figures of a moment,
-        read without the lock)."""
+        the tokens they computed, kept caches and the prompts that reused one, the share of the KV
+        room in use (figures of a moment, read without the lock)."""
         st, prefixes = self.stats, self.prefixes
         steps = st.prefill_steps + st.decode_steps
         lookups = st.new_sessions
@@ -118,7 +118,8 @@ class Engine:
                 "tokens_per_step": st.step_tokens / steps if steps else 0.0,
                 "prefix_kept": len(prefixes) if prefixes is not None else 0,
                 "prefix_hits": st.prefix_hits, "prefix_tokens": st.prefix_tokens,
-                "prefix_hit_rate": st.prefix_hits / lookups if lookups else 0.0}
+                "prefix_hit_rate": st.prefix_hits / lookups if lookups else 0.0, "prefix_queries": lookups,
+                "kv_usage": self.sessions.usage}
 
     @property
     def context(self) -> int | None:

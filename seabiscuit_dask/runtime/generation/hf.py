@@ -95,7 +95,13 @@ class TokenStream:
     def __init__(self, engine: Engine, call: Call, input_ids: torch.Tensor, streamer: Any) -> None:
         self.logprobs: list[TokenLogprob | None] | None = None
         self.holds: Any = None         # what must live while it is read (a chat session)
+        self._call = call
         self._rows = self._read(engine, call, input_ids, streamer)
+
+    @property
+    def admitted(self) -> float | None:
+        """When the scheduler admitted the call (``time.perf_counter``), once it did."""
+        return self._call.admitted
 
     def __iter__(self) -> TokenStream:
         return self

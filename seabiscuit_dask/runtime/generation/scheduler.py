@@ -40,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -241,6 +242,9 @@ class Scheduler:
 
     def _admit(self, step: int) -> SchedulerOutput:
         new, self.waiting = self.waiting, []
+        now = time.perf_counter()
+        for c in new:
+            c.admitted = now
         ended = [c for c in new if c.stopping]
         todo = [c for c in new if c not in ended]
         together = max(1, min(self.spec.pipeline, len(todo)))

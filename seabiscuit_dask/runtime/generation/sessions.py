@@ -65,6 +65,7 @@ class Call:
     # NOTE: per step read, each row's ``TokenLogprob`` (None: not live), when the call asks for them
     logprobs: deque[list[TokenLogprob | None]] = field(default_factory=deque)
     cid: int = field(default_factory=lambda: next(_CALL_IDS))     # what a step's record names it by
+    admitted: float | None = None   # when the scheduler admitted it (``time.perf_counter``)
 
     @property
     def live(self) -> list[Session]:
@@ -99,6 +100,14 @@ class SessionTable:
         self.tokens = 0                      # KV tokens counted for the sessions open
         self.queue: deque[tuple[object, int]] = deque()     # NOTE: (a waiter's token, its rows), in order
         self._ids = itertools.count()
+
+    @property
+    def usage(self) -> float:
+        """The share of the KV room in use, 0 to 1: tokens counted over the room, or sessions open over
+        ``max_sessions`` where the table counts sessions only."""
+        if self.max_tokens:
+            return min(1.0, self.tokens / self.max_tokens)
+        return min(1.0, self.open / self.max_sessions) if self.max_sessions else 0.0
 
     @property
     def queued(self) -> int:
