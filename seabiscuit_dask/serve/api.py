@@ -204,6 +204,27 @@ class Sampling:
 
 
 @dataclass(frozen=True)
+class Structure:
+    """What an answer must be: any JSON object (``json_object``), JSON valid under ``schema``
+    (``json_schema``), or a call of one of ``tools`` (``tool_call``: its arguments valid under that
+    tool's parameters)."""
+
+    kind: str
+    schema: dict[str, Any] | None = None
+    name: str | None = None
+    tools: tuple[Tool, ...] = ()
+
+
+@dataclass(frozen=True)
+class Tool:
+    """A function the model may call: its name, what it does, the JSON schema of its arguments."""
+
+    name: str
+    description: str
+    parameters: dict[str, Any]
+
+
+@dataclass(frozen=True)
 class GenerationRequest:
     """A chat or text completion request, checked: the model, the prompt(s) and how to answer.
     ``ignore_eos``: answers go on past the model's end-of-text tokens (to ``max_tokens``);
@@ -222,6 +243,9 @@ class GenerationRequest:
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
     unknown: tuple[str, ...] = ()       # fields it held that this server does not know (logged)
+    structure: Structure | None = None  # what the answer must be (``response_format``), or None: any text
+    tools: tuple[Tool, ...] = ()        # functions the model is told of
+    tool_choice: str = "none"           # "none", "auto", "required", or the name of the tool it must call
     id: str = field(default_factory=lambda: f"cmpl-{uuid.uuid4().hex[:24]}")
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -229,8 +253,7 @@ class GenerationRequest:
 # NOTE: fields of OpenAI's API and vLLM's extensions this server does not do, and the values
 # meaning "off" that are taken: any other value is refused, naming the field
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "tools": (None, []), "functions": (None, []), "tool_choice": (None, "none"),
-    "function_call": (None, "none"), "response_format": (None, {"type": "text"}), "best_of": (None, 1),
+    "functions": (None, []), "function_call": (None, "none"), "best_of": (None, 1),
     "suffix": (None, ""), "audio": (None,),
     "modalities": (None, ["text"]), "prediction": (None,), "use_beam_search": (None, False),
     "length_penalty": (None, 1, 1.0), "min_p": (None, 0, 0.0), "allowed_token_ids": (None,),
@@ -247,9 +270,10 @@ IGNORED = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", "
            "chat_template_kwargs", "add_special_tokens", "spaces_between_special_tokens", "verbosity")
 TAKEN_CHAT = ("model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "n",
               "stop", "stream", "top_k", "min_tokens", "ignore_eos", "frequency_penalty", "presence_penalty",
-              "repetition_penalty", "logit_bias", "logprobs", "top_logprobs", "stop_token_ids")
-TAKEN_COMPLETION = (*[f for f in TAKEN_CHAT if f not in ("messages", "max_completion_tokens",
-                                                         "top_logprobs")], "prompt", "echo")
+              "repetition_penalty", "logit_bias", "logprobs", "top_logprobs", "stop_token_ids",
+              "response_format", "tools", "tool_choice")
+TAKEN_COMPLETION = (*[f for f in TAKEN_CHAT if f not in ("messages", "max_completion_tokens", "top_logprobs",
+                                                         "tools", "tool_choice")], "prompt", "echo")
 MAX_N = 16
 MAX_STOP = 4
 MAX_LOGPROBS = 20
@@ -281,6 +305,85 @@ def _logit_bias(data: Mapping[str, Any]) -> tuple[tuple[int, float], ...]:
                            f"token {key}", "logit_bias")
         out.append((int(key), float(value)))
     return tuple(sorted(out))
+
+
+MAX_TOOLS = 128
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+def _schema(schema: Any, where: str) -> dict[str, Any]:
+    """A JSON schema, checked as one (Draft 2020-12's meta-schema)."""
+    import jsonschema
+
+    if not isinstance(schema, dict):
+        raise BadParam(f"{where} must be a JSON schema (an object), got {_json_type(type(schema))}", where)
+    try:
+        jsonschema.Draft202012Validator.check_schema(schema)
+    except jsonschema.SchemaError as e:
+        raise BadParam(f"{where} is not a valid JSON schema: {e.message}", where) from None
+    return schema
+
+
+def _response_format(data: Mapping[str, Any]) -> Structure | None:
+    """``response_format``: None for ``{"type": "text"}`` (or none), else what the answer must be."""
+    fmt = _take(data, "response_format", dict)
+    if fmt is None:
+        return None
+    kind = _take(fmt, "type", str, required=True)
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Structure("json_object")
+    if kind != "json_schema":
+        raise BadParam(f"'response_format.type' must be text, json_object or json_schema, got {kind!r}",
+                       "response_format")
+    spec = _take(fmt, "json_schema", dict, required=True)
+    name = _take(spec, "name", str, "answer")
+    return Structure("json_schema", _schema(spec.get("schema", {}), "response_format.json_schema.schema"),
+                     name)
+
+
+def _tools(data: Mapping[str, Any]) -> tuple[tuple[Tool, ...], str]:
+    """``tools`` and ``tool_choice``: the tools, and "none", "auto", "required" or a tool's name."""
+    raw = _take(data, "tools", list, [])
+    if len(raw) > MAX_TOOLS:
+        raise BadParam(f"'tools' may hold at most {MAX_TOOLS} tools, got {len(raw)}", "tools")
+    tools = []
+    for i, t in enumerate(raw):
+        fn = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else None
+        if not isinstance(fn, dict):
+            raise BadParam(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{...}}}}",
+                           f"tools[{i}]")
+        name = _take(fn, "name", str, required=True)
+        if not _TOOL_NAME.fullmatch(name):
+            raise BadParam(f"tools[{i}].function.name must be 1-64 letters, digits, '_', '.' or '-', got "
+                           f"{_short(name)}", f"tools[{i}].function.name")
+        params = _schema(fn.get("parameters") or {"type": "object", "properties": {}},
+                         f"tools[{i}].function.parameters")
+        tools.append(Tool(name, _take(fn, "description", str, ""), params))
+    names = [t.name for t in tools]
+    if len(set(names)) != len(names):
+        twice = sorted(n for n in set(names) if names.count(n) > 1)
+        raise BadParam(f"'tools' names a function twice: {twice}", "tools")
+    choice = data.get("tool_choice")
+    if choice is None:
+        return tuple(tools), "auto" if tools else "none"
+    if isinstance(choice, str):
+        if choice not in ("none", "auto", "required"):
+            raise BadParam(f"'tool_choice' must be none, auto, required or a function, got {choice!r}",
+                           "tool_choice")
+        if choice != "none" and not tools:
+            raise BadParam(f"'tool_choice' {choice!r} needs 'tools'", "tool_choice")
+        return tuple(tools), choice
+    fn = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if not isinstance(name, str):
+        raise BadParam("'tool_choice' must be none, auto, required or {\"type\": \"function\", \"function\": "
+                       "{\"name\": ...}}", "tool_choice")
+    if name not in names:
+        raise BadParam(f"'tool_choice' names function {name!r}, which 'tools' does not have "
+                       f"({', '.join(names) or 'none'})", "tool_choice")
+    return tuple(tools), name
 
 
 def _common(data: Mapping[str, Any], chat: bool) -> dict[str, Any]:
@@ -339,7 +442,7 @@ def _common(data: Mapping[str, Any], chat: bool) -> dict[str, Any]:
                         penalties["presence_penalty"], repetition, _logit_bias(data), logprobs)
     return {"model": model, "max_tokens": limit, "sampling": sampling, "stop": stop, "n": n, "stream": stream,
             "include_usage": include_usage, "ignore_eos": _take(data, "ignore_eos", bool, False),
-            "stop_token_ids": tuple(stop_ids)}
+            "stop_token_ids": tuple(stop_ids), "structure": _response_format(data)}
 
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -359,6 +462,9 @@ def parse_chat(data: Mapping[str, Any]) -> GenerationRequest:
             raise BadParam(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r}",
                            f"messages[{i}].role")
         content = m.get("content")
+        calls = _tool_calls(m, i) if role == "assistant" else None
+        if calls and content is None:
+            content = ""
         if isinstance(content, list):      # NOTE: the parts form: text parts only
             texts = []
             for part in content:
@@ -371,10 +477,50 @@ def parse_chat(data: Mapping[str, Any]) -> GenerationRequest:
         if not isinstance(content, str):
             raise BadParam(f"messages[{i}].content must be a string or text parts, got "
                            f"{_json_type(type(content))}", f"messages[{i}].content")
-        out.append({"role": "system" if role == "developer" else role, "content": content})
+        message: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": content}
+        if calls:
+            message["tool_calls"] = calls
+        if role == "tool":
+            message["tool_call_id"] = _take(m, "tool_call_id", str, "")
+        out.append(message)
     common = _common(data, chat=True)
+    tools, choice = _tools(data)
+    if choice not in ("none", "auto"):
+        if common["structure"] is not None:
+            raise BadParam(f"'tool_choice' {choice!r} and 'response_format' each say what the answer must "
+                           "be: send one of them", "tool_choice")
+        chosen = tuple(t for t in tools if choice == "required" or t.name == choice)
+        common["structure"] = Structure("tool_call", tools=chosen)
     return GenerationRequest(prompts=[out], chat=True, unknown=tuple(_unsupported(data, TAKEN_CHAT)),
-                             **common)
+                             tools=tools if choice != "none" else (), tool_choice=choice, **common)
+
+
+def _tool_calls(m: Mapping[str, Any], i: int) -> list[dict[str, Any]] | None:
+    """An assistant message's ``tool_calls`` as chat templates read them: each a function's name and
+    its arguments (an object, read from the JSON text OpenAI's API sends)."""
+    raw = m.get("tool_calls")
+    if raw is None or raw == []:
+        return None
+    where = f"messages[{i}].tool_calls"
+    if not isinstance(raw, list):
+        raise BadParam(f"{where} must be an array of calls", where)
+    calls = []
+    for j, call in enumerate(raw):
+        fn = call.get("function") if isinstance(call, dict) else None
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if not isinstance(fn, dict) or not isinstance(name, str):
+            raise BadParam(f"{where}[{j}] must be {{\"type\": \"function\", \"function\": {{\"name\": ..., "
+                           "\"arguments\": ...}}", where)
+        args = fn.get("arguments", "{}")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args or "{}")
+            except ValueError:
+                raise BadParam(f"{where}[{j}].function.arguments is not JSON: {_short(args)}",
+                               where) from None
+        calls.append({"id": str(call.get("id", "")), "type": "function",
+                      "function": {"name": name, "arguments": args}})
+    return calls
 
 
 def parse_completion(data: Mapping[str, Any]) -> GenerationRequest:

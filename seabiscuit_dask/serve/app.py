@@ -34,17 +34,19 @@ from .. import config
 from ..errors import Busy, SeaBiscuitError
 from . import api
 from .metrics import Metrics
-from .models import Delta, Finish, ServedModel, Usage
+from .models import Delta, Finish, ServedModel, ToolCalls, Usage
 from .page import PAGE
 
 if TYPE_CHECKING:
     from ..runtime.generation import TokenLogprob
+    from .tools import ToolCall
 
 logger = logging.getLogger("seabiscuit.serve")
 
 _END = object()
 T = TypeVar("T")
-AnswerEvent = Delta | Finish       # what an answer yields as its tokens come (``ServedModel.answer``)
+# NOTE: what an answer yields as its tokens come (``ServedModel.answer``)
+AnswerEvent = Delta | ToolCalls | Finish
 
 
 class _Failed:
@@ -355,26 +357,32 @@ async def _generate(request: Request, body: dict[str, Any], chat: bool) -> Respo
     texts = [""] * (len(rows) * req.n)
     reasons = ["length"] * len(texts)
     logprobs: list[list[TokenLogprob]] = [[] for _ in texts]
+    calls: dict[int, tuple[ToolCall, ...]] = {}
     error: BaseException | None = None
     try:
-        await _unless_gone(request, _collect(_chain(first, events), texts, reasons, usage, timing, logprobs))
+        await _unless_gone(request, _collect(_chain(first, events), texts, reasons, usage, timing, logprobs,
+                                             calls))
     except BaseException as e:
         error = e
         raise
     finally:
         server.metrics.generation_tokens.labels(model.name).inc(usage.completion_tokens)
         timing.ended(error)
-    return JSONResponse(_complete(model, req, rows, texts, reasons, usage, logprobs))
+    return JSONResponse(_complete(model, req, rows, texts, reasons, usage, logprobs, calls))
 
 
 async def _collect(events: AsyncIterator[AnswerEvent], texts: list[str], reasons: list[str], usage: Usage,
-                   timing: _Timing, logprobs: list[list[TokenLogprob]]) -> None:
-    """Each choice's text, finish reason and log-probabilities, and the tokens generated, from an
-    answer's events."""
+                   timing: _Timing, logprobs: list[list[TokenLogprob]],
+                   calls: dict[int, tuple[ToolCall, ...]]) -> None:
+    """Each choice's text (or tool calls), finish reason and log-probabilities, and the tokens
+    generated, from an answer's events."""
     async for ev in events:
         if isinstance(ev, Delta):
             texts[ev.index] += ev.text
             logprobs[ev.index].extend(ev.logprobs)
+            timing.token()
+        elif isinstance(ev, ToolCalls):
+            calls[ev.index] = ev.calls
             timing.token()
         elif isinstance(ev, Finish):
             reasons[ev.index] = ev.reason
@@ -515,10 +523,16 @@ async def _chain(first: AnswerEvent | None, events: AsyncIterator[AnswerEvent]) 
 
 
 def _complete(model: ServedModel, req: api.GenerationRequest, rows: list[list[int]], texts: list[str],
-              reasons: list[str], usage: Usage, logprobs: list[list[TokenLogprob]]) -> dict[str, Any]:
+              reasons: list[str], usage: Usage, logprobs: list[list[TokenLogprob]],
+              calls: dict[int, tuple[ToolCall, ...]]) -> dict[str, Any]:
     asked = req.sampling.logprobs is not None
     if req.chat:
-        choices = [{"index": i, "message": {"role": "assistant", "content": t},
+        def message(i: int, text: str) -> dict[str, Any]:
+            if i in calls:
+                return {"role": "assistant", "content": None, "tool_calls": [c.as_dict() for c in calls[i]]}
+            return {"role": "assistant", "content": text}
+
+        choices = [{"index": i, "message": message(i, t),
                     "logprobs": _chat_logprobs(model, logprobs[i]) if asked else None,
                     "finish_reason": r} for i, (t, r) in enumerate(zip(texts, reasons))]
         kind = "chat.completion"
@@ -577,7 +591,7 @@ async def _stream(server: Server, model: ServedModel, req: api.GenerationRequest
     offsets = [0] * (len(rows) * req.n)        # NOTE: where each choice's next token's text starts
 
     def chunk(index: int, text: str | None, reason: str | None, role: bool = False,
-              lps: tuple[TokenLogprob, ...] = ()) -> bytes:
+              lps: tuple[TokenLogprob, ...] = (), calls: tuple[ToolCall, ...] = ()) -> bytes:
         logprobs: Any = None
         if req.sampling.logprobs is not None and lps:
             if req.chat:
@@ -587,6 +601,8 @@ async def _stream(server: Server, model: ServedModel, req: api.GenerationRequest
         if req.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else \
                 ({"content": text} if text is not None else {})
+            if calls:       # NOTE: each call whole in one chunk: clients join the pieces of a call by index
+                delta = {"tool_calls": [{"index": k, **c.as_dict()} for k, c in enumerate(calls)]}
             choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": logprobs,
                                       "finish_reason": reason}
         else:
@@ -606,6 +622,9 @@ async def _stream(server: Server, model: ServedModel, req: api.GenerationRequest
             if isinstance(ev, Delta):
                 timing.token()
                 yield chunk(ev.index, ev.text, None, lps=ev.logprobs)
+            elif isinstance(ev, ToolCalls):
+                timing.token()
+                yield chunk(ev.index, None, None, calls=ev.calls)
             elif isinstance(ev, Finish):
                 usage.completion_tokens += ev.tokens
                 timing.finished(ev)

@@ -8,6 +8,7 @@ encoder's last hidden states. Both block: the HTTP side runs them on threads of 
 from __future__ import annotations
 
 import base64
+import json
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -17,7 +18,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..errors import BadInput
+from ..runtime.generation.grammar import Grammar, GrammarError, json_grammar, lark_grammar
 from .api import BadParam, EmbeddingRequest, GenerationRequest, StopScan
+from .tools import (
+    ToolCall,
+    as_openai,
+    call_grammar,
+    could_be_call,
+    messages_with_tools,
+    read_calls,
+    template_takes_tools,
+)
 
 if TYPE_CHECKING:
     from ..runtime.client import DistributedModel
@@ -94,6 +105,14 @@ class Finish:
     admitted: float | None = None     # when the engine admitted the request (``time.perf_counter``)
 
 
+@dataclass(frozen=True)
+class ToolCalls:
+    """Choice ``index``'s answer is these calls of the request's tools (its ``Finish`` follows)."""
+
+    index: int
+    calls: tuple[ToolCall, ...]
+
+
 @dataclass
 class Usage:
     prompt_tokens: int = 0
@@ -105,6 +124,7 @@ class Usage:
 
 
 EMBED_BUCKETS = (16, 32, 64, 128, 256, 512)
+GRAMMARS_KEPT = 64      # NOTE: compiled grammars a model keeps for requests that send the same schema
 
 
 @dataclass(eq=False)
@@ -123,6 +143,8 @@ class ServedModel:
     created: int = field(default_factory=lambda: int(time.time()))
     ready: threading.Event = field(default_factory=threading.Event)
     _token_texts: dict[int, tuple[str, list[int]]] = field(default_factory=dict, repr=False)
+    _grammars: dict[str, Grammar] = field(default_factory=dict, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self) -> None:
         naming = getattr(self.dm, "name_as", None)
@@ -155,7 +177,17 @@ class ServedModel:
         if request.chat:
             if not getattr(tok, "chat_template", None):
                 raise BadParam(f"model {self.name!r} has no chat template: use /v1/completions", "messages")
-            out = tok.apply_chat_template(request.prompts[0], add_generation_prompt=True, tokenize=True)
+            messages, extra = request.prompts[0], {}
+            if request.tools:
+                if template_takes_tools(tok):
+                    extra = {"tools": as_openai(request.tools)}
+                else:
+                    messages = messages_with_tools(messages, request.tools)
+            try:
+                out = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **extra)
+            except Exception as e:  # noqa: BLE001 - a template's own refusal (its roles, their order)
+                raise BadParam(f"the chat template of model {self.name!r} refused these messages: "
+                               f"{type(e).__name__}: {e}", "messages") from None
             ids = out["input_ids"] if hasattr(out, "keys") else out
             rows = [list(map(int, ids))]
         else:
@@ -189,7 +221,7 @@ class ServedModel:
         return max_tokens
 
     def answer(self, request: GenerationRequest, rows: list[list[int]], max_new: int,
-               stopped: threading.Event | None = None) -> Iterator[Delta | Finish]:
+               stopped: threading.Event | None = None) -> Iterator[Delta | ToolCalls | Finish]:
         """Generate for every prompt ``n`` times; events as tokens come. Setting ``stopped``
         (the caller went away) ends the call at its next token and frees its sessions."""
         choices = [r for r in rows for _ in range(request.n)]
@@ -201,6 +233,7 @@ class ServedModel:
             mask[i, width - len(r):] = 1
         s = request.sampling
         self.check_tokens(request)
+        grammar = self.grammar(request)
         generator = torch.Generator().manual_seed(s.seed % 2**63) if s.seed is not None else None
         kwargs: dict[str, Any] = {}
         if s.greedy is not None:
@@ -218,12 +251,14 @@ class ServedModel:
                                 pad_token_id=self.eos[0] if self.eos else None, logprobs=s.logprobs,
                                 min_new_tokens=s.min_tokens, repetition_penalty=s.repetition_penalty,
                                 frequency_penalty=s.frequency_penalty, presence_penalty=s.presence_penalty,
-                                logit_bias=dict(s.logit_bias), **kwargs)
+                                logit_bias=dict(s.logit_bias), grammar=grammar, **kwargs)
         made = [Detokenized(self.tokenizer) for _ in choices]
         scans = [StopScan(request.stop, armed=s.min_tokens <= 1) for _ in choices]
         pending: list[list[TokenLogprob]] = [[] for _ in choices]
         done = [False] * len(choices)
         ends = set(eos)
+        calls = request.tools and request.tool_choice != "none"
+        held = [calls] * len(choices)     # NOTE: an answer that may be a tool call is sent once it is known
         try:
             for step in stream:
                 lps = stream.logprobs if s.logprobs is not None else None
@@ -241,10 +276,23 @@ class ServedModel:
                     if not (whole or final):
                         continue              # NOTE: half a character: wait for its other bytes
                     delta = scans[i].feed(made[i].full() if final else made[i].text, final=final)
+                    ended = scans[i].stopped or final
+                    if held[i]:
+                        if not ended and could_be_call(scans[i].text[:scans[i].sent]):
+                            continue              # NOTE: its text and log-probabilities wait in the scan
+                        held[i] = False
+                        made_calls = read_calls(scans[i].text, request.tools) if ended else None
+                        if made_calls:
+                            done[i] = True
+                            yield ToolCalls(i, tuple(made_calls))
+                            yield Finish(i, "tool_calls", len(made[i].tokens),
+                                         getattr(stream, "admitted", None))
+                            continue
+                        delta = scans[i].text[:scans[i].sent]     # NOTE: all of it so far, as text
                     if delta or (pending[i] and not scans[i].stopped):
                         yield Delta(i, delta, len(made[i].tokens), tuple(pending[i]))
                         pending[i] = []
-                    if scans[i].stopped or final:
+                    if ended:
                         done[i] = True
                         yield Finish(i, "length" if not (end or scans[i].stopped) else "stop",
                                      len(made[i].tokens), getattr(stream, "admitted", None))
@@ -252,6 +300,34 @@ class ServedModel:
                     break
         finally:
             stream.close()          # NOTE: ends the call at its next step and frees its sessions
+
+    def grammar(self, request: GenerationRequest) -> Grammar | None:
+        """What every answer of ``request`` must be, compiled for this model's tokenizer (None: any
+        text); cached by what it says."""
+        st = request.structure
+        if st is None:
+            return None
+        if request.ignore_eos:
+            raise BadParam("'ignore_eos' and a structured answer cannot go together: the answer ends where "
+                           "its structure is complete", "ignore_eos")
+        key = json.dumps([st.kind, st.schema, [(t.name, t.parameters) for t in st.tools]], sort_keys=True)
+        with self._lock:
+            got = self._grammars.get(key)
+        if got is None:
+            try:
+                if st.kind == "tool_call":
+                    names = ", ".join(t.name for t in st.tools)
+                    got = lark_grammar(self.tokenizer, self.eos, call_grammar(st.tools), f"a call of {names}")
+                else:
+                    got = json_grammar(self.tokenizer, self.eos, st.schema)
+            except GrammarError as e:
+                raise BadParam(f"model {self.name!r}: {e}",
+                               "tools" if st.kind == "tool_call" else "response_format") from None
+            with self._lock:
+                self._grammars[key] = got
+                while len(self._grammars) > GRAMMARS_KEPT:
+                    self._grammars.pop(next(iter(self._grammars)))
+        return got
 
     def check_tokens(self, request: GenerationRequest) -> None:
         """Refuse token ids (``logit_bias``, ``stop_token_ids``) the model's vocabulary lacks."""

@@ -201,12 +201,14 @@ class DistributedModel:
         ``temperature``, ``top_k``, ``top_p``) is reproducible from a seeded ``generator``.
         ``rules`` shape the logits first (``LogitRules``): ``min_new_tokens`` and
         ``repetition_penalty`` as Hugging Face's, ``frequency_penalty``, ``presence_penalty`` and
-        ``logit_bias`` ({token id: value}) as OpenAI's. Defaults come from the model's generation
-        config. Every row is a session whose KV cache lives on the workers that own its attention
-        blocks; rows of different lengths (left padding and an ``attention_mask``) are fine.
+        ``logit_bias`` ({token id: value}) as OpenAI's; ``grammar`` (``json_grammar``,
+        ``lark_grammar``) keeps every answer a sentence of it. Defaults come from the model's
+        generation config. Every row is a session whose KV cache lives on the workers that own its
+        attention blocks; rows of different lengths (left padding and an ``attention_mask``) are
+        fine.
         ``streamer``: a Hugging Face streamer (``TextStreamer``), fed the prompt and then each new
-        token. A call with logit rules, or sampled, reads its logits back each step: greedy
-        decoding alone is picked on the workers.
+        token. A call with logit rules or a grammar, or sampled, reads its logits back each step:
+        greedy decoding alone is picked on the workers.
 
         Examples
         --------

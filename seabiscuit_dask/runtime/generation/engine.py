@@ -522,7 +522,11 @@ class Engine:
         live = call.live
         histories = [History(s.tokens, call.base[call.sessions.index(s)]) for s in live] \
             if call.sampling.rules.active else []
-        tokens, logprobs = call.sampling.choose(rows, histories, call.eos)
+        grammar = call.sampling.grammar
+        if grammar is not None and call.matchers is None:
+            call.matchers = [grammar.matcher() for _ in call.sessions]
+        matchers = [call.matchers[call.sessions.index(s)] for s in live] if call.matchers else []
+        tokens, logprobs = call.sampling.choose(rows, histories, call.eos, matchers)
         self._emit(call, tokens, logprobs)
 
     def _emit(self, call: Call, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> None:

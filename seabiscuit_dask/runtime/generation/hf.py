@@ -16,6 +16,7 @@ import torch
 
 from ...errors import BadInput
 from .engine import Engine
+from .grammar import Grammar
 from .sampling import LogitRules, Sampling, TokenLogprob
 from .sessions import Call, Session
 
@@ -39,8 +40,9 @@ def prompts_of(input_ids: Any, attention_mask: torch.Tensor | None = None) -> li
     return rows
 
 
-# NOTE: generate's keyword arguments that shape the logits (``LogitRules``)
-RULES = ("min_new_tokens", "repetition_penalty", "frequency_penalty", "presence_penalty", "logit_bias")
+# NOTE: generate's keyword arguments that shape the logits (``LogitRules``, and a ``Grammar``)
+RULES = ("min_new_tokens", "repetition_penalty", "frequency_penalty", "presence_penalty", "logit_bias",
+         "grammar")
 
 
 @dataclass(frozen=True)
@@ -60,7 +62,7 @@ class GenerateArgs:
              generator: torch.Generator | None = None, *, repetition_penalty: float | None = None,
              min_new_tokens: int | None = None, frequency_penalty: float | None = None,
              presence_penalty: float | None = None, logit_bias: Mapping[int, float] | None = None,
-             logprobs: int | None = None) -> GenerateArgs:
+             logprobs: int | None = None, grammar: Grammar | None = None) -> GenerateArgs:
         def pick(value: Any, name: str, default: Any) -> Any:
             if value is not None:
                 return value
@@ -83,7 +85,10 @@ class GenerateArgs:
                            float(frequency_penalty or 0.0), float(presence_penalty or 0.0))
         sampling = Sampling(bool(pick(do_sample, "do_sample", False)),
                             float(pick(temperature, "temperature", 1.0)), int(pick(top_k, "top_k", 50) or 0),
-                            float(pick(top_p, "top_p", 1.0)), generator, rules, logprobs)
+                            float(pick(top_p, "top_p", 1.0)), generator, rules, logprobs, grammar)
+        if grammar is not None and not eos_t:
+            raise BadInput("a grammar ends an answer with an end-of-text token where it is complete: give "
+                           "eos_token_id")
         return cls(int(max_new_tokens), sampling, eos_t, pad)
 
 

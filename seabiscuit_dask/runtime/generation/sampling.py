@@ -11,10 +11,14 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from ...errors import BadInput
+
+if TYPE_CHECKING:
+    from .grammar import Grammar, Matcher
 
 MAX_LOGPROBS = 20      # NOTE: OpenAI's bound on top_logprobs
 
@@ -116,8 +120,9 @@ class TokenLogprob:
 @dataclass(frozen=True)
 class Sampling:
     """How a call picks its next tokens: greedy, or sampled after temperature, top-k and top-p;
-    its logits shaped by ``rules`` first; ``logprobs``: None, or the count of likeliest tokens
-    whose log-probabilities come with each picked one's (0: the picked token's alone)."""
+    its logits shaped by ``rules`` first, then restricted to what ``grammar`` allows (each row
+    following it with a ``Matcher`` of its own); ``logprobs``: None, or the count of likeliest
+    tokens whose log-probabilities come with each picked one's (0: the picked token's alone)."""
 
     do_sample: bool = False
     temperature: float = 1.0
@@ -126,6 +131,7 @@ class Sampling:
     generator: torch.Generator | None = None
     rules: LogitRules = field(default_factory=LogitRules)
     logprobs: int | None = None
+    grammar: Grammar | None = None
 
     def __post_init__(self) -> None:
         if self.do_sample and not 0 < self.temperature < float("inf"):
@@ -142,18 +148,34 @@ class Sampling:
     def on_workers(self) -> bool:
         """Whether its tokens can be picked where the logits are made: greedy, from the logits alone,
         no log-probabilities asked for."""
-        return not self.do_sample and not self.rules.active and self.logprobs is None
+        return not self.do_sample and not self.rules.active and self.logprobs is None and self.grammar is None
 
-    def pick(self, logits: torch.Tensor, rows: Sequence[History] = (),
-             eos: frozenset[int] = frozenset()) -> torch.Tensor:
+    def pick(self, logits: torch.Tensor, rows: Sequence[History] = (), eos: frozenset[int] = frozenset(),
+             matchers: Sequence[Matcher] = ()) -> torch.Tensor:
         """(rows, vocab) float logits -> (rows,) token ids; ``rows``: each row's history, which the
-        rules read (needed when ``rules`` are active)."""
+        rules read (needed when ``rules`` are active); ``matchers``: each row's place in the
+        grammar (needed with one), which follow the tokens picked."""
         scores = logits.float()
         if self.rules.active:
             if len(rows) != scores.shape[0]:
                 raise BadInput(f"logit rules need each row's history: {scores.shape[0]} rows, {len(rows)} "
                                "histories")
             scores = self.rules.apply(scores, rows, eos)
+        if self.grammar is not None:
+            if len(matchers) != scores.shape[0]:
+                raise BadInput(f"a grammar needs each row's matcher: {scores.shape[0]} rows, {len(matchers)}")
+            scores = scores.clone() if scores is logits else scores
+            for i, m in enumerate(matchers):
+                m.restrict(scores[i])
+                if not torch.isfinite(scores[i]).any():     # NOTE: a rule ruled out all the grammar allows
+                    scores[i] = logits[i].float()
+                    m.restrict(scores[i])
+        picked = self._pick(scores)
+        for m, t in zip(matchers, picked.tolist()):
+            m.accept(t)
+        return picked
+
+    def _pick(self, scores: torch.Tensor) -> torch.Tensor:
         if not self.do_sample:
             return greedy(scores)
         scores = scores / self.temperature
@@ -170,7 +192,8 @@ class Sampling:
         return torch.multinomial(probs, 1, generator=self.generator).squeeze(1)
 
     def choose(self, rows: Sequence[torch.Tensor], histories: Sequence[History] = (),
-               eos: frozenset[int] = frozenset()) -> tuple[list[int], list[TokenLogprob] | None]:
+               eos: frozenset[int] = frozenset(),
+               matchers: Sequence[Matcher] = ()) -> tuple[list[int], list[TokenLogprob] | None]:
         """The next token of each row from its step's result (a token picked already on the workers,
         or its logits, picked here), with its log-probabilities where they were asked for."""
         if all(r.dim() == 0 for r in rows):
@@ -179,7 +202,7 @@ class Sampling:
             return [int(r if r.dim() == 0 else greedy(r)) for r in rows], None
         # NOTE: such a call's steps always return logits (it is never in a lane nor a queued group)
         logits = torch.stack(list(rows)).float()
-        tokens = self.pick(logits, histories, eos).tolist()
+        tokens = self.pick(logits, histories, eos, matchers).tolist()
         return tokens, (logprobs_of(logits, tokens, self.logprobs) if self.logprobs is not None else None)
 
 

@@ -25,6 +25,8 @@ from .sampling import Sampling, TokenLogprob
 if TYPE_CHECKING:
     import torch
 
+    from .grammar import Matcher
+
 TURN_WAIT_S = 120.0  # NOTE: how long a kept session's next turn waits for its last one to end
 _CALL_IDS = itertools.count()
 
@@ -66,6 +68,7 @@ class Call:
     logprobs: deque[list[TokenLogprob | None]] = field(default_factory=deque)
     cid: int = field(default_factory=lambda: next(_CALL_IDS))     # what a step's record names it by
     admitted: float | None = None   # when the scheduler admitted it (``time.perf_counter``)
+    matchers: list[Matcher] | None = None     # each row's place in the call's grammar, once it picked
 
     @property
     def live(self) -> list[Session]:

