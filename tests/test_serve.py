@@ -90,7 +90,7 @@ MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "stop_token_ids": [1, -1]},
      "stop_token_ids"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "ignore_eos": "yes"}, "ignore_eos"),
-    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "x"}]}, "tools"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "x"}]}, "tools[0]"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "use_beam_search": True},
      "use_beam_search"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "min_p": 0.1}, "min_p"),
@@ -707,17 +707,15 @@ def test_health_and_models_answer_503_until_ready(live: Live) -> None:
 
 
 def test_metrics_count_requests_tokens_and_latencies_as_vllm_names_them(live: Live) -> None:
-    def figure(text: str, name: str, **labels: str) -> float:
-        want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    def figure(text: str, name: str, default: float | None = None, **labels: str) -> float:
+        want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))    # NOTE: written sorted
         found = re.search(rf"^{re.escape(name)}\{{{re.escape(want)}\}} (\S+)$", text, re.M)
-        assert found, (name, labels)
-        return float(found.group(1))
+        assert found or default is not None, (name, labels)
+        return float(found.group(1)) if found else float(default or 0)
 
-    before = http(live.url + "/metrics")[2]
-    ended = figure(before, "seabiscuit:request_success_total", model_name="tiny", finished_reason="length") \
-        if 'finished_reason="length"' in before else 0.0
-    made = figure(before, "seabiscuit:generation_tokens_total", model_name="tiny") \
-        if "seabiscuit:generation_tokens_total" in before else 0.0
+    before = http(live.url + "/metrics")[2]     # NOTE: the tests before this one ran requests too
+    ended = figure(before, "seabiscuit:request_success_total", 0, model_name="tiny", finished_reason="length")
+    made = figure(before, "seabiscuit:generation_tokens_total", 0, model_name="tiny")
     list(live.api().chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=3, temperature=0,
                                             stream=True))
     live.api().chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2, temperature=0)

@@ -220,3 +220,32 @@ def test_a_required_or_named_tool_is_called_and_its_answer_goes_back(live: Any) 
         {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 18, "sky": "sunny"}'}],
         tool_choice="none")
     assert follow.choices[0].finish_reason in ("stop", "length") and follow.choices[0].message.content
+
+
+@pytest.mark.slow
+def test_langchain_structured_output_both_ways_and_bound_tools(live: Any) -> None:
+    """LangChain's ``ChatOpenAI`` against the server, unchanged: ``with_structured_output`` by JSON
+    schema and by function calling, and ``bind_tools`` with a forced tool."""
+    lc = pytest.importorskip("langchain_openai")
+    from pydantic import BaseModel, Field
+
+    class Capital(BaseModel):
+        """A country's capital."""
+
+        city: str = Field(max_length=20)
+        country: str = Field(max_length=20)
+
+    chat = lc.ChatOpenAI(model="smollm2", base_url=str(live.base_url), api_key="none", temperature=0,
+                         max_tokens=60, max_retries=0)
+    for method in ("json_schema", "function_calling"):
+        got = chat.with_structured_output(Capital, method=method).invoke("What is the capital of France?")
+        assert isinstance(got, Capital), method
+    assert got.city == "Paris"
+
+    def get_weather(city: str, unit: str) -> str:
+        """The weather in a city now, in celsius or fahrenheit."""
+        return "sunny"
+
+    msg = chat.bind_tools([get_weather], tool_choice="get_weather").invoke("What is the weather in Paris?")
+    assert msg.tool_calls and msg.tool_calls[0]["name"] == "get_weather"
+    assert set(msg.tool_calls[0]["args"]) == {"city", "unit"}
