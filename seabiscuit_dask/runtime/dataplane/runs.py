@@ -194,8 +194,10 @@ class Run:
         return f"request {self.request} of model {self.model} (plan v{self.version})"
 
     # --- receiving -----------------------------------------------------------------------------
-    def deliver(self, block: int, tensors: Mapping[str, torch.Tensor], ticket: str) -> bool:
-        """Inputs of ``block``; it starts once it has them all. False for a repeat."""
+    def deliver(self, block: int, tensors: Mapping[str, torch.Tensor], ticket: str,
+                inline: bool = True) -> bool:
+        """Inputs of ``block``; it starts once it has them all. False for a repeat. ``inline``
+        False: it never runs on the event loop (``start``)."""
         keeper = self.keeper
         if (self.model, self.request, block) in keeper.ran:
             keeper.counters["repeats"] += 1
@@ -214,7 +216,7 @@ class Run:
                 self._spawn(self._resolve(br, ticket))
         if br.spec is not None:
             self._check_imports(br)
-            self.start(br, ticket)
+            self.start(br, ticket, inline)
         return True
 
     async def collect(self, blocks: list[int], tokens: str = "") -> dict[int, Tensors]:
@@ -237,8 +239,11 @@ class Run:
         return out
 
     # --- starting blocks -----------------------------------------------------------------------
-    def start(self, br: BlockRun, ticket: str) -> None:
-        """Run ``br`` if it has its inputs (and the cache writes it follows)."""
+    def start(self, br: BlockRun, ticket: str, inline: bool = True) -> None:
+        """Run ``br`` if it has its inputs (and the cache writes it follows); ``inline`` False: on a
+        compute thread whatever it costs (a decode loop's next step, fed from the step before on
+        this worker: run on the event loop it would run the whole loop in one turn, and no step's
+        tokens could reach their caller, nor the caller's edits the loop, until the last)."""
         if not br.ready or self._held(br, ticket):
             return
         br.state = RUNNING      # NOTE: at once, so a repeat that comes meanwhile starts nothing
@@ -248,8 +253,8 @@ class Run:
         # the two hand-offs to a compute thread would cost more than the block; so does one that is
         # the worker's only work (``_alone``). Any other is handed to a compute thread now, before
         # the loop writes replies or sends anything
-        if (keeper.last_s.get((self.model, br.block), INLINE_S) < INLINE_S and self._inline(br.block)) \
-                or self._alone(br):
+        if inline and ((keeper.last_s.get((self.model, br.block), INLINE_S) < INLINE_S
+                        and self._inline(br.block)) or self._alone(br)):
             self._here(br, ticket)
             return
         chain = self._chain(br, args)
@@ -499,9 +504,7 @@ class Run:
                 for b, ts in mine:
                     if chain is not None and chain.ran:
                         ahead += self._adopt(b, ts, chain.next[b], ticket)
-                    elif self.deliver(b, ts, ticket):
-                        # NOTE: it ran on the loop: the tokens go once its sends are on the wire (at
-                        # once where they are: no task in between, each a loop turn behind the rest)
+                    elif self.deliver(b, ts, ticket, inline=False):
                         ahead += self.block(b).sending
             elif self._carrier(here, address, [b for b, _ in feeds]):
                 self.riders.setdefault(address, []).extend(mine)

@@ -1,0 +1,116 @@
+"""What a request's extras cost: log-probabilities, logit rules, structured output and tool calls.
+
+SmolLM2-135M-Instruct (real weights, GGUF) deployed on 2 local worker processes and served over
+HTTP, as ``seabiscuit serve`` does; one streaming chat client at a time (the official ``openai``
+client). Per kind of request, medians over --reps requests: time to the first token and the time
+per token after it (from the chunks' arrival times; a held tool call arrives whole, so its
+figure is its answer's time over its tokens), the tokens, and the ratio to a plain greedy request
+measured in the same run (whose tokens are picked on the workers; every other kind here reads
+its logits back each step). Every structured answer is validated (jsonschema).
+
+    python benchmarks/bench_structured.py [--reps 3] [--max-tokens 48]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+ASK = [{"role": "user", "content": "Which city is the capital of France, and how many people live there?"}]
+CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
+                                         "population": {"type": "integer", "minimum": 0, "maximum": 99999999},
+                                         "country": {"type": "string", "maxLength": 24}},
+        "required": ["city", "population", "country"], "additionalProperties": False}
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "the weather in a city now",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+
+KINDS: dict[str, dict[str, Any]] = {
+    "greedy (picked on the workers)": {},
+    "greedy, logprobs top 5": {"logprobs": True, "top_logprobs": 5},
+    "greedy, repetition_penalty 1.2": {"extra_body": {"repetition_penalty": 1.2}},
+    "sampled, temperature 0.7, seed": {"temperature": 0.7, "seed": 1},
+    "json_schema (strict)": {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "city", "schema": CITY, "strict": True}}},
+    "tool_choice required": {"tools": [WEATHER], "tool_choice": "required",
+                             "messages": [{"role": "user", "content": "What is the weather in Paris?"}]},
+}
+
+
+def one(api: Any, max_tokens: int, kind: dict[str, Any]) -> tuple[float, float, int, str]:
+    """(seconds to the first chunk, seconds per token after it, tokens, the answer) of one request."""
+    import jsonschema
+
+    args = {"model": "smollm2", "messages": ASK, "max_tokens": max_tokens, "temperature": 0, **kind}
+    t0 = time.perf_counter()
+    first, text, calls, tokens = None, "", [], 0
+    for chunk in api.chat.completions.create(stream=True, stream_options={"include_usage": True}, **args):
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        if (delta.content or delta.tool_calls) and first is None:
+            first = time.perf_counter()
+        text += delta.content or ""
+        calls += delta.tool_calls or []
+    end = time.perf_counter()
+    if "response_format" in kind:
+        jsonschema.validate(json.loads(text), CITY)
+    if "tools" in kind:
+        assert len(calls) == 1, calls
+        jsonschema.validate(json.loads(calls[0].function.arguments), WEATHER["function"]["parameters"])
+        text = f"{calls[0].function.name}({calls[0].function.arguments})"
+        first = t0 + (end - t0) / max(tokens, 1)       # NOTE: held whole: spread over its tokens
+    first = first or end
+    return first - t0, (end - first) / max(tokens - 1, 1), tokens, text
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=48)
+    args = ap.parse_args()
+
+    import openai
+
+    from seabiscuit_dask.serve import Server, make_app
+    from seabiscuit_dask.serve.server import Source, deploy, load, running
+    from tests.clusters import seabiscuit_cluster
+
+    with seabiscuit_cluster(2, 1_500_000_000) as client:
+        lm = deploy(load(Source("gguf", None, "smollm2"), print), client, sessions=2, context=512,
+                    budget=None, device=None)
+        with running(make_app(Server([lm]))) as url:
+            api = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+            for kind in KINDS.values():        # NOTE: warm each path once (grammars compiled, first masks)
+                one(api, args.max_tokens, kind)
+            rows = []
+            for name, kind in KINDS.items():
+                got = [one(api, args.max_tokens, kind) for _ in range(args.reps)]
+                rows.append((name, statistics.median(g[0] for g in got), statistics.median(g[1] for g in got),
+                             statistics.median(g[2] for g in got), got[0][3]))
+        lm.dm.close()
+    base = rows[0][2]
+    print(f"\nSmolLM2 on 2 workers x 1 thread, one client, medians of {args.reps} (warm: each kind run once "
+          "before)\n")
+    print("| request | first token ms | ms per token after it | vs greedy | tokens | answer |")
+    print("|---|---|---|---|---|---|")
+    for name, ttft, per, tokens, text in rows:
+        print(f"| {name} | {ttft * 1e3:.0f} | {per * 1e3:.1f} | {per / base:.2f}x | {tokens:.0f} | "
+              f"{text[:60]!r} |")
+
+
+if __name__ == "__main__":
+    main()
