@@ -763,13 +763,70 @@ def test_the_chat_page_streams_an_answer_typed_in_chromium(live: Live, tmp_path:
             page.call("Input.dispatchKeyEvent", type=kind, key="Enter", code="Enter",
                       windowsVirtualKeyCode=13)
         done = "document.querySelector('.msg.assistant[data-state=done] .text')"
-        got = wait_for(lambda: page.evaluate(f"{done} && {done}.textContent") or None, "the streamed answer")
+        got = wait_for(lambda: page.evaluate(f"{done} && {done}.dataset.raw") or None, "the streamed answer")
         shot = write_png(page.screenshot(), tmp_path / "seabiscuit-chat.png")
         texts = page.evaluate("[...document.querySelectorAll('.msg')].map(m => m.className)")
     assert got == want and texts == ["msg user", "msg assistant"]
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000
     if os.environ.get("SEABISCUIT_SCREENSHOTS"):          # NOTE: how docs/serve.png is made
         shutil.copy(shot, Path(os.environ["SEABISCUIT_SCREENSHOTS"]) / "serve.png")
+
+
+MARKDOWN = ("Here is **bold** and *light* text, `inline code` and a [link](https://example.com):\n\n"
+            "1. first\n2. second\n\n```python\nprint(\"a < b\")\n```\n\n"
+            "<img src=x onerror=\"document.title='owned'\"> stays text.")
+
+
+@pytest.mark.skipif(find_chromium() is None, reason="needs Debian's chromium (apt-get install chromium)")
+def test_the_chat_page_renders_markdown_keeps_chats_and_stops_an_answer(live: Live, tmp_path: Path) -> None:
+    """A kept conversation comes back with its answers rendered (code, lists, emphasis; HTML in
+    an answer stays text); a new chat starts empty; Stop ends a streaming answer where it is."""
+    saved = [{"id": "a1", "title": "markdown", "system": "be brief", "used": 120,
+              "messages": [{"role": "user", "content": "show me markdown"},
+                           {"role": "assistant", "content": MARKDOWN}]}]
+    with chromium_page(1100, 700) as page:
+        page.navigate(live.url + "/")
+        wait_for(lambda: page.evaluate("document.getElementById('status')?.textContent") is not None,
+                 "the page")
+        page.evaluate(f"localStorage.setItem('seabiscuit-chats', {json.dumps(json.dumps(saved))});"
+                      f"localStorage.setItem('seabiscuit-key', {json.dumps(KEY)})")
+        page.navigate(live.url + "/")
+        wait_for(lambda: page.evaluate("document.getElementById('model')?.value") == "tiny", "the models")
+        body = "document.querySelector('.msg.assistant .text')"
+        assert page.evaluate(f"{body}.querySelector('pre code').textContent") == 'print("a < b")'
+        assert page.evaluate(f"{body}.querySelectorAll('ol li').length") == 2
+        assert page.evaluate(f"{body}.querySelector('strong').textContent") == "bold"
+        assert page.evaluate(f"{body}.querySelector('a').getAttribute('href')") == "https://example.com"
+        assert page.evaluate(f"{body}.querySelector('img')") is None
+        assert page.evaluate("document.title") != "owned"
+        assert page.evaluate("document.getElementById('system').value") == "be brief"
+        shot = write_png(page.screenshot(), tmp_path / "seabiscuit-chat-markdown.png")
+        # a new chat: empty, listed above the kept one
+        page.evaluate("document.getElementById('new').click()")
+        assert page.evaluate("document.querySelectorAll('.msg').length") == 0
+        assert page.evaluate("[...document.querySelectorAll('#chats li span')].map(s => s.textContent)") == [
+            "New chat", "markdown"]
+        # Stop: the answer ends where it is, marked, and the page takes the next prompt
+        page.evaluate("document.getElementById('max').value = 120")
+        _type(page, "#prompt", "Tell me a long story.")
+        page.evaluate("document.getElementById('form').requestSubmit()")
+        streaming = "document.querySelector('.msg.assistant[data-state=streaming] .text')"
+        wait_for(lambda: page.evaluate(f"{streaming} && {streaming}.dataset.raw.length > 0") or None,
+                 "the answer to begin")
+        page.evaluate("document.getElementById('stop').click()")
+        done = "document.querySelector('.msg.assistant[data-state=done]')"
+        wait_for(lambda: page.evaluate(f"!!{done}") or None, "the stopped answer")
+        assert page.evaluate(f"{done}.querySelector('.stopped').textContent") == "(stopped)"
+        assert page.evaluate("document.getElementById('stop').hidden") is True
+        stopped = write_png(page.screenshot(), tmp_path / "seabiscuit-chat-stopped.png")
+        kept = json.loads(page.evaluate("localStorage.getItem('seabiscuit-chats')"))
+    assert kept[0]["title"] == "Tell me a long story." and kept[0]["messages"][-1]["stopped"] is True
+    assert kept[1]["messages"][1]["content"] == MARKDOWN
+    for png in (shot, stopped):
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    if os.environ.get("SEABISCUIT_SCREENSHOTS"):
+        shutil.copy(shot, Path(os.environ["SEABISCUIT_SCREENSHOTS"]) / "serve-markdown.png")
+        shutil.copy(stopped, Path(os.environ["SEABISCUIT_SCREENSHOTS"]) / "serve-stopped.png")
 
 
 def _type(page: Any, selector: str, text: str) -> None:

@@ -241,9 +241,7 @@ class Run:
     # --- starting blocks -----------------------------------------------------------------------
     def start(self, br: BlockRun, ticket: str, inline: bool = True) -> None:
         """Run ``br`` if it has its inputs (and the cache writes it follows); ``inline`` False: on a
-        compute thread whatever it costs (a decode loop's next step, fed from the step before on
-        this worker: run on the event loop it would run the whole loop in one turn, and no step's
-        tokens could reach their caller, nor the caller's edits the loop, until the last)."""
+        compute thread whatever it costs (``_makes_logits``)."""
         if not br.ready or self._held(br, ticket):
             return
         br.state = RUNNING      # NOTE: at once, so a repeat that comes meanwhile starts nothing
@@ -504,13 +502,23 @@ class Run:
                 for b, ts in mine:
                     if chain is not None and chain.ran:
                         ahead += self._adopt(b, ts, chain.next[b], ticket)
-                    elif self.deliver(b, ts, ticket, inline=False):
+                    elif self.deliver(b, ts, ticket, inline=not self._makes_logits(b, loop)):
+                        # NOTE: it ran on the loop: the tokens go once its sends are on the wire (at
+                        # once where they are: no task in between, each a loop turn behind the rest)
                         ahead += self.block(b).sending
             elif self._carrier(here, address, [b for b, _ in feeds]):
                 self.riders.setdefault(address, []).extend(mine)
             else:
                 self._feed_peer(address, mine, ticket)
         return ahead
+
+    def _makes_logits(self, block: int, loop: Loop) -> bool:
+        """Whether ``block`` makes ``loop``'s logits (or is not known here yet). Such a block fed
+        from the step before on this worker runs on a compute thread: on the event loop it would
+        feed the next step at once, and the one after, all in one turn of the loop, and no step's
+        tokens could reach their caller, nor the caller's edits the loop, until the last."""
+        spec = self.keeper.host.spec_of(self.model, self.version, block)
+        return spec is None or loop.logits in spec.exports
 
     def _carrier(self, here: list[int], address: str, blocks: list[int]) -> bool:
         """Whether a block of this run fed here, not yet started, sends to every one of ``blocks`` at
