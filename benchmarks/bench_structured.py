@@ -105,7 +105,7 @@ def main() -> None:
     base = rows[0][2]
     print(f"\nSmolLM2 on 2 workers x 1 thread, one client, medians of {args.reps} (warm: each kind run once "
           "before)\n")
-    print("| request | first token ms | ms per token after it | vs greedy | tokens | answer |")
+    print("| request | first token ms | ms per token after it | per token vs greedy | tokens | answer |")
     print("|---|---|---|---|---|---|")
     for name, ttft, per, tokens, text in rows:
         print(f"| {name} | {ttft * 1e3:.0f} | {per * 1e3:.1f} | {per / base:.2f}x | {tokens:.0f} | "

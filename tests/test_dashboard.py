@@ -4,6 +4,9 @@ and rendered in headless Chromium (skipped where none is installed)."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -14,6 +17,7 @@ import pytest
 import torch
 
 import seabiscuit_dask as sb
+from seabiscuit_dask.dashboard import record_serving
 from seabiscuit_dask.dashboard.data import Activity
 from seabiscuit_dask.dashboard.page import PANES, TITLES
 
@@ -187,10 +191,19 @@ def test_the_page_draws_in_chromium(served, tmp_path: Path) -> None:
 
     client.run(fake_gpu, workers=[dm.plan.spec.devices[0].address])
     wait_for(lambda: any(w["gpus"] for w in api(base, "workers")), "the fake GPU in a heartbeat")
+    # what a serving process reports every 2 s (``Server.report``): two samples draw each line
+    for i, t in enumerate((time.time() - 2, time.time())):
+        assert client.run_on_scheduler(record_serving, {
+            "time": t, "name": "smol", "model": dm.model_id, "running": 1 + i, "waiting": i,
+            "tokens_per_s": 20.0 + i, "requests_per_s": 0.5, "ttft_ms": 300.0, "itl_ms": 60.0 + i,
+            "errors": {"429": i}})
+    assert api(base, "serving")[0]["name"] == "smol"
     with chromium_page() as page:
         page.navigate(f"{base}/seabiscuit")
         plots = wait_for(lambda: (p := page.evaluate(BOKEH_PLOTS_JS)) and len(p) == len(TITLES)
                          and all(x["glyph_pixels"] > 0 for x in p) and p, "every figure to draw its data")
         shot = write_png(page.screenshot(), tmp_path / "seabiscuit-dashboard.png")
+    if os.environ.get("SEABISCUIT_SCREENSHOTS"):          # NOTE: a look at every figure drawn
+        shutil.copy(shot, Path(os.environ["SEABISCUIT_SCREENSHOTS"]) / "dashboard-test.png")
     assert [p["title"] for p in plots] == list(TITLES.values())
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000

@@ -741,6 +741,33 @@ def test_metrics_count_requests_tokens_and_latencies_as_vllm_names_them(live: Li
     assert figure(text, "seabiscuit:prefix_cache_queries_total", model_name="tiny") >= 2
 
 
+def test_the_server_reports_each_models_serving_to_the_dashboard(live: Live) -> None:
+    """Every 2 s (here: called once) the server sends each served model's figures to its scheduler,
+    where the dashboard's serving view reads them, the model named as it is served."""
+    from seabiscuit_dask.dashboard import serving_data
+
+    live.server.stop_reporting()    # NOTE: the test reports itself: no window is taken meanwhile
+    live.server.report()            # NOTE: the window starts here, whatever ran before
+    api = live.api()
+    api.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=6, temperature=0)
+    list(api.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=6, temperature=0,
+                                     stream=True))
+    with pytest.raises(openai.NotFoundError):
+        api.chat.completions.create(model="nope", messages=MESSAGES)
+    assert live.server.report() >= 1
+
+    def seen(dask_scheduler: Any) -> Any:
+        plugin = dask_scheduler.plugins["seabiscuit"]
+        return serving_data(plugin.serving), dict(plugin.serving.names)
+
+    served, names = live.client.run_on_scheduler(seen)
+    tiny = next(m for m in served if m["name"] == "tiny")
+    last = tiny["latest"]
+    assert last["tokens_per_s"] > 0 and last["requests_per_s"] > 0 and last["running"] == 0
+    assert last["ttft_ms"] > 0 and last["itl_ms"] > 0 and last["errors"].get("404") == 1
+    assert names[live.lm.dm.model_id] == "tiny"
+
+
 @pytest.mark.skipif(find_chromium() is None, reason="needs Debian's chromium (apt-get install chromium)")
 def test_the_chat_page_streams_an_answer_typed_in_chromium(live: Live, tmp_path: Path) -> None:
     """As a person uses it: the page asks for the key, the prompt is typed and sent with Enter,

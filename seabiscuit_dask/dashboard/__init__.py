@@ -14,9 +14,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from .data import Activity, snapshot
+from .data import Activity, Serving, record_serving, serving_data, snapshot
 
-__all__ = ["PAGE", "Activity", "install", "register_pages", "snapshot"]
+__all__ = ["PAGE", "Activity", "Serving", "install", "record_serving", "register_pages", "serving_data",
+           "snapshot"]
 
 logger = logging.getLogger(__name__)
 

@@ -253,4 +253,76 @@ def snapshot(plugin: Any, since: float = 0.0) -> dict[str, Any]:
     return {"time": time.time(), "workers": workers_data(plugin.scheduler, plugin.state),
             "plans": plans_data(plugin.state, plugin.activity),
             "timeline": timeline_data(plugin.state, plugin.activity, since),
-            "events": events_data(plugin.events), "links": links_data(plugin.state)}
+            "events": events_data(plugin.events), "links": links_data(plugin.state),
+            "serving": serving_data(getattr(plugin, "serving", None), since)}
+
+
+# --- serving: what a ``seabiscuit serve`` process reports -------------------------------------------
+SERVING_KEPT = 300         # NOTE: samples per served model: 10 minutes at one every 2 s
+SERVING_MODELS = 32        # served models kept at once (the oldest reported goes)
+_FIGURES = ("running", "waiting", "tokens_per_s", "requests_per_s", "ttft_ms", "itl_ms")
+
+
+class Serving:
+    """Samples ``seabiscuit serve`` processes report (``record``): per served model, requests running
+    and waiting, tokens and requests per second, the median time to first token and between
+    tokens over the sample's window, HTTP errors by status. Samples are data from a client:
+    checked, bounded, and only numbers and short names are kept."""
+
+    def __init__(self, kept: int = SERVING_KEPT, models: int = SERVING_MODELS) -> None:
+        self.samples: OrderedDict[str, deque[dict[str, Any]]] = OrderedDict()
+        self.names: dict[str, str] = {}          # model id -> the name it is served as
+        self._kept, self._models = kept, models
+
+    def record(self, sample: Mapping[str, Any]) -> None:
+        name = sample.get("name")
+        if not isinstance(name, str) or not 0 < len(name) <= 200:
+            raise ValueError("a serving sample names its model (a string of at most 200 characters)")
+        clean: dict[str, Any] = {"time": _number(sample.get("time"), time.time())}
+        for key in _FIGURES:
+            clean[key] = _number(sample.get(key), math.nan)
+        errors = sample.get("errors") or {}
+        if not isinstance(errors, Mapping) or len(errors) > 20:
+            raise ValueError("a serving sample's errors map at most 20 HTTP statuses to counts")
+        clean["errors"] = {str(int(s)): int(n) for s, n in errors.items()
+                           if str(s).isdigit() and 400 <= int(s) < 600 and isinstance(n, int) and n >= 0}
+        model = sample.get("model")
+        if isinstance(model, str) and len(model) <= 200:
+            self.names[model] = name
+        kept = self.samples.pop(name, None) or deque(maxlen=self._kept)
+        kept.append(clean)
+        self.samples[name] = kept
+        while len(self.samples) > self._models:
+            self.samples.popitem(last=False)
+
+
+def _number(value: Any, default: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return default
+    return float(value)
+
+
+def serving_data(serving: Serving | None, since: float = 0.0) -> list[dict[str, Any]]:
+    """Per served model its samples since ``since`` (lists of each figure, and its latest sample)."""
+    if serving is None:
+        return []
+    out = []
+    for name, kept in list(serving.samples.items()):
+        rows = [s for s in kept if s["time"] >= since]
+        if not rows:
+            continue
+        out.append({"name": name, "time": [s["time"] for s in rows],
+                    **{k: [s[k] for s in rows] for k in _FIGURES},
+                    "errors": [s["errors"] for s in rows], "latest": rows[-1]})
+    return out
+
+
+def record_serving(sample: dict[str, Any], dask_scheduler: Any = None) -> bool:
+    """Run on the scheduler (``client.run_on_scheduler``) by a serving process: keep ``sample`` for
+    the page. False where the SeaBiscuit plugin is not registered."""
+    plugin = dask_scheduler.plugins.get(PLUGIN_NAME) if dask_scheduler is not None else None
+    serving = getattr(plugin, "serving", None)
+    if serving is None:
+        return False
+    serving.record(sample)
+    return True

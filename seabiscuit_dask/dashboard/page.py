@@ -15,7 +15,14 @@ from datetime import datetime
 from typing import Any
 
 from bokeh.layouts import column, row
-from bokeh.models import ColumnDataSource, FactorRange, HoverTool, NumeralTickFormatter
+from bokeh.models import (
+    ColumnDataSource,
+    DatetimeTicker,
+    DatetimeTickFormatter,
+    FactorRange,
+    HoverTool,
+    NumeralTickFormatter,
+)
 from bokeh.models.annotations import Title
 from bokeh.models.widgets.inputs import Select
 from bokeh.models.widgets.markups import Div
@@ -31,7 +38,10 @@ REFRESH_MS = 1000
 TIMELINE_S = 60.0          # seconds of block runs the timeline keeps
 MEMORY_PARTS = ("weight_bytes", "activation_bytes", "kv_cache_bytes", "free_bytes")
 MEMORY_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d9d9d9")
-TITLES = {"memory": "Worker memory: weights, activations, KV cache, free",
+TITLES = {"serving_load": "Requests running, waiting (dashed)",
+          "serving_tokens": "Tokens generated per second",
+          "serving_latency": "First token, between tokens (dashed): ms",
+          "memory": "Worker memory: weights, activations, KV cache, free",
           "gpu": "GPU memory used per worker (temperature in the tooltip)",
           "bytes": "Bytes between devices per request",
           "latency": "Request latency: predicted vs measured (ms)",
@@ -41,6 +51,12 @@ TITLES = {"memory": "Worker memory: weights, activations, KV cache, free",
 
 
 MODEL_PALETTES = (Blues9, Oranges9, Greens9, Purples9, Reds9, Greys9)
+SERVING_S = 600.0          # seconds of serving figures the page shows
+
+
+def _shown(value: float) -> float:
+    """A figure as Bokeh draws it: a missing one (no token in its window) as NaN, a gap."""
+    return value if isinstance(value, (int, float)) else math.nan
 LINK_DECADES = 6.0         # NOTE: the links' colour scale spans 1 Mbit/s to 1 Tbit/s
 
 
@@ -69,8 +85,11 @@ class SeaBiscuitPage:
         self._links_figures()
         self._timeline_figure()
         self._events_table()
+        self._serving_views()
         self.root = column(
-            self.header, row(self.memory, self.gpu, sizing_mode="stretch_width"),
+            self.header, self.serving_head, self.serving_table,
+            row(self.serving_load, self.serving_tokens, self.serving_latency, sizing_mode="stretch_width"),
+            row(self.memory, self.gpu, sizing_mode="stretch_width"),
             row(self.select, self.plan_summary, sizing_mode="stretch_width"),
             row(self.devices, self.bytes, self.latency, sizing_mode="stretch_width"),
             row(self.links, self.link_history, sizing_mode="stretch_width"),
@@ -153,6 +172,66 @@ class SeaBiscuitPage:
         f.add_tools(HoverTool(tooltips=[("link", "@link")]))
         self.link_history = f
 
+    def _serving_views(self) -> None:
+        """What ``seabiscuit serve`` processes report: a table of each served model now, and its
+        requests, tokens per second and latencies over the last ``SERVING_S`` seconds."""
+        self.serving_head = Div(text="<h3>Serving</h3><p>No <code>seabiscuit serve</code> process reports "
+                                     "to this scheduler.</p>")
+        columns = [("name", "model", None), ("running", "running", "0"), ("waiting", "waiting", "0"),
+                   ("tokens_per_s", "tokens/s", "0.0"), ("requests_per_s", "requests/s", "0.00"),
+                   ("ttft_ms", "first token p50 (ms)", "0"), ("itl_ms", "between tokens p50 (ms)", "0"),
+                   ("errors", "HTTP errors (last 2 s)", None)]
+        self.serving_source = ColumnDataSource({k: [] for k, _, _ in columns})
+        self.serving_table = DataTable(source=self.serving_source, height=90, sizing_mode="stretch_width",
+                                       index_position=None, columns=[
+            TableColumn(field=k, title=t, formatter=NumberFormatter(format=f)) if f else
+            TableColumn(field=k, title=t) for k, t, f in columns])
+        self.serving_lines: dict[str, ColumnDataSource] = {}
+        figures = []
+        for key, title, y in (("load", TITLES["serving_load"], "requests"),
+                              ("tokens", TITLES["serving_tokens"], "tokens/s"),
+                              ("latency", TITLES["serving_latency"], "ms")):
+            source = self.serving_lines[key] = ColumnDataSource({k: [] for k in ("xs", "ys", "label", "color",
+                                                                                  "dash")})
+            f = figure(title=title, x_axis_type="datetime", height=250, sizing_mode="stretch_width",
+                       tools="", toolbar_location=None, y_axis_label=y)
+            f.multi_line(xs="xs", ys="ys", line_color="color", line_dash="dash", line_width=2, source=source,
+                         legend_field="label")
+            f.legend.location = "top_left"
+            f.legend.label_text_font_size = "11px"
+            f.xaxis.formatter = DatetimeTickFormatter(milliseconds="%H:%M:%S", seconds="%H:%M:%S",
+                                                      minsec="%H:%M:%S", minutes="%H:%M", hourmin="%H:%M",
+                                                      context=None)
+            f.xaxis.ticker = DatetimeTicker(desired_num_ticks=4)    # NOTE: clock times, none overlapping
+            f.add_tools(HoverTool(tooltips=[("", "@label")]))
+            figures.append(f)
+        self.serving_load, self.serving_tokens, self.serving_latency = figures
+
+    def _update_serving(self, served: list[dict[str, Any]]) -> None:
+        if served:
+            self.serving_head.text = "<h3>Serving</h3>"
+        latest = [m["latest"] for m in served]
+        self.serving_source.data = {
+            "name": [m["name"] for m in served],
+            **{k: [_shown(x[k]) for x in latest] for k in ("running", "waiting", "tokens_per_s",
+                                                             "requests_per_s", "ttft_ms", "itl_ms")},
+            "errors": [", ".join(f"{s}: {n}" for s, n in sorted(x["errors"].items())) or "none"
+                       for x in latest]}
+        lines: dict[str, list[tuple[str, str, str, list[float], list[float]]]] = {
+            "load": [], "tokens": [], "latency": []}
+        for i, m in enumerate(served):
+            color = Category10_10[i % 10]
+            xs = [t * 1e3 for t in m["time"]]
+            lines["load"] += [(f"{m['name']} running", color, "solid", xs, m["running"]),
+                              (f"{m['name']} waiting", color, "dashed", xs, m["waiting"])]
+            lines["tokens"].append((m["name"], color, "solid", xs, m["tokens_per_s"]))
+            lines["latency"] += [(f"{m['name']} first token", color, "solid", xs, m["ttft_ms"]),
+                                 (f"{m['name']} between tokens", color, "dashed", xs, m["itl_ms"])]
+        for key, parts in lines.items():
+            self.serving_lines[key].data = {
+                "label": [p[0] for p in parts], "color": [p[1] for p in parts], "dash": [p[2] for p in parts],
+                "xs": [p[3] for p in parts], "ys": [[_shown(v) for v in p[4]] for p in parts]}
+
     def _timeline_figure(self) -> None:
         self.timeline_source = ColumnDataSource({k: [] for k in (
             "x", "width", "worker", "color", "model", "layers", "block", "request", "ms", "how")})
@@ -184,6 +263,7 @@ class SeaBiscuitPage:
         self._update_links(data.links_data(p.state))
         self._update_timeline(data.timeline_data(p.state, p.activity, self.since))
         self._update_events(data.events_data(p.events))
+        self._update_serving(data.serving_data(getattr(p, "serving", None), time.time() - SERVING_S))
 
     def _update_workers(self, workers: list[dict[str, Any]]) -> None:
         names = [w["name"] for w in workers]
@@ -207,7 +287,10 @@ class SeaBiscuitPage:
 
     def _update_plan(self, plans: list[dict[str, Any]]) -> None:
         self.model_order = [pl["model"] for pl in plans]
-        self.select.options = [(pl["model"], f"{pl['name']} ({pl['model']})") for pl in plans]  # type: ignore[assignment]
+        served = getattr(getattr(self.plugin, "serving", None), "names", {})   # NOTE: named as served
+        labels = [f"{served[pl['model']]}: " if pl["model"] in served else "" for pl in plans]
+        self.select.options = [(pl["model"], f"{lab}{pl['name']} ({pl['model']})")  # type: ignore[assignment]
+                               for lab, pl in zip(labels, plans)]
         if plans and self.select.value not in self.model_order:
             self.select.value = plans[-1]["model"]
         pl = next((x for x in plans if x["model"] == self.select.value), None)
@@ -302,7 +385,8 @@ class SeaBiscuitPage:
 
 # NOTE: the single figures dask-labextension lists as panes (``/individual-seabiscuit-<name>``)
 PANES = {"memory": "memory", "gpu": "gpu", "bytes": "bytes", "latency": "latency", "timeline": "timeline",
-         "replans": "events", "links": "links", "link-history": "link_history"}
+         "replans": "events", "links": "links", "link-history": "link_history", "serving": "serving_tokens",
+         "serving-load": "serving_load", "serving-latency": "serving_latency"}
 
 
 def seabiscuit_doc(scheduler: Any, extra: dict[str, Any], doc: Any, pane: str = "") -> None:

@@ -1,4 +1,4 @@
-"""JSON routes on the scheduler's dashboard: ``/seabiscuit/api/{workers,plans,timeline,events,links}``.
+"""JSON routes on the scheduler's dashboard: ``/seabiscuit/api/{workers,plans,timeline,events,links,serving}``
 
 Read-only views of ``dashboard.data``; ``/seabiscuit/api`` returns all of them at once.
 The schema is documented in docs/dashboard.md.
@@ -42,6 +42,8 @@ class ApiHandler(web.RequestHandler):
             body = data.events_data(p.events)
         elif self.view == "links":
             body = data.links_data(p.state)
+        elif self.view == "serving":
+            body = data.serving_data(getattr(p, "serving", None), since)
         else:
             body = data.snapshot(p, since)
         self.set_header("Content-Type", "application/json")
@@ -63,6 +65,6 @@ def handlers(plugin: Any, prefix: str = "/") -> list[tuple[str, type, dict[str, 
     base = "/" + prefix.strip("/") + "/" if prefix.strip("/") else "/"
     routes: list[tuple[str, type, dict[str, Any]]] = [
         (f"{base}{API}/{view}", ApiHandler, {"plugin": plugin, "view": view})
-        for view in ("workers", "plans", "plan", "timeline", "events", "links")]
+        for view in ("workers", "plans", "plan", "timeline", "events", "links", "serving")]
     routes.append((f"{base}{API}/?", ApiHandler, {"plugin": plugin, "view": "all"}))
     return routes

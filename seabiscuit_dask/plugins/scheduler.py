@@ -34,7 +34,7 @@ from typing import Any
 from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.protocol.pickle import dumps
 
-from ..dashboard import Activity
+from ..dashboard import Activity, Serving
 from ..dashboard import install as install_dashboard
 from ..errors import AccessDenied, SeaBiscuitError, UnknownWorker, WorkerHung
 from ..ir import OpGraph
@@ -87,6 +87,7 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
         self.scheduler: Any = None
         self.events: deque[dict[str, Any]] = deque(maxlen=1000)
         self.activity = Activity()                           # block runs and request latencies, for the page
+        self.serving = Serving()                             # what serving processes report, for the page
         self._hellos: dict[str, asyncio.Event] = {}          # address -> set once its agent said hello
         self._secret = access.new_token()                    # NOTE: each worker gets its own HMAC of it
         self._claim_waiters: dict[str, asyncio.Future[str]] = {}     # deploy claim -> its deploy, waiting

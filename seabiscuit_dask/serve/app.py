@@ -16,8 +16,10 @@ import hmac
 import json
 import logging
 import re
+import statistics
 import threading
 import time
+import weakref
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Coroutine, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -44,6 +46,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("seabiscuit.serve")
 
 _END = object()
+REPORT_S = 2.0          # NOTE: how often the dashboard's serving view hears from this server
 T = TypeVar("T")
 # NOTE: what an answer yields as its tokens come (``ServedModel.answer``)
 AnswerEvent = Delta | ToolCalls | Finish
@@ -84,6 +87,57 @@ class Server:
         self._running: dict[str, int] = {}
         self._lock = threading.Lock()
         self.loading: list[str] = []      # models still being deployed (named by /health)
+        self._reported = time.time()
+        self._reporting: threading.Event | None = None
+
+    def report(self) -> int:
+        """Send each served model's figures since the last report to its cluster's scheduler, where
+        the dashboard's serving view shows them (``dashboard.record_serving``); the reports sent."""
+        from ..dashboard import record_serving
+
+        windows, statuses = self.metrics.take()
+        now, sent = time.time(), 0
+        span = max(now - self._reported, 1e-3)
+        self._reported = now
+        for m in list(self.models.values()):
+            if m.kind != "generate" or not m.ready.is_set():
+                continue
+            engine = getattr(m.dm, "_engine", None)
+            load = engine.load() if engine is not None else {"running": 0, "waiting": 0}
+            w = windows.get(m.name)
+            sample = {"time": now, "name": m.name, "model": getattr(m.dm, "model_id", ""),
+                      "running": load["running"], "waiting": load["waiting"],
+                      "tokens_per_s": (w.tokens if w else 0) / span,
+                      "requests_per_s": (w.requests if w else 0) / span,
+                      "ttft_ms": statistics.median(w.ttft) * 1e3 if w and w.ttft else None,
+                      "itl_ms": statistics.median(w.itl) * 1e3 if w and w.itl else None, "errors": statuses}
+            try:
+                sent += bool(m.dm.client.run_on_scheduler(record_serving, sample))
+            except Exception as e:  # noqa: BLE001 - the dashboard misses a sample; serving goes on
+                logger.debug("serving figures of %s not reported: %s", m.name, e)
+        return sent
+
+    def start_reporting(self, every_s: float = REPORT_S) -> None:
+        """Report every ``every_s`` seconds on a thread of its own, while this server lives."""
+        if self._reporting is not None:
+            return
+        ref = weakref.ref(self)
+        stop = self._reporting = threading.Event()
+
+        def loop() -> None:
+            while not stop.wait(every_s):
+                server = ref()
+                if server is None:
+                    return
+                server.report()
+                del server
+
+        threading.Thread(target=loop, name="seabiscuit-serve-report", daemon=True).start()
+
+    def stop_reporting(self) -> None:
+        """No more reports (``start_reporting``) once the one under way, if any, is sent."""
+        if self._reporting is not None:
+            self._reporting.set()
 
     def add(self, model: ServedModel) -> None:
         if model.name in self.models:
@@ -234,11 +288,14 @@ class _Timing:
 
     def token(self) -> None:
         now = time.perf_counter()
+        window = self.metrics.window(self.model)
         if self.first:
             self.metrics.ttft.labels(self.model).observe(now - self.t0)
+            window.ttft.append(now - self.t0)
             self.first = False
         else:
             self.metrics.itl.labels(self.model).observe(now - self.last)
+            window.itl.append(now - self.last)
         self.last = now
 
     def finished(self, ev: Finish) -> None:
@@ -248,12 +305,14 @@ class _Timing:
             self.queued = True
         self.metrics.success.labels(self.model, ev.reason).inc()
         self.metrics.request_generation.labels(self.model).observe(ev.tokens)
+        self.metrics.window(self.model).tokens += ev.tokens
 
     def ended(self, error: BaseException | None) -> None:
         """The request ended: answered, or not (``error``: the caller went away, or a failure)."""
         if self.done:
             return
         self.done = True
+        self.metrics.window(self.model).requests += 1
         self.metrics.e2e.labels(self.model).observe(time.perf_counter() - self.t0)
         self.metrics.request_prompt.labels(self.model).observe(self.prompt_tokens)
         if error is not None:
@@ -292,6 +351,7 @@ def make_app(server: Server) -> Starlette:
                              expose_headers=["Retry-After"], max_age=600)] if server.allowed_origins else []
     app = Starlette(routes=routes, middleware=middleware, exception_handlers={HTTPException: _http_error})
     app.state.server = server
+    server.start_reporting()
     return app
 
 
@@ -323,6 +383,7 @@ async def _guarded(request: Request, route: str, handler: Callable[[Any], Awaita
         if held is not None:
             server.give(held)
     server.metrics.requests.labels(route, str(response.status_code)).inc()
+    server.metrics.status(response.status_code)
     return response
 
 
@@ -481,6 +542,7 @@ def _hold_slot(server: Server, key: str, response: StreamingResponse, route: str
         finally:
             server.give(key)
             server.metrics.requests.labels(route, str(response.status_code)).inc()
+            server.metrics.status(response.status_code)
 
     response.body_iterator = held()
     return response

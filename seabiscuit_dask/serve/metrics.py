@@ -11,6 +11,8 @@ engine, and KV-cache bytes from the workers' plugins, per worker by its short na
 from __future__ import annotations
 
 import logging
+import threading
+from collections import deque
 from collections.abc import Iterator, Mapping
 from typing import Any, Protocol
 
@@ -28,6 +30,7 @@ REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
                    240.0, 480.0, 960.0)        # NOTE: vLLM's, for whole requests and their queueing
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 MODEL = ["model_name"]
+WINDOW_SAMPLES = 4096    # NOTE: latencies a report's window keeps per model
 
 
 class Serving(Protocol):
@@ -64,8 +67,41 @@ class Metrics:
                                "abort: the caller went away, error)", [*MODEL, "finished_reason"], registry=r)
         r.register(_Live(server))
 
+        self._lock = threading.Lock()
+        self._windows: dict[str, Window] = {}
+        self._statuses: dict[str, int] = {}
+
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    # --- what the dashboard's serving view reads (``Server.report``) ---------------------------
+    def window(self, model: str) -> Window:
+        """What ``model``'s requests did since the last report (taken by ``take``)."""
+        with self._lock:
+            return self._windows.setdefault(model, Window())
+
+    def status(self, code: int) -> None:
+        if code >= 400:
+            with self._lock:
+                self._statuses[str(code)] = self._statuses.get(str(code), 0) + 1
+
+    def take(self) -> tuple[dict[str, Window], dict[str, int]]:
+        """Each model's window and the HTTP errors since the last call; both start anew."""
+        with self._lock:
+            windows, statuses = self._windows, self._statuses
+            self._windows, self._statuses = {}, {}
+        return windows, statuses
+
+
+class Window:
+    """A model's requests over one report's window: tokens generated, requests ended, the times to
+    first token and between tokens seen (bounded: the newest ``WINDOW_SAMPLES`` of each)."""
+
+    def __init__(self) -> None:
+        self.tokens = 0
+        self.requests = 0
+        self.ttft: deque[float] = deque(maxlen=WINDOW_SAMPLES)
+        self.itl: deque[float] = deque(maxlen=WINDOW_SAMPLES)
 
 
 class _Live:
