@@ -217,8 +217,3 @@ def logprobs_of(logits: torch.Tensor, tokens: Sequence[int], top: int) -> list[T
         tops = [()] * len(tokens)
     return [TokenLogprob(int(t), float(p), tuple((int(a), float(b)) for a, b in tp))
             for t, p, tp in zip(tokens, picked, tops)]
-
-
-def picked(sampling: Sampling, rows: Sequence[torch.Tensor]) -> list[int]:
-    """The next token of each row from its step's result, for a call with no logit rules."""
-    return sampling.choose(rows)[0]
