@@ -606,6 +606,12 @@ def test_generate_on_a_cluster_matches_hugging_face_and_frees_its_caches() -> No
                 dropped.generate(ids[:1], 2, pad_token_id=0, eos_token_id=[])
                 del dropped
                 gc.collect()
+            for _ in range(3):                              # streams closed before a token was read
+                dm.stream(ids[:1], 40, pad_token_id=0, eos_token_id=[]).close()
+            with dm.session() as chat:                      # a turn closed unread: the next turn goes on
+                chat.stream(ids[:1], 40, pad_token_id=0, eos_token_id=[]).close()
+                after_closed = chat.generate(ids[1:], 2, pad_token_id=0, eos_token_id=[])
+                assert after_closed.shape == (1, ids.shape[1] + 2)
             wait_for(lambda: dm._engine.open_sessions == 0, "the dropped sessions' slots given back")
             wait_for(lambda: sum(client.run(kv_bytes).values()) == 0, "the dropped sessions' caches freed")
             after = client.run(lambda dask_worker: dask_worker.plugins["seabiscuit"].resident.kv.nbytes)

@@ -278,7 +278,7 @@ class Serving:
         name = sample.get("name")
         if not isinstance(name, str) or not 0 < len(name) <= 200:
             raise ValueError("a serving sample names its model (a string of at most 200 characters)")
-        clean: dict[str, Any] = {"time": _number(sample.get("time"), time.time())}
+        clean: dict[str, Any] = {"time": time.time()}      # NOTE: the scheduler's clock, which the page reads
         for key in _FIGURES:
             clean[key] = _number(sample.get(key), math.nan)
         errors = sample.get("errors") or {}
@@ -294,6 +294,8 @@ class Serving:
         self.samples[name] = kept
         while len(self.samples) > self._models:
             self.samples.popitem(last=False)
+        if len(self.names) > self._models:        # NOTE: only the ids of models still shown are kept
+            self.names = {m: n for m, n in self.names.items() if n in self.samples}
 
 
 def _number(value: Any, default: float) -> float:

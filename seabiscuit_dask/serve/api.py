@@ -358,7 +358,8 @@ def _tools(data: Mapping[str, Any]) -> tuple[tuple[Tool, ...], str]:
         if not _TOOL_NAME.fullmatch(name):
             raise BadParam(f"tools[{i}].function.name must be 1-64 letters, digits, '_', '.' or '-', got "
                            f"{_short(name)}", f"tools[{i}].function.name")
-        params = _schema(fn.get("parameters") or {"type": "object", "properties": {}},
+        given = fn.get("parameters")
+        params = _schema({"type": "object", "properties": {}} if given is None else given,
                          f"tools[{i}].function.parameters")
         tools.append(Tool(name, _take(fn, "description", str, ""), params))
     names = [t.name for t in tools]
@@ -515,7 +516,8 @@ def _tool_calls(m: Mapping[str, Any], i: int) -> list[dict[str, Any]] | None:
         if isinstance(args, str):
             try:
                 args = json.loads(args or "{}")
-            except ValueError:
+                _check_tree(args)           # NOTE: parsed after the body was checked: the same bounds
+            except (ValueError, RecursionError):
                 raise BadParam(f"{where}[{j}].function.arguments is not JSON: {_short(args)}",
                                where) from None
         calls.append({"id": str(call.get("id", "")), "type": "function",

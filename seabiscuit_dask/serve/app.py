@@ -110,7 +110,8 @@ class Server:
                       "tokens_per_s": (w.tokens if w else 0) / span,
                       "requests_per_s": (w.requests if w else 0) / span,
                       "ttft_ms": statistics.median(w.ttft) * 1e3 if w and w.ttft else None,
-                      "itl_ms": statistics.median(w.itl) * 1e3 if w and w.itl else None, "errors": statuses}
+                      "itl_ms": statistics.median(w.itl) * 1e3 if w and w.itl else None,
+                      "errors": statuses if not sent else {}}   # NOTE: the process's errors, shown once
             try:
                 sent += bool(m.dm.client.run_on_scheduler(record_serving, sample))
             except Exception as e:  # noqa: BLE001 - the dashboard misses a sample; serving goes on
@@ -129,7 +130,10 @@ class Server:
                 server = ref()
                 if server is None:
                     return
-                server.report()
+                try:
+                    server.report()
+                except Exception as e:  # NOTE: a report is missed; the next one goes
+                    logger.debug("serving figures not reported: %s", e, exc_info=True)
                 del server
 
         threading.Thread(target=loop, name="seabiscuit-serve-report", daemon=True).start()
@@ -279,8 +283,9 @@ class _Timing:
     """One generation request's figures for the metrics: time to its first token and between its
     tokens, its queueing, each choice's end and its reason, and its whole time."""
 
-    def __init__(self, metrics: Metrics, model: str, prompt_tokens: int) -> None:
-        self.metrics, self.model, self.prompt_tokens = metrics, model, prompt_tokens
+    def __init__(self, metrics: Metrics, model: str, prompt_tokens: int, choices: int = 1) -> None:
+        self.metrics, self.model, self.prompt_tokens, self.choices = metrics, model, prompt_tokens, choices
+        self.ended_choices = 0
         self.t0 = self.last = time.perf_counter()
         self.first = True
         self.queued = False
@@ -303,6 +308,7 @@ class _Timing:
         if ev.admitted is not None and not self.queued:
             self.metrics.queue.labels(self.model).observe(max(0.0, ev.admitted - self.t0))
             self.queued = True
+        self.ended_choices += 1
         self.metrics.success.labels(self.model, ev.reason).inc()
         self.metrics.request_generation.labels(self.model).observe(ev.tokens)
         self.metrics.window(self.model).tokens += ev.tokens
@@ -315,9 +321,9 @@ class _Timing:
         self.metrics.window(self.model).requests += 1
         self.metrics.e2e.labels(self.model).observe(time.perf_counter() - self.t0)
         self.metrics.request_prompt.labels(self.model).observe(self.prompt_tokens)
-        if error is not None:
+        if error is not None and self.ended_choices < self.choices:   # NOTE: each choice counts once
             reason = "abort" if isinstance(error, (api.ClientGone, asyncio.CancelledError)) else "error"
-            self.metrics.success.labels(self.model, reason).inc()
+            self.metrics.success.labels(self.model, reason).inc(self.choices - self.ended_choices)
 
 
 def check_origins(origins: Any) -> tuple[str, ...]:
@@ -398,7 +404,8 @@ async def _completions(request: Request) -> Response:
 async def _generate(request: Request, body: dict[str, Any], chat: bool) -> Response:
     """A chat or text completion: streamed as it comes, or whole once every choice finished."""
     server = _server(request)
-    req = api.parse_chat(body) if chat else api.parse_completion(body)
+    # NOTE: off the event loop: a body's schemas (tools, response_format) are checked as JSON schemas
+    req = await server.off_loop(api.parse_chat if chat else api.parse_completion, body)
     if req.unknown:     # NOTE: as vLLM does: a field no version of the API has is let be, with a warning
         logger.warning("a request held fields this server does not know, ignored: %s", ", ".join(req.unknown))
     model = server.model(req.model, "generate")
@@ -406,7 +413,7 @@ async def _generate(request: Request, body: dict[str, Any], chat: bool) -> Respo
     rows = await server.off_loop(model.prompt_ids, req)
     max_new = model.budget(rows, req.max_tokens)
     usage = Usage(prompt_tokens=sum(len(r) for r in rows))
-    timing = _Timing(server.metrics, model.name, usage.prompt_tokens)
+    timing = _Timing(server.metrics, model.name, usage.prompt_tokens, len(rows) * req.n)
     events = _events(lambda stopped: model.answer(req, rows, max_new, stopped))
     # NOTE: a refusal (no session free, ...) is still an HTTP error
     first = await _unless_gone(request, _first(events))

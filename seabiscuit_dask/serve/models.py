@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -289,7 +290,8 @@ class ServedModel:
                                          getattr(stream, "admitted", None))
                             continue
                         delta = scans[i].text[:scans[i].sent]     # NOTE: all of it so far, as text
-                    if delta or (pending[i] and not scans[i].stopped):
+                    # NOTE: log-probabilities alone go only where no text is held back (a stop string's start)
+                    if delta or (pending[i] and not scans[i].stopped and scans[i].sent == len(scans[i].text)):
                         yield Delta(i, delta, len(made[i].tokens), tuple(pending[i]))
                         pending[i] = []
                     if ended:
@@ -345,13 +347,23 @@ class ServedModel:
         got = self._token_texts.get(token)
         if got is None:
             piece = self.tokenizer.convert_ids_to_tokens(token)
-            raw = bytes(_BYTE_OF[c] for c in piece) if isinstance(piece, str) and piece and \
-                all(c in _BYTE_OF for c in piece) else None
-            text = str(self.tokenizer.decode([token]))
-            if raw is None:
-                raw = text.encode("utf-8")
+            byte = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece) if isinstance(piece, str) else None
+            if self._byte_level and isinstance(piece, str) and piece and all(c in _BYTE_OF for c in piece):
+                raw = bytes(_BYTE_OF[c] for c in piece)
+            elif byte is not None:                  # NOTE: SentencePiece's byte fallback
+                raw = bytes([int(byte.group(1), 16)])
+            elif isinstance(piece, str) and "\u2581" in piece:      # NOTE: SentencePiece's space
+                raw = piece.replace("\u2581", " ").encode("utf-8")
+            else:
+                raw = str(self.tokenizer.decode([token])).encode("utf-8")
             got = self._token_texts[token] = (raw.decode("utf-8", errors="replace"), list(raw))
         return got
+
+    @property
+    def _byte_level(self) -> bool:
+        """Whether the tokenizer writes bytes as GPT-2's byte-level BPE does (its decoder says so)."""
+        decoder = getattr(getattr(self.tokenizer, "backend_tokenizer", None), "decoder", None)
+        return type(decoder).__name__ == "ByteLevel"
 
     # --- embeddings -----------------------------------------------------------------------------
     def embed(self, request: EmbeddingRequest) -> tuple[list[Any], int]:

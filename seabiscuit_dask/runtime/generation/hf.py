@@ -8,6 +8,7 @@ defaults of the model's generation config, and the engine's tokens what Hugging 
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -100,7 +101,7 @@ class TokenStream:
     def __init__(self, engine: Engine, call: Call, input_ids: torch.Tensor, streamer: Any) -> None:
         self.logprobs: list[TokenLogprob | None] | None = None
         self.holds: Any = None         # what must live while it is read (a chat session)
-        self._call = call
+        self._call, self._engine, self._streamer = call, engine, streamer
         self._rows = self._read(engine, call, input_ids, streamer)
 
     @property
@@ -115,7 +116,19 @@ class TokenStream:
         return next(self._rows)
 
     def close(self) -> None:
+        """End the call at its next step and free its sessions, read or not."""
+        if inspect.getgeneratorstate(self._rows) == inspect.GEN_CREATED:
+            # NOTE: never read: closing the generator would skip its ``finally``
+            self._engine.stopped(self._call, 0)
+            if self._streamer is not None:
+                self._streamer.end()
         self._rows.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - at collection, nothing can be told
+            pass
 
     def _read(self, engine: Engine, call: Call, input_ids: torch.Tensor,
               streamer: Any) -> Generator[torch.Tensor, None, None]:
