@@ -63,7 +63,7 @@ class Server:
     def __init__(self, models: list[ServedModel] | None = None, *, api_key: str | None = None,
                  max_body_bytes: int | None = None, max_per_key: int | None = None,
                  body_timeout_s: float | None = None, metrics_public: bool | None = None,
-                 allowed_origins: Sequence[str] | None = None) -> None:
+                 allowed_origins: Sequence[str] | str | None = None) -> None:
         self.models: dict[str, ServedModel] = {}
         for m in models or ():
             self.add(m)

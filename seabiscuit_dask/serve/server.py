@@ -24,7 +24,7 @@ from ..ir import fmt_bytes
 from ..quantize import held_bytes
 from ..runtime.access import readable
 from ..runtime.serving import accepts, connect, local_cluster, page_link, say, worker_budget_bytes
-from .app import Server, check_origins, make_app
+from .app import Server, make_app
 from .connections import uvicorn_config
 from .models import EMBED_BUCKETS, ServedModel
 
@@ -226,8 +226,7 @@ def run(sources: list[Source], *, workers: int, scheduler: str | None, host: str
         raise BadInput(f"two models have the same name in {names}: name them with NAME=PATH")
     # NOTE: it listens at once (on a thread of its own): /health and every model route answer 503 with
     # Retry-After while the weights load, the cluster starts and the models deploy
-    server = Server(api_key=api_key, allowed_origins=check_origins(allowed_origins)
-                    if allowed_origins is not None else None)
+    server = Server(api_key=api_key, allowed_origins=allowed_origins)     # NOTE: checked there
     server.loading = list(names)
     served: list[ServedModel] = []
     with running(make_app(server), host, port), contextlib.ExitStack() as stack:

@@ -20,6 +20,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from ..runtime.generation.grammar import JSON_OPTIONS
 from .api import Tool
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -83,7 +84,7 @@ def messages_with_tools(messages: list[dict[str, Any]], tools: tuple[Tool, ...])
 
 def call_grammar(tools: tuple[Tool, ...]) -> str:
     """A Lark grammar (llguidance's) of one call of one of ``tools``, arguments checked by schema."""
-    options = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+    options = JSON_OPTIONS
     choices = [{"type": "object", "properties": {"name": {"const": t.name}, "arguments": t.parameters},
                 "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
     schema = {"x-guidance": options, "anyOf": choices} if len(choices) > 1 else {"x-guidance": options,
