@@ -131,6 +131,8 @@ class _Live:
                                  "another row of their request with the same prompt",
             "prefix_cache_tokens": "prompt tokens not prefilled again: read from a kept cache or another "
                                    "row's",
+            "num_preemptions": "requests preempted where the KV room ran out mid-answer: their caches freed, "
+                               "recomputed from their prompts and tokens so far once room freed",
         }
         g = {k: GaugeMetricFamily(p + k, doc, labels=MODEL) for k, doc in gauges.items()}
         c = {k: CounterMetricFamily(p + k, doc, labels=MODEL) for k, doc in counters.items()}
@@ -152,6 +154,7 @@ class _Live:
                     c["prefix_cache_queries"].add_metric([m.name], float(f.get("prefix_queries", 0)))
                     c["prefix_cache_hits"].add_metric([m.name], float(f["prefix_hits"]))
                     c["prefix_cache_tokens"].add_metric([m.name], float(f["prefix_tokens"]))
+                    c["num_preemptions"].add_metric([m.name], float(f.get("preemptions", 0)))
             clients[id(m.dm.client)] = m.dm.client
         for client in clients.values():
             try:

@@ -16,6 +16,7 @@ import logging
 import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -55,6 +56,12 @@ class Engine:
                                      int(config.get("generate.max-rows")))
         self.queue_timeout_s = seconds("generate.queue-timeout")
         self.kv = KVLedger(runner, context, name)
+        # NOTE: where the room is counted in tokens, a new session counts what it holds and ``headroom``
+        # tokens more, a block more as it decodes; where the room runs out, the newest call running is
+        # preempted and waits here to be recomputed, before any new call (``_grow_rooms``, ``_readmit``)
+        self.on_demand = bool(self.sessions.max_tokens) and bool(config.get("generate.kv-on-demand"))
+        self.headroom = max(0, int(config.get("generate.kv-headroom") or 0))
+        self._preempted: deque[Call] = deque()
         # NOTE: finished sessions' caches kept for prompts that begin as theirs did, where the room
         # is counted in tokens (it bounds what is kept)
         self.prefixes = PrefixCache() if self.sessions.max_tokens and config.get("generate.prefix-caching") \
@@ -113,13 +120,13 @@ class Engine:
         steps = st.prefill_steps + st.decode_steps
         lookups = st.new_sessions
         return {"running": len(self.scheduler.running) + len(self.scheduler.prefilling),
-                "waiting": len(self.scheduler.waiting) + len(self.sessions.queue),
+                "waiting": len(self.scheduler.waiting) + len(self.sessions.queue) + len(self._preempted),
                 "steps": steps, "step_tokens": st.step_tokens,
                 "tokens_per_step": st.step_tokens / steps if steps else 0.0,
                 "prefix_kept": len(prefixes) if prefixes is not None else 0,
                 "prefix_hits": st.prefix_hits, "prefix_tokens": st.prefix_tokens,
                 "prefix_hit_rate": st.prefix_hits / lookups if lookups else 0.0, "prefix_queries": lookups,
-                "kv_usage": self.sessions.usage}
+                "kv_usage": self.sessions.usage, "preemptions": st.preemptions}
 
     @property
     def context(self) -> int | None:
@@ -154,13 +161,17 @@ class Engine:
             raise BadInput(f"max_new_tokens must be >= 1, got {max_new}")
         if sessions is None:
             self.kv.check_call(prompts, max_new)
-            room = self.sessions.room([len(p) + max_new for p in prompts])
-            self.sessions.check_rows(len(prompts), room)
+            # NOTE: a call must fit the room alone, whole; it counts what its sessions hold now
+            self.sessions.check_rows(len(prompts), self.sessions.room([len(p) + max_new for p in prompts]))
+            rooms = [self._counted(len(p), len(p) + max_new) for p in prompts]
+            room = sum(rooms)
             with self._cond:
                 self._make_room(len(prompts), room)
                 self.sessions.wait(len(prompts), self._cond, self.queue_timeout_s, lambda: self._closed, room)
             call = self.sessions.call(prompts, max_new, sampling, eos, pad)
             call.room = room
+            for s, r in zip(call.sessions, rooms):
+                s.room = r
             self._reuse(call)
         else:
             for s in sessions:
@@ -177,6 +188,11 @@ class Engine:
             self._poke()
             self._start_thread()
         return call
+
+    def _counted(self, holds: int, most: int) -> int:
+        """KV tokens a new session counts that holds ``holds`` tokens and may hold ``most``: the blocks
+        of ``most`` where the room is counted whole at the start, else of ``holds`` and the headroom."""
+        return self.sessions.room([min(holds + self.headroom, most) if self.on_demand else most])
 
     def _make_room(self, rows: int, room: int) -> None:
         """Let go of kept caches, oldest first, until a call of ``rows`` sessions and ``room`` KV
@@ -224,11 +240,119 @@ class Engine:
         with self._cond:
             for s in call.sessions:
                 room = self.sessions.room([s.cached])
-                if s.sid in freed and not self.sessions.queue and self.sessions.fits(0, room) \
+                if s.sid in freed and not self.sessions.queue and not self.sessions.held \
+                        and self.sessions.fits(0, room) \
                         and self.prefixes.keep(s.sid, s.tokens[:s.cached], room):
                     self.sessions.tokens += room
                     kept.add(s.sid)
         return [sid for sid in freed if sid not in kept]
+
+    # --- KV room on demand: growth, preemption, recomputation ------------------------------------
+    def _grow_rooms(self) -> None:
+        """Count a block more for each running session whose tokens (and the headroom) pass what it
+        counted, oldest call first; where the room lacks it (kept caches let go first), preempt the
+        newest call running, this one last (``_preempt``), as vLLM's scheduler does."""
+        if not self.on_demand:
+            return
+        calls = sorted((c for c in self.scheduler.running if not c.keep and not c.finished),
+                       key=lambda c: (c.admitted or 0.0, c.cid))
+        for call in calls:
+            for s in (call.live if not call.finished else []):
+                most = call.base[call.sessions.index(s)] + call.max_new
+                need = self._counted(len(s.tokens), most)
+                if need > s.room and not self._count(call, s, need - s.room, calls):
+                    break
+
+    def _count(self, call: Call, s: Session, more: int, calls: Sequence[Call]) -> bool:
+        """Count ``more`` KV tokens for session ``s`` of ``call``, preempting calls of ``calls``
+        (oldest first) from the newest while the room lacks them; False where ``call`` itself was."""
+        while True:
+            with self._cond:
+                self._make_room(0, more)
+                if self.sessions.grow(more):
+                    s.room += more
+                    call.room += more
+                    return True
+                # NOTE: a preempted call's rows still in a lane give its room back once they left it:
+                # counted then (the next round), rather than preempting another call meanwhile
+                coming = sum(c.room for parked in self._parked.values() for c, _ in parked
+                             if c.preempted is not None)
+                if coming >= more:
+                    return True
+            victim = next(c for c in reversed(calls) if not c.finished)
+            self._preempt(victim)
+            if victim is call:
+                return False
+
+    def _preempt(self, call: Call) -> None:
+        """End ``call``'s rows where they are (its room given back and its caches freed once its rows
+        left their lane), to be recomputed from its prompts and the tokens it gave so far before any
+        call that waits (``_requeue``, ``_readmit``): its caller reads on, a pause the only sign."""
+        with self._cond:
+            call.preempted = {s.sid for s in call.live}
+            self.sessions.held += len(call.sessions)
+            self.stats.preemptions += 1
+        logger.info("%s: the KV room is full: call %s preempted after %s of %s new tokens; it is "
+                    "recomputed once room frees", self.name, call.cid, call.produced, call.max_new)
+        self._finish(call, None)
+
+    def _requeue(self, call: Call) -> None:
+        """A preempted call whose caches were freed: its live rows start anew under new ids (a step of
+        theirs still running finds nothing to write to), to wait for room (``_readmit``); where the
+        deployment closed meanwhile, it ends."""
+        with self._cond:
+            closed = self._closed
+            if closed:
+                self.sessions.held -= len(call.sessions)
+            else:
+                for s in call.sessions:
+                    if s.sid in (call.preempted or ()):
+                        s.sid, s.cached, s.done = self.sessions.next_id(), 0, False
+                    s.room = 0
+                call.room = 0
+                self._preempted.append(call)
+                self._cond.notify_all()
+                self._poke()
+                self._start_thread()
+        if closed:
+            self._closed_while_preempted(call)
+
+    def _closed_while_preempted(self, call: Call) -> None:
+        call.out.put(call.closing or ModelClosed(
+            f"{self.name} was closed after {call.produced} of {call.max_new} new tokens of this call, "
+            "while it waited to be recomputed: it did not finish"))
+        call.ended.set()
+
+    def _readmission(self, call: Call) -> list[int]:
+        """KV tokens each live row of preempted ``call`` counts to be recomputed."""
+        return [self._counted(len(s.tokens), call.base[call.sessions.index(s)] + call.max_new)
+                for s in call.live]
+
+    def _readmits(self) -> bool:
+        """Whether the first preempted call fits the room now (lock held)."""
+        if not self._preempted:
+            return False
+        call = self._preempted[0]
+        return call.stopping or self.sessions.fits(len(call.sessions), sum(self._readmission(call)))
+
+    def _readmit(self) -> None:
+        """Admit the preempted calls again, first preempted first, while the room holds them (kept
+        caches let go first), before any call that waits; a call its caller stopped reading goes
+        too, to end at its admission (lock held)."""
+        while self._preempted:
+            call = self._preempted[0]
+            rooms = [0] * len(call.live) if call.stopping else self._readmission(call)
+            self._make_room(len(call.sessions), sum(rooms))
+            if not call.stopping and not self.sessions.fits(len(call.sessions), sum(rooms)):
+                return
+            self._preempted.popleft()
+            self.sessions.held -= len(call.sessions)
+            self.sessions.open += len(call.sessions)
+            self.sessions.tokens += sum(rooms)
+            for s, r in zip(call.live, rooms):
+                s.room = r
+            call.room, call.preempted, call.finished = sum(rooms), None, False
+            self.scheduler.add(call, first=True)
 
     def open_session(self) -> Session:
         """A session kept across calls (``DistributedModel.session``); counted until ``close_session``."""
@@ -288,6 +412,10 @@ class Engine:
             self._cond.notify_all()             # NOTE: the loop, and calls waiting for room
             self._poke()
             thread = self._thread
+            preempted, self._preempted = list(self._preempted), deque()
+            self.sessions.held -= sum(len(c.sessions) for c in preempted)
+        for call in preempted:          # NOTE: no room counted, no caches: told at once
+            self._closed_while_preempted(call)
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout_s)
         self.executor.close()
@@ -332,7 +460,8 @@ class Engine:
     # --- the loop ------------------------------------------------------------------------------
     def _has_work(self) -> bool:
         """Whether the loop has calls to run, caches to free, or its close to finish (lock held)."""
-        return self.scheduler.has_calls or self._closed or self.kv.owed or bool(self._landed)
+        return self.scheduler.has_calls or self._closed or self.kv.owed or bool(self._landed) \
+            or bool(self._preempted)
 
     def _ready(self) -> bool:
         """Whether the loop has a step to take now, not only an admission in flight to wait for
@@ -340,7 +469,7 @@ class Engine:
         s = self.scheduler
         idle = not s.prefilling         # NOTE: one admission in flight at a time
         return bool(self._landed or self.kv.owed or s.running or s.lanes_leaving
-                    or ((s.waiting or self._closed) and idle))
+                    or ((s.waiting or self._closed) and idle) or self._readmits())
 
     def _loop(self) -> None:
         while True:
@@ -362,7 +491,9 @@ class Engine:
             self.kv.free_then(owed, (), lambda: None)
             for admission, got in landed:
                 self._joined(admission, got)
+            self._grow_rooms()
             with self._cond:
+                self._readmit()
                 out = self.scheduler.schedule()
             try:
                 self.step(out)
@@ -436,7 +567,7 @@ class Engine:
             except Exception as e:  # noqa: BLE001 - this call fails, the others go on
                 self._finish(call, call.closing or e)
                 continue
-            for s, p in zip(call.sessions, a.prefills):
+            for s, p in zip(call.live, a.prefills):       # NOTE: a preempted call prefills its live rows
                 s.cached = stop[p.twin if p.twin >= 0 else p.session]
             self._guard(call, lambda c, res=res: self._pick(c, list(res)))
 
@@ -569,7 +700,15 @@ class Engine:
 
     def _release(self, call: Call, error: BaseException | None) -> None:
         """A finished call's room given back, its caches freed (or kept for a prompt that begins as
-        its did), and its end told to its caller."""
+        its did), and its end told to its caller; a preempted call's caches freed, then it waits to
+        be recomputed (``_requeue``)."""
+        if call.preempted is not None:
+            with self._cond:
+                call.finished = True
+                self.sessions.release(len(call.sessions), call.room)
+                self._cond.notify_all()
+            self.kv.free_then([s.sid for s in call.sessions], (), lambda: self._requeue(call))
+            return
         with self._cond:
             call.finished = True
             seen = call.seen

@@ -83,6 +83,7 @@ class EngineStats:
     step_tokens: int = 0          # tokens the steps computed, padding included (rows x length each)
     lane_starts: int = 0          # lanes' loops started (a lane's first step, a growth, a loop run out)
     lane_edits: int = 0           # rows joined or emptied in a running loop, in messages sent
+    preemptions: int = 0          # calls preempted where the KV room ran out (``Engine._preempt``)
 
     def as_dict(self) -> dict[str, float]:
         return dict(vars(self))

@@ -178,10 +178,10 @@ class Scheduler:
         self._leaves: list[list[tuple[int, int]]] = [[] for _ in range(spec.lanes)]
 
     # --- calls ----------------------------------------------------------------------------
-    def add(self, call: Call) -> None:
-        """A call to admit at the next admission."""
+    def add(self, call: Call, first: bool = False) -> None:
+        """A call to admit at the next admission; ``first``: before those waiting (a preempted call)."""
         self._calls[call.cid] = call
-        self.waiting.append(call)
+        self.waiting.insert(0 if first else len(self.waiting), call)
 
     def call(self, cid: int) -> Call:
         """The call a record names."""
@@ -244,20 +244,21 @@ class Scheduler:
         new, self.waiting = self.waiting, []
         now = time.perf_counter()
         for c in new:
-            c.admitted = now
+            c.admitted = now if c.admitted is None else c.admitted    # NOTE: a preempted call keeps its place
         ended = [c for c in new if c.stopping]
         todo = [c for c in new if c not in ended]
         together = max(1, min(self.spec.pipeline, len(todo)))
         # NOTE: prompts prefilled while rows decode go in small steps: a decode step waits behind one
         limit = self.spec.overlap_tokens if self.spec.overlap and self.running else 0
         (self.prefilling if self.spec.overlap else self.running).extend(todo)
-        twins = {sid: twin for c in todo for sid, twin in twins_of(c.sessions).items()}
+        # NOTE: a preempted call's live rows only: the rows that ended before it was are not recomputed
+        twins = {sid: twin for c in todo for sid, twin in twins_of(c.live).items()}
         groups = self.prefill_groups([(s.sid, s.cached, s.tokens[s.cached:])
-                                      for c in todo for s in c.sessions if s.sid not in twins], limit)
+                                      for c in todo for s in c.live if s.sid not in twins], limit)
         grouped = {r.session: Prefill(r.session, (r,), grouped=True) for g in groups for r in g.rows}
         grouped.update((sid, Prefill(sid, (), twin=twin)) for sid, twin in twins.items())
         admitted = tuple(Admission(c.cid, tuple(grouped.get(s.sid) or self.prefill(
-            s.sid, s.cached, s.tokens[s.cached:], together, limit) for s in c.sessions)) for c in todo)
+            s.sid, s.cached, s.tokens[s.cached:], together, limit) for s in c.live)) for c in todo)
         return SchedulerOutput(step, tuple(c.cid for c in ended), admitted, together, prefill_groups=groups)
 
     def sizes(self, limit: int = 0) -> tuple[int, ...]:

@@ -41,6 +41,7 @@ class Session:
     done: bool = False
     call: Call | None = None     # the call answering it now (a kept session's turn)
     closed: bool = False         # a kept session its caller closed
+    room: int = 0                # KV tokens counted for it (a new session's: ``SessionTable.room``)
 
 
 @dataclass(eq=False)
@@ -69,6 +70,7 @@ class Call:
     cid: int = field(default_factory=lambda: next(_CALL_IDS))     # what a step's record names it by
     admitted: float | None = None   # when the scheduler admitted it (``time.perf_counter``)
     matchers: list[Matcher] | None = None     # each row's place in the call's grammar, once it picked
+    preempted: set[int] | None = None   # its rows to recompute, while it is preempted (``Engine._preempt``)
 
     @property
     def live(self) -> list[Session]:
@@ -102,6 +104,7 @@ class SessionTable:
         self.open = 0
         self.tokens = 0                      # KV tokens counted for the sessions open
         self.queue: deque[tuple[object, int]] = deque()     # NOTE: (a waiter's token, its rows), in order
+        self.held = 0       # rows of preempted calls waiting to be recomputed: they go before the queue
         self._ids = itertools.count()
 
     @property
@@ -159,7 +162,7 @@ class SessionTable:
         behind the calls that came before it (``cond`` held; it is notified as sessions close).
         ``Busy`` at once when ``max_queued`` rows wait already, ``QueueTimeout`` after ``timeout_s``;
         ``ModelClosed`` when the deployment closes meanwhile (``closed``)."""
-        if not self.queue and self.fits(rows, tokens):
+        if not self.queue and not self.held and self.fits(rows, tokens):
             self.open += rows
             self.tokens += tokens
             return
@@ -171,7 +174,8 @@ class SessionTable:
         self.queue.append((token, rows))
         try:
             ready = cond.wait_for(
-                lambda: closed() or (self.queue[0][0] is token and self.fits(rows, tokens)), timeout_s)
+                lambda: closed() or (self.queue[0][0] is token and not self.held and self.fits(rows, tokens)),
+                timeout_s)
             if closed():
                 raise ModelClosed(f"{self.name} was closed while this call waited for room")
             if not ready:
@@ -194,6 +198,14 @@ class SessionTable:
         self.open += 1
         self.tokens += room
         return self.new([])
+
+    def grow(self, tokens: int) -> bool:
+        """Count ``tokens`` more KV room for a session open that decodes past what it counted, where
+        the room holds them; whether it did (lock held)."""
+        if self.max_tokens and self.tokens + tokens > self.max_tokens:
+            return False
+        self.tokens += tokens
+        return True
 
     def release(self, rows: int, tokens: int = 0) -> None:
         """Count ``rows`` sessions closed, and the ``tokens`` of KV room they counted (lock held)."""

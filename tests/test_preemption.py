@@ -1,0 +1,115 @@
+"""KV room counted on demand and recompute preemption (vLLM's): a new session counts the blocks
+its prompt fills and a headroom, a block more as it decodes; where the room runs out mid-answer,
+the newest call running is preempted (its caches freed) and recomputed from its prompt and the
+tokens it gave once room frees, before any call that waits, and every answer is unchanged."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import dask.config
+import pytest
+import torch
+
+from seabiscuit_dask.errors import ModelClosed, QueueTimeout
+from seabiscuit_dask.runtime.generation import Engine, LocalRunner, SessionTable
+from seabiscuit_dask.runtime.generation.hf import GenerateArgs, stream_tokens
+
+from .test_generate import decoder, padded_batch
+from .test_lanes import hf_no_eos
+
+
+def test_a_session_counts_a_block_more_only_where_the_room_holds_it_and_waiters_yield_to_preempted_calls() -> None:
+    table = SessionTable(2, "m", max_queued=4, context=64)
+    table.reserve(1, 32)
+    assert table.grow(64) and table.tokens == 96
+    assert not table.grow(64) and table.tokens == 96         # NOTE: 160 > 128: refused, nothing counted
+    table.release(1, 96)
+    table.held = 1          # NOTE: a preempted call waits: a new call waits behind it, room or not
+    cond = threading.Condition()
+    with cond, pytest.raises(QueueTimeout, match="waited 0 s"):
+        table.wait(1, cond, 0.0, lambda: False, 32)
+    table.held = 0
+    with cond:
+        table.wait(1, cond, 0.0, lambda: False, 32)
+    assert table.open == 1 and table.tokens == 32
+
+
+def run_together(engine: Engine, model: Any, prompts: list[torch.Tensor], new: int) -> dict[int, torch.Tensor]:
+    """Each prompt's answer of ``new`` tokens (no end-of-text), the calls started together."""
+    got: dict[int, torch.Tensor] = {}
+    errors: list[BaseException] = []
+    start = threading.Barrier(len(prompts))
+
+    def run(i: int) -> None:
+        ids = prompts[i]
+        args = GenerateArgs.make(model.generation_config, ids.shape[1], max_new_tokens=new, pad_token_id=0,
+                                 eos_token_id=[])
+        start.wait()
+        try:
+            rows = list(stream_tokens(engine, ids, args, torch.ones_like(ids)))
+            got[i] = torch.cat([ids, torch.stack(rows, dim=1)], dim=1)
+        except BaseException as e:  # noqa: BLE001 - the test reads it
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    return got
+
+
+@pytest.mark.parametrize("lanes", [False, True], ids=["groups", "lanes"])
+def test_calls_that_outgrow_the_room_are_preempted_and_recomputed_answering_as_hugging_face(lanes: bool) -> None:
+    """Room for 2 sessions of 64 tokens (128): three calls of 40 new tokens start at once, each
+    counting 32 (prompt and headroom); as they decode they need 64 each, more than the room holds,
+    so the newest is preempted and recomputed after. Every answer is Hugging Face's greedy one,
+    token for token as its caller read it, and the room is whole again at the end."""
+    model = decoder("llama")
+    engine = Engine(LocalRunner(model, "64KiB", lanes=lanes), max_sessions=2, context=64, max_chunk=32)
+    assert engine.on_demand and engine.headroom == 16
+    prompts = [padded_batch((n,), seed=20 + i)[0] for i, n in enumerate((10, 12, 14))]
+    got = run_together(engine, model, prompts, 40)
+    for i, ids in enumerate(prompts):
+        assert torch.equal(got[i], hf_no_eos(model, ids, 40)), i
+    assert engine.stats.preemptions >= 1 and engine.load()["preemptions"] == engine.stats.preemptions
+    table = engine.sessions
+    assert table.open == 0 and table.tokens == 0 and table.held == 0 and not engine._preempted
+    engine.close()
+
+
+def test_with_the_room_counted_whole_at_the_start_the_third_call_waits_and_none_is_preempted() -> None:
+    """``generate.kv-on-demand: false``: each call counts its prompt and all its new tokens as it
+    starts (64 each), so the third waits for room and nothing is preempted; the same answers."""
+    model = decoder("llama")
+    with dask.config.set({"seabiscuit.generate.kv-on-demand": False}):
+        engine = Engine(LocalRunner(model, "64KiB"), max_sessions=2, context=64, max_chunk=32)
+    prompts = [padded_batch((n,), seed=20 + i)[0] for i, n in enumerate((10, 12, 14))]
+    got = run_together(engine, model, prompts, 40)
+    for i, ids in enumerate(prompts):
+        assert torch.equal(got[i], hf_no_eos(model, ids, 40)), i
+    assert not engine.on_demand and engine.stats.preemptions == 0
+    engine.close()
+
+
+def test_a_call_preempted_as_the_deployment_closes_is_told_so() -> None:
+    """Room for one session of 64 tokens: two calls count 32 each; as the first grows to 64 the
+    second is preempted, and it waits while the first holds the room. Closing the deployment then
+    ends it with ``ModelClosed`` instead of leaving it waiting, and the room is whole again."""
+    model = decoder("llama")
+    engine = Engine(LocalRunner(model, "64KiB"), max_sessions=1, context=64, max_chunk=32)
+    ids = [padded_batch((10,), seed=s)[0] for s in (3, 4)]
+    args = GenerateArgs.make(model.generation_config, 10, max_new_tokens=40, pad_token_id=0, eos_token_id=[])
+    first, second = (stream_tokens(engine, i, args, torch.ones_like(i)) for i in ids)
+    for _ in range(9):      # NOTE: the first grew at its 7th token, so the room was made then
+        next(first)
+    assert engine.stats.preemptions == 1 and engine.sessions.held == 1
+    engine.close()
+    with pytest.raises(ModelClosed, match="waited to be recomputed"):
+        list(second)
+    with pytest.raises(ModelClosed):
+        list(first)
+    assert engine.sessions.held == 0 and engine.sessions.tokens == 0 and engine.sessions.open == 0
