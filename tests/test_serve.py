@@ -731,6 +731,7 @@ def test_metrics_count_requests_tokens_and_latencies_as_vllm_names_them(live: Li
         assert figure(text, f"seabiscuit:{histogram}_count", model_name="tiny") >= 1, histogram
     assert figure(text, "seabiscuit:num_requests_running", model_name="tiny") == 0
     assert figure(text, "seabiscuit:num_requests_waiting", model_name="tiny") == 0
+    assert figure(text, "seabiscuit:num_preemptions_total", model_name="tiny") == 0
     assert 0 <= figure(text, "seabiscuit:kv_cache_usage_perc", model_name="tiny") <= 1
     assert figure(text, "seabiscuit:num_sessions", model_name="tiny") >= 0
     workers = re.findall(r'^seabiscuit:kv_cache_bytes\{worker="([^"]+)"\}', text, re.M)
