@@ -247,7 +247,17 @@ def main() -> None:
             server.add(served)
             print(f"ready in {time.perf_counter() - t:.1f} s ({sessions} sessions)\n", flush=True)
             ttft37 = first_token_s(url, PROMPTS[0], args.reps)
-            runs = [load_run(url, c, args.requests, args.max_tokens, refs) for c in levels]
+
+            def preempted() -> int:
+                return int(served.dm.generation_stats().get("preemptions", 0))
+
+            def measured(*run_args: Any) -> dict[str, Any]:
+                before = preempted()
+                r = load_run(url, *run_args)
+                r["preempted"] = preempted() - before
+                return r
+
+            runs = [measured(c, args.requests, args.max_tokens, refs) for c in levels]
 
             def kill() -> str:
                 pids = client.run(os.getpid)
@@ -256,18 +266,19 @@ def main() -> None:
                 return addr
 
             if not args.no_kill:
-                runs.append(load_run(url, 8, args.requests, args.max_tokens, refs, kill, args.kill_after))
+                runs.append(measured(8, args.requests, args.max_tokens, refs, kill, args.kill_after))
             served.dm.close()
 
     wrong = "≠fp32" if args.quantize else "wrong"
     print(f"{'clients':>7} {'reqs':>5} {'done':>5} {wrong:>5} {'ttft p50':>9} {'ttft p99':>9} "
-          f"{'itl p50':>8} {'itl p99':>8} {'tok/s':>7} {'vs HF b8':>8}  note")
+          f"{'itl p50':>8} {'itl p99':>8} {'tok/s':>7} {'vs HF b8':>8} {'preempted':>9}  note")
     for r in runs:
         note = f"worker {r['killed']} SIGKILLed midway" if r["killed"] else ""
         print(f"{r['clients']:>7} {r['requests']:>5} {r['done']:>5} {len(r['wrong']):>5} "
               f"{pct(r['ttft'], 50) * 1e3:>7.0f}ms {pct(r['ttft'], 99) * 1e3:>7.0f}ms "
               f"{pct(r['itl'], 50) * 1e3:>6.1f}ms {pct(r['itl'], 99) * 1e3:>6.1f}ms "
-              f"{r['tokens'] / r['wall']:>7.1f} {r['tokens'] / r['wall'] / hf_batch:>7.2f}x  {note}")
+              f"{r['tokens'] / r['wall']:>7.1f} {r['tokens'] / r['wall'] / hf_batch:>7.2f}x "
+              f"{r['preempted']:>9}  {note}")
     print(f"\ntime to first token of the 37-token chat prompt, one request at a time: {ttft37 * 1e3:.0f} ms, "
           f"{ttft37 / prefill_s:.2f}x Hugging Face's prefill of it in this process "
           f"({prefill_s * 1e3:.0f} ms, 1 thread)")

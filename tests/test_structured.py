@@ -16,7 +16,7 @@ import torch
 
 from seabiscuit_dask.runtime.generation import GrammarError, Sampling, json_grammar, lark_grammar
 from seabiscuit_dask.serve.api import BadParam, Tool, parse_chat
-from seabiscuit_dask.serve.tools import call_grammar, messages_with_tools, read_calls
+from seabiscuit_dask.serve.tools import CallReader, call_grammar, messages_with_tools, read_calls
 
 from . import models as M
 
@@ -93,6 +93,48 @@ def test_any_logits_under_a_tool_grammar_give_a_call_of_a_known_tool(tok: Any) -
     assert read_calls('<tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call>', (WEATHER,)) is None
     assert read_calls('<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call> and text',
                       (TIME,)) is None
+
+
+def pieces(text: str, step: int) -> tuple[CallReader, dict[int, str], list[tuple[int, str | None, str | None]]]:
+    """``text`` fed to a reader ``step`` characters more at a time: its calls' arguments joined, and
+    each piece's (call, id, name)."""
+    reader, joined, heads = CallReader(), {}, []
+    for k in range(0, len(text) + step, step):
+        for p in reader.feed(text[:k]):
+            joined[p.call] = joined.get(p.call, "") + p.arguments
+            heads.append((p.call, p.id, p.name))
+    return reader, joined, heads
+
+
+def test_calls_are_read_piece_by_piece_as_written_and_join_to_the_calls_read_whole(tok: Any) -> None:
+    """A constrained answer fed a character, a few, or all at once: the first piece of each call names
+    its id and function, the pieces of its arguments join to what ``read_calls`` reads whole with
+    those ids (braces and quotes inside strings left as they are), and nothing else is sent."""
+    text = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa}r\\"is {", "unit": "celsius"}}'
+            '\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "[UTC]"}}\n</tool_call>')
+    whole = read_calls(text, (WEATHER, TIME))
+    assert whole is not None and [c.name for c in whole] == ["get_weather", "get_time"]
+    for step in (1, 2, 5, len(text)):
+        reader, joined, heads = pieces(text, step)
+        assert not reader.lost and [h[2] for h in heads if h[2]] == ["get_weather", "get_time"]
+        assert [h[1] for h in heads if h[1]] == reader.ids and len(set(reader.ids)) == 2
+        calls = read_calls(text, (WEATHER, TIME), reader.ids)
+        assert calls is not None
+        assert [joined[0], joined[1]] == [c.arguments for c in calls] == [c.arguments for c in whole]
+        assert [c.id for c in calls] == reader.ids
+        assert json.loads(joined[0]) == {"city": 'Pa}r"is {', "unit": "celsius"}
+    # an answer of random logits under the grammar streams as it is read whole
+    grammar = lark_grammar(tok, [tok.eos_token_id], call_grammar((WEATHER, TIME)), "a call")
+    for seed in range(3):
+        text = _drive(tok, grammar, seed)
+        reader, joined, _ = pieces(text, 3)
+        calls = read_calls(text, (WEATHER, TIME), reader.ids)
+        assert calls is not None and not reader.lost and joined == {0: calls[0].arguments}
+    # text that is not a call, or a call whose name comes after its arguments, is lost: read at its end
+    for text in ("The weather is fine", '<tool_call>\n{"arguments": {"zone": "UTC"}, "name": "get_time"}'):
+        reader, joined, heads = pieces(text, 1)
+        assert reader.lost and not heads
+    assert not pieces("<tool_c", 1)[0].lost       # NOTE: may still become one
 
 
 def test_a_wordpiece_tokenizer_cannot_be_constrained_and_says_so() -> None:
@@ -209,9 +251,13 @@ def test_a_required_or_named_tool_is_called_and_its_answer_goes_back(live: Any) 
     chunks = list(live.chat.completions.create(model="smollm2", messages=ask, tools=tools,
                                                tool_choice="required", max_tokens=60, temperature=0,
                                                stream=True))
+    # as OpenAI streams a call: its first piece names its id and function, the rest are pieces of
+    # its arguments, joined by index to the call answered whole
     parts = [tc for ch in chunks if ch.choices for tc in (ch.choices[0].delta.tool_calls or [])]
-    assert len(parts) == 1 and parts[0].index == 0 and parts[0].function.name == call.function.name
-    assert parts[0].function.arguments == call.function.arguments
+    assert len(parts) > 2 and {p.index for p in parts} == {0}
+    assert parts[0].id.startswith("call_") and parts[0].function.name == call.function.name
+    assert all(p.id is None and p.function.name is None for p in parts[1:])
+    assert "".join(p.function.arguments for p in parts) == call.function.arguments
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "tool_calls"
     # the follow-up turn: the call and the tool's answer, then a text answer
     follow = live.chat.completions.create(model="smollm2", tools=tools, max_tokens=24, temperature=0,

@@ -36,12 +36,12 @@ from .. import config
 from ..errors import Busy, SeaBiscuitError
 from . import api
 from .metrics import Metrics
-from .models import Delta, Finish, ServedModel, ToolCalls, Usage
+from .models import Delta, Finish, ServedModel, ToolCallPart, ToolCalls, Usage
 from .page import PAGE
 
 if TYPE_CHECKING:
     from ..runtime.generation import TokenLogprob
-    from .tools import ToolCall
+    from .tools import CallPart, ToolCall
 
 logger = logging.getLogger("seabiscuit.serve")
 
@@ -49,7 +49,7 @@ _END = object()
 REPORT_S = 2.0          # NOTE: how often the dashboard's serving view hears from this server
 T = TypeVar("T")
 # NOTE: what an answer yields as its tokens come (``ServedModel.answer``)
-AnswerEvent = Delta | ToolCalls | Finish
+AnswerEvent = Delta | ToolCallPart | ToolCalls | Finish
 
 
 class _Failed:
@@ -660,7 +660,8 @@ async def _stream(server: Server, model: ServedModel, req: api.GenerationRequest
     offsets = [0] * (len(rows) * req.n)        # NOTE: where each choice's next token's text starts
 
     def chunk(index: int, text: str | None, reason: str | None, role: bool = False,
-              lps: tuple[TokenLogprob, ...] = (), calls: tuple[ToolCall, ...] = ()) -> bytes:
+              lps: tuple[TokenLogprob, ...] = (), calls: tuple[ToolCall, ...] = (),
+              part: CallPart | None = None) -> bytes:
         logprobs: Any = None
         if req.sampling.logprobs is not None and lps:
             if req.chat:
@@ -672,6 +673,11 @@ async def _stream(server: Server, model: ServedModel, req: api.GenerationRequest
                 ({"content": text} if text is not None else {})
             if calls:       # NOTE: each call whole in one chunk: clients join the pieces of a call by index
                 delta = {"tool_calls": [{"index": k, **c.as_dict()} for k, c in enumerate(calls)]}
+            elif part is not None:      # NOTE: a piece of a call as it is written; its first names it
+                head = {"id": part.id, "type": "function"} if part.id is not None else {}
+                name = {"name": part.name} if part.name is not None else {}
+                delta = {"tool_calls": [{"index": part.call, **head,
+                                         "function": {**name, "arguments": part.arguments}}]}
             choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": logprobs,
                                       "finish_reason": reason}
         else:
@@ -691,7 +697,10 @@ async def _stream(server: Server, model: ServedModel, req: api.GenerationRequest
             if isinstance(ev, Delta):
                 timing.token()
                 yield chunk(ev.index, ev.text, None, lps=ev.logprobs)
-            elif isinstance(ev, ToolCalls):
+            elif isinstance(ev, ToolCallPart):
+                timing.token()
+                yield chunk(ev.index, None, None, part=ev.part)
+            elif isinstance(ev, ToolCalls) and not ev.streamed:
                 timing.token()
                 yield chunk(ev.index, None, None, calls=ev.calls)
             elif isinstance(ev, Finish):

@@ -22,6 +22,8 @@ from ..errors import BadInput
 from ..runtime.generation.grammar import Grammar, GrammarError, json_grammar, lark_grammar
 from .api import BadParam, EmbeddingRequest, GenerationRequest, StopScan
 from .tools import (
+    CallPart,
+    CallReader,
     ToolCall,
     as_openai,
     call_grammar,
@@ -108,10 +110,20 @@ class Finish:
 
 @dataclass(frozen=True)
 class ToolCalls:
-    """Choice ``index``'s answer is these calls of the request's tools (its ``Finish`` follows)."""
+    """Choice ``index``'s answer is these calls of the request's tools (its ``Finish`` follows);
+    ``streamed``: they went out piece by piece already (``ToolCallPart``)."""
 
     index: int
     calls: tuple[ToolCall, ...]
+    streamed: bool = False
+
+
+@dataclass(frozen=True)
+class ToolCallPart:
+    """A piece of a call choice ``index`` is writing (a constrained call, streamed as it is written)."""
+
+    index: int
+    part: CallPart
 
 
 @dataclass
@@ -222,7 +234,7 @@ class ServedModel:
         return max_tokens
 
     def answer(self, request: GenerationRequest, rows: list[list[int]], max_new: int,
-               stopped: threading.Event | None = None) -> Iterator[Delta | ToolCalls | Finish]:
+               stopped: threading.Event | None = None) -> Iterator[Delta | ToolCallPart | ToolCalls | Finish]:
         """Generate for every prompt ``n`` times; events as tokens come. Setting ``stopped``
         (the caller went away) ends the call at its next token and frees its sessions."""
         choices = [r for r in rows for _ in range(request.n)]
@@ -260,6 +272,9 @@ class ServedModel:
         ends = set(eos)
         calls = request.tools and request.tool_choice != "none"
         held = [calls] * len(choices)     # NOTE: an answer that may be a tool call is sent once it is known
+        # NOTE: a call the grammar constrains is one: it goes out piece by piece as it is written
+        st = request.structure
+        readers = [CallReader() for _ in choices] if st is not None and st.kind == "tool_call" else None
         try:
             for step in stream:
                 lps = stream.logprobs if s.logprobs is not None else None
@@ -279,17 +294,23 @@ class ServedModel:
                     delta = scans[i].feed(made[i].full() if final else made[i].text, final=final)
                     ended = scans[i].stopped or final
                     if held[i]:
+                        if readers is not None:
+                            written = scans[i].text if ended else scans[i].text[:scans[i].sent]
+                            for part in readers[i].feed(written):
+                                yield ToolCallPart(i, part)
                         if not ended and could_be_call(scans[i].text[:scans[i].sent]):
                             continue              # NOTE: its text and log-probabilities wait in the scan
                         held[i] = False
-                        made_calls = read_calls(scans[i].text, request.tools) if ended else None
+                        sent = readers[i].ids if readers is not None else None
+                        made_calls = read_calls(scans[i].text, request.tools, sent) if ended else None
                         if made_calls:
                             done[i] = True
-                            yield ToolCalls(i, tuple(made_calls))
+                            yield ToolCalls(i, tuple(made_calls), streamed=bool(sent))
                             yield Finish(i, "tool_calls", len(made[i].tokens),
                                          getattr(stream, "admitted", None))
                             continue
-                        delta = scans[i].text[:scans[i].sent]     # NOTE: all of it so far, as text
+                        # NOTE: all of it so far, as text; not a call cut short whose pieces went out
+                        delta = "" if sent else scans[i].text[:scans[i].sent]
                     # NOTE: log-probabilities alone go only where no text is held back (a stop string's start)
                     if delta or (pending[i] and not scans[i].stopped and scans[i].sent == len(scans[i].text)):
                         yield Delta(i, delta, len(made[i].tokens), tuple(pending[i]))

@@ -25,6 +25,10 @@ from .api import Tool
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _CALL = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.S)
+# NOTE: a call's head as Hermes-style models and ``call_grammar`` write it: its name, then its arguments
+_NAMED = r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*'
+_HEAD = re.compile(r"\s*" + re.escape(OPEN) + r"\s*" + _NAMED)
+_ARGS_AT = re.compile(_NAMED)
 
 
 @dataclass(frozen=True)
@@ -98,9 +102,11 @@ def could_be_call(text: str) -> bool:
     return head.startswith(OPEN) or OPEN.startswith(head)
 
 
-def read_calls(text: str, tools: tuple[Tool, ...]) -> list[ToolCall] | None:
+def read_calls(text: str, tools: tuple[Tool, ...], ids: list[str] | None = None) -> list[ToolCall] | None:
     """The calls an answer makes, when it is nothing but calls of known tools whose arguments are
-    JSON objects; else None (the answer is text)."""
+    JSON objects; else None (the answer is text). Each call's arguments are their text as the model
+    wrote them (where its name comes first, as it is told to write it: what its streamed fragments
+    join to), and its id the one of ``ids`` it was streamed with, if any."""
     body = text.strip()
     if not body.startswith(OPEN):
         return None
@@ -108,7 +114,7 @@ def read_calls(text: str, tools: tuple[Tool, ...]) -> list[ToolCall] | None:
     if not found or _CALL.sub("", body).strip():
         return None
     names = {t.name for t in tools}
-    calls = []
+    calls: list[ToolCall] = []
     for raw in found:
         try:
             call = json.loads(raw)
@@ -117,6 +123,115 @@ def read_calls(text: str, tools: tuple[Tool, ...]) -> list[ToolCall] | None:
         if not isinstance(call, dict) or call.get("name") not in names or \
                 not isinstance(call.get("arguments"), dict):
             return None
-        calls.append(ToolCall(call["name"], json.dumps(call["arguments"], ensure_ascii=False),
-                              f"call_{uuid.uuid4().hex[:24]}"))
+        at = _ARGS_AT.match(raw)
+        arguments = raw[at.end():_DECODER.raw_decode(raw, at.end())[1]] if at else \
+            json.dumps(call["arguments"], ensure_ascii=False)
+        calls.append(ToolCall(call["name"], arguments, ids[len(calls)] if ids and len(calls) < len(ids)
+                              else call_id()))
     return calls
+
+
+_DECODER = json.JSONDecoder()
+
+
+def call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+@dataclass(frozen=True)
+class CallPart:
+    """A piece of a call as it is written: its first carries its id and name, every one a piece of its
+    arguments' JSON text (OpenAI's streamed ``tool_calls`` fragments, joined by ``call``)."""
+
+    call: int
+    arguments: str
+    id: str | None = None
+    name: str | None = None
+
+
+class CallReader:
+    """Reads an answer that is tool calls as it is written (``feed`` the text so far, each time):
+    a call's id and name once its head is written, then its arguments' text as it grows, the
+    call's closing brace and tag left out. Where the answer stops looking like calls written
+    name first (``lost``), it reads no more: the answer is read whole at its end (``read_calls``)."""
+
+    HEAD_CHARS = 256        # NOTE: a call's head longer than this is not one
+
+    def __init__(self) -> None:
+        self.ids: list[str] = []
+        self.lost = False
+        self._at = 0                # NOTE: characters of the text read
+        self._state = "head"        # NOTE: "head": before a call, "args": in its arguments, "tail": after
+        self._depth = 0
+        self._string = self._escape = False
+
+    def feed(self, text: str) -> list[CallPart]:
+        """The pieces of calls written since the last feed."""
+        out: list[CallPart] = []
+        while not self.lost:
+            if self._state == "head":
+                head = _HEAD.match(text, self._at)
+                if head is None:
+                    self.lost = not _may_become(text[self._at:])
+                    return out
+                self.ids.append(call_id())
+                out.append(CallPart(len(self.ids) - 1, "", self.ids[-1], json.loads(f'"{head.group(1)}"')))
+                self._at, self._state, self._depth = head.end(), "args", 0
+            elif self._state == "args":
+                while self._depth == 0 and self._at < len(text) and text[self._at].isspace():
+                    self._at += 1           # NOTE: before the arguments' object: not theirs
+                start = self._at
+                self._read_arguments(text)
+                if self._at > start and not self.lost:
+                    out.append(CallPart(len(self.ids) - 1, text[start:self._at]))
+                if self._state == "args":
+                    return out
+            else:
+                tail = _TAIL.match(text, self._at)
+                if tail is None:
+                    rest = text[self._at:].lstrip()
+                    after = rest[1:].lstrip() if rest.startswith("}") else None
+                    self.lost = not (rest == "" or rest == "}" or
+                                     (after is not None and CLOSE.startswith(after)))
+                    return out
+                self._at, self._state = tail.end(), "head"
+        return out
+
+    def _read_arguments(self, text: str) -> None:
+        """Read the arguments' text as far as it is written: to the closing brace of their object."""
+        while self._at < len(text):
+            c = text[self._at]
+            if self._depth == 0 and c != "{":
+                self.lost = True            # NOTE: arguments that are not an object
+                return
+            self._at += 1
+            if self._string:
+                if self._escape:
+                    self._escape = False
+                elif c == "\\":
+                    self._escape = True
+                elif c == '"':
+                    self._string = False
+            elif c == '"':
+                self._string = True
+            elif c in "{[":
+                self._depth += 1
+            elif c in "}]":
+                self._depth -= 1
+                if self._depth == 0:
+                    self._state = "tail"
+                    return
+
+
+_TAIL = re.compile(r"\s*\}\s*" + re.escape(CLOSE))
+
+
+def _may_become(rest: str) -> bool:
+    """Whether text after the calls read so far may still become a call's head (or is nothing)."""
+    head = rest.lstrip()
+    if not head:
+        return True
+    if not (head.startswith(OPEN) or OPEN.startswith(head)):
+        return False
+    key = head.split('"arguments"', 1)
+    return len(head) <= CallReader.HEAD_CHARS and (len(key) == 1 or ":" not in key[1])
