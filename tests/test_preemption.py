@@ -20,7 +20,7 @@ from .test_generate import decoder, padded_batch
 from .test_lanes import hf_no_eos
 
 
-def test_a_session_counts_a_block_more_only_where_the_room_holds_it_and_waiters_yield_to_preempted_calls() -> None:
+def test_a_session_grows_a_block_only_where_the_room_holds_it_and_waiters_yield_to_preempted_calls() -> None:
     table = SessionTable(2, "m", max_queued=4, context=64)
     table.reserve(1, 32)
     assert table.grow(64) and table.tokens == 96
@@ -36,7 +36,7 @@ def test_a_session_counts_a_block_more_only_where_the_room_holds_it_and_waiters_
     assert table.open == 1 and table.tokens == 32
 
 
-def run_together(engine: Engine, model: Any, prompts: list[torch.Tensor], new: int) -> dict[int, torch.Tensor]:
+def run_together(engine: Engine, model: Any, prompts: list[torch.Tensor], new: int) -> dict[int, Any]:
     """Each prompt's answer of ``new`` tokens (no end-of-text), the calls started together."""
     got: dict[int, torch.Tensor] = {}
     errors: list[BaseException] = []
@@ -63,7 +63,7 @@ def run_together(engine: Engine, model: Any, prompts: list[torch.Tensor], new: i
 
 
 @pytest.mark.parametrize("lanes", [False, True], ids=["groups", "lanes"])
-def test_calls_that_outgrow_the_room_are_preempted_and_recomputed_answering_as_hugging_face(lanes: bool) -> None:
+def test_calls_that_outgrow_the_room_are_preempted_then_recomputed_as_hugging_face(lanes: bool) -> None:
     """Room for 2 sessions of 64 tokens (128): three calls of 40 new tokens start at once, each
     counting 32 (prompt and headroom); as they decode they need 64 each, more than the room holds,
     so the newest is preempted and recomputed after. Every answer is Hugging Face's greedy one,

@@ -95,7 +95,10 @@ def test_any_logits_under_a_tool_grammar_give_a_call_of_a_known_tool(tok: Any) -
                       (TIME,)) is None
 
 
-def pieces(text: str, step: int) -> tuple[CallReader, dict[int, str], list[tuple[int, str | None, str | None]]]:
+Head = tuple[int, str | None, str | None]
+
+
+def pieces(text: str, step: int) -> tuple[CallReader, dict[int, str], list[Head]]:
     """``text`` fed to a reader ``step`` characters more at a time: its calls' arguments joined, and
     each piece's (call, id, name)."""
     reader, joined, heads = CallReader(), {}, []
@@ -235,10 +238,12 @@ def test_a_required_or_named_tool_is_called_and_its_answer_goes_back(live: Any) 
     tools = [{"type": "function", "function": {"name": t.name, "description": t.description,
                                                "parameters": t.parameters}} for t in (WEATHER, TIME)]
     ask = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+    made = {}
     for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
         got = live.chat.completions.create(model="smollm2", messages=ask, tools=tools, tool_choice=choice,
                                            max_tokens=60, temperature=0)
         c = got.choices[0]
+        made[str(choice)] = c.message.tool_calls
         assert c.finish_reason == "tool_calls" and c.message.content is None
         assert len(c.message.tool_calls) == 1
         call = c.message.tool_calls[0]
@@ -259,6 +264,21 @@ def test_a_required_or_named_tool_is_called_and_its_answer_goes_back(live: Any) 
     assert all(p.id is None and p.function.name is None for p in parts[1:])
     assert "".join(p.function.arguments for p in parts) == call.function.arguments
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "tool_calls"
+    # n = 2: each choice a call of its own (its own id), unstreamed and streamed
+    want = made["required"][0].function
+    two = live.chat.completions.create(model="smollm2", messages=ask, tools=tools, tool_choice="required",
+                                       max_tokens=60, temperature=0, n=2)
+    assert [c.finish_reason for c in two.choices] == ["tool_calls"] * 2
+    assert [(c.message.tool_calls[0].function.name, c.message.tool_calls[0].function.arguments)
+            for c in two.choices] == [(want.name, want.arguments)] * 2
+    assert two.choices[0].message.tool_calls[0].id != two.choices[1].message.tool_calls[0].id
+    joined: dict[int, str] = {}
+    for ch in live.chat.completions.create(model="smollm2", messages=ask, tools=tools, tool_choice="required",
+                                           max_tokens=60, temperature=0, n=2, stream=True):
+        for c in ch.choices:
+            for tc in c.delta.tool_calls or []:
+                joined[c.index] = joined.get(c.index, "") + tc.function.arguments
+    assert joined == {0: want.arguments, 1: want.arguments}
     # the follow-up turn: the call and the tool's answer, then a text answer
     follow = live.chat.completions.create(model="smollm2", tools=tools, max_tokens=24, temperature=0,
                                           messages=[

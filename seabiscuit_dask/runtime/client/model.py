@@ -279,7 +279,8 @@ class DistributedModel:
         and what is free of it (``kv_tokens``, ``kv_tokens_free``: 0 where the deployment kept
         none), the calls running and waiting to start and the rows of calls waiting for room now,
         the finished sessions' caches kept and the share of new sessions that reused one
-        (``prefix_kept``, ``prefix_hit_rate``; ``prefix_hits`` and ``prefix_tokens`` so far),
+        (``prefix_kept``, ``prefix_hit_rate``; ``prefix_hits`` and ``prefix_tokens`` so far), the calls
+        preempted where the KV room ran out mid-answer and recomputed (``preemptions``),
         and the step programs built: per program (a shape, or ``decode`` and ``prefill`` of any
         shape) its Dask tasks per step and what building it cost."""
         stats: dict[str, Any] = self._engine.stats.as_dict() if self._engine is not None else {}

@@ -353,6 +353,7 @@ class Engine:
                 s.room = r
             call.room, call.preempted, call.finished = sum(rooms), None, False
             self.scheduler.add(call, first=True)
+            self._cond.notify_all()         # NOTE: calls waiting for room, held back while it waited
 
     def open_session(self) -> Session:
         """A session kept across calls (``DistributedModel.session``); counted until ``close_session``."""
