@@ -674,9 +674,9 @@ async def _stream(server: Server, model: ServedModel, req: api.GenerationRequest
             if calls:       # NOTE: each call whole in one chunk: clients join the pieces of a call by index
                 delta = {"tool_calls": [{"index": k, **c.as_dict()} for k, c in enumerate(calls)]}
             elif part is not None:      # NOTE: a piece of a call as it is written; its first names it
-                head = {"id": part.id, "type": "function"} if part.id is not None else {}
+                ident = {"id": part.id, "type": "function"} if part.id is not None else {}
                 name = {"name": part.name} if part.name is not None else {}
-                delta = {"tool_calls": [{"index": part.call, **head,
+                delta = {"tool_calls": [{"index": part.call, **ident,
                                          "function": {**name, "arguments": part.arguments}}]}
             choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": logprobs,
                                       "finish_reason": reason}
