@@ -51,6 +51,32 @@ def test_a_fork_copies_the_first_slots_of_every_layer_and_counts_them() -> None:
     assert store.fork("m", 9, 6, 10) == 0 and store.sessions("m") == {0: 40, 5: 35}
 
 
+def test_the_bytes_a_store_holds_are_counted_as_its_caches_come_grow_and_go() -> None:
+    """``KVStore.nbytes`` is kept as caches are written, grown, copied, renamed over another, dropped
+    and cleared (not summed each time a cache grows): at every point, the sum of what it holds."""
+    store = KVStore()
+
+    def summed() -> int:
+        return sum(c.nbytes for layers in store.caches.values() for c in layers.values())
+
+    k = torch.randn(2, 70, 4)
+    for layer in (0, 1):
+        store.write("m", 0, layer, 0, k[:, :20], -k[:, :20], 1024)
+    assert store.nbytes == summed() == 2 * 2 * 32 * 2 * 4 * 4
+    for layer in (0, 1):
+        store.write("m", 0, layer, 20, k[:, 20:70], -k[:, 20:70], 1024)     # NOTE: grows to 96 slots
+    assert store.nbytes == summed()
+    store.fork("m", 0, 1, 40)
+    store.fork("m", 0, 1, 60)            # NOTE: over the copy before
+    store.write("n", 5, 0, 0, k, k)
+    assert store.nbytes == summed()
+    store.rename("m", 1, 0, 10)          # NOTE: session 0's caches go, 1's become 0's
+    assert store.nbytes == summed() and store.sessions("m") == {0: 10}
+    assert store.drop("n") > 0 and store.nbytes == summed()
+    store.clear()
+    assert store.nbytes == 0 == summed()
+
+
 def test_a_prompt_that_begins_as_a_finished_one_prefills_only_the_rest() -> None:
     """Room for one session of 64 tokens: a 20-token prompt's cache is kept (a block of 32), the
     same prompt with 5 more tokens starts from it; a call that needs the whole room lets both

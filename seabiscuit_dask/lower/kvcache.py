@@ -59,18 +59,27 @@ class KVStore:
     """The KV caches of one process: ``(model, session) -> {layer: LayerCache}``.
 
     ``reserve(nbytes, what)`` is called before a cache grows (it raises to refuse);
-    the lock guards the table, never a computation.
+    the lock guards the table, never a computation. The bytes held are counted as caches come,
+    grow and go (``nbytes``: asked before every growth, so not summed over every cache each time).
     """
 
     def __init__(self, reserve: Callable[[int, str], None] | None = None) -> None:
         self.reserve = reserve
         self.caches: dict[tuple[str, int], dict[int, LayerCache]] = {}
         self._lock = threading.RLock()
+        self._bytes = 0
 
     @property
     def nbytes(self) -> int:
+        return self._bytes
+
+    def clear(self) -> None:
         with self._lock:
-            return sum(c.nbytes for layers in self.caches.values() for c in layers.values())
+            self.caches.clear()
+            self._bytes = 0
+
+    def _bytes_of(self, layers: Mapping[int, LayerCache] | None) -> int:
+        return sum(c.nbytes for c in layers.values()) if layers else 0
 
     def bytes_by_model(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -107,14 +116,16 @@ class KVStore:
         """Forget the caches of ``sessions`` of ``model`` (all when None); returns bytes freed."""
         with self._lock:
             keys = [k for k in self.caches if k[0] == model and (sessions is None or k[1] in sessions)]
-            return sum(c.nbytes for k in keys for c in self.caches.pop(k).values())
+            freed = sum(self._bytes_of(self.caches.pop(k)) for k in keys)
+            self._bytes -= freed
+            return freed
 
     def rename(self, model: str, old: int, new: int, keep: int) -> int:
         """Session ``old``'s caches become session ``new``'s, cut to their first ``keep`` slots (a
         conversation cut back, ``Engine._rewind``): a step of ``old`` still running finds nothing
         to write to. Returns the slots kept (the least over layers; 0 for none here)."""
         with self._lock:
-            self.caches.pop((model, new), None)
+            self._bytes -= self._bytes_of(self.caches.pop((model, new), None))
             layers = self.caches.pop((model, old), None)
             if not layers:
                 return 0
@@ -143,6 +154,7 @@ class KVStore:
         if not out:
             return 0
         with self._lock:
+            self._bytes += self._bytes_of(out) - self._bytes_of(self.caches.get((model, int(dst))))
             self.caches[(model, int(dst))] = out
         return min(c.length for c in out.values())
 
@@ -192,7 +204,9 @@ class KVStore:
             new.v[:, :c.length] = c.v[:, :c.length]
             new.length = c.length
         with self._lock:
-            self.caches.setdefault((model, session), {})[layer] = new
+            layers = self.caches.setdefault((model, session), {})
+            self._bytes += new.nbytes - (layers[layer].nbytes if layer in layers else 0)
+            layers[layer] = new
         return new
 
 

@@ -70,6 +70,10 @@ class ResidentBlocks:
         self._running = threading.local()             # the device of the block this thread runs
         self.programs: dict[tuple[str, int], BlockProgram] = {}
         self.tiles: dict[str, dict[TileKey, torch.Tensor]] = {}
+        # NOTE: the tiles' bytes, summed once after tiles come or go (a cache's growth asks for them):
+        # (the tiles' generation it was summed at, bytes); the generation moves with every change
+        self._tile_gen = 0
+        self._tile_bytes = (-1, 0)
         self.tile_crc: dict[str, dict[TileKey, int]] = {}
         self.versions: dict[str, int] = {}
         self.released: set[str] = set()              # model ids are never reused
@@ -123,7 +127,11 @@ class ResidentBlocks:
     @property
     def weight_bytes(self) -> int:
         """Bytes of weight tiles held for resident blocks, each tile once."""
-        return sum(tensor_bytes(t) for tiles in list(self.tiles.values()) for t in list(tiles.values()))
+        gen, (seen, held) = self._tile_gen, self._tile_bytes
+        if seen != gen:
+            held = sum(tensor_bytes(t) for tiles in list(self.tiles.values()) for t in list(tiles.values()))
+            self._tile_bytes = (gen, held)      # NOTE: a change meanwhile moved the generation: summed again
+        return held
 
     @property
     def resident_bytes(self) -> int:
@@ -233,6 +241,7 @@ class ResidentBlocks:
             for key, (t, c) in read.items():
                 tiles.setdefault(key, t)
                 crcs.setdefault(key, c)
+            self._tile_gen += 1
             program = BlockProgram.load(spec, lambda p: tiles[tile_key(p)].to(dev), dev, fuse)
             if keep:
                 self.programs[(spec.model, spec.index)] = program
@@ -353,6 +362,7 @@ class ResidentBlocks:
         """Forget ``model``'s blocks and tiles (lock held); returns the tile bytes freed."""
         for k in [k for k in self.programs if k[0] == model]:
             del self.programs[k]
+        self._tile_gen += 1
         return sum(tensor_bytes(t) for t in self.tiles.pop(model, {}).values())
 
     def release(self, model: str) -> int:
@@ -372,7 +382,8 @@ class ResidentBlocks:
         with self._lock:
             self.programs.clear()
             self.tiles.clear()
-            self.kv.caches.clear()
+            self._tile_gen += 1
+            self.kv.clear()
             self._stores.clear()
 
 
