@@ -1,6 +1,6 @@
 """Make docs/dashboard-serving.png: the SeaBiscuit dashboard page while ``seabiscuit serve`` answers
-real load (SmolLM2 on three local workers, 16 streaming OpenAI clients on 8 sessions' room), seen in
-Chromium.
+real load (SmolLM2 over two of three local workers, 16 streaming OpenAI clients asking for answers of 32
+to 64 tokens on 8 sessions' room), seen in Chromium.
 
 Run from the repository root: ``PYTHONPATH=. python docs/serving_screenshot.py [out.png]`` (needs
 Debian's ``chromium``; about two minutes on two cores).
@@ -17,12 +17,14 @@ import openai
 from distributed import Client, LocalCluster
 
 import seabiscuit_dask as sb
+from seabiscuit_dask.dashboard.page import TITLES
 from seabiscuit_dask.serve import Server, make_app
 from seabiscuit_dask.serve.server import Source, deploy, load, running
 from tests.browser import BOKEH_PLOTS_JS, chromium_page, write_png
 from tests.clusters import wait_for
 
 CLIENTS = 16
+SERVING = [TITLES[k] for k in ("serving_load", "serving_tokens", "serving_latency", "memory")]
 QUESTIONS = ["What is the capital of France?", "Name three rivers of Europe.", "Why is the sky blue?",
              "Write a haiku about the sea.", "What is 12 times 13?", "Who wrote Hamlet?"]
 
@@ -33,16 +35,17 @@ def chat(url: str, i: int, until: float) -> None:
     k = i
     while time.time() < until:
         ask = [{"role": "user", "content": QUESTIONS[k % len(QUESTIONS)]}]
-        stream = api.chat.completions.create(model="smollm2", stream=True, max_tokens=48, temperature=0,
-                                             messages=ask)
+        stream = api.chat.completions.create(model="smollm2", stream=True, max_tokens=32 + 8 * (i % 5),
+                                             temperature=0, messages=ask)
         for _ in stream:
             pass
         k += 1
 
 
 def main(out: Path) -> None:
+    # NOTE: budgets that take two of the three workers to hold the model (as bench_serve.py sizes them)
     with LocalCluster(n_workers=3, threads_per_worker=1, dashboard_address="127.0.0.1:0",
-                      resources={"MEM": 1e9}) as cluster, Client(cluster) as client:
+                      resources={"MEM": 500e6}) as cluster, Client(cluster) as client:
         client.register_plugin(sb.SeaBiscuitSchedulerPlugin())
         page_url = f"http://127.0.0.1:{cluster.scheduler.http_server.port}/seabiscuit"
         served = deploy(load(Source("gguf", None, "smollm2"), print), client, sessions=8, context=512,
@@ -55,9 +58,11 @@ def main(out: Path) -> None:
             time.sleep(50)          # NOTE: a minute of load on the page's time axis, then the picture
             with chromium_page(1400, 1700) as page:
                 page.navigate(page_url)
-                wait_for(lambda: (p := page.evaluate(BOKEH_PLOTS_JS)) and
-                         all(x["glyph_pixels"] > 0 for x in p if "GPU" not in x["title"]), "plots")
+                drawn = wait_for(lambda: (p := page.evaluate(BOKEH_PLOTS_JS)) and all(
+                    x["glyph_pixels"] > 0 for x in p if x["title"] in SERVING) and p, "the serving figures")
                 print(f"wrote {write_png(page.screenshot(), out)}")
+                for x in drawn:
+                    print(f"{x['glyph_pixels']:>8} pixels drawn: {x['title']}")
             for t in clients:
                 t.join()
         served.dm.close()
