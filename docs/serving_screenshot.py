@@ -1,6 +1,7 @@
 """Make docs/dashboard-serving.png: the SeaBiscuit dashboard page while ``seabiscuit serve`` answers
 real load (SmolLM2 over two of three local workers, 16 streaming OpenAI clients asking for answers of 32
-to 64 tokens on 8 sessions' room), seen in Chromium.
+to 64 tokens on 8 sessions' room), seen in Chromium; and docs/dask-status-serving.png, Dask's own
+status page at the same time (its task stream draws the data plane's block runs).
 
 Run from the repository root: ``PYTHONPATH=. python docs/serving_screenshot.py [out.png]`` (needs
 Debian's ``chromium``; about two minutes on two cores).
@@ -50,12 +51,16 @@ def main(out: Path) -> None:
         page_url = f"http://127.0.0.1:{cluster.scheduler.http_server.port}/seabiscuit"
         served = deploy(load(Source("gguf", None, "smollm2"), print), client, sessions=8, context=512,
                         budget=None, device=None)
+        status_url = page_url.replace("/seabiscuit", "/status")
         with running(make_app(Server([served]))) as url:
             until = time.time() + 75
             clients = [threading.Thread(target=chat, args=(url, i, until)) for i in range(CLIENTS)]
             for t in clients:
                 t.start()
-            time.sleep(50)          # NOTE: a minute of load on the page's time axis, then the picture
+            with chromium_page(1400, 1000) as status:
+                status.navigate(status_url)         # NOTE: Dask's task stream starts with its page
+                time.sleep(50)      # NOTE: a minute of load on the pages' time axes, then the pictures
+                print(f"wrote {write_png(status.screenshot(), out.with_name('dask-status-serving.png'))}")
             with chromium_page(1400, 1700) as page:
                 page.navigate(page_url)
                 drawn = wait_for(lambda: (p := page.evaluate(BOKEH_PLOTS_JS)) and all(

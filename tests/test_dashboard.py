@@ -125,6 +125,37 @@ def test_timeline_route_has_every_block_of_every_request(served) -> None:
     assert e.value.code == 400
 
 
+def test_data_plane_runs_are_on_dasks_own_task_stream(served) -> None:
+    """Dask's status page draws the block runs of the data plane (no Dask task runs them) in its task
+    stream, each on the worker that ran it, named by its program, beside Dask's own tasks."""
+    from dask.utils import key_split
+    from distributed.diagnostics.task_stream import rectangles
+
+    base, client, dm = served
+    assert 'href="seabiscuit"' in get(f"{base}/status").decode()    # NOTE: the page starts Dask's task stream
+
+    def ours(dask_scheduler) -> list[dict]:
+        stream = dask_scheduler.plugins["task-stream"].buffer
+        return [r for r in stream if str(r["key"]).startswith("seabiscuit-")]
+
+    x = M.ids()
+    with torch.no_grad():
+        for _ in range(2):
+            dm(x)
+    spec = dm.plan.spec
+    workers = {spec.devices[spec.names.index(b.device)].address for b in dm.plan.blocks}
+
+    def every_worker() -> list[dict] | None:
+        runs = client.run_on_scheduler(ours)
+        return runs if {r["worker"] for r in runs} == workers else None
+
+    runs = wait_for(every_worker, "every worker's runs on the task stream")
+    assert {key_split(r["key"]) for r in runs} == {"seabiscuit-forward"}
+    drawn = rectangles(runs)        # NOTE: what the status page's task stream figure draws of them
+    assert len(drawn["start"]) == len(runs) and all(d > 0 for d in drawn["duration"])
+    assert set(drawn["name"]) == {"seabiscuit-forward"}
+
+
 def test_events_route_shows_a_drain_with_its_cost(served) -> None:
     base, _, dm = served
     events = api(base, "events")

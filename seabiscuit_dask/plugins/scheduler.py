@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -38,7 +39,7 @@ from ..dashboard import Activity, Serving
 from ..dashboard import install as install_dashboard
 from ..errors import AccessDenied, SeaBiscuitError, UnknownWorker, WorkerHung
 from ..ir import OpGraph
-from ..lower.blocks import parse_key
+from ..lower.blocks import parse_key, split_block
 from ..lower.registry import require_registered
 from ..placement import CapacityChanged, DeviceAdded, DeviceLost, DeviceSpec, Plan
 from ..runtime import access
@@ -176,6 +177,7 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
         batch = [r for r in list(runs or ())[:10_000] if isinstance(r, dict)]
         for one in batch:
             self._ran(one)
+        self._task_stream(address, batch)
         samples = []
         for x in list(links or ())[:10_000]:
             try:
@@ -193,6 +195,30 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
     def links(self, comm: Any = None) -> list[dict[str, Any]]:
         """Every link the data plane measured: estimate, the figures plans use, relay, history."""
         return self.state.links_data()
+
+    def _task_stream(self, address: str, runs: list[dict[str, Any]]) -> None:
+        """The data plane's block runs on Dask's own task stream (the status page), beside the tasks
+        Dask ran: a run reached no Dask task, so the page would look idle while models answer. Each
+        is named ``seabiscuit-<program>`` (``forward``, or ``step``: one colour each) and drawn on the
+        worker that reported it."""
+        stream = (getattr(self.scheduler, "plugins", None) or {}).get("task-stream")
+        buffer = getattr(stream, "buffer", None)
+        if buffer is None:
+            return
+        for r in runs:
+            try:
+                model, block = str(r["model"]), int(r["block"])
+                start, took = float(r["start"]), float(r["compute_s"])
+            except (KeyError, TypeError, ValueError):
+                continue
+            if model not in self.state.models or not (math.isfinite(start) and math.isfinite(took)) \
+                    or took < 0:
+                continue
+            kind = "step" if split_block(block)[0] else "forward"
+            buffer.append({"key": f"seabiscuit-{kind}-{model[:8]}-b{block}", "worker": address, "thread": 0,
+                           "startstops": [{"action": "compute", "start": start, "stop": start + took}],
+                           "status": "OK", "nbytes": 0, "type": None, "metadata": {}})
+            stream.index += 1
 
     def _ran(self, msg: dict[str, Any]) -> None:
         model = str(msg.get("model"))
