@@ -410,3 +410,57 @@ def test_a_steps_tokens_are_told_as_the_next_step_leaves_on_idle_streams(monkeyp
     assert pair.loop_tokens([10, 11, 12, 13], before) == expected(4, 7, 4)
     for r in (11, 12):          # NOTE: on the loop (10 ran on a thread: its time was unknown)
         assert events.index(("told", r)) < events.index(("b1", r + 1))
+
+
+# NOTE: a model whose whole step is one block on one worker: the block reads the step's inputs and makes
+# the logits (3 * token + position + 1, as the three-block step)
+ONE = {0: spec(0, A, {"input_ids": -1, "position_ids": -1}, ("logits",), outputs=("logits",))}
+ROUTES[id(ONE)] = [(A, [(0, ("input_ids", "position_ids"))])]
+
+
+class One(Pair):
+    """Worker A alone, its one block the whole step; ``wait(request)``: what its compute waits for."""
+
+    def __init__(self, wait: Callable[[int], None]) -> None:
+        self.wait = wait
+        super().__init__(specs=ONE)
+
+    def _compute(self, address: str) -> Any:
+        def run(model, version, request, b, imports):
+            self.wait(request)
+            self.ran.append((address, b, request, threading.get_ident()))
+            h = imports["input_ids"] * 3 + imports["position_ids"] + 1
+            return {"logits": torch.nn.functional.one_hot(h.long() % VOCAB, VOCAB).float()}, "computed"
+        return run
+
+    async def tokens(self, request: int) -> int:
+        got = await asyncio.wait_for(self.planes[A].collect(MODEL, TICKET, 0, request, [0], tokens="logits"),
+                                     30)
+        return int(got[0]["logits"][0])
+
+
+def test_a_step_that_is_one_block_tells_its_tokens_as_the_next_step_computes(monkeypatch) -> None:
+    """Where one block is the whole step (a model on one worker), the block is not chained to the next
+    step's (itself: ``Run._chain``): each step's tokens are told while the next step computes, one
+    step at a time, not two at once after it. Each step's compute here waits for the caller to be
+    told of the step before; chained, it would wait in vain (its step's tokens come after it)."""
+    requests = [10, 11, 12, 13]
+    told = {r: threading.Event() for r in requests}
+    waited: list[bool] = []
+
+    def wait(request: int) -> None:
+        if request - 1 in told:
+            waited.append(told[request - 1].wait(10))
+
+    pair = One(wait)
+    notify = Run.notify
+
+    def telling(self: Run) -> None:
+        if self.keeper is pair.planes[A] and self.request in told:
+            told[self.request].set()
+        notify(self)
+
+    monkeypatch.setattr(Run, "notify", telling)
+    assert pair.loop_tokens(requests) == expected(4, 7, 4)
+    assert waited == [True, True, True]
+    assert [r for _, _, r, _ in pair.ran] == requests

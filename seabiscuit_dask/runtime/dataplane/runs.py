@@ -315,8 +315,8 @@ class Run:
 
     def _chain(self, br: BlockRun, args: ComputeArgs) -> Chain | None:
         """A ``Chain`` of ``br`` and the next decode step's blocks here, where ``br`` makes the
-        logits of a loop that goes on and each of those blocks is resident and reads only the
-        step's inputs; else None."""
+        logits of a loop that goes on and each of those blocks is resident, reads only the step's
+        inputs and does not make the logits itself; else None."""
         loop, host = self.keeper.loops.get(self.key), self.keeper.host
         pending = getattr(host.executor, "pending", None)
         if loop is None or not loop.requests or pending is None or br.spec is None \
@@ -325,7 +325,10 @@ class Run:
         feeds = [(b, names) for address, fs in loop.route if address == host.address for b, names in fs]
         for b, names in feeds:
             spec = host.spec_of(self.model, self.version, b)
-            if spec is None or not set(spec.imports) <= set(names) or not self._inline(b):
+            # NOTE: nor where a next block makes the logits itself (the whole step here, one worker): its
+            # caller would hear of this step's tokens only once the next step was computed, two at a time
+            if spec is None or not set(spec.imports) <= set(names) or not self._inline(b) \
+                    or loop.logits in spec.exports:
                 return None
         return Chain(host.compute, args, loop, feeds, lambda: pending() == 0) if feeds else None
 
