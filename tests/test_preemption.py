@@ -12,7 +12,7 @@ import dask.config
 import pytest
 import torch
 
-from seabiscuit_dask.errors import ModelClosed, QueueTimeout
+from seabiscuit_dask.errors import Busy, ModelClosed, QueueTimeout
 from seabiscuit_dask.runtime.generation import Engine, LocalRunner, SessionTable
 from seabiscuit_dask.runtime.generation.hf import GenerateArgs, stream_tokens
 
@@ -113,3 +113,66 @@ def test_a_call_preempted_as_the_deployment_closes_is_told_so() -> None:
     with pytest.raises(ModelClosed):
         list(first)
     assert engine.sessions.held == 0 and engine.sessions.tokens == 0 and engine.sessions.open == 0
+
+
+def test_a_call_that_cannot_be_recomputed_while_kept_sessions_hold_the_room_is_told_why() -> None:
+    """Room for 2 x 64 tokens: a 2-row call counts 64, then a kept session (``dm.session()``) takes
+    the other 64. The call outgrows the room, is preempted, and can never fit while the session is
+    open and nothing else runs: it ends with ``Busy`` naming the numbers instead of waiting, and
+    the next call runs. A kept session is not opened while a preempted call waits."""
+    model = decoder("llama")
+    engine = Engine(LocalRunner(model, "64KiB"), max_sessions=2, context=64, max_chunk=32)
+    ids = padded_batch((10, 10), seed=3)[0]
+    args = GenerateArgs.make(model.generation_config, 10, max_new_tokens=50, pad_token_id=0, eos_token_id=[])
+    stream = stream_tokens(engine, ids, args, torch.ones_like(ids))
+    next(stream)
+    kept = engine.open_session()
+    with pytest.raises(Busy, match=r"needs 128 KV tokens to go on; 64 of 128 are held by sessions kept open"):
+        list(stream)
+    assert engine.stats.preemptions == 1 and engine.sessions.held == 0 and not engine._preempted
+    short = GenerateArgs.make(model.generation_config, 10, max_new_tokens=3, pad_token_id=0, eos_token_id=[])
+    one = ids[:1]
+    got = torch.stack(list(stream_tokens(engine, one, short, torch.ones_like(one))), dim=1)
+    assert torch.equal(torch.cat([one, got], dim=1), hf_no_eos(model, one, 3))
+    engine.close_session(kept)
+    engine.sessions.held = 1        # NOTE: as while a preempted call waits
+    with pytest.raises(Busy, match="waits to be recomputed"):
+        engine.open_session()
+    engine.sessions.held = 0
+    engine.close()
+
+
+@pytest.mark.parametrize("lanes", [False, True], ids=["groups", "lanes"])
+def test_rows_that_ended_before_their_call_was_preempted_leave_no_kept_cache_behind(lanes: bool) -> None:
+    """With prefix caching: a 2-row call one row of which met its end-of-text early is preempted (a
+    longer call runs beside it) and recomputed. Its ended row's cache went with the preemption, so
+    when the call ends only caches that exist are kept for later prompts; a prompt that begins as
+    the other row did answers as Hugging Face."""
+    model = decoder("llama")
+    ids = padded_batch((20, 20), seed=5)[0]
+    other = padded_batch((20,), seed=7)[0]
+    first, second = (hf_no_eos(model, ids[i:i + 1], 80)[0, 20:].tolist() for i in (0, 1))
+    eos = next(t for t in first[1:6] if t not in second)        # NOTE: row 0 ends early, row 1 never
+    with dask.config.set({"seabiscuit.generate.prefix-caching": True}):
+        engine = Engine(LocalRunner(model, "64KiB", lanes=lanes), max_sessions=2, context=128, max_chunk=32)
+    long = GenerateArgs.make(model.generation_config, 20, max_new_tokens=100, pad_token_id=0, eos_token_id=[])
+    two = GenerateArgs.make(model.generation_config, 20, max_new_tokens=80, pad_token_id=0,
+                            eos_token_id=[eos])
+    beside = stream_tokens(engine, other, long, torch.ones_like(other))
+    next(beside)
+    answers = stream_tokens(engine, ids, two, torch.ones_like(ids))
+    reader = threading.Thread(target=lambda: list(beside))
+    reader.start()
+    rows = torch.stack(list(answers), dim=1)
+    reader.join()
+    assert engine.stats.preemptions >= 1
+    cut = first.index(eos) + 1
+    assert rows[1].tolist() == second and rows[0, :cut].tolist() == first[:cut]
+    held = engine.runner.store.sessions("local")
+    assert all(held.get(sid, 0) >= len(k.tokens) for sid, k in engine.prefixes.kept.items())
+    again = torch.tensor([ids[1].tolist() + second[:3] + [5, 6, 7]])
+    args = GenerateArgs.make(model.generation_config, again.shape[1], max_new_tokens=4, pad_token_id=0,
+                             eos_token_id=[])
+    got = torch.stack(list(stream_tokens(engine, again, args, torch.ones_like(again))), dim=1)
+    assert torch.equal(torch.cat([again, got], dim=1), hf_no_eos(model, again, 4))
+    engine.close()

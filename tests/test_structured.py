@@ -133,6 +133,12 @@ def test_calls_are_read_piece_by_piece_as_written_and_join_to_the_calls_read_who
         reader, joined, _ = pieces(text, 3)
         calls = read_calls(text, (WEATHER, TIME), reader.ids)
         assert calls is not None and not reader.lost and joined == {0: calls[0].arguments}
+    # a closing tag inside an argument's string is the string's: the call ends where its JSON does
+    text = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "</tool_call>"}}\n</tool_call>'
+    reader, joined, _ = pieces(text, 4)
+    calls = read_calls(text, (TIME,), reader.ids)
+    assert calls is not None and joined == {0: calls[0].arguments} == {0: '{"zone": "</tool_call>"}'}
+    assert read_calls(text + "<tool_call>", (TIME,)) is None
     # text that is not a call, or a call whose name comes after its arguments, is lost: read at its end
     for text in ("The weather is fine", '<tool_call>\n{"arguments": {"zone": "UTC"}, "name": "get_time"}'):
         reader, joined, heads = pieces(text, 1)
@@ -264,6 +270,16 @@ def test_a_required_or_named_tool_is_called_and_its_answer_goes_back(live: Any) 
     assert all(p.id is None and p.function.name is None for p in parts[1:])
     assert "".join(p.function.arguments for p in parts) == call.function.arguments
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "tool_calls"
+    # a call cut by max_tokens: unstreamed, its text as it was; streamed, its pieces and no text
+    cut = live.chat.completions.create(model="smollm2", messages=ask, tools=tools, tool_choice="required",
+                                       max_tokens=20, temperature=0)
+    assert cut.choices[0].finish_reason == "length" and not cut.choices[0].message.tool_calls
+    assert cut.choices[0].message.content.startswith('<tool_call>\n{"name": "get_weather", "arguments": {')
+    streamed = [c.choices[0] for c in live.chat.completions.create(
+        model="smollm2", messages=ask, tools=tools, tool_choice="required", max_tokens=20, temperature=0,
+        stream=True) if c.choices]
+    assert not "".join(c.delta.content or "" for c in streamed) and streamed[-1].finish_reason == "length"
+    assert any(c.delta.tool_calls for c in streamed)
     # n = 2: each choice a call of its own (its own id), unstreamed and streamed
     want = made["required"][0].function
     two = live.chat.completions.create(model="smollm2", messages=ask, tools=tools, tool_choice="required",

@@ -203,7 +203,7 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
         worker that reported it."""
         stream = (getattr(self.scheduler, "plugins", None) or {}).get("task-stream")
         buffer = getattr(stream, "buffer", None)
-        if buffer is None:
+        if stream is None or buffer is None:
             return
         for r in runs:
             try:

@@ -693,12 +693,15 @@ async def _stream(server: Server, model: ServedModel, req: api.GenerationRequest
                 prefix = model.tokenizer.decode(rows[i // req.n])
                 offsets[i] = len(prefix)
                 yield chunk(i, prefix, None)
+        parted: set[int] = set()        # NOTE: choices whose call went out piece by piece
         async for ev in _chain(first, events):
             if isinstance(ev, Delta):
                 timing.token()
-                yield chunk(ev.index, ev.text, None, lps=ev.logprobs)
+                if ev.index not in parted:      # NOTE: a call cut short: its pieces went out, not its text
+                    yield chunk(ev.index, ev.text, None, lps=ev.logprobs)
             elif isinstance(ev, ToolCallPart):
                 timing.token()
+                parted.add(ev.index)
                 yield chunk(ev.index, None, None, part=ev.part)
             elif isinstance(ev, ToolCalls) and not ev.streamed:
                 timing.token()

@@ -309,8 +309,8 @@ class ServedModel:
                             yield Finish(i, "tool_calls", len(made[i].tokens),
                                          getattr(stream, "admitted", None))
                             continue
-                        # NOTE: all of it so far, as text; not a call cut short whose pieces went out
-                        delta = "" if sent else scans[i].text[:scans[i].sent]
+                        # NOTE: all of it so far, as text (a stream whose call's pieces went out sends none)
+                        delta = scans[i].text[:scans[i].sent]
                     # NOTE: log-probabilities alone go only where no text is held back (a stop string's start)
                     if delta or (pending[i] and not scans[i].stopped and scans[i].sent == len(scans[i].text)):
                         yield Delta(i, delta, len(made[i].tokens), tuple(pending[i]))

@@ -24,7 +24,6 @@ from ..runtime.generation.grammar import JSON_OPTIONS
 from .api import Tool
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-_CALL = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.S)
 # NOTE: a call's head as Hermes-style models and ``call_grammar`` write it: its name, then its arguments
 _NAMED = r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*'
 _HEAD = re.compile(r"\s*" + re.escape(OPEN) + r"\s*" + _NAMED)
@@ -107,19 +106,12 @@ def read_calls(text: str, tools: tuple[Tool, ...], ids: list[str] | None = None)
     JSON objects; else None (the answer is text). Each call's arguments are their text as the model
     wrote them (where its name comes first, as it is told to write it: what its streamed fragments
     join to), and its id the one of ``ids`` it was streamed with, if any."""
-    body = text.strip()
-    if not body.startswith(OPEN):
-        return None
-    found = _CALL.findall(body)
-    if not found or _CALL.sub("", body).strip():
+    found = _calls_in(text.strip())
+    if not found:
         return None
     names = {t.name for t in tools}
     calls: list[ToolCall] = []
-    for raw in found:
-        try:
-            call = json.loads(raw)
-        except ValueError:
-            return None
+    for raw, call in found:
         if not isinstance(call, dict) or call.get("name") not in names or \
                 not isinstance(call.get("arguments"), dict):
             return None
@@ -129,6 +121,31 @@ def read_calls(text: str, tools: tuple[Tool, ...], ids: list[str] | None = None)
         calls.append(ToolCall(call["name"], arguments, ids[len(calls)] if ids and len(calls) < len(ids)
                               else call_id()))
     return calls
+
+
+def _calls_in(body: str) -> list[tuple[str, Any]] | None:
+    """Each call's JSON text and value where ``body`` is nothing but ``<tool_call>`` JSON
+    ``</tool_call>`` pieces; else None. A call ends where its JSON does (its strings may hold
+    anything, a closing tag too), then its closing tag must follow."""
+    out: list[tuple[str, Any]] = []
+    at = 0
+    while at < len(body):
+        if not body.startswith(OPEN, at):
+            return None
+        head = at + len(OPEN)
+        start = head + len(body[head:]) - len(body[head:].lstrip())
+        try:
+            value, end = _DECODER.raw_decode(body, start)
+        except ValueError:
+            return None
+        rest = body[end:]
+        close = len(rest) - len(rest.lstrip())
+        if not rest.lstrip().startswith(CLOSE):
+            return None
+        out.append((body[start:end], value))
+        after = body[end + close + len(CLOSE):]
+        at = len(body) - len(after.lstrip())
+    return out or None
 
 
 _DECODER = json.JSONDecoder()

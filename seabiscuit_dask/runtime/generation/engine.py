@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from ... import config
-from ...errors import BadInput, ModelClosed, SessionClosed
+from ...errors import BadInput, Busy, ModelClosed, QueueTimeout, SessionClosed
 from ..watch import seconds
 from .executor import EngineStats, Executor, LaneResult, NotRead, Result
 from .inputs import step_inputs
@@ -290,11 +290,18 @@ class Engine:
         call that waits (``_requeue``, ``_readmit``): its caller reads on, a pause the only sign."""
         with self._cond:
             call.preempted = {s.sid for s in call.live}
+            call.waits_since = time.monotonic()
             self.sessions.held += len(call.sessions)
             self.stats.preemptions += 1
         logger.info("%s: the KV room is full: call %s preempted after %s of %s new tokens; it is "
                     "recomputed once room frees", self.name, call.cid, call.produced, call.max_new)
-        self._finish(call, None)
+        try:
+            self._finish(call, None)
+        except BaseException:
+            with self._cond:
+                self.sessions.held -= len(call.sessions)
+            call.preempted = None
+            raise
 
     def _requeue(self, call: Call) -> None:
         """A preempted call whose caches were freed: its live rows start anew under new ids (a step of
@@ -305,10 +312,10 @@ class Engine:
             if closed:
                 self.sessions.held -= len(call.sessions)
             else:
-                for s in call.sessions:
+                for s in call.sessions:      # NOTE: every row's cache was freed, ended rows' too
                     if s.sid in (call.preempted or ()):
-                        s.sid, s.cached, s.done = self.sessions.next_id(), 0, False
-                    s.room = 0
+                        s.sid, s.done = self.sessions.next_id(), False
+                    s.cached, s.room = 0, 0
                 call.room = 0
                 self._preempted.append(call)
                 self._cond.notify_all()
@@ -329,22 +336,57 @@ class Engine:
                 for s in call.live]
 
     def _readmits(self) -> bool:
-        """Whether the first preempted call fits the room now (lock held)."""
+        """Whether the first preempted call goes on now: it fits the room (kept caches let go), or
+        it ends (its caller stopped reading, it waited past ``generate.queue-timeout``, or nothing
+        running could free the room it needs) (lock held)."""
         if not self._preempted:
             return False
         call = self._preempted[0]
-        return call.stopping or self.sessions.fits(len(call.sessions), sum(self._readmission(call)))
+        if call.stopping:
+            return True
+        need = sum(self._readmission(call))
+        self._make_room(len(call.sessions), need)
+        return self.sessions.fits(len(call.sessions), need) or self._cannot_wait(call) is not None
+
+    def _cannot_wait(self, call: Call) -> BaseException | None:
+        """Why preempted ``call`` cannot wait for room any longer: it waited past the queue's bound,
+        or no call runs that could free room and what holds it is kept sessions (``dm.session()``),
+        which free it only when closed (lock held)."""
+        waited = time.monotonic() - (call.waits_since or time.monotonic())
+        made = (f"this call was preempted after {call.produced} of {call.max_new} new tokens (the KV room "
+                "ran out)")
+        if waited > self.queue_timeout_s:
+            return QueueTimeout(f"{self.name}: {made} and waited {waited:.0f} s to be recomputed "
+                                "(seabiscuit.generate.queue-timeout); try again later")
+        s = self.scheduler
+        if s.running or s.prefilling or s.waiting or any(self._parked.values()):
+            return None
+        need = sum(self._readmission(call))
+        return Busy(f"{self.name}: {made} and needs {need} KV tokens to go on; {self.sessions.tokens} of "
+                    f"{self.sessions.max_tokens} are held by sessions kept open (dm.session()), which free "
+                    "them only when closed: close sessions, ask for fewer tokens, or deploy with more room")
 
     def _readmit(self) -> None:
         """Admit the preempted calls again, first preempted first, while the room holds them (kept
         caches let go first), before any call that waits; a call its caller stopped reading goes
-        too, to end at its admission (lock held)."""
+        too, to end at its admission; one that cannot wait longer (``_cannot_wait``) ends with why
+        (lock held)."""
         while self._preempted:
             call = self._preempted[0]
             rooms = [0] * len(call.live) if call.stopping else self._readmission(call)
             self._make_room(len(call.sessions), sum(rooms))
             if not call.stopping and not self.sessions.fits(len(call.sessions), sum(rooms)):
-                return
+                error = self._cannot_wait(call)
+                if error is None:
+                    return
+                self._preempted.popleft()
+                self.sessions.held -= len(call.sessions)
+                call.closing = error
+                call.finished = True
+                call.out.put(error)
+                call.ended.set()
+                self._cond.notify_all()
+                continue
             self._preempted.popleft()
             self.sessions.held -= len(call.sessions)
             self.sessions.open += len(call.sessions)
@@ -358,6 +400,9 @@ class Engine:
     def open_session(self) -> Session:
         """A session kept across calls (``DistributedModel.session``); counted until ``close_session``."""
         with self._cond:
+            if self.sessions.held:
+                raise Busy(f"{self.name}: a call preempted where the KV room ran out waits to be recomputed; "
+                           "open the session once it has gone on")
             self._make_room(1, self.sessions.kept_room)
             return self.sessions.keep()
 
@@ -492,11 +537,12 @@ class Engine:
             self.kv.free_then(owed, (), lambda: None)
             for admission, got in landed:
                 self._joined(admission, got)
-            self._grow_rooms()
-            with self._cond:
-                self._readmit()
-                out = self.scheduler.schedule()
+            out = SchedulerOutput(-1)
             try:
+                self._grow_rooms()
+                with self._cond:
+                    self._readmit()
+                    out = self.scheduler.schedule()
                 self.step(out)
             except Exception as e:  # noqa: BLE001 - a fault of the engine's own: its calls fail, none hangs
                 self._fault(out, e)

@@ -71,6 +71,7 @@ class Call:
     admitted: float | None = None   # when the scheduler admitted it (``time.perf_counter``)
     matchers: list[Matcher] | None = None     # each row's place in the call's grammar, once it picked
     preempted: set[int] | None = None   # its rows to recompute, while it is preempted (``Engine._preempt``)
+    waits_since: float | None = None    # when it was last preempted (``time.monotonic``)
 
     @property
     def live(self) -> list[Session]:

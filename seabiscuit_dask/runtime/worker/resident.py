@@ -362,8 +362,9 @@ class ResidentBlocks:
         """Forget ``model``'s blocks and tiles (lock held); returns the tile bytes freed."""
         for k in [k for k in self.programs if k[0] == model]:
             del self.programs[k]
-        self._tile_gen += 1
-        return sum(tensor_bytes(t) for t in self.tiles.pop(model, {}).values())
+        freed = sum(tensor_bytes(t) for t in self.tiles.pop(model, {}).values())
+        self._tile_gen += 1         # NOTE: after the change: a sum read meanwhile is read again
+        return freed
 
     def release(self, model: str) -> int:
         """Drop every block and record of ``model``; returns the bytes freed."""
