@@ -156,6 +156,28 @@ def test_data_plane_runs_are_on_dasks_own_task_stream(served) -> None:
     assert set(drawn["name"]) == {"seabiscuit-forward"}
 
 
+def test_runs_that_follow_each_other_are_one_span_of_the_task_stream() -> None:
+    """A worker's batch of runs becomes task-stream records in order of start: runs of one kind and
+    model within 2 ms of each other are one span (a decode loop's back-to-back blocks), a gap or
+    another kind starts the next; runs of models not deployed, or with broken figures, are left out."""
+    from seabiscuit_dask.lower.blocks import program_block
+    from seabiscuit_dask.plugins.scheduler import task_stream_records
+
+    step = program_block(1, 0)
+    runs = [{"model": "ab12cd34", "block": step, "start": 10.0105, "compute_s": 0.004},   # NOTE: not in order
+            {"model": "ab12cd34", "block": step, "start": 10.0, "compute_s": 0.01},
+            {"model": "ab12cd34", "block": 0, "start": 10.015, "compute_s": 0.001},
+            {"model": "ab12cd34", "block": step, "start": 10.05, "compute_s": 0.01},
+            {"model": "gone", "block": step, "start": 10.06, "compute_s": 0.01},
+            {"model": "ab12cd34", "block": step, "start": float("nan"), "compute_s": 0.01},
+            {"model": "ab12cd34", "block": "x"}]
+    got = task_stream_records("tcp://w:1", runs, {"ab12cd34"})
+    spans = [(r["key"].split("-")[1], r["startstops"][0]["start"], r["startstops"][0]["stop"]) for r in got]
+    assert spans == [("step", 10.0, 10.0145), ("forward", 10.015, 10.016), ("step", 10.05, 10.06)]
+    assert all(r["worker"] == "tcp://w:1" and r["status"] == "OK" for r in got)
+    assert len({r["key"] for r in got}) == 3
+
+
 def test_events_route_shows_a_drain_with_its_cost(served) -> None:
     base, _, dm = served
     events = api(base, "events")

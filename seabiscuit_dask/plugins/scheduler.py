@@ -28,7 +28,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 from dataclasses import replace
 from typing import Any
 
@@ -198,26 +198,14 @@ class SeaBiscuitSchedulerPlugin(SchedulerPlugin):
 
     def _task_stream(self, address: str, runs: list[dict[str, Any]]) -> None:
         """The data plane's block runs on Dask's own task stream (the status page), beside the tasks
-        Dask ran: a run reached no Dask task, so the page would look idle while models answer. Each
-        is named ``seabiscuit-<program>`` (``forward``, or ``step``: one colour each) and drawn on the
-        worker that reported it."""
+        Dask ran: a run reached no Dask task, so the page would look idle while models answer
+        (``task_stream_records``). Dask starts its task stream when its status page is opened."""
         stream = (getattr(self.scheduler, "plugins", None) or {}).get("task-stream")
         buffer = getattr(stream, "buffer", None)
         if stream is None or buffer is None:
             return
-        for r in runs:
-            try:
-                model, block = str(r["model"]), int(r["block"])
-                start, took = float(r["start"]), float(r["compute_s"])
-            except (KeyError, TypeError, ValueError):
-                continue
-            if model not in self.state.models or not (math.isfinite(start) and math.isfinite(took)) \
-                    or took < 0:
-                continue
-            kind = "step" if split_block(block)[0] else "forward"
-            buffer.append({"key": f"seabiscuit-{kind}-{model[:8]}-b{block}", "worker": address, "thread": 0,
-                           "startstops": [{"action": "compute", "start": start, "stop": start + took}],
-                           "status": "OK", "nbytes": 0, "type": None, "metadata": {}})
+        for record in task_stream_records(address, runs, self.state.models):
+            buffer.append(record)
             stream.index += 1
 
     def _ran(self, msg: dict[str, Any]) -> None:
@@ -801,3 +789,33 @@ def _block_ran(model: str, msg: dict[str, Any]) -> BlockRan:
 def _worker_info(ws: Any, report: dict[str, Any] | None) -> dict[str, Any]:
     return {"address": ws.address, "name": str(ws.name), "host": ws.host, "nthreads": ws.nthreads,
             "memory_limit": ws.memory_limit, "resources": dict(ws.resources), "report": report}
+
+
+TASK_STREAM_GAP_S = 0.002   # NOTE: runs of one kind this close on a worker are drawn as one span
+
+
+def task_stream_records(address: str, runs: Iterable[Any], models: Container[str]) -> list[dict[str, Any]]:
+    """Records for Dask's task stream (``distributed``'s ``TaskStreamPlugin.buffer``) of one batch of
+    ``address``'s block runs, of the ``models`` deployed: named ``seabiscuit-forward`` or
+    ``seabiscuit-step`` (one colour each), in order of their start; runs of one kind that follow
+    each other within ``TASK_STREAM_GAP_S`` are one span (a decode loop's blocks run back to back:
+    thousands a minute would push Dask's own records out of its buffer)."""
+    spans: list[list[Any]] = []       # NOTE: [kind, model, first block, start, stop]
+    parsed = []
+    for r in runs:
+        try:
+            model, block = str(r["model"]), int(r["block"])
+            start, took = float(r["start"]), float(r["compute_s"])
+        except (KeyError, TypeError, ValueError):
+            continue
+        if model in models and math.isfinite(start) and math.isfinite(took) and took >= 0:
+            parsed.append(("step" if split_block(block)[0] else "forward", model, block, start, start + took))
+    for kind, model, block, start, stop in sorted(parsed, key=lambda p: p[3]):
+        last = spans[-1] if spans else None
+        if last is not None and last[0] == kind and last[1] == model and start - last[4] <= TASK_STREAM_GAP_S:
+            last[4] = max(last[4], stop)
+        else:
+            spans.append([kind, model, block, start, stop])
+    return [{"key": f"seabiscuit-{kind}-{model[:8]}-b{block}-{int(start * 1e6)}", "worker": address,
+             "thread": 0, "startstops": [{"action": "compute", "start": start, "stop": stop}], "status": "OK",
+             "nbytes": 0, "type": None, "metadata": {}} for kind, model, block, start, stop in spans]
