@@ -132,23 +132,25 @@ def _calls_in(body: str) -> list[tuple[str, Any]] | None:
     while at < len(body):
         if not body.startswith(OPEN, at):
             return None
-        head = at + len(OPEN)
-        start = head + len(body[head:]) - len(body[head:].lstrip())
+        start = _past_space(body, at + len(OPEN))
         try:
             value, end = _DECODER.raw_decode(body, start)
         except ValueError:
             return None
-        rest = body[end:]
-        close = len(rest) - len(rest.lstrip())
-        if not rest.lstrip().startswith(CLOSE):
+        close = _past_space(body, end)
+        if not body.startswith(CLOSE, close):
             return None
         out.append((body[start:end], value))
-        after = body[end + close + len(CLOSE):]
-        at = len(body) - len(after.lstrip())
+        at = _past_space(body, close + len(CLOSE))
     return out or None
 
 
 _DECODER = json.JSONDecoder()
+
+
+def _past_space(text: str, at: int) -> int:
+    """The first place from ``at`` on in ``text`` that is not white space."""
+    return len(text) - len(text[at:].lstrip())
 
 
 def call_id() -> str:
@@ -245,10 +247,8 @@ _TAIL = re.compile(r"\s*\}\s*" + re.escape(CLOSE))
 
 def _may_become(rest: str) -> bool:
     """Whether text after the calls read so far may still become a call's head (or is nothing)."""
-    head = rest.lstrip()
-    if not head:
-        return True
-    if not (head.startswith(OPEN) or OPEN.startswith(head)):
+    if not could_be_call(rest):
         return False
+    head = rest.lstrip()
     key = head.split('"arguments"', 1)
     return len(head) <= CallReader.HEAD_CHARS and (len(key) == 1 or ":" not in key[1])

@@ -258,8 +258,7 @@ class Engine:
                        key=lambda c: (c.admitted or 0.0, c.cid))
         for call in calls:
             for s in (call.live if not call.finished else []):
-                most = call.base[call.sessions.index(s)] + call.max_new
-                need = self._counted(len(s.tokens), most)
+                need = self._need(call, s)
                 if need > s.room and not self._count(call, s, need - s.room, calls):
                     break
 
@@ -332,8 +331,12 @@ class Engine:
 
     def _readmission(self, call: Call) -> list[int]:
         """KV tokens each live row of preempted ``call`` counts to be recomputed."""
-        return [self._counted(len(s.tokens), call.base[call.sessions.index(s)] + call.max_new)
-                for s in call.live]
+        return [self._need(call, s) for s in call.live]
+
+    def _need(self, call: Call, s: Session) -> int:
+        """KV tokens session ``s`` of ``call`` counts now: what it holds (its answer may reach its
+        prompt and ``max_new`` tokens at most)."""
+        return self._counted(len(s.tokens), call.base[call.sessions.index(s)] + call.max_new)
 
     def _readmits(self) -> bool:
         """Whether the first preempted call goes on now: it fits the room (kept caches let go), or
