@@ -345,6 +345,7 @@ def test_a_long_prompt_sent_to_a_hung_worker_is_prefilled_again_and_no_token_cha
             os.kill(pid, signal.SIGCONT)
         assert dm.generation_stats()["prefill_ahead"] == 0     # the chunks sent at once failed: one by one
         wait_for(lambda: victim not in plugin(client).state.fencing, "the fenced worker taken back")
+        wait_for(lambda: dm.prefill_stages > 1, "the client's plan spanning two workers again")
         assert torch.equal(dm.generate(prompt, 4, pad_token_id=0, eos_token_id=[]), want)
         assert dm.generation_stats()["prefill_ahead"] == 2
 
