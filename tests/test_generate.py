@@ -690,6 +690,42 @@ def test_steps_of_every_shape_run_on_two_programs_built_once() -> None:
     assert stats["rows"] > stats["decode_steps"]        # NOTE: rows of several calls shared steps
 
 
+def test_step_programs_are_made_while_the_weights_load_as_the_engine_would_make_them(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``distribute`` traces and decomposes the step programs a generation engine asks for first
+    while the workers load the weights: each is the graph the engine makes when asked, the engine's
+    first steps trace nothing more, and its answers are Hugging Face's."""
+    from seabiscuit_dask.runtime.client.programs import ProgramCache
+
+    decoder_module = importlib.import_module("seabiscuit_dask.trace.decoder")
+    model = decoder("llama")
+    ids, mask = padded_batch((7, 12), seed=3)
+    want = hf_greedy(model, ids, mask, 5)
+    with seabiscuit_cluster(2, 320_000) as client:
+        with sb.distribute(model, client, torch.zeros(1, 16, dtype=torch.long), budget="128KiB",
+                           sessions=4, context=32) as dm:
+            programs = dm._programs
+            made = dict(programs.made)
+            assert {k[1].decode for k in made if k[0] == "general"} == {True, False}
+            fresh = ProgramCache(None, dm.graph, dm.model_id, "")
+            fresh.source, fresh.budget = programs.source, programs.budget
+            for key, graph in made.items():
+                again = fresh._generalized(key[1]) if key[0] == "general" else \
+                    fresh._decomposed(fresh._trace_step(*key))
+                assert again.to_json() == graph.to_json()
+            real, traced = decoder_module.trace_step, []
+
+            def tracing(m: Any, batch: int, length: int) -> Any:
+                traced.append((batch, length))
+                return real(m, batch, length)
+
+            monkeypatch.setattr(decoder_module, "trace_step", tracing)
+            shapes = dm.warm()
+            assert programs.made == {} and traced == [] and shapes
+            got = dm.generate(ids, 5, attention_mask=mask, pad_token_id=0, eos_token_id=[])
+            assert torch.equal(got, want) and traced == []
+
+
 @pytest.mark.slow
 def test_concurrent_calls_batch_into_the_same_steps() -> None:
     model = decoder("gpt2")

@@ -9,8 +9,10 @@ keeping room for the KV caches of generation where asked.
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
+import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -31,6 +33,7 @@ from ...quantize import quantize as quantize_graph
 from ...trace import decoder, load_hf_skeleton, trace
 from ...trace.onnx import is_onnx, load_onnx
 from ..discover import HOW_TO_INSTALL, PluginMissing, measure_cluster
+from ..generation.engine import step_shapes
 from ..generation.scheduler import decode_rows as rows_of_decode
 from ..worker.resident import writable
 from ..worker.store import stored
@@ -38,8 +41,10 @@ from ..worker.tasks import load_block
 from .layouts import matmul_forms, weight_layouts
 from .limits import kv_reserve
 from .model import DistributedModel
+from .programs import ProgramCache
 
 Progress = Callable[[str], None]
+logger = logging.getLogger(__name__)
 
 
 def _quiet(msg: str) -> None:
@@ -53,7 +58,8 @@ class _StoreOwner:
 # --- deploy ---------------------------------------------------------------------------------------
 def deploy(plan: Plan, client: Any, *, weights: Any = None,
            checkpoint_dir: str | os.PathLike[str] | None = None, verify_every: int | None = None,
-           progress: Progress | None = None, decode_rows: int | None = None) -> DistributedModel:
+           progress: Progress | None = None, decode_rows: int | None = None,
+           meanwhile: Callable[[], Any] | None = None) -> DistributedModel:
     """Put a ready ``plan`` onto the cluster behind ``client``; returns a callable ``DistributedModel``.
 
     Parameters
@@ -80,6 +86,10 @@ def deploy(plan: Plan, client: Any, *, weights: Any = None,
         ``sessions``). Each matmul weight on a CPU is held in the order its kernel runs
         fastest for these rows, else for the rows of the plan's graph, measured on one
         worker (config ``seabiscuit.lower.weight-layout``; ``lower.layout``).
+    meanwhile : callable, optional
+        Called once the weights are written, as the workers measure and load them: work
+        of this process that may overlap theirs (``distribute`` starts making the step
+        programs of generation then).
 
     Examples
     --------
@@ -93,6 +103,8 @@ def deploy(plan: Plan, client: Any, *, weights: Any = None,
     graph, folder = stored(plan.graph, weights, holder)
     if folder is not None:
         say(f"wrote {fmt_bytes(graph.param_bytes)} of weights to {folder}")
+    if meanwhile is not None:
+        meanwhile()
     graph = _held_for_rows(client, plan, graph, decode_rows, say)
     if graph is not plan.graph:
         plan = Plan(graph, plan.spec, plan.device_of, plan.method, plan.planning_s, dict(plan.info))
@@ -235,20 +247,67 @@ def distribute(model_or_path: Any, client: Any, example_inputs: Any, budget: int
         say(f"keeping {fmt_bytes(reserve)} per attention layer for {n_sessions} session(s) of {limit} tokens")
     weights = model_or_path if not isinstance(model_or_path, (str, os.PathLike)) else None
 
+    plan = _placed(micro, spec, module if reserve else None, nbytes, say)
+    # NOTE: a generation deployment's step programs are traced and decomposed while the workers
+    # measure and load the weights (once they are written: the two would share this process's
+    # core); joined before anything else runs here (torch.export patches module calls process-wide)
+    ahead: list[Callable[[], tuple[ProgramCache, float] | None]] = []
+
+    def meanwhile() -> None:
+        if reserve and not ahead:
+            ahead.append(_programs_ahead(plan.graph, model_or_path, nbytes, n_sessions, limit))
+
     def deployed(plan: Plan) -> DistributedModel:
         return deploy(plan, client, weights=weights, checkpoint_dir=checkpoint_dir, verify_every=verify_every,
-                      progress=say, decode_rows=rows_of_decode(n_sessions) if reserve else None)
+                      progress=say, decode_rows=rows_of_decode(n_sessions) if reserve else None,
+                      meanwhile=meanwhile)
 
-    plan = _placed(micro, spec, module if reserve else None, nbytes, say)
     try:
         dm = deployed(plan)
     except RoomTaken as e:      # NOTE: another model took the room meanwhile: measure, place again
         say(f"{e}; placing again")
         spec = measure_cluster(client, device=choice)
         dm = deployed(_placed(micro, spec, module if reserve else None, nbytes, say))
+    finally:
+        made = ahead[0]() if ahead else None
     _trace_programs_from(dm, model_or_path, nbytes, kwargs, checkpoint)
     dm._programs.limits = (n_sessions or None, limit if reserve else context)
+    if made is not None and made[0].made and dm.graph.params.keys() == made[0].graph.params.keys():
+        dm._programs.made.update(made[0].made)     # NOTE: not where the model was placed again elsewhere
+        say(f"{len(made[0].made)} step program graph(s) made while the weights loaded, in {made[1]:.2f} s")
     return dm
+
+
+def _programs_ahead(graph: Any, source: Any, nbytes: int, sessions: int,
+                    context: int) -> Callable[[], tuple[ProgramCache, float] | None]:
+    """Start making, on a thread, the step programs a generation engine of ``graph`` (decomposed
+    and placed) asks for first (``ProgramCache.make_ahead``); returns what waits for them: the
+    cache that holds them and the seconds they took, or None where making them failed (the engine
+    makes them when asked, and says what failed then)."""
+    ahead = ProgramCache(None, graph, str(graph.meta.get("name") or "model"), "")
+    ahead.source, ahead.budget = source, nbytes
+    first: tuple[int, ...] = tuple(graph.tensors[graph.inputs[0]].shape) if graph.inputs else ()
+    dims, shapes = step_shapes(sessions, context, int(first[-1]) if len(first) == 2 else None)
+    failed: list[BaseException] = []
+    took: list[float] = []
+
+    def make() -> None:
+        t0 = time.perf_counter()
+        try:
+            ahead.make_ahead(dims, shapes)
+        except Exception as e:  # noqa: BLE001 - made again when asked, where it fails as it did here
+            failed.append(e)
+        took.append(time.perf_counter() - t0)
+
+    thread = threading.Thread(target=make, name="seabiscuit-programs-ahead", daemon=True)
+    thread.start()
+
+    def joined() -> tuple[ProgramCache, float] | None:
+        thread.join()
+        if failed:
+            logger.info("seabiscuit: step programs not made ahead: %s", failed[0])
+        return None if failed else (ahead, took[0])
+    return joined
 
 
 def _measured(client: Any, choice: str, say: Progress) -> Any:

@@ -13,7 +13,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -145,6 +145,9 @@ class ProgramCache:
         self.shapes: dict[tuple[Any, ...], StepProgram] = {}     # forward at other input shapes
         self.dims: dict[bool, Dims] = {}                         # decode? -> what its general program serves
         self.kinds: dict[bool, StepProgram | None] = {}          # decode? -> that program (None: per shape)
+        # NOTE: step programs' graphs made before they were asked for (``make_ahead``): ("general", dims)
+        # or (rows, tokens) -> the decomposed graph, or the ``NotGeneral`` that making it raised
+        self.made: dict[tuple[Any, ...], Any] = {}
         self._build = threading.Lock()               # NOTE: one program is built at a time
         self._follow = threading.Lock()
         self._plan: tuple[Plan, int] | None = None   # the plan the programs follow, and its version
@@ -183,9 +186,30 @@ class ProgramCache:
                 return kind
             prog = self.steps.get(key)
             if prog is None:
-                prog = self._built(self.steps, key,
-                                   lambda: self._decomposed(self._trace_step(batch, length)))
+                prog = self._built(self.steps, key, lambda: self.made.pop(key, None) or
+                                   self._decomposed(self._trace_step(batch, length)))
             return prog
+
+    def make_ahead(self, dims: tuple[Dims, Dims], shapes: Sequence[tuple[int, int]]) -> None:
+        """Make now the graphs of the step programs a generation engine of these ``dims`` asks for
+        first (``generation.engine.step_shapes``: the general decode and prefill programs, and a
+        program of each shape of ``shapes`` neither serves), traced and decomposed, not registered:
+        ``distribute`` has them made while the workers load the weights, and the engine's first
+        asks only register them (``made``)."""
+        served: dict[bool, Dims | None] = {}
+        for decode, want in zip((True, False), dims):
+            try:
+                graph = self._generalized(want)
+            except NotGeneral as e:
+                self.made[("general", want)], served[decode] = e, None
+                continue
+            self.made[("general", want)] = graph
+            d = graph.meta["dims"]
+            served[decode] = Dims(int(d["rows"]), int(d["length"]), int(d["tokens"]))
+        for batch, length in shapes:
+            d = served.get(length == 1)
+            if (d is None or not d.covers(batch, length)) and (batch, length) not in self.made:
+                self.made[(batch, length)] = self._decomposed(self._trace_step(batch, length))
 
     def set_dims(self, decode: Dims, prefill: Dims) -> None:
         """The shapes the general decode and prefill programs serve (built at their first step)."""
@@ -222,6 +246,11 @@ class ProgramCache:
     def _generalized(self, dims: Dims) -> Any:
         """The general program of ``dims``'s kind: traced at two shapes, each decomposed where the
         deployment cut its weights, made one (``lower.dims.generalize``), checked within the budget."""
+        made = self.made.pop(("general", dims), None)
+        if isinstance(made, NotGeneral):
+            raise made
+        if made is not None:
+            return made
         at, bt = ((1, 1), (2, 1)) if dims.decode else TRACE_SHAPES
         a, b = (self._decomposed(self._trace_step(*s)) for s in (at, bt))
         budget = int(a.meta.get("budget_bytes") or self.budget or 0) or 1 << 62

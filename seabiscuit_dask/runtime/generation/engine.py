@@ -24,6 +24,7 @@ import torch
 
 from ... import config
 from ...errors import BadInput, Busy, ModelClosed, QueueTimeout, SessionClosed
+from ...lower.dims import Dims
 from ..watch import seconds
 from .executor import EngineStats, Executor, LaneResult, NotRead, Result
 from .inputs import step_inputs
@@ -42,6 +43,23 @@ EXIT_JOIN_S = 5.0    # NOTE: how long the interpreter's exit waits for the engin
 EXITING = threading.Event()         # NOTE: set as the interpreter exits (``end_threads``)
 
 
+def session_table(max_sessions: int | None, context: int | None, name: str = "model") -> SessionTable:
+    """The sessions of a deployment that kept room for ``max_sessions`` of ``context`` tokens (None:
+    the configured sessions, no room counted): a deployment that kept KV room counts it in tokens."""
+    limit = max_sessions if max_sessions is not None else config.get("generate.max-sessions")
+    return SessionTable(int(limit), name, int(config.get("generate.max-queued")),
+                        context if max_sessions is not None else None, int(config.get("generate.max-rows")))
+
+
+def step_shapes(max_sessions: int | None, context: int | None,
+                max_chunk: int | None) -> tuple[tuple[Dims, Dims], list[tuple[int, int]]]:
+    """What the engine of such a deployment asks its runner for: the shapes its general decode and
+    prefill programs serve (``SchedulerSpec.dims``), and the (rows, tokens) ``warm`` builds."""
+    rows = session_table(max_sessions, context).max_rows
+    spec = SchedulerSpec.from_config(max_chunk=max_chunk)
+    return spec.dims(rows), Scheduler(spec).shapes(None, None, rows)
+
+
 class Engine:
     """Runs the generate calls of one deployment on a background thread (see module doc)."""
 
@@ -49,11 +67,7 @@ class Engine:
                  max_chunk: int | None = None, name: str = "model") -> None:
         self.runner = runner
         self.name = name
-        limit = max_sessions if max_sessions is not None else config.get("generate.max-sessions")
-        # NOTE: a deployment that kept KV room (sessions x context) counts it in tokens
-        self.sessions = SessionTable(int(limit), name, int(config.get("generate.max-queued")),
-                                     context if max_sessions is not None else None,
-                                     int(config.get("generate.max-rows")))
+        self.sessions = session_table(max_sessions, context, name)
         self.queue_timeout_s = seconds("generate.queue-timeout")
         self.kv = KVLedger(runner, context, name)
         # NOTE: where the room is counted in tokens, a new session counts what it holds and ``headroom``
