@@ -339,6 +339,12 @@ def spec_of(tensors: Mapping[str, TensorSpec]) -> Callable[[Any], tuple[tuple[in
     return spec
 
 
+# NOTE: what ``with_meta`` keeps of a graph's ``__dict__``: its fields, and the cached views that
+# read no meta (``placement.workload`` keeps a view there that does)
+_META_FREE = frozenset({"ops", "tensors", "params", "inputs", "outputs", "meta", "tilings", "op_by_name",
+                        "producer", "consumers", "leaf_inputs", "leaf_outputs"})
+
+
 @dataclass(frozen=True)
 class OpGraph:
     """A frozen operator graph. Passes return new graphs; nothing edits one in place."""
@@ -411,7 +417,9 @@ class OpGraph:
         """This graph with ``updates`` in its meta. Only they are frozen: the rest of it is already
         (a generation step's meta holds every tile's checksum and layout; freezing it all again took
         0.15 s a program as the engine registered its programs)."""
-        graph = copy.copy(self)      # NOTE: its cached views hold: none of them reads the meta
+        graph = copy.copy(self)
+        for key in set(graph.__dict__) - _META_FREE:     # NOTE: a view derived from the meta goes
+            del graph.__dict__[key]
         object.__setattr__(graph, "meta", MappingProxyType(
             {**self.meta, **{k: freeze(v) for k, v in updates.items()}}))
         return graph

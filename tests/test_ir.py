@@ -118,3 +118,20 @@ def test_an_inline_constant_cut_into_tiles_carries_each_tiles_own_values() -> No
     assert list(rows.data) == full[1:4].ravel().tolist()
     assert list(cols.data) == full[1:4, 2:4].ravel().tolist()
     assert ParamSource.from_dict(cols.to_dict()) == cols
+
+
+def test_a_meta_update_keeps_the_graph_frozen_and_no_view_derived_from_the_old_meta(graphs) -> None:
+    """``with_meta`` freezes only what it adds, keeps the views that read no meta, and drops those
+    that do: the placement workload charges a layer's KV room from the meta."""
+    from seabiscuit_dask.placement.workload import workload
+
+    model = M.llama()
+    g = sb.decompose(sb.trace(model, M.ids()), "64KiB")
+    before, views = workload(g), g.op_by_name
+    reserved = g.with_meta(kv_reserve_bytes=1000, note={"a": [1, 2]})
+    layers = model.config.num_hidden_layers
+    assert int(workload(reserved).weight_bytes.sum()) == int(before.weight_bytes.sum()) + 1000 * layers
+    assert reserved.meta["note"]["a"] == (1, 2) and reserved.meta["name"] == g.meta["name"]
+    with pytest.raises(TypeError):
+        reserved.meta["note"]["b"] = 3  # type: ignore[index]
+    assert reserved.op_by_name is views and "kv_reserve_bytes" not in g.meta
