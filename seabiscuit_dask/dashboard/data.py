@@ -41,7 +41,10 @@ class Activity:
 
     ``submitted`` is called from ``update_graph`` with the parsed keys of block tasks,
     ``ran`` with each run report a worker sends; a request's latency is the time from
-    its graph reaching the scheduler to the end of its last block.
+    its graph reaching the scheduler to the end of its last block. A program's first
+    request is left out: its workers load its blocks then (a 32-row decode step's first
+    run took 1 s where its later ones take 0.1), and a step program's first request is
+    the warm-up's, which no caller waited for.
     """
 
     def __init__(self, runs: int = RUNS_KEPT, requests: int = REQUESTS_KEPT) -> None:
@@ -49,6 +52,7 @@ class Activity:
         self._open: OrderedDict[tuple[str, int, int, int], _Request] = OrderedDict()
         self.latencies: dict[tuple[str, int], deque[float]] = {}
         self._keep = requests
+        self._first: set[tuple[str, int]] = set()      # (model, program) whose first request was seen
 
     def submitted(self, parts: list[tuple[str, int, int, int]], now: float | None = None) -> None:
         now = time.time() if now is None else now
@@ -83,8 +87,7 @@ class Activity:
         req.last_stop = max(req.last_stop, start + duration)
         if req.done >= req.blocks:
             del self._open[(model, version, request, program)]
-            kept = self.latencies.setdefault((model, program), deque(maxlen=self._keep))
-            kept.append(max(0.0, req.last_stop - req.submitted))
+            self._keep_latency(model, program, max(0.0, req.last_stop - req.submitted))
 
     def measured(self, msg: dict[str, Any]) -> None:
         """A request's latency measured on the data plane (``latency_s``, from its worker)."""
@@ -93,11 +96,20 @@ class Activity:
         except (KeyError, TypeError, ValueError):
             return
         if math.isfinite(seconds) and seconds >= 0:
-            self.latencies.setdefault((model, program), deque(maxlen=self._keep)).append(seconds)
+            self._keep_latency(model, program, seconds)
+
+    def _keep_latency(self, model: str, program: int, seconds: float) -> None:
+        """Keep a request's latency, unless it is its program's first (see the class doc)."""
+        key = (model, program)
+        if key not in self._first:
+            self._first.add(key)
+            return
+        self.latencies.setdefault(key, deque(maxlen=self._keep)).append(seconds)
 
     def forget(self, model: str) -> None:
         for key in [k for k in self.latencies if k[0] == model]:
             del self.latencies[key]
+        self._first = {k for k in self._first if k[0] != model}
         for req in [k for k in self._open if k[0] == model]:
             del self._open[req]
 
