@@ -12,9 +12,9 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-import threading
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -41,7 +41,7 @@ from ..worker.tasks import load_block
 from .layouts import matmul_forms, weight_layouts
 from .limits import kv_reserve
 from .model import DistributedModel
-from .programs import ProgramCache
+from .programs import ProgramCache, max_chunk
 
 Progress = Callable[[str], None]
 logger = logging.getLogger(__name__)
@@ -272,8 +272,8 @@ def distribute(model_or_path: Any, client: Any, example_inputs: Any, budget: int
         made = ahead[0]() if ahead else None
     _trace_programs_from(dm, model_or_path, nbytes, kwargs, checkpoint)
     dm._programs.limits = (n_sessions or None, limit if reserve else context)
-    if made is not None and made[0].made and dm.graph.params.keys() == made[0].graph.params.keys():
-        dm._programs.made.update(made[0].made)     # NOTE: not where the model was placed again elsewhere
+    if made is not None and made[0].made:    # NOTE: placed again elsewhere (``RoomTaken``), the same graph
+        dm._programs.made.update(made[0].made)
         say(f"{len(made[0].made)} step program graph(s) made while the weights loaded, in {made[1]:.2f} s")
     return dm
 
@@ -286,27 +286,23 @@ def _programs_ahead(graph: Any, source: Any, nbytes: int, sessions: int,
     makes them when asked, and says what failed then)."""
     ahead = ProgramCache(None, graph, str(graph.meta.get("name") or "model"), "")
     ahead.source, ahead.budget = source, nbytes
-    first: tuple[int, ...] = tuple(graph.tensors[graph.inputs[0]].shape) if graph.inputs else ()
-    dims, shapes = step_shapes(sessions, context, int(first[-1]) if len(first) == 2 else None)
-    failed: list[BaseException] = []
-    took: list[float] = []
+    dims, shapes = step_shapes(sessions, context, max_chunk(graph))
 
-    def make() -> None:
+    def make() -> float:
         t0 = time.perf_counter()
-        try:
-            ahead.make_ahead(dims, shapes)
-        except Exception as e:  # noqa: BLE001 - made again when asked, where it fails as it did here
-            failed.append(e)
-        took.append(time.perf_counter() - t0)
+        ahead.make_ahead(dims, shapes)
+        return time.perf_counter() - t0
 
-    thread = threading.Thread(target=make, name="seabiscuit-programs-ahead", daemon=True)
-    thread.start()
+    pool = ThreadPoolExecutor(1, thread_name_prefix="seabiscuit-programs-ahead")
+    made = pool.submit(make)
+    pool.shutdown(wait=False)
 
     def joined() -> tuple[ProgramCache, float] | None:
-        thread.join()
-        if failed:
-            logger.info("seabiscuit: step programs not made ahead: %s", failed[0])
-        return None if failed else (ahead, took[0])
+        try:
+            return ahead, made.result()
+        except Exception as e:  # noqa: BLE001 - made again when asked, where it fails as it did here
+            logger.info("seabiscuit: step programs not made ahead: %s", e)
+            return None
     return joined
 
 

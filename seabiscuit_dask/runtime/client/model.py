@@ -43,7 +43,7 @@ from .chat import ChatSession
 from .limits import max_positions
 from .operations import ModelOperations
 from .plans import PlanFollower
-from .programs import ProgramCache, StepProgram
+from .programs import ProgramCache, StepProgram, max_chunk
 from .requests import Handle, RequestSender
 
 logger = logging.getLogger(__name__)
@@ -341,9 +341,8 @@ class DistributedModel:
         if self._engine is None:
             sessions, context = self._programs.limits
             context = context or max_positions(getattr(self._programs.source_module(), "config", None))
-            first = self.graph.tensors[self.graph.inputs[0]].shape if self.graph.inputs else ()
             self._engine = Engine(self, max_sessions=sessions, context=int(context) if context else None,
-                                  max_chunk=int(first[-1]) if len(first) == 2 else None,
+                                  max_chunk=max_chunk(self.graph),
                                   name=self._label or f"model {self.model_id}")
             self._programs.set_dims(*self._engine.spec.dims(self._engine.max_sessions))
         return self._engine

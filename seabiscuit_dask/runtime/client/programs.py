@@ -120,6 +120,19 @@ def _with_checksums(graph: Any, model_graph: Any) -> Any:
     return graph.with_meta(**meta) if meta else graph
 
 
+def served_dims(graph: Any) -> Dims:
+    """The shapes a general step program serves (its budget may have made them fewer than asked)."""
+    d = graph.meta["dims"]
+    return Dims(int(d["rows"]), int(d["length"]), int(d["tokens"]))
+
+
+def max_chunk(graph: Any) -> int | None:
+    """The tokens a row of a deployment's own input holds (the longest prefill chunk whose weight
+    tiles it holds), for a model traced with (rows, tokens) inputs; else None."""
+    first: tuple[int, ...] = tuple(graph.tensors[graph.inputs[0]].shape) if graph.inputs else ()
+    return int(first[-1]) if len(first) == 2 else None
+
+
 class ProgramCache:
     """The programs of one deployment, by shape: generation steps per (batch, tokens) and forward
     passes per input shapes, each built on first use (see module doc).
@@ -203,9 +216,7 @@ class ProgramCache:
             except NotGeneral as e:
                 self.made[("general", want)], served[decode] = e, None
                 continue
-            self.made[("general", want)] = graph
-            d = graph.meta["dims"]
-            served[decode] = Dims(int(d["rows"]), int(d["length"]), int(d["tokens"]))
+            self.made[("general", want)], served[decode] = graph, served_dims(graph)
         for batch, length in shapes:
             d = served.get(length == 1)
             if (d is None or not d.covers(batch, length)) and (batch, length) not in self.made:
@@ -239,8 +250,7 @@ class ProgramCache:
                                "decode" if decode else "prefill", str(e))
             self.kinds[decode] = prog
             if prog is not None:     # NOTE: it may serve fewer tokens a step than asked (the budget)
-                d = prog.graph.meta["dims"]
-                self.dims[decode] = Dims(int(d["rows"]), int(d["length"]), int(d["tokens"]))
+                self.dims[decode] = served_dims(prog.graph)
         return prog if prog is not None and self.dims[decode].covers(batch, length) else None
 
     def _generalized(self, dims: Dims) -> Any:

@@ -335,9 +335,11 @@ class Engine:
                 self._poke()
                 self._start_thread()
         if closed:
-            self._closed_while_preempted(call)
+            self._end_preempted(call)
 
-    def _closed_while_preempted(self, call: Call) -> None:
+    def _end_preempted(self, call: Call) -> None:
+        """Tell the caller of a preempted call that will not be recomputed why it ended (its
+        ``closing``, else the deployment closed)."""
         call.out.put(call.closing or ModelClosed(
             f"{self.name} was closed after {call.produced} of {call.max_new} new tokens of this call, "
             "while it waited to be recomputed: it did not finish"))
@@ -363,9 +365,9 @@ class Engine:
             return True
         need = sum(self._readmission(call))
         self._make_room(len(call.sessions), need)
-        return self.sessions.fits(len(call.sessions), need) or self._cannot_wait(call) is not None
+        return self.sessions.fits(len(call.sessions), need) or self._cannot_wait(call, need) is not None
 
-    def _cannot_wait(self, call: Call) -> BaseException | None:
+    def _cannot_wait(self, call: Call, need: int) -> BaseException | None:
         """Why preempted ``call`` cannot wait for room any longer: it waited past the queue's bound,
         or no call runs that could free room and what holds it is kept sessions (``dm.session()``),
         which free it only when closed (lock held)."""
@@ -378,7 +380,6 @@ class Engine:
         s = self.scheduler
         if s.running or s.prefilling or s.waiting or any(self._parked.values()):
             return None
-        need = sum(self._readmission(call))
         return Busy(f"{self.name}: {made} and needs {need} KV tokens to go on; {self.sessions.tokens} of "
                     f"{self.sessions.max_tokens} are held by sessions kept open (dm.session()), which free "
                     "them only when closed: close sessions, ask for fewer tokens, or deploy with more room")
@@ -393,15 +394,13 @@ class Engine:
             rooms = [0] * len(call.live) if call.stopping else self._readmission(call)
             self._make_room(len(call.sessions), sum(rooms))
             if not call.stopping and not self.sessions.fits(len(call.sessions), sum(rooms)):
-                error = self._cannot_wait(call)
+                error = self._cannot_wait(call, sum(rooms))
                 if error is None:
                     return
                 self._preempted.popleft()
                 self.sessions.held -= len(call.sessions)
-                call.closing = error
-                call.finished = True
-                call.out.put(error)
-                call.ended.set()
+                call.closing, call.finished = error, True
+                self._end_preempted(call)
                 self._cond.notify_all()
                 continue
             self._preempted.popleft()
@@ -478,7 +477,7 @@ class Engine:
             preempted, self._preempted = list(self._preempted), deque()
             self.sessions.held -= sum(len(c.sessions) for c in preempted)
         for call in preempted:          # NOTE: no room counted, no caches: told at once
-            self._closed_while_preempted(call)
+            self._end_preempted(call)
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout_s)
         self.executor.close()
