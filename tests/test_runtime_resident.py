@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -145,6 +146,29 @@ def test_a_failed_checkpoint_write_is_logged_and_the_request_served(blocks, tmp_
     assert M.rel_err(got, expected) <= 1e-4
     assert r.counters["checkpoint_write_failures"] == len(specs) and r.counters["checkpoints_written"] == 0
     assert "serving without it" in caplog.text
+
+
+def test_blocks_checkpoint_only_into_the_folder_their_request_was_sent_with(blocks, tmp_path) -> None:
+    """The caller makes a request's folder when it sends it and deletes it when the request returns;
+    a block of that request that runs later (an attempt given up on after a worker died) writes no
+    checkpoint and makes no folder, so nothing is left behind."""
+    graph, plan, x, expected, _ = blocks
+    specs = specs_of(plan, str(tmp_path))
+    r = ResidentBlocks(64 * 2**20)
+    r.load(specs[0])
+    sent = tmp_path / MODEL / "r3"
+    sent.mkdir(parents=True)
+    assert M.rel_err(run_all(r, specs, graph, x, request=3), expected) <= 1e-4
+    assert sorted(p.name for p in sent.iterdir()) == sorted(f"v0-b{s.index}.safetensors" for s in specs)
+    assert r.counters["checkpoints_written"] == len(specs) and r.counters["checkpoints_skipped"] == 0
+    assert M.rel_err(run_all(r, specs, graph, x, request=3), expected) <= 1e-4
+    assert r.counters["resumed_from_checkpoint"] == len(specs)
+    shutil.rmtree(sent)                   # NOTE: request 3 returned; request 4 was never sent so
+    for request in (3, 4):
+        assert M.rel_err(run_all(r, specs, graph, x, request=request), expected) <= 1e-4
+    assert r.counters["checkpoints_skipped"] == 2 * len(specs)
+    assert r.counters["checkpoints_written"] == len(specs) and not r.counters["checkpoint_write_failures"]
+    assert [p.name for p in (tmp_path / MODEL).iterdir()] == []
 
 
 def test_checkpoints_and_weights_must_lie_inside_the_roots(blocks, tmp_path) -> None:

@@ -115,6 +115,7 @@ class ModelOperations:
 
     def stats(self) -> dict[str, dict[str, Any]]:
         keys = ("block_runs", "resumed_from_checkpoint", "checkpoints_written", "checkpoint_write_failures",
-                "corrupt_tiles", "corrupt_checkpoints", "prefetched_blocks", "resident_bytes", "budget_bytes")
+                "checkpoints_skipped", "corrupt_tiles", "corrupt_checkpoints", "prefetched_blocks",
+                "resident_bytes", "budget_bytes")
         return {i["address"]: {k: i["report"].get(k, 0) for k in keys}
                 for i in workers_info(self.client, everyone=True)}

@@ -49,6 +49,10 @@ from .programs import StepLayout, StepProgram
 
 logger = logging.getLogger(__name__)
 
+# NOTE: passes over a finished request's checkpoint folder: each deletes what a late block wrote
+# during the one before (workers never make the folder again), so two suffice but for a stall
+FORGET_TRIES = 5
+
 
 class Handle:
     """A submitted request or step: the blocks it was submitted as (its plan version's, which a
@@ -129,30 +133,51 @@ class RequestSender:
     def _request(self, prog: StepProgram | None, graph: Any, feed: dict[str, Any]) -> Any:
         t0 = time.perf_counter()
         layout = prog.layout if prog is not None else self.plans.layout
-        handle = self.submit(prog, layout, feed)
+        handle = self.submit(prog, layout, feed, checkpointed=True)
         t1 = time.perf_counter()
         try:
             outputs = self.outputs(handle)
             t2 = time.perf_counter()
         finally:
-            if self.checkpoint_dir:
-                shutil.rmtree(Path(self.checkpoint_dir) / self.model_id / f"r{handle.request}",
-                              ignore_errors=True)
+            self._forget_checkpoints(handle.request)
         values = {t: outputs[t] if t in outputs else feed[t] for t in graph.leaf_outputs}
         out = unflatten_outputs(graph, assemble_outputs(graph, values))
         # NOTE: what this client spends on a request besides waiting: part of Dask's cost
         self.client_s.append((t1 - t0, time.perf_counter() - t2))
         return out
 
+    def _checkpoints(self, request: int) -> Path:
+        """The folder the blocks of ``request`` checkpoint their outputs in (``checkpoint_dir``)."""
+        return Path(self.checkpoint_dir) / self.model_id / f"r{request}"
+
+    def _forget_checkpoints(self, request: int) -> None:
+        """Delete ``request``'s checkpoints. Workers write only into the folder this client made,
+        never make it, so once it is gone it stays gone: a block of an attempt given up on that
+        wrote while it was being deleted is deleted by the next pass."""
+        if not self.checkpoint_dir:
+            return
+        folder = self._checkpoints(request)
+        for _ in range(FORGET_TRIES):
+            shutil.rmtree(folder, ignore_errors=True)
+            if not folder.exists():
+                return
+        logger.warning("checkpoints of request %d of model %s not deleted: %s still holds %s", request,
+                       self.model_id, folder, sorted(p.name for p in folder.iterdir())[:5])
+
     # --- submitting ---------------------------------------------------------------------------
     def submit(self, prog: StepProgram | None, layout: StepLayout, inputs: dict[str, Any],
-               after: Handle | None = None, follows: Handle | None = None) -> Handle:
+               after: Handle | None = None, follows: Handle | None = None,
+               checkpointed: bool = False) -> Handle:
         """Send one request of ``prog`` (None: the model's own program) under ``layout``; every
         request and generation step goes this way. ``after``: a step (as tasks) whose greedy
         tokens are this one's ``input_ids``; ``follows``: a request (on the data plane) whose
-        cache writes this one reads."""
+        cache writes this one reads; ``checkpointed``: its blocks checkpoint their outputs (where
+        the deployment has a ``checkpoint_dir``) in a folder made here, which the caller deletes
+        (``_forget_checkpoints``)."""
         self.plans.check_open()
         request = self.next_request()
+        if checkpointed and self.checkpoint_dir:
+            self._checkpoints(request).mkdir(parents=True, exist_ok=True)
         wanted = sorted(set(layout.out_at.values()))
         if self.p2p:
             if after is not None:

@@ -27,11 +27,13 @@ def crc32(t: torch.Tensor) -> int:
     return zlib.crc32(x.view(torch.uint8).numpy().data) if x.numel() else 0
 
 
-def save_checkpoint(path: Path, tensors: Mapping[str, torch.Tensor]) -> None:
-    """Write ``tensors`` with their checksums, atomically (a reader sees all or nothing)."""
+def save_checkpoint(path: Path, tensors: Mapping[str, torch.Tensor], make_folder: bool = True) -> None:
+    """Write ``tensors`` with their checksums, atomically (a reader sees all or nothing);
+    ``make_folder=False``: only into a folder that exists (``FileNotFoundError`` if it does not)."""
     from safetensors.torch import save_file
 
-    path.parent.mkdir(parents=True, exist_ok=True)
+    if make_folder:
+        path.parent.mkdir(parents=True, exist_ok=True)
     # NOTE: exports may be views of one another; safetensors needs each its own storage.
     cpu = {k: v.detach().cpu().clone(memory_format=torch.contiguous_format) for k, v in tensors.items()}
     meta = {f"crc32:{k}": str(crc32(v)) for k, v in cpu.items()}

@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 FetchSpec = Callable[[str, int, int], Mapping[str, Any]]
 COUNTERS = ("block_runs", "resumed_from_checkpoint", "checkpoints_written", "checkpoint_write_failures",
-            "corrupt_tiles", "corrupt_checkpoints", "prefetched_blocks")
+            "checkpoints_skipped", "corrupt_tiles", "corrupt_checkpoints", "prefetched_blocks")
 
 
 # a tile's identity: its source's key, slices, file and dtype (and an inline constant's shape and contents)
@@ -320,7 +320,11 @@ class ResidentBlocks:
         """One block of one request: ``(outputs, "computed" | "resumed")``.
 
         Outputs come from an intact checkpoint when there is one; a failed
-        checkpoint write is logged and the outputs are returned all the same.
+        checkpoint write is logged and the outputs are returned all the same. A checkpoint is
+        written only into its request's folder, which the caller makes when it sends the request
+        and deletes when the request returns: a block of an attempt the caller gave up on, or a
+        generation step (whose blocks also write KV caches, which a checkpoint would not bring
+        back), writes none, and nothing is left behind.
         """
         ckpt = self.checkpoint_path(model, version, request, block)
         if ckpt is not None:
@@ -343,13 +347,20 @@ class ResidentBlocks:
         self.counters["block_runs"] += 1
         ckpt = ckpt or self.checkpoint_path(model, version, request, block)
         if ckpt is not None:
-            try:
-                save_checkpoint(ckpt, out)
-                self.counters["checkpoints_written"] += 1
-            except (OSError, RuntimeError, ValueError) as e:
-                self.counters["checkpoint_write_failures"] += 1
-                logger.warning("checkpoint %s not written (%s): serving without it", ckpt, e)
+            self._checkpoint(ckpt, out)
         return out, "computed"
+
+    def _checkpoint(self, path: Path, out: Mapping[str, torch.Tensor]) -> None:
+        """Write a block's outputs into its request's folder, if that folder is there (``run``)."""
+        try:
+            save_checkpoint(path, out, make_folder=False)
+            self.counters["checkpoints_written"] += 1
+        except (OSError, RuntimeError, ValueError) as e:
+            if isinstance(e, FileNotFoundError) and not path.parent.is_dir():
+                self.counters["checkpoints_skipped"] += 1      # NOTE: no request folder (see ``run``)
+                return
+            self.counters["checkpoint_write_failures"] += 1
+            logger.warning("checkpoint %s not written (%s): serving without it", path, e)
 
     # --- forgetting ------------------------------------------------------------------------
     def _retire(self, model: str, version: int) -> None:
