@@ -25,7 +25,7 @@ from seabiscuit_dask.errors import (
     SessionClosed,
     StaleRun,
 )
-from seabiscuit_dask.lower.kvcache import CacheLost, KVStore
+from seabiscuit_dask.lower.kvcache import CacheLost, KVStore, using
 from seabiscuit_dask.placement.follow import follow
 from seabiscuit_dask.runtime.generation import (
     Engine,
@@ -39,6 +39,7 @@ from seabiscuit_dask.runtime.generation import (
 )
 from seabiscuit_dask.runtime.generation import engine as engine_module
 from seabiscuit_dask.runtime.generation import executor as executor_module
+from seabiscuit_dask.runtime.generation.inputs import step_inputs
 from seabiscuit_dask.trace.decoder import trace_step
 
 from .clusters import seabiscuit_cluster, wait_for
@@ -537,8 +538,16 @@ def test_step_programs_follow_the_weights_of_the_deployment(family: str) -> None
     plan = sb.place(graph, spec)
     owner = {(p.source.key, p.source.slices): int(d) for op, d in zip(graph.ops, plan.device_of)
              for p in (graph.params[n] for n in op.params)}
-    for shape in ((1, 1), (4, 1), (1, 16)):
+    # NOTE: 32 rows: the deployment's LM head tiles, cut for 16 tokens, pass the budget with 32 rows
+    # of outputs; the step reads each in parts of its rows, the tile whole (before: cut anew)
+    for shape in ((1, 1), (4, 1), (1, 16), (32, 1)):
         step = sb.decompose(trace_step(model, *shape), "64KiB", like=graph)
+        if shape == (32, 1):
+            feed = step_inputs([(r, 0, [r + 3]) for r in range(32)], 32, 1)
+            with using(KVStore(), "m"):
+                got = sb.run_local(step, *[feed[n] for n in step.inputs], weights=model)
+            want = model(torch.arange(3, 35).reshape(32, 1)).logits[:, -1]
+            torch.testing.assert_close(got.reshape(want.shape), want, rtol=1e-4, atol=1e-4)
         placed = follow(plan, step)
         for op, d in zip(step.ops, placed.device_of):
             for n in op.params:

@@ -364,7 +364,8 @@ class Decomposer:
         dim %= len(self.shape(ref))
         if r[0] == "p":
             edges = self.param_edges.get((r[1], dim), set())
-            return self.reused(split, k, sorted(e // ratio for e in edges if e % ratio == 0))
+            return self.reused(split, k, sorted(e // ratio for e in edges if e % ratio == 0),
+                               self.seeded.get(r[1]) == dim)
         if r[1] not in self.virtual:
             return None
         edges = {e for region, _, _ in self.virtual[r[1]] for e in region[dim]}
@@ -391,13 +392,17 @@ class Decomposer:
             bounds.append(split.n)
         return bounds
 
-    def reused(self, split: Split, k: int, cuts: list[int]) -> list[int] | None:
+    def reused(self, split: Split, k: int, cuts: list[int], seeded: bool = False) -> list[int] | None:
         """The bounds a weight was cut at before, if they serve ``split`` as well as ``k`` pieces
-        would (so a weight is not held twice in tiles that overlap)."""
+        would (so a weight is not held twice in tiles that overlap). ``seeded``: the cuts of a
+        weight another program holds (``weight_cuts``), kept even where their pieces pass the
+        budget: each piece is then cut along another dim (``crosses_seeded_cut``), its tile
+        whole (a 32-row step program reads its deployment's LM head tiles in two halves of
+        the rows, and holds no tiles of its own)."""
         if len(cuts) <= 2 or cuts[0] != 0 or cuts[-1] != split.n:
             return None
         most = max(b - a for a, b in zip(cuts, cuts[1:]))
-        if most > -(-split.n // k) and split.ws(max(1, split.n // most)) > self.budget:
+        if most > -(-split.n // k) and split.ws(max(1, split.n // most)) > self.budget and not seeded:
             return None
         return cuts
 
@@ -491,7 +496,8 @@ class Decomposer:
             if k is None:
                 continue
             # NOTE: of as many pieces, those that read tiles as they lie (no join) first
-            key = (self.crosses_seeded_cut(s), k, int(self.piece_ws(op, s, k) > 0), rank)
+            key = (self.crosses_seeded_cut(s) or self.cuts_seeded_tile(op, s, k), k,
+                   int(self.piece_ws(op, s, k) > 0), rank)
             if best is None or key < best[:4]:
                 best = (*key, s)
         if best is not None:
@@ -521,6 +527,21 @@ class Decomposer:
         if r is None or r[0] != "p" or r[1] not in self.seeded or split.along is None:
             return 0
         return int(split.along[1] % len(self.params[r[1]].shape) != self.seeded[r[1]])
+
+    def cuts_seeded_tile(self, op: Op, split: Split, k: int) -> int:
+        """1 when ``split``'s pieces of ``op`` would cut a tile of a seeded weight (one that is held
+        whole elsewhere, so its pieces would be held beside it)."""
+        tiles = [p for p in op.params if "@" in p and p.split("@", 1)[0] in self.seeded]
+        if not tiles:
+            return 0
+        bounds = split.bounds(k)
+        self.sampling = True
+        try:
+            args, kwargs, _, _ = split.piece(0, bounds[0], bounds[1], [])
+        finally:
+            self.sampling = False
+        _, params = operand_names(args, kwargs)
+        return int(any(p not in params for p in tiles))
 
     def fitting_k(self, op: Op, split: Split, k: int) -> int | None:
         """The fewest pieces from ``k`` on whose tiles, and what they read, fit the budget."""

@@ -1,4 +1,5 @@
-"""linear, addmm, mm, matmul, bmm, sb.qlinear: by output columns, input rows, or the reduction dim."""
+"""linear, addmm, mm, matmul, bmm, sb.qlinear: by output columns, input rows, the reduction dim, or
+the leading (batch) dim of an input of 3 dims or more against a 2-D weight."""
 
 from __future__ import annotations
 
@@ -167,3 +168,27 @@ def reduction(d: Decomposing, op: Op) -> Split | None:
     return Split("r", "the reduction", K,
                  lambda k: (a + b) * frac(K, k) + bb + y + m.scratch(N, -(-K // k), rows),
                  0, piece, "sum", -1, along=along)
+
+
+@register("linear", "matmul")
+def leading_rows(d: Decomposing, op: Op) -> Split | None:
+    """The leading dim of an A of 3 dims or more (a step's rows, each of its own tokens) against a
+    2-D B: every tile reads all of B, as it lies. What a tile of a weight held whole elsewhere is
+    cut by when its rows pass the budget (``Decomposer.crosses_seeded_cut``): a decode step of
+    many rows, whose other dims are one token long."""
+    m = d.read(op, read)
+    if m is None or len(m.sa) < 3 or len(m.sb) != 2 or m.sa[0] < 2 \
+            or (m.bias is not None and len(d.shape(m.bias)) > 1):
+        return None
+    R = m.sa[0]
+
+    def piece(i: int, lo: int, hi: int, pieces: Pieces) -> Piece:
+        new = list(m.args)
+        new[m.a_i] = d.cut(m.A, 0, lo, hi, op.scope, pieces)
+        return new, dict(op.attrs["kwargs"]), op.target, TensorSpec((hi - lo, *m.out.shape[1:]), m.out.dtype)
+
+    a, b, bb, y, N, K = m.a, m.b, m.bb, m.y, m.sb[m.n_dim], m.sb[m.k_dim]
+    rows = math.prod(m.out.shape[:-1])
+    return Split("b", "the leading rows", R,
+                 lambda k: (a + y) * frac(R, k) + b + bb + m.scratch(N, K, rows * frac(R, k)),
+                 0, piece, "concat", 0, along=(m.A, 0, 1))
