@@ -146,6 +146,69 @@ def test_calls_are_read_piece_by_piece_as_written_and_join_to_the_calls_read_who
     assert not pieces("<tool_c", 1)[0].lost       # NOTE: may still become one
 
 
+class Scripted:
+    """A deployment's ``stream`` as ``ServedModel`` drives it, without a cluster: the tokens of
+    ``text`` one a step, then end-of-text; ``given``: the steps it was asked for."""
+
+    max_rows = 1
+
+    def __init__(self, tok: Any, text: str) -> None:
+        self.tokens = [*tok.encode(text, add_special_tokens=False), tok.eos_token_id]
+        self.given = 0
+
+    def stream(self, ids: torch.Tensor, max_new: int, **kwargs: Any) -> Any:
+        for t in self.tokens[:max_new]:
+            self.given += 1
+            yield torch.tensor([t])
+
+
+def _auto(tok: Any, text: str) -> tuple[list[Any], Scripted]:
+    """The events of a chat answer under ``tool_choice="auto"`` whose model writes ``text``."""
+    from seabiscuit_dask.serve.models import ServedModel
+
+    dm = Scripted(tok, text)
+    model = ServedModel("m", dm, tok, "generate", context=4096, eos=(tok.eos_token_id,))
+    tools = [{"type": "function", "function": {"name": t.name, "description": t.description,
+                                               "parameters": t.parameters}} for t in (WEATHER, TIME)]
+    req = parse_chat({"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": tools})
+    assert req.tool_choice == "auto"
+    return list(model.answer(req, [[1, 2]], 200)), dm
+
+
+def test_an_auto_answer_that_calls_a_tool_streams_the_call_as_it_is_written(tok: Any) -> None:
+    """Under ``"auto"`` a call of a known tool goes out piece by piece while it is written (its
+    head first, then its arguments, before the answer ends), joining to the call read whole; text
+    after its calls ends the answer with them; a call of an unknown tool, or text, is text."""
+    from seabiscuit_dask.serve.models import Delta, Finish, ToolCallPart, ToolCalls
+
+    call = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
+            '\n</tool_call>')
+    for tail in ("", "\nI will tell you once I know."):
+        events, dm = _auto(tok, call + tail)
+        kinds = [type(e).__name__ for e in events]
+        parts = [e.part for e in events if isinstance(e, ToolCallPart)]
+        assert parts[0].name == "get_weather" and parts[0].id is not None and len(parts) > 3
+        assert kinds.index("ToolCallPart") < len(tok.encode(call)) // 2     # NOTE: events, not tokens:
+        (calls,) = [e for e in events if isinstance(e, ToolCalls)]        # fewer than half came before
+        assert calls.streamed and [c.id for c in calls.calls] == [parts[0].id]
+        assert "".join(p.arguments for p in parts) == calls.calls[0].arguments
+        assert json.loads(calls.calls[0].arguments) == {"city": "Paris", "unit": "celsius"}
+        assert isinstance(events[-1], Finish) and events[-1].reason == "tool_calls"
+        assert not [e for e in events if isinstance(e, Delta)]
+        if tail:        # NOTE: the answer ended once it wrote on past its calls
+            assert dm.given < len(dm.tokens) - 2
+    for text in ('<tool_call>\n{"name": "get_stock", "arguments": {"symbol": "X"}}\n</tool_call>',
+                 "The weather in Paris is mild today."):
+        events, _ = _auto(tok, text)
+        assert not [e for e in events if isinstance(e, (ToolCallPart, ToolCalls))]
+        assert "".join(e.text for e in events if isinstance(e, Delta)) == text
+        assert events[-1].reason == "stop"
+    # NOTE: a reader told the tools loses a head naming another before it sends anything; one told none
+    reader = CallReader(frozenset({"get_time"}))
+    assert not reader.feed('<tool_call>\n{"name": "get_stock", "arguments": {') and reader.lost
+    assert not pieces('<tool_call>\n{"name": "get_stock", "arguments": {}}', 1)[0].lost
+
+
 def test_a_wordpiece_tokenizer_cannot_be_constrained_and_says_so() -> None:
     import transformers as tf
 

@@ -272,9 +272,10 @@ class ServedModel:
         ends = set(eos)
         calls = request.tools and request.tool_choice != "none"
         held = [calls] * len(choices)     # NOTE: an answer that may be a tool call is sent once it is known
-        # NOTE: a call the grammar constrains is one: it goes out piece by piece as it is written
-        st = request.structure
-        readers = [CallReader() for _ in choices] if st is not None and st.kind == "tool_call" else None
+        # NOTE: a call goes out piece by piece as it is written: one the grammar constrains, or under
+        # "auto" one whose head names a known tool (the answer is then its calls; see ``_finish_calls``)
+        readers = [CallReader(frozenset(t.name for t in request.tools)) for _ in choices] if calls else None
+        free = request.structure is None
         try:
             for step in stream:
                 lps = stream.logprobs if s.logprobs is not None else None
@@ -298,11 +299,16 @@ class ServedModel:
                             written = scans[i].text if ended else scans[i].text[:scans[i].sent]
                             for part in readers[i].feed(written):
                                 yield ToolCallPart(i, part)
-                        if not ended and could_be_call(scans[i].text[:scans[i].sent]):
+                        # NOTE: under "auto", calls that went out and text after them: the answer ends
+                        lost = free and readers is not None and readers[i].lost and bool(readers[i].ids)
+                        if not ended and not lost and could_be_call(scans[i].text[:scans[i].sent]):
                             continue              # NOTE: its text and log-probabilities wait in the scan
                         held[i] = False
                         sent = readers[i].ids if readers is not None else None
                         made_calls = read_calls(scans[i].text, request.tools, sent) if ended else None
+                        if not made_calls and sent and readers is not None:
+                            # NOTE: its calls went out, then it wrote on: the calls it wrote whole answer
+                            made_calls = read_calls(scans[i].text[:readers[i].complete], request.tools, sent)
                         if made_calls:
                             done[i] = True
                             yield ToolCalls(i, tuple(made_calls), streamed=bool(sent))

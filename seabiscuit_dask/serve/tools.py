@@ -9,7 +9,8 @@ is told of them in its system message and calls one as Hermes-style models do::
 
 ``tool_choice`` "required" or a function's name constrains the answer to such a call
 (``call_grammar``: the arguments valid under that tool's parameters); "auto" leaves the
-answer free and reads a call out of it where it is one (``read_calls``).
+answer free and reads a call out of it where it is one (``read_calls``). Either way a call is
+streamed as it is written (``CallReader``), under "auto" once its head names a known tool.
 """
 
 from __future__ import annotations
@@ -172,12 +173,16 @@ class CallReader:
     """Reads an answer that is tool calls as it is written (``feed`` the text so far, each time):
     a call's id and name once its head is written, then its arguments' text as it grows, the
     call's closing brace and tag left out. Where the answer stops looking like calls written
-    name first (``lost``), it reads no more: the answer is read whole at its end (``read_calls``)."""
+    name first (``lost``), it reads no more: the answer is read whole at its end (``read_calls``).
+    ``names``: the tools it may call; a head naming another is lost, before anything of it is
+    read (an answer left free, ``"auto"``, may write anything)."""
 
     HEAD_CHARS = 256        # NOTE: a call's head longer than this is not one
 
-    def __init__(self) -> None:
+    def __init__(self, names: frozenset[str] | None = None) -> None:
+        self.names = names
         self.ids: list[str] = []
+        self.complete = 0           # NOTE: the text's length through the last call read whole
         self.lost = False
         self._at = 0                # NOTE: characters of the text read
         self._state = "head"        # NOTE: "head": before a call, "args": in its arguments, "tail": after
@@ -193,8 +198,12 @@ class CallReader:
                 if head is None:
                     self.lost = not _may_become(text[self._at:])
                     return out
+                name = json.loads(f'"{head.group(1)}"')
+                if self.names is not None and name not in self.names:
+                    self.lost = True
+                    return out
                 self.ids.append(call_id())
-                out.append(CallPart(len(self.ids) - 1, "", self.ids[-1], json.loads(f'"{head.group(1)}"')))
+                out.append(CallPart(len(self.ids) - 1, "", self.ids[-1], name))
                 self._at, self._state, self._depth = head.end(), "args", 0
             elif self._state == "args":
                 while self._depth == 0 and self._at < len(text) and text[self._at].isspace():
@@ -214,6 +223,7 @@ class CallReader:
                                      (after is not None and CLOSE.startswith(after)))
                     return out
                 self._at, self._state = tail.end(), "head"
+                self.complete = self._at
         return out
 
     def _read_arguments(self, text: str) -> None:
