@@ -125,7 +125,8 @@ def shared_weight_cuts(graph: OpGraph, budget: int) -> dict[tuple[str, int], set
 
 def _decompose(graph: OpGraph, budget_bytes: int, allow_oversize: bool,
                cuts: dict[tuple[str, int], set[int]] | None = None) -> OpGraph:
-    d = Decomposer(graph, budget_bytes, weight_cuts=cuts or shared_weight_cuts(graph, budget_bytes))
+    d = Decomposer(graph, budget_bytes, weight_cuts=cuts or shared_weight_cuts(graph, budget_bytes),
+                   held=bool(cuts))
     with no_gc():
         result = d.run()
     if not d.oversize:

@@ -52,7 +52,7 @@ class Decomposer:
 
     def __init__(self, graph: OpGraph, budget: int,
                  rules: Mapping[str, Sequence[RuleFn]] = RULES,
-                 weight_cuts: Mapping[tuple[str, int], set[int]] | None = None) -> None:
+                 weight_cuts: Mapping[tuple[str, int], set[int]] | None = None, held: bool = False) -> None:
         self.graph = graph
         self.budget = budget
         self.rules = rules
@@ -69,6 +69,9 @@ class Decomposer:
         seeds = weight_cuts or {}
         self.param_edges: dict[tuple[str, int], set[int]] = {k: set(v) for k, v in seeds.items()}
         self.seeded = {name: dim for name, dim in seeds}
+        # NOTE: ``held``: the seeded tiles are held already (another program's, ``decompose(like=)``):
+        # they are read whole, cut along another dim where they pass the budget (``reused``)
+        self.held = held
         self.edge_ws: dict[tuple[str, int], int] = {}            # largest op that cut each
         self.root_ws = 0
         self.sampling = False
@@ -365,7 +368,7 @@ class Decomposer:
         if r[0] == "p":
             edges = self.param_edges.get((r[1], dim), set())
             return self.reused(split, k, sorted(e // ratio for e in edges if e % ratio == 0),
-                               self.seeded.get(r[1]) == dim)
+                               self.held and self.seeded.get(r[1]) == dim)
         if r[1] not in self.virtual:
             return None
         edges = {e for region, _, _ in self.virtual[r[1]] for e in region[dim]}
@@ -529,10 +532,10 @@ class Decomposer:
         return int(split.along[1] % len(self.params[r[1]].shape) != self.seeded[r[1]])
 
     def cuts_seeded_tile(self, op: Op, split: Split, k: int) -> int:
-        """1 when ``split``'s pieces of ``op`` would cut a tile of a seeded weight (one that is held
-        whole elsewhere, so its pieces would be held beside it)."""
+        """1 when ``split``'s pieces of ``op`` would cut a tile of a seeded weight that is held whole
+        elsewhere (``held``), so its pieces would be held beside it."""
         tiles = [p for p in op.params if "@" in p and p.split("@", 1)[0] in self.seeded]
-        if not tiles:
+        if not tiles or not self.held:
             return 0
         bounds = split.bounds(k)
         self.sampling = True
