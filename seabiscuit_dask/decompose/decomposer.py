@@ -399,7 +399,7 @@ class Decomposer:
         """The bounds a weight was cut at before, if they serve ``split`` as well as ``k`` pieces
         would (so a weight is not held twice in tiles that overlap). ``seeded``: the cuts of a
         weight another program holds (``weight_cuts``), kept even where their pieces pass the
-        budget: each piece is then cut along another dim (``crosses_seeded_cut``), its tile
+        budget: each piece is then cut along another dim (``cuts_seeded_tile``), its tile
         whole (a 32-row step program reads its deployment's LM head tiles in two halves of
         the rows, and holds no tiles of its own)."""
         if len(cuts) <= 2 or cuts[0] != 0 or cuts[-1] != split.n:

@@ -273,7 +273,7 @@ class ServedModel:
         calls = request.tools and request.tool_choice != "none"
         held = [calls] * len(choices)     # NOTE: an answer that may be a tool call is sent once it is known
         # NOTE: a call goes out piece by piece as it is written: one the grammar constrains, or under
-        # "auto" one whose head names a known tool (the answer is then its calls; see ``_finish_calls``)
+        # "auto" one whose head names a known tool (the answer is then its calls, read below)
         readers = [CallReader(frozenset(t.name for t in request.tools)) for _ in choices] if calls else None
         free = request.structure is None
         try:

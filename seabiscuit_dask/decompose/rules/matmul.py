@@ -174,7 +174,7 @@ def reduction(d: Decomposing, op: Op) -> Split | None:
 def leading_rows(d: Decomposing, op: Op) -> Split | None:
     """The leading dim of an A of 3 dims or more (a step's rows, each of its own tokens) against a
     2-D B: every tile reads all of B, as it lies. What a tile of a weight held whole elsewhere is
-    cut by when its rows pass the budget (``Decomposer.crosses_seeded_cut``): a decode step of
+    cut by when its rows pass the budget (``Decomposer.cuts_seeded_tile``): a decode step of
     many rows, whose other dims are one token long."""
     m = d.read(op, read)
     if m is None or len(m.sa) < 3 or len(m.sb) != 2 or m.sa[0] < 2 \
