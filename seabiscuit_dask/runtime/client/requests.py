@@ -43,6 +43,7 @@ from ..dataplane.loops import EDITS, ROWS, Edit
 from ..generation import greedy
 from ..local import assemble_outputs, unflatten_outputs
 from ..watch import Deadline, seconds
+from ..worker.integrity import request_folder
 from ..worker.tasks import PICK, run_block_task
 from .plans import PlanFollower
 from .programs import StepLayout, StepProgram
@@ -148,7 +149,7 @@ class RequestSender:
 
     def _checkpoints(self, request: int) -> Path:
         """The folder the blocks of ``request`` checkpoint their outputs in (``checkpoint_dir``)."""
-        return Path(self.checkpoint_dir) / self.model_id / f"r{request}"
+        return request_folder(self.checkpoint_dir, self.model_id, request)
 
     def _forget_checkpoints(self, request: int) -> None:
         """Delete ``request``'s checkpoints. Workers write only into the folder this client made,

@@ -27,6 +27,12 @@ def crc32(t: torch.Tensor) -> int:
     return zlib.crc32(x.view(torch.uint8).numpy().data) if x.numel() else 0
 
 
+def request_folder(root: str | os.PathLike[str], model: str, request: int) -> Path:
+    """Where the blocks of ``request`` of ``model`` checkpoint their outputs under ``root``: the
+    caller makes and deletes it, workers write into it (both must name the same folder)."""
+    return Path(root) / model / f"r{int(request)}"
+
+
 def save_checkpoint(path: Path, tensors: Mapping[str, torch.Tensor], make_folder: bool = True) -> None:
     """Write ``tensors`` with their checksums, atomically (a reader sees all or nothing);
     ``make_folder=False``: only into a folder that exists (``FileNotFoundError`` if it does not)."""

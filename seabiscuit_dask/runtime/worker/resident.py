@@ -26,7 +26,7 @@ from ...lower.kvcache import KVStore, using
 from ...lower.layout import held as laid_out
 from ...weights import WeightStore
 from .. import access
-from .integrity import crc32, load_checkpoint, save_checkpoint
+from .integrity import crc32, load_checkpoint, request_folder, save_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -312,7 +312,7 @@ class ResidentBlocks:
         if d is None or request < 0:
             return None
         name = f"v{int(version)}-b{int(block)}.safetensors"
-        return d / access.check_model_id(model) / f"r{int(request)}" / name
+        return request_folder(d, access.check_model_id(model), request) / name
 
     def run(self, model: str, version: int, request: int, block: int, inputs: Mapping[str, torch.Tensor],
             deps: Sequence[Mapping[str, torch.Tensor]],
