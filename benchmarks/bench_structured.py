@@ -3,12 +3,16 @@
 SmolLM2-135M-Instruct (real weights, GGUF) deployed on 2 local worker processes and served over
 HTTP, as ``seabiscuit serve`` does; one streaming chat client at a time (the official ``openai``
 client). Per kind of request, medians over --reps requests: time to the first token and the time
-per token after it (from the chunks' arrival times; a held tool call arrives whole, so its
-figure is its answer's time over its tokens), the tokens, and the ratio to a plain greedy request
-measured in the same run (whose tokens are picked on the workers; every other kind here reads
-its logits back each step). Every structured answer is validated (jsonschema).
+per token after it (from the chunks' arrival times; a tool call's from its first piece), the
+tokens, and the ratio to a plain greedy request measured in the same run. Every kind but the
+structured ones (a grammar's matchers are in the server) has its tokens picked on the workers.
+Every structured answer is validated (jsonschema).
 
-    python benchmarks/bench_structured.py [--reps 3] [--max-tokens 48]
+With ``--clients N`` (N > 1) it then runs N streaming clients at once per kind, each kind alone,
+and prints their tokens per second together over the wall time (``ignore_eos`` where the kind
+allows it, so every answer runs to --max-tokens), against plain greedy clients in the same run.
+
+    python benchmarks/bench_structured.py [--reps 3] [--max-tokens 48] [--clients 8]
 """
 
 from __future__ import annotations
@@ -48,13 +52,18 @@ KINDS: dict[str, dict[str, Any]] = {
 }
 
 
-def one(api: Any, max_tokens: int, kind: dict[str, Any]) -> tuple[float, float, int, str]:
-    """(seconds to the first chunk, seconds per token after it, tokens, the answer) of one request."""
+def one(api: Any, max_tokens: int, kind: dict[str, Any],
+        to_the_end: bool = False) -> tuple[float, float, int, str]:
+    """(seconds to the first chunk, seconds per token after it, tokens, the answer) of one request;
+    ``to_the_end``: past its end-of-text token to ``max_tokens`` (where no structure ends it)."""
     import jsonschema
 
     args = {"model": "smollm2", "messages": ASK, "max_tokens": max_tokens, "temperature": 0, **kind}
+    if to_the_end and "response_format" not in kind and "tools" not in kind:
+        args["extra_body"] = {**args.get("extra_body", {}), "ignore_eos": True}
     t0 = time.perf_counter()
-    first, text, calls, tokens = None, "", [], 0
+    first, text, tokens = None, "", 0
+    calls: dict[int, list[str]] = {}       # NOTE: index -> [name, arguments]: a call streams in pieces
     for chunk in api.chat.completions.create(stream=True, stream_options={"include_usage": True}, **args):
         if chunk.usage is not None:
             tokens = chunk.usage.completion_tokens
@@ -64,15 +73,18 @@ def one(api: Any, max_tokens: int, kind: dict[str, Any]) -> tuple[float, float, 
         if (delta.content or delta.tool_calls) and first is None:
             first = time.perf_counter()
         text += delta.content or ""
-        calls += delta.tool_calls or []
+        for piece in delta.tool_calls or []:
+            call = calls.setdefault(piece.index, ["", ""])
+            call[0] += piece.function.name or "" if piece.function else ""
+            call[1] += piece.function.arguments or "" if piece.function else ""
     end = time.perf_counter()
     if "response_format" in kind:
         jsonschema.validate(json.loads(text), CITY)
     if "tools" in kind:
         assert len(calls) == 1, calls
-        jsonschema.validate(json.loads(calls[0].function.arguments), WEATHER["function"]["parameters"])
-        text = f"{calls[0].function.name}({calls[0].function.arguments})"
-        first = t0 + (end - t0) / max(tokens, 1)       # NOTE: held whole: spread over its tokens
+        (name, arguments), = calls.values()
+        jsonschema.validate(json.loads(arguments), WEATHER["function"]["parameters"])
+        text = f"{name}({arguments})"
     first = first or end
     return first - t0, (end - first) / max(tokens - 1, 1), tokens, text
 
@@ -81,6 +93,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--clients", type=int, default=1, help="then this many clients at once per kind")
     args = ap.parse_args()
 
     import openai
@@ -90,8 +103,8 @@ def main() -> None:
     from tests.clusters import seabiscuit_cluster
 
     with seabiscuit_cluster(2, 1_500_000_000) as client:
-        lm = deploy(load(Source("gguf", None, "smollm2"), print), client, sessions=2, context=512,
-                    budget=None, device=None)
+        lm = deploy(load(Source("gguf", None, "smollm2"), print), client, sessions=max(2, args.clients),
+                    context=512, budget=None, device=None)
         with running(make_app(Server([lm]))) as url:
             api = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
             for kind in KINDS.values():        # NOTE: warm each path once (grammars compiled, first masks)
@@ -101,6 +114,11 @@ def main() -> None:
                 got = [one(api, args.max_tokens, kind) for _ in range(args.reps)]
                 rows.append((name, statistics.median(g[0] for g in got), statistics.median(g[1] for g in got),
                              statistics.median(g[2] for g in got), got[0][3]))
+            together = []
+            if args.clients > 1:
+                for name, kind in KINDS.items():
+                    rates = [at_once(api, args.max_tokens, kind, args.clients) for _ in range(args.reps)]
+                    together.append((name, statistics.median(rates)))
         lm.dm.close()
     base = rows[0][2]
     print(f"\nSmolLM2 on 2 workers x 1 thread, one client, medians of {args.reps} (warm: each kind run once "
@@ -110,6 +128,23 @@ def main() -> None:
     for name, ttft, per, tokens, text in rows:
         print(f"| {name} | {ttft * 1e3:.0f} | {per * 1e3:.1f} | {per / base:.2f}x | {tokens:.0f} | "
               f"{text[:60]!r} |")
+    if together:
+        print(f"\n{args.clients} clients at once, one kind at a time, tokens/s over the wall time (median of "
+              f"{args.reps})\n")
+        print("| request | tokens/s | vs greedy |")
+        print("|---|---|---|")
+        for name, rate in together:
+            print(f"| {name} | {rate:.1f} | {rate / together[0][1]:.2f}x |")
+
+
+def at_once(api: Any, max_tokens: int, kind: dict[str, Any], clients: int) -> float:
+    """Tokens per second of ``clients`` requests of ``kind`` sent together, over their wall time."""
+    import concurrent.futures
+
+    t0 = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(clients) as pool:
+        got = list(pool.map(lambda _: one(api, max_tokens, kind, to_the_end=True), range(clients)))
+    return sum(g[2] for g in got) / (time.perf_counter() - t0)
 
 
 if __name__ == "__main__":

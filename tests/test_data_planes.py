@@ -57,13 +57,24 @@ def test_forward_and_greedy_generation_equal_the_model(client, model, plane: str
         assert dm.run_counts()["re_executed"] == 0
 
 
-def test_sampling_and_concurrent_calls_give_the_same_tokens_on_both_planes(client, model) -> None:
+def test_sampling_logprobs_rules_and_concurrent_calls_give_the_same_tokens_on_both_planes(client, model) -> None:
     prompts = [padded_batch((k,), seed=10 + k)[0] for k in (4, 7, 11, 6)]
     answers: dict[str, list] = {}
+    logprobs: dict[str, list] = {}
+    lanes: dict[str, int] = {}
     for plane in PLANES:
         with deploy(client, model, plane) as dm:
             sampled = dm.generate(prompts[0], 10, do_sample=True, temperature=0.9, top_k=40, top_p=0.95,
                                   generator=torch.Generator().manual_seed(7), pad_token_id=0, eos_token_id=[])
+            # NOTE: log-probabilities and logit rules: on p2p picked where the lanes' logits are made
+            stream = dm.stream(prompts[1], 8, pad_token_id=0, eos_token_id=[2], logprobs=3,
+                               repetition_penalty=1.3, min_new_tokens=4, presence_penalty=0.5)
+            shaped, lps = [], []
+            for row in stream:
+                shaped.append(row)
+                lps.append(stream.logprobs[0])
+            logprobs[plane] = lps
+            lanes[plane] = dm.generation_stats()["lane_starts"]
             out: dict[int, torch.Tensor] = {}
 
             def call(i: int, dm=dm) -> None:
@@ -74,10 +85,14 @@ def test_sampling_and_concurrent_calls_give_the_same_tokens_on_both_planes(clien
                 t.start()
             for t in threads:
                 t.join(120)
-            answers[plane] = [sampled, *[out[i] for i in range(len(prompts))]]
+            answers[plane] = [sampled, torch.stack(shaped, dim=1), *[out[i] for i in range(len(prompts))]]
+    assert lanes["p2p"] >= 2 and lanes["tasks"] == 0
     for a, b in zip(answers["p2p"], answers["tasks"]):
         assert torch.equal(a, b)
-    for p, got in zip(prompts, answers["p2p"][1:]):       # and the batched calls are Hugging Face's
+    for a, b in zip(logprobs["p2p"], logprobs["tasks"]):
+        assert a.token == b.token and a.logprob == pytest.approx(b.logprob, abs=1e-5)
+        assert [t for t, _ in a.top] == [t for t, _ in b.top]
+    for p, got in zip(prompts, answers["p2p"][2:]):       # and the batched calls are Hugging Face's
         assert torch.equal(got, hf_greedy(model, p, torch.ones_like(p), 8))
 
 

@@ -112,6 +112,60 @@ def test_a_stranger_cannot_edit_a_lane_with_bad_numbers() -> None:
             asyncio.run(plugin.seabiscuit_dp_lane(model="m", ticket="t", lane=1, edits=edits))
 
 
+def test_a_row_picks_on_the_worker_exactly_as_the_caller_would() -> None:
+    """A sampled row with logit rules and log-probabilities, carried to a lane as plain data and
+    followed there step by step (``RowPicker``), picks the caller's tokens and log-probabilities
+    (``Sampling.pick`` with the row's draws) at every step; greedy rows stay the argmax."""
+    from seabiscuit_dask.runtime.dataplane.loops import pick_rows
+    from seabiscuit_dask.runtime.generation import LogitRules
+    from seabiscuit_dask.runtime.generation.sampling import History, RowPick, logprob_of_row, logprobs_of
+
+    rules = LogitRules(min_new=3, bias=((4, 2.5),), repetition=1.3, frequency=0.4, presence=0.2)
+    sampling = Sampling(True, 0.8, 12, 0.9, torch.Generator().manual_seed(3), rules, logprobs=3)
+    eos = frozenset({5})
+    prompts = [[1, 2, 3, 2], [7, 7], [9, 4, 1]]
+    tokens = [list(p) + [11] for p in prompts]        # each row's first token, picked from its prompt's logits
+    base = [len(p) for p in prompts]
+    pickers = {i: RowPick.from_message(sampling.row_pick(i, tokens[i], base[i], eos).message()).picker()
+               for i in (0, 2)}                       # row 1 is greedy in the lane: its argmax
+    gen = torch.Generator().manual_seed(9)
+    drew = set()
+    for _ in range(8):
+        logits = torch.randn((3, 1, 40), generator=gen) * 3
+        want = sampling.pick(logits[[0, 2], 0], [History(tokens[i], base[i]) for i in (0, 2)], eos,
+                             draws=[(i, len(tokens[i]) - base[i]) for i in (0, 2)]).tolist()
+        want_lp = logprobs_of(logits[[0, 2], 0], want, 3)
+        got, extra = pick_rows(logits, pickers)
+        assert [int(got[0]), int(got[2])] == want and int(got[1]) == int(logits[1, 0].argmax())
+        assert logprob_of_row(extra, 1) is None
+        for row, w in zip((0, 2), want_lp):
+            lp = logprob_of_row(extra, row)
+            assert lp is not None and lp.logprob == pytest.approx(w.logprob) and len(lp.top) == 3
+            assert [t for t, _ in lp.top] == [t for t, _ in w.top]
+        for i, t in zip((0, 2), want):
+            tokens[i].append(t)
+            drew.add(t)
+    assert len(drew) > 2                              # it samples: not one token over and over
+    assert all(t != 5 for t in tokens[0][base[0]:base[0] + 3])     # no end before min_new tokens
+
+
+def test_a_lane_refuses_a_malformed_pick() -> None:
+    from seabiscuit_dask.errors import WorkerLost
+    from seabiscuit_dask.runtime.dataplane import decode_loop
+
+    lane = Lane(1, [2])
+    for pick, match in (({"t": float("nan")}, "finite"), ({"zz": 1}, "unknown fields"),
+                        ({"h": [1, 2], "at": 3}, "'at'"), ({"lp": 21}, "'lp'"), ("hot", "mapping"),
+                        ({"bias": [[1, "x"]]}, "bias"), ({"t": 1.0, "p": 0.0}, "top_p")):
+        with pytest.raises(ValueError, match=match):
+            lane.edit([(0, 3, 4, 5, 2, pick)])
+    assert lane.taken == 0
+    msg = {"requests": [2], "route": [], "logits": "l", "lane": 1, "left": [3], "picks": [{"t": -1.0}],
+           "inputs": {k: v for k, v in lane_inputs([(0, 4, (5,))], 1).items()}}
+    with pytest.raises(WorkerLost, match="temperature"):
+        decode_loop(msg)
+
+
 # --- the scheduler's records ------------------------------------------------------------------
 def test_calls_take_empty_rows_of_the_lane_with_fewest_and_leave_them() -> None:
     table, scheduler = SessionTable(16, "m"), Scheduler(LANES)
@@ -151,18 +205,25 @@ def test_calls_take_empty_rows_of_the_lane_with_fewest_and_leave_them() -> None:
     assert not scheduler.has_calls and scheduler.schedule().lanes == ()
 
 
-def test_sampled_calls_and_kept_sessions_decode_in_groups_beside_the_lanes() -> None:
+def test_sampled_calls_decode_in_lanes_and_kept_sessions_and_grammars_in_groups_beside_them() -> None:
     table, scheduler = SessionTable(16, "m"), Scheduler(LANES)
     greedy, sampled = call(table, [1] * 5), call(table, [2] * 5, sample=True)
     kept = call(table, [3] * 5)
     kept.keep = True
-    for x in (greedy, sampled, kept):
+    constrained = table.call([[4] * 5], 8, Sampling(grammar=object()), eos=[9], pad=0)   # type: ignore[arg-type]
+    for x in (greedy, sampled, kept, constrained):
         scheduler.add(x)
     answered(scheduler, scheduler.schedule())
     out = scheduler.schedule()
-    assert [ls.sessions for ls in out.lanes] == [(greedy.sessions[0].sid,)]
-    assert sorted(r.session for g in out.decodes for r in g.rows) == [sampled.sessions[0].sid,
-                                                                     kept.sessions[0].sid]
+    rows = {r.chunk.session: r for ls in out.lanes for r in ls.rows if r is not None}
+    assert sorted(rows) == [greedy.sessions[0].sid, sampled.sessions[0].sid]
+    # the greedy row needs nothing but its logits; the sampled one carries its pick, at its answer's
+    # next token (its first was picked from its prompt's logits)
+    assert rows[greedy.sessions[0].sid].pick is None
+    pick = rows[sampled.sessions[0].sid].pick
+    assert pick is not None and pick.temperature == 1.0 and pick.produced == 1 and pick.seed == sampled.sampling.seed
+    assert sorted(r.session for g in out.decodes for r in g.rows) == [kept.sessions[0].sid,
+                                                                     constrained.sessions[0].sid]
 
 
 def test_a_lane_record_prints_its_rows() -> None:
@@ -213,6 +274,47 @@ def test_calls_joining_and_leaving_lanes_in_this_process_answer_as_hugging_face(
     engine.close()
 
 
+def test_sampled_rules_and_logprob_calls_decode_in_lanes_as_they_would_from_here() -> None:
+    """Calls that sample, shape their logits or ask for log-probabilities decode in lanes (picked
+    where the lane's logits are made) and answer exactly as when every token is picked here:
+    the same tokens, the same log-probabilities, whatever the batch they ran in."""
+    model = decoder("llama")
+    prompts = [padded_batch((n,), seed=20 + n)[0] for n in (5, 9, 7)]
+    asks: list[dict[str, Any]] = [
+        {"do_sample": True, "temperature": 0.9, "top_k": 40, "top_p": 0.95},
+        {"logprobs": 3},
+        {"repetition_penalty": 1.3, "presence_penalty": 0.5, "min_new_tokens": 6, "logit_bias": {3: 1.5}},
+    ]
+
+    def answers(lanes: bool) -> tuple[list[torch.Tensor], list[Any], EngineStats]:
+        engine = Engine(LocalRunner(model, "64KiB", lanes=lanes), max_sessions=4, context=64, max_chunk=32)
+        out, lps = [], []
+        for ids, ask in zip(prompts, asks):
+            args = GenerateArgs.make(model.generation_config, ids.shape[1], max_new_tokens=10, pad_token_id=0,
+                                     eos_token_id=[2], generator=torch.Generator().manual_seed(4), **ask)
+            stream = stream_tokens(engine, ids, args, torch.ones_like(ids))
+            rows, seen = [], []
+            for row in stream:
+                rows.append(row)
+                seen.append(stream.logprobs)
+            out.append(torch.stack(rows, dim=1))
+            lps.append(seen)
+        engine.close()
+        return out, lps, engine.stats
+
+    here, here_lp, here_stats = answers(False)
+    lane, lane_lp, lane_stats = answers(True)
+    assert here_stats.lane_starts == 0 and lane_stats.lane_starts >= len(prompts)
+    for a, b in zip(here, lane):
+        assert torch.equal(a, b)
+    assert here_lp[0] == [None] * 10 and here_lp[2] == [None] * 10
+    for a, b in zip(here_lp[1], lane_lp[1]):
+        (x,), (y,) = a, b
+        assert x.token == y.token and x.logprob == pytest.approx(y.logprob)
+        assert [t for t, _ in x.top] == [t for t, _ in y.top] and x.top[0][0] == x.token    # greedy: the likeliest
+    assert len(lane[2][0]) == 10 and 2 not in lane[2][0, :5].tolist()     # min_new_tokens held its end off
+
+
 def hf_no_eos(model: torch.nn.Module, ids: torch.Tensor, new: int) -> torch.Tensor:
     with torch.no_grad():
         return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
@@ -233,10 +335,10 @@ def test_a_lane_whose_rows_all_ended_starts_anew_for_a_row_that_joins_late() -> 
         logits = runner.run_step(1, n, step_inputs([(sid, 0, ids[0].tolist())], 1, n))
         first[sid] = int(logits.argmax(-1))
     one = LaneStep(0, 1, (LaneRow(Chunk(0, 6, (first[0],), 1), 1),), joins=(0,))
-    tokens, rows, gone = executor.lanes(SchedulerOutput(0, lanes=(one,)))[0]    # type: ignore[misc]
+    tokens, rows, gone, _ = executor.lanes(SchedulerOutput(0, lanes=(one,)))[0]    # type: ignore[misc]
     assert rows.tolist() == [0] and int(tokens[0]) == int(hf_no_eos(model, a, 2)[0, -1]) and not gone
     late = LaneStep(0, 1, (LaneRow(Chunk(1, 9, (first[1],), 1), 3),), joins=(0,), leaves=((0, 0),))
-    tokens, rows, gone = executor.lanes(SchedulerOutput(1, lanes=(late,)))[0]   # type: ignore[misc]
+    tokens, rows, gone, _ = executor.lanes(SchedulerOutput(1, lanes=(late,)))[0]   # type: ignore[misc]
     assert rows.tolist() == [1] and int(tokens[0]) == int(hf_no_eos(model, b, 2)[0, -1])
     assert gone == {0}          # NOTE: the loop it left was let go: no step of it runs session 0
     assert (stats.lane_starts, stats.lane_edits) == (2, 1)
@@ -261,7 +363,7 @@ def test_a_row_joins_a_running_loop_by_an_edit_and_leaves_it_for_good() -> None:
     def step(n: int, rows: tuple[LaneRow | None, ...], joins: tuple[int, ...] = (),
              leaves: tuple[tuple[int, int], ...] = ()) -> tuple[list[int], list[int], set[int]]:
         out = SchedulerOutput(n, lanes=(LaneStep(0, 2, rows, joins, leaves),))
-        tokens, ran, gone = executor.lanes(out)[0]      # type: ignore[misc]
+        tokens, ran, gone, _ = executor.lanes(out)[0]      # type: ignore[misc]
         return tokens.tolist(), ran.tolist(), gone
 
     tokens, ran, _ = step(0, (a_row, None), joins=(0,))

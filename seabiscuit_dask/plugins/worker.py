@@ -316,19 +316,26 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
     async def seabiscuit_dp_lane(self, comm: Any = None, model: str = "", ticket: str = "", lane: int = 0,
                                  edits: Any = ()) -> int:
         """Edits of a decode loop's rows (``dataplane.Lane``): each [row, session or -1, first slot,
-        token, steps or -1]; the count of edit messages the lane took with these (0: it runs no
-        more steps here)."""
+        token, steps or -1], and the row's pick where it is not greedy (``RowPick.message``, checked
+        by the lane); the count of edit messages the lane took with these (0: it runs no more
+        steps here)."""
         try:
             items = list(edits or ())
             if len(items) > MAX_EDITS:
                 raise ValueError(f"{len(items)} edits at once; at most {MAX_EDITS}")
-            parsed = [(int(r), int(s), int(p), int(t), int(n)) for r, s, p, t, n in items]
+            parsed: list[tuple[Any, ...]] = []
+            for item in items:
+                item = list(item)
+                if len(item) not in (5, 6):
+                    raise ValueError(f"an edit of {len(item)} fields")
+                r, s, p, t, n = (int(v) for v in item[:5])
+                if p < 0 or t < 0 or n < -1:
+                    raise ValueError("a negative slot, token or steps")
+                parsed.append((r, s, p, t, n, item[5]) if len(item) == 6 else (r, s, p, t, n))
             lane_id = int(lane)
-            if any(p < 0 or t < 0 or n < -1 for _, _, p, t, n in parsed):
-                raise ValueError("a negative slot, token or steps")
         except (TypeError, ValueError) as e:
-            raise BadInput(f"a lane's edits must be [row, session, slot, token, steps] integers, got "
-                           f"{str(edits)[:120]}: {e}") from None
+            raise BadInput(f"a lane's edits must be [row, session, slot, token, steps] integers (and a "
+                           f"row's pick), got {str(edits)[:120]}: {e}") from None
         try:
             return await self.dataplane.edit(model, ticket, lane_id, parsed)
         except ValueError as e:

@@ -420,9 +420,11 @@ class DistributedModel:
         """Whether ``start_lane`` starts decode loops whose rows change as they run (the data plane)."""
         return self.p2p
 
-    def start_lane(self, batch: int, feed: dict[str, Any], steps: int, left: list[int]) -> Handle | None:
-        """Start a decode loop of ``steps`` greedy steps of ``batch`` rows whose rows change as it runs
-        (``dataplane.Lane``): ``left``, each row's steps (the first included; -1: no bound). The
+    def start_lane(self, batch: int, feed: dict[str, Any], steps: int, left: list[int],
+                   picks: list[Any] | None = None) -> Handle | None:
+        """Start a decode loop of ``steps`` steps of ``batch`` rows whose rows change as it runs
+        (``dataplane.Lane``): ``left``, each row's steps (the first included; -1: no bound);
+        ``picks``, each row's ``RowPick`` (None: greedy), followed where its logits are made. The
         first step's handle (each one's ``next`` the step after it), or None where this model's
         decode program cannot loop so (its logits in several tiles)."""
         prog = self._programs.step_program(batch, 1)
@@ -431,7 +433,7 @@ class DistributedModel:
         one_tile = len(prog.graph.leaf_outputs) == 1 and "input_ids" not in prog.graph.tilings
         if not (self.p2p and one_tile and set(inputs) == set(STEP_INPUTS)):
             return None
-        return self._sender.submit_loop(prog, layout, inputs, steps, left)
+        return self._sender.submit_loop(prog, layout, inputs, steps, left, picks)
 
     def edit_lane(self, handle: Handle, edits: list[Edit], after: Any = None) -> Any:
         """Edit the rows of the lane ``handle`` is a step of: each (row, session or -1 to empty it,
@@ -444,11 +446,13 @@ class DistributedModel:
         """A future that is done once a submitted step's outputs are here to read (None: unknown)."""
         return handle.pending
 
-    def step_rows(self, handle: Handle) -> tuple[Any, Any, int]:
-        """The greedy tokens (batch,) of a submitted step, and for a lane's later step the sessions
-        it ran (batch,) and the edit messages it was built with (None and 0 for a step fed from
-        here: its caller knows them)."""
-        return self._sender.step_rows(handle)
+    def step_rows(self, handle: Handle, picks: Sequence[Any] = ()) -> tuple[Any, Any, int, dict[str, Any]]:
+        """The tokens (batch,) of a submitted step, and for a lane's later step the sessions it ran
+        (batch,) and the edit messages it was built with (None and 0 for a step fed from here:
+        its caller knows them), and the log-probabilities its rows asked for. A lane's first
+        step (its logits come here) is picked here, each row of ``picks`` (``RowPick``s) as it
+        says (``dataplane.loops.pick_rows``)."""
+        return self._sender.step_rows(handle, picks)
 
     def submit_chunk(self, length: int, feed: dict[str, Any], follows: Handle | None = None) -> Handle:
         """Send one prefill chunk of one session without waiting; ``follows``: the chunk of the same

@@ -18,10 +18,11 @@ import secrets
 import shutil
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
 from distributed import wait
 from distributed.scheduler import KilledWorker, NoValidWorkerError
 
@@ -39,8 +40,7 @@ from ...errors import (
 )
 from ...lower.blocks import request_graph
 from ..dataplane import client as p2p
-from ..dataplane.loops import EDITS, ROWS, Edit
-from ..generation import greedy
+from ..dataplane.loops import EDITS, LOGPROB_IDS, LOGPROBS, ROWS, Edit, pick_rows
 from ..local import assemble_outputs, unflatten_outputs
 from ..watch import Deadline, seconds
 from ..worker.integrity import request_folder
@@ -211,17 +211,19 @@ class RequestSender:
         return list(self.client.get(dsk, [keys[at[b]] for b in wanted], sync=False))
 
     def submit_loop(self, prog: StepProgram, layout: StepLayout, inputs: dict[str, Any],
-                    steps: int, left: list[int] | None = None) -> Handle:
+                    steps: int, left: list[int] | None = None, picks: list[Any] | None = None) -> Handle:
         """Start a decode loop of ``steps`` greedy steps on the workers (data plane); the first
         step's handle, each one's ``next`` the step after it. ``left``: each row's steps (-1: no
         bound): the loop is a lane (``p2p.start_loop``), each handle's ``lane`` (its id, the
-        worker that runs it) what ``edit_lane`` names."""
+        worker that runs it) what ``edit_lane`` names; ``picks``, each row's ``RowPick`` (None:
+        greedy), which the lane's worker follows."""
         self.plans.check_open()
         requests = [self.next_request() for _ in range(steps)]
         wanted = sorted(set(layout.out_at.values()))
         route = layout.route(wanted)
         futures = p2p.start_loop(self.client, self.model_id, self._ticket, layout.version, requests,
-                                 route, inputs, prog.graph.leaf_outputs[0], left)
+                                 route, inputs, prog.graph.leaf_outputs[0], left,
+                                 None if picks is None else [p.message() if p else None for p in picks])
         handles = [Handle(prog, layout, r, wanted, [], f) for r, f in zip(requests, futures)]
         lane = None
         if left is not None:
@@ -256,19 +258,24 @@ class RequestSender:
         """The greedy tokens (batch,) of a submitted step (see ``DistributedModel.step_tokens``)."""
         return self.step_rows(handle)[0]
 
-    def step_rows(self, handle: Handle) -> tuple[Any, Any, int]:
-        """The greedy tokens (batch,) of a submitted step, and for a later step of a lane the
-        sessions it ran (batch,) and the edit messages it was built with (else None and 0)."""
+    def step_rows(self, handle: Handle, picks: Sequence[Any] = ()) -> tuple[Any, Any, int, dict[str, Any]]:
+        """The tokens (batch,) of a submitted step, and for a later step of a lane the sessions it
+        ran (batch,) and the edit messages it was built with (else None and 0), and the
+        log-probabilities its rows asked for (``loops.pick_rows``). A step whose logits come here
+        (a lane's first) is picked here: greedily, but for the rows of ``picks`` (row ->
+        ``RowPick``) as they say, as the lane's worker picks them."""
         if not handle.tokens:
-            return greedy(self.step_result(handle)), None, 0
+            logits = self.step_result(handle)
+            tokens, extra = pick_rows(logits, {i: p.picker() for i, p in enumerate(picks) if p is not None})
+            return torch.from_numpy(tokens), None, 0, extra
         rows: list[Any] = []
         (tokens,) = self.outputs(handle, rows).values()
         if not rows:
             if handle.lane is not None:
                 raise RunFailed(f"request {handle.request} of model {self.model_id}: a lane's step came back "
                                 "without the sessions it ran; the lane starts anew")
-            return tokens, None, 0
-        return tokens, rows[0][0], int(rows[0][1][0])
+            return tokens, None, 0, {}
+        return tokens, rows[0][0], int(rows[0][1][0]), rows[0][2]
 
     def outputs(self, handle: Handle, rows: list[Any] | None = None) -> dict[str, Any]:
         """The graph output tiles a request computed; it is then let go; a failure as a SeaBiscuitError."""
@@ -292,7 +299,8 @@ class RequestSender:
             self.release(handle, done)
         out_at = handle.layout.out_at
         if rows is not None:
-            rows.extend((ts[ROWS], ts[EDITS]) for ts in results.values() if ROWS in ts and EDITS in ts)
+            rows.extend((ts[ROWS], ts[EDITS], {k: ts[k] for k in (LOGPROBS, LOGPROB_IDS) if k in ts})
+                        for ts in results.values() if ROWS in ts and EDITS in ts)
         return {t: results[b][t] for t, b in out_at.items()}
 
     def _error(self, request: int, e: BaseException) -> SeaBiscuitError:

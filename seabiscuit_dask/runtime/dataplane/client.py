@@ -68,7 +68,8 @@ def _calls(plan: Route, inputs: Mapping[str, torch.Tensor]) -> dict[str, tuple[l
 
 def start_loop(client: Any, model: str, ticket: str, version: int, requests: Sequence[int], plan: Route,
                inputs: Mapping[str, torch.Tensor], logits: str,
-               left: Sequence[int] | None = None) -> list[concurrent.futures.Future[Outputs]]:
+               left: Sequence[int] | None = None, picks: Sequence[dict[str, Any] | None] | None = None
+               ) -> list[concurrent.futures.Future[Outputs]]:
     """A decode loop of ``len(requests)`` greedy steps: the first fed from here, each next one by
     the worker that makes ``logits`` (its greedy tokens, positions one on). Returns a future per
     step; the steps' outputs are collected one after another, off the steps' path: the first
@@ -77,7 +78,8 @@ def start_loop(client: Any, model: str, ticket: str, version: int, requests: Seq
 
     ``left`` (each row's steps, the first included; -1: no bound) makes the loop a lane named
     by its first request (``loops.Lane``): its rows change as it runs (``edit_lane``), and each
-    later step's tokens come with the sessions it ran (``loops.ROWS``)."""
+    later step's tokens come with the sessions it ran (``loops.ROWS``); ``picks``, each row's pick
+    as a message (``RowPick.message``; None: greedy), with the log-probabilities its rows ask for."""
     (out_addr,) = [a for a, (_, c) in plan.items() if c]
     (wanted,) = [c for _, c in plan.values() if c]
     loop = {"requests": list(requests[1:]), "logits": logits,
@@ -86,6 +88,8 @@ def start_loop(client: Any, model: str, ticket: str, version: int, requests: Seq
             "inputs": to_serialize(Tensors(inputs))}
     if left is not None:
         loop.update(lane=int(requests[0]), left=[int(n) for n in left])
+        if picks is not None and any(p is not None for p in picks):
+            loop["picks"] = list(picks)
     futures: list[concurrent.futures.Future[Outputs]] = [concurrent.futures.Future() for _ in requests]
 
     async def run() -> None:

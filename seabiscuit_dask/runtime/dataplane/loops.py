@@ -1,12 +1,16 @@
 """A decode loop at the worker that makes its logits: the steps that follow, each fed from the
-greedy tokens of the one before, with no caller in between (``Loop``); the greedy pick itself
-(``greedy``), and the step inputs a loop feeds (``STEP_INPUTS``).
+tokens picked from the one before, with no caller in between (``Loop``); the greedy pick
+itself (``greedy``), and the step inputs a loop feeds (``STEP_INPUTS``).
 
 A loop may be a lane (``Lane``): its rows change while it runs. The caller's edits (a
 session joins an empty row, or a row is emptied) apply to the next step built, and each row
 may run a given number of steps, then empties itself (a call's last token), so rows join
 and leave between steps with no restart of the loop. Each step of a lane tells its caller
 the sessions it ran (``Run.rows``): the caller reads tokens by session, not by edit timing.
+A row of a lane that does not pick greedily from its logits alone (sampled, logit rules,
+log-probabilities) comes with its pick as plain data (``generation.sampling.RowPick``): the
+lane follows it (``pick_rows``), and the step's tokens go back with the log-probabilities its
+rows asked for (``LOGPROBS``, ``LOGPROB_IDS``), never its logits.
 
 This is the generation engine's, not the data plane's: the data plane only carries a loop's
 steps (``runs.Run.advance``) and reads a loop from its message (``decode_loop``).
@@ -28,9 +32,47 @@ STEP_INPUTS = ("input_ids", "position_ids", "sb_sessions", "sb_start", "sb_valid
 FLOATS = (torch.float32, torch.float64)
 ROWS = "sb_rows"         # NOTE: the sessions a lane's step ran, sent with its tokens
 EDITS = "sb_edits"       # NOTE: and how many of the caller's edit messages it had applied
+LOGPROBS = "sb_logprobs"         # NOTE: (batch, 1 + k) float32: a pick's, then its top k's (NaN: none)
+LOGPROB_IDS = "sb_logprob_ids"   # NOTE: (batch, k) int64: the top k's token ids (-1: none)
 MAX_EDITS = 4096         # NOTE: edits a lane holds unapplied at once; more are refused
 MAX_VALUE = 1 << 31      # NOTE: sessions, slots, tokens and steps of an edit stay below this
-Edit = tuple[int, int, int, int, int]     # (row, session or -1 to empty it, first slot, token, steps or -1)
+# NOTE: (row, session or -1 to empty it, first slot, token, steps or -1[, its pick's message or None])
+Edit = tuple[Any, ...]
+Picked = tuple[np.ndarray, dict[str, torch.Tensor]]     # a step's tokens (batch,), and its log-probabilities
+
+
+def _row_picks(picks: Sequence[Any]) -> list[Any]:
+    """Each row's ``RowPick`` from its message (None: greedy); ``ValueError`` for one malformed."""
+    from ..generation.sampling import RowPick  # NOTE: here: the engine's package imports this one
+
+    return [None if m is None else RowPick.from_message(m) for m in picks]
+
+
+def pick_rows(logits: torch.Tensor, pickers: dict[int, Any]) -> Picked:
+    """The tokens of a step from its (batch, length, vocab) or (batch, vocab) logits: each row's
+    greedy token, but a row of ``pickers`` (row -> its ``RowPicker``) picks as it says; with the
+    log-probabilities the rows asked for (``LOGPROBS``, ``LOGPROB_IDS``; none asked: empty)."""
+    last = logits if logits.dim() == 2 else logits[:, -1]
+    tokens = greedy_numpy(last.unsqueeze(1)).copy()
+    if not pickers:
+        return tokens, {}
+    if not last.is_cpu:
+        last = last.detach().cpu()      # NOTE: a row's rules and draws index with tensors made on the CPU
+    lps = {}
+    for row, picker in pickers.items():
+        tokens[row], lp = picker(last[row])
+        if lp is not None:
+            lps[row] = lp
+    if not lps:
+        return tokens, {}
+    k = max(len(lp.top) for lp in lps.values())
+    values = torch.full((len(tokens), 1 + k), float("nan"), dtype=torch.float32)
+    ids = torch.full((len(tokens), k), -1, dtype=torch.long)
+    for row, lp in lps.items():
+        values[row, 0] = lp.logprob
+        for j, (t, v) in enumerate(lp.top):
+            ids[row, j], values[row, 1 + j] = t, v
+    return tokens, {LOGPROBS: values, LOGPROB_IDS: ids}
 
 
 class Lane:
@@ -38,9 +80,11 @@ class Lane:
     (any thread: the event loop takes them, a compute thread may build the step), applied to
     the next step built; each row's steps left (-1: no bound)."""
 
-    def __init__(self, lane: int, left: Sequence[int]) -> None:
+    def __init__(self, lane: int, left: Sequence[int], picks: Sequence[Any] = ()) -> None:
         self.id = int(lane)
         self.left = np.asarray(left, dtype=np.int64).copy()
+        # NOTE: row -> its ``RowPicker``, for the rows of the step built last (greedy: none)
+        self.pickers: dict[int, Any] = {i: p.picker() for i, p in enumerate(picks) if p is not None}
         self.open = True
         self.taken = 0              # edit messages taken, and applied to a step built
         self.applied = 0
@@ -53,16 +97,21 @@ class Lane:
         the lane has taken with it (``applied`` reaches it once a step built holds them), or 0
         where the lane runs no more steps (the caller starts a loop anew) or holds too many."""
         rows = len(self.left)
+        made = []
         for e in edits:
+            if len(e) not in (5, 6) or not all(isinstance(v, int) and not isinstance(v, bool) for v in e[:5]):
+                raise ValueError(f"an edit is (row, session, slot, token, steps[, pick]), got {str(e)[:200]}")
             if not 0 <= e[0] < rows:
                 raise ValueError(f"row {e[0]} of a lane of {rows} rows")
-            if not all(-1 <= v < MAX_VALUE for v in e[1:]):
+            if not all(-1 <= v < MAX_VALUE for v in e[1:5]):
                 raise ValueError(f"an edit's session, slot, token and steps must be in [-1, {MAX_VALUE}): "
-                                 f"{e}")
+                                 f"{e[:5]}")
+            pick = _row_picks([e[5]])[0] if len(e) == 6 else None
+            made.append((*e[:5], pick))
         with self._lock:
             if not self.open or len(self._edits) + len(edits) > MAX_EDITS:
                 return 0
-            self._edits.extend(edits)
+            self._edits.extend(made)
             self.taken += 1
             return self.taken
 
@@ -82,10 +131,15 @@ class Lane:
             self.applied = self.taken
             left = self.left
             out = x
-            for row, session, start, token, steps in edits:
+            for row, session, start, token, steps, pick in edits:
                 left[row] = steps if session >= 0 else 0     # NOTE: this step is one of them
                 out = _set_row(out, x, row, session, start, token)
+                if session >= 0 and pick is not None:
+                    self.pickers[row] = pick.picker()
+                else:
+                    self.pickers.pop(row, None)
             for i in np.flatnonzero(left == 0).tolist():
+                self.pickers.pop(i, None)
                 if int(out["sb_sessions"][i]) >= 0:
                     out = _set_row(out, x, i, -1, 0, 0)
             left[left > 0] -= 1
@@ -127,6 +181,19 @@ class Loop:
     inputs: dict[str, torch.Tensor]                       # this step's inputs (positions, sessions, ...)
     ahead: tuple[np.ndarray, bool, dict[str, torch.Tensor]] | None = None   # ``prepare``'s
     lane: Lane | None = None                              # its rows change as it runs
+    picked: Picked | None = None                          # this step's picks, once made (``pick``)
+
+    @property
+    def picks(self) -> bool:
+        """Whether a row of this step picks otherwise than greedily (its tokens are ``pick``'s)."""
+        return self.lane is not None and bool(self.lane.pickers)
+
+    def pick(self, logits: torch.Tensor) -> Picked:
+        """This step's tokens from its logits, and the log-probabilities its rows asked for: made once
+        (a row's picks follow one another: its history grows with each)."""
+        if self.picked is None:
+            self.picked = pick_rows(logits, self.lane.pickers if self.lane is not None else {})
+        return self.picked
 
     def prepare(self) -> None:
         """Work out what the next step reads but its tokens: which rows are live (pad rows stay as
@@ -145,12 +212,12 @@ class Loop:
             "sb_valid": x["sb_valid"]})
 
     def following(self, logits: torch.Tensor) -> tuple[dict[str, torch.Tensor], Loop]:
-        """The next step's inputs (greedy tokens, positions one on; pad rows stay as they are) and
-        the loop after it."""
+        """The next step's inputs (this step's tokens, ``pick``'s; positions one on; pad rows stay
+        as they are) and the loop after it."""
         self.prepare()
         assert self.ahead is not None
         step, live, rest = self.ahead
-        tokens = greedy_numpy(logits)
+        tokens = self.pick(logits)[0] if self.picks or self.picked is not None else greedy_numpy(logits)
         nxt = {"input_ids": torch.from_numpy((tokens if live else tokens * step).reshape(-1, 1)), **rest}
         if self.lane is not None:
             nxt = self.lane.apply(self.requests[0], nxt, last=len(self.requests) == 1)
@@ -201,7 +268,11 @@ def decode_loop(msg: Any) -> Loop | None:
             left = [int(n) for n in msg.get("left") or [-1] * rows]
             if len(left) != rows or not all(-1 <= n < MAX_VALUE for n in left):
                 raise ValueError(f"a lane of {rows} rows with steps left {left[:8]}")
-            lane = Lane(int(msg["lane"]), [n - 1 if n > 0 else n for n in left])   # NOTE: the first step ran
+            picks = msg.get("picks") or [None] * rows
+            if not isinstance(picks, (list, tuple)) or len(picks) != rows:
+                raise ValueError(f"a lane of {rows} rows with picks {str(picks)[:80]}")
+            # NOTE: the first step ran
+            lane = Lane(int(msg["lane"]), [n - 1 if n > 0 else n for n in left], _row_picks(picks))
         return Loop([int(r) for r in msg["requests"]][:4096], route, str(msg["logits"]), inputs, lane=lane)
     except (KeyError, TypeError, ValueError, OverflowError) as e:
         raise WorkerLost(f"a decode loop's message is malformed ({e}): the step runs once") from e

@@ -63,6 +63,7 @@ class DataPlane:
         self.loops: dict[RunKey, Loop] = {}               # run -> the decode loop that follows it
         self.lanes: Memory = OrderedDict()                # (model, lane) -> a loop's ``Lane``
         self.lane_rows: Memory = OrderedDict()            # a lane's step -> the sessions it runs
+        self.picked: Memory = OrderedDict()               # a lane's step -> its rows' picks
         self.held: dict[RunKey, tuple[Run, str]] = {}     # runs with blocks held behind the run they follow
         # NOTE: model -> the plan version its last sync retired the runs below (``retire``): a run of
         # an older one is refused from then on, before the blocks of the new one are loaded
@@ -238,6 +239,7 @@ class DataPlane:
             error = RunFailed(f"request {r} of model {model} was ended by its caller")
             loop = self.loops.pop(key, None)
             self.lane_rows.pop(key, None)
+            self.picked.pop(key, None)
             if loop is not None and loop.lane is not None:
                 loop.lane.close()
             gone_run = self.runs.pop(key, None)

@@ -77,6 +77,7 @@ class Keeper(Protocol):
     # start again with the next, and the loop that follows it must still be found
     loops: dict[RunKey, Loop]                        # run -> the decode loop that follows it
     lane_rows: Memory                                # a lane's step -> the sessions it runs
+    picked: Memory                                   # a lane's step -> its rows' picks (``Loop.pick``)
     ended: Memory                                    # failed or forgotten runs -> their error
     done: Memory                                     # runs that finished here
 
@@ -227,8 +228,20 @@ class Run:
             await self.changed.wait()
         if self.error is not None:
             raise self.error
-        out = {b: Tensors({t: greedy(x) if t == tokens else x for t, x in self.outputs.pop(b).items()})
-               for b in blocks}
+        picked = self.keeper.picked.pop(self.key, None) if tokens else None
+        if isinstance(picked, BaseException):
+            raise RunFailed(f"{self.where()}: its rows' tokens could not be picked ({type(picked).__name__}: "
+                            f"{picked})")
+        def taken(t: str, x: torch.Tensor) -> torch.Tensor:
+            if t != tokens:
+                return x
+            return greedy(x) if picked is None else torch.from_numpy(picked[0])
+
+        out = {b: Tensors({t: taken(t, x) for t, x in self.outputs.pop(b).items()}) for b in blocks}
+        if picked is not None and picked[1]:
+            for ts in out.values():
+                if tokens in ts:
+                    ts.update(picked[1])
         lane = self.keeper.lane_rows.pop(self.key, None) if tokens else None
         if lane is not None:
             for ts in out.values():
@@ -449,6 +462,13 @@ class Run:
         the sends of the next step's blocks that ran chained."""
         keeper = self.keeper
         loop = keeper.loops.pop(self.key, None)
+        if loop is not None and loop.picks:
+            # NOTE: its rows' own picks, which its caller reads in place of the greedy tokens (made
+            # once: a chain that ran the next step made them already)
+            try:
+                remember(keeper.picked, self.key, loop.pick(logits))
+            except Exception as e:  # noqa: BLE001 - this step's caller hears it; the next step fails below
+                remember(keeper.picked, self.key, e)
         if loop is None or not loop.requests or (self.model, loop.requests[0]) in keeper.ended:
             if loop is not None and loop.lane is not None:
                 loop.lane.close()
@@ -481,7 +501,7 @@ class Run:
                 nxt.fail(LaneStopped(f"{nxt.where()}: every row of its lane ended, so its loop stopped "
                                      "there; the lane starts anew"), ticket, spread=False)
                 return []
-        if after.requests:
+        if after.requests or after.picks:       # NOTE: a last step's rows still pick their tokens
             keeper.loops[nxt.key] = after
             # NOTE: once this step is on its way, not on the path of the next one's tokens
             asyncio.get_running_loop().call_soon(after.prepare)

@@ -32,7 +32,7 @@ from .kv import KVLedger
 from .output import Prefill, SchedulerOutput
 from .prefix import PrefixCache
 from .runner import Runner
-from .sampling import History, Sampling, TokenLogprob
+from .sampling import History, Sampling, TokenLogprob, logprob_of_row
 from .scheduler import Scheduler, SchedulerSpec
 from .sessions import Call, Session, SessionTable, after_turn
 
@@ -652,6 +652,7 @@ class Engine:
         call of a group or lane that failed, or that the deployment's close ends, ends. A call in
         a lane whose step did not run its rows yet (it joined a loop that runs ahead) waits."""
         got: dict[int, torch.Tensor] = {}
+        lps: dict[int, TokenLogprob | None] = {}       # NOTE: what a lane's worker sent of its rows' picks
         failed: dict[int, BaseException] = {}
         owner = {s.sid: (c, s) for c in self.scheduler.running for s in c.live}
         for g, res in zip(out.decodes, results):
@@ -672,12 +673,14 @@ class Engine:
                         failed[c.cid] = c.closing or lres
                 self._unpark(ls.lane, None)       # NOTE: its loop was let go
                 continue
-            tokens, rows, gone = lres
+            tokens, rows, gone, extra = lres
             for i, sid in enumerate(rows.tolist()):
                 if sid in owner and self.scheduler.in_lane(owner[sid][0]) == ls.lane:
                     s = owner[sid][1]
                     s.cached += 1
                     got[sid] = tokens[i]
+                    if extra:
+                        lps[sid] = logprob_of_row(extra, i)
             self._unpark(ls.lane, gone)
         for c in list(self.scheduler.running):
             if c.closing is not None:     # NOTE: a token computed as the model closed is not emitted
@@ -685,7 +688,8 @@ class Engine:
             elif c.cid in failed:
                 self._finish(c, failed[c.cid])
             elif all(s.sid in got for s in c.live):
-                self._guard(c, lambda c: self._pick(c, [got[s.sid] for s in c.live]))
+                self._guard(c, lambda c: self._pick(c, [got[s.sid] for s in c.live],
+                                                    [lps.get(s.sid) for s in c.live]))
 
     def _unpark(self, lane: int, gone: set[int] | None) -> None:
         """End the parked calls of ``lane`` whose sessions left it for good (``gone``, with those known
@@ -710,17 +714,21 @@ class Engine:
             self._finish(call, call.closing or e)
 
     # --- results -------------------------------------------------------------------------------
-    def _pick(self, call: Call, rows: list[torch.Tensor]) -> None:
+    def _pick(self, call: Call, rows: list[torch.Tensor],
+              picked: list[TokenLogprob | None] | None = None) -> None:
         """Pick the next token of every live row of ``call`` from its step's result (``rows``: a token
-        picked on the workers, or logits) as the call asks, and hand them to its caller."""
+        picked on the workers, with ``picked``, the log-probabilities they sent; or logits) as the
+        call asks, and hand them to its caller."""
         live = call.live
-        histories = [History(s.tokens, call.base[call.sessions.index(s)]) for s in live] \
-            if call.sampling.rules.active else []
+        at = [call.sessions.index(s) for s in live]
+        rules = call.sampling.rules.active
+        histories = [History(s.tokens, call.base[i]) for s, i in zip(live, at)] if rules else []
         grammar = call.sampling.grammar
         if grammar is not None and call.matchers is None:
             call.matchers = [grammar.matcher() for _ in call.sessions]
-        matchers = [call.matchers[call.sessions.index(s)] for s in live] if call.matchers else []
-        tokens, logprobs = call.sampling.choose(rows, histories, call.eos, matchers)
+        matchers = [call.matchers[i] for i in at] if call.matchers else []
+        draws = [(i, len(s.tokens) - call.base[i]) for s, i in zip(live, at)] if call.base else None
+        tokens, logprobs = call.sampling.choose(rows, histories, call.eos, matchers, draws, picked)
         self._emit(call, tokens, logprobs)
 
     def _emit(self, call: Call, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> None:

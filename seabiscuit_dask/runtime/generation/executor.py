@@ -24,24 +24,27 @@ import torch
 
 from ...errors import STALE_TRIES, BadInput, LaneStopped, StaleRun, WorkerLost, restless
 from ...lower.kvcache import CacheLost
+from ..dataplane.loops import Edit, pick_rows
 from .inputs import SESSIONS, lane_inputs, step_inputs
 from .output import Chunk, DecodeGroup, LaneStep, Prefill, PrefillGroup, SchedulerOutput
 from .runner import Handle, Runner, StepFeed
-from .sampling import greedy
+from .sampling import RowPick, greedy
 
 CHUNKS_IN_FLIGHT = 8    # NOTE: a prompt's chunks sent and not yet answered: a pipeline of a few stages
 #                         stays full, and a huge prompt holds the activations of only so many
 STEP_TRIES = 4          # NOTE: a step's tries after worker losses, each after a replay
 Replay = Callable[[int, int, int], Prefill]      # (session, up to slot, prompts at once) -> its chunks
 Result = torch.Tensor | BaseException
-# NOTE: (tokens, sessions, sessions gone for good) of a lane's step, the error that ended it, None (its
-# loop stopped), or ``NOT_READ`` (its step is not ready yet)
+# NOTE: (tokens, sessions, sessions gone for good, the log-probabilities its rows asked for:
+# ``dataplane.loops.pick_rows``) of a lane's step, the error that ended it, None (its loop stopped),
+# or ``NOT_READ`` (its step is not ready yet)
 class NotRead:
     """A lane's step not read this round (it was not ready)."""
 
 
 NOT_READ = NotRead()
-LaneResult = tuple[torch.Tensor, torch.Tensor, set[int]] | NotRead | BaseException | None
+LaneRead = tuple[torch.Tensor, torch.Tensor, set[int], dict[str, torch.Tensor]]
+LaneResult = LaneRead | NotRead | BaseException | None
 LANE_WAIT_S = 1.0       # NOTE: how long a round waits for any lane's step before it reads the first's
 
 
@@ -54,6 +57,7 @@ class _LaneLoop:
     handle: Handle | None
     batch: int
     fed: torch.Tensor
+    picks: list[RowPick | None] = field(default_factory=list)    # its first step's rows' picks
     edits: list[Any] = field(default_factory=list)
     leaving: dict[int, Any] = field(default_factory=dict)    # session -> the edit that empties its row
     gone: set[int] = field(default_factory=set)      # sessions gone as it started, told with its first read
@@ -387,11 +391,12 @@ class Executor:
                 return self._from_caller(ls, gone)
             loop.gone = gone
         elif ls.joins or ls.leaves:
-            edits = [(i, -1, 0, 0, 0) for i, _ in ls.leaves]
+            edits: list[Edit] = [(i, -1, 0, 0, 0) for i, _ in ls.leaves]
             for i in ls.joins:
                 r = ls.rows[i]
                 if r is not None:
-                    edits.append((i, r.chunk.session, r.chunk.start, r.chunk.tokens[0], r.steps))
+                    edits.append((i, r.chunk.session, r.chunk.start, r.chunk.tokens[0], r.steps,
+                                  None if r.pick is None else r.pick.message()))
             sent = self.runner.edit_lane(loop.handle, edits, loop.edits[-1] if loop.edits else None)
             loop.edits.append(sent)
             loop.leaving.update((sid, sent) for _, sid in ls.leaves)
@@ -406,7 +411,7 @@ class Executor:
             handle = loop.handle
             assert handle is not None
             try:
-                tokens, rows, applied = self.runner.step_rows(handle)
+                tokens, rows, applied, extra = self.runner.step_rows(handle, loop.picks)
             except LaneStopped:        # NOTE: its rows had all ended when a join came: anew
                 gone |= self.stop_lane(ls.lane)
                 started = self._start_lane(ls)
@@ -426,16 +431,19 @@ class Executor:
             for sid in left:
                 del loop.leaving[sid]
             loop.edits = [f for f in loop.edits if not (f.done() and _took(f))]
-            return tokens, loop.fed if rows is None else rows, gone | left
+            loop.picks = []         # NOTE: the rows' later picks are made where the logits are
+            return tokens, loop.fed if rows is None else rows, gone | left, extra
         raise LaneStopped(f"lane {ls.lane}: its loop stopped twice as it started")
 
     def _from_caller(self, ls: LaneStep, gone: set[int], lost: WorkerLost | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor, set[int]]:
+                     ) -> tuple[torch.Tensor, torch.Tensor, set[int], dict[str, torch.Tensor]]:
         """One step of lane ``ls``'s rows fed from here (no loop runs it), after ``lost`` as ``_run``
-        recovers from one."""
+        recovers from one; its tokens picked here as the lane's worker would."""
         feed = self._lane_feed(ls)
         logits = self._run([r.chunk for r in ls.rows if r is not None], ls.batch, 1, feed, 1, lost=lost)
-        return greedy(logits), feed[SESSIONS], gone
+        tokens, extra = pick_rows(logits, {i: r.pick.picker() for i, r in enumerate(ls.rows)
+                                           if r is not None and r.pick is not None})
+        return torch.from_numpy(tokens), feed[SESSIONS], gone, extra
 
     def _lane_feed(self, ls: LaneStep) -> StepFeed:
         return lane_inputs([(r.chunk.session, r.chunk.start, r.chunk.tokens) if r is not None else None
@@ -450,11 +458,13 @@ class Executor:
         self.runner.prepare(ls.batch, 1)
         feed = self._lane_feed(ls)
         left = [r.steps if r is not None else 0 for r in ls.rows]
-        handle = self.runner.start_lane(ls.batch, feed, self.lane_steps, left)
+        picks = [r.pick if r is not None else None for r in ls.rows]
+        handle = self.runner.start_lane(ls.batch, feed, self.lane_steps, left,
+                                        picks if any(p is not None for p in picks) else None)
         if handle is None:
             self._loops = False         # NOTE: its decode program cannot loop: every lane step goes from here
             return None
-        loop = self._lanes[ls.lane] = _LaneLoop(handle, ls.batch, feed[SESSIONS])
+        loop = self._lanes[ls.lane] = _LaneLoop(handle, ls.batch, feed[SESSIONS], picks)
         self.stats.lane_starts += 1
         return loop
 

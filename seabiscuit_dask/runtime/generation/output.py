@@ -19,6 +19,10 @@ step 8: decode 2 row(s) in 2 group(s)
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .sampling import RowPick
 
 
 @dataclass(frozen=True)
@@ -128,10 +132,12 @@ class DecodeGroup:
 @dataclass(frozen=True)
 class LaneRow:
     """A row of a lane: its session's last token (``chunk``: not yet cached) and the steps it takes
-    from there at most (its call's tokens still to come)."""
+    from there at most (its call's tokens still to come); ``pick``, how its tokens are picked where
+    its logits are made (``sampling.RowPick``; None: greedily)."""
 
     chunk: Chunk
     steps: int
+    pick: RowPick | None = field(default=None, repr=False, compare=False)
 
     def __str__(self) -> str:
         return f"s{self.chunk.session}@{self.chunk.start} x{self.steps}"

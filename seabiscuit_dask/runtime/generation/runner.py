@@ -24,9 +24,9 @@ from ...ir import OpGraph
 from ...lower.kvcache import KVStore, using
 from ...quantize import quantize
 from ...trace.decoder import trace_step
-from ..dataplane.loops import Edit, Lane, Loop
+from ..dataplane.loops import Edit, Lane, Loop, pick_rows
 from ..local import run_local
-from .sampling import greedy
+from .sampling import RowPick, greedy
 
 StepFeed = dict[str, torch.Tensor]
 Handle = Any      # NOTE: a step a runner has in flight: the engine only hands it back
@@ -57,23 +57,28 @@ class Runner(Protocol):
     def edits_loops(self) -> bool:
         """Whether ``start_lane`` starts decode loops whose rows change as they run."""
 
-    def start_lane(self, batch: int, feed: StepFeed, steps: int, left: list[int]) -> Handle:
-        """Start a decode loop of ``steps`` greedy steps whose rows change as it runs (a lane,
+    def start_lane(self, batch: int, feed: StepFeed, steps: int, left: list[int],
+                   picks: list[RowPick | None] | None = None) -> Handle:
+        """Start a decode loop of ``steps`` steps whose rows change as it runs (a lane,
         ``dataplane.Lane``), fed ``feed``; ``left``: each row's steps, the first included (-1: no
-        bound). Its first step's handle, each one's ``next`` the step after it (None: the last);
-        None where it cannot."""
+        bound); ``picks``: each row's ``RowPick`` (None: greedy). Its first step's handle, each
+        one's ``next`` the step after it (None: the last); None where it cannot."""
 
     def edit_lane(self, handle: Handle, edits: list[Edit], after: Any = None) -> Any:
         """Edit the rows of the lane ``handle`` is a step of (each (row, session or -1 to empty it,
-        first slot, token, steps or -1)), after the edits of ``after``; a future of the count of
-        edit messages the lane took with these (0: it runs no more steps)."""
+        first slot, token, steps or -1, and its ``RowPick``'s message or None)), after the edits
+        of ``after``; a future of the count of edit messages the lane took with these (0: it runs
+        no more steps)."""
 
     def step_future(self, handle: Handle) -> Any:
         """A future that is done once a submitted step can be read without waiting (None: unknown)."""
 
-    def step_rows(self, handle: Handle) -> tuple[torch.Tensor, torch.Tensor | None, int]:
-        """The greedy tokens (batch,) of a submitted step, and for a lane's later step the sessions
-        it ran (batch,) and the edit messages it was built with; None and 0 where its caller fed it."""
+    def step_rows(self, handle: Handle, picks: Sequence[RowPick | None] = ()
+                  ) -> tuple[torch.Tensor, torch.Tensor | None, int, dict[str, torch.Tensor]]:
+        """The tokens (batch,) of a submitted step, and for a lane's later step the sessions it ran
+        (batch,) and the edit messages it was built with (None and 0 where its caller fed it), and
+        the log-probabilities its rows asked for (``dataplane.loops.pick_rows``); ``picks``, the
+        rows' picks of a lane's first step, where it is picked here."""
 
     def prepare(self, batch: int, length: int) -> Any:
         """Build the step program of this shape now, so step times leave its one-off cost out; it is
@@ -165,8 +170,9 @@ class LocalRunner:
     def submit_chunk(self, length: int, feed: StepFeed, follows: Handle = None) -> Handle:
         return self.run_step(1, length, feed)
 
-    def start_lane(self, batch: int, feed: StepFeed, steps: int, left: list[int]) -> Handle:
-        return _LocalLane(self, batch, feed, steps, left).step(0)
+    def start_lane(self, batch: int, feed: StepFeed, steps: int, left: list[int],
+                   picks: list[RowPick | None] | None = None) -> Handle:
+        return _LocalLane(self, batch, feed, steps, left, picks or []).step(0)
 
     def edit_lane(self, handle: Handle, edits: list[Edit], after: Any = None) -> Any:
         done: concurrent.futures.Future[int] = concurrent.futures.Future()
@@ -176,10 +182,12 @@ class LocalRunner:
     def step_future(self, handle: Handle) -> Any:
         return None         # NOTE: a step here runs as it is read
 
-    def step_rows(self, handle: Handle) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+    def step_rows(self, handle: Handle, picks: Sequence[RowPick | None] = ()
+                  ) -> tuple[torch.Tensor, torch.Tensor | None, int, dict[str, torch.Tensor]]:
         if isinstance(handle, _LocalStep):
             return handle.lane.read(handle.index)
-        return self.step_tokens(handle), None, 0
+        tokens, extra = pick_rows(self.step_result(handle), {i: p.picker() for i, p in enumerate(picks) if p})
+        return torch.from_numpy(tokens), None, 0, extra
 
     def end_sessions(self, sessions: Sequence[int], renamed: Sequence[tuple[int, int, int]] = (),
                      forked: Sequence[tuple[int, int, int]] = ()) -> None:
@@ -198,9 +206,10 @@ class _LocalLane:
     after it built right then, as the worker that makes a lane's logits builds it
     (``dataplane.Loop.following``, with the edits its ``Lane`` holds by then)."""
 
-    def __init__(self, runner: LocalRunner, batch: int, feed: StepFeed, steps: int, left: list[int]) -> None:
+    def __init__(self, runner: LocalRunner, batch: int, feed: StepFeed, steps: int, left: list[int],
+                 picks: list[RowPick | None]) -> None:
         self.runner, self.batch, self.steps = runner, batch, steps
-        lane = Lane(0, [n - 1 if n > 0 else n for n in left])       # NOTE: its first step runs as read
+        lane = Lane(0, [n - 1 if n > 0 else n for n in left], picks)       # NOTE: its first step runs as read
         self.loop = Loop(list(range(1, steps)), [], "", feed, lane=lane)
         self.at = 0
         self.next: StepFeed | None = feed
@@ -209,7 +218,7 @@ class _LocalLane:
     def step(self, index: int) -> _LocalStep:
         return _LocalStep(self, index)
 
-    def read(self, index: int) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+    def read(self, index: int) -> tuple[torch.Tensor, torch.Tensor | None, int, dict[str, torch.Tensor]]:
         if index != self.at:
             raise BadInput(f"a lane's steps are read in order: step {index} asked after {self.at}")
         inputs, applied = self.next, self.applied
@@ -219,6 +228,7 @@ class _LocalLane:
         self.at += 1
         self.next = None
         lane = self.loop.lane
+        tokens, extra = self.loop.pick(logits.unsqueeze(1))
         if self.loop.requests and lane is not None:
             request = self.loop.requests[0]
             nxt, self.loop = self.loop.following(logits.unsqueeze(1))
@@ -226,8 +236,8 @@ class _LocalLane:
             if bool((nxt["sb_sessions"] >= 0).any()):
                 self.next = nxt
         if index == 0:
-            return greedy(logits), None, 0
-        return greedy(logits), inputs["sb_sessions"], applied
+            return torch.from_numpy(tokens), None, 0, extra
+        return torch.from_numpy(tokens), inputs["sb_sessions"], applied, extra
 
 
 @dataclass(frozen=True)

@@ -2,16 +2,23 @@
 logits first (``LogitRules``: a minimum answer length, biases and penalties); and the
 log-probabilities a caller asked for.
 
-A call whose tokens are picked from its logits alone, greedily (``Sampling.on_workers``), has them
-picked on the workers; any other call reads its rows' logits here, where each row's history is.
+A row's pick depends on its logits, its history and its draw alone (``draw_seed``: the call's
+seed, the row, how many tokens its answer has), never on where it is made or what ran before:
+so a row picks the same token on the worker that makes its logits (``RowPick``, carried to a
+decode lane as plain data, followed there by a ``RowPicker``) as here, after a worker loss, a
+replay or a preemption as before. Every call but one with a grammar (``Sampling.on_workers``)
+has its tokens picked on the workers, and only its picks and the log-probabilities it asked for
+travel back; a call with a grammar reads its rows' logits here, where its matchers are.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Sequence
+import secrets
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -21,6 +28,41 @@ if TYPE_CHECKING:
     from .grammar import Grammar, Matcher
 
 MAX_LOGPROBS = 20      # NOTE: OpenAI's bound on top_logprobs
+MAX_BIAS = 1024        # NOTE: logit_bias entries a row's pick carries (OpenAI takes 300)
+MAX_EOS = 64
+MAX_HISTORY = 1 << 20  # NOTE: tokens of a row's history a pick carries
+SEED_MASK = (1 << 63) - 1
+PICK_FIELDS = frozenset({"t", "k", "p", "seed", "c", "min", "bias", "rep", "freq", "pres", "eos", "h", "at",
+                         "n", "lp"})
+_M64 = (1 << 64) - 1
+
+
+def draw_seed(seed: int, choice: int, position: int) -> int:
+    """The seed of one sampled token: row ``choice`` of a call seeded ``seed``, the answer's token
+    ``position`` (0: its first). A 64-bit mix (splitmix64's finaliser) of the three, so rows and
+    positions draw apart and the same row draws the same wherever and whenever it is picked."""
+    x = (seed * 0x9E3779B97F4A7C15 + (choice + 1) * 0xBF58476D1CE4E5B9
+         + (position + 1) * 0x94D049BB133111EB) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return (x ^ (x >> 31)) & SEED_MASK
+
+
+def draw(scores: torch.Tensor, temperature: float, top_k: int, top_p: float,
+         generator: torch.Generator | None) -> torch.Tensor:
+    """(rows, vocab) shaped logits -> (rows,) tokens sampled after temperature, top-k and top-p."""
+    scores = scores / temperature
+    if top_k and top_k < scores.shape[-1]:
+        kth = torch.topk(scores, top_k, dim=-1).values[:, -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if top_p < 1.0:
+        ordered, idx = torch.sort(scores, descending=False, dim=-1)
+        cum = ordered.softmax(dim=-1).cumsum(dim=-1)
+        drop = cum <= (1 - top_p)
+        drop[:, -1] = False                   # NOTE: the likeliest token always stays
+        scores = scores.masked_fill(drop.scatter(1, idx, drop), float("-inf"))
+    probs = scores.softmax(dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(1)
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
@@ -132,6 +174,7 @@ class Sampling:
     rules: LogitRules = field(default_factory=LogitRules)
     logprobs: int | None = None
     grammar: Grammar | None = None
+    seed: int | None = None       # what its draws start from (``draw_seed``); drawn once if not given
 
     def __post_init__(self) -> None:
         if self.do_sample and not 0 < self.temperature < float("inf"):
@@ -143,18 +186,48 @@ class Sampling:
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise BadInput(f"logprobs must be in [0, {MAX_LOGPROBS}] (the likeliest tokens to return with "
                            f"each picked one), got {self.logprobs}")
+        if self.seed is None:
+            # NOTE: from the caller's generator where it gave one (reproducible from it), else at random
+            g = self.generator
+            seed = secrets.randbits(62) if g is None else int(torch.randint(0, 1 << 62, (1,), generator=g))
+            object.__setattr__(self, "seed", seed)
+
+    @property
+    def plain(self) -> bool:
+        """Greedy from the logits alone: no rules, no log-probabilities, no grammar (a step's tokens
+        are its logits' argmax, which a decode loop queued behind it reads on the workers)."""
+        return not self.do_sample and not self.rules.active and self.logprobs is None and self.grammar is None
 
     @property
     def on_workers(self) -> bool:
-        """Whether its tokens can be picked where the logits are made: greedy, from the logits alone,
-        no log-probabilities asked for."""
-        return not self.do_sample and not self.rules.active and self.logprobs is None and self.grammar is None
+        """Whether its tokens can be picked where the logits are made (``RowPick``): all but a
+        grammar's, whose matchers are here."""
+        return self.grammar is None
+
+    def row_pick(self, choice: int, tokens: Sequence[int], start: int, eos: frozenset[int] | Sequence[int]
+                 ) -> RowPick | None:
+        """How row ``choice`` (its tokens so far, its answer from ``start`` on) picks its next token
+        where its logits are made; None for a plain greedy row (the argmax is all it needs)."""
+        if self.plain or not self.on_workers:
+            return None
+        rules = self.rules
+        if rules.repetition != 1.0:
+            history, at = tuple(tokens), start
+        elif rules.active:
+            history, at = tuple(tokens[start:]), 0
+        else:
+            history, at = (), 0
+        return RowPick(self.temperature if self.do_sample else 0.0, self.top_k, self.top_p,
+                       int(self.seed or 0), int(choice), rules, tuple(sorted(int(e) for e in eos)), history,
+                       at, len(tokens) - start, -1 if self.logprobs is None else int(self.logprobs))
 
     def pick(self, logits: torch.Tensor, rows: Sequence[History] = (), eos: frozenset[int] = frozenset(),
-             matchers: Sequence[Matcher] = ()) -> torch.Tensor:
+             matchers: Sequence[Matcher] = (), draws: Sequence[tuple[int, int]] | None = None
+             ) -> torch.Tensor:
         """(rows, vocab) float logits -> (rows,) token ids; ``rows``: each row's history, which the
         rules read (needed when ``rules`` are active); ``matchers``: each row's place in the
-        grammar (needed with one), which follow the tokens picked."""
+        grammar (needed with one), which follow the tokens picked; ``draws``: each row's (choice,
+        answer length), its draw when sampled (``draw_seed``; None: from ``generator``)."""
         scores = logits.float()
         if self.rules.active:
             if len(rows) != scores.shape[0]:
@@ -170,40 +243,54 @@ class Sampling:
                 if not torch.isfinite(scores[i]).any():     # NOTE: a rule ruled out all the grammar allows
                     scores[i] = logits[i].float()
                     m.restrict(scores[i])
-        picked = self._pick(scores)
+        if not self.do_sample:
+            picked = greedy(scores)
+        elif draws is None:
+            picked = draw(scores, self.temperature, self.top_k, self.top_p, self.generator)
+        else:
+            if len(draws) != scores.shape[0]:
+                raise BadInput(f"sampling needs each row's draw: {scores.shape[0]} rows, {len(draws)} draws")
+            gen = torch.Generator()
+            picked = torch.cat([draw(scores[i:i + 1], self.temperature, self.top_k, self.top_p,
+                                     gen.manual_seed(draw_seed(int(self.seed or 0), c, p)))
+                                for i, (c, p) in enumerate(draws)]) if len(draws) else greedy(scores)
         for m, t in zip(matchers, picked.tolist()):
             m.accept(t)
         return picked
 
-    def _pick(self, scores: torch.Tensor) -> torch.Tensor:
-        if not self.do_sample:
-            return greedy(scores)
-        scores = scores / self.temperature
-        if self.top_k and self.top_k < scores.shape[-1]:
-            kth = torch.topk(scores, self.top_k, dim=-1).values[:, -1:]
-            scores = scores.masked_fill(scores < kth, float("-inf"))
-        if self.top_p < 1.0:
-            ordered, idx = torch.sort(scores, descending=False, dim=-1)
-            cum = ordered.softmax(dim=-1).cumsum(dim=-1)
-            drop = cum <= (1 - self.top_p)
-            drop[:, -1] = False                   # NOTE: the likeliest token always stays
-            scores = scores.masked_fill(drop.scatter(1, idx, drop), float("-inf"))
-        probs = scores.softmax(dim=-1)
-        return torch.multinomial(probs, 1, generator=self.generator).squeeze(1)
-
     def choose(self, rows: Sequence[torch.Tensor], histories: Sequence[History] = (),
-               eos: frozenset[int] = frozenset(),
-               matchers: Sequence[Matcher] = ()) -> tuple[list[int], list[TokenLogprob] | None]:
-        """The next token of each row from its step's result (a token picked already on the workers,
-        or its logits, picked here), with its log-probabilities where they were asked for."""
+               eos: frozenset[int] = frozenset(), matchers: Sequence[Matcher] = (),
+               draws: Sequence[tuple[int, int]] | None = None,
+               picked: Sequence[TokenLogprob | None] | None = None
+               ) -> tuple[list[int], list[TokenLogprob] | None]:
+        """The next token of each row from its step's result: a token picked already on the workers
+        (with ``picked``, the log-probabilities they sent where the call asked for them), or its
+        logits, picked here (``pick``); with its log-probabilities where they were asked for."""
         if all(r.dim() == 0 for r in rows):
-            return [int(r) for r in rows], None
-        if self.on_workers:
+            tokens = [int(r) for r in rows]
+            if self.logprobs is None:
+                return tokens, None
+            if picked is None or len(picked) != len(tokens) or any(p is None for p in picked):
+                raise BadInput("a call that asks for log-probabilities got tokens picked without them")
+            return tokens, [dataclasses.replace(p, token=t) for p, t in zip(picked, tokens) if p is not None]
+        if self.plain:
             return [int(r if r.dim() == 0 else greedy(r)) for r in rows], None
-        # NOTE: such a call's steps always return logits (it is never in a lane nor a queued group)
-        logits = torch.stack(list(rows)).float()
-        tokens = self.pick(logits, histories, eos, matchers).tolist()
+        # NOTE: a call picked here reads logits each step (a grammar's; or a step fed from here)
+        logits = torch.stack([r.reshape(-1) for r in rows]).float()
+        tokens = self.pick(logits, histories, eos, matchers, draws).tolist()
         return tokens, (logprobs_of(logits, tokens, self.logprobs) if self.logprobs is not None else None)
+
+
+def logprob_of_row(extra: Mapping[str, torch.Tensor], row: int) -> TokenLogprob | None:
+    """Row ``row``'s ``TokenLogprob`` from the log-probabilities a step's picks sent with its tokens
+    (``dataplane.loops.pick_rows``): None where it asked for none."""
+    from ..dataplane.loops import LOGPROB_IDS, LOGPROBS
+
+    values, ids = extra.get(LOGPROBS), extra.get(LOGPROB_IDS)
+    if values is None or ids is None or math.isnan(float(values[row, 0])):
+        return None
+    top = [(int(t), float(v)) for t, v in zip(ids[row].tolist(), values[row, 1:].tolist()) if t >= 0]
+    return TokenLogprob(-1, float(values[row, 0]), tuple(top))
 
 
 def logprobs_of(logits: torch.Tensor, tokens: Sequence[int], top: int) -> list[TokenLogprob]:
@@ -217,3 +304,113 @@ def logprobs_of(logits: torch.Tensor, tokens: Sequence[int], top: int) -> list[T
         tops = [()] * len(tokens)
     return [TokenLogprob(int(t), float(p), tuple((int(a), float(b)) for a, b in tp))
             for t, p, tp in zip(tokens, picked, tops)]
+
+
+@dataclass(frozen=True)
+class RowPick:
+    """How one row picks its next tokens, as plain data (``message``) the worker that makes its
+    logits follows (a ``RowPicker``) as this process would: temperature 0 is greedy; ``seed`` and
+    ``choice`` name its draws (``draw_seed``); ``history``, the tokens its rules read (prompt and
+    answer for a repetition penalty, else the answer alone), its answer from ``start`` on;
+    ``produced``, its answer's tokens so far; ``logprobs`` -1: none, else how many likeliest
+    tokens come with each pick's log-probability."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    choice: int = 0
+    rules: LogitRules = field(default_factory=LogitRules)
+    eos: tuple[int, ...] = ()
+    history: tuple[int, ...] = ()
+    start: int = 0
+    produced: int = 0
+    logprobs: int = -1
+
+    def message(self) -> dict[str, Any]:
+        r = self.rules
+        return {"t": self.temperature, "k": self.top_k, "p": self.top_p, "seed": self.seed,
+                "c": self.choice, "min": r.min_new, "bias": [[t, b] for t, b in r.bias], "rep": r.repetition,
+                "freq": r.frequency, "pres": r.presence, "eos": list(self.eos), "h": list(self.history),
+                "at": self.start, "n": self.produced, "lp": self.logprobs}
+
+    @classmethod
+    def from_message(cls, msg: Mapping[str, Any]) -> RowPick:
+        """A row's pick from its ``message``; ``ValueError`` naming what is wrong with one that is not."""
+        if not isinstance(msg, Mapping):
+            raise ValueError(f"a row's pick is a mapping, got {type(msg).__name__}")
+        extra = set(msg) - PICK_FIELDS
+        if extra:
+            raise ValueError(f"a row's pick names unknown fields {sorted(map(str, extra))[:5]}")
+
+        def integer(key: str, low: int, high: int) -> int:
+            v = msg.get(key, 0)
+            if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= high:
+                raise ValueError(f"a row's pick's {key!r} must be an integer in [{low}, {high}], got {v!r}")
+            return int(v)
+
+        def number(key: str, default: float) -> float:
+            v = msg.get(key, default)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ValueError(f"a row's pick's {key!r} must be a finite number, got {v!r}")
+            return float(v)
+
+        def ints(key: str, bound: int) -> tuple[int, ...]:
+            v = msg.get(key, ())
+            if not isinstance(v, (list, tuple)) or len(v) > bound or \
+                    not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 31 for t in v):
+                raise ValueError(f"a row's pick's {key!r} must list at most {bound} token ids")
+            return tuple(int(t) for t in v)
+
+        bias = msg.get("bias", ())
+        if not isinstance(bias, (list, tuple)) or len(bias) > MAX_BIAS or not all(
+                isinstance(b, (list, tuple)) and len(b) == 2 and type(b[0]) is int
+                and type(b[1]) in (int, float) for b in bias):
+            raise ValueError(f"a row's pick's 'bias' must list at most {MAX_BIAS} (token id, value) pairs")
+        history = ints("h", MAX_HISTORY)
+        try:
+            rules = LogitRules(integer("min", 0, 1 << 31), tuple((int(t), float(b)) for t, b in bias),
+                               number("rep", 1.0), number("freq", 0.0), number("pres", 0.0))
+            pick = cls(number("t", 0.0), integer("k", 0, 1 << 31), number("p", 1.0),
+                       integer("seed", 0, SEED_MASK), integer("c", 0, 1 << 31), rules, ints("eos", MAX_EOS),
+                       history, integer("at", 0, len(history)), integer("n", 0, 1 << 31),
+                       integer("lp", -1, MAX_LOGPROBS))
+        except BadInput as e:
+            raise ValueError(str(e)) from None
+        if pick.temperature < 0 or not 0 < pick.top_p <= 1:
+            raise ValueError(f"a row's pick's temperature must be >= 0 and top_p in (0, 1], got "
+                             f"{pick.temperature}, {pick.top_p}")
+        return pick
+
+    def picker(self) -> RowPicker:
+        return RowPicker(self)
+
+
+class RowPicker:
+    """A row's picks, one after another, where its logits are made: its ``RowPick`` and the
+    history its picks add to."""
+
+    def __init__(self, pick: RowPick) -> None:
+        self.spec = pick
+        self.history = list(pick.history)
+        self.produced = pick.produced
+        self._eos = frozenset(pick.eos)
+        self._gen = torch.Generator()
+
+    def __call__(self, logits: torch.Tensor) -> tuple[int, TokenLogprob | None]:
+        """The next token from the row's (vocab,) logits, and its log-probabilities if asked for."""
+        p = self.spec
+        raw = logits.reshape(1, -1).float()
+        scores = raw
+        if p.rules.active:
+            scores = p.rules.apply(raw, [History(self.history, p.start)], self._eos)
+        if p.temperature > 0:
+            self._gen.manual_seed(draw_seed(p.seed, p.choice, self.produced))
+            token = int(draw(scores, p.temperature, p.top_k, p.top_p, self._gen)[0])
+        else:
+            token = int(greedy(scores)[0])
+        lp = logprobs_of(raw, [token], p.logprobs)[0] if p.logprobs >= 0 else None
+        if p.rules.active:
+            self.history.append(token)
+        self.produced += 1
+        return token, lp

@@ -26,10 +26,12 @@ touching execution. The policy:
   its steps then hold ``seabiscuit.generate.prefill-while-decoding`` tokens at most where that
   is set, so a decode step never waits long behind one (chunked prefill);
 - where the runner's decode loops take edits (``Runner.edits_loops``, ``seabiscuit.generate.lanes``),
-  greedy calls decode in ``pipeline`` lanes instead: a call takes empty rows of the lane with
-  the fewest, and leaves them when it ends; a lane's rows are its loop's, which changes
-  between steps without a restart (``LaneStep``); a lane with no empty row for a call grows
-  (its loop starts anew with more rows), an empty one shrinks to nothing;
+  calls decode in ``pipeline`` lanes instead (all but a grammar's: a row that samples, shapes
+  its logits or asks for log-probabilities is picked where its logits are made, ``RowPick``):
+  a call takes empty rows of the lane with the fewest, and leaves them when it ends; a lane's
+  rows are its loop's, which changes between steps without a restart (``LaneStep``); a lane
+  with no empty row for a call grows (its loop starts anew with more rows), an empty one
+  shrinks to nothing;
 - rows of one call with the same prompt (``n`` answers to it) are prefilled once: the others
   start from a copy of that cache and pick their first tokens from its logits (``twins_of``);
 - a call its caller stopped reading, or that the deployment's close ends, ends before the step.
@@ -124,7 +126,7 @@ class SchedulerSpec:
     overlap: bool = False        # admissions prefill while the running rows decode (the runner chains steps)
     overlap_tokens: int = 0      # and then hold at most this many tokens a step (0: no bound)
     step_tokens: int = 256       # tokens one step computes at most (``generate.step-tokens``)
-    lanes: int = 0               # greedy calls decode in this many lanes (0: in groups)
+    lanes: int = 0               # calls decode in this many lanes (0: in groups)
     lane_steps: int = 256        # steps a lane's loop runs at most before it starts anew
 
     @classmethod
@@ -306,7 +308,7 @@ class Scheduler:
     # --- lanes -------------------------------------------------------------------------------
     def _lane_fit(self, call: Call) -> bool:
         """Whether ``call`` decodes in a lane: lanes are on, its tokens are picked on the workers
-        (``Sampling.on_workers``: greedy, no logit rules, no log-probabilities), not a kept session's turn
+        (``Sampling.on_workers``: all but a grammar's), not a kept session's turn
         (whose next turn writes where a row still running would), and its rows fit one."""
         return bool(self.spec.lanes) and call.sampling.on_workers and not call.keep \
             and not call.stopping and 0 < len(call.live) <= self.spec.batch_sizes[-1]
@@ -371,10 +373,10 @@ class Scheduler:
 
     def _group(self, part: list[tuple[Call, Session]]) -> DecodeGroup:
         """One decode group: each session's uncached tokens (its last), a bucket of rows; queued
-        when every call of it has its tokens picked on the workers, its next step too unless this
-        is a call's last."""
+        when every call of it picks plain greedy tokens (``Sampling.plain``: the argmax a queued
+        step reads on the workers), its next step too unless this is a call's last."""
         calls = [c for c, _ in part]
-        queued = self.spec.lookahead and all(c.sampling.on_workers and not c.cancelled for c in calls)
+        queued = self.spec.lookahead and all(c.sampling.plain and not c.cancelled for c in calls)
         more = queued and all(c.produced + 1 < c.max_new for c in calls)
         steps = min(min(c.max_new - c.produced for c in calls), self.spec.loop_steps) if queued else 1
         rows = tuple(Chunk(s.sid, s.cached, tuple(s.tokens[s.cached:]), 1) for _, s in part)
@@ -425,7 +427,9 @@ def _lane_row(call: Call, s: Session) -> LaneRow | None:
     the steps left to its call (None for a row that ended: its loop empties it)."""
     if s.done or len(s.tokens) - s.cached != 1:
         return None
-    return LaneRow(Chunk(s.sid, s.cached, (s.tokens[-1],), 1), call.max_new - call.produced)
+    i = call.sessions.index(s)
+    pick = call.sampling.row_pick(i, s.tokens, call.base[i] if call.base else len(s.tokens), call.eos)
+    return LaneRow(Chunk(s.sid, s.cached, (s.tokens[-1],), 1), call.max_new - call.produced, pick)
 
 
 def twins_of(sessions: Sequence[Session]) -> dict[int, int]:
