@@ -57,7 +57,8 @@ def test_forward_and_greedy_generation_equal_the_model(client, model, plane: str
         assert dm.run_counts()["re_executed"] == 0
 
 
-def test_sampling_logprobs_rules_and_concurrent_calls_give_the_same_tokens_on_both_planes(client, model) -> None:
+def test_sampling_logprobs_rules_and_concurrent_calls_give_the_same_tokens_on_both_planes(client, model
+                                                                                        ) -> None:
     prompts = [padded_batch((k,), seed=10 + k)[0] for k in (4, 7, 11, 6)]
     answers: dict[str, list] = {}
     logprobs: dict[str, list] = {}

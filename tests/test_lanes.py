@@ -124,7 +124,7 @@ def test_a_row_picks_on_the_worker_exactly_as_the_caller_would() -> None:
     sampling = Sampling(True, 0.8, 12, 0.9, torch.Generator().manual_seed(3), rules, logprobs=3)
     eos = frozenset({5})
     prompts = [[1, 2, 3, 2], [7, 7], [9, 4, 1]]
-    tokens = [list(p) + [11] for p in prompts]        # each row's first token, picked from its prompt's logits
+    tokens = [[*p, 11] for p in prompts]        # NOTE: each row's first token, from its prompt's logits
     base = [len(p) for p in prompts]
     pickers = {i: RowPick.from_message(sampling.row_pick(i, tokens[i], base[i], eos).message()).picker()
                for i in (0, 2)}                       # row 1 is greedy in the lane: its argmax
@@ -221,7 +221,8 @@ def test_sampled_calls_decode_in_lanes_and_kept_sessions_and_grammars_in_groups_
     # next token (its first was picked from its prompt's logits)
     assert rows[greedy.sessions[0].sid].pick is None
     pick = rows[sampled.sessions[0].sid].pick
-    assert pick is not None and pick.temperature == 1.0 and pick.produced == 1 and pick.seed == sampled.sampling.seed
+    assert pick is not None and pick.temperature == 1.0 and pick.produced == 1
+    assert pick.seed == sampled.sampling.seed
     assert sorted(r.session for g in out.decodes for r in g.rows) == [kept.sessions[0].sid,
                                                                      constrained.sessions[0].sid]
 
@@ -311,7 +312,8 @@ def test_sampled_rules_and_logprob_calls_decode_in_lanes_as_they_would_from_here
     for a, b in zip(here_lp[1], lane_lp[1]):
         (x,), (y,) = a, b
         assert x.token == y.token and x.logprob == pytest.approx(y.logprob)
-        assert [t for t, _ in x.top] == [t for t, _ in y.top] and x.top[0][0] == x.token    # greedy: the likeliest
+        assert [t for t, _ in x.top] == [t for t, _ in y.top]
+        assert x.top[0][0] == x.token           # NOTE: greedy: the likeliest
     assert len(lane[2][0]) == 10 and 2 not in lane[2][0, :5].tolist()     # min_new_tokens held its end off
 
 
