@@ -109,6 +109,38 @@ def pieces(text: str, step: int) -> tuple[CallReader, dict[int, str], list[Head]
     return reader, joined, heads
 
 
+def test_a_row_follows_its_grammar_where_its_logits_are_made_as_it_would_here(tok: Any) -> None:
+    """A constrained row carried to a lane as plain data (its grammar's text, its tokenizer's JSON
+    once) picks on the worker exactly the tokens it picks here, and its answer validates; a
+    worker that never got the tokenizer refuses the row and says why."""
+    from seabiscuit_dask.runtime.generation import grammar as G
+    from seabiscuit_dask.runtime.generation.sampling import RowPick
+
+    eos = tok.eos_token_id
+    grammar = json_grammar(tok, [eos], SCHEMAS[2])
+    sampling = Sampling(do_sample=True, temperature=1.0, generator=torch.Generator().manual_seed(2),
+                        grammar=grammar)
+    prompt = [1, 2, 3]
+    pick = sampling.row_pick(0, prompt, len(prompt), frozenset({eos}))
+    assert pick is not None and pick.grammar == grammar.text
+    key = pick.tokenizer
+    with G._LOCK:
+        G._BUILT.pop(key)                 # NOTE: as on a worker that never saw this tokenizer
+    with pytest.raises(ValueError, match="not known in this process"):
+        RowPick.from_message(pick.message())
+    with G._LOCK:
+        assert key not in G._BUILT
+    picker = RowPick.from_message(pick.message(tokenizer=True)).picker()
+    m, here, there = grammar.matcher(), [], []
+    g = torch.Generator().manual_seed(8)
+    while len(here) < 120 and (not here or here[-1] != eos):
+        logits = torch.randn(1, grammar.vocab, generator=g) * 4
+        here.append(int(sampling.pick(logits, matchers=[m], draws=[(0, len(here))])[0]))
+        there.append(picker(logits[0])[0])
+    assert here == there and here[-1] == eos
+    jsonschema.validate(json.loads(tok.decode(here[:-1])), SCHEMAS[2])
+
+
 def test_calls_are_read_piece_by_piece_as_written_and_join_to_the_calls_read_whole(tok: Any) -> None:
     """A constrained answer fed a character, a few, or all at once: the first piece of each call names
     its id and function, the pieces of its arguments join to what ``read_calls`` reads whole with

@@ -103,6 +103,7 @@ class RequestSender:
         self.checkpoint_dir = checkpoint_dir
         self.inflight: dict[int, Handle] = {}
         self.requests = itertools.count()
+        self._tokenizers_at: set[tuple[str, str]] = set()     # NOTE: (worker, tokenizer key) sent whole
         self.next_request: Callable[[], int] = self._numbered
         self.client_s: deque[tuple[float, float]] = deque(maxlen=64)   # (submit, after gather) per request
         self._deadline = Deadline()                  # usual times per program: the hang bound
@@ -221,13 +222,16 @@ class RequestSender:
         requests = [self.next_request() for _ in range(steps)]
         wanted = sorted(set(layout.out_at.values()))
         route = layout.route(wanted)
+        (runs,) = [a for a, (_, c) in route.items() if c]
+        # NOTE: a start takes its grammars' tokenizers whole (a loop starts anew where its worker may
+        # be a new one); its edits then name them only
+        messages = None if picks is None else [p.message(tokenizer=True) if p else None for p in picks]
+        self._tokenizers_at.update((runs, p.tokenizer) for p in picks or () if p is not None and p.grammar)
         futures = p2p.start_loop(self.client, self.model_id, self._ticket, layout.version, requests,
-                                 route, inputs, prog.graph.leaf_outputs[0], left,
-                                 None if picks is None else [p.message() if p else None for p in picks])
+                                 route, inputs, prog.graph.leaf_outputs[0], left, messages)
         handles = [Handle(prog, layout, r, wanted, [], f) for r, f in zip(requests, futures)]
         lane = None
         if left is not None:
-            (runs,) = [a for a, (_, c) in route.items() if c]
             lane = (requests[0], runs)
         for h, nxt in zip(handles, [*handles[1:], None]):
             h.next = nxt
@@ -242,7 +246,17 @@ class RequestSender:
         edits of ``after`` (a future of this); a future of whether it took them."""
         assert handle.lane is not None
         lane, address = handle.lane
-        return p2p.edit_lane(self.client, self.model_id, self._ticket, address, lane, edits, after)
+        sent: list[Edit] = []
+        for e in edits:
+            pick = e[5] if len(e) > 5 else None
+            if pick is not None and not isinstance(pick, dict):
+                # NOTE: a grammar's tokenizer goes whole to a worker the first time only
+                whole = bool(pick.grammar) and (address, pick.tokenizer) not in self._tokenizers_at
+                if whole:
+                    self._tokenizers_at.add((address, pick.tokenizer))
+                e = (*e[:5], pick.message(tokenizer=whole))
+            sent.append(e)
+        return p2p.edit_lane(self.client, self.model_id, self._ticket, address, lane, sent, after)
 
     # --- reading ------------------------------------------------------------------------------
     def step_result(self, handle: Handle) -> Any:

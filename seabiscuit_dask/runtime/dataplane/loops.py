@@ -36,16 +36,17 @@ LOGPROBS = "sb_logprobs"         # NOTE: (batch, 1 + k) float32: a pick's, then 
 LOGPROB_IDS = "sb_logprob_ids"   # NOTE: (batch, k) int64: the top k's token ids (-1: none)
 MAX_EDITS = 4096         # NOTE: edits a lane holds unapplied at once; more are refused
 MAX_VALUE = 1 << 31      # NOTE: sessions, slots, tokens and steps of an edit stay below this
-# NOTE: (row, session or -1 to empty it, first slot, token, steps or -1[, its pick's message or None])
+# NOTE: (row, session or -1 to empty it, first slot, token, steps or -1[, its pick or its message, or None])
 Edit = tuple[Any, ...]
 Picked = tuple[np.ndarray, dict[str, torch.Tensor]]     # a step's tokens (batch,), and its log-probabilities
 
 
 def _row_picks(picks: Sequence[Any]) -> list[Any]:
-    """Each row's ``RowPick`` from its message (None: greedy); ``ValueError`` for one malformed."""
+    """Each row's ``RowPick`` from its message (None: greedy; one in this process may come as it
+    is); ``ValueError`` for one malformed."""
     from ..generation.sampling import RowPick  # NOTE: here: the engine's package imports this one
 
-    return [None if m is None else RowPick.from_message(m) for m in picks]
+    return [m if m is None or isinstance(m, RowPick) else RowPick.from_message(m) for m in picks]
 
 
 def pick_rows(logits: torch.Tensor, pickers: dict[int, Any]) -> Picked:

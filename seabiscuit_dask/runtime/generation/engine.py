@@ -727,6 +727,11 @@ class Engine:
         if grammar is not None and call.matchers is None:
             call.matchers = [grammar.matcher() for _ in call.sessions]
         matchers = [call.matchers[i] for i in at] if call.matchers else []
+        for m, s, i in zip(matchers, live, at):
+            # NOTE: a row's tokens picked on the workers (in a lane) reach its matcher here, before
+            # it picks here again (after a preemption, or a step fed from here)
+            for t in s.tokens[call.base[i] + m.fed:]:
+                m.accept(t)
         draws = [(i, len(s.tokens) - call.base[i]) for s, i in zip(live, at)] if call.base else None
         tokens, logprobs = call.sampling.choose(rows, histories, call.eos, matchers, draws, picked)
         self._emit(call, tokens, logprobs)

@@ -395,8 +395,7 @@ class Executor:
             for i in ls.joins:
                 r = ls.rows[i]
                 if r is not None:
-                    edits.append((i, r.chunk.session, r.chunk.start, r.chunk.tokens[0], r.steps,
-                                  None if r.pick is None else r.pick.message()))
+                    edits.append((i, r.chunk.session, r.chunk.start, r.chunk.tokens[0], r.steps, r.pick))
             sent = self.runner.edit_lane(loop.handle, edits, loop.edits[-1] if loop.edits else None)
             loop.edits.append(sent)
             loop.leaving.update((sid, sent) for _, sid in ls.leaves)

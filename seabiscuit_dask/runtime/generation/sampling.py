@@ -5,10 +5,10 @@ log-probabilities a caller asked for.
 A row's pick depends on its logits, its history and its draw alone (``draw_seed``: the call's
 seed, the row, how many tokens its answer has), never on where it is made or what ran before:
 so a row picks the same token on the worker that makes its logits (``RowPick``, carried to a
-decode lane as plain data, followed there by a ``RowPicker``) as here, after a worker loss, a
-replay or a preemption as before. Every call but one with a grammar (``Sampling.on_workers``)
-has its tokens picked on the workers, and only its picks and the log-probabilities it asked for
-travel back; a call with a grammar reads its rows' logits here, where its matchers are.
+decode lane as plain data, followed there by a ``RowPicker``, with its grammar's matcher where it
+has one) as here, after a worker loss, a replay or a preemption as before. A call that decodes in
+a lane has its tokens picked on the workers, and only its picks and the log-probabilities it
+asked for travel back.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 from ...errors import BadInput
 
 if TYPE_CHECKING:
-    from .grammar import Grammar, Matcher
+    from .grammar import Grammar, Matcher, Tokenizer
 
 MAX_LOGPROBS = 20      # NOTE: OpenAI's bound on top_logprobs
 MAX_BIAS = 1024        # NOTE: logit_bias entries a row's pick carries (OpenAI takes 300)
@@ -33,7 +33,8 @@ MAX_EOS = 64
 MAX_HISTORY = 1 << 20  # NOTE: tokens of a row's history a pick carries
 SEED_MASK = (1 << 63) - 1
 PICK_FIELDS = frozenset({"t", "k", "p", "seed", "c", "min", "bias", "rep", "freq", "pres", "eos", "h", "at",
-                         "n", "lp"})
+                         "n", "lp", "g", "gk", "gv", "gj"})
+MAX_GRAMMAR = 4 << 20      # NOTE: characters of a grammar's text a row's pick carries
 _M64 = (1 << 64) - 1
 
 
@@ -198,28 +199,25 @@ class Sampling:
         are its logits' argmax, which a decode loop queued behind it reads on the workers)."""
         return not self.do_sample and not self.rules.active and self.logprobs is None and self.grammar is None
 
-    @property
-    def on_workers(self) -> bool:
-        """Whether its tokens can be picked where the logits are made (``RowPick``): all but a
-        grammar's, whose matchers are here."""
-        return self.grammar is None
-
     def row_pick(self, choice: int, tokens: Sequence[int], start: int, eos: frozenset[int] | Sequence[int]
                  ) -> RowPick | None:
         """How row ``choice`` (its tokens so far, its answer from ``start`` on) picks its next token
         where its logits are made; None for a plain greedy row (the argmax is all it needs)."""
-        if self.plain or not self.on_workers:
+        if self.plain:
             return None
-        rules = self.rules
+        rules, grammar = self.rules, self.grammar
         if rules.repetition != 1.0:
             history, at = tuple(tokens), start
-        elif rules.active:
+        elif rules.active or grammar is not None:
             history, at = tuple(tokens[start:]), 0
         else:
             history, at = (), 0
+        g = grammar.tokenizer if grammar is not None else None
         return RowPick(self.temperature if self.do_sample else 0.0, self.top_k, self.top_p,
                        int(self.seed or 0), int(choice), rules, tuple(sorted(int(e) for e in eos)), history,
-                       at, len(tokens) - start, -1 if self.logprobs is None else int(self.logprobs))
+                       at, len(tokens) - start, -1 if self.logprobs is None else int(self.logprobs),
+                       None if grammar is None else grammar.text, "" if g is None else g.key,
+                       0 if g is None else g.vocab, g)
 
     def pick(self, logits: torch.Tensor, rows: Sequence[History] = (), eos: frozenset[int] = frozenset(),
              matchers: Sequence[Matcher] = (), draws: Sequence[tuple[int, int]] | None = None
@@ -313,7 +311,10 @@ class RowPick:
     ``choice`` name its draws (``draw_seed``); ``history``, the tokens its rules read (prompt and
     answer for a repetition penalty, else the answer alone), its answer from ``start`` on;
     ``produced``, its answer's tokens so far; ``logprobs`` -1: none, else how many likeliest
-    tokens come with each pick's log-probability."""
+    tokens come with each pick's log-probability; ``grammar``: the text of the grammar its answer
+    follows (its history then holds the answer), over the tokenizer named ``tokenizer`` (a
+    ``grammar.Tokenizer``'s key; ``source``, that tokenizer where this process has it, whose JSON
+    goes with the message where the receiver may not have it yet)."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -326,10 +327,19 @@ class RowPick:
     start: int = 0
     produced: int = 0
     logprobs: int = -1
+    grammar: str | None = None
+    tokenizer: str = ""
+    vocab: int = 0
+    source: Tokenizer | None = field(default=None, repr=False, compare=False)
 
-    def message(self) -> dict[str, Any]:
+    def message(self, tokenizer: bool = False) -> dict[str, Any]:
+        """As plain data; ``tokenizer``: with its grammar's tokenizer's JSON (its receiver builds it
+        once: ``grammar.tokenizer_for``)."""
         r = self.rules
-        return {"t": self.temperature, "k": self.top_k, "p": self.top_p, "seed": self.seed,
+        out = {} if self.grammar is None else {"g": self.grammar, "gk": self.tokenizer, "gv": self.vocab}
+        if tokenizer and self.grammar is not None and self.source is not None:
+            out["gj"] = self.source.json
+        return out | {"t": self.temperature, "k": self.top_k, "p": self.top_p, "seed": self.seed,
                 "c": self.choice, "min": r.min_new, "bias": [[t, b] for t, b in r.bias], "rep": r.repetition,
                 "freq": r.frequency, "pres": r.presence, "eos": list(self.eos), "h": list(self.history),
                 "at": self.start, "n": self.produced, "lp": self.logprobs}
@@ -380,6 +390,20 @@ class RowPick:
         if pick.temperature < 0 or not 0 < pick.top_p <= 1:
             raise ValueError(f"a row's pick's temperature must be >= 0 and top_p in (0, 1], got "
                              f"{pick.temperature}, {pick.top_p}")
+        if "g" in msg:
+            text, key, text_json = msg.get("g"), msg.get("gk"), msg.get("gj")
+            if not isinstance(text, str) or len(text) > MAX_GRAMMAR or not isinstance(key, str) \
+                    or not (text_json is None or isinstance(text_json, str)):
+                raise ValueError(f"a row's pick's grammar is its text (at most {MAX_GRAMMAR} characters) and "
+                                 "its tokenizer's key (and JSON)")
+            vocab = integer("gv", 1, 1 << 24)
+            from .grammar import GrammarError, tokenizer_for
+
+            try:        # NOTE: built here once (its JSON came with the first grammar of it)
+                tokenizer_for(key, text_json, vocab, pick.eos)
+            except GrammarError as e:
+                raise ValueError(str(e)) from None
+            pick = dataclasses.replace(pick, grammar=text, tokenizer=key, vocab=vocab)
         return pick
 
     def picker(self) -> RowPicker:
@@ -396,6 +420,16 @@ class RowPicker:
         self.produced = pick.produced
         self._eos = frozenset(pick.eos)
         self._gen = torch.Generator()
+        self.matcher: Matcher | None = None
+        self.ended = False          # its grammar took its end-of-text token
+        if pick.grammar is not None:
+            from .grammar import Matcher, compile_matcher, tokenizer_for
+
+            info = tokenizer_for(pick.tokenizer, None, pick.vocab, pick.eos)
+            self.matcher = Matcher(compile_matcher(info, pick.grammar), int(info.vocab_size), "the grammar")
+            for t in pick.history[pick.start:]:        # NOTE: the answer so far
+                self.matcher.accept(t)
+                self.ended = t in self._eos
 
     def __call__(self, logits: torch.Tensor) -> tuple[int, TokenLogprob | None]:
         """The next token from the row's (vocab,) logits, and its log-probabilities if asked for."""
@@ -404,13 +438,24 @@ class RowPicker:
         scores = raw
         if p.rules.active:
             scores = p.rules.apply(raw, [History(self.history, p.start)], self._eos)
+        # NOTE: a row runs on in its lane past its end until its caller empties it: unconstrained then
+        m = self.matcher if self.matcher is not None and not self.ended else None
+        if m is not None:       # NOTE: as ``Sampling.pick`` restricts a row to its grammar
+            scores = scores.clone() if scores is raw or scores is logits else scores
+            m.restrict(scores[0])
+            if not torch.isfinite(scores[0]).any():
+                scores = raw.clone()
+                m.restrict(scores[0])
         if p.temperature > 0:
             self._gen.manual_seed(draw_seed(p.seed, p.choice, self.produced))
             token = int(draw(scores, p.temperature, p.top_k, p.top_p, self._gen)[0])
         else:
             token = int(greedy(scores)[0])
         lp = logprobs_of(raw, [token], p.logprobs)[0] if p.logprobs >= 0 else None
-        if p.rules.active:
+        if m is not None:
+            m.accept(token)
+            self.ended = token in self._eos
+        if p.rules.active or p.grammar is not None:
             self.history.append(token)
         self.produced += 1
         return token, lp

@@ -26,8 +26,8 @@ touching execution. The policy:
   its steps then hold ``seabiscuit.generate.prefill-while-decoding`` tokens at most where that
   is set, so a decode step never waits long behind one (chunked prefill);
 - where the runner's decode loops take edits (``Runner.edits_loops``, ``seabiscuit.generate.lanes``),
-  calls decode in ``pipeline`` lanes instead (all but a grammar's: a row that samples, shapes
-  its logits or asks for log-probabilities is picked where its logits are made, ``RowPick``):
+  calls decode in ``pipeline`` lanes instead (a row that samples, shapes its logits, asks for
+  log-probabilities or follows a grammar is picked where its logits are made, ``RowPick``):
   a call takes empty rows of the lane with the fewest, and leaves them when it ends; a lane's
   rows are its loop's, which changes between steps without a restart (``LaneStep``); a lane
   with no empty row for a call grows (its loop starts anew with more rows), an empty one
@@ -307,10 +307,10 @@ class Scheduler:
 
     # --- lanes -------------------------------------------------------------------------------
     def _lane_fit(self, call: Call) -> bool:
-        """Whether ``call`` decodes in a lane: lanes are on, its tokens are picked on the workers
-        (``Sampling.on_workers``: all but a grammar's), not a kept session's turn
+        """Whether ``call`` decodes in a lane: lanes are on (its tokens are picked on the workers,
+        ``Sampling.row_pick``), not a kept session's turn
         (whose next turn writes where a row still running would), and its rows fit one."""
-        return bool(self.spec.lanes) and call.sampling.on_workers and not call.keep \
+        return bool(self.spec.lanes) and not call.keep \
             and not call.stopping and 0 < len(call.live) <= self.spec.batch_sizes[-1]
 
     def _lane_steps(self, calls: list[Call]) -> tuple[LaneStep, ...]:
