@@ -148,6 +148,47 @@ def test_the_next_step_runs_on_the_thread_that_made_the_logits(specs, token_dela
     assert not plane.runs and not plane.loops and not pair.planes[B].runs       # NOTE: nor a chain of one
 
 
+def test_a_lanes_own_picks_come_back_for_each_step_it_ran_chained_also_as_its_row_empties() -> None:
+    """A lane of two rows: row 0 greedy, row 1 with its own pick (a bias that always wins, and its
+    log-probability asked for) for three steps, then emptied by the lane. Each step is chained,
+    so the next step's rows are built before the loop hears of the logits: the step's own picks
+    are what come back, the last one too (its row's picker is gone by then)."""
+    from seabiscuit_dask.runtime.dataplane import Lane
+    from seabiscuit_dask.runtime.dataplane.loops import LOGPROBS
+    from seabiscuit_dask.runtime.generation import LogitRules
+    from seabiscuit_dask.runtime.generation.sampling import RowPick
+
+    pair = Pair()
+    requests = [20, 21, 22, 23]
+    pick = RowPick(rules=LogitRules(bias=((5, 10.0),)), logprobs=0)
+
+    async def run() -> list[tuple[list[int], Any]]:
+        inputs = {"input_ids": torch.tensor([[4], [4]]), "position_ids": torch.tensor([[7], [7]]),
+                  "sb_sessions": torch.tensor([0, 1]), "sb_start": torch.tensor([7, 7]),
+                  "sb_valid": torch.ones(2, 1, dtype=torch.bool)}
+        loop = Loop(requests[1:], pair.route, "logits", inputs, lane=Lane(requests[0], [-1, 2], [None, pick]))
+        for address, feeds in pair.route:
+            await pair.planes[address].feed(MODEL, TICKET, 0, requests[0],
+                                            {b: {t: inputs[t] for t in names} for b, names in feeds},
+                                            loop=loop if address == A else None)
+        out = []
+        for r in requests:
+            got = await asyncio.wait_for(pair.planes[A].collect(MODEL, TICKET, 0, r, [2], "logits"), 30)
+            out.append((got[2]["logits"].tolist(), got[2].get(LOGPROBS)))
+        return out
+
+    try:
+        steps = asyncio.run(run())
+    finally:
+        pair.close()
+    assert pair.planes[A].counters["chained"] == 3
+    assert [t[0] for t, _ in steps] == expected(4, 7, 4)          # NOTE: row 0, greedy, as ever
+    assert [t[1] for t, _ in steps[:3]] == [5, 5, 5]               # NOTE: row 1, its own pick each step
+    for _, lp in steps[:3]:
+        assert lp is not None and torch.isnan(lp[0, 0]) and torch.isfinite(lp[1, 0])
+    assert steps[3][1] is None                                     # NOTE: its row emptied: no pick, none sent
+
+
 @pytest.mark.parametrize("seconds", [1.0, 0.01], ids=["chained", "on-the-loop"])
 def test_a_steps_inputs_of_the_next_workers_block_go_with_the_push_it_reads(seconds) -> None:
     """B's block reads the step's positions (a feed) and b0's output (a push): the positions go in

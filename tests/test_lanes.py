@@ -457,6 +457,72 @@ def test_calls_arriving_at_random_times_join_lanes_on_the_workers_and_answer_as_
     assert stats["lane_starts"] >= 1 and stats["rows"] > stats["decode_steps"]
 
 
+def test_sampled_and_logprob_calls_joining_lanes_on_the_workers_answer_as_picked_in_the_caller() -> None:
+    """Two workers, the data plane: greedy, sampled and log-probability calls join and leave the
+    running loops at random times, each picked on the worker that makes its logits; every answer
+    is the one picked in the caller, step by step, with no lane (``LocalRunner``)."""
+    model = decoder("llama")
+    lengths, news = (5, 9, 13, 7, 11, 3, 6, 8), (12, 15, 9, 14, 18, 11, 16, 13)
+    prompts = [padded_batch((n,), seed=30 + i)[0] for i, n in enumerate(lengths)]
+    asks: list[dict[str, Any]] = [
+        {}, {"do_sample": True, "temperature": 0.8, "top_k": 30}, {"logprobs": 2},
+        {"do_sample": True, "temperature": 1.1, "top_p": 0.9, "repetition_penalty": 1.2}] * 2
+
+    def args(i: int) -> dict[str, Any]:
+        return {"pad_token_id": 0, "eos_token_id": [], "generator": torch.Generator().manual_seed(i),
+                **asks[i]}
+
+    here = Engine(LocalRunner(model, "64KiB"), max_sessions=4, context=64, max_chunk=32)
+    want, want_lp = [], []
+    for i, ids in enumerate(prompts):
+        a = GenerateArgs.make(model.generation_config, ids.shape[1], max_new_tokens=news[i], **args(i))
+        stream = stream_tokens(here, ids, a, torch.ones_like(ids))
+        rows = []
+        for row in stream:
+            rows.append(row)
+            want_lp.append((i, stream.logprobs))
+        want.append(torch.cat([ids, torch.stack(rows, dim=1)], dim=1))
+    here.close()
+    gen = torch.Generator().manual_seed(6)
+    after = [int(x) for x in torch.randint(0, 3, (len(prompts),), generator=gen)]
+    with seabiscuit_cluster(2, 450_000) as client:
+        with sb.distribute(model, client, torch.zeros(1, 16, dtype=torch.long), budget="64KiB", sessions=4,
+                           context=48) as dm:
+            got: dict[int, Any] = {}
+            got_lp: dict[int, list[Any]] = {}
+            started = [threading.Event() for _ in prompts]
+
+            def run(i: int) -> None:
+                rows, lps = [], []
+                stream = dm.stream(prompts[i], news[i], **args(i))
+                for n, row in enumerate(stream):
+                    rows.append(row)
+                    lps.append(stream.logprobs)
+                    if n == after[i] and i + 4 < len(started):
+                        started[i + 4].set()
+                if i + 4 < len(started):
+                    started[i + 4].set()
+                got[i] = torch.cat([prompts[i], torch.stack(rows, dim=1)], dim=1)
+                got_lp[i] = lps
+
+            threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+            for t in threads[:4]:
+                t.start()
+            for i, t in enumerate(threads[4:], 4):
+                started[i].wait()
+                t.start()
+            for t in threads:
+                t.join()
+            stats = dm.generation_stats()
+    for i in range(len(prompts)):
+        assert torch.equal(got[i], want[i]), i
+    for i, lps in [(i, [lp for j, lp in want_lp if j == i]) for i in (2, 6)]:
+        for a, b in zip(lps, got_lp[i]):
+            (x,), (y,) = a, b
+            assert x.token == y.token and x.logprob == pytest.approx(y.logprob, abs=1e-5)
+    assert stats["lane_starts"] >= 1 and stats["rows"] > stats["decode_steps"]
+
+
 class SlowFrees(LocalRunner):
     """A runner whose first free of caches waits to be let go (a scheduler round trip on a busy
     machine)."""

@@ -186,7 +186,8 @@ class Loop:
 
     @property
     def picks(self) -> bool:
-        """Whether a row of this step picks otherwise than greedily (its tokens are ``pick``'s)."""
+        """Whether a row of this step picks otherwise than greedily (its tokens are ``pick``'s):
+        asked before ``following`` built the next step (the lane's rows are that step's since)."""
         return self.lane is not None and bool(self.lane.pickers)
 
     def pick(self, logits: torch.Tensor) -> Picked:

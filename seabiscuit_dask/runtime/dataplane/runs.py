@@ -462,9 +462,11 @@ class Run:
         the sends of the next step's blocks that ran chained."""
         keeper = self.keeper
         loop = keeper.loops.pop(self.key, None)
-        if loop is not None and loop.picks:
-            # NOTE: its rows' own picks, which its caller reads in place of the greedy tokens (made
-            # once: a chain that ran the next step made them already)
+        # NOTE: a chain that ran the next step picked this one's tokens already, and its lane's
+        # pickers are the next step's rows' since: what it picked (or greedy) stands
+        chained = chain is not None and loop is not None and chain.loop is loop and chain.step is not None
+        if loop is not None and (loop.picked is not None or (loop.picks and not chained)):
+            # NOTE: its rows' own picks, which its caller reads in place of the greedy tokens
             try:
                 remember(keeper.picked, self.key, loop.pick(logits))
             except Exception as e:  # noqa: BLE001 - this step's caller hears it; the next step fails below
@@ -478,7 +480,8 @@ class Run:
             if loop.lane is not None:
                 loop.lane.close()
             return []
-        if chain is not None and chain.loop is loop and chain.step is not None:
+        if chained:
+            assert chain is not None and chain.step is not None
             inputs, after = chain.step
         else:
             chain = None
