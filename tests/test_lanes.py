@@ -424,34 +424,8 @@ def test_calls_arriving_at_random_times_join_lanes_on_the_workers_and_answer_as_
     want = [hf_no_eos(model, p, n) for p, n in zip(prompts, news)]
     gen = torch.Generator().manual_seed(5)
     after = [int(x) for x in torch.randint(0, 3, (len(prompts),), generator=gen)]
-    with seabiscuit_cluster(2, 450_000) as client:
-        with sb.distribute(model, client, torch.zeros(1, 16, dtype=torch.long), budget="64KiB", sessions=4,
-                           context=48) as dm:
-            got: dict[int, Any] = {}
-            started = [threading.Event() for _ in prompts]
-            together = threading.Barrier(4)
-
-            def run(i: int) -> None:
-                if i < 4:
-                    together.wait()
-                rows = []
-                for n, row in enumerate(dm.stream(prompts[i], news[i], pad_token_id=0, eos_token_id=[])):
-                    rows.append(row)
-                    if n == after[i] and i + 4 < len(started):
-                        started[i + 4].set()
-                if i + 4 < len(started):
-                    started[i + 4].set()
-                got[i] = torch.cat([prompts[i], torch.stack(rows, dim=1)], dim=1)
-
-            threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-            for t in threads[:4]:
-                t.start()
-            for i, t in enumerate(threads[4:], 4):
-                started[i].wait()
-                t.start()
-            for t in threads:
-                t.join()
-            stats = dm.generation_stats()
+    got, _, stats = staggered(model, prompts, news, after, lambda i: {"pad_token_id": 0, "eos_token_id": []},
+                              together=True)
     for i in range(len(prompts)):
         assert torch.equal(got[i], want[i]), i
     assert stats["lane_starts"] >= 1 and stats["rows"] > stats["decode_steps"]
@@ -485,14 +459,35 @@ def test_sampled_and_logprob_calls_joining_lanes_on_the_workers_answer_as_picked
     here.close()
     gen = torch.Generator().manual_seed(6)
     after = [int(x) for x in torch.randint(0, 3, (len(prompts),), generator=gen)]
+    got, got_lp, stats = staggered(model, prompts, news, after, args)
+    for i in range(len(prompts)):
+        assert torch.equal(got[i], want[i]), i
+    for i, lps in [(i, [lp for j, lp in want_lp if j == i]) for i in (2, 6)]:
+        for a, b in zip(lps, got_lp[i]):
+            (x,), (y,) = a, b
+            assert x.token == y.token and x.logprob == pytest.approx(y.logprob, abs=1e-5)
+    assert stats["lane_starts"] >= 1 and stats["rows"] > stats["decode_steps"]
+
+
+Answers = tuple[dict[int, Any], dict[int, list[Any]], dict[str, Any]]
+
+
+def staggered(model: torch.nn.Module, prompts: list[torch.Tensor], news: tuple[int, ...], after: list[int],
+              args: Any, together: bool = False) -> Answers:
+    """On two workers (the data plane): 4 calls at once (``together``: started by a barrier), then
+    each other one as the call 4 before it has streamed ``after[i]`` tokens; each call's prompt and
+    tokens, its log-probabilities per step, and the deployment's generation stats."""
     with seabiscuit_cluster(2, 450_000) as client:
         with sb.distribute(model, client, torch.zeros(1, 16, dtype=torch.long), budget="64KiB", sessions=4,
                            context=48) as dm:
             got: dict[int, Any] = {}
             got_lp: dict[int, list[Any]] = {}
             started = [threading.Event() for _ in prompts]
+            barrier = threading.Barrier(4)
 
             def run(i: int) -> None:
+                if together and i < 4:
+                    barrier.wait()
                 rows, lps = [], []
                 stream = dm.stream(prompts[i], news[i], **args(i))
                 for n, row in enumerate(stream):
@@ -513,14 +508,7 @@ def test_sampled_and_logprob_calls_joining_lanes_on_the_workers_answer_as_picked
                 t.start()
             for t in threads:
                 t.join()
-            stats = dm.generation_stats()
-    for i in range(len(prompts)):
-        assert torch.equal(got[i], want[i]), i
-    for i, lps in [(i, [lp for j, lp in want_lp if j == i]) for i in (2, 6)]:
-        for a, b in zip(lps, got_lp[i]):
-            (x,), (y,) = a, b
-            assert x.token == y.token and x.logprob == pytest.approx(y.logprob, abs=1e-5)
-    assert stats["lane_starts"] >= 1 and stats["rows"] > stats["decode_steps"]
+            return got, got_lp, dm.generation_stats()
 
 
 class SlowFrees(LocalRunner):
