@@ -156,7 +156,9 @@ def test_a_lane_refuses_a_malformed_pick() -> None:
     lane = Lane(1, [2])
     for pick, match in (({"t": float("nan")}, "finite"), ({"zz": 1}, "unknown fields"),
                         ({"h": [1, 2], "at": 3}, "'at'"), ({"lp": 21}, "'lp'"), ("hot", "mapping"),
-                        ({"bias": [[1, "x"]]}, "bias"), ({"t": 1.0, "p": 0.0}, "top_p")):
+                        ({"bias": [[1, "x"]]}, "bias"), ({"bias": [[-1, 2.0]]}, "bias"),
+                        ({"t": 1.0, "p": 0.0}, "top_p"), ({"t": 10 ** 400}, "out of range"),
+                        ({"g": "start: x", "gk": "k" * 32, "gv": 10}, "not known in this process")):
         with pytest.raises(ValueError, match=match):
             lane.edit([(0, 3, 4, 5, 2, pick)])
     assert lane.taken == 0

@@ -121,11 +121,13 @@ def test_a_row_follows_its_grammar_where_its_logits_are_made_as_it_would_here(to
     sampling = Sampling(do_sample=True, temperature=1.0, generator=torch.Generator().manual_seed(2),
                         grammar=grammar)
     prompt = [1, 2, 3]
-    pick = sampling.row_pick(0, prompt, len(prompt), frozenset({eos}))
-    assert pick is not None and pick.grammar == grammar.text
+    # NOTE: the call ends at a stop token too: its end-of-text tokens are not the tokenizer's
+    pick = sampling.row_pick(0, prompt, len(prompt), frozenset({eos, 5}))
+    assert pick is not None and pick.grammar == grammar.text and pick.eos != pick.grammar_eos
     key = pick.tokenizer
     with G._LOCK:
         G._BUILT.pop(key)                 # NOTE: as on a worker that never saw this tokenizer
+    assert pick.picker().matcher is not None      # NOTE: here, the tokenizer this process made serves
     with pytest.raises(ValueError, match="not known in this process"):
         RowPick.from_message(pick.message())
     with G._LOCK:

@@ -34,7 +34,7 @@ from ..lower.blocks import BlockSpec
 from ..runtime import access
 from ..runtime.dataplane import DataPlane, Links, Tensors, decode_loop, timed
 from ..runtime.dataplane.host import Imports, Outcome
-from ..runtime.dataplane.loops import MAX_EDITS
+from ..runtime.dataplane.loops import MAX_EDITS, row_pickers
 from ..runtime.dataplane.ordered import OrderedExecutor
 from ..runtime.dataplane.streams import Overrun, Receiving, admit, opener, serve
 from ..runtime.dataplane.wire import inline
@@ -272,8 +272,15 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
                                  request: int = 0, inputs: Any = (), collect: Any = (), timed: bool = False,
                                  loop: Any = None, after: int = -1) -> list[Any]:
         fed = {int(b): ts for b, ts in inputs or ()}
+        made = None
+        if loop:
+            # NOTE: a loop's rows' picks (a grammar to compile, a tokenizer to build) are read only for
+            # a caller of this model, and off the event loop
+            await self.dataplane.host.check(model, ticket)
+            picks = isinstance(loop, dict) and any(p is not None for p in loop.get("picks") or ())
+            made = await asyncio.to_thread(decode_loop, loop) if picks else decode_loop(loop)
         out = await self.dataplane.feed(model, ticket, version, request, fed, list(collect or ()), timed,
-                                        decode_loop(loop), int(after))
+                                        made, int(after))
         return [[b, to_serialize(ts)] for b, ts in out.items()]
 
     async def seabiscuit_dp_push(self, comm: Any = None, model: str = "", ticket: str = "", version: int = 0,
@@ -333,10 +340,15 @@ class SeaBiscuitWorkerPlugin(WorkerPlugin):
                     raise ValueError("a negative slot, token or steps")
                 parsed.append((r, s, p, t, n, item[5]) if len(item) == 6 else (r, s, p, t, n))
             lane_id = int(lane)
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, OverflowError) as e:
             raise BadInput(f"a lane's edits must be [row, session, slot, token, steps] integers (and a "
                            f"row's pick), got {str(edits)[:120]}: {e}") from None
         try:
+            if any(len(e) == 6 and e[5] is not None for e in parsed):
+                # NOTE: the rows' pickers made for a caller of this model only, and off the event loop
+                await self.dataplane.host.check(model, ticket)
+                made = await asyncio.to_thread(row_pickers, [e[5] if len(e) == 6 else None for e in parsed])
+                parsed = [(*e[:5], m) for e, m in zip(parsed, made)]
             return await self.dataplane.edit(model, ticket, lane_id, parsed)
         except ValueError as e:
             raise BadInput(f"a lane's edits do not fit it: {e}") from None

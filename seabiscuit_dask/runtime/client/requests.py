@@ -40,7 +40,7 @@ from ...errors import (
 )
 from ...lower.blocks import request_graph
 from ..dataplane import client as p2p
-from ..dataplane.loops import EDITS, LOGPROB_IDS, LOGPROBS, ROWS, Edit, pick_rows
+from ..dataplane.loops import EDITS, LOGPROB_IDS, LOGPROBS, PICKED, ROWS, Edit, pick_rows
 from ..local import assemble_outputs, unflatten_outputs
 from ..watch import Deadline, seconds
 from ..worker.integrity import request_folder
@@ -225,10 +225,17 @@ class RequestSender:
         (runs,) = [a for a, (_, c) in route.items() if c]
         # NOTE: a start takes its grammars' tokenizers whole (a loop starts anew where its worker may
         # be a new one); its edits then name them only
-        messages = None if picks is None else [p.message(tokenizer=True) if p else None for p in picks]
+        messages: list[Any] = []
+        whole: set[str] = set()
+        for p in picks or ():       # NOTE: a tokenizer's JSON goes once a message, with its first row
+            first = p is not None and bool(p.grammar) and p.tokenizer not in whole
+            messages.append(None if p is None else p.message(tokenizer=first))
+            if p is not None and p.grammar:
+                whole.add(p.tokenizer)
         self._tokenizers_at.update((runs, p.tokenizer) for p in picks or () if p is not None and p.grammar)
         futures = p2p.start_loop(self.client, self.model_id, self._ticket, layout.version, requests,
-                                 route, inputs, prog.graph.leaf_outputs[0], left, messages)
+                                 route, inputs, prog.graph.leaf_outputs[0], left,
+                                 None if picks is None else messages)
         handles = [Handle(prog, layout, r, wanted, [], f) for r, f in zip(requests, futures)]
         lane = None
         if left is not None:
@@ -259,13 +266,14 @@ class RequestSender:
         return p2p.edit_lane(self.client, self.model_id, self._ticket, address, lane, sent, after)
 
     # --- reading ------------------------------------------------------------------------------
-    def step_result(self, handle: Handle) -> Any:
-        """The logits (batch, vocab) of a submitted step's last position."""
+    def step_result(self, handle: Handle, picked: list[Any] | None = None) -> Any:
+        """The logits (batch, vocab) of a submitted step's last position; ``picked`` gets the tokens
+        (and log-probabilities) its lane's worker picked from them, where it did."""
         assert handle.program is not None
         if handle.tokens:
             raise BadInput(f"request {handle.request} of model {self.model_id} is a decode-loop step: its "
                            "caller gets its greedy tokens (step_tokens), not its logits")
-        logits = assemble_outputs(handle.program.graph, self.outputs(handle))[0]
+        logits = assemble_outputs(handle.program.graph, self.outputs(handle, picked=picked))[0]
         return logits[:, -1]
 
     def step_tokens(self, handle: Handle) -> Any:
@@ -279,7 +287,10 @@ class RequestSender:
         (a lane's first) is picked here: greedily, but for the rows of ``picks`` (row ->
         ``RowPick``) as they say, as the lane's worker picks them."""
         if not handle.tokens:
-            logits = self.step_result(handle)
+            made: list[Any] = []
+            logits = self.step_result(handle, made)
+            if made:        # NOTE: as the lane's worker picked them (and fed the next step)
+                return made[0][0], None, 0, made[0][1]
             tokens, extra = pick_rows(logits, {i: p.picker() for i, p in enumerate(picks) if p is not None})
             return torch.from_numpy(tokens), None, 0, extra
         rows: list[Any] = []
@@ -291,7 +302,8 @@ class RequestSender:
             return tokens, None, 0, {}
         return tokens, rows[0][0], int(rows[0][1][0]), rows[0][2]
 
-    def outputs(self, handle: Handle, rows: list[Any] | None = None) -> dict[str, Any]:
+    def outputs(self, handle: Handle, rows: list[Any] | None = None,
+                picked: list[Any] | None = None) -> dict[str, Any]:
         """The graph output tiles a request computed; it is then let go; a failure as a SeaBiscuitError."""
         done = False
         try:
@@ -315,6 +327,9 @@ class RequestSender:
         if rows is not None:
             rows.extend((ts[ROWS], ts[EDITS], {k: ts[k] for k in (LOGPROBS, LOGPROB_IDS) if k in ts})
                         for ts in results.values() if ROWS in ts and EDITS in ts)
+        if picked is not None:
+            picked.extend((ts[PICKED], {k: ts[k] for k in (LOGPROBS, LOGPROB_IDS) if k in ts})
+                          for ts in results.values() if PICKED in ts)
         return {t: results[b][t] for t, b in out_at.items()}
 
     def _error(self, request: int, e: BaseException) -> SeaBiscuitError:

@@ -34,6 +34,7 @@ ROWS = "sb_rows"         # NOTE: the sessions a lane's step ran, sent with its t
 EDITS = "sb_edits"       # NOTE: and how many of the caller's edit messages it had applied
 LOGPROBS = "sb_logprobs"         # NOTE: (batch, 1 + k) float32: a pick's, then its top k's (NaN: none)
 LOGPROB_IDS = "sb_logprob_ids"   # NOTE: (batch, k) int64: the top k's token ids (-1: none)
+PICKED = "sb_picked"             # NOTE: (batch,) int64: a step's tokens as picked, beside its logits
 MAX_EDITS = 4096         # NOTE: edits a lane holds unapplied at once; more are refused
 MAX_VALUE = 1 << 31      # NOTE: sessions, slots, tokens and steps of an edit stay below this
 # NOTE: (row, session or -1 to empty it, first slot, token, steps or -1[, its pick or its message, or None])
@@ -41,12 +42,28 @@ Edit = tuple[Any, ...]
 Picked = tuple[np.ndarray, dict[str, torch.Tensor]]     # a step's tokens (batch,), and its log-probabilities
 
 
-def _row_picks(picks: Sequence[Any]) -> list[Any]:
-    """Each row's ``RowPick`` from its message (None: greedy; one in this process may come as it
-    is); ``ValueError`` for one malformed."""
-    from ..generation.sampling import RowPick  # NOTE: here: the engine's package imports this one
+def row_pickers(picks: Sequence[Any]) -> list[Any]:
+    """Each row's ``RowPicker`` (None: greedy) from its pick's message, its ``RowPick`` (in this
+    process) or itself (made already, off the event loop); ``ValueError`` naming what is wrong for
+    one that cannot be followed (a malformed message, a grammar that does not compile)."""
+    from ..generation.sampling import RowPick, RowPicker  # NOTE: here: the engine's package imports this one
 
-    return [m if m is None or isinstance(m, RowPick) else RowPick.from_message(m) for m in picks]
+    out = []
+    for m in picks:
+        try:
+            if m is None or isinstance(m, RowPicker):
+                out.append(m)
+            else:
+                out.append((m if isinstance(m, RowPick) else RowPick.from_message(m)).picker())
+        except ValueError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a grammar's or a rule's own error: the row is refused
+            raise ValueError(f"a row's pick cannot be followed ({type(e).__name__}: {e})") from None
+        except BaseException as e:
+            if type(e).__name__ != "PanicException":      # NOTE: llguidance's Rust side panicked
+                raise
+            raise ValueError(f"a row's grammar failed in llguidance ({e})") from None
+    return out
 
 
 def pick_rows(logits: torch.Tensor, pickers: dict[int, Any]) -> Picked:
@@ -85,7 +102,7 @@ class Lane:
         self.id = int(lane)
         self.left = np.asarray(left, dtype=np.int64).copy()
         # NOTE: row -> its ``RowPicker``, for the rows of the step built last (greedy: none)
-        self.pickers: dict[int, Any] = {i: p.picker() for i, p in enumerate(picks) if p is not None}
+        self.pickers: dict[int, Any] = {i: p for i, p in enumerate(row_pickers(picks)) if p is not None}
         self.open = True
         self.taken = 0              # edit messages taken, and applied to a step built
         self.applied = 0
@@ -107,8 +124,8 @@ class Lane:
             if not all(-1 <= v < MAX_VALUE for v in e[1:5]):
                 raise ValueError(f"an edit's session, slot, token and steps must be in [-1, {MAX_VALUE}): "
                                  f"{e[:5]}")
-            pick = _row_picks([e[5]])[0] if len(e) == 6 else None
-            made.append((*e[:5], pick))
+            # NOTE: its picker made here, not as the step is built (on the logits' critical path)
+            made.append((*e[:5], row_pickers([e[5]])[0] if len(e) == 6 else None))
         with self._lock:
             if not self.open or len(self._edits) + len(edits) > MAX_EDITS:
                 return 0
@@ -117,9 +134,11 @@ class Lane:
             return self.taken
 
     def close(self) -> None:
-        """It runs no more steps: edits from now on are refused."""
+        """It runs no more steps: edits from now on are refused, and its rows' pickers go (their
+        histories and matchers)."""
         with self._lock:
             self.open = False
+            self.pickers = {}
 
     def apply(self, request: int, x: dict[str, torch.Tensor], last: bool = False) -> dict[str, torch.Tensor]:
         """Step ``request``'s inputs ``x`` as the lane has them: rows whose steps ran out emptied,
@@ -136,7 +155,7 @@ class Lane:
                 left[row] = steps if session >= 0 else 0     # NOTE: this step is one of them
                 out = _set_row(out, x, row, session, start, token)
                 if session >= 0 and pick is not None:
-                    self.pickers[row] = pick.picker()
+                    self.pickers[row] = pick
                 else:
                     self.pickers.pop(row, None)
             for i in np.flatnonzero(left == 0).tolist():
@@ -274,7 +293,7 @@ def decode_loop(msg: Any) -> Loop | None:
             if not isinstance(picks, (list, tuple)) or len(picks) != rows:
                 raise ValueError(f"a lane of {rows} rows with picks {str(picks)[:80]}")
             # NOTE: the first step ran
-            lane = Lane(int(msg["lane"]), [n - 1 if n > 0 else n for n in left], _row_picks(picks))
+            lane = Lane(int(msg["lane"]), [n - 1 if n > 0 else n for n in left], picks)
         return Loop([int(r) for r in msg["requests"]][:4096], route, str(msg["logits"]), inputs, lane=lane)
     except (KeyError, TypeError, ValueError, OverflowError) as e:
         raise WorkerLost(f"a decode loop's message is malformed ({e}): the step runs once") from e

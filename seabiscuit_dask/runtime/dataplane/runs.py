@@ -44,7 +44,7 @@ from ...lower.blocks import BlockSpec
 from ...lower.kvcache import CacheLost
 from .chain import Chain
 from .host import ComputeArgs, Host, Outcome
-from .loops import EDITS, ROWS, Loop, greedy
+from .loops import EDITS, PICKED, ROWS, Loop, greedy
 from .wire import Tensors
 
 logger = logging.getLogger(__name__)
@@ -77,7 +77,7 @@ class Keeper(Protocol):
     # start again with the next, and the loop that follows it must still be found
     loops: dict[RunKey, Loop]                        # run -> the decode loop that follows it
     lane_rows: Memory                                # a lane's step -> the sessions it runs
-    picked: Memory                                   # a lane's step -> its rows' picks (``Loop.pick``)
+    picked: Memory                                   # a lane's step -> (its logits tile, its rows' picks)
     ended: Memory                                    # failed or forgotten runs -> their error
     done: Memory                                     # runs that finished here
 
@@ -228,19 +228,25 @@ class Run:
             await self.changed.wait()
         if self.error is not None:
             raise self.error
-        picked = self.keeper.picked.pop(self.key, None) if tokens else None
-        if isinstance(picked, BaseException):
-            raise RunFailed(f"{self.where()}: its rows' tokens could not be picked ({type(picked).__name__}: "
-                            f"{picked})")
+        kept = self.keeper.picked.pop(self.key, None)
+        if isinstance(kept, BaseException):
+            raise RunFailed(f"{self.where()}: its rows' tokens could not be picked ({kept})")
+        made, picked = kept if kept is not None else ("", None)
+
         def taken(t: str, x: torch.Tensor) -> torch.Tensor:
             if t != tokens:
                 return x
             return greedy(x) if picked is None else torch.from_numpy(picked[0])
 
         out = {b: Tensors({t: taken(t, x) for t, x in self.outputs.pop(b).items()}) for b in blocks}
-        if picked is not None and picked[1]:
+        if picked is not None:
             for ts in out.values():
-                if tokens in ts:
+                if tokens and tokens in ts:
+                    ts.update(picked[1])
+                elif not tokens and made in ts:
+                    # NOTE: a loop's first step goes back as logits: its picks go with them, so its
+                    # caller hands out the tokens the next step was fed, not a pick of its own
+                    ts[PICKED] = torch.from_numpy(picked[0])
                     ts.update(picked[1])
         lane = self.keeper.lane_rows.pop(self.key, None) if tokens else None
         if lane is not None:
@@ -468,9 +474,10 @@ class Run:
         if loop is not None and (loop.picked is not None or (loop.picks and not chained)):
             # NOTE: its rows' own picks, which its caller reads in place of the greedy tokens
             try:
-                remember(keeper.picked, self.key, loop.pick(logits))
+                remember(keeper.picked, self.key, (loop.logits, loop.pick(logits)))
             except Exception as e:  # noqa: BLE001 - this step's caller hears it; the next step fails below
-                remember(keeper.picked, self.key, e)
+                # NOTE: its words only: the error's frames would hold the logits
+                remember(keeper.picked, self.key, RunFailed(f"{type(e).__name__}: {e}"))
         if loop is None or not loop.requests or (self.model, loop.requests[0]) in keeper.ended:
             if loop is not None and loop.lane is not None:
                 loop.lane.close()

@@ -42,7 +42,7 @@ from ...errors import BadInput
 # free whitespace may write it forever, as vLLM found (its guided decoding's "disable any whitespace")
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
-MAX_TOKENIZER_BYTES = 64 << 20      # NOTE: a tokenizer's JSON a worker takes
+MAX_TOKENIZER_CHARS = 64 << 20      # NOTE: a tokenizer's JSON a worker takes
 KEPT_TOKENIZERS = 8                 # NOTE: tokenizers a process keeps built, the latest used
 
 _TOKENIZERS: weakref.WeakKeyDictionary[Any, dict[tuple[int, ...], Tokenizer]] = weakref.WeakKeyDictionary()
@@ -81,7 +81,7 @@ def tokenizer_for(key: str, text: str | None, vocab: int, eos: Sequence[int]) ->
             return got
     if text is None:
         raise GrammarError(f"tokenizer {key} is not known in this process: send its JSON with the grammar")
-    if len(text) > MAX_TOKENIZER_BYTES or tokenizer_key(text, vocab, eos) != key:
+    if len(text) > MAX_TOKENIZER_CHARS or tokenizer_key(text, vocab, eos) != key:
         raise GrammarError(f"a tokenizer's JSON ({len(text)} characters) does not match its key {key}")
     llg = _llguidance()
     try:

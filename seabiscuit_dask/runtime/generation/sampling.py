@@ -33,7 +33,7 @@ MAX_EOS = 64
 MAX_HISTORY = 1 << 20  # NOTE: tokens of a row's history a pick carries
 SEED_MASK = (1 << 63) - 1
 PICK_FIELDS = frozenset({"t", "k", "p", "seed", "c", "min", "bias", "rep", "freq", "pres", "eos", "h", "at",
-                         "n", "lp", "g", "gk", "gv", "gj"})
+                         "n", "lp", "g", "gk", "gv", "ge", "gj"})
 MAX_GRAMMAR = 4 << 20      # NOTE: characters of a grammar's text a row's pick carries
 _M64 = (1 << 64) - 1
 
@@ -217,7 +217,7 @@ class Sampling:
                        int(self.seed or 0), int(choice), rules, tuple(sorted(int(e) for e in eos)), history,
                        at, len(tokens) - start, -1 if self.logprobs is None else int(self.logprobs),
                        None if grammar is None else grammar.text, "" if g is None else g.key,
-                       0 if g is None else g.vocab, g)
+                       0 if g is None else g.vocab, () if g is None else g.eos, g)
 
     def pick(self, logits: torch.Tensor, rows: Sequence[History] = (), eos: frozenset[int] = frozenset(),
              matchers: Sequence[Matcher] = (), draws: Sequence[tuple[int, int]] | None = None
@@ -313,8 +313,9 @@ class RowPick:
     ``produced``, its answer's tokens so far; ``logprobs`` -1: none, else how many likeliest
     tokens come with each pick's log-probability; ``grammar``: the text of the grammar its answer
     follows (its history then holds the answer), over the tokenizer named ``tokenizer`` (a
-    ``grammar.Tokenizer``'s key; ``source``, that tokenizer where this process has it, whose JSON
-    goes with the message where the receiver may not have it yet)."""
+    ``grammar.Tokenizer``'s key, of ``vocab`` tokens ending with ``grammar_eos``; ``source``, that
+    tokenizer where this process made it, whose JSON goes with the message where the receiver may
+    not have it yet; ``built``, llguidance's tokenizer once a message of it was read here)."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -330,13 +331,16 @@ class RowPick:
     grammar: str | None = None
     tokenizer: str = ""
     vocab: int = 0
+    grammar_eos: tuple[int, ...] = ()
     source: Tokenizer | None = field(default=None, repr=False, compare=False)
+    built: Any = field(default=None, repr=False, compare=False)
 
     def message(self, tokenizer: bool = False) -> dict[str, Any]:
         """As plain data; ``tokenizer``: with its grammar's tokenizer's JSON (its receiver builds it
         once: ``grammar.tokenizer_for``)."""
         r = self.rules
-        out = {} if self.grammar is None else {"g": self.grammar, "gk": self.tokenizer, "gv": self.vocab}
+        out = {} if self.grammar is None else {"g": self.grammar, "gk": self.tokenizer, "gv": self.vocab,
+                                                 "ge": list(self.grammar_eos)}
         if tokenizer and self.grammar is not None and self.source is not None:
             out["gj"] = self.source.json
         return out | {"t": self.temperature, "k": self.top_k, "p": self.top_p, "seed": self.seed,
@@ -347,6 +351,13 @@ class RowPick:
     @classmethod
     def from_message(cls, msg: Mapping[str, Any]) -> RowPick:
         """A row's pick from its ``message``; ``ValueError`` naming what is wrong with one that is not."""
+        try:
+            return cls._read(msg)
+        except (OverflowError, TypeError) as e:         # NOTE: numbers too large for a float, and the like
+            raise ValueError(f"a row's pick holds a value out of range ({e})") from None
+
+    @classmethod
+    def _read(cls, msg: Mapping[str, Any]) -> RowPick:
         if not isinstance(msg, Mapping):
             raise ValueError(f"a row's pick is a mapping, got {type(msg).__name__}")
         extra = set(msg) - PICK_FIELDS
@@ -374,7 +385,7 @@ class RowPick:
 
         bias = msg.get("bias", ())
         if not isinstance(bias, (list, tuple)) or len(bias) > MAX_BIAS or not all(
-                isinstance(b, (list, tuple)) and len(b) == 2 and type(b[0]) is int
+                isinstance(b, (list, tuple)) and len(b) == 2 and type(b[0]) is int and 0 <= b[0] < 1 << 31
                 and type(b[1]) in (int, float) for b in bias):
             raise ValueError(f"a row's pick's 'bias' must list at most {MAX_BIAS} (token id, value) pairs")
         history = ints("h", MAX_HISTORY)
@@ -396,14 +407,15 @@ class RowPick:
                     or not (text_json is None or isinstance(text_json, str)):
                 raise ValueError(f"a row's pick's grammar is its text (at most {MAX_GRAMMAR} characters) and "
                                  "its tokenizer's key (and JSON)")
-            vocab = integer("gv", 1, 1 << 24)
+            vocab, ends = integer("gv", 1, 1 << 24), ints("ge", MAX_EOS)
             from .grammar import GrammarError, tokenizer_for
 
             try:        # NOTE: built here once (its JSON came with the first grammar of it)
-                tokenizer_for(key, text_json, vocab, pick.eos)
+                built = tokenizer_for(key, text_json, vocab, ends)
             except GrammarError as e:
                 raise ValueError(str(e)) from None
-            pick = dataclasses.replace(pick, grammar=text, tokenizer=key, vocab=vocab)
+            pick = dataclasses.replace(pick, grammar=text, tokenizer=key, vocab=vocab, grammar_eos=ends,
+                                       built=built)
         return pick
 
     def picker(self) -> RowPicker:
@@ -419,17 +431,19 @@ class RowPicker:
         self.history = list(pick.history)
         self.produced = pick.produced
         self._eos = frozenset(pick.eos)
+        self._ends = self._eos | frozenset(pick.grammar_eos)
         self._gen = torch.Generator()
         self.matcher: Matcher | None = None
         self.ended = False          # its grammar took its end-of-text token
         if pick.grammar is not None:
             from .grammar import Matcher, compile_matcher, tokenizer_for
 
-            info = tokenizer_for(pick.tokenizer, None, pick.vocab, pick.eos)
+            info = pick.built if pick.built is not None else pick.source.info if pick.source is not None \
+                else tokenizer_for(pick.tokenizer, None, pick.vocab, pick.grammar_eos)
             self.matcher = Matcher(compile_matcher(info, pick.grammar), int(info.vocab_size), "the grammar")
             for t in pick.history[pick.start:]:        # NOTE: the answer so far
                 self.matcher.accept(t)
-                self.ended = t in self._eos
+                self.ended = t in self._ends
 
     def __call__(self, logits: torch.Tensor) -> tuple[int, TokenLogprob | None]:
         """The next token from the row's (vocab,) logits, and its log-probabilities if asked for."""
@@ -454,7 +468,7 @@ class RowPicker:
         lp = logprobs_of(raw, [token], p.logprobs)[0] if p.logprobs >= 0 else None
         if m is not None:
             m.accept(token)
-            self.ended = token in self._eos
+            self.ended = token in self._ends
         if p.rules.active or p.grammar is not None:
             self.history.append(token)
         self.produced += 1
