@@ -116,9 +116,9 @@ def test_a_row_picks_on_the_worker_exactly_as_the_caller_would() -> None:
     """A sampled row with logit rules and log-probabilities, carried to a lane as plain data and
     followed there step by step (``RowPicker``), picks the caller's tokens and log-probabilities
     (``Sampling.pick`` with the row's draws) at every step; greedy rows stay the argmax."""
-    from seabiscuit_dask.runtime.dataplane.loops import pick_rows
+    from seabiscuit_dask.runtime.dataplane.loops import logprob_of_row, pick_rows
     from seabiscuit_dask.runtime.generation import LogitRules
-    from seabiscuit_dask.runtime.generation.sampling import History, RowPick, logprob_of_row, logprobs_of
+    from seabiscuit_dask.runtime.generation.sampling import History, RowPick, logprobs_of
 
     rules = LogitRules(min_new=3, bias=((4, 2.5),), repetition=1.3, frequency=0.4, presence=0.2)
     sampling = Sampling(True, 0.8, 12, 0.9, torch.Generator().manual_seed(3), rules, logprobs=3)

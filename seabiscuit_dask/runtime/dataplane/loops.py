@@ -18,6 +18,7 @@ steps (``runs.Run.advance``) and reads a loop from its message (``decode_loop``)
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -64,6 +65,19 @@ def row_pickers(picks: Sequence[Any]) -> list[Any]:
                 raise
             raise ValueError(f"a row's grammar failed in llguidance ({e})") from None
     return out
+
+
+def logprob_of_row(extra: dict[str, torch.Tensor], row: int) -> Any:
+    """Row ``row``'s ``TokenLogprob`` (its token left -1: its caller knows it) from the
+    log-probabilities a step's picks sent with its tokens (``pick_rows``): None where it asked
+    for none."""
+    from ..generation.sampling import TokenLogprob  # NOTE: here: the engine's package imports this one
+
+    values, ids = extra.get(LOGPROBS), extra.get(LOGPROB_IDS)
+    if values is None or ids is None or math.isnan(float(values[row, 0])):
+        return None
+    top = [(int(t), float(v)) for t, v in zip(ids[row].tolist(), values[row, 1:].tolist()) if t >= 0]
+    return TokenLogprob(-1, float(values[row, 0]), tuple(top))
 
 
 def pick_rows(logits: torch.Tensor, pickers: dict[int, Any]) -> Picked:

@@ -25,6 +25,7 @@ import torch
 from ... import config
 from ...errors import BadInput, Busy, ModelClosed, QueueTimeout, SessionClosed
 from ...lower.dims import Dims
+from ..dataplane.loops import logprob_of_row
 from ..watch import seconds
 from .executor import EngineStats, Executor, LaneResult, NotRead, Result
 from .inputs import step_inputs
@@ -32,7 +33,7 @@ from .kv import KVLedger
 from .output import Prefill, SchedulerOutput
 from .prefix import PrefixCache
 from .runner import Runner
-from .sampling import History, Sampling, TokenLogprob, logprob_of_row
+from .sampling import History, Sampling, TokenLogprob
 from .scheduler import Scheduler, SchedulerSpec
 from .sessions import Call, Session, SessionTable, after_turn
 

@@ -279,18 +279,6 @@ class Sampling:
         return tokens, (logprobs_of(logits, tokens, self.logprobs) if self.logprobs is not None else None)
 
 
-def logprob_of_row(extra: Mapping[str, torch.Tensor], row: int) -> TokenLogprob | None:
-    """Row ``row``'s ``TokenLogprob`` from the log-probabilities a step's picks sent with its tokens
-    (``dataplane.loops.pick_rows``): None where it asked for none."""
-    from ..dataplane.loops import LOGPROB_IDS, LOGPROBS
-
-    values, ids = extra.get(LOGPROBS), extra.get(LOGPROB_IDS)
-    if values is None or ids is None or math.isnan(float(values[row, 0])):
-        return None
-    top = [(int(t), float(v)) for t, v in zip(ids[row].tolist(), values[row, 1:].tolist()) if t >= 0]
-    return TokenLogprob(-1, float(values[row, 0]), tuple(top))
-
-
 def logprobs_of(logits: torch.Tensor, tokens: Sequence[int], top: int) -> list[TokenLogprob]:
     """Each row's picked token's log-probability under ``logits`` and its ``top`` likeliest ones'."""
     lp = torch.log_softmax(logits.float(), dim=-1)
