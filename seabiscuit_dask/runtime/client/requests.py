@@ -40,7 +40,7 @@ from ...errors import (
 )
 from ...lower.blocks import request_graph
 from ..dataplane import client as p2p
-from ..dataplane.loops import EDITS, LOGPROB_IDS, LOGPROBS, PICKED, ROWS, Edit, pick_rows
+from ..dataplane.loops import EDITS, LOGPROB_IDS, LOGPROBS, PICKED, ROWS, Edit, picked_here
 from ..local import assemble_outputs, unflatten_outputs
 from ..watch import Deadline, seconds
 from ..worker.integrity import request_folder
@@ -291,7 +291,7 @@ class RequestSender:
             logits = self.step_result(handle, made)
             if made:        # NOTE: as the lane's worker picked them (and fed the next step)
                 return made[0][0], None, 0, made[0][1]
-            tokens, extra = pick_rows(logits, {i: p.picker() for i, p in enumerate(picks) if p is not None})
+            tokens, extra = picked_here(logits, picks)
             return torch.from_numpy(tokens), None, 0, extra
         rows: list[Any] = []
         (tokens,) = self.outputs(handle, rows).values()
@@ -324,12 +324,14 @@ class RequestSender:
         finally:
             self.release(handle, done)
         out_at = handle.layout.out_at
+        def logprobs(ts: Any) -> dict[str, Any]:
+            return {k: ts[k] for k in (LOGPROBS, LOGPROB_IDS) if k in ts}
+
         if rows is not None:
-            rows.extend((ts[ROWS], ts[EDITS], {k: ts[k] for k in (LOGPROBS, LOGPROB_IDS) if k in ts})
+            rows.extend((ts[ROWS], ts[EDITS], logprobs(ts))
                         for ts in results.values() if ROWS in ts and EDITS in ts)
         if picked is not None:
-            picked.extend((ts[PICKED], {k: ts[k] for k in (LOGPROBS, LOGPROB_IDS) if k in ts})
-                          for ts in results.values() if PICKED in ts)
+            picked.extend((ts[PICKED], logprobs(ts)) for ts in results.values() if PICKED in ts)
         return {t: results[b][t] for t, b in out_at.items()}
 
     def _error(self, request: int, e: BaseException) -> SeaBiscuitError:

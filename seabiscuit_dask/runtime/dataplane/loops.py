@@ -80,6 +80,12 @@ def logprob_of_row(extra: dict[str, torch.Tensor], row: int) -> Any:
     return TokenLogprob(-1, float(values[row, 0]), tuple(top))
 
 
+def picked_here(logits: torch.Tensor, picks: Sequence[Any]) -> Picked:
+    """``pick_rows`` for a step whose rows' picks (``RowPick``s, None: greedy) start with it: one
+    no loop on the workers ran."""
+    return pick_rows(logits, {i: p for i, p in enumerate(row_pickers(picks)) if p is not None})
+
+
 def pick_rows(logits: torch.Tensor, pickers: dict[int, Any]) -> Picked:
     """The tokens of a step from its (batch, length, vocab) or (batch, vocab) logits: each row's
     greedy token, but a row of ``pickers`` (row -> its ``RowPicker``) picks as it says; with the
@@ -252,7 +258,7 @@ class Loop:
         self.prepare()
         assert self.ahead is not None
         step, live, rest = self.ahead
-        tokens = self.pick(logits)[0] if self.picks or self.picked is not None else greedy_numpy(logits)
+        tokens = self.pick(logits)[0]
         nxt = {"input_ids": torch.from_numpy((tokens if live else tokens * step).reshape(-1, 1)), **rest}
         if self.lane is not None:
             nxt = self.lane.apply(self.requests[0], nxt, last=len(self.requests) == 1)

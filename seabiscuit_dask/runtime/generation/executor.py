@@ -24,7 +24,7 @@ import torch
 
 from ...errors import STALE_TRIES, BadInput, LaneStopped, StaleRun, WorkerLost, restless
 from ...lower.kvcache import CacheLost
-from ..dataplane.loops import Edit, pick_rows
+from ..dataplane.loops import Edit, picked_here
 from .inputs import SESSIONS, lane_inputs, step_inputs
 from .output import Chunk, DecodeGroup, LaneStep, Prefill, PrefillGroup, SchedulerOutput
 from .runner import Handle, Runner, StepFeed
@@ -440,8 +440,7 @@ class Executor:
         recovers from one; its tokens picked here as the lane's worker would."""
         feed = self._lane_feed(ls)
         logits = self._run([r.chunk for r in ls.rows if r is not None], ls.batch, 1, feed, 1, lost=lost)
-        tokens, extra = pick_rows(logits, {i: r.pick.picker() for i, r in enumerate(ls.rows)
-                                           if r is not None and r.pick is not None})
+        tokens, extra = picked_here(logits, [r.pick if r is not None else None for r in ls.rows])
         return torch.from_numpy(tokens), feed[SESSIONS], gone, extra
 
     def _lane_feed(self, ls: LaneStep) -> StepFeed:

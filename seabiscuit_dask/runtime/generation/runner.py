@@ -24,7 +24,7 @@ from ...ir import OpGraph
 from ...lower.kvcache import KVStore, using
 from ...quantize import quantize
 from ...trace.decoder import trace_step
-from ..dataplane.loops import Edit, Lane, Loop, pick_rows
+from ..dataplane.loops import Edit, Lane, Loop, picked_here
 from ..local import run_local
 from .sampling import RowPick, greedy
 
@@ -186,7 +186,7 @@ class LocalRunner:
                   ) -> tuple[torch.Tensor, torch.Tensor | None, int, dict[str, torch.Tensor]]:
         if isinstance(handle, _LocalStep):
             return handle.lane.read(handle.index)
-        tokens, extra = pick_rows(self.step_result(handle), {i: p.picker() for i, p in enumerate(picks) if p})
+        tokens, extra = picked_here(self.step_result(handle), picks)
         return torch.from_numpy(tokens), None, 0, extra
 
     def end_sessions(self, sessions: Sequence[int], renamed: Sequence[tuple[int, int, int]] = (),
