@@ -32,7 +32,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import dask
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -240,10 +239,10 @@ def main() -> None:
         server = Server()
         with running(make_app(server)) as url:
             t = time.perf_counter()
-            with dask.config.set({"seabiscuit.quantize": args.quantize}):
-                served = deploy(Loaded(Source("gguf", None, "smollm2"), model, model, tok, "smollm2",
-                                       "generate"), client, sessions=sessions, context=args.context,
-                                budget=None, device=None, say=lambda s: print(s, flush=True))
+            served = deploy(Loaded(Source("gguf", None, "smollm2"), model, model, tok, "smollm2",
+                                   "generate", scheme=args.quantize), client, sessions=sessions,
+                            context=args.context, budget=None, device=None,
+                            say=lambda s: print(s, flush=True))
             server.add(served)
             print(f"ready in {time.perf_counter() - t:.1f} s ({sessions} sessions)\n", flush=True)
             ttft37 = first_token_s(url, PROMPTS[0], args.reps)

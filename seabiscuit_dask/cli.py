@@ -15,7 +15,10 @@ from .quantize import SCHEMES
 
 QUANTIZE_HELP = ("hold weights as integers: int8 (linear layers and embeddings, a scale per output row) or "
                  "int4 (linear layers in groups of 32, -g64 or -g128, with a scale and zero each; "
-                 "embeddings int8); a GGUF is then read in place (default: config seabiscuit.quantize, none)")
+                 "embeddings int8); a GGUF is read in place (default: config seabiscuit.quantize; none for a "
+                 "model folder, the file's own for a GGUF: Q4 blocks as int4 tiles, Q8 as int8)")
+DEQUANTIZE_HELP = ("serve a GGUF de-quantized to float32 (as Hugging Face loads it) instead of keeping its "
+                   "weights quantized (config seabiscuit.dequantize-gguf)")
 
 if TYPE_CHECKING:
     from .placement import ClusterSpec
@@ -115,8 +118,12 @@ def _demo(args: argparse.Namespace) -> int:
     from .demo import CHAT_PROMPT, run, run_generate
 
     if args.model == "smollm2":
-        return run_generate(None, None, CHAT_PROMPT, True, args.workers or 2, args.scheduler, 48, args.budget,
-                            4, serve=args.serve, device=args.device)
+        import dask
+
+        # NOTE: float32, so every token is checked against Hugging Face generate on the same weights
+        with dask.config.set({"seabiscuit.dequantize-gguf": True}):
+            return run_generate(None, None, CHAT_PROMPT, True, args.workers or 2, args.scheduler, 48,
+                                args.budget, 4, serve=args.serve, device=args.device)
     return run(args.model, args.workers or 4, args.requests, args.concurrency, args.scheduler, args.budget,
                args.seq, serve=args.serve, device=args.device)
 
@@ -149,10 +156,13 @@ def main(argv: list[str] | None = None) -> int:
         add(sub)
     args = parser.parse_args(argv)
     try:
-        if getattr(args, "quantize", None) is not None:      # NOTE: what distribute() and the budgets read
+        # NOTE: what distribute(), the budgets and a GGUF's loading read
+        settings = {"seabiscuit.quantize": getattr(args, "quantize", None),
+                    "seabiscuit.dequantize-gguf": True if getattr(args, "dequantize", False) else None}
+        if any(v is not None for v in settings.values()):
             import dask
 
-            with dask.config.set({"seabiscuit.quantize": args.quantize}):
+            with dask.config.set({k: v for k, v in settings.items() if v is not None}):
                 return int(args.func(args))
         return int(args.func(args))
     except SeaBiscuitError as e:
@@ -227,8 +237,10 @@ def _generate_parser(sub: Subcommands) -> None:
                         "only), cpu (CPUs only) (default: config seabiscuit.device, auto)")
     g.add_argument("--serve", action="store_true",
                    help="afterwards keep the cluster, the model and the dashboard up until Ctrl-C")
-    g.add_argument("--quantize", choices=SCHEMES, default=None,
+    q = g.add_mutually_exclusive_group()
+    q.add_argument("--quantize", choices=SCHEMES, default=None,
                    help=QUANTIZE_HELP)
+    q.add_argument("--dequantize", action="store_true", help=DEQUANTIZE_HELP)
     g.set_defaults(func=_generate)
 
 
@@ -262,8 +274,10 @@ def _serve_parser(sub: Subcommands) -> None:
                         "seabiscuit.serve.api-key-env, SEABISCUIT_API_KEY)")
     v.add_argument("--device", choices=config.DEVICES, default=None,
                    help="where the models run: auto, cuda or cpu (as for distribute(device=))")
-    v.add_argument("--quantize", choices=SCHEMES, default=None,
+    q = v.add_mutually_exclusive_group()
+    q.add_argument("--quantize", choices=SCHEMES, default=None,
                    help=QUANTIZE_HELP)
+    q.add_argument("--dequantize", action="store_true", help=DEQUANTIZE_HELP)
     v.add_argument("--allowed-origins", default=None, metavar="ORIGIN[,ORIGIN...]",
                    help="browser apps of these origins ('https://app.example.com', or '*') may call the API "
                         "(CORS; default: seabiscuit.serve.allowed-origins, none)")

@@ -26,7 +26,7 @@ import seabiscuit_dask as sb
 from . import config
 from .errors import MissingPackage, UnsupportedModel
 from .ir import fmt_bytes
-from .quantize import held_bytes
+from .quantize import check_scheme, held_bytes
 from .runtime.access import readable
 from .runtime.serving import accepts, connect, local_cluster, page_link, say, worker_budget_bytes
 
@@ -166,29 +166,32 @@ def run(model_name: str, workers: int, requests: int, concurrency: int, schedule
 CHAT_PROMPT = "What is the capital of France?"
 
 
-def load_causal_lm(model: str | None, gguf: str | None) -> tuple[ModelSource, Any, str]:
-    """(model or model folder, tokenizer, description) for ``seabiscuit generate``."""
+def load_causal_lm(model: str | None, gguf: str | None) -> tuple[ModelSource, Any, str, str | None]:
+    """(model or model folder, tokenizer, description, the quantization scheme its deployment holds its
+    weights in) for ``seabiscuit generate``: a GGUF is kept quantized unless asked otherwise
+    (``models.gguf_scheme``)."""
     import os
 
     import transformers as tf
 
-    from .models import gguf_path, load_gguf, load_gguf_quantized
+    from .models import gguf_path, gguf_scheme, load_gguf, load_gguf_quantized
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if model is not None:
         if not os.path.isdir(model):
             raise UnsupportedModel(f"--model {model!r} is not a Hugging Face model folder")
         say(f"loading the tokenizer of {model} ...")
-        return model, tf.AutoTokenizer.from_pretrained(model), f"{os.path.basename(os.path.abspath(model))}"
-    if config.get("quantize"):
-        file, _, tok = load_gguf_quantized(gguf)
-        say(f"reading {os.path.basename(file)} in place ({config.get('quantize')}"
-            f"{': its Q4_0 / Q4_1 blocks as they are' if config.get('quantize') == 'int4' else ''}) ...")
-        return file, tok, os.path.basename(file)
+        return (model, tf.AutoTokenizer.from_pretrained(model), f"{os.path.basename(os.path.abspath(model))}",
+                check_scheme(config.get("quantize")))
     file = gguf_path(gguf)
-    say(f"loading {os.path.basename(file)} (de-quantising GGUF to float32) ...")
+    scheme, lines = gguf_scheme(file)
+    for line in lines:
+        say(line)
+    if scheme:
+        file, _, tok = load_gguf_quantized(file)
+        return file, tok, os.path.basename(file), scheme
     lm, tok = load_gguf(file)
-    return lm, tok, os.path.basename(file)
+    return lm, tok, os.path.basename(file), None
 
 
 def prompt_ids(tok: Any, prompt: str, chat: bool) -> torch.Tensor:
@@ -227,7 +230,7 @@ def run_generate(model_path: str | None, gguf: str | None, prompt: str, chat: bo
     ``device``: where it runs, as for ``sb.distribute``."""
     with contextlib.ExitStack() as stack:
         remote = stack.enter_context(connect(scheduler)) if scheduler else None
-        model, tok, description = load_causal_lm(model_path, gguf)
+        model, tok, description, scheme = load_causal_lm(model_path, gguf)
         ids = prompt_ids(tok, prompt, chat)
         ref = local_model_lm(model) if check else None
         if ref is not None:
@@ -238,7 +241,6 @@ def run_generate(model_path: str | None, gguf: str | None, prompt: str, chat: bo
             from .trace import load_hf_skeleton
 
             weights = load_hf_skeleton(model)
-        scheme = config.get("quantize")
         weight_bytes = held_bytes(weights, scheme)
         from .runtime.client import kv_reserve
 
@@ -258,7 +260,7 @@ def run_generate(model_path: str | None, gguf: str | None, prompt: str, chat: bo
         keep = {"logits_to_keep": 1} if accepts(weights, "logits_to_keep") else None
         dm = stack.enter_context(sb.distribute(model, client, example, budget=budget, kwargs=keep,
                                                sessions=sessions, context=context, device=device,
-                                               progress=say))
+                                               quantize=scheme or "none", progress=say))
         # NOTE: the programs this prompt needs are built (and run once) before the clock starts
         shapes = dm.warm(lengths=[ids.shape[1]], batches=[1])
         say(f"deployed in {time.perf_counter() - t:.1f} s (step programs {', '.join(shapes)} ready)\n")

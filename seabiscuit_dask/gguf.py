@@ -128,6 +128,52 @@ class GGUFFile:
         return torch.from_numpy(np.ascontiguousarray(q)), sz
 
 
+FOUR_BIT = ("Q4_0", "Q4_1", "Q4_K", "IQ4_NL", "IQ4_XS", "Q3_K", "Q2_K", "IQ3_S", "IQ3_XXS", "IQ2_S",
+            "IQ2_XS", "IQ2_XXS", "IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0")
+"""GGUF types of 4 bits a weight or fewer: a file of them is kept as int4 tiles."""
+FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
+
+
+@dataclass(frozen=True)
+class Kept:
+    """How a GGUF's weights are held when it is served as it is (``kept_scheme``): the scheme, and
+    each quantized type the scheme does not hold as the file's own blocks, with its tensor count."""
+
+    scheme: str | None
+    requantized: tuple[tuple[str, int], ...]
+
+    def notice(self, file: str) -> str:
+        """One line naming what is not held as the file holds it ("" when all is)."""
+        if not self.requantized:
+            return ""
+        kinds = ", ".join(f"{k} ({n} tensor{'s' if n > 1 else ''})" for k, n in self.requantized)
+        how = "int8 per row" if self.scheme == "int8" else f"{self.scheme} (linear) or int8 per row " \
+            "(embeddings, heads)" if self.scheme else "float32"
+        return f"{os.path.basename(file)}: {kinds} de-quantized and held as {how}, not as the file's blocks"
+
+
+def kept_scheme(path: str) -> Kept:
+    """The scheme that keeps a GGUF's weights quantized: ``"int4"`` when most of its layers' 2-D
+    weights take 4 bits or fewer (Q4_0 / Q4_1 blocks are then its tiles as they are), ``"int8"``
+    when they take 5 to 8 bits (Q5_*, Q6_K, Q8_0), None when they are floats; with the quantized
+    types that scheme de-quantizes and quantizes again (a notice names them)."""
+    f = open_gguf(path)
+    kinds = [t.tensor_type.name for t in f.reader.tensors if len(t.shape) > 1]
+    layers = [t.tensor_type.name for t in f.reader.tensors
+              if len(t.shape) > 1 and t.name.startswith("blk.")] or kinds
+    counts: dict[str, int] = {}
+    for k in layers:
+        counts[k] = counts.get(k, 0) + 1
+    most = max(counts, key=lambda k: counts[k]) if counts else "F32"
+    scheme = None if most in FLOAT_TYPES else "int4" if most in FOUR_BIT else "int8"
+    exact = EXACT_INT4 if scheme == "int4" else ()
+    again: dict[str, int] = {}
+    for k in kinds:
+        if k not in FLOAT_TYPES and k not in exact:
+            again[k] = again.get(k, 0) + 1
+    return Kept(scheme, tuple(sorted(again.items())))
+
+
 def stored_rows(n: int, heads: int) -> np.ndarray:
     """Which stored row each of a llama attention q or k weight's ``n`` rows is: llama.cpp stores
     each head's rotary pairs interleaved (``transformers`` undoes it the same way on load)."""

@@ -225,3 +225,49 @@ def test_a_permuted_bias_is_read_in_the_models_order(tmp_path: Path) -> None:
     assert torch.equal(load(ParamSpec("b", (HIDDEN,), "float32", src)), torch.from_numpy(bias))
     tile = src.sliced(0, 8, 40, (HIDDEN,))
     assert torch.equal(load(ParamSpec("b", (32,), "float32", tile)), torch.from_numpy(bias[8:40]))
+
+
+def small_gguf(path: Path, kinds: dict[str, str]) -> Path:
+    """A GGUF of a few tensors (name -> type), random values: enough for its types to be read."""
+    w = gguf.GGUFWriter(os.fspath(path), "llama")
+    rng = np.random.default_rng(0)
+    for name, kind in kinds.items():
+        value = rng.standard_normal((64, 64) if name.endswith(".weight") and "norm" not in name else 64)
+        value = np.ascontiguousarray(value, dtype=np.float32)
+        T = gguf.GGMLQuantizationType
+        w.add_tensor(name, value if kind == "F32" else gguf.quants.quantize(value, T[kind]),
+                     raw_dtype=None if kind == "F32" else T[kind])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_a_gguf_is_served_as_quantized_as_its_file_unless_asked_otherwise(gguf_file: Path,
+                                                                        tmp_path: Path) -> None:
+    """The scheme a served GGUF keeps: int4 when most layer weights are 4-bit (Q4_0 / Q4_1 held as they
+    are, the rest named in a notice), int8 for 8-bit files, none for float ones; ``--quantize`` or
+    ``--dequantize`` (config) decide instead when given."""
+    import dask
+
+    from seabiscuit_dask.gguf import kept_scheme
+    from seabiscuit_dask.models import gguf_scheme
+
+    kept = kept_scheme(os.fspath(gguf_file))
+    assert kept.scheme == "int4" and kept.requantized == (("Q8_0", 3),)    # NOTE: the table, 2 attn_k
+    assert "Q8_0 (3 tensors) de-quantized and held as int4 (linear) or int8 per row" in kept.notice("tiny.gguf")
+    eight = small_gguf(tmp_path / "q8.gguf", {"blk.0.attn_q.weight": "Q8_0", "blk.0.attn_k.weight": "Q8_0",
+                                              "blk.0.ffn_up.weight": "Q4_1", "blk.0.attn_norm.weight": "F32"})
+    assert kept_scheme(os.fspath(eight)) == type(kept)("int8", (("Q4_1", 1), ("Q8_0", 2)))
+    floats = small_gguf(tmp_path / "f32.gguf", {"blk.0.attn_q.weight": "F32", "blk.0.attn_k.weight": "F32"})
+    assert kept_scheme(os.fspath(floats)) == type(kept)(None, ())
+    scheme, lines = gguf_scheme(os.fspath(gguf_file))
+    assert scheme == "int4" and "kept quantized as the file is" in lines[0] and "Q8_0" in lines[1]
+    assert gguf_scheme(os.fspath(floats))[0] is None
+    with dask.config.set({"seabiscuit.dequantize-gguf": True}):
+        scheme, lines = gguf_scheme(os.fspath(gguf_file))
+        assert scheme is None and "de-quantising GGUF to float32" in lines[0]
+    with dask.config.set({"seabiscuit.quantize": "int8"}):
+        scheme, lines = gguf_scheme(os.fspath(gguf_file))
+        assert scheme == "int8" and lines == ["reading tiny.gguf in place (int8) ..."]

@@ -933,8 +933,9 @@ def _free_port() -> int:
 
 
 def test_a_gguf_served_quantized_is_read_in_place() -> None:
-    """``serve --quantize int4`` on a GGUF: the workers read the file (no float model is loaded here),
-    the skeleton sizes the budgets from int4 bytes."""
+    """``serve`` on a GGUF keeps it quantized (``--quantize int4`` says the same): the workers read the
+    file (no float model is loaded here), the skeleton sizes the budgets from int4 bytes; the Q8_0
+    table, which is not held as the file's blocks, is named."""
     import dask
 
     pytest.importorskip("gguf")
@@ -946,11 +947,20 @@ def test_a_gguf_served_quantized_is_read_in_place() -> None:
         file = gguf_path()
     except SeaBiscuitError as e:
         pytest.skip(str(e))
-    lines: list[str] = []
-    with dask.config.set({"seabiscuit.quantize": "int4"}):
+    for asked in (None, "int4"):
+        lines: list[str] = []
+        with dask.config.set({"seabiscuit.quantize": asked}):
+            item = load(Source("gguf", None), say=lines.append)
+            assert item.model == file and item.kind == "generate" and item.scheme == "int4"
+            assert all(p.is_meta for p in item.weights.parameters())
+            assert item.weight_bytes < 100 * 2**20 < sum(p.numel() * 4 for p in item.weights.parameters())
+        assert "in place (int4: its Q4_0 / Q4_1 blocks as they are" in lines[0]
+        assert ("kept quantized as the file is" in lines[0]) == (asked is None)
+        assert lines[1:] == ["SmolLM2-135M-Instruct.Q4_1.gguf: Q8_0 (1 tensor) de-quantized and held as "
+                             "int4 (linear) or int8 per row (embeddings, heads), not as the file's blocks"]
+        assert item.tokenizer("Paris").input_ids
+    with dask.config.set({"seabiscuit.dequantize-gguf": True}):     # NOTE: ``serve --dequantize``
         item = load(Source("gguf", None), say=lines.append)
-        assert item.model == file and item.kind == "generate"
-        assert all(p.is_meta for p in item.weights.parameters())
-        assert item.weight_bytes < 100 * 2**20 < sum(p.numel() * 4 for p in item.weights.parameters())
-    assert "in place (int4: its Q4_0 / Q4_1 blocks as they are)" in lines[0]
-    assert item.tokenizer("Paris").input_ids
+    assert item.scheme is None and isinstance(item.model, torch.nn.Module)
+    assert item.weight_bytes == sum(p.numel() * 4 for p in item.weights.parameters())
+    assert "de-quantising GGUF to float32" in lines[-1]

@@ -106,17 +106,22 @@ def test_generate_command_quantized_reads_int8_tiles_from_the_folders_safetensor
     assert "invalid choice: 'int3'" in capsys.readouterr().err
 
 
-def test_generate_reads_the_gguf_in_place_as_int4(smollm2, capsys) -> None:
-    """``--quantize int4`` on the GGUF: the file's Q4_1 blocks are the workers' tiles (no float copy
-    of them), and the answer is set against the float model's."""
+def test_generate_keeps_the_gguf_quantized_reading_it_in_place(smollm2, capsys) -> None:
+    """``generate`` on the GGUF, asked nothing: the file's Q4_1 blocks are the workers' tiles (no float
+    copy of them; what ``--quantize int4`` also does), and the answer is set against the float
+    model's. ``--dequantize`` (float32) and ``--quantize`` are one choice or the other."""
     code = cli.main(["generate", "--prompt", "What is the capital of France?", "--chat", "--workers", "2",
-                     "--max-new-tokens", "6", "--quantize", "int4"])
+                     "--max-new-tokens", "6"])
     captured = capsys.readouterr()
     out = captured.out
     assert code == 0, out + captured.err
-    assert "in place (int4" in out and "of them int4" in out, out
+    assert "in place (int4" in out and "kept quantized as the file is" in out and "of them int4" in out, out
+    assert "Q8_0 (1 tensor) de-quantized and held as int4 (linear) or int8 per row" in out, out
     same = re.search(r"check        int4 weights: the first (\d+) of \d+ tokens the same as", out)
     assert same is not None and int(same.group(1)) >= 1, out
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--quantize", "int4", "--dequantize"])
+    assert "not allowed with argument" in capsys.readouterr().err
 
 
 def test_demo_is_smollm2_answering_a_chat_prompt(capsys) -> None:

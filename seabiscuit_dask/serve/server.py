@@ -21,7 +21,7 @@ import torch
 from .. import config
 from ..errors import BadCheckpoint, BadInput, SeaBiscuitError, UnsupportedModel
 from ..ir import fmt_bytes
-from ..quantize import held_bytes
+from ..quantize import check_scheme, held_bytes
 from ..runtime.access import readable
 from ..runtime.serving import accepts, connect, local_cluster, page_link, say, worker_budget_bytes
 from .app import Server, make_app
@@ -64,11 +64,12 @@ class Loaded:
     name: str
     kind: str             # generate | embed
     inputs: tuple[str, ...] = ()      # an ONNX graph's inputs, fed by name
+    scheme: str | None = None         # how its deployment quantizes its weights (``quantize.py``)
 
     @property
     def weight_bytes(self) -> int:
-        """Bytes of its weights as a deployment holds them (``seabiscuit.quantize``)."""
-        return held_bytes(self.weights, config.get("quantize") if self.kind == "generate" else None)
+        """Bytes of its weights as a deployment holds them (``scheme``)."""
+        return held_bytes(self.weights, self.scheme)
 
 
 def name_of(source: Source) -> str:
@@ -90,17 +91,17 @@ def load(source: Source, say: Callable[[str], None] = print) -> Loaded:
     """The model, its tokenizer and what it serves."""
     import transformers as tf
 
-    from ..models import gguf_path, load_gguf, load_gguf_quantized
+    from ..models import gguf_path, gguf_scheme, load_gguf, load_gguf_quantized
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    if source.kind == "gguf" and config.get("quantize"):
-        file, skeleton, tok = load_gguf_quantized(source.path)
-        say(f"reading {os.path.basename(file)} in place ({config.get('quantize')}"
-            f"{': its Q4_0 / Q4_1 blocks as they are' if config.get('quantize') == 'int4' else ''}) ...")
-        return Loaded(source, file, skeleton, tok, name_of(source), "generate")
-    if source.kind == "gguf":
+    if source.kind == "gguf":       # NOTE: kept quantized unless asked otherwise (``models.gguf_scheme``)
         file = gguf_path(source.path)
-        say(f"loading {os.path.basename(file)} (de-quantising GGUF to float32) ...")
+        scheme, lines = gguf_scheme(file)
+        for line in lines:
+            say(line)
+        if scheme:
+            file, skeleton, tok = load_gguf_quantized(file)
+            return Loaded(source, file, skeleton, tok, name_of(source), "generate", scheme=scheme)
         lm, tok = load_gguf(file)
         return Loaded(source, lm, lm, tok, name_of(source), "generate")
     if source.kind == "onnx":
@@ -138,7 +139,8 @@ def load(source: Source, say: Callable[[str], None] = print) -> Loaded:
     say(f"reading {name} ({'a causal LM' if causal else 'an encoder: embeddings'}) ...")
     with torch.device("meta"):
         skeleton = (tf.AutoModelForCausalLM if causal else tf.AutoModel).from_config(cfg)
-    return Loaded(source, folder, skeleton.eval(), tok, name, "generate" if causal else "embed")
+    return Loaded(source, folder, skeleton.eval(), tok, name, "generate" if causal else "embed",
+                  scheme=check_scheme(config.get("quantize")) if causal else None)
 
 
 def deploy(item: Loaded, client: Any, *, sessions: int, context: int, budget: str | None,
@@ -156,7 +158,7 @@ def deploy(item: Loaded, client: Any, *, sessions: int, context: int, budget: st
         example = torch.zeros((1, min(256, context)), dtype=torch.long)
         keep = {"logits_to_keep": 1} if accepts(item.weights, "logits_to_keep") else None
         dm = sb.distribute(item.model, client, example, budget=budget, kwargs=keep, sessions=sessions,
-                           context=context, device=device)
+                           context=context, device=device, quantize=item.scheme or "none")
         gen = getattr(item.weights, "generation_config", None)
         eos = getattr(gen, "eos_token_id", None)
         eos = getattr(item.tokenizer, "eos_token_id", None) if eos is None else eos
