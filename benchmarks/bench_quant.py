@@ -22,6 +22,7 @@ Printed, each against its anchors measured in the same run:
 
     python benchmarks/bench_quant.py [--workers 2] [--new 64] [--sessions 4] [--reps 3]
         [--llama-cpp-python /path/to/venv/bin/python]
+    python benchmarks/bench_quant.py --breakdown     # where one decode step goes, per scheme
 """
 
 from __future__ import annotations
@@ -114,6 +115,82 @@ def kernels(rows_list: tuple[int, ...]) -> None:
     finally:
         torch.set_num_threads(old[0])
         ql.PACK_ROWS, ql.PACK_LARGE_ROWS = old[1], old[2]
+
+
+MATMULS = ("sb.q4linear.default", "sb.qlinear.default", "aten.linear.default", "aten.embedding.default",
+           "sb.embedding_rows")
+"""Ops that stream a weight: what a decode step's bytes are spent in."""
+
+
+def step_breakdown(model, scheme: str | None, context: int = 100, reps: int = 20) -> dict[str, float]:
+    """Where one decode step of SmolLM2 goes, in this process on 1 thread: the step program decomposed
+    and quantized as a deployment's (``scheme``), run as one ``BlockProgram`` (no data plane) over a
+    KV cache of ``context`` tokens. ms a step (medians of ``reps``): the whole step, weight matmuls,
+    attention, the other ops, and dispatch (the step less its ops: the program's own loop); and the
+    number of ops."""
+    import numpy as np
+
+    import seabiscuit_dask as sb
+    from seabiscuit_dask.lower.blocks import BlockProgram, block_specs
+    from seabiscuit_dask.lower.kvcache import KVStore, using
+    from seabiscuit_dask.lower.layout import held
+    from seabiscuit_dask.quantize import quantize
+    from seabiscuit_dask.runtime.generation import step_inputs
+    from seabiscuit_dask.trace.decoder import trace_step
+    from seabiscuit_dask.weights import WeightStore
+
+    graph = sb.decompose(quantize(trace_step(model, 1, 1), scheme), 16 * 2**20)
+    spec = sb.ClusterSpec.synthetic("4xcpu", hosts=1, cpu_memory="64GiB")
+    one = sb.Plan(graph, spec, np.zeros(len(graph.ops), dtype=int), "one", 0.0, {})
+    (block,) = block_specs(one, "0" * 16)
+    load = WeightStore.from_weights(model).load
+    program = BlockProgram(block, {n: held(load(p), block.layouts.get(n)) for n, p in block.params.items()},
+                           torch.device("cpu"))
+    spent: dict[str, list[float]] = {}
+    timing = [False]
+
+    def timed(fn, kind: str):
+        def run(*a, **kw):
+            if not timing[0]:
+                return fn(*a, **kw)
+            t = time.perf_counter()
+            out = fn(*a, **kw)
+            spent.setdefault(kind, [0.0])[-1] += time.perf_counter() - t
+            return out
+        return run
+
+    kinds = ["matmuls" if op.target in MATMULS else "attention" if op.target == "sb.kv_attention" else "other"
+             for op in block.ops]
+    if len(program.steps) == len(kinds):     # NOTE: each op its own kernel (no fused groups)
+        program.steps = [(timed(fn, kind), *rest) for (fn, *rest), kind in zip(program.steps, kinds)]
+    store = KVStore()
+
+    def step(at: int) -> float:
+        feed = step_inputs([(0, at, [1])], 1, 1)
+        t = time.perf_counter()
+        with using(store, "m"):
+            program.run({n: feed[n] for n in graph.inputs})
+        return time.perf_counter() - t
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for at in range(context + 1):
+            step(at)
+        whole = []
+        timing[0] = True
+        for _ in range(reps):
+            for v in spent.values():
+                v.append(0.0)
+            whole.append(step(context))
+    finally:
+        torch.set_num_threads(old)
+    out = {"step": statistics.median(whole) * 1e3, "ops": float(len(block.ops))}
+    for kind in ("matmuls", "attention", "other"):
+        out[kind] = statistics.median(spent.get(kind, [0.0])[1:] or [0.0]) * 1e3
+    out["dispatch"] = statistics.median(w - sum(v[i + 1] for v in spent.values())
+                                        for i, w in enumerate(whole)) * 1e3
+    return out
 
 
 def fidelity(model, tok, scheme: str) -> tuple[float, float, float]:
@@ -222,6 +299,8 @@ def main() -> None:
     ap.add_argument("--schemes", default="none,int8,int4,gguf",
                     help="deployments to run, in order (gguf: int4 read from the GGUF's own Q4_1 blocks)")
     ap.add_argument("--no-kernels", action="store_true")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="only where one decode step goes, per scheme, in this process on 1 thread")
     ap.add_argument("--llama-cpp-python", default=None, metavar="PYTHON",
                     help="an interpreter with llama-cpp-python installed (default: this one)")
     args = ap.parse_args()
@@ -233,6 +312,18 @@ def main() -> None:
     if not args.no_kernels:
         kernels((1, 4, 8, 12, 16, 24, 32, 145))
     model, tok = load_gguf()
+    if args.breakdown:
+        print("\none decode step of SmolLM2 in this process, 1 thread, 100 tokens cached: ms a step (medians "
+              "of 20); dispatch is the step less its ops' own time\n")
+        print("| weights | step | weight matmuls | attention | other ops | dispatch | ops |")
+        print("|---|---|---|---|---|---|---|")
+        for scheme in args.schemes.split(","):
+            if scheme == "gguf":
+                continue        # NOTE: the same ops and kernels as int4
+            b = step_breakdown(model, None if scheme == "none" else scheme)
+            print(f"| {scheme} | {b['step']:.2f} | {b['matmuls']:.2f} | {b['attention']:.2f} | "
+                  f"{b['other']:.2f} | {b['dispatch']:.2f} | {b['ops']:.0f} |", flush=True)
+        return
     ids = chat_prompt(tok, args.prompt_tokens)
     prompts = [chat_prompt(tok, 20 + 7 * i) for i in range(args.sessions)]
     from seabiscuit_dask.quantize import held_bytes

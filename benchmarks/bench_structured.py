@@ -98,11 +98,14 @@ def main() -> None:
 
     import openai
 
+    from seabiscuit_dask.models import gguf_path
+    from seabiscuit_dask.runtime.access import readable
     from seabiscuit_dask.serve import Server, make_app
     from seabiscuit_dask.serve.server import Source, deploy, load, running
     from tests.clusters import seabiscuit_cluster
 
-    with seabiscuit_cluster(2, 1_500_000_000) as client:
+    # NOTE: served as `seabiscuit serve` serves it: the GGUF kept quantized, read in place
+    with readable([gguf_path()]), seabiscuit_cluster(2, 1_500_000_000) as client:
         lm = deploy(load(Source("gguf", None, "smollm2"), print), client, sessions=max(2, args.clients),
                     context=512, budget=None, device=None)
         with running(make_app(Server([lm]))) as url:

@@ -297,12 +297,15 @@ def test_response_format_and_tools_are_read_and_checked() -> None:
 def live(tok: Any):
     import openai
 
+    from seabiscuit_dask.models import gguf_path
+    from seabiscuit_dask.runtime.access import readable
     from seabiscuit_dask.serve import Server, make_app
     from seabiscuit_dask.serve.server import Source, deploy, load, running
 
     from .clusters import seabiscuit_cluster
 
-    with seabiscuit_cluster(2, 1_500_000_000) as client:
+    # NOTE: the GGUF is served as it is (kept quantized): the workers read it in place
+    with readable([gguf_path()]), seabiscuit_cluster(2, 1_500_000_000) as client:
         lm = deploy(load(Source("gguf", None, "smollm2"), print), client, sessions=2, context=512,
                     budget=None, device=None)
         with running(make_app(Server([lm]))) as url:
