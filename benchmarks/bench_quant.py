@@ -70,14 +70,15 @@ def kernels(rows_list: tuple[int, ...]) -> None:
     int8 weight-only kernel (pack) and by bf16 GEMMs (gemm), and ``sb.q4linear``'s int4 kernel over
     groups of 32 (where the weight is whole blocks of 64 rows), one thread, each call on a weight not
     in cache (as in a decode step, which streams every weight once): the median of 5 passes over
-    enough copies of the weight to hold ``COLD_BYTES`` in fp32, per call."""
+    enough copies of the weight to hold ``COLD_BYTES`` in fp32, per call; and ``q4linear_gemm``, the
+    int4 path of many rows (``qlinear.Q4_GEMM_ROWS``) rests on."""
     from seabiscuit_dask import qlinear as ql
     from seabiscuit_dask.quantize import int4_fits, quantize_groups, quantize_rows
 
-    old = torch.get_num_threads(), ql.PACK_ROWS, ql.PACK_LARGE_ROWS
+    old = torch.get_num_threads(), ql.PACK_ROWS, ql.PACK_LARGE_ROWS, ql.Q4_GEMM_ROWS
     torch.set_num_threads(1)
     print("kernels, one thread, weights not in cache, ms a call: fp32 linear / int8 weight-only kernel / "
-          "bf16 GEMM over the integers / int4 kernel")
+          "bf16 GEMM over the integers / int4 kernel / bf16 GEMM over int4 slabs de-quantized")
     print("| weight | " + " | ".join(f"{r} rows" for r in rows_list) + " |")
     print("|---|" + "---|" * len(rows_list))
     try:
@@ -103,18 +104,24 @@ def kernels(rows_list: tuple[int, ...]) -> None:
                     for q, sz in fours:
                         ql.q4linear_kernel(x, q, sz, None, 32)
 
+                def int4_gemm() -> None:
+                    for q, sz in fours:
+                        ql.q4linear_gemm(x, q, sz, None, 32)
+
                 got = [median_ms(fp32) / copies]
                 for rows in (1 << 20, 0):       # NOTE: every row count by one way, then the other
                     ql.PACK_ROWS = ql.PACK_LARGE_ROWS = rows
                     got.append(median_ms(int8) / copies)
                 if fours:
+                    ql.Q4_GEMM_ROWS = 1 << 30          # NOTE: the int4 kernel at every row count
                     got.append(median_ms(int4) / copies)
+                    got.append(median_ms(int4_gemm) / copies)
                 cells.append(" / ".join(f"{g:.3f}" for g in got))
             print(f"| {name} {n}x{k} | " + " | ".join(cells) + " |", flush=True)
             floats, ints, fours = [], [], []      # NOTE: freed before the next shape
     finally:
         torch.set_num_threads(old[0])
-        ql.PACK_ROWS, ql.PACK_LARGE_ROWS = old[1], old[2]
+        ql.PACK_ROWS, ql.PACK_LARGE_ROWS, ql.Q4_GEMM_ROWS = old[1], old[2], old[3]
 
 
 MATMULS = ("sb.q4linear.default", "sb.qlinear.default", "aten.linear.default", "aten.embedding.default",

@@ -516,8 +516,13 @@ def _q4(args: Sequence[Any], outs: Sequence[tuple[int, ...]], spec_of: SpecOf) -
 
 
 def q4linear_scratch(rows: int, k: int, n: int, itemsize: int) -> int:
-    """``_q4`` for ``rows`` rows of ``itemsize`` bytes an element over an ``[n, k]`` int4 weight."""
-    return (rows * k + rows * n) * 2 + q4_rows(n, k, itemsize) * (k + rows) * itemsize
+    """``_q4`` for ``rows`` rows of ``itemsize`` bytes an element over an ``[n, k]`` int4 weight: the
+    rows and product in bf16, and the larger of a slab de-quantized into ``itemsize`` (a device with
+    no int4 kernel) and a slab of ``q4_rows(n, k, 4)`` rows for bf16 GEMMs (``qlinear.q4linear_gemm``:
+    its integers, 1 byte each, the slab in bf16 and its product)."""
+    gemm = q4_rows(n, k, 4)
+    return (rows * k + rows * n) * 2 + max(q4_rows(n, k, itemsize) * (k + rows) * itemsize,
+                                           gemm * (3 * k + 2 * rows))
 
 
 def q4_rows(n: int, k: int, itemsize: int) -> int:

@@ -171,18 +171,39 @@ def dequantize_int4(w: torch.Tensor, sz: torch.Tensor, group: int, dtype: torch.
     return q.sub_(8).mul_(scale).add_(zero)
 
 
+# NOTE: from this many rows on (prefill chunks) an int4 tile is de-quantized to bf16 a slab at a time
+# for bf16 GEMMs, on a CPU whose bf16 GEMMs are fast (``bf16_gemms``): the int4 kernel is a
+# weight-only kernel, made for few rows. One thread, weights in cache, ms (kernel / GEMMs / fp32
+# ``linear``), ``bench_quant.py``: 1536x576 at 64 rows 1.27 / 1.26 / 0.70, at 145 rows 3.00 / 1.44 /
+# 1.42; 576x576 at 64 rows 0.49 / 0.54 / 0.24, at 145 rows 1.09 / 0.59 / 0.52
+Q4_GEMM_ROWS = 80
+
+
+@functools.cache
+def bf16_gemms() -> bool:
+    """Whether this CPU multiplies bf16 matrices in hardware (AMX tiles or AVX512-BF16): there a bf16
+    GEMM over a de-quantized slab beats the int4 kernel on many rows. Read from the CPU's features,
+    never timed, so every process on a machine takes the same path."""
+    try:
+        return bool(torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported())
+    except (AttributeError, RuntimeError):       # NOTE: a torch without these probes: the kernel path
+        return False
+
+
 def q4linear_kernel(x: torch.Tensor, w: torch.Tensor, sz: torch.Tensor, bias: torch.Tensor | None,
                     group: int) -> torch.Tensor:
     """``sb.q4linear(x, w, sz, bias, group)``: ``x @ W.T + bias`` for the weight ``W`` ``[n, k]``
     held as int4 (``w``: ``pack_int4``'s ``[n / 64, k, 32]`` bytes) with, for each group of
     ``group`` of a row's ``k`` weights, a bf16 scale and the value of the integer 8 (``sz``
-    ``[k / group, n, 2]``): ``W = (q - 8) * scale + zero``. On a CPU the rows go through the int4
-    weight-only kernel in bf16 (any number of rows: at 145 rows it is within 10-20% of fp32
-    ``linear``, and dequantizing to bf16 for a GEMM costs more than it saves, measured); elsewhere
-    (another device, or a CPU whose kernel packs otherwise: ``kernel_reads_packed``) the tile is
-    dequantized a slab of rows at a time (``ops.q4_rows``) and multiplied in ``x``'s
-    dtype. The output is in ``x``'s dtype."""
+    ``[k / group, n, 2]``): ``W = (q - 8) * scale + zero``. On a CPU fewer than ``Q4_GEMM_ROWS``
+    rows go through the int4 weight-only kernel in bf16, and more through bf16 GEMMs over slabs of
+    the weight de-quantized to bf16 (``q4linear_gemm``) where the CPU has bf16 GEMMs
+    (``bf16_gemms``); elsewhere (another device, or a CPU whose kernel packs otherwise:
+    ``kernel_reads_packed``) the tile is dequantized a slab of rows at a time (``ops.q4_rows``) and
+    multiplied in ``x``'s dtype. The output is in ``x``'s dtype."""
     n, k = w.shape[0] * Q4_BLOCK, w.shape[1]
+    if x.device.type == "cpu" and x.numel() >= Q4_GEMM_ROWS * k and bf16_gemms():
+        return q4linear_gemm(x, w, sz, bias, group)
     if x.device.type == "cpu" and kernel_reads_packed():
         # NOTE: the kernel's own shape of the same bytes; it reads both operands as contiguous (a
         # tile sliced from a larger weight in memory is not: copied)
@@ -192,6 +213,36 @@ def q4linear_kernel(x: torch.Tensor, w: torch.Tensor, sz: torch.Tensor, bias: to
         y = y.reshape(*x.shape[:-1], n).to(x.dtype)
         return y.add_(bias) if bias is not None else y
     return q4linear_dequantized(x, w, sz, bias, group)
+
+
+def q4linear_gemm(x: torch.Tensor, w: torch.Tensor, sz: torch.Tensor, bias: torch.Tensor | None,
+                  group: int, step: int = 0) -> torch.Tensor:
+    """``q4linear_kernel`` for many rows: the rows in bf16 times each slab of ``step`` weight rows (0:
+    ``ops.q4_rows`` of 4-byte elements, what ``ops.q4linear_scratch`` counts; whole blocks of
+    ``Q4_BLOCK``) de-quantized to bf16, transposed (``dequantized_t``); the product in ``x``'s dtype."""
+    n, k = w.shape[0] * Q4_BLOCK, w.shape[1]
+    rows = x.reshape(-1, k).to(torch.bfloat16)
+    scale, zero = sz[..., 0].contiguous(), sz[..., 1].contiguous()     # NOTE: [k / group, n] each
+    y = torch.empty((rows.shape[0], n), dtype=x.dtype, device=x.device)
+    step = step or q4_rows(n, k, 4)
+    for a in range(0, n, step):
+        b = min(n, a + step)
+        slab = dequantized_t(w[a // Q4_BLOCK:-(-b // Q4_BLOCK)], scale[:, a:b], zero[:, a:b], group)
+        y[:, a:b] = rows @ slab
+    y = y.reshape(*x.shape[:-1], n)
+    return y.add_(bias) if bias is not None else y
+
+
+def dequantized_t(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int) -> torch.Tensor:
+    """The int4 weight ``w`` (``pack_int4``'s bytes of ``[n, k]``) as ``W.T``, ``[k, n]`` bf16, from its
+    ``[k / group, n]`` bf16 scales and values of 8 (contiguous): ``(q - 8) * scale + zero``, rounded
+    to bf16 once."""
+    blocks, k, _ = w.shape
+    q = torch.cat([w & 15, w >> 4], dim=2).view(torch.int8).sub_(8)      # NOTE: [blocks, k, 64], -8..7
+    t = torch.empty((k, blocks, Q4_BLOCK), dtype=torch.bfloat16, device=w.device)
+    t.copy_(q.permute(1, 0, 2))                                         # NOTE: exact: small integers
+    t3 = t.view(k // group, group, blocks * Q4_BLOCK)
+    return torch.addcmul(zero.unsqueeze(1), t3, scale.unsqueeze(1), out=t3).view(k, blocks * Q4_BLOCK)
 
 
 def q4linear_dequantized(x: torch.Tensor, w: torch.Tensor, sz: torch.Tensor, bias: torch.Tensor | None,

@@ -256,7 +256,8 @@ def test_a_gguf_is_served_as_quantized_as_its_file_unless_asked_otherwise(gguf_f
 
     kept = kept_scheme(os.fspath(gguf_file))
     assert kept.scheme == "int4" and kept.requantized == (("Q8_0", 3),)    # NOTE: the table, 2 attn_k
-    assert "Q8_0 (3 tensors) de-quantized and held as int4 (linear) or int8 per row" in kept.notice("tiny.gguf")
+    notice = kept.notice("tiny.gguf")
+    assert "Q8_0 (3 tensors) de-quantized and held as int4 (linear) or int8 per row" in notice
     eight = small_gguf(tmp_path / "q8.gguf", {"blk.0.attn_q.weight": "Q8_0", "blk.0.attn_k.weight": "Q8_0",
                                               "blk.0.ffn_up.weight": "Q4_1", "blk.0.attn_norm.weight": "F32"})
     assert kept_scheme(os.fspath(eight)) == type(kept)("int8", (("Q4_1", 1), ("Q8_0", 2)))

@@ -16,9 +16,13 @@ from seabiscuit_dask.ops import QLINEAR_SLAB, qlinear_columns, qlinear_slab
 from seabiscuit_dask.qlinear import (
     PACK_LARGE,
     PACK_ROWS,
+    Q4_GEMM_ROWS,
+    bf16_gemms,
     dequantize_int4,
+    dequantized_t,
     pack_int4,
     q4linear_dequantized,
+    q4linear_gemm,
     q4linear_kernel,
     qlinear_kernel,
     unpack_int4,
@@ -313,8 +317,25 @@ def test_the_int4_kernel_is_the_dequantized_product_on_a_cpu_and_slab_by_slab(ro
     packed = pack_int4(q)
     x = torch.randn(1, rows, 128, generator=g)
     want = x @ dequantize_int4(packed, sz, 64, torch.float32).T + bias
-    assert close_to(q4linear_kernel(x, packed, sz, bias, 64), want, 1e-2)
+    got = q4linear_kernel(x, packed, sz, bias, 64)
+    assert close_to(got, want, 1e-2)
     torch.testing.assert_close(q4linear_dequantized(x, packed, sz, bias, 64, step=64), want)
+    # NOTE: many rows (a prefill chunk) on a CPU with bf16 GEMMs: slabs of the weight in bf16
+    gemm = q4linear_gemm(x, packed, sz, bias, 64, step=64)
+    assert close_to(gemm, want, 1e-2) and gemm.dtype == x.dtype
+    assert close_to(q4linear_gemm(x, packed, sz, bias, 64), gemm, 1e-3)
+    assert torch.equal(got, gemm) == (rows >= Q4_GEMM_ROWS and bf16_gemms())
+
+
+def test_an_int4_slab_dequantizes_to_its_weights_transposed_in_bf16() -> None:
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(128, 96, generator=g)
+    q, sz = quantize_groups(w, 32)
+    t = dequantized_t(pack_int4(q), sz[..., 0].contiguous(), sz[..., 1].contiguous(), 32)
+    assert t.shape == (96, 128) and t.dtype == torch.bfloat16
+    exact = dequantize_int4(pack_int4(q), sz, 32, torch.float32).T
+    # NOTE: rounded to bf16 once: within half a bf16 step of the exact weight
+    assert bool(((t.float() - exact).abs() <= exact.abs() * 2.0**-8 + 1e-30).all())
 
 
 def test_int4_linear_layers_and_int8_tables_answer_as_their_weights_dequantized() -> None:
