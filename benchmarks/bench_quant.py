@@ -317,7 +317,7 @@ def main() -> None:
     from seabiscuit_dask.runtime.client import kv_reserve
 
     if not args.no_kernels:
-        kernels((1, 4, 8, 12, 16, 24, 32, 145))
+        kernels((1, 4, 8, 12, 16, 24, 32, 64, 145))
     model, tok = load_gguf()
     if args.breakdown:
         print("\none decode step of SmolLM2 in this process, 1 thread, 100 tokens cached: ms a step (medians "

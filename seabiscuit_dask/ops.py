@@ -518,11 +518,22 @@ def _q4(args: Sequence[Any], outs: Sequence[tuple[int, ...]], spec_of: SpecOf) -
 def q4linear_scratch(rows: int, k: int, n: int, itemsize: int) -> int:
     """``_q4`` for ``rows`` rows of ``itemsize`` bytes an element over an ``[n, k]`` int4 weight: the
     rows and product in bf16, and the larger of a slab de-quantized into ``itemsize`` (a device with
-    no int4 kernel) and a slab of ``q4_rows(n, k, 4)`` rows for bf16 GEMMs (``qlinear.q4linear_gemm``:
+    no int4 kernel) and a slab of ``q4_gemm_rows`` rows for bf16 GEMMs (``qlinear.q4linear_gemm``:
     its integers, 1 byte each, the slab in bf16 and its product)."""
-    gemm = q4_rows(n, k, 4)
+    gemm = q4_gemm_rows(n, k)
     return (rows * k + rows * n) * 2 + max(q4_rows(n, k, itemsize) * (k + rows) * itemsize,
                                            gemm * (3 * k + 2 * rows))
+
+
+Q4_GEMM_SLAB = 2 << 20
+"""Most bytes of bf16 weight ``qlinear.q4linear_gemm`` de-quantizes at once: SmolLM2's largest int4
+weights in one slab (each slab is a GEMM of its own; 4 slabs took 20% longer than one)."""
+
+
+def q4_gemm_rows(n: int, k: int) -> int:
+    """Rows of an ``[n, k]`` int4 weight de-quantized to bf16 at once for many rows' GEMMs: whole
+    blocks of 64 within ``Q4_GEMM_SLAB`` bytes, at least one."""
+    return min(n, max(64, Q4_GEMM_SLAB // max(1, k * 2) // 64 * 64))
 
 
 def q4_rows(n: int, k: int, itemsize: int) -> int:

@@ -36,7 +36,7 @@ import functools
 import torch
 
 from .errors import UnsupportedOp
-from .ops import Q4_BLOCK, QLINEAR_SLAB, q4_rows, qlinear_columns
+from .ops import Q4_BLOCK, QLINEAR_SLAB, q4_gemm_rows, q4_rows, qlinear_columns
 
 # NOTE: up to this many rows the int8 weight-only kernel (``aten._weight_int8pack_mm``) beats bf16
 # GEMMs over the integers on this CPU, one thread, weights not in cache (ms at 1 / 8 / 12 / 16 rows,
@@ -174,9 +174,9 @@ def dequantize_int4(w: torch.Tensor, sz: torch.Tensor, group: int, dtype: torch.
 # NOTE: from this many rows on (prefill chunks) an int4 tile is de-quantized to bf16 a slab at a time
 # for bf16 GEMMs, on a CPU whose bf16 GEMMs are fast (``bf16_gemms``): the int4 kernel is a
 # weight-only kernel, made for few rows. One thread, weights in cache, ms (kernel / GEMMs / fp32
-# ``linear``), ``bench_quant.py``: 1536x576 at 64 rows 1.27 / 1.26 / 0.70, at 145 rows 3.00 / 1.44 /
-# 1.42; 576x576 at 64 rows 0.49 / 0.54 / 0.24, at 145 rows 1.09 / 0.59 / 0.52
-Q4_GEMM_ROWS = 80
+# ``linear``): 1536x576 at 48 rows 0.96 / 1.05 / 0.61, at 64 rows 1.33 / 1.14 / 0.79, at 145 rows
+# 2.99 / 1.30 / 1.58; 576x576 at 64 rows 0.49 / 0.44 / 0.26, at 145 rows 1.09 / 0.51 / 0.55
+Q4_GEMM_ROWS = 64
 
 
 @functools.cache
@@ -218,16 +218,19 @@ def q4linear_kernel(x: torch.Tensor, w: torch.Tensor, sz: torch.Tensor, bias: to
 def q4linear_gemm(x: torch.Tensor, w: torch.Tensor, sz: torch.Tensor, bias: torch.Tensor | None,
                   group: int, step: int = 0) -> torch.Tensor:
     """``q4linear_kernel`` for many rows: the rows in bf16 times each slab of ``step`` weight rows (0:
-    ``ops.q4_rows`` of 4-byte elements, what ``ops.q4linear_scratch`` counts; whole blocks of
-    ``Q4_BLOCK``) de-quantized to bf16, transposed (``dequantized_t``); the product in ``x``'s dtype."""
+    ``ops.q4_gemm_rows``, what ``ops.q4linear_scratch`` counts; whole blocks of ``Q4_BLOCK``)
+    de-quantized to bf16, transposed (``dequantized_t``); the product in ``x``'s dtype."""
     n, k = w.shape[0] * Q4_BLOCK, w.shape[1]
     rows = x.reshape(-1, k).to(torch.bfloat16)
     scale, zero = sz[..., 0].contiguous(), sz[..., 1].contiguous()     # NOTE: [k / group, n] each
     y = torch.empty((rows.shape[0], n), dtype=x.dtype, device=x.device)
-    step = step or q4_rows(n, k, 4)
+    step = step or q4_gemm_rows(n, k)
     for a in range(0, n, step):
         b = min(n, a + step)
-        slab = dequantized_t(w[a // Q4_BLOCK:-(-b // Q4_BLOCK)], scale[:, a:b], zero[:, a:b], group)
+        # NOTE: the slab's scales made contiguous (kilobytes): broadcast from a strided view, the
+        # multiply-add runs 5x slower
+        slab = dequantized_t(w[a // Q4_BLOCK:-(-b // Q4_BLOCK)], scale[:, a:b].contiguous(),
+                             zero[:, a:b].contiguous(), group)
         y[:, a:b] = rows @ slab
     y = y.reshape(*x.shape[:-1], n)
     return y.add_(bias) if bias is not None else y
