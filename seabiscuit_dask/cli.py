@@ -6,7 +6,7 @@ import argparse
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from . import config
 from .errors import SeaBiscuitError, UnsupportedModel
@@ -15,8 +15,10 @@ from .quantize import SCHEMES
 
 QUANTIZE_HELP = ("hold weights as integers: int8 (linear layers and embeddings, a scale per output row) or "
                  "int4 (linear layers in groups of 32, -g64 or -g128, with a scale and zero each; "
-                 "embeddings int8); a GGUF is read in place (default: config seabiscuit.quantize; none for a "
-                 "model folder, the file's own for a GGUF: Q4 blocks as int4 tiles, Q8 as int8)")
+                 "embeddings int8) (default: config seabiscuit.quantize, none)")
+GGUF_QUANTIZE_HELP = QUANTIZE_HELP[:-len(" (default: config seabiscuit.quantize, none)")] + \
+    ("; a GGUF is read in place (default: config seabiscuit.quantize; none for a model folder, the "
+     "file's own for a GGUF: Q4 blocks as int4 tiles, 8-bit files as int8)")
 DEQUANTIZE_HELP = ("serve a GGUF de-quantized to float32 (as Hugging Face loads it) instead of keeping its "
                    "weights quantized (config seabiscuit.dequantize-gguf)")
 
@@ -157,12 +159,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         # NOTE: what distribute(), the budgets and a GGUF's loading read
-        settings = {"seabiscuit.quantize": getattr(args, "quantize", None),
-                    "seabiscuit.dequantize-gguf": True if getattr(args, "dequantize", False) else None}
-        if any(v is not None for v in settings.values()):
+        settings: dict[str, Any] = {}
+        if getattr(args, "quantize", None) is not None:
+            settings["seabiscuit.quantize"] = args.quantize
+        if getattr(args, "dequantize", False):       # NOTE: over a scheme the config may name
+            settings.update({"seabiscuit.quantize": None, "seabiscuit.dequantize-gguf": True})
+        if settings:
             import dask
 
-            with dask.config.set({k: v for k, v in settings.items() if v is not None}):
+            with dask.config.set(settings):
                 return int(args.func(args))
         return int(args.func(args))
     except SeaBiscuitError as e:
@@ -239,7 +244,7 @@ def _generate_parser(sub: Subcommands) -> None:
                    help="afterwards keep the cluster, the model and the dashboard up until Ctrl-C")
     q = g.add_mutually_exclusive_group()
     q.add_argument("--quantize", choices=SCHEMES, default=None,
-                   help=QUANTIZE_HELP)
+                   help=GGUF_QUANTIZE_HELP)
     q.add_argument("--dequantize", action="store_true", help=DEQUANTIZE_HELP)
     g.set_defaults(func=_generate)
 
@@ -276,7 +281,7 @@ def _serve_parser(sub: Subcommands) -> None:
                    help="where the models run: auto, cuda or cpu (as for distribute(device=))")
     q = v.add_mutually_exclusive_group()
     q.add_argument("--quantize", choices=SCHEMES, default=None,
-                   help=QUANTIZE_HELP)
+                   help=GGUF_QUANTIZE_HELP)
     q.add_argument("--dequantize", action="store_true", help=DEQUANTIZE_HELP)
     v.add_argument("--allowed-origins", default=None, metavar="ORIGIN[,ORIGIN...]",
                    help="browser apps of these origins ('https://app.example.com', or '*') may call the API "

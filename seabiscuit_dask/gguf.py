@@ -136,10 +136,12 @@ FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
 
 @dataclass(frozen=True)
 class Kept:
-    """How a GGUF's weights are held when it is served as it is (``kept_scheme``): the scheme, and
-    each quantized type the scheme does not hold as the file's own blocks, with its tensor count."""
+    """How a GGUF's weights are held when it is served as it is (``kept_scheme``): the scheme, how many
+    tensors are int4 tiles as the file's own blocks, and each quantized type held otherwise (de-quantized
+    and quantized again), with its tensor count."""
 
     scheme: str | None
+    blocks: int
     requantized: tuple[tuple[str, int], ...]
 
     def notice(self, file: str) -> str:
@@ -147,31 +149,39 @@ class Kept:
         if not self.requantized:
             return ""
         kinds = ", ".join(f"{k} ({n} tensor{'s' if n > 1 else ''})" for k, n in self.requantized)
-        how = "int8 per row" if self.scheme == "int8" else f"{self.scheme} (linear) or int8 per row " \
-            "(embeddings, heads)" if self.scheme else "float32"
+        if self.scheme == "int4":
+            how = "int4 (linear) or int8 per row (embeddings, heads, weights not in whole 64-row blocks)"
+        else:
+            how = "int8 per row" if self.scheme == "int8" else "float32"
         return f"{os.path.basename(file)}: {kinds} de-quantized and held as {how}, not as the file's blocks"
 
 
 def kept_scheme(path: str) -> Kept:
     """The scheme that keeps a GGUF's weights quantized: ``"int4"`` when most of its layers' 2-D
-    weights take 4 bits or fewer (Q4_0 / Q4_1 blocks are then its tiles as they are), ``"int8"``
+    weights take 4 bits or fewer (Q4_0 / Q4_1 blocks of linear weights in whole 64-row blocks are then
+    its tiles as they are; tables and heads are int8, as ``quantize.py`` holds them), ``"int8"``
     when they take 5 to 8 bits (Q5_*, Q6_K, Q8_0), None when they are floats; with the quantized
     types that scheme de-quantizes and quantizes again (a notice names them)."""
     f = open_gguf(path)
-    kinds = [t.tensor_type.name for t in f.reader.tensors if len(t.shape) > 1]
-    layers = [t.tensor_type.name for t in f.reader.tensors
-              if len(t.shape) > 1 and t.name.startswith("blk.")] or kinds
+    flat = [t for t in f.reader.tensors if len(t.shape) > 1]
+    layers = [t.tensor_type.name for t in flat if t.name.startswith("blk.")] or \
+        [t.tensor_type.name for t in flat]
     counts: dict[str, int] = {}
     for k in layers:
         counts[k] = counts.get(k, 0) + 1
     most = max(counts, key=lambda k: counts[k]) if counts else "F32"
     scheme = None if most in FLOAT_TYPES else "int4" if most in FOUR_BIT else "int8"
-    exact = EXACT_INT4 if scheme == "int4" else ()
+    blocks = 0
     again: dict[str, int] = {}
-    for k in kinds:
-        if k not in FLOAT_TYPES and k not in exact:
-            again[k] = again.get(k, 0) + 1
-    return Kept(scheme, tuple(sorted(again.items())))
+    for t in flat:
+        kind = t.tensor_type.name
+        cols, rows = (int(d) for d in t.shape.tolist()[:2])      # NOTE: stored columns first
+        if scheme == "int4" and kind in EXACT_INT4 and rows % 64 == 0 and cols % GROUP == 0 \
+                and t.name not in ("token_embd.weight", "output.weight"):
+            blocks += 1
+        elif kind not in FLOAT_TYPES:
+            again[kind] = again.get(kind, 0) + 1
+    return Kept(scheme, blocks, tuple(sorted(again.items())))
 
 
 def stored_rows(n: int, heads: int) -> np.ndarray:
@@ -227,6 +237,18 @@ def _config(path: str, *version: int) -> tuple[Any, Any]:
     return config, gu.TENSOR_PROCESSORS.get(arch, gu.TensorProcessor)(config=parsed.get("config", {}))
 
 
+def not_in_place(path: str) -> str:
+    """Why a GGUF file cannot be read in place ("" when it can): transformers changes the tensors of
+    some architectures on load (gemma's norms, bloom's fused qkv, ...), and only llama's permuted rows
+    are read here as transformers reads them."""
+    from transformers import modeling_gguf_pytorch_utils as gu
+
+    _, processor = config_of(path)
+    if type(processor) in (gu.TensorProcessor, gu.LlamaTensorProcessor):
+        return ""
+    return f"transformers' {type(processor).__name__} changes its tensors on load"
+
+
 def weights_map(path: str, model: torch.nn.Module | None = None) -> dict[str, tuple[str, int]]:
     """HF param name -> (GGUF tensor name, heads whose rows are stored permuted, or 0)."""
     from transformers import modeling_gguf_pytorch_utils as gu
@@ -239,10 +261,11 @@ def weights_map(path: str, model: torch.nn.Module | None = None) -> dict[str, tu
             model = tf.AutoModelForCausalLM.from_config(config)
     to_hf = gu.get_gguf_hf_weights_map(model, processor)
     permuted = type(processor).__name__ == "LlamaTensorProcessor"
-    if type(processor) not in (gu.TensorProcessor, gu.LlamaTensorProcessor):
-        raise UnsupportedModel(f"{path}: {type(processor).__name__} changes tensors on load in ways "
-                               "SeaBiscuit does not read in place; serve it de-quantized (no --quantize), "
-                               "or load it with transformers and pass the module")
+    why = not_in_place(path)
+    if why:
+        raise UnsupportedModel(f"{path}: {why}, in ways SeaBiscuit does not read in place; serve it "
+                               "de-quantized (--dequantize), or load it with transformers and pass the "
+                               "module")
     out: dict[str, tuple[str, int]] = {}
     for g, hf in to_hf.items():
         heads = 0

@@ -149,25 +149,33 @@ def load_gguf_quantized(path: str | None = None) -> tuple[str, torch.nn.Module, 
 def gguf_scheme(file: str) -> tuple[str | None, list[str]]:
     """How a GGUF file is served: (the quantization scheme its deployment holds its weights in, the
     lines that say so). Config ``seabiscuit.quantize`` (``--quantize``) when set; float32, de-quantized
-    by ``transformers``, with ``seabiscuit.dequantize-gguf`` (``--dequantize``); else kept quantized
-    as the file is (``gguf.kept_scheme``: its Q4_0 / Q4_1 blocks as int4 tiles as they are, other
-    quantized types de-quantized and quantized again, with a notice naming them)."""
+    by ``transformers``, with ``seabiscuit.dequantize-gguf`` (``--dequantize``) or where the file cannot
+    be read in place (``gguf.not_in_place``); else kept quantized as the file is
+    (``gguf.kept_scheme``: its Q4_0 / Q4_1 blocks as int4 tiles as they are, other quantized types
+    de-quantized and quantized again, with a notice naming them)."""
     import os
 
     from . import config
-    from .gguf import kept_scheme
+    from .gguf import kept_scheme, not_in_place
     from .quantize import check_scheme
 
     name = os.path.basename(file)
     asked = check_scheme(config.get("quantize"))
     if asked is None and config.get("dequantize-gguf"):
         return None, [f"loading {name} (de-quantising GGUF to float32) ..."]
+    why = not_in_place(file)
+    if why and asked:
+        raise UnsupportedModel(f"{file}: {why}, so --quantize {asked} cannot read it in place; serve it "
+                               "de-quantized (--dequantize) or quantize the float weights of a model folder")
+    if why:
+        return None, [f"loading {name} (de-quantising GGUF to float32: {why}, so it is not read in "
+                      "place) ..."]
     kept = kept_scheme(file)
     scheme = asked or kept.scheme
     if scheme is None:
         return None, [f"loading {name} (its weights are floats: float32) ..."]
     whence = "" if asked else "; kept quantized as the file is, --dequantize for float32"
-    lines = [f"reading {name} in place ({scheme}"
-             f"{': its Q4_0 / Q4_1 blocks as they are' if scheme == 'int4' else ''}{whence}) ..."]
+    exact = ": its Q4_0 / Q4_1 blocks as they are" if scheme == "int4" and kept.blocks else ""
+    lines = [f"reading {name} in place ({scheme}{exact}{whence}) ..."]
     notice = kept.notice(file) if scheme == kept.scheme else ""
     return scheme, lines + ([notice] if notice else [])

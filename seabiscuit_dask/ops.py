@@ -518,11 +518,12 @@ def _q4(args: Sequence[Any], outs: Sequence[tuple[int, ...]], spec_of: SpecOf) -
 def q4linear_scratch(rows: int, k: int, n: int, itemsize: int) -> int:
     """``_q4`` for ``rows`` rows of ``itemsize`` bytes an element over an ``[n, k]`` int4 weight: the
     rows and product in bf16, and the larger of a slab de-quantized into ``itemsize`` (a device with
-    no int4 kernel) and a slab of ``q4_gemm_rows`` rows for bf16 GEMMs (``qlinear.q4linear_gemm``:
-    its integers, 1 byte each, the slab in bf16 and its product)."""
+    no int4 kernel) and a slab of ``q4_gemm_rows`` rows for bf16 GEMMs (``qlinear.q4linear_gemm``: the
+    slab in bf16 and the GEMM's packed copy of it, or its integers while it is made, 2 bytes a weight
+    each; its scales and zeros, an eighth of a byte a weight at most; its product in bf16)."""
     gemm = q4_gemm_rows(n, k)
     return (rows * k + rows * n) * 2 + max(q4_rows(n, k, itemsize) * (k + rows) * itemsize,
-                                           gemm * (3 * k + 2 * rows))
+                                           gemm * (4 * k + -(-k // 8) + 2 * rows))
 
 
 Q4_GEMM_SLAB = 2 << 20

@@ -222,16 +222,16 @@ def q4linear_gemm(x: torch.Tensor, w: torch.Tensor, sz: torch.Tensor, bias: torc
     de-quantized to bf16, transposed (``dequantized_t``); the product in ``x``'s dtype."""
     n, k = w.shape[0] * Q4_BLOCK, w.shape[1]
     rows = x.reshape(-1, k).to(torch.bfloat16)
-    scale, zero = sz[..., 0].contiguous(), sz[..., 1].contiguous()     # NOTE: [k / group, n] each
     y = torch.empty((rows.shape[0], n), dtype=x.dtype, device=x.device)
     step = step or q4_gemm_rows(n, k)
     for a in range(0, n, step):
         b = min(n, a + step)
-        # NOTE: the slab's scales made contiguous (kilobytes): broadcast from a strided view, the
-        # multiply-add runs 5x slower
-        slab = dequantized_t(w[a // Q4_BLOCK:-(-b // Q4_BLOCK)], scale[:, a:b].contiguous(),
-                             zero[:, a:b].contiguous(), group)
+        # NOTE: the slab's scales made contiguous ([k / group, b - a] each, kilobytes): broadcast from
+        # a strided view, the multiply-add runs 5x slower
+        slab = dequantized_t(w[a // Q4_BLOCK:-(-b // Q4_BLOCK)], sz[:, a:b, 0].contiguous(),
+                             sz[:, a:b, 1].contiguous(), group)
         y[:, a:b] = rows @ slab
+        del slab            # NOTE: before the next slab is made (the scratch counts one)
     y = y.reshape(*x.shape[:-1], n)
     return y.add_(bias) if bias is not None else y
 

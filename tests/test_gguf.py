@@ -255,14 +255,17 @@ def test_a_gguf_is_served_as_quantized_as_its_file_unless_asked_otherwise(gguf_f
     from seabiscuit_dask.models import gguf_scheme
 
     kept = kept_scheme(os.fspath(gguf_file))
-    assert kept.scheme == "int4" and kept.requantized == (("Q8_0", 3),)    # NOTE: the table, 2 attn_k
+    # NOTE: q, o, gate, up and down of 2 layers are its blocks; the Q8_0 table and attn_k, and attn_v's
+    # Q4_1 (32 rows: not whole blocks of 64, so int8) are not
+    assert kept == type(kept)("int4", 10, (("Q4_1", 2), ("Q8_0", 3)))
     notice = kept.notice("tiny.gguf")
-    assert "Q8_0 (3 tensors) de-quantized and held as int4 (linear) or int8 per row" in notice
+    assert "Q4_1 (2 tensors), Q8_0 (3 tensors) de-quantized and held as int4 (linear) or int8 per row" \
+        in notice
     eight = small_gguf(tmp_path / "q8.gguf", {"blk.0.attn_q.weight": "Q8_0", "blk.0.attn_k.weight": "Q8_0",
                                               "blk.0.ffn_up.weight": "Q4_1", "blk.0.attn_norm.weight": "F32"})
-    assert kept_scheme(os.fspath(eight)) == type(kept)("int8", (("Q4_1", 1), ("Q8_0", 2)))
+    assert kept_scheme(os.fspath(eight)) == type(kept)("int8", 0, (("Q4_1", 1), ("Q8_0", 2)))
     floats = small_gguf(tmp_path / "f32.gguf", {"blk.0.attn_q.weight": "F32", "blk.0.attn_k.weight": "F32"})
-    assert kept_scheme(os.fspath(floats)) == type(kept)(None, ())
+    assert kept_scheme(os.fspath(floats)) == type(kept)(None, 0, ())
     scheme, lines = gguf_scheme(os.fspath(gguf_file))
     assert scheme == "int4" and "kept quantized as the file is" in lines[0] and "Q8_0" in lines[1]
     assert gguf_scheme(os.fspath(floats))[0] is None
@@ -272,3 +275,32 @@ def test_a_gguf_is_served_as_quantized_as_its_file_unless_asked_otherwise(gguf_f
     with dask.config.set({"seabiscuit.quantize": "int8"}):
         scheme, lines = gguf_scheme(os.fspath(gguf_file))
         assert scheme == "int8" and lines == ["reading tiny.gguf in place (int8) ..."]
+
+
+def test_a_gguf_that_cannot_be_read_in_place_is_served_in_float32_and_dequantize_wins(
+        gguf_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GGUF whose tensors transformers changes on load (gemma's norms, bloom's fused qkv) is served
+    de-quantized, as before, with a line saying why; asked to quantize it, the error says what to do
+    instead. ``--dequantize`` wins over a scheme the config names."""
+    import dask
+
+    from seabiscuit_dask import cli, demo
+    from seabiscuit_dask import gguf as G
+    from seabiscuit_dask.errors import UnsupportedModel
+    from seabiscuit_dask.models import gguf_scheme
+
+    assert G.not_in_place(os.fspath(gguf_file)) == ""
+    monkeypatch.setattr(G, "not_in_place", lambda path: "transformers' Gemma2TensorProcessor changes its "
+                                                        "tensors on load")
+    scheme, lines = gguf_scheme(os.fspath(gguf_file))
+    assert scheme is None and "float32: transformers' Gemma2TensorProcessor changes its tensors" in lines[0]
+    asked = dask.config.set({"seabiscuit.quantize": "int4"})
+    with asked, pytest.raises(UnsupportedModel, match="--dequantize"):
+        gguf_scheme(os.fspath(gguf_file))
+    seen: list[tuple[object, object]] = []
+    monkeypatch.setattr(demo, "run_generate", lambda *a, **kw: seen.append(
+        (sb.config.get("quantize"), sb.config.get("dequantize-gguf"))) or 0)
+    with dask.config.set({"seabiscuit.quantize": "int8"}):
+        assert cli.main(["generate", "--dequantize"]) == 0
+        assert cli.main(["generate"]) == 0
+    assert seen == [(None, True), ("int8", False)]

@@ -323,8 +323,12 @@ def test_the_int4_kernel_is_the_dequantized_product_on_a_cpu_and_slab_by_slab(ro
     # NOTE: many rows (a prefill chunk) on a CPU with bf16 GEMMs: slabs of the weight in bf16
     gemm = q4linear_gemm(x, packed, sz, bias, 64, step=64)
     assert close_to(gemm, want, 1e-2) and gemm.dtype == x.dtype
-    assert close_to(q4linear_gemm(x, packed, sz, bias, 64), gemm, 1e-3)
-    assert torch.equal(got, gemm) == (rows >= Q4_GEMM_ROWS and bf16_gemms())
+    whole = q4linear_gemm(x, packed, sz, bias, 64)
+    assert close_to(whole, gemm, 1e-3)
+    assert torch.equal(got, whole) == (rows >= Q4_GEMM_ROWS and bf16_gemms())      # NOTE: the path taken
+    # NOTE: a tile cut along the reduction (whole groups): its slabs read its own columns' scales
+    part = q4linear_gemm(x[..., 64:], packed[:, 64:], sz[1:], None, 64, step=64)
+    assert close_to(part, x[..., 64:] @ dequantize_int4(packed[:, 64:], sz[1:], 64, torch.float32).T, 1e-2)
 
 
 def test_an_int4_slab_dequantizes_to_its_weights_transposed_in_bf16() -> None:
