@@ -201,9 +201,11 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--kill-after", type=int, default=40, help="chunks received before a worker is killed")
     ap.add_argument("--no-kill", action="store_true")
-    ap.add_argument("--quantize", choices=("int8", "int4"), default=None,
-                    help="serve int8 or int4 weights (budgets sized from what the workers then hold); "
-                         "answers are then set against fp32 greedy, and counted as differing, not wrong")
+    ap.add_argument("--quantize", choices=("int8", "int4", "gguf"), default=None,
+                    help="serve int8 or int4 weights (budgets sized from what the workers then hold), or "
+                         "gguf: the GGUF read in place as `seabiscuit serve` serves it by default (its Q4_1 "
+                         "blocks as int4 tiles); answers are then set against fp32 greedy, and counted as "
+                         "differing, not wrong")
     ap.add_argument("--sessions", type=int, default=0,
                     help="sessions the deployment serves at once (more clients wait in its queue); "
                          "0: as many as the most clients")
@@ -214,15 +216,16 @@ def main() -> None:
     from distributed import LocalCluster
 
     import seabiscuit_dask as sb
-    from seabiscuit_dask.models import load_gguf
+    from seabiscuit_dask.models import gguf_path, load_gguf
     from seabiscuit_dask.quantize import held_bytes
+    from seabiscuit_dask.runtime.access import readable
     from seabiscuit_dask.runtime.client import kv_reserve
     from seabiscuit_dask.serve import Server, make_app
-    from seabiscuit_dask.serve.server import Loaded, Source, deploy, running
+    from seabiscuit_dask.serve.server import Loaded, Source, deploy, load, running
 
     torch.set_num_threads(1)
     model, tok = load_gguf()
-    weights = held_bytes(model, args.quantize)
+    weights = held_bytes(model, "int4" if args.quantize == "gguf" else args.quantize)
     refs = references(model, tok, args.max_tokens)
     prefill_s, hf_batch = hf_anchors(model, tok, args.max_tokens, args.reps)
     sessions = args.sessions or max(levels)
@@ -233,16 +236,20 @@ def main() -> None:
           f"{args.workers} workers x 1 thread, "
           f"{budget / 2**20:.0f} MiB of budget each; {sessions} sessions of {args.context} tokens",
           flush=True)
-    with LocalCluster(n_workers=args.workers, threads_per_worker=1, resources={"MEM": budget},
-                      dashboard_address=None) as cluster, DaskClient(cluster) as client:
+    # NOTE: the workers may read the GGUF in place (``--quantize gguf``), as an embedded ``serve``'s do
+    with readable([gguf_path()]), \
+            LocalCluster(n_workers=args.workers, threads_per_worker=1, resources={"MEM": budget},
+                         dashboard_address=None) as cluster, DaskClient(cluster) as client:
         client.register_plugin(sb.SeaBiscuitSchedulerPlugin())
         server = Server()
         with running(make_app(server)) as url:
             t = time.perf_counter()
-            served = deploy(Loaded(Source("gguf", None, "smollm2"), model, model, tok, "smollm2",
-                                   "generate", scheme=args.quantize), client, sessions=sessions,
-                            context=args.context, budget=None, device=None,
-                            say=lambda s: print(s, flush=True))
+            say = lambda s: print(s, flush=True)
+            item = load(Source("gguf", None, "smollm2"), say) if args.quantize == "gguf" else \
+                Loaded(Source("gguf", None, "smollm2"), model, model, tok, "smollm2", "generate",
+                       scheme=args.quantize)
+            served = deploy(item, client, sessions=sessions, context=args.context, budget=None, device=None,
+                            say=say)
             server.add(served)
             print(f"ready in {time.perf_counter() - t:.1f} s ({sessions} sessions)\n", flush=True)
             ttft37 = first_token_s(url, PROMPTS[0], args.reps)
