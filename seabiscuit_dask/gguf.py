@@ -249,8 +249,14 @@ def not_in_place(path: str) -> str:
     return f"transformers' {type(processor).__name__} changes its tensors on load"
 
 
+_MAPS: dict[tuple[Any, ...], dict[str, tuple[str, int]]] = {}
+_MAPS_KEPT = 8
+
+
 def weights_map(path: str, model: torch.nn.Module | None = None) -> dict[str, tuple[str, int]]:
-    """HF param name -> (GGUF tensor name, heads whose rows are stored permuted, or 0)."""
+    """HF param name -> (GGUF tensor name, heads whose rows are stored permuted, or 0). Made once for
+    each version of the file and each model class and set of names (transformers takes 4 s to make it
+    for SmolLM2, and every step program a deployment traces binds to the file again)."""
     from transformers import modeling_gguf_pytorch_utils as gu
 
     config, processor = config_of(path)
@@ -259,6 +265,26 @@ def weights_map(path: str, model: torch.nn.Module | None = None) -> dict[str, tu
 
         with torch.device("meta"):
             model = tf.AutoModelForCausalLM.from_config(config)
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise BadCheckpoint(f"GGUF file {path!r} cannot be read: {e}") from e
+    key = (path, st.st_ino, st.st_size, st.st_mtime_ns, type(model).__qualname__,
+           tuple(model.state_dict(keep_vars=True)))
+    with _files_lock:
+        known = _MAPS.get(key)
+    if known is not None:
+        return dict(known)
+    out = _weights_map(path, model, config, processor, gu)
+    with _files_lock:
+        while len(_MAPS) >= _MAPS_KEPT:
+            del _MAPS[next(iter(_MAPS))]
+        _MAPS[key] = out
+    return dict(out)
+
+
+def _weights_map(path: str, model: torch.nn.Module, config: Any, processor: Any,
+                 gu: Any) -> dict[str, tuple[str, int]]:
     to_hf = gu.get_gguf_hf_weights_map(model, processor)
     permuted = type(processor).__name__ == "LlamaTensorProcessor"
     why = not_in_place(path)

@@ -304,3 +304,28 @@ def test_a_gguf_that_cannot_be_read_in_place_is_served_in_float32_and_dequantize
         assert cli.main(["generate", "--dequantize"]) == 0
         assert cli.main(["generate"]) == 0
     assert seen == [(None, True), ("int8", False)]
+
+
+def test_a_gguf_name_map_is_made_once_for_each_version_of_its_file(gguf_file: Path, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers takes seconds to map a GGUF's names (4 s for SmolLM2), and every step program binds
+    to the file again: the map is kept per file version, made afresh once the file changes."""
+    import shutil
+
+    from transformers import modeling_gguf_pytorch_utils as gu
+
+    from seabiscuit_dask.gguf import weights_map
+
+    made: list[int] = []
+    real = gu.get_gguf_hf_weights_map
+    monkeypatch.setattr(gu, "get_gguf_hf_weights_map", lambda *a, **kw: made.append(1) or real(*a, **kw))
+    copy = tmp_path / "copy.gguf"
+    shutil.copyfile(gguf_file, copy)
+    first = weights_map(os.fspath(copy))
+    calls = len(made)                                     # NOTE: transformers' map recurses into submodules
+    assert calls > 0 and first["model.layers.0.self_attn.q_proj.weight"] == ("blk.0.attn_q.weight", HEADS)
+    first["model.norm.weight"] = ("changed", 0)           # NOTE: a caller's copy: the kept map is untouched
+    again = weights_map(os.fspath(copy))
+    assert again["model.norm.weight"] == ("output_norm.weight", 0) and len(made) == calls
+    os.utime(copy, ns=(1, 1))                              # NOTE: another version of the file
+    assert weights_map(os.fspath(copy)) == again and len(made) == 2 * calls
