@@ -253,11 +253,10 @@ def block_runs(client, dm, since: float, until: float) -> list[dict]:
     return [r for r in seen if r["start"] >= since and r["start"] + r["duration_s"] <= until]
 
 
-def local_step(model, lead, context: int = 0):
-    """One decode step of the same step program in this process, 1 thread, run as the workers run
-    it (its ops as one ``BlockProgram`` over the same tiles), with no data plane or Dask, over a KV
-    cache that holds ``context`` tokens (as a session's does on the cluster): ``time(reps)`` gives
-    the median seconds of ``reps`` more steps."""
+def one_block(model, graph):
+    """``graph`` (a step program) as one ``BlockProgram`` in this process over ``model``'s weights, held
+    as its graph says (``lower.layout``), with a KV store of its own: (the block's spec, the program,
+    ``step(at)``: the seconds of one decode step of one row at cache slot ``at``)."""
     import numpy as np
 
     import seabiscuit_dask as sb
@@ -265,13 +264,8 @@ def local_step(model, lead, context: int = 0):
     from seabiscuit_dask.lower.kvcache import KVStore, using
     from seabiscuit_dask.lower.layout import held
     from seabiscuit_dask.runtime.generation import step_inputs
-    from seabiscuit_dask.trace.decoder import trace_step
     from seabiscuit_dask.weights import WeightStore
 
-    graph = sb.decompose(trace_step(model, 1, 1), lead.meta.get("budget_bytes") or None, like=lead)
-    # NOTE: its weights held and multiplied as the deployment's are (``lower.layout``)
-    graph = graph.with_meta(**{key: {n: v for n, v in (lead.meta.get(key) or {}).items() if n in graph.params}
-                               for key in ("weight_layouts", "matmul_forms")})
     spec = sb.ClusterSpec.synthetic("4xcpu", hosts=1, cpu_memory="64GiB")
     one = sb.Plan(graph, spec, np.zeros(len(graph.ops), dtype=int), "one", 0.0, {})
     (block,) = block_specs(one, "0" * 16)
@@ -286,6 +280,23 @@ def local_step(model, lead, context: int = 0):
         with using(store, "m"):
             program.run({n: feed[n] for n in graph.inputs})
         return time.perf_counter() - t
+
+    return block, program, step
+
+
+def local_step(model, lead, context: int = 0):
+    """One decode step of the same step program in this process, 1 thread, run as the workers run
+    it (its ops as one ``BlockProgram`` over the same tiles), with no data plane or Dask, over a KV
+    cache that holds ``context`` tokens (as a session's does on the cluster): ``time(reps)`` gives
+    the median seconds of ``reps`` more steps."""
+    import seabiscuit_dask as sb
+    from seabiscuit_dask.trace.decoder import trace_step
+
+    graph = sb.decompose(trace_step(model, 1, 1), lead.meta.get("budget_bytes") or None, like=lead)
+    # NOTE: its weights held and multiplied as the deployment's are (``lower.layout``)
+    graph = graph.with_meta(**{key: {n: v for n, v in (lead.meta.get(key) or {}).items() if n in graph.params}
+                               for key in ("weight_layouts", "matmul_forms")})
+    _, _, step = one_block(model, graph)
 
     def timed(reps: int) -> float:
         with threads(1):

@@ -39,7 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from bench_generate import chat_prompt, hf_once, sb_concurrent, sb_once
+from bench_generate import chat_prompt, hf_once, one_block, sb_concurrent, sb_once
 
 PARAGRAPH = ("The river rose slowly through the night, and by morning the lower fields were under water. "
              "Farmers moved their animals to the hills, while the children watched from the old stone "
@@ -135,24 +135,12 @@ def step_breakdown(model, scheme: str | None, context: int = 100, reps: int = 20
     KV cache of ``context`` tokens. ms a step (medians of ``reps``): the whole step, weight matmuls,
     attention, the other ops (each timed alone in other steps), and dispatch (the step, timed with no
     timer around its ops, less its ops: the program's own loop); and the number of ops."""
-    import numpy as np
-
     import seabiscuit_dask as sb
-    from seabiscuit_dask.lower.blocks import BlockProgram, block_specs
-    from seabiscuit_dask.lower.kvcache import KVStore, using
-    from seabiscuit_dask.lower.layout import held
     from seabiscuit_dask.quantize import quantize
-    from seabiscuit_dask.runtime.generation import step_inputs
     from seabiscuit_dask.trace.decoder import trace_step
-    from seabiscuit_dask.weights import WeightStore
 
     graph = sb.decompose(quantize(trace_step(model, 1, 1), scheme), 16 * 2**20)
-    spec = sb.ClusterSpec.synthetic("4xcpu", hosts=1, cpu_memory="64GiB")
-    one = sb.Plan(graph, spec, np.zeros(len(graph.ops), dtype=int), "one", 0.0, {})
-    (block,) = block_specs(one, "0" * 16)
-    load = WeightStore.from_weights(model).load
-    program = BlockProgram(block, {n: held(load(p), block.layouts.get(n)) for n, p in block.params.items()},
-                           torch.device("cpu"))
+    block, program, step = one_block(model, graph)
     spent: dict[str, list[float]] = {"matmuls": [], "attention": [], "other": []}     # NOTE: ms, per step
     timing = [False]
 
@@ -170,15 +158,6 @@ def step_breakdown(model, scheme: str | None, context: int = 100, reps: int = 20
              for op in block.ops]
     if len(program.steps) == len(kinds):     # NOTE: each op its own kernel (no fused groups)
         program.steps = [(timed(fn, kind), *rest) for (fn, *rest), kind in zip(program.steps, kinds)]
-    store = KVStore()
-
-    def step(at: int) -> float:
-        feed = step_inputs([(0, at, [1])], 1, 1)
-        t = time.perf_counter()
-        with using(store, "m"):
-            program.run({n: feed[n] for n in graph.inputs})
-        return time.perf_counter() - t
-
     old = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
