@@ -27,11 +27,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from dask.sizeof import sizeof
 
+from .. import config
 from ..errors import InvalidGraph
 from ..ir import Op, OpGraph, ParamSpec, TensorSpec
 from .fuse import LinearGroupKernel, fused_linear, linear_groups, span
 from .kernels import compile_args, resolve_target
 from .layout import LINEAR, check_forms, check_layouts, columns_kernel
+from .patterns import op_groups
 from .registry import require_registered
 
 if TYPE_CHECKING:
@@ -281,7 +283,7 @@ class BlockProgram:
     """
 
     def __init__(self, spec: BlockSpec, weights: Mapping[str, torch.Tensor], device: torch.device,
-                 fuse: bool = False) -> None:
+                 fuse: bool = False, fuse_ops: bool | None = None) -> None:
         require_registered(spec.ops, f"block b{spec.index} of model {spec.model}")
         self.spec = spec
         self.device = device
@@ -290,8 +292,17 @@ class BlockProgram:
         kernels: list[tuple[Any, Any, Any, tuple[str, ...], tuple[str, ...], bool]] = []
         fused = self._fused(fuse)
         skip = {j for first, (_, members) in fused.items() for j in members if j != first}
+        if fuse_ops is None:
+            fuse_ops = bool(config.get("lower.fuse-ops"))
+        groups = {g.at: g for g in op_groups(spec.ops, spec.exports)} if fuse_ops else {}
+        skip |= {j for g in groups.values() for j in g.ops}
+        self.op_groups = {kind: sum(g.kind == kind for g in groups.values())
+                          for kind in dict.fromkeys(g.kind for g in groups.values())}
         for i, op in enumerate(spec.ops):
-            if i in fused:
+            if i in groups:
+                g = groups[i]
+                kernels.append((g.kernel, compile_args(g.args, device), None, g.reads, g.outputs, True))
+            elif i in fused:
                 kernel, members = fused[i]
                 ins = tuple(dict.fromkeys(t for j in members for t in spec.ops[j].inputs))
                 outs = tuple(spec.ops[j].outputs[0] for j in members)
