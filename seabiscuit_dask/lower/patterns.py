@@ -281,7 +281,8 @@ def _rotary(g: _Graph, c: int, signed: _Signed) -> OpGroup | None:
                    (g.ops[ad].outputs[0],), _rotary_kernel(half, int(a1[1]), first, signed))
 
 
-def _rotary_kernel(half: int, dim: int, cos_first: bool, signed: _Signed) -> Callable[..., tuple[torch.Tensor]]:
+def _rotary_kernel(half: int, dim: int, cos_first: bool,
+                   signed: _Signed) -> Callable[..., tuple[torch.Tensor]]:
     def run(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor]:
         if q.shape[-1] != 2 * half or dim % q.dim() != q.dim() - 1 or sin.shape[-1] != 2 * half:
             rot = torch.cat((-q[..., half:], q[..., :half]), dim=-1)      # NOTE: the graph's own steps
