@@ -274,21 +274,28 @@ def kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sessions: to
         spec = ScoreSpec(None if softcap is None else float(softcap),
                          None if alibi is None else tuple(float(a) for a in alibi), alibi_dtype,
                          float(alibi_scale))
+    # NOTE: each row's session, start and whether all its tokens are real, read in three calls, not
+    # three a row (a decode step's attention is mostly such small calls)
+    ids, starts, full = sessions.tolist(), start.tolist(), valid.all(dim=1).tolist()
+    layer = int(layer)
+    if len(ids) == 1 and ids[0] >= 0 and full[0]:       # NOTE: one row of real tokens: no copy out
+        keys, values = store.write(model, ids[0], layer, starts[0], k[0], v[0], context)
+        return _attend(q[0], keys, values, starts[0], scale, window, spec).unsqueeze(0)
     out = q.new_zeros((*q.shape[:3], v.shape[3]))
     for b in range(q.shape[0]):
-        s = int(sessions[b])
+        s = ids[b]
         if s < 0:
             continue
         row = valid[b]
-        st = int(start[b])
-        if bool(row.all()):          # NOTE: every token real (most steps): slices, no gathers
-            keys, values = store.write(model, s, int(layer), st, k[b], v[b], context)
+        st = starts[b]
+        if full[b]:          # NOTE: every token real (most steps): slices, no gathers
+            keys, values = store.write(model, s, layer, st, k[b], v[b], context)
             out[b] = _attend(q[b], keys, values, st, scale, window, spec)
             continue
         idx = row.nonzero().flatten()
         if not len(idx):
             continue
-        keys, values = store.write(model, s, int(layer), st, k[b][:, idx], v[b][:, idx], context)
+        keys, values = store.write(model, s, layer, st, k[b][:, idx], v[b][:, idx], context)
         out[b][:, idx] = _attend(q[b][:, idx], keys, values, st, scale, window, spec)
     return out
 
@@ -315,7 +322,10 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
         if spec is not None:
             parts.append(_scored(q[:, a:b], k[:, lo:seen], v[:, lo:seen], start + a, lo, scale, window, spec))
             continue
-        keys, values = k[:, lo:seen].unsqueeze(0), v[:, lo:seen].unsqueeze(0)
+        if lo == 0 and seen == total:       # NOTE: the whole cache (a decode step): no slice to make
+            keys, values = k.unsqueeze(0), v.unsqueeze(0)
+        else:
+            keys, values = k[:, lo:seen].unsqueeze(0), v[:, lo:seen].unsqueeze(0)
         if m == 1:
             mask, causal = None, False        # NOTE: one token sees every slot up to its own
         elif m == seen and window is None:
@@ -330,7 +340,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
             if window is not None:
                 mask &= slot > pos - window
         out = torch.nn.functional.scaled_dot_product_attention(
-            q[:, a:b].unsqueeze(0), keys, values, attn_mask=mask, is_causal=causal, scale=scale,
+            (q if m == n else q[:, a:b]).unsqueeze(0), keys, values, attn_mask=mask, is_causal=causal, scale=scale,
             enable_gqa=True)[0]
         parts.append(out)
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)

@@ -1,0 +1,107 @@
+"""Runs of a block's small ops run as one kernel each (``lower.patterns``): the same numbers, fewer calls."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+import seabiscuit_dask as sb
+from seabiscuit_dask.ir import Op
+from seabiscuit_dask.lower.blocks import BlockProgram, block_specs
+from seabiscuit_dask.lower.kvcache import KVStore, using
+from seabiscuit_dask.lower.layout import held
+from seabiscuit_dask.lower.patterns import _rotary_kernel, _Signed, op_groups, writes_in_place
+from seabiscuit_dask.quantize import quantize
+from seabiscuit_dask.runtime.generation import step_inputs
+from seabiscuit_dask.trace.decoder import trace_step
+from seabiscuit_dask.weights import WeightStore
+
+from . import models as M
+
+
+def one_block(model, rows: int, length: int, scheme: str | None, budget: str = "16MiB"):
+    """The decode step program of ``model`` (``rows`` x ``length`` tokens) decomposed for ``budget``, as
+    one block, and its weights."""
+    graph = sb.decompose(quantize(trace_step(model, rows, length), scheme), budget)
+    spec = sb.ClusterSpec.synthetic("4xcpu", hosts=1, cpu_memory="64GiB")
+    plan = sb.Plan(graph, spec, np.zeros(len(graph.ops), dtype=int), "one", 0.0, {})
+    (block,) = block_specs(plan, "0" * 16)
+    load = WeightStore.from_weights(model).load
+    return graph, block, {n: held(load(p), block.layouts.get(n)) for n, p in block.params.items()}
+
+
+def steps(graph, block, weights, fuse_ops: bool, rows: int, length: int) -> tuple[BlockProgram, list]:
+    """Three steps of ``rows`` sessions, ``length`` tokens each, on a fresh KV store: every export."""
+    program = BlockProgram(block, weights, torch.device("cpu"), fuse_ops=fuse_ops)
+    store, got = KVStore(), []
+    for at in (0, length, 2 * length):
+        feed = step_inputs([(s, at, [(7 * s + 3 * at + j) % M.VOCAB for j in range(length)])
+                            for s in range(rows)], rows, length)
+        with using(store, "m"):
+            got.append(program.run({n: feed[n] for n in graph.inputs}))
+    return program, got
+
+
+@pytest.mark.parametrize("scheme,rows,length,budget", [
+    (None, 1, 1, "16MiB"), (None, 2, 5, "16MiB"), ("int4", 1, 1, "16MiB"), ("int4", 3, 2, "16MiB"),
+    ("int8", 2, 1, "16MiB"), (None, 2, 5, "64KiB"), ("int4", 3, 2, "64KiB")])
+def test_fused_runs_give_the_same_bits_in_fewer_calls(scheme, rows, length, budget) -> None:
+    graph, block, weights = one_block(M.llama(), rows, length, scheme, budget)
+    plain, want = steps(graph, block, weights, False, rows, length)
+    fused, got = steps(graph, block, weights, True, rows, length)
+    for a, b in zip(want, got):
+        assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+    layers = 2
+    assert plain.op_groups == {}
+    if budget != "16MiB":
+        # NOTE: cut into tiles, a run is split across tiles and joins (a query's heads in two): the runs
+        # left whole are fused, the rest run op by op, and every bit is the same
+        assert fused.op_groups["rms_norm"] >= 1 and len(fused.steps) < len(plain.steps)
+        return
+    assert fused.op_groups["rms_norm"] == 2 * layers + 1          # two a layer and the final norm
+    assert fused.op_groups["rotary"] == 2 * layers                # the query and key of each layer
+    assert fused.op_groups.get("q4_inputs", 0) == (2 * layers if scheme == "int4" else 0)
+    assert len(fused.steps) < len(plain.steps) - 12 * 2 * layers
+
+
+def test_a_run_whose_inner_tensor_leaves_the_block_is_not_fused() -> None:
+    _, block, _ = one_block(M.llama(), 1, 1, None)
+    groups = op_groups(block.ops, block.exports)
+    norm = next(g for g in groups if g.kind == "rms_norm")
+    rsqrt = next(i for i in norm.ops if block.ops[i].target == "aten.rsqrt.default")
+    inner = block.ops[rsqrt].outputs[0]
+    again = op_groups(block.ops, (*block.exports, inner))        # exported: another block reads it
+    assert all(rsqrt not in g.ops for g in again)
+    assert len([g for g in again if g.kind == "rms_norm"]) == len([g for g in groups if g.kind == "rms_norm"]) - 1
+    # a reader outside the run (here: an op added after it reading the inner tensor) keeps it apart too
+    extra = Op("extra", "call_function", "aten.neg.default", (inner,), ("extra_out",),
+               attrs={"args": ({"t": inner},)})
+    assert all(rsqrt not in g.ops for g in op_groups((*block.ops, extra), block.exports))
+
+
+def test_a_block_that_writes_in_place_is_left_as_it_is() -> None:
+    _, block, _ = one_block(M.llama(), 1, 1, None)
+    first = block.ops[0]
+    inplace = dataclasses.replace(first, name="w", target="aten.add_.Tensor")
+    assert writes_in_place(inplace) and not writes_in_place(first)
+    assert not writes_in_place(dataclasses.replace(first, target="aten._to_copy.default"))
+    assert op_groups((*block.ops, inplace), block.exports) == []
+
+
+def test_the_rotary_kernel_is_the_graphs_formula_for_any_width() -> None:
+    torch.manual_seed(0)
+    for width, half in ((64, 32), (10, 4)):        # NOTE: a half that is not half the width: the graph's steps
+        q = torch.randn(1, 3, 5, width).transpose(1, 2)
+        cos, sin = torch.randn(1, 5, 1, width), torch.randn(1, 5, 1, width)
+        want = q * cos + torch.cat((-q[..., half:], q[..., :half]), dim=-1) * sin
+        signed = _Signed()
+        run = _rotary_kernel(half, 3, True, signed)
+        (got,) = run(q, cos, sin)
+        assert torch.equal(got, want)
+        (again,) = run(q * 2, cos, sin)           # NOTE: the signed table is made once for this sin
+        assert torch.equal(again, (q * 2) * cos + torch.cat((-(q * 2)[..., half:], (q * 2)[..., :half]), -1) * sin)
+        (other,) = run(q, cos, sin * 3)           # NOTE: and again for another
+        assert torch.equal(other, q * cos + torch.cat((-q[..., half:], q[..., :half]), dim=-1) * (sin * 3))
