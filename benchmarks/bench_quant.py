@@ -129,18 +129,25 @@ MATMULS = ("sb.q4linear.default", "sb.qlinear.default", "aten.linear.default", "
 """Ops that stream a weight: what a decode step's bytes are spent in."""
 
 
-def step_breakdown(model, scheme: str | None, context: int = 100, reps: int = 20) -> dict[str, float]:
+def step_breakdown(model, scheme: str | None, context: int = 100, reps: int = 20,
+                   fuse_ops: bool = True) -> dict[str, float]:
     """Where one decode step of SmolLM2 goes, in this process on 1 thread: the step program decomposed
     and quantized as a deployment's (``scheme``), run as one ``BlockProgram`` (no data plane) over a
-    KV cache of ``context`` tokens. ms a step (medians of ``reps``): the whole step, weight matmuls,
-    attention, the other ops (each timed alone in other steps), and dispatch (the step, timed with no
-    timer around its ops, less its ops: the program's own loop); and the number of ops."""
+    KV cache of ``context`` tokens, its runs of small ops fused into one kernel each or not
+    (``fuse_ops``, ``lower.patterns``). ms a step (medians of ``reps``): the whole step, weight matmuls,
+    attention, the other ops (each kernel timed alone in other steps), and dispatch (the step, timed
+    with no timer around its kernels, less its kernels: the program's own loop); the number of ops and
+    of kernels run."""
+    import dask.config
+
     import seabiscuit_dask as sb
+    from seabiscuit_dask.lower.patterns import op_groups
     from seabiscuit_dask.quantize import quantize
     from seabiscuit_dask.trace.decoder import trace_step
 
     graph = sb.decompose(quantize(trace_step(model, 1, 1), scheme), 16 * 2**20)
-    block, program, step = one_block(model, graph)
+    with dask.config.set({"seabiscuit.lower.fuse-ops": fuse_ops}):
+        block, program, step = one_block(model, graph)
     spent: dict[str, list[float]] = {"matmuls": [], "attention": [], "other": []}     # NOTE: ms, per step
     timing = [False]
 
@@ -154,9 +161,16 @@ def step_breakdown(model, scheme: str | None, context: int = 100, reps: int = 20
             return out
         return run
 
-    kinds = ["matmuls" if op.target in MATMULS else "attention" if op.target == "sb.kv_attention" else "other"
-             for op in block.ops]
-    if len(program.steps) == len(kinds):     # NOTE: each op its own kernel (no fused groups)
+    groups = {g.at: g for g in op_groups(block.ops, block.exports)} if fuse_ops else {}
+    inside = {j for g in groups.values() for j in g.ops}
+    kinds = []
+    for i, op in enumerate(block.ops):
+        if i in groups:
+            kinds.append("matmuls" if groups[i].kind == "q4_inputs" else "other")
+        elif i not in inside:
+            kinds.append("matmuls" if op.target in MATMULS else "attention" if op.target == "sb.kv_attention"
+                         else "other")
+    if len(program.steps) == len(kinds):     # NOTE: each kernel an op or a fused run (no linear groups)
         program.steps = [(timed(fn, kind), *rest) for (fn, *rest), kind in zip(program.steps, kinds)]
     old = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -172,7 +186,7 @@ def step_breakdown(model, scheme: str | None, context: int = 100, reps: int = 20
             whole.append(step(context))
     finally:
         torch.set_num_threads(old)
-    out = {"step": alone * 1e3, "ops": float(len(block.ops))}
+    out = {"step": alone * 1e3, "ops": float(len(block.ops)), "kernels": float(len(program.steps))}
     for kind in ("matmuls", "attention", "other"):
         out[kind] = statistics.median(spent[kind]) * 1e3
     out["dispatch"] = out["step"] - out["matmuls"] - out["attention"] - out["other"]
@@ -300,15 +314,19 @@ def main() -> None:
     model, tok = load_gguf()
     if args.breakdown:
         print("\none decode step of SmolLM2 in this process, 1 thread, 100 tokens cached: ms a step (medians "
-              "of 20); dispatch is the step less its ops' own time\n")
-        print("| weights | step | weight matmuls | attention | other ops | dispatch | ops |")
-        print("|---|---|---|---|---|---|---|")
+              "of 20); dispatch is the step less its kernels' own time; fused: runs of small ops as one "
+              "kernel each (seabiscuit.lower.fuse-ops), else every op its own\n")
+        print("| weights | small ops | step | weight matmuls | attention | other ops | dispatch | ops "
+              "| kernels |")
+        print("|---|---|---|---|---|---|---|---|---|")
         for scheme in args.schemes.split(","):
             if scheme == "gguf":
                 continue        # NOTE: the same ops and kernels as int4
-            b = step_breakdown(model, None if scheme == "none" else scheme)
-            print(f"| {scheme} | {b['step']:.2f} | {b['matmuls']:.2f} | {b['attention']:.2f} | "
-                  f"{b['other']:.2f} | {b['dispatch']:.2f} | {b['ops']:.0f} |", flush=True)
+            for fuse_ops in (False, True):
+                b = step_breakdown(model, None if scheme == "none" else scheme, fuse_ops=fuse_ops)
+                print(f"| {scheme} | {'fused' if fuse_ops else 'one by one'} | {b['step']:.2f} | "
+                      f"{b['matmuls']:.2f} | {b['attention']:.2f} | {b['other']:.2f} | {b['dispatch']:.2f} | "
+                      f"{b['ops']:.0f} | {b['kernels']:.0f} |", flush=True)
         return
     ids = chat_prompt(tok, args.prompt_tokens)
     prompts = [chat_prompt(tok, 20 + 7 * i) for i in range(args.sessions)]

@@ -75,7 +75,8 @@ def test_a_run_whose_inner_tensor_leaves_the_block_is_not_fused() -> None:
     inner = block.ops[rsqrt].outputs[0]
     again = op_groups(block.ops, (*block.exports, inner))        # exported: another block reads it
     assert all(rsqrt not in g.ops for g in again)
-    assert len([g for g in again if g.kind == "rms_norm"]) == len([g for g in groups if g.kind == "rms_norm"]) - 1
+    norms = [g for g in groups if g.kind == "rms_norm"]
+    assert len([g for g in again if g.kind == "rms_norm"]) == len(norms) - 1
     # a reader outside the run (here: an op added after it reading the inner tensor) keeps it apart too
     extra = Op("extra", "call_function", "aten.neg.default", (inner,), ("extra_out",),
                attrs={"args": ({"t": inner},)})
@@ -93,7 +94,8 @@ def test_a_block_that_writes_in_place_is_left_as_it_is() -> None:
 
 def test_the_rotary_kernel_is_the_graphs_formula_for_any_width() -> None:
     torch.manual_seed(0)
-    for width, half in ((64, 32), (10, 4)):        # NOTE: a half that is not half the width: the graph's steps
+    # NOTE: (10, 4): a half that is not half the width, computed as the graph's own steps
+    for width, half in ((64, 32), (10, 4)):
         q = torch.randn(1, 3, 5, width).transpose(1, 2)
         cos, sin = torch.randn(1, 5, 1, width), torch.randn(1, 5, 1, width)
         want = q * cos + torch.cat((-q[..., half:], q[..., :half]), dim=-1) * sin
@@ -102,6 +104,7 @@ def test_the_rotary_kernel_is_the_graphs_formula_for_any_width() -> None:
         (got,) = run(q, cos, sin)
         assert torch.equal(got, want)
         (again,) = run(q * 2, cos, sin)           # NOTE: the signed table is made once for this sin
-        assert torch.equal(again, (q * 2) * cos + torch.cat((-(q * 2)[..., half:], (q * 2)[..., :half]), -1) * sin)
+        q2 = q * 2
+        assert torch.equal(again, q2 * cos + torch.cat((-q2[..., half:], q2[..., :half]), -1) * sin)
         (other,) = run(q, cos, sin * 3)           # NOTE: and again for another
         assert torch.equal(other, q * cos + torch.cat((-q[..., half:], q[..., :half]), dim=-1) * (sin * 3))

@@ -340,8 +340,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
             if window is not None:
                 mask &= slot > pos - window
         out = torch.nn.functional.scaled_dot_product_attention(
-            (q if m == n else q[:, a:b]).unsqueeze(0), keys, values, attn_mask=mask, is_causal=causal, scale=scale,
-            enable_gqa=True)[0]
+            (q if m == n else q[:, a:b]).unsqueeze(0), keys, values, attn_mask=mask, is_causal=causal,
+            scale=scale, enable_gqa=True)[0]
         parts.append(out)
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
