@@ -108,3 +108,29 @@ def test_the_rotary_kernel_is_the_graphs_formula_for_any_width() -> None:
         assert torch.equal(again, q2 * cos + torch.cat((-q2[..., half:], q2[..., :half]), -1) * sin)
         (other,) = run(q, cos, sin * 3)           # NOTE: and again for another
         assert torch.equal(other, q * cos + torch.cat((-q[..., half:], q[..., :half]), dim=-1) * (sin * 3))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_norm_kernel_is_the_graphs_formula_in_either_dtype(dtype) -> None:
+    from seabiscuit_dask.lower.patterns import _rms_kernel
+
+    x = (torch.randn(3, 7, 96) * torch.logspace(-2, 2, 7).unsqueeze(1)).to(dtype)
+    w = torch.randn(96).to(dtype)
+    h = x.float()
+    want = w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+    got, kept = _rms_kernel(torch.float32, 1e-6, dtype, True)(x, w)
+    assert torch.equal(got, want) and torch.equal(kept, h)
+    (plain,) = _rms_kernel(None, 1e-6, None, False)(x)
+    assert torch.equal(plain, x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
+def test_a_torch_whose_rms_norm_differs_is_not_used(monkeypatch) -> None:
+    from seabiscuit_dask.lower import patterns
+
+    monkeypatch.setattr(patterns, "_SAME_NORM", {})
+    real = torch.rms_norm
+    monkeypatch.setattr(torch, "rms_norm", lambda x, shape, w, eps: real(x, shape, w, eps) * (1 + 2 ** -20))
+    x = torch.randn(4, 80)
+    assert not patterns.same_norm(x, 1e-5)
+    (got,) = patterns._rms_kernel(None, 1e-5, None, False)(x)
+    assert torch.equal(got, x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))

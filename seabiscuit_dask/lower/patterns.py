@@ -7,8 +7,8 @@ in fewer calls and returns each as an ``OpGroup``: the ops it stands for, the op
 the tensors it writes and a kernel. Each kernel computes bit for bit what its ops compute:
 
 - ``rms_norm``: ``x.to(f32)``, ``pow(2)``, ``mean(-1)``, ``+ eps``, ``rsqrt``, ``*``, ``.to(dtype)``,
-  ``weight *`` (Hugging Face's ``RMSNorm``) as one function of the same operations, less the casts
-  that change nothing;
+  ``weight *`` (Hugging Face's ``RMSNorm``) as one function: ``torch.rms_norm`` where it gives the
+  same bits for that dtype and width (``same_norm``, tried once), else the same operations;
 - ``rotary``: ``q * cos + cat(-q2, q1) * sin`` as ``q * cos + roll(q, half) * sin'``, where ``sin'``
   is ``sin`` with its first half negated (made once per ``sin`` a step, shared by the query and key
   of a layer): a product with a negated factor is the negated product, exactly;
@@ -212,11 +212,33 @@ def _rms_norm(g: _Graph, r: int) -> OpGroup | None:
                    tuple(outputs), _rms_kernel(lead_dtype, float(eps), cast, len(outputs) == 2))
 
 
+_SAME_NORM: dict[tuple[torch.dtype, torch.device, int, float], bool] = {}
+
+
+def same_norm(h: torch.Tensor, eps: float) -> bool:
+    """Whether ``torch.rms_norm`` over the last dimension gives, bit for bit, the graph's
+    ``h * rsqrt(mean(h ** 2) + eps)`` for tensors like ``h`` (its dtype, device and width): tried once
+    on 64 rows of numbers of several scales (this torch computes it with the same operations on a
+    CPU; another build, or another device, may fuse it otherwise, and then the graph's steps run)."""
+    key = (h.dtype, h.device, int(h.shape[-1]), eps)
+    got = _SAME_NORM.get(key)
+    if got is None:
+        g = torch.Generator().manual_seed(0)
+        probe = (torch.randn(64, key[2], generator=g) * torch.logspace(-3, 2, 64).unsqueeze(1))
+        probe = probe.to(h.dtype).to(h.device)
+        want = probe * torch.rsqrt(probe.pow(2).mean(-1, keepdim=True) + eps)
+        got = _SAME_NORM[key] = bool(torch.equal(torch.rms_norm(probe, (key[2],), None, eps), want))
+    return got
+
+
 def _rms_kernel(lead: torch.dtype | None, eps: float, cast: torch.dtype | None,
                 keep: bool) -> Callable[..., tuple[torch.Tensor, ...]]:
     def run(x: torch.Tensor, w: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
         h = x.to(lead) if lead is not None else x
-        y = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        if h.dim() and same_norm(h, eps):
+            y = torch.rms_norm(h, (h.shape[-1],), None, eps)
+        else:
+            y = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
         if cast is not None:
             y = y.to(cast)
         if w is not None:
