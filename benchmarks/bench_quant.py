@@ -32,6 +32,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -130,14 +131,14 @@ MATMULS = ("sb.q4linear.default", "sb.qlinear.default", "aten.linear.default", "
 
 
 def step_breakdown(model, scheme: str | None, context: int = 100, reps: int = 20,
-                   fuse_ops: bool = True) -> dict[str, float]:
+                   fuse_ops: bool = True) -> tuple[dict[str, float], Callable[[], float]]:
     """Where one decode step of SmolLM2 goes, in this process on 1 thread: the step program decomposed
     and quantized as a deployment's (``scheme``), run as one ``BlockProgram`` (no data plane) over a
     KV cache of ``context`` tokens, its runs of small ops fused into one kernel each or not
     (``fuse_ops``, ``lower.patterns``). ms a step (medians of ``reps``): the whole step, weight matmuls,
     attention, the other ops (each kernel timed alone in other steps), and dispatch (the step, timed
     with no timer around its kernels, less its kernels: the program's own loop); the number of ops and
-    of kernels run."""
+    of kernels run; and a function timing one more step (seconds, no timers around its kernels)."""
     import dask.config
 
     import seabiscuit_dask as sb
@@ -190,7 +191,15 @@ def step_breakdown(model, scheme: str | None, context: int = 100, reps: int = 20
     for kind in ("matmuls", "attention", "other"):
         out[kind] = statistics.median(spent[kind]) * 1e3
     out["dispatch"] = out["step"] - out["matmuls"] - out["attention"] - out["other"]
-    return out
+    timing[0] = False
+
+    def again() -> float:
+        torch.set_num_threads(1)
+        try:
+            return step(context)
+        finally:
+            torch.set_num_threads(old)
+    return out, again
 
 
 def fidelity(model, tok, scheme: str) -> tuple[float, float, float]:
@@ -319,14 +328,25 @@ def main() -> None:
         print("| weights | small ops | step | weight matmuls | attention | other ops | dispatch | ops "
               "| kernels |")
         print("|---|---|---|---|---|---|---|---|---|")
+        speedups: list[str] = []
         for scheme in args.schemes.split(","):
             if scheme == "gguf":
                 continue        # NOTE: the same ops and kernels as int4
+            again = {}
             for fuse_ops in (False, True):
-                b = step_breakdown(model, None if scheme == "none" else scheme, fuse_ops=fuse_ops)
+                b, again[fuse_ops] = step_breakdown(model, None if scheme == "none" else scheme,
+                                                    fuse_ops=fuse_ops)
                 print(f"| {scheme} | {'fused' if fuse_ops else 'one by one'} | {b['step']:.2f} | "
                       f"{b['matmuls']:.2f} | {b['attention']:.2f} | {b['other']:.2f} | {b['dispatch']:.2f} | "
                       f"{b['ops']:.0f} | {b['kernels']:.0f} |", flush=True)
+            # NOTE: the two programs' steps taken in turns, so that the machine's drift falls on both alike
+            turns: dict[bool, list[float]] = {False: [], True: []}
+            for _ in range(40):
+                for fuse_ops in (False, True):
+                    turns[fuse_ops].append(again[fuse_ops]())
+            plain, fused = (statistics.median(turns[f]) * 1e3 for f in (False, True))
+            speedups.append(f"{scheme}: {plain:.2f} ms one by one, {fused:.2f} fused ({plain / fused:.3f}x)")
+        print("\nthe two ways in turns, 40 steps each (medians): " + "; ".join(speedups))
         return
     ids = chat_prompt(tok, args.prompt_tokens)
     prompts = [chat_prompt(tok, 20 + 7 * i) for i in range(args.sessions)]
