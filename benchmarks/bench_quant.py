@@ -358,6 +358,9 @@ def main() -> None:
     print(f"\nSmolLM2-135M-Instruct on {args.workers} workers x 1 thread (fp32 weights {weights / 2**20:.0f} "
           "MiB), each with room for a share of the weights as the deployment holds them, never all; "
           f"{args.new} new tokens, medians of {args.reps}")
+    if args.llama_cpp_python and not os.access(args.llama_cpp_python, os.X_OK):
+        raise SystemExit(f"--llama-cpp-python {args.llama_cpp_python}: no interpreter there; give a venv's "
+                         "bin/python with llama-cpp-python installed, or leave the option out")
     cpp = {n: llama_cpp(args.llama_cpp_python, ids, args.new, n, args.reps) for n in (1, 2)}
     if cpp[1] is None:
         print("llama.cpp: llama-cpp-python is not installed (pip install llama-cpp-python, here or in a venv "

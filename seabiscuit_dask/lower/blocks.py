@@ -30,7 +30,7 @@ from dask.sizeof import sizeof
 from .. import config
 from ..errors import InvalidGraph
 from ..ir import Op, OpGraph, ParamSpec, TensorSpec
-from .fuse import LinearGroupKernel, fused_linear, linear_groups, span
+from .fuse import LinearGroupKernel, fused_linear, linear_groups, should_fuse, span
 from .kernels import compile_args, resolve_target
 from .layout import LINEAR, check_forms, check_layouts, columns_kernel
 from .patterns import op_groups
@@ -293,7 +293,7 @@ class BlockProgram:
         fused = self._fused(fuse)
         skip = {j for first, (_, members) in fused.items() for j in members if j != first}
         if fuse_ops is None:
-            fuse_ops = bool(config.get("lower.fuse-ops"))
+            fuse_ops = should_fuse(device, config.get("lower.fuse-ops"))
         groups = {g.at: g for g in op_groups(spec.ops, spec.exports)} if fuse_ops else {}
         skip |= {j for g in groups.values() for j in g.ops}
         self.op_groups = {kind: sum(g.kind == kind for g in groups.values())

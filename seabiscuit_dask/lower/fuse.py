@@ -113,7 +113,9 @@ def fused_linear(weight: torch.Tensor, bias: torch.Tensor | None, sizes: Sequenc
 
 
 def should_fuse(device: torch.device, setting: Any) -> bool:
-    """Config ``seabiscuit.lower.fuse-tiles``: ``auto`` (on a GPU, where launches cost most), or a bool."""
+    """A fusion setting (``seabiscuit.lower.fuse-tiles``, ``fuse-ops``): ``auto`` (on a GPU, where
+    launches cost most), or a bool, given as one or as text (``false``, ``0``, ``off`` from an
+    environment variable)."""
     if isinstance(setting, str) and setting.lower() == "auto":
         return device.type == "cuda"
     if isinstance(setting, str):
