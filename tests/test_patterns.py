@@ -134,3 +134,76 @@ def test_a_torch_whose_rms_norm_differs_is_not_used(monkeypatch) -> None:
     assert not patterns.same_norm(x, 1e-5)
     (got,) = patterns._rms_kernel(None, 1e-5, None, False)(x)
     assert torch.equal(got, x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+
+
+def _rotary_ops(sin: str = "sin", dim: int = -1, cat_dim: int = -1) -> list[Op]:
+    """``q * cos + cat(-q[half:], q[:half]) * <sin>`` as a graph's ops, a half of 4."""
+    def op(name: str, target: str, args: tuple, out: str) -> Op:
+        inputs = tuple(dict.fromkeys(a["t"] for a in _refs(args)))
+        return Op(name, "call_function", target, inputs, (out,), attrs={"args": args})
+    return [op("s1", "aten.slice.Tensor", ({"t": "q"}, dim, 0, 4), "x1"),
+            op("s2", "aten.slice.Tensor", ({"t": "q"}, dim, 4, 2 ** 63 - 1), "x2"),
+            op("n", "aten.neg.default", ({"t": "x2"},), "n"),
+            op("c", "aten.cat.default", ([{"t": "n"}, {"t": "x1"}], cat_dim), "ct"),
+            op("ms", "aten.mul.Tensor", ({"t": "ct"}, {"t": sin}), "ms"),
+            op("mc", "aten.mul.Tensor", ({"t": "q"}, {"t": "cos"}), "mc"),
+            op("ad", "aten.add.Tensor", ({"t": "mc"}, {"t": "ms"}), "out")]
+
+
+def _refs(args):
+    for a in args:
+        if isinstance(a, dict) and "t" in a:
+            yield a
+        elif isinstance(a, (list, tuple)):
+            yield from _refs(a)
+
+
+def _run_both(ops: list[Op], feed: dict[str, torch.Tensor]) -> tuple[BlockProgram, torch.Tensor,
+                                                                     torch.Tensor]:
+    from seabiscuit_dask.ir import TensorSpec
+    from seabiscuit_dask.lower.blocks import BlockSpec
+
+    imports = {n: TensorSpec(tuple(t.shape), "float32") for n, t in feed.items()}
+    spec = BlockSpec("m", 0, 0, "cpu", tuple(ops), {}, imports, ("out",), tuple(-1 for _ in imports))
+    plain = BlockProgram(spec, {}, torch.device("cpu"), fuse_ops=False).run(feed)["out"]
+    fused = BlockProgram(spec, {}, torch.device("cpu"), fuse_ops=True)
+    return fused, plain, fused.run(feed)["out"]
+
+
+def test_a_rotary_run_is_fused_only_with_cos_and_sin_from_outside_it() -> None:
+    torch.manual_seed(1)
+    feed = {"q": torch.randn(2, 3, 5, 8), "cos": torch.randn(1, 1, 5, 8), "sin": torch.randn(1, 1, 5, 8)}
+    program, plain, fused = _run_both(_rotary_ops(), feed)
+    assert program.op_groups == {"rotary": 1} and len(program.steps) == 1 and torch.equal(plain, fused)
+    # NOTE: the slices along dim 3 of a 4-d q: the same run
+    program, plain, fused = _run_both(_rotary_ops(dim=3), feed)
+    assert program.op_groups == {"rotary": 1} and torch.equal(plain, fused)
+    # NOTE: ``cat(...) * cat(...)``, ``cat(...) * q``: a factor made inside the run, or q itself; not a rotary
+    # embedding, run op by op (and so for ``cat(...) * -q[half:]``, which no shape could run)
+    assert op_groups(_rotary_ops(sin="n"), ("out",)) == []
+    for sin in ("ct", "q"):
+        feed_ = {k: v for k, v in feed.items() if k != "sin"}
+        program, plain, fused = _run_both(_rotary_ops(sin=sin), feed_)
+        assert program.op_groups == {} and torch.equal(plain, fused), sin
+    # NOTE: joined along another dimension: not the rotation either
+    assert op_groups(_rotary_ops(cat_dim=2), ("out",)) == []
+
+
+def test_the_signed_table_is_made_once_for_each_sin() -> None:
+    signed = _Signed()
+    sin = torch.randn(1, 5, 1, 8)
+    first = signed(sin, 4)
+    assert signed(sin, 4) is first and torch.equal(first, torch.cat((-sin[..., :4], sin[..., 4:]), -1))
+    assert signed(sin.clone(), 4) is not first
+
+
+def test_ops_that_write_in_place_are_named() -> None:
+    def op(target: str, kwargs: dict | None = None) -> Op:
+        attrs = {"args": ({"t": "x"},), **({"kwargs": kwargs} if kwargs else {})}
+        return Op("o", "call_function", target, ("x",), ("y",), attrs=attrs)
+    for target in ("aten.add_.Tensor", "aten._index_put_impl_.default", "aten.__iand__.Tensor",
+                   "aten.copy_.default"):
+        assert writes_in_place(op(target)), target
+    for target in ("aten.add.Tensor", "aten.__and__.Tensor", "aten._to_copy.default", "sb.kv_attention"):
+        assert not writes_in_place(op(target)), target
+    assert writes_in_place(op("aten.add.out", {"out": {"t": "z"}}))

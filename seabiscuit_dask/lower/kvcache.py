@@ -276,7 +276,9 @@ def kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sessions: to
                          float(alibi_scale))
     # NOTE: each row's session, start and whether all its tokens are real, read in three calls, not
     # three a row (a decode step's attention is mostly such small calls)
-    ids, starts, full = sessions.tolist(), start.tolist(), valid.all(dim=1).tolist()
+    ids = [int(v) for v in sessions.tolist()]
+    starts = [int(v) for v in start.tolist()]
+    full = valid.all(dim=1).tolist()
     layer = int(layer)
     if len(ids) == 1 and ids[0] >= 0 and full[0]:       # NOTE: one row of real tokens: no copy out
         keys, values = store.write(model, ids[0], layer, starts[0], k[0], v[0], context)

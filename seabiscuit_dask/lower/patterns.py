@@ -160,7 +160,8 @@ def _rms_norm(g: _Graph, r: int) -> OpGroup | None:
     if eps is None or m is None:
         return None
     m_args = g.args(m)
-    if len(m_args) != 3 or list(m_args[1]) != [-1] or m_args[2] is not True:
+    if len(m_args) != 3 or not isinstance(m_args[1], (list, tuple)) or list(m_args[1]) != [-1] \
+            or m_args[2] is not True:
         return None
     p = g.made_by(_t(m_args[0]), "aten.pow.Tensor_Scalar")
     p_args = g.args(p) if p is not None else ()
@@ -218,8 +219,9 @@ _SAME_NORM: dict[tuple[torch.dtype, torch.device, int, float], bool] = {}
 def same_norm(h: torch.Tensor, eps: float) -> bool:
     """Whether ``torch.rms_norm`` over the last dimension gives, bit for bit, the graph's
     ``h * rsqrt(mean(h ** 2) + eps)`` for tensors like ``h`` (its dtype, device and width): tried once
-    on 64 rows of numbers of several scales (this torch computes it with the same operations on a
-    CPU; another build, or another device, may fuse it otherwise, and then the graph's steps run)."""
+    on 64 rows of numbers of several scales. Asked on CPUs only, where this torch computes it with the
+    same operations (a build that fused it otherwise would fail the probe); a GPU's fused kernel and
+    its ``mean`` sum in orders that change with the rows, which no probe of one shape vouches for."""
     key = (h.dtype, h.device, int(h.shape[-1]), eps)
     got = _SAME_NORM.get(key)
     if got is None:
@@ -235,7 +237,7 @@ def _rms_kernel(lead: torch.dtype | None, eps: float, cast: torch.dtype | None,
                 keep: bool) -> Callable[..., tuple[torch.Tensor, ...]]:
     def run(x: torch.Tensor, w: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
         h = x.to(lead) if lead is not None else x
-        if h.dim() and same_norm(h, eps):
+        if h.dim() and h.device.type == "cpu" and same_norm(h, eps):
             y = torch.rms_norm(h, (h.shape[-1],), None, eps)
         else:
             y = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
@@ -291,12 +293,13 @@ def _rotary(g: _Graph, c: int, signed: _Signed) -> OpGroup | None:
     other = _t(_binary(g, ad, g.ops[ms].outputs[0]))
     mc = g.made_by(other, "aten.mul.Tensor")
     cos = _binary(g, mc, q) if mc is not None else None
-    if mc is None or _t(cos) is None or _t(cos) == q:
+    if mc is None or _t(cos) is None:
         return None
     first = _t(g.args(ad)[0]) == other       # NOTE: the sum in the order the graph adds
     members = {x1, x2, n, c, ms, mc, ad}
     inner = [g.ops[j].outputs[0] for j in (x1, x2, n, c, ms, mc)]
-    if not g.inner(inner, members) or max(members) != ad:
+    # NOTE: cos and sin come from outside the run (not one of its own tensors, nor q: ``q * q``)
+    if not g.inner(inner, members) or max(members) != ad or {_t(cos), _t(sin)} & {q, *inner}:
         return None
     reads = tuple(dict.fromkeys((q, str(_t(cos)), str(_t(sin)))))
     return OpGroup("rotary", tuple(sorted(members)), ad, ({"t": q}, cos, sin), reads,
@@ -305,9 +308,12 @@ def _rotary(g: _Graph, c: int, signed: _Signed) -> OpGroup | None:
 
 def _rotary_kernel(half: int, dim: int, cos_first: bool,
                    signed: _Signed) -> Callable[..., tuple[torch.Tensor]]:
+    slice_ = torch.ops.aten.slice.Tensor
+
     def run(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor]:
         if q.shape[-1] != 2 * half or dim % q.dim() != q.dim() - 1 or sin.shape[-1] != 2 * half:
-            rot = torch.cat((-q[..., half:], q[..., :half]), dim=-1)      # NOTE: the graph's own steps
+            # NOTE: the graph's own steps, as its ops name them
+            rot = torch.cat((-slice_(q, dim, half, _END), slice_(q, dim, 0, half)), dim=-1)
             rotated = rot * sin
         else:
             rotated = q.roll(half, -1) * signed(sin, half)
@@ -341,14 +347,13 @@ def _q4_groups(g: _Graph) -> list[OpGroup]:
 def _q4_kernel(group: int, alone: Callable[..., torch.Tensor]) -> Callable[..., tuple[torch.Tensor, ...]]:
     from ..qlinear import Q4_BLOCK, Q4_GEMM_ROWS, bf16_gemms, kernel_reads_packed
 
-    mm = torch.ops.aten._weight_int4pack_mm_for_cpu
-
     def run(x: torch.Tensor, *operands: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
         triples = [operands[j:j + 3] for j in range(0, len(operands), 3)]
         k = x.shape[-1]
         if x.device.type != "cpu" or not kernel_reads_packed() or (x.numel() >= Q4_GEMM_ROWS * k
                                                                     and bf16_gemms()):
             return tuple(alone(x, w, sz, b, group) for w, sz, b in triples)
+        mm = torch.ops.aten._weight_int4pack_mm_for_cpu       # NOTE: there, as kernel_reads_packed found
         rows = x.reshape(-1, k).to(torch.bfloat16)
         lead = x.shape[:-1]
         outs = []
@@ -362,10 +367,13 @@ def _q4_kernel(group: int, alone: Callable[..., torch.Tensor]) -> Callable[..., 
 
 
 def writes_in_place(op: Op) -> bool:
-    """An ATen op that writes into an operand (``add_``, ``copy_``, ``index_put_``): groups around
-    it could read a tensor before it is written."""
+    """An ATen op that writes into an operand (``add_``, ``copy_``, ``_index_put_impl_``, ``__iand__``,
+    any op given ``out=``): groups around it could read a tensor before it is written."""
     parts = op.target.split(".")
-    return len(parts) >= 2 and parts[0] == "aten" and parts[1].endswith("_") and not parts[1].startswith("_")
+    name = parts[1] if len(parts) >= 2 and parts[0] == "aten" else ""
+    dunder = name.startswith("__") and name.endswith("__")
+    kwargs = op.attrs.get("kwargs") or {}
+    return (bool(name) and (name.startswith("__i") if dunder else name.endswith("_"))) or "out" in kwargs
 
 
 def op_groups(ops: Sequence[Op], exports: Sequence[str]) -> list[OpGroup]:
