@@ -76,7 +76,7 @@ def kernels(rows_list: tuple[int, ...]) -> None:
     from seabiscuit_dask import qlinear as ql
     from seabiscuit_dask.quantize import int4_fits, quantize_groups, quantize_rows
 
-    old = torch.get_num_threads(), ql.PACK_ROWS, ql.PACK_LARGE_ROWS, ql.Q4_GEMM_ROWS
+    old = torch.get_num_threads(), ql.PACK_ROWS, ql.Q4_GEMM_ROWS
     torch.set_num_threads(1)
     print("kernels, one thread, weights not in cache, ms a call: fp32 linear / int8 weight-only kernel / "
           "bf16 GEMM over the integers / int4 kernel / bf16 GEMM over int4 slabs de-quantized")
@@ -111,7 +111,7 @@ def kernels(rows_list: tuple[int, ...]) -> None:
 
                 got = [median_ms(fp32) / copies]
                 for rows in (1 << 20, 0):       # NOTE: every row count by one way, then the other
-                    ql.PACK_ROWS = ql.PACK_LARGE_ROWS = rows
+                    ql.PACK_ROWS = rows
                     got.append(median_ms(int8) / copies)
                 if fours:
                     ql.Q4_GEMM_ROWS = 1 << 30          # NOTE: the int4 kernel at every row count
@@ -122,7 +122,7 @@ def kernels(rows_list: tuple[int, ...]) -> None:
             floats, ints, fours = [], [], []      # NOTE: freed before the next shape
     finally:
         torch.set_num_threads(old[0])
-        ql.PACK_ROWS, ql.PACK_LARGE_ROWS, ql.Q4_GEMM_ROWS = old[1], old[2], old[3]
+        ql.PACK_ROWS, ql.Q4_GEMM_ROWS = old[1], old[2]
 
 
 MATMULS = ("sb.q4linear.default", "sb.qlinear.default", "aten.linear.default", "aten.embedding.default",

@@ -39,14 +39,14 @@ from .errors import UnsupportedOp
 from .ops import Q4_BLOCK, QLINEAR_SLAB, q4_gemm_rows, q4_rows, qlinear_columns
 
 # NOTE: up to this many rows the int8 weight-only kernel (``aten._weight_int8pack_mm``) beats bf16
-# GEMMs over the integers on this CPU, one thread, weights not in cache (ms at 1 / 8 / 12 / 16 rows,
-# ``bench_quant.py``): 1536x576 0.15 / 0.31 / 0.40 / 0.50 against 0.29 / 0.35 / 0.38 / 0.41 (fp32
-# ``linear``: 0.31 / 0.46 / 0.53 / 0.60); 576x1536 0.13 / 0.26 / 0.35 / 0.44 against 0.29 / 0.35 /
-# 0.39 / 0.43; but a weight of more than ``PACK_LARGE`` elements only up to ``PACK_LARGE_ROWS``
-# (49152x576 at 1 / 4 / 8 rows: 4.5 / 6.3 / 13.0 against 8.0 / 8.5 / 9.8; fp32 10.2 / 16.9 / 20.0)
-PACK_ROWS = 12
-PACK_LARGE = 1 << 23
-PACK_LARGE_ROWS = 4
+# GEMMs over the integers on this CPU, one thread, weights not in cache, for every SmolLM2 shape the
+# head included (ms at 4 / 8 / 16 / 24 / 32 rows, kernel against GEMMs): 49152x576 6.35 / 10.3 / 18.4 /
+# 24.6 / 32.2 against 21.0 / 21.9 / 23.0 / 22.9 / 24.1; 24576x576 (a head tile) 3.36 / 4.76 / 8.37 /
+# 11.7 / 15.3 against 9.53 / 11.1 / 11.5 / 12.1 / 12.4; 1536x576 0.26 / 0.40 / 0.52 / 0.71 / 0.85
+# against 0.90 / 0.90 / 0.86 / 0.77 / 0.78; 576x1536 0.24 / 0.32 / 0.50 / 0.71 / 0.79 against 0.79 /
+# 0.79 / 0.79 / 0.91 / 0.92. A SmolLM2 decode step of 8 rows in int4 took 66.8 ms against 77.0 with
+# the head's GEMMs from 5 rows on (the bound before), 16 rows 108.0 against 113.1.
+PACK_ROWS = 16
 # NOTE: the kernel reads the reduction in blocks of 16: any other length gives garbage (k = 24, 40,
 # 200: 1e32 and NaN, measured), so such a weight (or tile) takes the GEMM path
 PACK_K = 16
@@ -97,7 +97,7 @@ def _bf16(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, columns: int) -
     more by bf16 GEMMs over the integers as
     bf16 (exact: int8 values are bf16 values), the scales applied to the product."""
     rows, (n, k) = x.shape[0], w.shape
-    if rows <= (PACK_ROWS if n * k <= PACK_LARGE else PACK_LARGE_ROWS) and k % PACK_K == 0:
+    if rows <= PACK_ROWS and k % PACK_K == 0:
         # NOTE: this kernel wants bf16 activations (fp32 ones take a path 20x slower)
         w = w if w.is_contiguous() else w.contiguous()
         return torch.ops.aten._weight_int8pack_mm(x, w, scale.to(torch.bfloat16)).float()
