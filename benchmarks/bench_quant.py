@@ -142,7 +142,6 @@ def step_breakdown(model, scheme: str | None, context: int = 100, reps: int = 20
     import dask.config
 
     import seabiscuit_dask as sb
-    from seabiscuit_dask.lower.patterns import op_groups
     from seabiscuit_dask.quantize import quantize
     from seabiscuit_dask.trace.decoder import trace_step
 
@@ -162,7 +161,7 @@ def step_breakdown(model, scheme: str | None, context: int = 100, reps: int = 20
             return out
         return run
 
-    groups = {g.at: g for g in op_groups(block.ops, block.exports)} if fuse_ops else {}
+    groups = {g.at: g for g in program.runs}
     inside = {j for g in groups.values() for j in g.ops}
     kinds = []
     for i, op in enumerate(block.ops):

@@ -13,10 +13,11 @@ from .errors import SeaBiscuitError, UnsupportedModel
 from .ir import OpGraph
 from .quantize import SCHEMES
 
-QUANTIZE_HELP = ("hold weights as integers: int8 (linear layers and embeddings, a scale per output row) or "
+_SCHEMES_HELP = ("hold weights as integers: int8 (linear layers and embeddings, a scale per output row) or "
                  "int4 (linear layers in groups of 32, -g64 or -g128, with a scale and zero each; "
-                 "embeddings int8) (default: config seabiscuit.quantize, none)")
-GGUF_QUANTIZE_HELP = QUANTIZE_HELP[:-len(" (default: config seabiscuit.quantize, none)")] + \
+                 "embeddings int8)")
+QUANTIZE_HELP = _SCHEMES_HELP + " (default: config seabiscuit.quantize, none)"
+GGUF_QUANTIZE_HELP = _SCHEMES_HELP + \
     ("; a GGUF is read in place (default: config seabiscuit.quantize; none for a model folder, the "
      "file's own for a GGUF: Q4 blocks as int4 tiles, 8-bit files as int8)")
 DEQUANTIZE_HELP = ("serve a GGUF de-quantized to float32 (as Hugging Face loads it) instead of keeping its "

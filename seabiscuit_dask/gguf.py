@@ -260,21 +260,22 @@ def weights_map(path: str, model: torch.nn.Module | None = None) -> dict[str, tu
     from transformers import modeling_gguf_pytorch_utils as gu
 
     config, processor = config_of(path)
-    if model is None:        # NOTE: its names only
-        import transformers as tf
-
-        with torch.device("meta"):
-            model = tf.AutoModelForCausalLM.from_config(config)
     try:
         st = os.stat(path)
     except OSError as e:
         raise BadCheckpoint(f"GGUF file {path!r} cannot be read: {e}") from e
-    key = (path, st.st_ino, st.st_size, st.st_mtime_ns, type(model).__qualname__,
-           tuple(model.state_dict(keep_vars=True)))
+    # NOTE: no model: the file's own architecture's names (its skeleton made only when not known yet)
+    whose = (type(model).__qualname__, tuple(model.state_dict(keep_vars=True))) if model is not None else ()
+    key = (path, st.st_ino, st.st_size, st.st_mtime_ns, *whose)
     with _files_lock:
         known = _MAPS.get(key)
     if known is not None:
         return dict(known)
+    if model is None:
+        import transformers as tf
+
+        with torch.device("meta"):
+            model = tf.AutoModelForCausalLM.from_config(config)
     out = _weights_map(path, model, config, processor, gu)
     with _files_lock:
         while len(_MAPS) >= _MAPS_KEPT:

@@ -201,18 +201,34 @@ def q4linear_kernel(x: torch.Tensor, w: torch.Tensor, sz: torch.Tensor, bias: to
     (``bf16_gemms``); elsewhere (another device, or a CPU whose kernel packs otherwise:
     ``kernel_reads_packed``) the tile is dequantized a slab of rows at a time (``ops.q4_rows``) and
     multiplied in ``x``'s dtype. The output is in ``x``'s dtype."""
-    n, k = w.shape[0] * Q4_BLOCK, w.shape[1]
-    if x.device.type == "cpu" and x.numel() >= Q4_GEMM_ROWS * k and bf16_gemms():
+    path = q4_path(x)
+    if path == "gemm":
         return q4linear_gemm(x, w, sz, bias, group)
-    if x.device.type == "cpu" and kernel_reads_packed():
-        # NOTE: the kernel's own shape of the same bytes; it reads both operands as contiguous (a
-        # tile sliced from a larger weight in memory is not: copied)
-        w2, sz = w.reshape(n, k // 2), sz.contiguous()
-        rows = x.reshape(-1, k).to(torch.bfloat16)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, w2, group, sz)
-        y = y.reshape(*x.shape[:-1], n).to(x.dtype)
-        return y.add_(bias) if bias is not None else y
+    if path == "kernel":
+        return q4linear_packed(x, x.reshape(-1, x.shape[-1]).to(torch.bfloat16), w, sz, bias, group)
     return q4linear_dequantized(x, w, sz, bias, group)
+
+
+def q4_path(x: torch.Tensor) -> str:
+    """How ``q4linear_kernel`` multiplies rows ``x``: ``"gemm"`` (``q4linear_gemm``), ``"kernel"``
+    (``q4linear_packed``) or ``"dequantized"`` (``q4linear_dequantized``)."""
+    if x.device.type != "cpu":
+        return "dequantized"
+    if x.numel() >= Q4_GEMM_ROWS * x.shape[-1] and bf16_gemms():
+        return "gemm"
+    return "kernel" if kernel_reads_packed() else "dequantized"
+
+
+def q4linear_packed(x: torch.Tensor, rows: torch.Tensor, w: torch.Tensor, sz: torch.Tensor,
+                    bias: torch.Tensor | None, group: int) -> torch.Tensor:
+    """``q4linear_kernel`` by the int4 kernel: ``rows`` are ``x`` as 2-D bf16 (made once where several
+    weights multiply the same ``x``); the product in ``x``'s shape and dtype."""
+    n, k = w.shape[0] * Q4_BLOCK, w.shape[1]
+    # NOTE: the kernel's own shape of the same bytes; it reads both operands as contiguous (a tile
+    # sliced from a larger weight in memory is not: copied)
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, w.reshape(n, k // 2), group, sz.contiguous())
+    y = y.reshape(*x.shape[:-1], n).to(x.dtype)
+    return y.add_(bias) if bias is not None else y
 
 
 def q4linear_gemm(x: torch.Tensor, w: torch.Tensor, sz: torch.Tensor, bias: torch.Tensor | None,

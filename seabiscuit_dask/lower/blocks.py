@@ -20,6 +20,7 @@ scheduler plugin can pin each one to the worker the plan chose.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
@@ -294,10 +295,9 @@ class BlockProgram:
         skip = {j for first, (_, members) in fused.items() for j in members if j != first}
         if fuse_ops is None:
             fuse_ops = should_fuse(device, config.get("lower.fuse-ops"))
-        groups = {g.at: g for g in op_groups(spec.ops, spec.exports)} if fuse_ops else {}
-        skip |= {j for g in groups.values() for j in g.ops}
-        self.op_groups = {kind: sum(g.kind == kind for g in groups.values())
-                          for kind in dict.fromkeys(g.kind for g in groups.values())}
+        self.runs = tuple(op_groups(spec.ops, spec.exports)) if fuse_ops else ()
+        groups = {g.at: g for g in self.runs}
+        skip |= {j for g in self.runs for j in g.ops}
         for i, op in enumerate(spec.ops):
             if i in groups:
                 g = groups[i]
@@ -351,6 +351,11 @@ class BlockProgram:
                 continue            # NOTE: tiles not packed together (loaded by another block): run apart
             out[g.ops[0]] = (fused_linear(weight, bias, g.sizes), g.ops)
         return out
+
+    @property
+    def op_groups(self) -> dict[str, int]:
+        """How many runs of small ops of each kind run as one kernel (``lower.patterns``)."""
+        return dict(Counter(g.kind for g in self.runs))
 
     @property
     def nbytes(self) -> int:

@@ -103,9 +103,8 @@ class _Graph:
         op = self.ops[i]
         return tuple(op.attrs.get("args", ())) if not op.attrs.get("kwargs") else ()
 
-    def made_by(self, name: str | None, target: str) -> int | None:
-        """The op making ``name`` if it is a ``target`` op with one output and plain operands."""
-        i = self.maker.get(name) if name is not None else None
+    def _plain(self, i: int | None, target: str) -> int | None:
+        """``i`` if op ``i`` is a ``target`` op with one output and positional operands only."""
         if i is None:
             return None
         op = self.ops[i]
@@ -113,16 +112,14 @@ class _Graph:
             return None
         return i
 
+    def made_by(self, name: str | None, target: str) -> int | None:
+        """The op making ``name`` if it is a plain ``target`` op (``_plain``)."""
+        return self._plain(self.maker.get(name) if name is not None else None, target)
+
     def only_reader(self, name: str, target: str) -> int | None:
-        """The one op reading ``name`` (not exported) if it is a ``target`` op, else None."""
+        """The one op reading ``name`` (not exported) if it is a plain ``target`` op, else None."""
         readers = self.readers.get(name, [])
-        if len(readers) != 1 or name in self.exports:
-            return None
-        i = readers[0]
-        op = self.ops[i]
-        if op.target != target or len(op.outputs) != 1 or op.attrs.get("kwargs") or op.attrs.get("multi"):
-            return None
-        return i
+        return self._plain(readers[0], target) if len(readers) == 1 and name not in self.exports else None
 
     def inner(self, names: Sequence[str], members: set[int]) -> bool:
         """Every one of ``names`` is read by ``members`` alone and not exported."""
@@ -345,24 +342,14 @@ def _q4_groups(g: _Graph) -> list[OpGroup]:
 
 
 def _q4_kernel(group: int, alone: Callable[..., torch.Tensor]) -> Callable[..., tuple[torch.Tensor, ...]]:
-    from ..qlinear import Q4_BLOCK, Q4_GEMM_ROWS, bf16_gemms, kernel_reads_packed
+    from ..qlinear import q4_path, q4linear_packed
 
-    def run(x: torch.Tensor, *operands: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    def run(x: torch.Tensor, *operands: Any) -> tuple[torch.Tensor, ...]:      # NOTE: (w, sz, bias) each
         triples = [operands[j:j + 3] for j in range(0, len(operands), 3)]
-        k = x.shape[-1]
-        if x.device.type != "cpu" or not kernel_reads_packed() or (x.numel() >= Q4_GEMM_ROWS * k
-                                                                    and bf16_gemms()):
+        if q4_path(x) != "kernel":
             return tuple(alone(x, w, sz, b, group) for w, sz, b in triples)
-        mm = torch.ops.aten._weight_int4pack_mm_for_cpu       # NOTE: there, as kernel_reads_packed found
-        rows = x.reshape(-1, k).to(torch.bfloat16)
-        lead = x.shape[:-1]
-        outs = []
-        for w, sz, b in triples:
-            assert w is not None and sz is not None
-            n = w.shape[0] * Q4_BLOCK
-            y = mm(rows, w.reshape(n, k // 2), group, sz.contiguous()).reshape(*lead, n).to(x.dtype)
-            outs.append(y.add_(b) if b is not None else y)
-        return tuple(outs)
+        rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)        # NOTE: once for every weight
+        return tuple(q4linear_packed(x, rows, w, sz, b, group) for w, sz, b in triples)
     return run
 
 
